@@ -1,0 +1,1 @@
+"""Text chunking: sentence splitting, PPL / MSP chunking, dynamic merging, overlap and baselines."""

@@ -1,0 +1,228 @@
+"""Margin sampling (MSP) chunking (Meta-Chunking §3.1.2, prompts of Tables 6 and 7).
+
+For two consecutive pieces of text the model is asked whether to split them (answer "1") or keep
+them together (answer "2"). ``margin = P(keep) - P(split)`` is read from the next-token
+distribution right after the chat template's assistant header; no text is generated. Sentences are
+merged when ``margin > θ``. θ is fixed, or dynamic: it starts at 0 and follows the mean of the past
+margins of the document (optionally of the last ``k`` only).
+
+Modes:
+* ``pair``: sentence1 is the previous sentence. Every margin is independent, so all pairs of all
+  documents are scored in batches.
+* ``accumulated``: sentence1 is the current chunk so far. Each decision depends on the previous
+  one, so documents advance in lock step and one step of every document shares a batch.
+
+The instruction comes first in every prompt and is identical for every pair, so its KV cache is
+computed once per scorer and reused by every batch; only the two sentences and the assistant
+header are run per pair.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.resources import files
+
+import numpy as np
+import torch
+
+from chunking.types import Sentence
+
+PROMPT_VARIANTS = ("table6", "table7")
+_SENTINEL = "\x00MSP_PAIR\x00"
+# Bound on sentence1 in accumulated mode: a chunk that keeps growing is cut to its last characters,
+# so a prompt never grows with the document.
+ACCUMULATED_MAX_CHARS = 1500
+
+
+@dataclass(frozen=True)
+class MspPrompt:
+    variant: str
+    lang: str
+    instruction: str  # the fixed part, before the first placeholder line
+    pair_template: str  # the part with {sentence1} and {sentence2}
+    sha256: str  # of the prompt file; recorded in every run manifest
+
+    @property
+    def name(self) -> str:
+        return f"msp_{self.variant}.{self.lang}"
+
+
+def load_prompt(variant: str = "table6", lang: str = "en") -> MspPrompt:
+    if variant not in PROMPT_VARIANTS:
+        raise ValueError(f"unknown MSP prompt {variant!r}; choose one of {', '.join(PROMPT_VARIANTS)}")
+    if lang not in ("zh", "en"):
+        raise ValueError(f"MSP prompts exist for zh and en, not {lang!r}")
+    text = files("chunking").joinpath("prompts", f"msp_{variant}.{lang}.txt").read_text(encoding="utf-8")
+    cut = text.rindex("\n", 0, text.index("{sentence1}")) + 1
+    return MspPrompt(variant, lang, text[:cut], text[cut:].rstrip("\n"), hashlib.sha256(text.encode()).hexdigest())
+
+
+class MarginScorer:
+    """Scores ``margin = P(keep) - P(split)`` for (sentence1, sentence2) pairs with one model."""
+
+    def __init__(self, model, tokenizer, prompt: MspPrompt):
+        self.model, self.tokenizer, self.prompt = model, tokenizer, prompt
+        self.device = next(model.parameters()).device
+        if tokenizer.chat_template:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.instruction + _SENTINEL}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            self.head, self.tail = rendered.split(_SENTINEL)
+        else:  # a base model: plain completion prompt
+            self.head, self.tail = prompt.instruction, "\nAnswer:"
+        self.prefix_ids = self._encode(self.head)
+        self.split_id = self._answer_token("1")
+        self.keep_id = self._answer_token("2")
+        self._prefix_cache = None
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _answer_token(self, digit: str) -> int:
+        """The single token the model would emit for the answer right after the template tail."""
+        tail_ids = self._encode(self.tail)
+        for candidate in (digit, " " + digit):
+            ids = self._encode(self.tail + candidate)
+            if len(ids) == len(tail_ids) + 1 and ids[: len(tail_ids)] == tail_ids:
+                return ids[-1]
+        ids = self._encode(digit)
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer has no single token for the MSP answer {digit!r}")
+        return ids[0]
+
+    def pair_ids(self, sentence1: str, sentence2: str) -> list[int]:
+        """Token ids that follow the shared prefix for one pair."""
+        body = self.prompt.pair_template.format(sentence1=sentence1.strip(), sentence2=sentence2.strip())
+        return self._encode(body + self.tail)
+
+    def _margins_from_logits(self, logits: torch.Tensor) -> np.ndarray:
+        probs = torch.softmax(logits.float(), dim=-1)
+        return (probs[:, self.keep_id] - probs[:, self.split_id]).cpu().numpy().astype(np.float64)
+
+    @torch.inference_mode()
+    def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int = 8) -> np.ndarray:
+        """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches."""
+        from metachunk.scoring import _head_logits
+
+        if not pairs:
+            return np.zeros(0)
+        decoder = self.model.get_decoder()
+        if self._prefix_cache is None:
+            ids = torch.as_tensor([self.prefix_ids], device=self.device)
+            self._prefix_cache = decoder(input_ids=ids, use_cache=True).cache
+        n_prefix = len(self.prefix_ids)
+        suffixes = [self.pair_ids(a, b) for a, b in pairs]
+        order = sorted(range(len(pairs)), key=lambda i: len(suffixes[i]))  # similar lengths share a batch
+        out = np.empty(len(pairs))
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            longest = max(len(suffixes[i]) for i in idx)
+            ids = torch.zeros(len(idx), longest, dtype=torch.long)
+            mask = torch.zeros(len(idx), n_prefix + longest, dtype=torch.long)
+            mask[:, :n_prefix] = 1
+            for r, i in enumerate(idx):  # right padding: real tokens keep their positions
+                ids[r, : len(suffixes[i])] = torch.as_tensor(suffixes[i])
+                mask[r, n_prefix : n_prefix + len(suffixes[i])] = 1
+            cache = copy.deepcopy(self._prefix_cache)
+            cache.batch_repeat_interleave(len(idx))
+            hidden = decoder(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), cache=cache, use_cache=True
+            ).last_hidden_state
+            last = torch.as_tensor([len(suffixes[i]) - 1 for i in idx], device=self.device)
+            logits = _head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])
+            out[idx] = self._margins_from_logits(logits)
+        return out
+
+    @torch.inference_mode()
+    def margin_single(self, sentence1: str, sentence2: str) -> float:
+        """One full forward pass for one pair, no cache reuse: the reference for ``margins``."""
+        ids = torch.as_tensor([self.prefix_ids + self.pair_ids(sentence1, sentence2)], device=self.device)
+        logits = self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+        return float(self._margins_from_logits(logits)[0])
+
+
+class Threshold:
+    """θ for MSP decisions: fixed, or dynamic (starts at 0, then the mean of past margins)."""
+
+    def __init__(self, value: float = 0.0, dynamic: bool = False, window: int | None = None):
+        self.fixed, self.dynamic, self.window = value, dynamic, window
+        self.history: list[float] = []
+
+    @property
+    def value(self) -> float:
+        if not self.dynamic:
+            return self.fixed
+        past = self.history[-self.window :] if self.window else self.history
+        return float(np.mean(past)) if past else 0.0
+
+    def decide(self, margin: float) -> bool:
+        """True = keep together. The margin joins the history after the decision."""
+        keep = margin > self.value
+        self.history.append(margin)
+        return keep
+
+
+@dataclass
+class MspResult:
+    boundaries: list[int]  # sentence indices that end a chunk
+    margins: list[float | None]  # per sentence: margin of (previous, this); None for the first
+    thresholds: list[float | None]  # θ each decision was compared against
+
+
+def _strip(doc: str, s: Sentence) -> str:
+    return doc[s.start : s.end].strip()
+
+
+def msp_decisions(
+    scorer: MarginScorer,
+    docs: Sequence[str],
+    sentences: Sequence[Sequence[Sentence]],
+    mode: str = "pair",
+    threshold: float = 0.0,
+    dynamic: bool = False,
+    window: int | None = None,
+    batch_size: int = 8,
+    on_step: Callable[[int], None] | None = None,
+) -> list[MspResult]:
+    if mode not in ("pair", "accumulated"):
+        raise ValueError(f"msp mode must be 'pair' or 'accumulated', not {mode!r}")
+    results = [MspResult([], [None] * len(s), [None] * len(s)) for s in sentences]
+    thresholds = [Threshold(threshold, dynamic, window) for _ in docs]
+
+    def record(d: int, i: int, margin: float) -> bool:
+        results[d].thresholds[i] = thresholds[d].value
+        results[d].margins[i] = margin
+        keep = thresholds[d].decide(margin)
+        if not keep:
+            results[d].boundaries.append(i - 1)
+        return keep
+
+    if mode == "pair":
+        keys = [(d, i) for d, sents in enumerate(sentences) for i in range(1, len(sents))]
+        pairs = [(_strip(docs[d], sentences[d][i - 1]), _strip(docs[d], sentences[d][i])) for d, i in keys]
+        margins = scorer.margins(pairs, batch_size=batch_size)
+        for (d, i), m in zip(keys, margins):  # keys are in document order, as dynamic θ requires
+            record(d, i, float(m))
+        if on_step:
+            on_step(len(keys))
+        return results
+
+    chunk_start = [0] * len(docs)  # index of the first sentence of each document's open chunk
+    for i in range(1, max((len(s) for s in sentences), default=0)):
+        active = [d for d in range(len(docs)) if i < len(sentences[d])]
+        pairs = []
+        for d in active:
+            sents = sentences[d]
+            current = docs[d][sents[chunk_start[d]].start : sents[i - 1].end].strip()
+            pairs.append((current[-ACCUMULATED_MAX_CHARS:], _strip(docs[d], sents[i])))
+        for d, m in zip(active, scorer.margins(pairs, batch_size=batch_size)):
+            if not record(d, i, float(m)):
+                chunk_start[d] = i
+        if on_step:
+            on_step(len(active))
+    return results

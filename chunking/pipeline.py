@@ -1,0 +1,186 @@
+"""One entry point for every chunking method: config in, chunked documents out.
+
+``metachunk chunk`` and every later stage that needs chunks (dataset sampling, evaluation) go
+through :class:`Chunker`, so each method is configured, loaded and run the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
+from chunking.merge import add_sentence_overlap, merge_chunks
+from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_prompt, msp_decisions
+from chunking.ppl import ppl_boundaries, score_documents
+from chunking.sentences import detect_lang, split_sentences
+from chunking.types import Chunk, Sentence, chunks_from_boundaries
+from metachunk.config import option
+
+METHODS = ("ppl", "msp", "fixed", "sentence", "semantic")
+LM_METHODS = ("ppl", "msp")
+
+
+@dataclass
+class ChunkConfig:
+    input: Path = option(None, "a .jsonl file (lines with 'text' and optional 'id') or a .txt file", positional=True)
+    output: Path = option(None, "output .jsonl, one line per document", short="-o")
+    method: str = option("ppl", "chunking method", choices=METHODS)
+    model: str = option("smollm2", "model preset (see `metachunk models list`) or a local HF model dir, for ppl/msp and token lengths")
+    lang: str = option("auto", "document language; auto detects it per document (and per paragraph when splitting)", choices=["zh", "en", "auto"])
+    threshold: float | None = option(
+        None,
+        "θ. ppl: minimum PPL drop (nats) at a boundary, default 0.5, or 0 with --target-len (the paper's "
+        "'comb.' setting); msp: merge when margin > θ, default 0; semantic: breakpoint percentile, default 95",
+    )
+    dynamic_threshold: bool = option(False, "msp: θ starts at 0 and follows the running mean of past margins")
+    threshold_window: int | None = option(None, "msp with --dynamic-threshold: average only the last k margins")
+    msp_mode: str = option("pair", "msp: sentence1 is the previous sentence (pair, batched) or the chunk so far (accumulated)", choices=["pair", "accumulated"])
+    msp_prompt: str = option("table6", "msp: prompt of the paper's Table 6 or the finer-grained Table 7", choices=list(PROMPT_VARIANTS))
+    target_len: int | None = option(None, "L: merge meta-chunks up to this length (dynamic merging); required by fixed and sentence")
+    len_unit: str | None = option(None, "unit of L: char (default for zh), word (default for en) or token (model tokenizer)", choices=["char", "word", "token"])
+    overlap: bool = option(False, "ppl/msp: the boundary sentence also starts the next chunk (PPL overlap, Appendix D)")
+    max_context: int = option(4096, "ppl: tokens of context per window; older text is dropped, each token keeps >= half of it")
+    batch_size: int = option(8, "sequences per forward pass")
+    emit_sentences: bool = option(False, "also write per-sentence spans and the score used for the decision")
+    plot: Path | None = option(None, "write one PNG per document (score profile with boundaries) into this dir")
+    max_sentence_chars: int = option(1500, "a sentence longer than this is split at whitespace (or hard) so nothing is dropped")
+    embedder: str = option("minilm", "semantic: sentence-transformers preset or local dir")
+    device: str | None = option(None, "torch device; default cuda when available, else cpu")
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        if self.method in ("fixed", "sentence") and not self.target_len:
+            raise ValueError(f"--method {self.method} needs --target-len")
+        if self.overlap and self.method not in LM_METHODS:
+            raise ValueError("--overlap is PPL overlap (the boundary sentence joins both chunks); use it with ppl or msp")
+        if self.method == "fixed" and self.len_unit == "token":
+            raise ValueError("--method fixed counts characters or words, not tokens")
+        for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_context < 16:
+            raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
+
+    @property
+    def effective_threshold(self) -> float:
+        if self.threshold is not None:
+            return self.threshold
+        if self.method == "ppl":
+            return 0.0 if self.target_len else 0.5
+        return 95.0 if self.method == "semantic" else 0.0
+
+
+@dataclass
+class ChunkedDocument:
+    id: str
+    text: str
+    lang: str
+    chunks: list[Chunk]
+    sentences: list[Sentence] = field(default_factory=list)  # with .score when the method has one
+    boundaries: list[int] = field(default_factory=list)  # sentence indices where a meta-chunk ends
+    thresholds: list[float | None] | None = None  # msp: θ used at each sentence's decision
+
+    def to_json(self, method: str, emit_sentences: bool) -> dict:
+        record = {"id": self.id, "method": method, "chunks": [c.to_json() for c in self.chunks]}
+        if emit_sentences:
+            record["sentences"] = [{"start": s.start, "end": s.end, "score": s.score} for s in self.sentences]
+        return record
+
+
+def _with_scores(sentences: Sequence[Sentence], scores: Sequence[float | None]) -> list[Sentence]:
+    def clean(x):
+        return None if x is None or x != x else float(x)  # NaN (unscored) -> None in JSON
+
+    return [Sentence(s.start, s.end, clean(x)) for s, x in zip(sentences, scores)]
+
+
+class Chunker:
+    """Loads what the configured method needs once, then chunks batches of documents."""
+
+    def __init__(self, cfg: ChunkConfig):
+        self.cfg = cfg
+        self.model = self.tokenizer = self._embed = None
+        self._scorers: dict[str, MarginScorer] = {}
+        if cfg.method in LM_METHODS:
+            from metachunk.models import load_causal_lm
+
+            self.model, self.tokenizer = load_causal_lm(cfg.model, device=cfg.device)
+        elif cfg.len_unit == "token":
+            from transformers import AutoTokenizer
+
+            from metachunk.models import resolve
+
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
+        if cfg.method == "semantic":
+            self._embed = minilm_embedder(cfg.embedder, device=cfg.device)
+
+    @property
+    def prompt_sha256(self) -> dict[str, str]:
+        return {s.prompt.name: s.prompt.sha256 for s in self._scorers.values()}
+
+    def _scorer(self, lang: str) -> MarginScorer:
+        if lang not in self._scorers:
+            self._scorers[lang] = MarginScorer(self.model, self.tokenizer, load_prompt(self.cfg.msp_prompt, lang))
+        return self._scorers[lang]
+
+    def unit(self, lang: str) -> str:
+        return self.cfg.len_unit or ("char" if lang == "zh" else "word")
+
+    def chunk(self, ids: Sequence[str], texts: Sequence[str], on_progress: Callable[[int], None] | None = None) -> list[ChunkedDocument]:
+        cfg = self.cfg
+        langs = [detect_lang(t) if cfg.lang == "auto" else cfg.lang for t in texts]
+        sentences = [split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) for t in texts]
+        theta = cfg.effective_threshold
+        out = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
+
+        if cfg.method == "ppl":
+            scores = score_documents(self.model, self.tokenizer, texts, sentences, cfg.max_context, cfg.batch_size)
+            for d, ppl in zip(out, scores):
+                d.sentences = _with_scores(d.sentences, ppl)
+                d.boundaries = ppl_boundaries(ppl, theta)
+        elif cfg.method == "msp":
+            for lang in sorted(set(langs)):  # one prompt language per batch
+                idx = [k for k, lang_k in enumerate(langs) if lang_k == lang]
+                results = msp_decisions(
+                    self._scorer(lang),
+                    [texts[k] for k in idx],
+                    [sentences[k] for k in idx],
+                    mode=cfg.msp_mode,
+                    threshold=theta,
+                    dynamic=cfg.dynamic_threshold,
+                    window=cfg.threshold_window,
+                    batch_size=cfg.batch_size,
+                )
+                for k, res in zip(idx, results):
+                    out[k].sentences = _with_scores(out[k].sentences, res.margins)
+                    out[k].boundaries, out[k].thresholds = res.boundaries, res.thresholds
+        elif cfg.method == "semantic":
+            for d in out:
+                chunks, distances = semantic_chunks(d.text, d.sentences, self._embed, percentile=theta)
+                d.sentences = _with_scores(d.sentences, [None, *distances])
+                d.boundaries = [_last_sentence(d.sentences, c.end) for c in chunks[:-1]]
+
+        for d in out:
+            unit = self.unit(d.lang)
+            if cfg.method == "fixed":
+                d.chunks = fixed_chunks(d.text, cfg.target_len, unit)
+                continue
+            if cfg.method == "sentence":
+                d.chunks = sentence_chunks(d.text, d.sentences, cfg.target_len, unit, self.tokenizer)
+                continue
+            d.chunks = chunks_from_boundaries(d.text, d.sentences, d.boundaries)
+            if cfg.target_len:
+                d.chunks = merge_chunks(d.text, d.chunks, cfg.target_len, unit, self.tokenizer)
+            if cfg.overlap:
+                d.chunks = add_sentence_overlap(d.text, d.chunks, d.sentences)
+        if on_progress:
+            on_progress(len(out))
+        return out
+
+
+def _last_sentence(sentences: Sequence[Sentence], end: int) -> int:
+    return next(i for i, s in enumerate(sentences) if s.end == end)

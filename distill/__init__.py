@@ -1,0 +1,1 @@
+"""Teacher distillation through OpenAI-compatible APIs (built in a later issue)."""

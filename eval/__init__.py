@@ -1,0 +1,1 @@
+"""Evaluation of chunkers and RAG answers (built in a later issue)."""

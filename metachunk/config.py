@@ -1,0 +1,105 @@
+"""The one config loader: dataclasses with help text -> CLI flags and YAML recipes.
+
+Each field's ``metadata`` carries its ``help`` (and optionally ``choices``, a ``flag`` spelling, a
+``short`` alias, or ``positional=True``). A recipe YAML gives values by field name; flags given on
+the command line override the recipe; everything else keeps the dataclass default. Unknown YAML
+keys and wrong types are errors that name the file and the key, raised before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from metachunk.artifacts import InputError
+
+
+def option(default, help: str, **extra):
+    """A dataclass field with CLI/YAML metadata: ``option(0.5, "what it does", choices=[...])``."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+def _base_type(tp):
+    """``int | None`` -> int; plain types unchanged."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: _base_type(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
+    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="YAML recipe with field values")
+    kinds = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        meta, kind = f.metadata, kinds[f.name]
+        helptext = meta.get("help", "")
+        if f.default is not dataclasses.MISSING and f.default is not None:
+            helptext += f" (default: {f.default})"
+        if meta.get("positional"):
+            parser.add_argument(f.name, type=kind, help=helptext, nargs="?" if f.default is not dataclasses.MISSING else None, default=argparse.SUPPRESS)
+            continue
+        names = [meta.get("flag", "--" + f.name.replace("_", "-"))]
+        if "short" in meta:
+            names.insert(0, meta["short"])
+        kwargs = {"dest": f.name, "help": helptext, "default": argparse.SUPPRESS}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+        parser.add_argument(*names, **kwargs)
+
+
+def _coerce(value, kind, where: Path, key: str):
+    if value is None or isinstance(value, kind):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    raise InputError(where, f"field {key!r} must be {kind.__name__}, got {type(value).__name__} ({value!r})")
+
+
+def load_yaml(cls, path: Path) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise InputError(path, "config file not found") from None
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        raise InputError(path, f"invalid YAML: {e}", None if line is None else line + 1) from None
+    if not isinstance(data, dict):
+        raise InputError(path, "a recipe must be a mapping of field names to values")
+    kinds = _field_types(cls)
+    unknown = sorted(set(data) - set(kinds))
+    if unknown:
+        raise InputError(path, f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(kinds)}")
+    return {k: _coerce(v, kinds[k], path, k) for k, v in data.items()}
+
+
+def from_namespace(cls, ns: argparse.Namespace):
+    """Build ``cls`` from parsed args: dataclass defaults <- YAML (``--config``) <- explicit flags."""
+    values = dict(vars(ns))
+    config_path = values.pop("config", None)
+    merged = load_yaml(cls, config_path) if config_path else {}
+    merged.update({k: v for k, v in values.items() if k in _field_types(cls)})
+    try:
+        return cls(**merged)
+    except TypeError as e:  # a required field is missing
+        raise InputError(config_path or "command line", str(e)) from None
+
+
+def to_dict(cfg) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}

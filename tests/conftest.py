@@ -1,0 +1,28 @@
+"""Shared pytest fixtures: an offline tiny Qwen2 model and the path to the real corpora."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Folder holding the real corpora (crud-news, gutenqa-emma), next to the repo checkout."""
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2ForCausalLM + Qwen2-style BPE tokenizer saved as a normal HF folder.
+
+    Built once per test session (about a second once torch/transformers are imported).
+    """
+    from tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))

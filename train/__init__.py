@@ -1,0 +1,1 @@
+"""Supervised fine-tuning of the student models (built in a later issue)."""
