@@ -57,7 +57,9 @@ def load_prompt(variant: str = "table6", lang: str = "en") -> MspPrompt:
         raise ValueError(f"MSP prompts exist for zh and en, not {lang!r}")
     text = files("chunking").joinpath("prompts", f"msp_{variant}.{lang}.txt").read_text(encoding="utf-8")
     cut = text.rindex("\n", 0, text.index("{sentence1}")) + 1
-    return MspPrompt(variant, lang, text[:cut], text[cut:].rstrip("\n"), hashlib.sha256(text.encode()).hexdigest())
+    return MspPrompt(
+        variant, lang, text[:cut], text[cut:].rstrip("\n"), hashlib.sha256(text.encode()).hexdigest()
+    )
 
 
 class MarginScorer:
@@ -131,7 +133,10 @@ class MarginScorer:
             cache = copy.deepcopy(self._prefix_cache)
             cache.batch_repeat_interleave(len(idx))
             hidden = decoder(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), cache=cache, use_cache=True
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                cache=cache,
+                use_cache=True,
             ).last_hidden_state
             last = torch.as_tensor([len(suffixes[i]) - 1 for i in idx], device=self.device)
             logits = _head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])

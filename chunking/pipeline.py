@@ -16,7 +16,7 @@ from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_prompt, msp_decisio
 from chunking.ppl import ppl_boundaries, score_documents
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
-from metachunk.config import option
+from metachunk.config import check_choices, option
 
 METHODS = ("ppl", "msp", "fixed", "sentence", "semantic")
 LM_METHODS = ("ppl", "msp")
@@ -24,38 +24,72 @@ LM_METHODS = ("ppl", "msp")
 
 @dataclass
 class ChunkConfig:
-    input: Path = option(None, "a .jsonl file (lines with 'text' and optional 'id') or a .txt file", positional=True)
+    input: Path = option(
+        None, "a .jsonl file (lines with 'text' and optional 'id') or a .txt file", positional=True
+    )
     output: Path = option(None, "output .jsonl, one line per document", short="-o")
     method: str = option("ppl", "chunking method", choices=METHODS)
-    model: str = option("smollm2", "model preset (see `metachunk models list`) or a local HF model dir, for ppl/msp and token lengths")
-    lang: str = option("auto", "document language; auto detects it per document (and per paragraph when splitting)", choices=["zh", "en", "auto"])
+    model: str = option(
+        "smollm2",
+        "model preset (see `metachunk models list`) or a local HF model dir, for ppl/msp and token lengths",
+    )
+    lang: str = option(
+        "auto",
+        "document language; auto detects it per document (and per paragraph when splitting)",
+        choices=["zh", "en", "auto"],
+    )
     threshold: float | None = option(
         None,
         "θ. ppl: minimum PPL drop (nats) at a boundary, default 0.5, or 0 with --target-len (the paper's "
         "'comb.' setting); msp: merge when margin > θ, default 0; semantic: breakpoint percentile, default 95",
     )
     dynamic_threshold: bool = option(False, "msp: θ starts at 0 and follows the running mean of past margins")
-    threshold_window: int | None = option(None, "msp with --dynamic-threshold: average only the last k margins")
-    msp_mode: str = option("pair", "msp: sentence1 is the previous sentence (pair, batched) or the chunk so far (accumulated)", choices=["pair", "accumulated"])
-    msp_prompt: str = option("table6", "msp: prompt of the paper's Table 6 or the finer-grained Table 7", choices=list(PROMPT_VARIANTS))
-    target_len: int | None = option(None, "L: merge meta-chunks up to this length (dynamic merging); required by fixed and sentence")
-    len_unit: str | None = option(None, "unit of L: char (default for zh), word (default for en) or token (model tokenizer)", choices=["char", "word", "token"])
-    overlap: bool = option(False, "ppl/msp: the boundary sentence also starts the next chunk (PPL overlap, Appendix D)")
-    max_context: int = option(4096, "ppl: tokens of context per window; older text is dropped, each token keeps >= half of it")
+    threshold_window: int | None = option(
+        None, "msp with --dynamic-threshold: average only the last k margins"
+    )
+    msp_mode: str = option(
+        "pair",
+        "msp: sentence1 is the previous sentence (pair, batched) or the chunk so far (accumulated)",
+        choices=["pair", "accumulated"],
+    )
+    msp_prompt: str = option(
+        "table6",
+        "msp: prompt of the paper's Table 6 or the finer-grained Table 7",
+        choices=list(PROMPT_VARIANTS),
+    )
+    target_len: int | None = option(
+        None, "L: merge meta-chunks up to this length (dynamic merging); required by fixed and sentence"
+    )
+    len_unit: str | None = option(
+        None,
+        "unit of L: char (default for zh), word (default for en) or token (model tokenizer)",
+        choices=["char", "word", "token"],
+    )
+    overlap: bool = option(
+        False, "ppl/msp: the boundary sentence also starts the next chunk (PPL overlap, Appendix D)"
+    )
+    max_context: int = option(
+        4096, "ppl: tokens of context per window; older text is dropped, each token keeps >= half of it"
+    )
     batch_size: int = option(8, "sequences per forward pass")
     emit_sentences: bool = option(False, "also write per-sentence spans and the score used for the decision")
-    plot: Path | None = option(None, "write one PNG per document (score profile with boundaries) into this dir")
-    max_sentence_chars: int = option(1500, "a sentence longer than this is split at whitespace (or hard) so nothing is dropped")
+    plot: Path | None = option(
+        None, "write one PNG per document (score profile with boundaries) into this dir"
+    )
+    max_sentence_chars: int = option(
+        1500, "a sentence longer than this is split at whitespace (or hard) so nothing is dropped"
+    )
     embedder: str = option("minilm", "semantic: sentence-transformers preset or local dir")
     device: str | None = option(None, "torch device; default cuda when available, else cpu")
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        check_choices(self)
         if self.method in ("fixed", "sentence") and not self.target_len:
             raise ValueError(f"--method {self.method} needs --target-len")
         if self.overlap and self.method not in LM_METHODS:
-            raise ValueError("--overlap is PPL overlap (the boundary sentence joins both chunks); use it with ppl or msp")
+            raise ValueError(
+                "--overlap is PPL overlap (the boundary sentence joins both chunks); use it with ppl or msp"
+            )
         if self.method == "fixed" and self.len_unit == "token":
             raise ValueError("--method fixed counts characters or words, not tokens")
         for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window"):
@@ -124,13 +158,17 @@ class Chunker:
 
     def _scorer(self, lang: str) -> MarginScorer:
         if lang not in self._scorers:
-            self._scorers[lang] = MarginScorer(self.model, self.tokenizer, load_prompt(self.cfg.msp_prompt, lang))
+            self._scorers[lang] = MarginScorer(
+                self.model, self.tokenizer, load_prompt(self.cfg.msp_prompt, lang)
+            )
         return self._scorers[lang]
 
     def unit(self, lang: str) -> str:
         return self.cfg.len_unit or ("char" if lang == "zh" else "word")
 
-    def chunk(self, ids: Sequence[str], texts: Sequence[str], on_progress: Callable[[int], None] | None = None) -> list[ChunkedDocument]:
+    def chunk(
+        self, ids: Sequence[str], texts: Sequence[str], on_progress: Callable[[int], None] | None = None
+    ) -> list[ChunkedDocument]:
         cfg = self.cfg
         langs = [detect_lang(t) if cfg.lang == "auto" else cfg.lang for t in texts]
         sentences = [split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) for t in texts]
@@ -138,7 +176,9 @@ class Chunker:
         out = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
 
         if cfg.method == "ppl":
-            scores = score_documents(self.model, self.tokenizer, texts, sentences, cfg.max_context, cfg.batch_size)
+            scores = score_documents(
+                self.model, self.tokenizer, texts, sentences, cfg.max_context, cfg.batch_size
+            )
             for d, ppl in zip(out, scores):
                 d.sentences = _with_scores(d.sentences, ppl)
                 d.boundaries = ppl_boundaries(ppl, theta)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-SCORE_LABELS = {"ppl": "PPL (mean token NLL, nats)", "msp": "margin P(keep) - P(split)", "semantic": "cosine distance to next"}
+SCORE_LABELS = {
+    "ppl": "PPL (mean token NLL, nats)",
+    "msp": "margin P(keep) - P(split)",
+    "semantic": "cosine distance to next",
+}
 
 
 def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -> Path:
@@ -22,7 +26,13 @@ def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -
     for i in sorted(ends)[:-1]:
         ax.axvline(i, color="tab:red", ls="--", lw=0.6)
     if doc.thresholds:
-        ax.plot(range(len(scores)), [math.nan if t is None else t for t in doc.thresholds], color="tab:orange", lw=0.8, label="dynamic θ")
+        ax.plot(
+            range(len(scores)),
+            [math.nan if t is None else t for t in doc.thresholds],
+            color="tab:orange",
+            lw=0.8,
+            label="dynamic θ",
+        )
         ax.legend(loc="upper right")
     ax.set_xlabel("sentence")
     ax.set_ylabel(SCORE_LABELS.get(method, "score"))

@@ -32,7 +32,9 @@ def scoring_pieces(doc: str, sentences: Sequence[Sentence]) -> list[str]:
     return pieces
 
 
-def tokenize_sentences(tokenizer, doc: str, sentences: Sequence[Sentence]) -> tuple[list[int], list[tuple[int, int]]]:
+def tokenize_sentences(
+    tokenizer, doc: str, sentences: Sequence[Sentence]
+) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids of the document and, per sentence, its ``[first, last)`` token span."""
     pieces = scoring_pieces(doc, sentences)
     encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []

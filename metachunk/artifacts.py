@@ -62,7 +62,9 @@ def read_documents(path: str | Path) -> Iterator[Document]:
             if "text" not in record:
                 raise InputError(path, "missing field 'text'", number)
             if not isinstance(record["text"], str):
-                raise InputError(path, f"field 'text' must be a string, got {type(record['text']).__name__}", number)
+                raise InputError(
+                    path, f"field 'text' must be a string, got {type(record['text']).__name__}", number
+                )
             doc_id = record.get("id", number)
             yield Document(str(doc_id), record["text"])
 

@@ -13,7 +13,14 @@ from itertools import islice
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, InputError, jsonl_line, read_documents, write_json
+from metachunk.artifacts import (
+    SCHEMA_VERSION,
+    AtomicWriter,
+    InputError,
+    jsonl_line,
+    read_documents,
+    write_json,
+)
 from metachunk.models import ModelNotFoundError
 
 
@@ -29,10 +36,7 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     from chunking.pipeline import ChunkConfig, Chunker
     from chunking.plots import plot_profile
 
-    try:
-        cfg = config.from_namespace(ChunkConfig, args)
-    except ValueError as e:
-        raise InputError(getattr(args, "config", "command line"), str(e)) from None
+    cfg = config.from_namespace(ChunkConfig, args)
     if cfg.input is None or cfg.output is None:
         raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
     # Validate the whole input before any model loads: a bad line 9,000 should not cost a model load
@@ -42,9 +46,12 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     chunker = Chunker(cfg)
     load_s = time.perf_counter() - started
-    n_chunks = chunk_chars = 0
+    n_chunks = chunk_chars = n_written = 0
     group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
-    with AtomicWriter(cfg.output) as out, tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True) as bar:
+    with (
+        AtomicWriter(cfg.output) as out,
+        tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True) as bar,
+    ):
         for docs in _batched(read_documents(cfg.input), group):
             for doc in chunker.chunk([d.id for d in docs], [d.text for d in docs]):
                 record = doc.to_json(cfg.method, cfg.emit_sentences)
@@ -52,8 +59,11 @@ def cmd_chunk(args: argparse.Namespace) -> int:
                 n_chunks += len(doc.chunks)
                 chunk_chars += sum(len(c.text) for c in doc.chunks)
                 if cfg.plot and doc.sentences:
-                    safe_id = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in doc.id)
-                    plot_profile(Path(cfg.plot) / f"{safe_id}.png", doc, cfg.method, cfg.effective_threshold)
+                    # The input position keeps names unique when two ids sanitise to the same string.
+                    safe_id = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in doc.id)[:80]
+                    png = Path(cfg.plot) / f"{n_written:05d}_{safe_id}.png"
+                    plot_profile(png, doc, cfg.method, cfg.effective_threshold)
+                n_written += 1
             bar.update(len(docs))
     seconds = time.perf_counter() - started
     summary = {
@@ -87,7 +97,11 @@ def cmd_models(args: argparse.Namespace) -> int:
         for p in models.PRESETS.values():
             try:
                 where = models.preset_dir(p.name)
-                state = "ready" if (where / "config.json").exists() or (where / "modules.json").exists() else "not converted yet"
+                state = (
+                    "ready"
+                    if (where / "config.json").exists() or (where / "modules.json").exists()
+                    else "not converted yet"
+                )
             except ModelNotFoundError:
                 where, state = "-", f"package missing: {p.install}"
             print(f"{p.name:<12} {p.kind:<18} {p.languages:<7} {p.description}\n{'':<12} {state}: {where}")
@@ -100,10 +114,16 @@ def cmd_models(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from chunking.pipeline import ChunkConfig
 
-    parser = argparse.ArgumentParser(prog="metachunk", description="Distil teacher LLMs into small models for RAG chunking.")
+    parser = argparse.ArgumentParser(
+        prog="metachunk", description="Distil teacher LLMs into small models for RAG chunking."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    chunk = sub.add_parser("chunk", help="split documents into chunks with exact offsets", description="Split documents into chunks.")
+    chunk = sub.add_parser(
+        "chunk",
+        help="split documents into chunks with exact offsets",
+        description="Split documents into chunks.",
+    )
     config.add_arguments(chunk, ChunkConfig)
     chunk.set_defaults(handler=cmd_chunk)
 

@@ -39,7 +39,9 @@ def _field_types(cls) -> dict[str, type]:
 
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
-    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="YAML recipe with field values")
+    parser.add_argument(
+        "--config", type=Path, default=argparse.SUPPRESS, help="YAML recipe with field values"
+    )
     kinds = _field_types(cls)
     for f in dataclasses.fields(cls):
         meta, kind = f.metadata, kinds[f.name]
@@ -47,7 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         if f.default is not dataclasses.MISSING and f.default is not None:
             helptext += f" (default: {f.default})"
         if meta.get("positional"):
-            parser.add_argument(f.name, type=kind, help=helptext, nargs="?" if f.default is not dataclasses.MISSING else None, default=argparse.SUPPRESS)
+            # default=None, not SUPPRESS: argparse runs a string default of an absent optional
+            # positional through ``type`` (Path("==SUPPRESS==")), which would override the recipe.
+            # from_namespace drops None values instead.
+            parser.add_argument(
+                f.name,
+                type=kind,
+                help=helptext,
+                nargs="?" if f.default is not dataclasses.MISSING else None,
+                default=None,
+            )
             continue
         names = [meta.get("flag", "--" + f.name.replace("_", "-"))]
         if "short" in meta:
@@ -78,8 +89,9 @@ def load_yaml(cls, path: Path) -> dict:
     except FileNotFoundError:
         raise InputError(path, "config file not found") from None
     except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", None)
-        raise InputError(path, f"invalid YAML: {e}", None if line is None else line + 1) from None
+        mark = getattr(e, "problem_mark", None)
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet
+        raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
     if not isinstance(data, dict):
         raise InputError(path, "a recipe must be a mapping of field names to values")
     kinds = _field_types(cls)
@@ -89,15 +101,24 @@ def load_yaml(cls, path: Path) -> dict:
     return {k: _coerce(v, kinds[k], path, k) for k, v in data.items()}
 
 
+def check_choices(cfg) -> None:
+    """Call from ``__post_init__``: every field with ``choices`` holds one of them, however the
+    config was built (flags, YAML or Python)."""
+    for f in dataclasses.fields(cfg):
+        value, allowed = getattr(cfg, f.name), f.metadata.get("choices")
+        if allowed and value is not None and value not in allowed:
+            raise ValueError(f"field {f.name!r} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
 def from_namespace(cls, ns: argparse.Namespace):
     """Build ``cls`` from parsed args: dataclass defaults <- YAML (``--config``) <- explicit flags."""
     values = dict(vars(ns))
     config_path = values.pop("config", None)
     merged = load_yaml(cls, config_path) if config_path else {}
-    merged.update({k: v for k, v in values.items() if k in _field_types(cls)})
+    merged.update({k: v for k, v in values.items() if k in _field_types(cls) and v is not None})
     try:
         return cls(**merged)
-    except TypeError as e:  # a required field is missing
+    except (TypeError, ValueError) as e:  # a required field is missing, or __post_init__ rejected a value
         raise InputError(config_path or "command line", str(e)) from None
 
 

@@ -69,7 +69,9 @@ def print_table(rows: list[dict]) -> None:
     header = f"{'run':<28} {'documents':>9} {'chunks':>7} {'mean chars':>10} {'seconds':>8}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['run']:<28} {r['documents']:>9} {r['chunks']:>7} {r['mean_chunk_chars']:>10} {r['seconds']:>8}")
+        print(
+            f"{r['run']:<28} {r['documents']:>9} {r['chunks']:>7} {r['mean_chunk_chars']:>10} {r['seconds']:>8}"
+        )
     print(f"\noutputs: {OUT}/chunks/*.jsonl   plots: {OUT}/plots/")
 
 

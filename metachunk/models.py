@@ -136,7 +136,9 @@ def resolve(name_or_dir: str) -> Path:
     if (path / "config.json").is_file() or (path / "modules.json").is_file():
         return path
     if path.exists():
-        raise ModelNotFoundError(f"{name_or_dir!r} is a path but holds no config.json (not an HF model folder)")
+        raise ModelNotFoundError(
+            f"{name_or_dir!r} is a path but holds no config.json (not an HF model folder)"
+        )
     raise ModelNotFoundError(
         f"unknown model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}) and not a local model directory"
     )

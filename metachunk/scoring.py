@@ -84,14 +84,22 @@ def token_nll(
     max_batch_size: int = 16,
     head_rows: int | None = None,
     on_batch: Callable[[int], None] | None = None,
+    allow_padding: bool | None = None,
 ) -> list[np.ndarray]:
     """NLL in nats of every token given all preceding tokens of its sequence (within the window).
 
     Returns one float32 array per sequence, of the sequence's length; entry 0 is NaN because the
     first token has nothing to be predicted from. ``batch_tokens`` caps padded tokens per forward
     pass, ``max_batch_size`` caps rows. ``on_batch(n_scored_tokens)`` is called after each batch.
+
+    ``allow_padding`` (default: only on CUDA) lets windows of different lengths share a batch. On
+    CPU a padding mask pushes SDPA off its causal kernel onto the math path, which materialises
+    every attention matrix and is slower than running the windows one by one, so there only
+    windows of equal length are batched and no mask is passed.
     """
     device = next(model.parameters()).device
+    if allow_padding is None:
+        allow_padding = device.type == "cuda"
     head_rows = head_rows or default_head_rows(model.config.get_text_config().vocab_size)
     decoder = model.get_decoder()
     results = [np.full(len(s), np.nan, dtype=np.float32) for s in sequences]
@@ -103,14 +111,19 @@ def token_nll(
         longest = windows[i].end - windows[i].start
         rows = max(1, min(max_batch_size, batch_tokens // longest))
         batch = windows[i : i + rows]
-        i += rows
+        if not allow_padding:
+            batch = [w for w in batch if w.end - w.start == longest]
+        i += len(batch)
 
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         mask = torch.zeros(len(batch), longest, dtype=torch.long)
         for r, w in enumerate(batch):
             ids[r, : w.end - w.start] = torch.as_tensor(sequences[w.seq][w.start : w.end])
             mask[r, : w.end - w.start] = 1
-        hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        padded = bool((mask == 0).any())
+        hidden = decoder(
+            input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None, use_cache=False
+        )
         hidden = hidden.last_hidden_state
 
         # Position p is predicted by the hidden state at p - 1 (window-relative).

@@ -26,3 +26,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_model import build_tiny_qwen2
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct preset, fp32 on CPU, loaded once.
+
+    Tests using it are ``@pytest.mark.integration``; they skip when the preset package is missing.
+    """
+    from metachunk.models import ModelNotFoundError, load_causal_lm
+
+    try:
+        return load_causal_lm("smollm2", device="cpu")
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))

@@ -1,0 +1,271 @@
+"""MSP speed: batched pair scoring with a reused instruction KV cache vs one forward per pair.
+
+Issue requirement: "batched pair mode against one call per sentence, at identical decisions. The
+instruction part of the prompt is the same for every pair. Compute its KV once and reuse it; this
+is where the CPU gain is. Target: >=2x on CPU, >=5x on GPU."
+
+What is compared, on the same consecutive-sentence pairs:
+
+* **single**: ``[scorer.margin_single(a, b) for a, b in pairs]``: one full forward pass over
+  instruction + pair + template tail per pair, no cache reuse (what a naive loop does).
+* **batched B**: ``scorer.margins(pairs, batch_size=B)``: the instruction's KV cache is computed
+  once (its cost is included: the cache is cleared before every timed call) and only the pair
+  tokens are run, B pairs per forward pass. ``B=1`` isolates the prefix-reuse gain; larger B adds
+  batching (and some padding waste, reported as "pad eff" = real / padded suffix tokens).
+
+Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds that each time
+every variant back to back (the order alternates between rounds); the headline uses the best
+(minimum) time of each variant, the median is printed too. Decisions are then taken from the
+margins of both paths with the same θ (fixed ``--theta``, default 0, and dynamic = mean of past
+margins, as :func:`chunking.msp.msp_decisions` does) and compared: identical decisions / total,
+plus the largest ``|margin_batched - margin_single|``.
+
+Pairs: the sentences of the first Emma paragraphs (``--lang en``, SmolLM2 by default) or of the
+first CRUD news articles (``--lang zh``, Gemma-3-270m by default: a base model without a chat
+template, which MarginScorer prompts as plain completion), joined with blank lines into one
+document and split with :func:`chunking.sentences.split_sentences`; the first ``--pairs``
+consecutive pairs are used. The same script runs on a GPU (``--device cuda``, the default when
+one is available; the model dtype then defaults to bf16, see ``--dtype``).
+
+Default run (60 pairs, batch sizes 1,4,8,16, 2 rounds, SmolLM2 on one CPU thread): ~4 minutes.
+Results: ``bench_out/msp_speed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data"
+
+DEFAULT_MODEL = {"en": "smollm2", "zh": "gemma3-270m"}
+
+
+def build_pairs(lang: str, n_pairs: int) -> list[tuple[str, str]]:
+    """The first ``n_pairs`` consecutive-sentence pairs of Emma (en) or of the CRUD news (zh)."""
+    from chunking.sentences import split_sentences
+
+    if lang == "en":
+        path, key = DATA / "gutenqa-emma" / "paragraphs.jsonl", "text"
+    else:
+        path, key = DATA / "crud-news" / "news.jsonl", "text"
+    texts: list[str] = []
+    sentences: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            texts.append(json.loads(line)[key])
+            doc = "\n\n".join(texts)
+            spans = split_sentences(doc, lang)
+            if len(spans) > n_pairs:
+                sentences = [doc[s.start : s.end].strip() for s in spans]
+                break
+        else:
+            doc = "\n\n".join(texts)
+            sentences = [doc[s.start : s.end].strip() for s in split_sentences(doc, lang)]
+    pairs = list(zip(sentences[:-1], sentences[1:]))
+    return pairs[:n_pairs]
+
+
+def decisions(margins, theta: float, dynamic: bool) -> list[bool]:
+    """Keep-together decisions in order, with msp_decisions' Threshold rule."""
+    from chunking.msp import Threshold
+
+    th = Threshold(theta, dynamic)
+    return [th.decide(float(m)) for m in margins]
+
+
+def padding_efficiency(lengths: list[int], batch_size: int) -> float:
+    """Real / padded suffix tokens for margins()' batching (sorted by length, fixed rows)."""
+    lengths = sorted(lengths)
+    padded = sum(
+        max(lengths[i : i + batch_size]) * len(lengths[i : i + batch_size])
+        for i in range(0, len(lengths), batch_size)
+    )
+    return sum(lengths) / padded if padded else 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--lang", choices=("en", "zh"), default="en", help="en: Emma paragraphs; zh: CRUD news")
+    ap.add_argument(
+        "--model", default=None, help="preset or HF dir (default: smollm2 for en, gemma3-270m for zh)"
+    )
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--prompt", default="table6", choices=("table6", "table7"), help="MSP prompt variant")
+    ap.add_argument("--pairs", type=int, default=60, help="number of sentence pairs (default 60)")
+    ap.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated batch sizes for margins()")
+    ap.add_argument(
+        "--headline-batch", type=int, default=8, help="batch size judged against the target (default 8)"
+    )
+    ap.add_argument("--reps", type=int, default=2, help="timed rounds per variant (default 2)")
+    ap.add_argument("--theta", type=float, default=0.0, help="fixed θ for the decision comparison")
+    ap.add_argument("--target", type=float, default=None, help="speed-up target (default 2 on CPU, 5 on GPU)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: OMP_NUM_THREADS)"
+    )
+    ap.add_argument("--strict", action="store_true", help="exit with status 1 when the target is missed")
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "msp_speed.json"), help="JSON result path")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from chunking.msp import MarginScorer, load_prompt
+    from metachunk.models import default_device, load_causal_lm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or default_device()
+    model_name = args.model or DEFAULT_MODEL[args.lang]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    headline = args.headline_batch if args.headline_batch in batch_sizes else max(batch_sizes)
+    target = args.target or (5.0 if device.startswith("cuda") else 2.0)
+
+    pairs = build_pairs(args.lang, args.pairs)
+    model, tokenizer = load_causal_lm(model_name, device=device, dtype=args.dtype)
+    scorer = MarginScorer(model, tokenizer, load_prompt(args.prompt, args.lang))
+    n_prefix = len(scorer.prefix_ids)
+    suffix_lens = [len(scorer.pair_ids(a, b)) for a, b in pairs]
+    mean_suffix = statistics.mean(suffix_lens)
+    print(
+        f"model={model_name} device={device} dtype={model.dtype} threads={torch.get_num_threads()} "
+        f"lang={args.lang} pairs={len(pairs)}"
+    )
+    print(
+        f"instruction prefix: {n_prefix} tokens; pair suffix: mean {mean_suffix:.1f}, "
+        f"min {min(suffix_lens)}, max {max(suffix_lens)} tokens; "
+        f"token ratio (prefix+suffix)/suffix = {(n_prefix + mean_suffix) / mean_suffix:.2f}"
+    )
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def run_single() -> tuple[float, np.ndarray]:
+        sync()
+        t0 = time.perf_counter()
+        out = np.array([scorer.margin_single(a, b) for a, b in pairs])
+        sync()
+        return time.perf_counter() - t0, out
+
+    def run_batched(b: int) -> tuple[float, np.ndarray]:
+        scorer._prefix_cache = None  # the one-off instruction forward is part of the timed cost
+        sync()
+        t0 = time.perf_counter()
+        out = scorer.margins(pairs, batch_size=b)
+        sync()
+        return time.perf_counter() - t0, out
+
+    # Warm-up: allocator, kernels, lazy init.
+    warm = pairs[: min(4, len(pairs))]
+    for a, b in warm[:2]:
+        scorer.margin_single(a, b)
+    for b in batch_sizes:
+        scorer.margins(warm, batch_size=b)
+
+    variants = ["single"] + [f"batched{b}" for b in batch_sizes]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    margins: dict[str, np.ndarray] = {}
+    for rep in range(args.reps):
+        order = variants if rep % 2 == 0 else variants[::-1]
+        for v in order:
+            dt, m = run_single() if v == "single" else run_batched(int(v.removeprefix("batched")))
+            times[v].append(dt)
+            margins[v] = m
+            print(f"  round {rep + 1}: {v:<10} {dt:8.2f} s", flush=True)
+
+    ref = margins["single"]
+    ref_fixed = decisions(ref, args.theta, False)
+    ref_dyn = decisions(ref, args.theta, True)
+    best_single = min(times["single"])
+    rows = []
+    print()
+    print(
+        f"{'variant':<10} {'best s':>8} {'median s':>9} {'ms/pair':>8} {'speedup':>8} {'pad eff':>8} "
+        f"{'max|dm|':>9} {'same θ=' + format(args.theta, 'g'):>9} {'same dyn':>9}"
+    )
+    for v in variants:
+        best, med = min(times[v]), statistics.median(times[v])
+        b = None if v == "single" else int(v.removeprefix("batched"))
+        diff = float(np.max(np.abs(margins[v] - ref))) if len(ref) else 0.0
+        same_fixed = sum(x == y for x, y in zip(decisions(margins[v], args.theta, False), ref_fixed))
+        same_dyn = sum(x == y for x, y in zip(decisions(margins[v], args.theta, True), ref_dyn))
+        pad = 1.0 if b is None else padding_efficiency(suffix_lens, b)
+        row = {
+            "variant": v,
+            "batch_size": b,
+            "times_s": times[v],
+            "best_s": best,
+            "median_s": med,
+            "ms_per_pair": 1000 * best / len(pairs),
+            "speedup_best": best_single / best,
+            "speedup_median": statistics.median(times["single"]) / med,
+            "speedup_per_round": [s / t for s, t in zip(times["single"], times[v])],
+            "padding_efficiency": pad,
+            "max_abs_margin_diff": diff,
+            "same_decisions_fixed": same_fixed,
+            "same_decisions_dynamic": same_dyn,
+        }
+        rows.append(row)
+        print(
+            f"{v:<10} {best:8.2f} {med:9.2f} {row['ms_per_pair']:8.1f} {row['speedup_best']:7.2f}x "
+            f"{pad:8.2f} {diff:9.2e} {same_fixed:>4}/{len(pairs):<4} {same_dyn:>4}/{len(pairs):<4}"
+        )
+
+    head = next(r for r in rows if r["batch_size"] == headline)
+    best_row = max((r for r in rows if r["batch_size"] is not None), key=lambda r: r["speedup_best"])
+    identical = head["same_decisions_fixed"] == len(pairs) and head["same_decisions_dynamic"] == len(pairs)
+    passed = head["speedup_best"] >= target and identical
+    result = {
+        "bench": "msp_speed",
+        "model": model_name,
+        "device": device,
+        "dtype": str(model.dtype),
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "lang": args.lang,
+        "prompt": args.prompt,
+        "n_pairs": len(pairs),
+        "prefix_tokens": n_prefix,
+        "suffix_tokens_mean": mean_suffix,
+        "reps": args.reps,
+        "theta": args.theta,
+        "target_speedup": target,
+        "headline_batch_size": headline,
+        "headline_speedup": head["speedup_best"],
+        "best_batch_size": best_row["batch_size"],
+        "best_speedup": best_row["speedup_best"],
+        "identical_decisions": identical,
+        "pass": passed,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print()
+    print(
+        f"MSP speed: batched (B={headline}, prefix KV reused) vs one call per pair = "
+        f"{head['speedup_best']:.2f}x (median {head['speedup_median']:.2f}x; best B={best_row['batch_size']}: "
+        f"{best_row['speedup_best']:.2f}x), decisions identical {head['same_decisions_fixed']}/{len(pairs)} "
+        f"(θ={args.theta:g}) and {head['same_decisions_dynamic']}/{len(pairs)} (dynamic), "
+        f"max|Δmargin| {head['max_abs_margin_diff']:.1e} -> {'PASS' if passed else 'FAIL'} (target >= {target:g}x "
+        f"on {device}) [{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}]"
+    )
+    return 1 if args.strict and not passed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""PPL scoring speed and memory: the engine against the two straightforward ways, side by side.
+
+Three ways to get the per-token NLL that PPL chunking needs, on the same documents and model:
+
+* ``engine``: :func:`metachunk.scoring.token_nll`: batched windows of several documents, the LM
+  head and log-softmax applied in slices, only the target log-probs gathered.
+* ``loop``: one forward per sentence over the KV cache of the preceding text, the literal reading
+  of the paper's Eq. 1 (:func:`metachunk.scoring.token_nll_incremental`).
+* ``plain``: one forward per document with full fp32 logits and a full log-softmax.
+
+Each runs in a fresh child process, so its peak RSS is its own (``ru_maxrss``), next to the RSS
+right after the model loaded. The parent prints wall and CPU seconds, speed ratios, peak memory,
+and the agreement of the chunk boundaries (F1 of the boundary sets at the same θ) with the loop.
+
+Issue targets (CPU, this 2-core machine):
+* smollm2 on 20 Emma chapters: engine >= 2x faster than the loop at boundary F1 >= 0.98.
+* gemma3-270m on 50 CRUD articles: engine <= 40 s (>= 3x the plain one-pass), and peak RSS
+  <= RSS after loading the model + 0.5 GB.
+GPU (H200): engine >= 10x the loop; run with ``--device cuda`` and a 0.5B-class model dir.
+
+    python bench/ppl_speed.py                                   # smollm2, 20 Emma chapters
+    python bench/ppl_speed.py --model gemma3-270m --corpus crud --docs 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data"
+
+
+def load_docs(corpus: str, n: int) -> list[str]:
+    if corpus == "crud":
+        with (DATA / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+            return [json.loads(line)["text"] for _, line in zip(range(n), f)]
+    chapters: dict[str, list[str]] = {}
+    with (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["chapter"] not in chapters and len(chapters) == n:
+                break
+            chapters.setdefault(row["chapter"], []).append(row["text"])
+    return ["\n\n".join(p) for p in chapters.values()]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def plain_nll(model, ids: list[int]) -> np.ndarray:
+    """One forward, full fp32 logits for every position, full log-softmax: the naive one-pass."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.as_tensor([ids], device=next(model.parameters()).device)
+        logits = model(input_ids=x).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], dim=-1)
+        nll = -logp.gather(1, x[0, 1:, None]).squeeze(1)
+    return np.concatenate([[np.nan], nll.cpu().numpy()]).astype(np.float32)
+
+
+def worker(args) -> None:
+    import torch
+
+    from chunking.ppl import tokenize_sentences
+    from chunking.sentences import split_sentences
+    from metachunk.models import load_causal_lm
+    from metachunk.scoring import token_nll, token_nll_incremental
+
+    docs = load_docs(args.corpus, args.docs)
+    model, tok = load_causal_lm(args.model, device=args.device, dtype=args.dtype)
+    sentences = [split_sentences(d, args.lang) for d in docs]
+    tokenized = [tokenize_sentences(tok, d, s) for d, s in zip(docs, sentences)]
+    load_rss = rss_mb()
+    sync = torch.cuda.synchronize if args.device and args.device.startswith("cuda") else (lambda: None)
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    if args.worker == "engine":
+        nll = token_nll(
+            model, [ids for ids, _ in tokenized], max_context=args.max_context, max_batch_size=args.batch_size
+        )
+    elif args.worker == "loop":
+        nll = []
+        for ids, spans in tokenized:
+            nll.append(token_nll_incremental(model, [ids[a:b] for a, b in spans]))
+    else:
+        nll = [plain_nll(model, ids) for ids, _ in tokenized]
+    sync()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.device and args.device.startswith("cuda"):
+        peak_gpu = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_gpu = None
+    np.savez(args.out, *nll)
+    result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak, "peak_gpu_mb": peak_gpu,
+              "tokens": sum(len(ids) for ids, _ in tokenized), "sentences": sum(len(s) for s in sentences),
+              "spans": [spans for _, spans in tokenized]}  # fmt: skip
+    Path(args.out + ".json").write_text(json.dumps(result))
+
+
+def f1(a: set, b: set) -> float:
+    if not a and not b:
+        return 1.0
+    tp = len(a & b)
+    return 2 * tp / (len(a) + len(b))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--corpus", choices=["emma", "crud"], default="emma")
+    p.add_argument("--docs", type=int, default=20, help="Emma chapters or CRUD articles")
+    p.add_argument("--lang", default=None, help="default: en for emma, zh for crud")
+    p.add_argument("--methods", default="engine,loop,plain")
+    p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.lang = args.lang or ("zh" if args.corpus == "crud" else "en")
+    if args.worker:
+        return worker(args)
+
+    from chunking.ppl import ppl_boundaries, sentence_ppl
+
+    methods = args.methods.split(",")
+    results, tmp = {}, tempfile.mkdtemp(prefix="ppl_speed_")
+    for m in methods:
+        out = os.path.join(tmp, m)
+        cmd = [sys.executable, __file__, "--worker", m, "--out", out] + [
+            x for k, v in vars(args).items() if k not in ("worker", "out", "threshold", "methods") and v is not None
+            for x in (f"--{k.replace('_', '-')}", str(v))
+        ]  # fmt: skip
+        print(f"[{m}] running ...", flush=True)
+        subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+        res = json.loads(Path(out + ".json").read_text())
+        arrays = np.load(out + ".npz")
+        res["ppl"] = [sentence_ppl(arrays[f"arr_{i}"], spans) for i, spans in enumerate(res.pop("spans"))]
+        results[m] = res
+        print(
+            f"[{m}] {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s cpu, peak RSS {res['peak_rss_mb']:.0f} MB",
+            flush=True,
+        )
+
+    ref = "loop" if "loop" in results else methods[0]
+    any_res = next(iter(results.values()))
+    print(f"\nmodel={args.model} corpus={args.corpus} docs={args.docs} tokens={any_res['tokens']} "
+          f"sentences={any_res['sentences']} max_context={args.max_context} device={args.device or 'auto'} dtype={args.dtype}")  # fmt: skip
+    header = f"{'method':<8} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
+    print(header + "\n" + "-" * len(header))
+    summary = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "methods": {}}
+    for m, r in results.items():
+        dppl = max(
+            float(np.nanmax(np.abs(a - b))) if len(a) else 0.0 for a, b in zip(r["ppl"], results[ref]["ppl"])
+        )
+        f1s = []
+        for t in args.threshold:
+            mine = {(d, i) for d, ppl in enumerate(r["ppl"]) for i in ppl_boundaries(ppl, t)}
+            theirs = {(d, i) for d, ppl in enumerate(results[ref]["ppl"]) for i in ppl_boundaries(ppl, t)}
+            f1s.append(f1(mine, theirs))
+        extra = r["peak_rss_mb"] - r["load_rss_mb"]
+        print(f"{m:<8} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
+              f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
+        summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl}  # fmt: skip
+    if "engine" in results:
+        e = results["engine"]
+        for other in ("loop", "plain"):
+            if other in results:
+                o = results[other]
+                print(
+                    f"engine vs {other}: {o['wall_s'] / e['wall_s']:.2f}x wall, {o['cpu_s'] / e['cpu_s']:.2f}x cpu"
+                )
+                summary[f"speedup_vs_{other}"] = {
+                    "wall": o["wall_s"] / e["wall_s"],
+                    "cpu": o["cpu_s"] / e["cpu_s"],
+                }
+        print(f"engine peak RSS - RSS after load: {e['peak_rss_mb'] - e['load_rss_mb']:.0f} MB")
+    (ROOT / "bench_out").mkdir(exist_ok=True)
+    name = f"ppl_speed_{args.model.replace('/', '_')}_{args.corpus}{args.docs}.json"
+    (ROOT / "bench_out" / name).write_text(json.dumps(summary, indent=2))
+    print(f"wrote bench_out/{name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,471 @@
+"""PPL chunking (Meta-Chunking §3.1.1): the minima rule, token geometry, the windowed NLL engine
+against the per-sentence reference, and end-to-end properties on the shared corpora."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunking.merge import text_length
+from chunking.ppl import ppl_boundaries, scoring_pieces, sentence_ppl, tokenize_sentences
+from chunking.sentences import split_sentences
+from chunking.types import Sentence, chunks_from_boundaries
+from metachunk.scoring import Window, plan_windows, token_nll, token_nll_incremental
+
+NAN = math.nan
+
+# token_nll may batch windows of different lengths with a padding mask (``allow_padding``, the
+# default on CUDA) or only windows of equal length (the CPU default). Check both paths when the
+# engine has the switch; an engine without it always pads.
+PADDING = (
+    [{}, {"allow_padding": True}] if "allow_padding" in inspect.signature(token_nll).parameters else [{}]
+)
+
+DOCS = [
+    "Emma Woodhouse, handsome, clever, and rich, had lived nearly twenty-one years in the world. "
+    "She was the youngest of two daughters.  Her mother had died long ago!\n\nMr. Knightley came in. "
+    "Was he sensible? He was.",
+    "近日，抖音直播发布第二十期“不良直播PK内容”治理公示。公示显示，2023年7月1日以来，平台已对110991个账号进行处罚。"
+    "其中，不乏超百万粉丝的主播账号！\n\n北京是中国的首都，上海是最大的城市。",
+    "Mixed 中英文 text: RAG 系统 uses chunking 分块 to work well。The answer is 1.\nThe answer is 2.\n\nNew paragraph here.",
+    "Just one sentence without a full stop",
+    "Hi.",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The minima rule
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ppl", "theta", "expected"),
+    [
+        # strict minimum, only the left difference reaches θ
+        ([5.0, 3.0, 4.0], 1.5, [1]),
+        # strict minimum, only the right difference reaches θ
+        ([4.0, 3.0, 5.0], 1.5, [1]),
+        # strict minimum, both differences below θ: no boundary
+        ([4.0, 3.0, 4.0], 1.5, []),
+        # differences exactly equal to θ (exact binary fractions): the rule is >=
+        ([3.5, 3.0, 3.25], 0.5, [1]),
+        ([3.25, 3.0, 3.5], 0.5, [1]),
+        ([3.5, 3.0, 3.5], 0.5, [1]),
+        # just below θ on both sides
+        ([3.25, 3.0, 3.25], 0.5, []),
+        # equal right neighbour: left - mid >= θ and right == mid
+        ([4.0, 3.0, 3.0], 1.0, [1]),
+        ([4.0, 3.0, 3.0, 5.0], 1.0, [1]),
+        # equal right neighbour but left - mid < θ
+        ([3.5, 3.0, 3.0], 1.0, []),
+        # flat: never a boundary, even at θ = 0
+        ([3.0, 3.0, 3.0], 0.0, []),
+        ([3.0, 3.0, 3.0, 3.0, 3.0], 0.0, []),
+        # equal *left* neighbour is not a minimum
+        ([3.0, 3.0, 4.0], 0.0, []),
+        # θ = 0: every strict minimum and every left drop onto a plateau
+        ([3.0, 1.0, 3.0, 1.0, 3.0], 0.0, [1, 3]),
+        ([3.0, 1.0, 1.0, 3.0], 0.0, [1]),
+        ([3.0, 2.0, 1.0, 2.0, 3.0], 0.0, [2]),
+        # first and last sentence are never boundaries, however low
+        ([0.0, 9.0, 9.5, 0.0], 0.0, []),
+        ([0.0, 9.0], 0.0, []),
+        ([0.0], 0.0, []),
+        ([], 0.0, []),
+        # NaN never satisfies a comparison: not as mid, not as a neighbour
+        ([5.0, NAN, 5.0], 0.0, []),
+        ([NAN, 3.0, 5.0], 0.0, []),
+        ([5.0, 3.0, NAN], 0.0, []),
+        ([5.0, NAN, 3.0, 1.0, 4.0], 0.0, [3]),
+        # a maximum is not a boundary
+        ([1.0, 5.0, 1.0], 0.0, []),
+    ],
+)
+def test_ppl_boundaries_rule(ppl, theta, expected):
+    assert ppl_boundaries(ppl, theta) == expected
+    assert ppl_boundaries(np.asarray(ppl, dtype=np.float64), theta) == expected
+
+
+def test_ppl_boundaries_threshold_sweep():
+    ppl = [6.0, 4.0, 5.0, 2.0, 2.0, 7.0, 6.75, 7.5]
+    # i=1: diffs 2 / 1;  i=3: left 3, right == mid;  i=6: diffs 0.25 / 0.75
+    assert ppl_boundaries(ppl, 0.0) == [1, 3, 6]
+    assert ppl_boundaries(ppl, 0.75) == [1, 3, 6]
+    assert ppl_boundaries(ppl, 0.76) == [1, 3]
+    assert ppl_boundaries(ppl, 2.0) == [1, 3]
+    assert ppl_boundaries(ppl, 2.5) == [3]
+    assert ppl_boundaries(ppl, 3.0) == [3]
+    assert ppl_boundaries(ppl, 3.01) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ppl=st.lists(st.one_of(st.integers(0, 6).map(float), st.just(NAN)), max_size=25),
+    t1=st.integers(0, 6).map(lambda x: x / 2),
+    t2=st.integers(0, 6).map(lambda x: x / 2),
+)
+def test_ppl_boundaries_properties(ppl, t1, t2):
+    lo, hi = sorted((t1, t2))
+    b_lo, b_hi = ppl_boundaries(ppl, lo), ppl_boundaries(ppl, hi)
+    assert set(b_hi) <= set(b_lo)  # raising θ never adds a boundary
+    assert b_lo == sorted(set(b_lo))
+    for i in b_lo:
+        assert 1 <= i <= len(ppl) - 2
+        left, mid, right = ppl[i - 1], ppl[i], ppl[i + 1]
+        assert left > mid and right >= mid  # a minimum (NaN fails both comparisons)
+        assert max(left - mid, right - mid) >= lo
+
+
+# --------------------------------------------------------------------------------------------
+# Text -> token geometry
+# --------------------------------------------------------------------------------------------
+
+
+def test_scoring_pieces_hand_made():
+    doc = "A b.  C d.\n\nE f. "
+    sents = [Sentence(0, 6), Sentence(6, 12), Sentence(12, 17)]
+    assert [doc[s.start : s.end] for s in sents] == ["A b.  ", "C d.\n\n", "E f. "]
+    assert scoring_pieces(doc, sents) == ["A b.", "  C d.", "\n\nE f. "]
+    assert scoring_pieces(doc, []) == []
+    assert scoring_pieces("  x ", [Sentence(0, 4)]) == ["  x "]  # leading ws stays with the first piece
+
+
+@pytest.mark.parametrize("doc", [*DOCS, "  Leading space. Then\ttabs.\t\n\n\n  And   trailing.  \n"])
+def test_scoring_pieces_tile_and_move_whitespace(doc):
+    sents = split_sentences(doc, "auto")
+    pieces = scoring_pieces(doc, sents)
+    assert len(pieces) == len(sents)
+    assert "".join(pieces) == doc
+    for i, (piece, s) in enumerate(zip(pieces, sents)):
+        assert piece.strip() == doc[s.start : s.end].strip()
+        if i < len(sents) - 1:
+            assert piece == piece.rstrip()  # trailing whitespace moved on ...
+            trailing = doc[s.start : s.end][len(doc[s.start : s.end].rstrip()) :]
+            assert pieces[i + 1].startswith(trailing)  # ... to the front of the next piece
+
+
+def test_tokenize_sentences_spans_cover_ids(tiny_tokenizer):
+    for doc in DOCS:
+        sents = split_sentences(doc, "auto")
+        ids, spans = tokenize_sentences(tiny_tokenizer, doc, sents)
+        assert len(spans) == len(sents)
+        assert spans[0][0] == 0 and spans[-1][1] == len(ids)
+        for (_, b), (c, _) in zip(spans, spans[1:]):
+            assert b == c
+        for (a, b), piece in zip(spans, scoring_pieces(doc, sents)):
+            assert ids[a:b] == tiny_tokenizer(piece, add_special_tokens=False)["input_ids"]
+            assert b > a
+        assert tiny_tokenizer.decode(ids) == doc  # lossless byte-level BPE
+    assert tokenize_sentences(tiny_tokenizer, "", []) == ([], [])
+
+
+# --------------------------------------------------------------------------------------------
+# Window planning
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 3000), w=st.integers(2, 700), seq=st.integers(0, 5))
+def test_plan_windows_cover_each_token_once(n, w, seq):
+    windows = plan_windows(n, w, seq)
+    if n < 2:
+        assert windows == []
+        return
+    scored = []
+    for win in windows:
+        assert win.seq == seq
+        assert 0 <= win.start < win.score_from < win.end <= n
+        assert win.end - win.start <= w
+        for p in range(win.score_from, win.end):
+            assert p - win.start >= min(w // 2, p)  # context inside the window, or all of it
+        scored.extend(range(win.score_from, win.end))
+    assert scored == list(range(1, n))  # every token but the first, exactly once, in order
+    if n <= w:
+        assert len(windows) == 1 and windows[0].start == 0 and windows[0].end == n
+
+
+def test_plan_windows_small_cases():
+    assert plan_windows(10, 4) == [
+        Window(0, 0, 4, 1),
+        Window(0, 2, 6, 4),
+        Window(0, 4, 8, 6),
+        Window(0, 6, 10, 8),
+    ]
+    with pytest.raises(ValueError):
+        plan_windows(10, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Engine vs the per-sentence reference (tiny random model, fp32)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir: Path):
+    from metachunk.models import load_causal_lm
+
+    return load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_lm):
+    return tiny_lm[1]
+
+
+def _tokenized(tokenizer, doc):
+    sents = split_sentences(doc, "auto")
+    ids, spans = tokenize_sentences(tokenizer, doc, sents)
+    return ids, spans
+
+
+def _reference(model, ids, spans):
+    return token_nll_incremental(model, [ids[a:b] for a, b in spans])
+
+
+def test_engine_matches_reference_single_docs(tiny_lm):
+    model, tok = tiny_lm
+    for doc in DOCS:
+        ids, spans = _tokenized(tok, doc)
+        (nll,) = token_nll(model, [ids], max_context=max(16, len(ids)))
+        ref = _reference(model, ids, spans)
+        assert nll.shape == ref.shape == (len(ids),)
+        assert nll.dtype == np.float32
+        assert np.isnan(nll[0]) and np.isnan(ref[0])
+        assert not np.isnan(nll[1:]).any()
+        np.testing.assert_allclose(nll, ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(sentence_ppl(nll, spans), sentence_ppl(ref, spans), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("padding", PADDING)
+@pytest.mark.parametrize("head_rows", [None, 3])
+def test_engine_matches_reference_batched(tiny_lm, head_rows, padding):
+    model, tok = tiny_lm
+    tokenized = [_tokenized(tok, doc) for doc in DOCS]
+    longest = max(len(ids) for ids, _ in tokenized)
+    calls = []
+    nlls = token_nll(
+        model,
+        [ids for ids, _ in tokenized],
+        max_context=longest,
+        max_batch_size=8,
+        head_rows=head_rows,
+        on_batch=calls.append,
+        **padding,
+    )
+    assert sum(calls) == sum(max(0, len(ids) - 1) for ids, _ in tokenized)
+    for nll, (ids, spans) in zip(nlls, tokenized):
+        ref = _reference(model, ids, spans)
+        np.testing.assert_allclose(nll, ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(sentence_ppl(nll, spans), sentence_ppl(ref, spans), atol=1e-4, rtol=0)
+
+
+def test_engine_empty_and_one_token(tiny_lm):
+    model, _ = tiny_lm
+    out = token_nll(model, [[], [5], [5, 6, 7]], max_context=16)
+    assert [len(x) for x in out] == [0, 1, 3]
+    assert np.isnan(out[1][0]) and np.isnan(out[2][0]) and not np.isnan(out[2][1:]).any()
+    assert token_nll(model, [], max_context=16) == []
+    assert len(token_nll_incremental(model, [[], []])) == 0
+
+
+def test_sentence_ppl_skips_unscored():
+    nll = np.array([NAN, 1.0, 3.0, 2.0, 4.0], dtype=np.float32)
+    out = sentence_ppl(nll, [(0, 1), (1, 3), (3, 5), (5, 5)])
+    assert np.isnan(out[0]) and np.isnan(out[3])  # only the unscored first token; empty span
+    assert out[1:3].tolist() == [2.0, 3.0]
+    out = sentence_ppl(nll, [(0, 3)])
+    assert out.tolist() == [2.0]  # the NaN of token 0 is skipped, not averaged
+
+
+# --------------------------------------------------------------------------------------------
+# Long documents: windows smaller than the document
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_ids(tiny_tokenizer, shared_data: Path) -> list[int]:
+    path = shared_data / "gutenqa-emma" / "paragraphs.jsonl"
+    if path.is_file():
+        with path.open(encoding="utf-8") as f:
+            text = "\n\n".join(json.loads(line)["text"] for _, line in zip(range(8), f))
+    else:
+        text = " ".join(DOCS) * 4
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 400
+    return ids[:400]
+
+
+def test_long_document_windows_match_direct_forward(tiny_lm, long_ids):
+    import torch
+
+    model, _ = tiny_lm
+    w = 64
+    (nll,) = token_nll(model, [long_ids], max_context=w)
+    assert np.isnan(nll[0]) and not np.isnan(nll[1:]).any()
+    windows = plan_windows(len(long_ids), w)
+    assert len(windows) > 5
+    for p in (1, 10, 63, 64, 65, 100, 200, 255, 399):
+        win = next(x for x in windows if x.score_from <= p < x.end)
+        ids = torch.as_tensor([long_ids[win.start : win.end]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        expected = -logp[p - win.start - 1, long_ids[p]].item()
+        assert nll[p] == pytest.approx(expected, abs=1e-4), p
+    # Truncating the context changes the value for a late token (the window really is local) ...
+    (full,) = token_nll(model, [long_ids], max_context=len(long_ids))
+    assert np.abs(full[200:] - nll[200:]).max() > 1e-3
+    # ... but not for tokens inside the first window.
+    np.testing.assert_allclose(full[:w], nll[:w], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("padding", PADDING)
+def test_long_document_independent_of_batch(tiny_lm, long_ids, padding):
+    model, tok = tiny_lm
+    others = [tok(d, add_special_tokens=False)["input_ids"] for d in DOCS[:3]]
+    (alone,) = token_nll(model, [long_ids], max_context=64, max_batch_size=1)
+    for kwargs in ({"max_batch_size": 16}, {"max_batch_size": 3, "batch_tokens": 100}, {"head_rows": 7}):
+        batched = token_nll(
+            model,
+            [others[0], long_ids, others[1], long_ids[:150], others[2]],
+            max_context=64,
+            **kwargs,
+            **padding,
+        )
+        np.testing.assert_allclose(batched[1], alone, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batched[3], alone[:150], atol=1e-5, rtol=0)  # a prefix scores the same
+        for got, ids in zip([batched[0], batched[2], batched[4]], others):
+            (ref,) = token_nll(model, [ids], max_context=64, max_batch_size=1)
+            np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Real model (integration)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_engine_matches_reference_smollm2(smollm2, shared_data: Path):
+    model, tok = smollm2
+    path = shared_data / "gutenqa-emma" / "paragraphs.jsonl"
+    if not path.is_file():
+        pytest.skip("shared corpora not present")
+    with path.open(encoding="utf-8") as f:
+        paragraphs = [json.loads(line)["text"] for line in f][21:33]  # 12 short paragraphs, dialogue
+    doc = "\n\n".join(paragraphs)
+    sents = split_sentences(doc, "en")
+    ids, spans = tokenize_sentences(tok, doc, sents)
+    assert len(sents) > 12
+    (nll,) = token_nll(model, [ids], max_context=4096)
+    ref = _reference(model, ids, spans)
+    np.testing.assert_allclose(nll, ref, atol=1e-4, rtol=0)
+    ppl, ppl_ref = sentence_ppl(nll, spans), sentence_ppl(ref, spans)
+    np.testing.assert_allclose(ppl, ppl_ref, atol=1e-4, rtol=0)
+    assert np.all((ppl > 0) & (ppl < 20))  # a real LM on English prose: a few nats per token
+
+
+# --------------------------------------------------------------------------------------------
+# End to end on the shared corpora: Chunker(method="ppl")
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data: Path) -> tuple[list[str], list[str]]:
+    news, emma = shared_data / "crud-news" / "news.jsonl", shared_data / "gutenqa-emma" / "paragraphs.jsonl"
+    if not (news.is_file() and emma.is_file()):
+        pytest.skip("shared corpora not present")
+    with news.open(encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for _, line in zip(range(10), f)]
+    with emma.open(encoding="utf-8") as f:
+        texts.append("\n\n".join(json.loads(line)["text"] for _, line in zip(range(60), f)))
+    texts += ["", "  \n\n "]  # empty documents ride along
+    return [f"doc{i}" for i in range(len(texts))], texts
+
+
+@pytest.fixture(scope="module")
+def chunk_ppl(tiny_model_dir: Path, corpus):
+    from chunking.pipeline import ChunkConfig, Chunker
+
+    cache = {}
+
+    def run(**kwargs):
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cfg = ChunkConfig(method="ppl", model=str(tiny_model_dir), device="cpu", **kwargs)
+            cache[key] = Chunker(cfg).chunk(*corpus)
+        return cache[key]
+
+    return run
+
+
+def _assert_tiles(d):
+    if not d.text.strip():
+        assert d.chunks == []  # nothing to retrieve in an empty or whitespace-only document
+        return
+    assert "".join(c.text for c in d.chunks) == d.text
+    for c in d.chunks:
+        assert c.text == d.text[c.start : c.end]
+        assert c.end > c.start
+    assert d.chunks[0].start == 0 and d.chunks[-1].end == len(d.text)
+
+
+def test_chunker_ppl_tiles_corpus(chunk_ppl, corpus):
+    ids, texts = corpus
+    out = chunk_ppl(threshold=0.0)
+    assert [d.id for d in out] == ids and [d.text for d in out] == texts
+    n_boundaries = 0
+    for d in out:
+        _assert_tiles(d)
+        if not d.text.strip():
+            assert d.chunks == [] and d.sentences == []
+            continue
+        assert len(d.sentences) > 1
+        for s in d.sentences:
+            assert s.score is None or (isinstance(s.score, float) and math.isfinite(s.score))
+        assert sum(s.score is not None for s in d.sentences) >= len(d.sentences) - 1
+        scores = [NAN if s.score is None else s.score for s in d.sentences]
+        assert d.boundaries == ppl_boundaries(scores, 0.0)
+        assert len(d.chunks) == len(d.boundaries) + 1
+        n_boundaries += len(d.boundaries)
+    assert n_boundaries > 20  # θ = 0 splits at every minimum
+
+
+def test_chunker_ppl_target_len(chunk_ppl):
+    out = chunk_ppl(target_len=178, len_unit="char")
+    n_long = 0
+    for d in out:
+        _assert_tiles(d)
+        if not d.chunks:
+            continue
+        meta = {(c.start, c.end) for c in chunks_from_boundaries(d.text, d.sentences, d.boundaries)}
+        for c in d.chunks:
+            if text_length(c.text, "char") > 178:
+                assert (c.start, c.end) in meta  # an over-long meta-chunk stays alone, never cut
+                n_long += 1
+        # merged: fewer chunks than meta-chunks, and two neighbours never fit together in L
+        assert len(d.chunks) <= len(meta)
+        for a, b in zip(d.chunks, d.chunks[1:]):
+            assert text_length(d.text[a.start : b.end], "char") > 178
+    assert sum(len(d.chunks) for d in out) > 10
+    assert n_long > 0  # the corpus does exercise over-long meta-chunks
+
+
+def test_chunker_ppl_overlap(chunk_ppl):
+    plain = chunk_ppl(threshold=0.0)
+    out = chunk_ppl(threshold=0.0, overlap=True)
+    for d, p in zip(out, plain):
+        assert [c.end for c in d.chunks] == [c.end for c in p.chunks]  # same boundaries
+        for c in d.chunks:
+            assert c.text == d.text[c.start : c.end] and c.end > c.start
+        if d.chunks:
+            assert d.chunks[0].start == 0 and d.chunks[-1].end == len(d.text)
+        for prev, nxt in zip(d.chunks, d.chunks[1:]):
+            last = next(s for s in d.sentences if s.end == prev.end)
+            assert prev.start <= last.start
+            assert nxt.start == last.start  # chunk k+1 opens with chunk k's last sentence
