@@ -13,9 +13,12 @@ What is compared, on the same consecutive-sentence pairs:
   tokens are run, B pairs per forward pass. ``B=1`` isolates the prefix-reuse gain; larger B adds
   batching (and some padding waste, reported as "pad eff" = real / padded suffix tokens).
 
-Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds that each time
-every variant back to back (the order alternates between rounds); the headline uses the best
-(minimum) time of each variant, the median is printed too. Decisions are then taken from the
+Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds; a round is one
+pass over all pairs per variant, cut into blocks of ``--block`` pairs, and every block is scored by
+all variants back to back in a rotating order, so a change in machine load hits all of them
+alike. A variant's round time is the sum over blocks (``margins`` sorts and batches within a
+block, so padding is that of ``--block`` pairs; the instruction forward is charged once per
+round). The headline uses each variant's best (minimum) round, the median is printed too. Decisions are then taken from the
 margins of both paths with the same θ (fixed ``--theta``, default 0, and dynamic = mean of past
 margins, as :func:`chunking.msp.msp_decisions` does) and compared: identical decisions / total,
 plus the largest ``|margin_batched - margin_single|``.
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         "--headline-batch", type=int, default=8, help="batch size judged against the target (default 8)"
     )
     ap.add_argument("--reps", type=int, default=2, help="timed rounds per variant (default 2)")
+    ap.add_argument(
+        "--block", type=int, default=30, help="pairs per interleaving block (default 30; see docstring)"
+    )
     ap.add_argument("--theta", type=float, default=0.0, help="fixed θ for the decision comparison")
     ap.add_argument("--target", type=float, default=None, help="speed-up target (default 2 on CPU, 5 on GPU)")
     ap.add_argument(
@@ -152,18 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def run_single() -> tuple[float, np.ndarray]:
+    def run_single(block: list[tuple[str, str]]) -> tuple[float, np.ndarray]:
         sync()
         t0 = time.perf_counter()
-        out = np.array([scorer.margin_single(a, b) for a, b in pairs])
+        out = np.array([scorer.margin_single(a, b) for a, b in block])
         sync()
         return time.perf_counter() - t0, out
 
-    def run_batched(b: int) -> tuple[float, np.ndarray]:
-        scorer._prefix_cache = None  # the one-off instruction forward is part of the timed cost
+    def run_batched(block: list[tuple[str, str]], b: int, first: bool) -> tuple[float, np.ndarray]:
+        if first:  # the one-off instruction forward is charged once per pass over the pairs
+            scorer._prefix_cache = None
         sync()
         t0 = time.perf_counter()
-        out = scorer.margins(pairs, batch_size=b)
+        out = scorer.margins(block, batch_size=b)
         sync()
         return time.perf_counter() - t0, out
 
@@ -174,16 +181,35 @@ def main(argv: list[str] | None = None) -> int:
     for b in batch_sizes:
         scorer.margins(warm, batch_size=b)
 
+    # Every round is one pass over all pairs per variant, cut into blocks: each block is scored by
+    # every variant back to back (the order rotates), so a change in machine load hits all variants
+    # alike instead of whichever happened to run during it.
     variants = ["single"] + [f"batched{b}" for b in batch_sizes]
+    blocks = [pairs[i : i + args.block] for i in range(0, len(pairs), args.block)]
     times: dict[str, list[float]] = {v: [] for v in variants}
     margins: dict[str, np.ndarray] = {}
+    step = 0
     for rep in range(args.reps):
-        order = variants if rep % 2 == 0 else variants[::-1]
-        for v in order:
-            dt, m = run_single() if v == "single" else run_batched(int(v.removeprefix("batched")))
-            times[v].append(dt)
-            margins[v] = m
-            print(f"  round {rep + 1}: {v:<10} {dt:8.2f} s", flush=True)
+        spent = dict.fromkeys(variants, 0.0)
+        parts: dict[str, list[np.ndarray]] = {v: [] for v in variants}
+        for k, block in enumerate(blocks):
+            order = variants[step % len(variants) :] + variants[: step % len(variants)]
+            order = order if step % 2 == 0 else order[::-1]
+            step += 1
+            for v in order:
+                if v == "single":
+                    dt, m = run_single(block)
+                else:
+                    dt, m = run_batched(block, int(v.removeprefix("batched")), first=k == 0)
+                spent[v] += dt
+                parts[v].append(m)
+        for v in variants:
+            times[v].append(spent[v])
+            margins[v] = np.concatenate(parts[v])
+        print(
+            f"  round {rep + 1}: " + ", ".join(f"{v} {spent[v]:.1f} s" for v in variants),
+            flush=True,
+        )
 
     ref = margins["single"]
     ref_fixed = decisions(ref, args.theta, False)
@@ -201,7 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         diff = float(np.max(np.abs(margins[v] - ref))) if len(ref) else 0.0
         same_fixed = sum(x == y for x, y in zip(decisions(margins[v], args.theta, False), ref_fixed))
         same_dyn = sum(x == y for x, y in zip(decisions(margins[v], args.theta, True), ref_dyn))
-        pad = 1.0 if b is None else padding_efficiency(suffix_lens, b)
+        pad = 1.0
+        if b is not None:  # margins() sorts and batches within each block it is given
+            real = padded = 0
+            for i in range(0, len(suffix_lens), args.block):
+                blk = suffix_lens[i : i + args.block]
+                real += sum(blk)
+                padded += sum(blk) / padding_efficiency(blk, b)
+            pad = real / padded
         row = {
             "variant": v,
             "batch_size": b,
@@ -242,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefix_tokens": n_prefix,
         "suffix_tokens_mean": mean_suffix,
         "reps": args.reps,
+        "block": args.block,
         "theta": args.theta,
         "target_speedup": target,
         "headline_batch_size": headline,

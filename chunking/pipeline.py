@@ -81,6 +81,11 @@ class ChunkConfig:
     )
     embedder: str = option("minilm", "semantic: sentence-transformers preset or local dir")
     device: str | None = option(None, "torch device; default cuda when available, else cpu")
+    dtype: str = option(
+        "auto",
+        "model weights dtype; auto = bfloat16 on GPU, float32 on CPU",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
 
     def __post_init__(self):
         check_choices(self)
@@ -142,7 +147,7 @@ class Chunker:
         if cfg.method in LM_METHODS:
             from metachunk.models import load_causal_lm
 
-            self.model, self.tokenizer = load_causal_lm(cfg.model, device=cfg.device)
+            self.model, self.tokenizer = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
         elif cfg.len_unit == "token":
             from transformers import AutoTokenizer
 
