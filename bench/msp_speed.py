@@ -9,19 +9,23 @@ What is compared, on the same consecutive-sentence pairs:
 * **single**: ``[scorer.margin_single(a, b) for a, b in pairs]``: one full forward pass over
   instruction + pair + template tail per pair, no cache reuse (what a naive loop does).
 * **batched B**: ``scorer.margins(pairs, batch_size=B)``: the instruction's KV cache is computed
-  once (its cost is included: the cache is cleared before every timed call) and only the pair
-  tokens are run, B pairs per forward pass. ``B=1`` isolates the prefix-reuse gain; larger B adds
-  batching (and some padding waste, reported as "pad eff" = real / padded suffix tokens).
+  once (its cost is included, once per pass over the pairs) and only the pair tokens are run, up
+  to B pairs per forward pass (``margins`` sorts pairs by length and closes a batch early rather
+  than pad it by more than ``chunking.msp.MAX_PADDING``). ``B=1`` isolates the prefix-reuse gain;
+  larger B adds batching; "pad eff" = real / padded pair tokens.
 
-Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds; a round is one
-pass over all pairs per variant, cut into blocks of ``--block`` pairs, and every block is scored by
+Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds. A round is one
+pass over all pairs per variant, cut into blocks of ``--block`` pairs; every block is scored by
 all variants back to back in a rotating order, so a change in machine load hits all of them
-alike. A variant's round time is the sum over blocks (``margins`` sorts and batches within a
-block, so padding is that of ``--block`` pairs; the instruction forward is charged once per
-round). The headline uses each variant's best (minimum) round, the median is printed too. Decisions are then taken from the
-margins of both paths with the same θ (fixed ``--theta``, default 0, and dynamic = mean of past
-margins, as :func:`chunking.msp.msp_decisions` does) and compared: identical decisions / total,
-plus the largest ``|margin_batched - margin_single|``.
+alike, and a variant's round time is the sum over blocks. Blocks are consecutive runs of the
+pairs sorted by length (the order ``margins`` sorts into), so with ``--block`` a multiple of B a
+round runs the same batches, and padding, as one ``margins(pairs, B)`` call (up to where a
+block edge cuts a batch). The headline uses each variant's best (minimum) round; the median is
+printed too. Decisions are then taken from the margins of both paths with the same θ (fixed
+``--theta``, default 0, and dynamic = mean of past margins, as
+:func:`chunking.msp.msp_decisions` does) and compared: identical decisions / total, plus the
+largest ``|margin_batched - margin_single|``. PASS needs the target speed-up at
+``--headline-batch`` (default 8, ``msp_decisions``' default) and all decisions identical.
 
 Pairs: the sentences of the first Emma paragraphs (``--lang en``, SmolLM2 by default) or of the
 first CRUD news articles (``--lang zh``, Gemma-3-270m by default: a base model without a chat
@@ -30,7 +34,7 @@ document and split with :func:`chunking.sentences.split_sentences`; the first ``
 consecutive pairs are used. The same script runs on a GPU (``--device cuda``, the default when
 one is available; the model dtype then defaults to bf16, see ``--dtype``).
 
-Default run (60 pairs, batch sizes 1,4,8,16, 2 rounds, SmolLM2 on one CPU thread): ~4 minutes.
+Default run (64 pairs, batch sizes 1,4,8,16, 2 rounds, SmolLM2 on one CPU thread): ~4 minutes.
 Results: ``bench_out/msp_speed.json``.
 """
 
@@ -86,12 +90,15 @@ def decisions(margins, theta: float, dynamic: bool) -> list[bool]:
 
 
 def padding_efficiency(lengths: list[int], batch_size: int) -> float:
-    """Real / padded suffix tokens for margins()' batching (sorted by length, fixed rows)."""
-    lengths = sorted(lengths)
-    padded = sum(
-        max(lengths[i : i + batch_size]) * len(lengths[i : i + batch_size])
-        for i in range(0, len(lengths), batch_size)
-    )
+    """Real / padded suffix tokens of the batches margins() forms for these pair lengths."""
+    try:
+        from chunking.msp import length_batches
+    except ImportError:  # margins() before it capped padding: fixed rows over the sorted lengths
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    else:
+        batches = length_batches(lengths, batch_size)
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     return sum(lengths) / padded if padded else 1.0
 
 
@@ -106,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 on GPU, fp32 on CPU)")
     ap.add_argument("--prompt", default="table6", choices=("table6", "table7"), help="MSP prompt variant")
-    ap.add_argument("--pairs", type=int, default=60, help="number of sentence pairs (default 60)")
+    ap.add_argument("--pairs", type=int, default=64, help="number of sentence pairs (default 64)")
     ap.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated batch sizes for margins()")
     ap.add_argument(
         "--headline-batch", type=int, default=8, help="batch size judged against the target (default 8)"
     )
     ap.add_argument("--reps", type=int, default=2, help="timed rounds per variant (default 2)")
     ap.add_argument(
-        "--block", type=int, default=30, help="pairs per interleaving block (default 30; see docstring)"
+        "--block",
+        type=int,
+        default=32,
+        help="pairs per interleaving block (default 32; a multiple of the batch sizes, see docstring)",
     )
     ap.add_argument("--theta", type=float, default=0.0, help="fixed θ for the decision comparison")
     ap.add_argument("--target", type=float, default=None, help="speed-up target (default 2 on CPU, 5 on GPU)")
@@ -185,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     # every variant back to back (the order rotates), so a change in machine load hits all variants
     # alike instead of whichever happened to run during it.
     variants = ["single"] + [f"batched{b}" for b in batch_sizes]
-    blocks = [pairs[i : i + args.block] for i in range(0, len(pairs), args.block)]
+    # Blocks are consecutive runs of the pairs sorted by suffix length, the order margins() sorts
+    # all pairs into: with a block size that is a multiple of the batch size, a round runs exactly
+    # the batches of one margins(pairs) call (same rows, same padding), just timed in pieces.
+    by_length = sorted(range(len(pairs)), key=lambda i: suffix_lens[i])
+    block_idx = [by_length[i : i + args.block] for i in range(0, len(pairs), args.block)]
+    blocks = [[pairs[i] for i in idx] for idx in block_idx]
+    position = np.concatenate([np.asarray(idx) for idx in block_idx])
     times: dict[str, list[float]] = {v: [] for v in variants}
     margins: dict[str, np.ndarray] = {}
     step = 0
@@ -205,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts[v].append(m)
         for v in variants:
             times[v].append(spent[v])
-            margins[v] = np.concatenate(parts[v])
+            margins[v] = np.empty(len(pairs))
+            margins[v][position] = np.concatenate(parts[v])  # back to document order
         print(
             f"  round {rep + 1}: " + ", ".join(f"{v} {spent[v]:.1f} s" for v in variants),
             flush=True,
@@ -230,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         pad = 1.0
         if b is not None:  # margins() sorts and batches within each block it is given
             real = padded = 0
-            for i in range(0, len(suffix_lens), args.block):
-                blk = suffix_lens[i : i + args.block]
+            for idx in block_idx:
+                blk = [suffix_lens[i] for i in idx]
                 real += sum(blk)
                 padded += sum(blk) / padding_efficiency(blk, b)
             pad = real / padded

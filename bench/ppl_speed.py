@@ -84,7 +84,10 @@ def worker(args) -> None:
     from metachunk.scoring import token_nll, token_nll_incremental
 
     docs = load_docs(args.corpus, args.docs)
-    model, tok = load_causal_lm(args.model, device=args.device, dtype=args.dtype)
+    # "engine-bf16": the same engine with bf16 weights (AMX / tensor cores); logits are still
+    # normalised in fp32. Shows what reduced precision buys and what it costs in boundary F1.
+    dtype = "bfloat16" if args.worker == "engine-bf16" else args.dtype
+    model, tok = load_causal_lm(args.model, device=args.device, dtype=dtype)
     sentences = [split_sentences(d, args.lang) for d in docs]
     tokenized = [tokenize_sentences(tok, d, s) for d, s in zip(docs, sentences)]
     # Weights are memory-mapped and page in on first use: run one short forward so that "RSS after
@@ -95,7 +98,7 @@ def worker(args) -> None:
     sync = torch.cuda.synchronize if args.device and args.device.startswith("cuda") else (lambda: None)
 
     cpu0, t0 = time.process_time(), time.perf_counter()
-    if args.worker == "engine":
+    if args.worker in ("engine", "engine-bf16"):
         nll = token_nll(
             model, [ids for ids, _ in tokenized], max_context=args.max_context, max_batch_size=args.batch_size
         )
@@ -132,7 +135,7 @@ def main() -> None:
     p.add_argument("--corpus", choices=["emma", "crud"], default="emma")
     p.add_argument("--docs", type=int, default=20, help="Emma chapters or CRUD articles")
     p.add_argument("--lang", default=None, help="default: en for emma, zh for crud")
-    p.add_argument("--methods", default="engine,loop,plain")
+    p.add_argument("--methods", default="engine,loop,plain", help="any of engine, engine-bf16, loop, plain")
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
@@ -170,7 +173,7 @@ def main() -> None:
     any_res = next(iter(results.values()))
     print(f"\nmodel={args.model} corpus={args.corpus} docs={args.docs} tokens={any_res['tokens']} "
           f"sentences={any_res['sentences']} max_context={args.max_context} device={args.device or 'auto'} dtype={args.dtype}")  # fmt: skip
-    header = f"{'method':<8} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
+    header = f"{'method':<12} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
     print(header + "\n" + "-" * len(header))
     summary = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "methods": {}}
     for m, r in results.items():
@@ -183,22 +186,20 @@ def main() -> None:
             theirs = {(d, i) for d, ppl in enumerate(results[ref]["ppl"]) for i in ppl_boundaries(ppl, t)}
             f1s.append(f1(mine, theirs))
         extra = r["peak_rss_mb"] - r["load_rss_mb"]
-        print(f"{m:<8} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
+        print(f"{m:<12} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
               f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
         summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl}  # fmt: skip
-    if "engine" in results:
-        e = results["engine"]
+    for name in ("engine", "engine-bf16"):
+        if name not in results:
+            continue
+        e = results[name]
         for other in ("loop", "plain"):
             if other in results:
                 o = results[other]
-                print(
-                    f"engine vs {other}: {o['wall_s'] / e['wall_s']:.2f}x wall, {o['cpu_s'] / e['cpu_s']:.2f}x cpu"
-                )
-                summary[f"speedup_vs_{other}"] = {
-                    "wall": o["wall_s"] / e["wall_s"],
-                    "cpu": o["cpu_s"] / e["cpu_s"],
-                }
-        print(f"engine peak RSS - RSS after load: {e['peak_rss_mb'] - e['load_rss_mb']:.0f} MB")
+                wall, cpu = o["wall_s"] / e["wall_s"], o["cpu_s"] / e["cpu_s"]
+                print(f"{name} vs {other}: {wall:.2f}x wall, {cpu:.2f}x cpu")
+                summary[f"{name}_speedup_vs_{other}"] = {"wall": wall, "cpu": cpu}
+        print(f"{name} peak RSS - RSS after load: {e['peak_rss_mb'] - e['load_rss_mb']:.0f} MB")
     (ROOT / "bench_out").mkdir(exist_ok=True)
     name = f"ppl_speed_{args.model.replace('/', '_')}_{args.corpus}{args.docs}.json"
     (ROOT / "bench_out" / name).write_text(json.dumps(summary, indent=2))
