@@ -158,7 +158,6 @@ def load_causal_lm(name_or_dir: str, device: str | None = None, dtype: str = "au
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
