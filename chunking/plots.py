@@ -13,7 +13,8 @@ SCORE_LABELS = {
 
 
 def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -> Path:
-    """Write ``path`` (PNG): one point per sentence, a dashed line at every sentence that ends a chunk."""
+    """Write ``path`` (PNG): one point per sentence, a triangle at each meta-chunk boundary, and a
+    dashed line at every sentence that ends a final chunk (after merging)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,6 +26,11 @@ def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -
     ax.plot(range(len(scores)), scores, marker=".", lw=0.8, color="tab:blue")
     for i in sorted(ends)[:-1]:
         ax.axvline(i, color="tab:red", ls="--", lw=0.6)
+    if doc.boundaries:  # meta-chunk boundaries (PPL minima / MSP splits), before merging
+        ax.plot(
+            doc.boundaries, [scores[i] for i in doc.boundaries], "v", color="tab:red", ms=5, label="boundary"
+        )
+        ax.legend(loc="upper right", fontsize=7)
     if doc.thresholds:
         ax.plot(
             range(len(scores)),
@@ -33,7 +39,7 @@ def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -
             lw=0.8,
             label="dynamic θ",
         )
-        ax.legend(loc="upper right")
+        ax.legend(loc="upper right", fontsize=7)
     ax.set_xlabel("sentence")
     ax.set_ylabel(SCORE_LABELS.get(method, "score"))
     title = f"{doc.id}: {len(doc.sentences)} sentences, {len(doc.chunks)} chunks ({method}"
