@@ -103,9 +103,7 @@ def padding_efficiency(lengths: list[int], batch_size: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lang", choices=("en", "zh"), default="en", help="en: Emma paragraphs; zh: CRUD news")
     ap.add_argument(
         "--model", default=None, help="preset or HF dir (default: smollm2 for en, gemma3-270m for zh)"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from chunking import msp
 from chunking.msp import MarginScorer, Threshold, load_prompt, msp_decisions
@@ -406,3 +408,19 @@ def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
             ambiguous = {i - 1 for i, m in enumerate(single, start=1) if abs(m - theta) < 1e-4}
             assert set(d.boundaries) ^ set(expected) <= ambiguous
             assert 0 < len(expected) < 14
+
+
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=400), max_size=60),
+    batch_size=st.integers(min_value=1, max_value=16),
+)
+def test_length_batches_cover_every_pair_once_within_limits(lengths, batch_size):
+    from chunking.msp import MAX_PADDING, length_batches
+
+    batches = length_batches(lengths, batch_size)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert 1 <= len(b) <= batch_size
+        if len(b) > 1:
+            longest = max(lengths[i] for i in b)
+            assert len(b) * longest <= (1 + MAX_PADDING) * sum(lengths[i] for i in b) + 1e-9
