@@ -98,9 +98,14 @@ def worker(args) -> None:
     sync = torch.cuda.synchronize if args.device and args.device.startswith("cuda") else (lambda: None)
 
     cpu0, t0 = time.process_time(), time.perf_counter()
-    if args.worker in ("engine", "engine-bf16"):
+    if args.worker.startswith("engine"):
+        head_dtype = torch.bfloat16 if args.worker == "engine-bf16head" else None
         nll = token_nll(
-            model, [ids for ids, _ in tokenized], max_context=args.max_context, max_batch_size=args.batch_size
+            model,
+            [ids for ids, _ in tokenized],
+            max_context=args.max_context,
+            max_batch_size=args.batch_size,
+            head_dtype=head_dtype,
         )
     elif args.worker == "loop":
         nll = []
@@ -135,7 +140,11 @@ def main() -> None:
     p.add_argument("--corpus", choices=["emma", "crud"], default="emma")
     p.add_argument("--docs", type=int, default=20, help="Emma chapters or CRUD articles")
     p.add_argument("--lang", default=None, help="default: en for emma, zh for crud")
-    p.add_argument("--methods", default="engine,loop,plain", help="any of engine, engine-bf16, loop, plain")
+    p.add_argument(
+        "--methods",
+        default="engine,loop,plain",
+        help="any of engine, engine-bf16head, engine-bf16, loop, plain",
+    )
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
@@ -189,7 +198,7 @@ def main() -> None:
         print(f"{m:<12} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
               f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
         summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl}  # fmt: skip
-    for name in ("engine", "engine-bf16"):
+    for name in ("engine", "engine-bf16head", "engine-bf16"):
         if name not in results:
             continue
         e = results[name]

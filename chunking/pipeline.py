@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
 from chunking.merge import add_sentence_overlap, merge_chunks
 from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_prompt, msp_decisions
@@ -85,6 +87,12 @@ class ChunkConfig:
         "auto",
         "model weights dtype; auto = bfloat16 on GPU, float32 on CPU",
         choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    head_dtype: str = option(
+        "auto",
+        "ppl: dtype of the LM-head matmul; bfloat16 is ~1.5x faster on CPUs with AMX (target logit stays "
+        "exact fp32, only the normaliser is approximate), auto = the model's dtype",
+        choices=["auto", "float32", "bfloat16"],
     )
 
     def __post_init__(self):
@@ -181,8 +189,15 @@ class Chunker:
         out = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
 
         if cfg.method == "ppl":
+            head_dtype = None if cfg.head_dtype == "auto" else getattr(torch, cfg.head_dtype)
             scores = score_documents(
-                self.model, self.tokenizer, texts, sentences, cfg.max_context, cfg.batch_size
+                self.model,
+                self.tokenizer,
+                texts,
+                sentences,
+                cfg.max_context,
+                cfg.batch_size,
+                head_dtype=head_dtype,
             )
             for d, ppl in zip(out, scores):
                 d.sentences = _with_scores(d.sentences, ppl)

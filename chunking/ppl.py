@@ -84,6 +84,7 @@ def score_documents(
     max_context: int = 4096,
     batch_size: int = 8,
     on_batch: Callable[[int], None] | None = None,
+    head_dtype=None,
 ) -> list[np.ndarray]:
     """Sentence PPLs for several documents, scored together in batched windows."""
     from metachunk.scoring import token_nll
@@ -96,5 +97,6 @@ def score_documents(
         max_batch_size=batch_size,
         batch_tokens=max(max_context, 8192),
         on_batch=on_batch,
+        head_dtype=head_dtype,
     )
     return [sentence_ppl(nll, spans) for nll, (_, spans) in zip(nlls, tokenized)]

@@ -53,19 +53,41 @@ def plan_windows(n_tokens: int, max_context: int, seq: int = 0) -> list[Window]:
     return windows
 
 
-def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    logits = model.get_output_embeddings()(hidden).float()
+def _softcap(model, logits: torch.Tensor) -> torch.Tensor:
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:  # Gemma-style soft-capping is part of the model's distribution.
         logits = torch.tanh(logits / cap) * cap
     return logits
 
 
-def _sliced_nll(model, hidden: torch.Tensor, targets: torch.Tensor, head_rows: int) -> torch.Tensor:
+def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    return _softcap(model, model.get_output_embeddings()(hidden).float())
+
+
+def _sliced_nll(
+    model, hidden: torch.Tensor, targets: torch.Tensor, head_rows: int, low: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``logsumexp(logits) - logit[target]`` per row, ``head_rows`` rows of logits at a time.
+
+    ``low`` is an optional low-precision copy of the head's weight (bf16 on a CPU with AMX, where
+    the head matmul is ~4x faster). Then only the normaliser comes from low-precision logits; the
+    target logit is an exact fp32 dot product with the target's row of the head.
+    """
+    head = model.get_output_embeddings()
     out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
     for i in range(0, len(targets), head_rows):
-        logits = _head_logits(model, hidden[i : i + head_rows])
-        target_logit = logits.gather(1, targets[i : i + head_rows, None]).squeeze(1)
+        h, t = hidden[i : i + head_rows], targets[i : i + head_rows]
+        if low is None:
+            logits = _head_logits(model, h)
+            target_logit = logits.gather(1, t[:, None]).squeeze(1)
+        else:
+            logits = h.to(low.dtype) @ low.T
+            if head.bias is not None:
+                logits = logits + head.bias.to(low.dtype)
+            logits = _softcap(model, logits.float())
+            target_logit = _softcap(model, (h.float() * head.weight[t].float()).sum(-1))
+            if head.bias is not None:
+                target_logit = target_logit + head.bias[t].float()
         out[i : i + head_rows] = torch.logsumexp(logits, dim=-1) - target_logit
     return out
 
@@ -83,6 +105,7 @@ def token_nll(
     batch_tokens: int = 8192,
     max_batch_size: int = 16,
     head_rows: int | None = None,
+    head_dtype: torch.dtype | None = None,
     on_batch: Callable[[int], None] | None = None,
     allow_padding: bool | None = None,
 ) -> list[np.ndarray]:
@@ -96,12 +119,17 @@ def token_nll(
     CPU a padding mask pushes SDPA off its causal kernel onto the math path, which materialises
     every attention matrix and is slower than running the windows one by one, so there only
     windows of equal length are batched and no mask is passed.
+
+    ``head_dtype`` (default: the weights' dtype) runs the LM head's matmul in another dtype, e.g.
+    ``torch.bfloat16`` for speed on CPUs with AMX; see :func:`_sliced_nll` for what stays exact.
     """
     device = next(model.parameters()).device
     if allow_padding is None:
         allow_padding = device.type == "cuda"
     head_rows = head_rows or default_head_rows(model.config.get_text_config().vocab_size)
     decoder = model.get_decoder()
+    weight = model.get_output_embeddings().weight
+    low = weight.to(head_dtype) if head_dtype not in (None, weight.dtype) else None  # converted once per call
     results = [np.full(len(s), np.nan, dtype=np.float32) for s in sequences]
     windows = [w for i, s in enumerate(sequences) for w in plan_windows(len(s), max_context, i)]
     windows.sort(key=lambda w: w.end - w.start, reverse=True)
@@ -134,7 +162,8 @@ def token_nll(
             cols_idx.append(cols)
             targets.append(ids[r, cols + 1])
         rows_t, cols_t = torch.cat(rows_idx).to(device), torch.cat(cols_idx).to(device)
-        nll = _sliced_nll(model, hidden[rows_t, cols_t], torch.cat(targets).to(device), head_rows).cpu()
+        selected = hidden[rows_t, cols_t]
+        nll = _sliced_nll(model, selected, torch.cat(targets).to(device), head_rows, low).cpu()
 
         offset = 0
         for w in batch:

@@ -469,3 +469,18 @@ def test_chunker_ppl_overlap(chunk_ppl):
             last = next(s for s in d.sentences if s.end == prev.end)
             assert prev.start <= last.start
             assert nxt.start == last.start  # chunk k+1 opens with chunk k's last sentence
+
+
+def test_bf16_head_keeps_target_exact_and_normaliser_close(tiny_lm, long_ids):
+    import torch
+
+    from metachunk.scoring import token_nll
+
+    model, _ = tiny_lm
+    ids = long_ids[:300]
+    exact = token_nll(model, [ids])[0]
+    same = token_nll(model, [ids], head_dtype=torch.float32)[0]
+    fast = token_nll(model, [ids], head_dtype=torch.bfloat16, head_rows=7)[0]
+    np.testing.assert_array_equal(np.isnan(exact), np.isnan(fast))
+    assert np.nanmax(np.abs(exact - same)) == 0.0  # the weights' own dtype is the exact path
+    assert 0.0 < np.nanmax(np.abs(exact - fast)) < 0.05  # bf16 normaliser: close, not identical
