@@ -139,7 +139,7 @@ class MarginScorer:
     @torch.inference_mode()
     def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int = 8) -> np.ndarray:
         """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches."""
-        from metachunk.scoring import _head_logits
+        from metachunk.scoring import lm_head_logits
 
         if not pairs:
             return np.zeros(0)
@@ -167,7 +167,7 @@ class MarginScorer:
                 use_cache=True,
             ).last_hidden_state
             last = torch.as_tensor([len(suffixes[i]) - 1 for i in idx], device=self.device)
-            logits = _head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])
+            logits = lm_head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])
             out[idx] = self._margins_from_logits(logits)
         return out
 

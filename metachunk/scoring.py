@@ -60,7 +60,8 @@ def _softcap(model, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the model's LM head for some hidden states, soft-capped as the model does."""
     return _softcap(model, model.get_output_embeddings()(hidden).float())
 
 
@@ -78,7 +79,7 @@ def _sliced_nll(
     for i in range(0, len(targets), head_rows):
         h, t = hidden[i : i + head_rows], targets[i : i + head_rows]
         if low is None:
-            logits = _head_logits(model, h)
+            logits = lm_head_logits(model, h)
             target_logit = logits.gather(1, t[:, None]).squeeze(1)
         else:
             logits = h.to(low.dtype) @ low.T
