@@ -106,6 +106,7 @@ def worker(args) -> None:
             max_context=args.max_context,
             max_batch_size=args.batch_size,
             head_dtype=head_dtype,
+            long_context=args.long_context,
         )
     elif args.worker == "loop":
         nll = []
@@ -147,6 +148,7 @@ def main() -> None:
     )
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--long-context", default="auto", choices=["auto", "kv-trim", "sliding-window"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")

@@ -88,6 +88,12 @@ class ChunkConfig:
         "model weights dtype; auto = bfloat16 on GPU, float32 on CPU",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
+    long_context: str = option(
+        "auto",
+        "ppl, documents over --max-context: kv-trim (blocks against a trimmed KV cache, each token run once) "
+        "or sliding-window (recomputed windows, any model); auto = kv-trim where the model's cache allows",
+        choices=["auto", "kv-trim", "sliding-window"],
+    )
     head_dtype: str = option(
         "auto",
         "ppl: dtype of the LM-head matmul; bfloat16 is ~1.5x faster on CPUs with AMX (target logit stays "
@@ -198,6 +204,7 @@ class Chunker:
                 cfg.max_context,
                 cfg.batch_size,
                 head_dtype=head_dtype,
+                long_context=cfg.long_context,
             )
             for d, ppl in zip(out, scores):
                 d.sentences = _with_scores(d.sentences, ppl)

@@ -85,6 +85,7 @@ def score_documents(
     batch_size: int = 8,
     on_batch: Callable[[int], None] | None = None,
     head_dtype=None,
+    long_context: str = "auto",
 ) -> list[np.ndarray]:
     """Sentence PPLs for several documents, scored together in batched windows."""
     from metachunk.scoring import token_nll
@@ -98,5 +99,6 @@ def score_documents(
         batch_tokens=max(max_context, 8192),
         on_batch=on_batch,
         head_dtype=head_dtype,
+        long_context=long_context,
     )
     return [sentence_ppl(nll, spans) for nll, (_, spans) in zip(nlls, tokenized)]

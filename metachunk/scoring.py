@@ -4,14 +4,17 @@ PPL chunking, Boundary Clarity / Chunk Stickiness, PPL re-ranking and the perple
 all need ``-log p(token_t | tokens_<t)`` for every token of long texts. Doing that fast and in
 bounded memory comes down to three choices:
 
-* **Windows, not one call per sentence.** A sequence of ``n`` tokens is scored by forward passes
+* **Windows, not one call per sentence.** A sequence that fits in ``max_context`` tokens is
+  scored in one pass. A longer one, by default, runs in blocks against a trimmed KV cache (see
+  :func:`token_nll_kv_trim`); for models whose cache cannot be trimmed, and on request, it is
+  scored by recomputed windows: a sequence of ``n`` tokens is scored by forward passes
   over windows of at most ``max_context`` tokens. The first window scores its own tokens; every
   later window re-reads the previous ``max_context // 2`` tokens as context and scores the next
   ``max_context // 2``. So every token sees at least ``max_context / 2`` tokens of context (or all
   of them, near the start), positions restart at 0 in each window (valid for any position
-  encoding), and peak memory depends on the window, never on the document length. This is the
-  *sliding-window* variant of the paper's "drop old KV pairs" rule; it recomputes the context half
-  of each window instead of trimming a KV cache, which keeps windows independent and batchable.
+  encoding), and peak memory depends on the window, never on the document length. Both are
+  readings of the paper's "drop old KV pairs" rule: trimming never runs a token twice;
+  recomputing keeps windows independent and batchable, and works for any cache layout.
 * **Windows of many documents share a batch.** All windows of all sequences are sorted by length
   and packed into batches under a token budget, so short documents do not run one by one.
 * **The LM head is applied in slices.** Only the hidden states of positions that are scored are
@@ -98,6 +101,76 @@ def default_head_rows(vocab_size: int, budget_bytes: int = 128 * 2**20) -> int:
     return max(1, budget_bytes // (4 * vocab_size))
 
 
+# Tokens of the very start of a sequence that stay in a trimmed KV cache. LLMs park attention on
+# the first tokens ("attention sinks", StreamingLLM); dropping them from the cache wrecks every
+# later prediction (measured on SmolLM2: mean |NLL error| 1.05 nats without them, 0.32 with 4).
+ATTENTION_SINKS = 4
+
+
+def supports_kv_trimming(model) -> bool:
+    """KV trimming edits a plain DynamicCache; models with sliding-window or other cache layers
+    (Gemma 3, Mistral, ...) are scored with recomputed windows instead."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:
+        return False
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+@torch.inference_mode()
+def token_nll_kv_trim(
+    model, ids: Sequence[int], max_context: int, head_rows: int, low: torch.Tensor | None = None
+) -> np.ndarray:
+    """NLL of one long sequence, each token computed once, in bounded memory.
+
+    Blocks of ``max_context // 2`` new tokens run against a KV cache that is trimmed after every
+    block to the last ``max_context // 2`` tokens plus the first :data:`ATTENTION_SINKS`. Keys
+    keep the rotary positions they were computed at and new tokens get their true positions, so
+    relative distances stay correct. Unlike recomputed windows, no token is run twice.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    decoder = model.get_decoder()
+    keep = max_context // 2
+    block = max_context - keep
+    x = torch.as_tensor(list(ids), device=device)
+    out = np.full(len(ids), np.nan, dtype=np.float32)
+    cache, prev_last = DynamicCache(config=model.config), None
+    for a in range(0, len(ids), block):
+        b = min(len(ids), a + block)
+        past = cache.get_seq_length()
+        causal = (
+            torch.arange(past + b - a, device=device)[None, :]
+            <= (past + torch.arange(b - a, device=device))[:, None]
+        )
+        hidden = decoder(
+            input_ids=x[None, a:b],
+            attention_mask=causal[None, None],
+            position_ids=torch.arange(a, b, device=device)[None],
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state[0]
+        if prev_last is None:  # token 0 has nothing to be predicted from
+            states, first = hidden[:-1], a + 1
+        else:  # the previous block's last state predicts this block's first token
+            states, first = torch.cat([prev_last[None], hidden[:-1]]), a
+        out[first:b] = _sliced_nll(model, states, x[first:b], head_rows, low).cpu().numpy()
+        prev_last = hidden[-1]
+        for layer in cache.layers:
+            if layer.keys.shape[-2] > ATTENTION_SINKS + keep:
+                layer.keys = torch.cat(
+                    [layer.keys[..., :ATTENTION_SINKS, :], layer.keys[..., -keep:, :]], dim=-2
+                )
+                layer.values = torch.cat(
+                    [layer.values[..., :ATTENTION_SINKS, :], layer.values[..., -keep:, :]], dim=-2
+                )
+    return out
+
+
 @torch.inference_mode()
 def token_nll(
     model,
@@ -109,6 +182,7 @@ def token_nll(
     head_dtype: torch.dtype | None = None,
     on_batch: Callable[[int], None] | None = None,
     allow_padding: bool | None = None,
+    long_context: str = "auto",
 ) -> list[np.ndarray]:
     """NLL in nats of every token given all preceding tokens of its sequence (within the window).
 
@@ -121,6 +195,11 @@ def token_nll(
     every attention matrix and is slower than running the windows one by one, so there only
     windows of equal length are batched and no mask is passed.
 
+    ``long_context`` picks how sequences longer than ``max_context`` are scored: ``kv-trim``
+    (:func:`token_nll_kv_trim`, every token computed once) or ``sliding-window`` (recomputed
+    windows, :func:`plan_windows`, batched with the rest); ``auto`` trims where the model's cache
+    allows it. Both give every token at least ``max_context // 2`` tokens of context.
+
     ``head_dtype`` (default: the weights' dtype) runs the LM head's matmul in another dtype, e.g.
     ``torch.bfloat16`` for speed on CPUs with AMX; see :func:`_sliced_nll` for what stays exact.
     """
@@ -132,7 +211,24 @@ def token_nll(
     weight = model.get_output_embeddings().weight
     low = weight.to(head_dtype) if head_dtype not in (None, weight.dtype) else None  # converted once per call
     results = [np.full(len(s), np.nan, dtype=np.float32) for s in sequences]
-    windows = [w for i, s in enumerate(sequences) for w in plan_windows(len(s), max_context, i)]
+    if long_context not in ("auto", "kv-trim", "sliding-window"):
+        raise ValueError(f"long_context must be auto, kv-trim or sliding-window, not {long_context!r}")
+    trim = long_context != "sliding-window" and supports_kv_trimming(model)
+    if long_context == "kv-trim" and not trim:
+        raise ValueError(
+            f"{type(model).__name__} has non-standard cache layers; use long_context='sliding-window'"
+        )
+    long_ones = {i for i, s in enumerate(sequences) if trim and len(s) > max_context}
+    for i in sorted(long_ones):
+        results[i] = token_nll_kv_trim(model, sequences[i], max_context, head_rows, low)
+        if on_batch:
+            on_batch(len(sequences[i]) - 1)
+    windows = [
+        w
+        for i, s in enumerate(sequences)
+        if i not in set(long_ones)
+        for w in plan_windows(len(s), max_context, i)
+    ]
     windows.sort(key=lambda w: w.end - w.start, reverse=True)
 
     i = 0

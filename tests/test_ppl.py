@@ -307,7 +307,7 @@ def test_long_document_windows_match_direct_forward(tiny_lm, long_ids):
 
     model, _ = tiny_lm
     w = 64
-    (nll,) = token_nll(model, [long_ids], max_context=w)
+    (nll,) = token_nll(model, [long_ids], max_context=w, long_context="sliding-window")
     assert np.isnan(nll[0]) and not np.isnan(nll[1:]).any()
     windows = plan_windows(len(long_ids), w)
     assert len(windows) > 5
@@ -325,23 +325,25 @@ def test_long_document_windows_match_direct_forward(tiny_lm, long_ids):
     np.testing.assert_allclose(full[:w], nll[:w], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("long_context", ["kv-trim", "sliding-window"])
 @pytest.mark.parametrize("padding", PADDING)
-def test_long_document_independent_of_batch(tiny_lm, long_ids, padding):
+def test_long_document_independent_of_batch(tiny_lm, long_ids, padding, long_context):
     model, tok = tiny_lm
     others = [tok(d, add_special_tokens=False)["input_ids"] for d in DOCS[:3]]
-    (alone,) = token_nll(model, [long_ids], max_context=64, max_batch_size=1)
+    (alone,) = token_nll(model, [long_ids], max_context=64, max_batch_size=1, long_context=long_context)
     for kwargs in ({"max_batch_size": 16}, {"max_batch_size": 3, "batch_tokens": 100}, {"head_rows": 7}):
         batched = token_nll(
             model,
             [others[0], long_ids, others[1], long_ids[:150], others[2]],
             max_context=64,
+            long_context=long_context,
             **kwargs,
             **padding,
         )
         np.testing.assert_allclose(batched[1], alone, atol=1e-5, rtol=0)
         np.testing.assert_allclose(batched[3], alone[:150], atol=1e-5, rtol=0)  # a prefix scores the same
         for got, ids in zip([batched[0], batched[2], batched[4]], others):
-            (ref,) = token_nll(model, [ids], max_context=64, max_batch_size=1)
+            (ref,) = token_nll(model, [ids], max_context=64, max_batch_size=1, long_context=long_context)
             np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
 
 
@@ -484,3 +486,33 @@ def test_bf16_head_keeps_target_exact_and_normaliser_close(tiny_lm, long_ids):
     np.testing.assert_array_equal(np.isnan(exact), np.isnan(fast))
     assert np.nanmax(np.abs(exact - same)) == 0.0  # the weights' own dtype is the exact path
     assert 0.0 < np.nanmax(np.abs(exact - fast)) < 0.05  # bf16 normaliser: close, not identical
+
+
+def test_kv_trim_blocks_stitch_exactly_before_any_trimming(tiny_lm, long_ids):
+    """Blocks of 32 against a cache that is not trimmed yet must equal one full pass: this checks
+    positions, the causal mask across the cache and the prediction of each block's first token."""
+    from metachunk.scoring import supports_kv_trimming, token_nll_kv_trim
+
+    model, _ = tiny_lm
+    assert supports_kv_trimming(model)
+    ids = long_ids[:64]  # two blocks of 32; after the first the cache (32) is within sinks + keep
+    (full,) = token_nll(model, [ids], max_context=len(ids))
+    stitched = token_nll_kv_trim(model, ids, max_context=64, head_rows=5)
+    np.testing.assert_allclose(stitched, full, atol=1e-4, rtol=0)
+
+
+def test_kv_trim_really_drops_old_context_and_scores_everything(tiny_lm, long_ids):
+    from metachunk.scoring import token_nll_kv_trim
+
+    model, _ = tiny_lm
+    (full,) = token_nll(model, [long_ids], max_context=len(long_ids))
+    trimmed = token_nll_kv_trim(model, long_ids, max_context=64, head_rows=64)
+    assert np.isnan(trimmed[0]) and not np.isnan(trimmed[1:]).any()
+    np.testing.assert_allclose(trimmed[:64], full[:64], atol=1e-4, rtol=0)  # nothing dropped yet
+    assert np.abs(trimmed[200:] - full[200:]).max() > 1e-3
+
+
+def test_long_context_mode_is_validated(tiny_lm):
+    model, _ = tiny_lm
+    with pytest.raises(ValueError, match="long_context"):
+        token_nll(model, [[1, 2, 3]], long_context="magic")
