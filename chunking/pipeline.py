@@ -229,7 +229,8 @@ class Chunker:
             for d in out:
                 chunks, distances = semantic_chunks(d.text, d.sentences, self._embed, percentile=theta)
                 d.sentences = _with_scores(d.sentences, [None, *distances])
-                d.boundaries = [_last_sentence(d.sentences, c.end) for c in chunks[:-1]]
+                index_by_end = {s.end: i for i, s in enumerate(d.sentences)}
+                d.boundaries = [index_by_end[c.end] for c in chunks[:-1]]
 
         for d in out:
             unit = self.unit(d.lang)
@@ -247,7 +248,3 @@ class Chunker:
         if on_progress:
             on_progress(len(out))
         return out
-
-
-def _last_sentence(sentences: Sequence[Sentence], end: int) -> int:
-    return next(i for i, s in enumerate(sentences) if s.end == end)
