@@ -148,7 +148,7 @@ def main() -> None:
     )
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
-    p.add_argument("--long-context", default="auto", choices=["auto", "kv-trim", "sliding-window"])
+    p.add_argument("--long-context", default="sliding-window", choices=["kv-trim", "sliding-window"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")

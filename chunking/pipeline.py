@@ -89,10 +89,11 @@ class ChunkConfig:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     long_context: str = option(
-        "auto",
-        "ppl, documents over --max-context: kv-trim (blocks against a trimmed KV cache, each token run once) "
-        "or sliding-window (recomputed windows, any model); auto = kv-trim where the model's cache allows",
-        choices=["auto", "kv-trim", "sliding-window"],
+        "sliding-window",
+        "ppl, documents over --max-context: sliding-window (recomputed windows, any model) or kv-trim "
+        "(blocks against a KV cache trimmed to the recent half window + 4 attention-sink tokens; each "
+        "token run once; plain-cache models only)",
+        choices=["sliding-window", "kv-trim"],
     )
     head_dtype: str = option(
         "auto",

@@ -85,7 +85,7 @@ def score_documents(
     batch_size: int = 8,
     on_batch: Callable[[int], None] | None = None,
     head_dtype=None,
-    long_context: str = "auto",
+    long_context: str = "sliding-window",
 ) -> list[np.ndarray]:
     """Sentence PPLs for several documents, scored together in batched windows."""
     from metachunk.scoring import token_nll
