@@ -6,7 +6,7 @@ through :class:`Chunker`, so each method is configured, loaded and run the same 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,9 +186,7 @@ class Chunker:
     def unit(self, lang: str) -> str:
         return self.cfg.len_unit or ("char" if lang == "zh" else "word")
 
-    def chunk(
-        self, ids: Sequence[str], texts: Sequence[str], on_progress: Callable[[int], None] | None = None
-    ) -> list[ChunkedDocument]:
+    def chunk(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
         cfg = self.cfg
         langs = [detect_lang(t) if cfg.lang == "auto" else cfg.lang for t in texts]
         sentences = [split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) for t in texts]
@@ -246,6 +244,4 @@ class Chunker:
                 d.chunks = merge_chunks(d.text, d.chunks, cfg.target_len, unit, self.tokenizer)
             if cfg.overlap:
                 d.chunks = add_sentence_overlap(d.text, d.chunks, d.sentences)
-        if on_progress:
-            on_progress(len(out))
         return out

@@ -328,11 +328,11 @@ def test_failure_while_writing_keeps_old_output(tmp_path, capsys, tiny, monkeypa
     real_chunk = Chunker.chunk
     calls = []
 
-    def flaky(self, ids, texts, on_progress=None):
+    def flaky(self, ids, texts):
         calls.append(len(ids))
         if len(calls) == 2:
             raise error
-        return real_chunk(self, ids, texts, on_progress)
+        return real_chunk(self, ids, texts)
 
     monkeypatch.setattr(Chunker, "chunk", flaky)
     args = ("-o", out, "--method", "fixed", "--target-len", "5", "--batch-size", "1")
