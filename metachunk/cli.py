@@ -111,6 +111,53 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    from distill.run import DistillConfig, print_estimate, print_status, run, write_records
+
+    if args.action != "status" and getattr(args, "task", None) is None:
+        args.task = args.action  # `distill rewrite` needs no `task:` line in its recipe
+    cfg = config.from_namespace(DistillConfig, args)
+    if args.action != "status" and cfg.task != args.action:
+        raise InputError(args.config, f"this recipe is for 'distill {cfg.task}', not 'distill {args.action}'")
+    if args.action == "status" or cfg.dry_run:
+        result = run(cfg, offline=True)
+        print_status(cfg, result) if args.action == "status" else print_estimate(cfg, result)
+        return 0
+    result = run(cfg)
+    summary = write_records(cfg, result)
+    outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+    print(
+        f"{cfg.out}/records.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests sent, "
+        f"{result.cached} answers from the store; ${summary['cost']:.4f}; {result.seconds:.1f}s",
+        file=sys.stderr,
+    )
+    if result.stopped == "budget":
+        print(
+            f"metachunk: stopped before exceeding --max-cost {cfg.max_cost}; every answer is stored. "
+            "Rerun with a higher --max-cost to continue.",
+            file=sys.stderr,
+        )
+        return 3
+    return 0
+
+
+def cmd_teacher(args: argparse.Namespace) -> int:
+    from distill.local_teacher import LocalTeacher
+
+    teacher = LocalTeacher(args.model, port=args.port)
+    print(
+        f"starting transformers serve on {teacher.base_url} (model name: {teacher.model}) ...",
+        file=sys.stderr,
+    )
+    with teacher:
+        print(f"ready: base_url={teacher.base_url} model={teacher.model}; Ctrl-C stops it", file=sys.stderr)
+        try:
+            teacher.process.wait()
+        except KeyboardInterrupt:
+            print("stopping the local teacher", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from chunking.pipeline import ChunkConfig
 
@@ -134,6 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name")
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     models.set_defaults(handler=cmd_models)
+
+    from distill.run import DistillConfig
+
+    distill = sub.add_parser("distill", help="ask teacher LLMs for training targets (cached, resumable)")
+    tasks = distill.add_subparsers(dest="action", required=True)
+    for action, about in (
+        ("rewrite", "missing reflection -> refinement -> completion, per chunk"),
+        ("summary", "global and local summaries -> one enhanced summary sentence, per chunk"),
+        ("status", "done / failed / pending per stage, tokens and cost, from the answer store"),
+    ):
+        task = tasks.add_parser(action, help=about, description=about)
+        config.add_arguments(task, DistillConfig)
+    distill.set_defaults(handler=cmd_distill)
+
+    teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
+    teacher_actions = teacher.add_subparsers(dest="action", required=True)
+    serve = teacher_actions.add_parser("serve", help="serve a preset with `transformers serve` until Ctrl-C")
+    serve.add_argument("--model", default="smollm2", help="preset name or local HF dir (default: smollm2)")
+    serve.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000)")
+    teacher.set_defaults(handler=cmd_teacher)
     return parser
 
 
@@ -144,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, ModelNotFoundError) as e:
         print(f"metachunk: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from distill.teacher import FatalTeacherError
+
+        if isinstance(e, FatalTeacherError):
+            print(f"metachunk: error: {e}", file=sys.stderr)
+            return 2
+        raise
     except KeyboardInterrupt:
         print("metachunk: interrupted; no output file was replaced", file=sys.stderr)
         return 130

@@ -4,6 +4,10 @@ Each field's ``metadata`` carries its ``help`` (and optionally ``choices``, a ``
 ``short`` alias, or ``positional=True``). A recipe YAML gives values by field name; flags given on
 the command line override the recipe; everything else keeps the dataclass default. Unknown YAML
 keys and wrong types are errors that name the file and the key, raised before any model loads.
+
+Fields may also be nested: a dataclass-typed field takes a YAML mapping, and a ``dict[str, D]``
+field takes a mapping of names to ``D`` mappings (e.g. one teacher block per distillation stage).
+Nested fields have no CLI flag; errors name the dotted key (``teachers.reflection.model``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ def _field_types(cls) -> dict[str, type]:
     return {f.name: _base_type(hints[f.name]) for f in dataclasses.fields(cls)}
 
 
+def _is_nested(kind) -> bool:
+    return dataclasses.is_dataclass(kind) or typing.get_origin(kind) is dict
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
     parser.add_argument(
@@ -45,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     kinds = _field_types(cls)
     for f in dataclasses.fields(cls):
         meta, kind = f.metadata, kinds[f.name]
+        if _is_nested(kind):
+            continue  # set in the recipe YAML only
         helptext = meta.get("help", "")
         if f.default is not dataclasses.MISSING and f.default is not None:
             helptext += f" (default: {f.default})"
@@ -74,6 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
 
 
 def _coerce(value, kind, where: Path, key: str):
+    if typing.get_origin(kind) is dict:
+        if not isinstance(value, dict):
+            raise InputError(where, f"field {key!r} must be a mapping, got {type(value).__name__}")
+        _, item_kind = typing.get_args(kind)
+        return {str(k): _coerce(v, _base_type(item_kind), where, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise InputError(where, f"field {key!r} must be a mapping of {kind.__name__} fields")
+        try:
+            return kind(**_fields_from_mapping(kind, value, where, prefix=f"{key}."))
+        except (TypeError, ValueError) as e:
+            raise InputError(where, f"field {key!r}: {e}") from None
     if value is None or isinstance(value, kind):
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -94,11 +116,16 @@ def load_yaml(cls, path: Path) -> dict:
         raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
     if not isinstance(data, dict):
         raise InputError(path, "a recipe must be a mapping of field names to values")
+    return _fields_from_mapping(cls, data, path)
+
+
+def _fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
     kinds = _field_types(cls)
     unknown = sorted(set(data) - set(kinds))
     if unknown:
-        raise InputError(path, f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(kinds)}")
-    return {k: _coerce(v, kinds[k], path, k) for k, v in data.items()}
+        names = ", ".join(repr(prefix + k) for k in unknown)
+        raise InputError(path, f"unknown field(s) {names}; known: {', '.join(kinds)}")
+    return {k: _coerce(v, kinds[k], path, prefix + k) for k, v in data.items()}
 
 
 def check_choices(cfg) -> None:
@@ -123,4 +150,11 @@ def from_namespace(cls, ns: argparse.Namespace):
 
 
 def to_dict(cfg) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+    def plain(v):
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return {k: plain(v) for k, v in dataclasses.asdict(cfg).items()}

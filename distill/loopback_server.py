@@ -1,0 +1,621 @@
+"""A small, fast OpenAI-compatible HTTP server on 127.0.0.1 with scripted faults.
+
+This is test and benchmark infrastructure for the teacher client: reliability tests (retries,
+timeouts, broken answers) and a throughput benchmark that must reach hundreds of requests per
+second on a 2-core machine while sharing the cores with the client. The server therefore uses
+only the standard library and keeps its CPU per request tiny: a raw ``asyncio.Protocol``,
+HTTP/1.1 keep-alive, a hand-written parser (request line, headers, ``Content-Length`` body), one
+``json.loads`` of the body, pre-rendered response templates and no logging per request.
+
+Endpoints
+---------
+``POST /v1/chat/completions``
+    Non-streaming chat completion. The answer comes after ``latency`` seconds. The content is
+    ``"answer " + key[:12]`` unless a ``replies`` regex matches the concatenated message contents
+    (the first regex, in order, that ``re.search``-es them selects its reply).
+    ``max_tokens`` / ``max_completion_tokens`` are accepted and ignored (use ``[[fault:length]]``).
+``GET /v1/models``, ``GET /health``
+    Fixed answers.
+``GET /stats``
+    ``{"requests": n, "by_key": {key: n}, "by_outcome": {"ok": n, "429": n, ...}}`` over chat
+    requests. The request key is the ``X-Request-Key`` header if present, else the sha256 hex of
+    the raw body. Counting happens on arrival, before latency and faults.
+
+The ``/v1`` prefix is optional on the two API paths. Anything else gets a 404 JSON error.
+
+Faults
+------
+Two deterministic ways to script them:
+
+1. Markers in the message contents::
+
+       [[fault:KIND]]            every arrival gets the fault
+       [[fault:KIND*N]]          only the first N arrivals of this request key get the fault
+       [[fault:429@0.2]]         429 with Retry-After 0.2 s instead of --retry-after
+       [[fault:429@0.2*2]]       both: Retry-After 0.2 s, first 2 arrivals only
+
+   With several markers, the first one (in text order) that applies to this arrival wins, so
+   ``[[fault:429*1]][[fault:500*2]]`` answers 429, then 500, then normally.
+2. ``--random-faults '{"429": 0.05, "500": 0.02}'`` with ``--seed``: every chat arrival draws
+   from one ``random.Random(seed)`` and gets a fault with those probabilities (markers win).
+
+Kinds: ``429`` (with ``Retry-After``), ``500``, ``503`` (JSON error bodies; these three are
+answered at once, without the latency), ``hang`` (answers normally after ``--hang-seconds``; a
+client that gives up is no problem), ``malformed`` (200 with a truncated JSON body), ``empty``
+(content ""), ``length`` (half the content, ``finish_reason`` "length"), ``think`` (content
+prefixed by ``<think>I reason about it.</think>``) and ``reasoning`` (an extra
+``reasoning_content`` field in the message). ``by_outcome`` counts each kind by name, ``ok``
+for normal answers and ``400`` for unreadable requests.
+
+Use
+---
+Command line (writes the bound port to ``--port-file`` atomically once listening)::
+
+    python -m distill.loopback_server --port 0 --port-file PATH [--latency 0.2] \\
+        [--random-faults JSON] [--seed 0] [--replies JSON] [--retry-after 1] [--hang-seconds 3600]
+
+In process: ``server = LoopbackServer(latency=0.2); await server.start(); server.port; await
+server.stop()``. In a subprocess (what tests and benchmarks use, so the server has its own
+interpreter and CPU)::
+
+    with serve_in_subprocess(latency=0.2, random_faults={"429": 0.05}) as handle:
+        client = openai.OpenAI(base_url=handle.base_url, api_key="x")
+        ...
+        handle.stats()
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+FAULT_KINDS = ("429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning")
+THINK_TEXT = "I reason about it."
+
+_MARKER_PREFIX = b"[[fault:"
+_MARKER = re.compile(r"\[\[fault:(" + "|".join(FAULT_KINDS) + r")(?:@([0-9]*\.?[0-9]+))?(?:\*([0-9]+))?\]\]")
+
+_MAX_HEAD_BYTES = 64 * 1024
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    413: "Payload Too Large",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
+
+_CHAT_TEMPLATE = (
+    '{"id":"chatcmpl-loopback-%d","object":"chat.completion","created":%d,"model":%s,'
+    '"choices":[{"index":0,"message":{"role":"assistant","content":%s%s},"finish_reason":"%s"}],'
+    '"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}'
+)
+_REASONING_FIELD = ',"reasoning_content":' + json.dumps(THINK_TEXT)
+_MALFORMED_BODY = b'{"id": "x", "choices": ['
+
+
+def _error_body(message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind}}).encode()
+
+
+_ERROR_BODIES = {
+    "429": _error_body("rate limited", "rate_limit_error"),
+    "500": _error_body("internal server error", "server_error"),
+    "503": _error_body("service unavailable", "server_error"),
+}
+
+
+def _response(status: int, body: bytes, keep_alive: bool, extra_headers: str = "") -> bytes:
+    """One complete HTTP/1.1 response (head and body) with a correct Content-Length."""
+    connection = "keep-alive" if keep_alive else "close"
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra_headers}Connection: {connection}\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+def _joined_content(messages: list) -> str:
+    """All message contents concatenated (string contents and the text of content parts)."""
+    pieces = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            pieces.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    pieces.append(part["text"])
+    return "\n".join(pieces)
+
+
+def _parse_random_faults(random_faults: Mapping[str, float] | None) -> list[tuple[float, str]]:
+    """Cumulative (upper bound, kind) table for one uniform draw."""
+    table = []
+    total = 0.0
+    for kind, probability in (random_faults or {}).items():
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; expected one of {', '.join(FAULT_KINDS)}")
+        probability = float(probability)
+        if probability < 0:
+            raise ValueError(f"negative probability for fault {kind!r}")
+        total += probability
+        table.append((total, kind))
+    if total > 1.0 + 1e-9:
+        raise ValueError(f"fault probabilities add up to {total} > 1")
+    return table
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests and answers them one at a time, in order."""
+
+    def __init__(self, server: LoopbackServer):
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._busy = False  # an answer is scheduled and not written yet
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport):
+        self._transport = transport
+        self._server._connections.add(self)
+
+    def connection_lost(self, exc):
+        self._server._connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport = None
+
+    def data_received(self, data):
+        self._buffer += data
+        if not self._busy:
+            self._process()
+
+    def close(self):
+        if self._transport is not None:
+            self._transport.close()
+
+    def send(self, data: bytes, keep_alive: bool) -> None:
+        """Write one complete response now (and close the connection unless keep-alive)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(data)
+        if not keep_alive:
+            transport.close()
+
+    def send_later(self, delay: float, data: bytes, keep_alive: bool) -> None:
+        """Write the response after ``delay`` seconds; later requests on this connection wait."""
+        if delay <= 0:
+            self.send(data, keep_alive)
+            return
+        self._busy = True
+        self._timer = self._server._loop.call_later(delay, self._deliver, data, keep_alive)
+
+    def _deliver(self, data: bytes, keep_alive: bool) -> None:
+        self._busy = False
+        self._timer = None
+        self.send(data, keep_alive)
+        if self._buffer:
+            self._process()
+
+    def _fail(self, status: int, message: str) -> None:
+        self._buffer.clear()
+        self.send(_response(status, _error_body(message, "invalid_request_error"), False), False)
+
+    def _process(self) -> None:
+        buffer = self._buffer
+        transport = self._transport
+        while buffer and not self._busy and transport is not None and not transport.is_closing():
+            while buffer[:2] == b"\r\n":  # stray line breaks between requests are allowed
+                del buffer[:2]
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > _MAX_HEAD_BYTES:
+                    self._fail(431, "request head too large")
+                return
+            lines = buffer[:end].decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ")
+            if len(parts) != 3:
+                self._fail(400, "bad request line")
+                return
+            method, target, version = parts
+            headers = {}
+            for line in lines[1:]:
+                name, colon, value = line.partition(":")
+                if colon:
+                    headers[name.strip().lower()] = value.strip()
+            if "transfer-encoding" in headers:
+                self._fail(501, "chunked request bodies are not supported")
+                return
+            try:
+                length = int(headers.get("content-length", "0"))
+            except ValueError:
+                length = -1
+            if length < 0:
+                self._fail(400, "bad Content-Length")
+                return
+            if length > _MAX_BODY_BYTES:
+                self._fail(413, "request body too large")
+                return
+            total = end + 4 + length
+            if len(buffer) < total:
+                if headers.get("expect", "").lower() == "100-continue" and len(buffer) == end + 4:
+                    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                return
+            body = bytes(buffer[end + 4 : total])
+            del buffer[:total]
+            connection = headers.get("connection", "").lower()
+            if version == "HTTP/1.1":
+                keep_alive = connection != "close"
+            else:
+                keep_alive = connection == "keep-alive"
+            self._server._handle(self, method, target, headers, body, keep_alive)
+
+
+class LoopbackServer:
+    """The server, usable in-process: ``await start()``, then ``port`` / ``base_url``, ``await stop()``."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        latency: float = 0.0,
+        random_faults: Mapping[str, float] | None = None,
+        seed: int = 0,
+        replies: Mapping[str, str] | None = None,
+        retry_after: float = 1.0,
+        hang_seconds: float = 3600.0,
+    ):
+        self.host = host
+        self._requested_port = port
+        self.latency = float(latency)
+        self.retry_after = float(retry_after)
+        self.hang_seconds = float(hang_seconds)
+        self._fault_table = _parse_random_faults(random_faults)
+        self._rng = random.Random(seed)
+        self._replies = [(re.compile(pattern), str(reply)) for pattern, reply in (replies or {}).items()]
+        self._ids = itertools.count(1)
+        self._connections: set[_Connection] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.port: int | None = None
+        self.requests = 0
+        self.by_key: dict[str, int] = {}
+        self.by_outcome: dict[str, int] = {}
+        self._models_body = json.dumps(
+            {"object": "list", "data": [{"id": "loopback", "object": "model"}]}
+        ).encode()
+        self._health_body = json.dumps({"status": "ok"}).encode()
+        self._not_found_body = _error_body("not found", "invalid_request_error")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(
+            lambda: _Connection(self), self.host, self._requested_port, backlog=1024
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for connection in list(self._connections):
+            connection.close()
+        await self._server.wait_closed()
+        self._server = None
+
+    def stats(self) -> dict:
+        return {"requests": self.requests, "by_key": dict(self.by_key), "by_outcome": dict(self.by_outcome)}
+
+    def _handle(
+        self, connection: _Connection, method: str, target: str, headers: dict, body: bytes, keep_alive: bool
+    ):
+        path = target.partition("?")[0]
+        if method == "POST" and (path == "/v1/chat/completions" or path == "/chat/completions"):
+            self._chat(connection, headers, body, keep_alive)
+            return
+        if method not in ("GET", "POST"):
+            connection.send(
+                _response(405, _error_body("method not allowed", "invalid_request_error"), False), False
+            )
+            return
+        if method == "GET" and (path == "/v1/models" or path == "/models"):
+            data = self._models_body
+        elif method == "GET" and path == "/health":
+            data = self._health_body
+        elif method == "GET" and path == "/stats":
+            data = json.dumps(self.stats()).encode()
+        else:
+            connection.send(_response(404, self._not_found_body, keep_alive), keep_alive)
+            return
+        connection.send(_response(200, data, keep_alive), keep_alive)
+
+    def _count(self, outcome: str) -> None:
+        self.by_outcome[outcome] = self.by_outcome.get(outcome, 0) + 1
+
+    def _chat(self, connection: _Connection, headers: dict, body: bytes, keep_alive: bool) -> None:
+        key = headers.get("x-request-key") or hashlib.sha256(body).hexdigest()
+        arrival = self.by_key.get(key, 0) + 1
+        self.by_key[key] = arrival
+        self.requests += 1
+        draw = self._rng.random() if self._fault_table else None
+
+        try:
+            payload = json.loads(body)
+            if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
+                raise ValueError("expected a JSON object with a 'messages' list")
+            messages = payload["messages"]
+        except (ValueError, RecursionError) as e:
+            self._count("400")
+            message = f"invalid request: {e}"
+            connection.send(
+                _response(400, _error_body(message, "invalid_request_error"), keep_alive), keep_alive
+            )
+            return
+
+        text = None
+        fault = None
+        retry_after = self.retry_after
+        if _MARKER_PREFIX in body:
+            text = _joined_content(messages)
+            for match in _MARKER.finditer(text):
+                limit = match.group(3)
+                if limit is None or arrival <= int(limit):
+                    fault = match.group(1)
+                    if match.group(2):
+                        retry_after = float(match.group(2))
+                    break
+        if fault is None and draw is not None:
+            for bound, kind in self._fault_table:
+                if draw < bound:
+                    fault = kind
+                    break
+        self._count(fault or "ok")
+
+        if fault == "429":
+            extra = f"Retry-After: {retry_after:g}\r\n"
+            connection.send(_response(429, _ERROR_BODIES["429"], keep_alive, extra), keep_alive)
+            return
+        if fault == "500" or fault == "503":
+            connection.send(_response(int(fault), _ERROR_BODIES[fault], keep_alive), keep_alive)
+            return
+        if fault == "malformed":
+            connection.send_later(self.latency, _response(200, _MALFORMED_BODY, keep_alive), keep_alive)
+            return
+
+        content = None
+        if self._replies:
+            if text is None:
+                text = _joined_content(messages)
+            for pattern, reply in self._replies:
+                if pattern.search(text):
+                    content = reply
+                    break
+        if content is None:
+            content = "answer " + key[:12]
+        finish_reason = "stop"
+        reasoning = ""
+        if fault == "empty":
+            content = ""
+        elif fault == "length":
+            content = content[: len(content) // 2]
+            finish_reason = "length"
+        elif fault == "think":
+            content = "<think>" + THINK_TEXT + "</think>" + content
+        elif fault == "reasoning":
+            reasoning = _REASONING_FIELD
+
+        model = payload.get("model", "loopback")
+        prompt_tokens = max(1, len(body) // 4)
+        completion_tokens = max(1, len(content) // 4)
+        data = _CHAT_TEMPLATE % (
+            next(self._ids),
+            time.time(),
+            json.dumps(model if isinstance(model, str) else str(model)),
+            json.dumps(content),
+            reasoning,
+            finish_reason,
+            prompt_tokens,
+            completion_tokens,
+            prompt_tokens + completion_tokens,
+        )
+        delay = self.hang_seconds if fault == "hang" else self.latency
+        connection.send_later(delay, _response(200, data.encode(), keep_alive), keep_alive)
+
+
+# ---------------------------------------------------------------------------------------------
+# Subprocess use
+
+
+class ServerHandle:
+    """A running subprocess server: ``base_url``, ``stats()``, ``process``."""
+
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path):
+        self.process = process
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.base_url = self.url + "/v1"
+        self._log_path = log_path
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
+            return json.loads(response.read())
+
+    def log(self) -> str:
+        """What the server wrote to stdout/stderr so far."""
+        return self._log_path.read_text(errors="replace")
+
+
+def _options_to_args(
+    latency: float,
+    random_faults: Mapping[str, float] | None,
+    seed: int,
+    replies: Mapping[str, str] | None,
+    retry_after: float,
+    hang_seconds: float,
+) -> list[str]:
+    args = ["--latency", repr(float(latency)), "--seed", str(seed)]
+    args += ["--retry-after", repr(float(retry_after)), "--hang-seconds", repr(float(hang_seconds))]
+    if random_faults:
+        args += ["--random-faults", json.dumps(dict(random_faults))]
+    if replies:
+        args += ["--replies", json.dumps(dict(replies))]
+    return args
+
+
+@contextlib.contextmanager
+def serve_in_subprocess(
+    *,
+    latency: float = 0.0,
+    random_faults: Mapping[str, float] | None = None,
+    seed: int = 0,
+    replies: Mapping[str, str] | None = None,
+    retry_after: float = 1.0,
+    hang_seconds: float = 3600.0,
+    startup_timeout: float = 30.0,
+) -> Iterator[ServerHandle]:
+    """Run ``python -m distill.loopback_server`` in a subprocess and yield its ``ServerHandle``.
+
+    Waits for the port file (``startup_timeout`` seconds); raises RuntimeError with the server's
+    output if it dies first. On exit sends SIGTERM, then kills after 5 s.
+    """
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = repo_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with tempfile.TemporaryDirectory(prefix="loopback-server-") as tmp:
+        port_file = Path(tmp) / "port"
+        log_path = Path(tmp) / "server.log"
+        command = [
+            sys.executable,
+            "-m",
+            "distill.loopback_server",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ]
+        command += _options_to_args(latency, random_faults, seed, replies, retry_after, hang_seconds)
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                command,
+                cwd=repo_root,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + startup_timeout
+            while not port_file.exists():
+                if process.poll() is not None:
+                    output = log_path.read_text(errors="replace")
+                    raise RuntimeError(f"loopback server exited with code {process.returncode}:\n{output}")
+                if time.monotonic() > deadline:
+                    output = log_path.read_text(errors="replace")
+                    raise RuntimeError(f"loopback server did not start within {startup_timeout} s:\n{output}")
+                time.sleep(0.01)
+            port = int(port_file.read_text())
+            yield ServerHandle(process, port, log_path)
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    server = LoopbackServer(
+        host=args.host,
+        port=args.port,
+        latency=args.latency,
+        random_faults=json.loads(args.random_faults) if args.random_faults else None,
+        seed=args.seed,
+        replies=json.loads(args.replies) if args.replies else None,
+        retry_after=args.retry_after,
+        hang_seconds=args.hang_seconds,
+    )
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if args.port_file:
+        _write_port_file(args.port_file, server.port)
+    else:
+        print(f"loopback server on {server.base_url}", file=sys.stderr, flush=True)
+    await stop.wait()
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--port-file", help="write the bound port here (atomically) once listening")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument("--random-faults", help='JSON like {"429": 0.05, "500": 0.02}')
+    parser.add_argument("--seed", type=int, default=0, help="seed for --random-faults")
+    parser.add_argument("--replies", help='JSON {"regex": "reply", ...}; the first match is the content')
+    parser.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds of 429 faults")
+    parser.add_argument("--hang-seconds", type=float, default=3600.0, help="how long a hang fault waits")
+    args = parser.parse_args(argv)
+    # Fail on bad options before binding, so a parent waiting for the port file sees the error.
+    try:
+        random_faults = json.loads(args.random_faults) if args.random_faults else {}
+        replies = json.loads(args.replies) if args.replies else {}
+        if not isinstance(random_faults, dict) or not isinstance(replies, dict):
+            raise ValueError("--random-faults and --replies take JSON objects")
+        _parse_random_faults(random_faults)
+        for pattern in replies:
+            re.compile(pattern)
+    except (ValueError, re.error) as e:
+        parser.error(str(e))
+    asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""``metachunk distill rewrite|summary|status``: read chunks, ask the teachers, write records.
+
+The answer store is the source of truth; ``records.jsonl`` is a view of it, rebuilt in full by
+every run (answered requests come from the store, so a rerun after a crash or a parser change
+costs nothing but the requests that never got an answer). ``--dry-run`` and ``status`` replay the
+pipeline against the store without a network client: whatever is answered is read, and the first
+unanswered request of each chunk is counted, with the calls after it estimated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, new_record, rewrite, summary
+from distill.prompts import load_prompt
+from distill.store import AnswerStore
+from distill.teacher import Price, TeacherConfig, TeacherPool
+from metachunk import config
+from metachunk.artifacts import (
+    SCHEMA_VERSION,
+    AtomicWriter,
+    InputError,
+    jsonl_line,
+    read_documents,
+    write_json,
+)
+from metachunk.config import option
+
+
+@dataclass
+class DistillConfig:
+    task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary"])
+    chunks: Path = option(None, "chunks JSONL from `metachunk chunk` or `metachunk data sample`")
+    documents: Path = option(None, "the documents those chunks index into: JSONL with id and text")
+    out: Path = option(None, "run directory for records.jsonl and records.meta.json")
+    cache: Path | None = option(
+        None, "answer store (SQLite, append-only); default OUT/answers.sqlite. Safe to share between runs"
+    )
+    teachers: dict[str, TeacherConfig] | None = option(
+        None,
+        "one teacher block per stage (rewrite: reflection, refinement, completion; summary: "
+        "summary_global, summary_local, summary_fuse)",
+    )
+    prices: dict[str, Price] | None = option(None, "USD per 1M prompt/completion tokens, by model name")
+    lang: str = option("auto", "prompt language; auto detects it per document", choices=["auto", "zh", "en"])
+    context: str = option(
+        "document",
+        "context given with each chunk: the document around it, or its most similar chunks",
+        choices=["document", "related"],
+    )
+    context_top_k: int = option(4, "related context: how many of the document's other chunks")
+    max_context_chars: int = option(
+        8000, "longest context; a longer document is cut to a window around the chunk"
+    )
+    embedder: str = option("minilm", "related context: sentence embedder preset or local dir")
+    threshold: float = option(7.0, "rewrite: keep refinement items scoring at least this (scores are 1-10)")
+    parse_retries: int = option(2, "ask again this many times when an answer is empty or unparseable")
+    limit: int | None = option(None, "only the first N chunks")
+    max_cost: float | None = option(
+        None, "stop cleanly before total spend (all runs on this store) passes USD"
+    )
+    dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
+    progress: bool = option(True, "show a progress bar")
+
+    def __post_init__(self):
+        config.check_choices(self)
+        self.teachers = self.teachers or {}
+        self.prices = self.prices or {}
+        for name in ("task", "chunks", "documents", "out"):
+            if getattr(self, name) is None:
+                raise ValueError(f"field {name!r} is required")
+        missing = [s for s in STAGES[self.task] if s not in self.teachers]
+        if missing:
+            raise ValueError(f"field 'teachers' lacks a block for stage(s) {', '.join(missing)}")
+        extra = sorted(set(self.teachers) - set(STAGES[self.task]))
+        if extra:
+            raise ValueError(f"field 'teachers' has block(s) for unknown stage(s) {', '.join(extra)}")
+        if self.cache is None:
+            self.cache = Path(self.out) / "answers.sqlite"
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
+    """Chunks to distil, checked against their documents; the context of each is built here."""
+    from chunking.sentences import detect_lang
+
+    docs = {d.id: d.text for d in read_documents(cfg.documents)}
+    jobs, related = [], []
+    path = Path(cfg.chunks)
+    if not path.is_file():
+        raise InputError(path, "no such file")
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                doc_id, chunks = str(record["id"]), record["chunks"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InputError(
+                    path, f"expected a chunks record with 'id' and 'chunks' ({e})", number
+                ) from None
+            if doc_id not in docs:
+                raise InputError(path, f"document {doc_id!r} is not in {cfg.documents}", number)
+            text = docs[doc_id]
+            lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
+            selected = record.get("selected", range(len(chunks)))
+            for i in selected:
+                c = chunks[i]
+                if text[c["start"] : c["end"]] != c["text"]:
+                    raise InputError(
+                        path,
+                        f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}",
+                        number,
+                    )
+                context = window(text, c["start"], c["end"], cfg.max_context_chars)
+                jobs.append(ChunkJob(doc_id, i, c["start"], c["end"], c["text"], lang, context))
+                related.append(chunks)
+                if cfg.limit is not None and len(jobs) >= cfg.limit:
+                    break
+            if cfg.limit is not None and len(jobs) >= cfg.limit:
+                break
+    if cfg.context == "related":
+        jobs = with_related_context(jobs, related, cfg)
+    return jobs
+
+
+def window(text: str, start: int, end: int, limit: int) -> str:
+    """The whole text if it fits, else ``limit`` characters centred on the span."""
+    if len(text) <= limit:
+        return text
+    left = max(0, min(start - (limit - (end - start)) // 2, len(text) - limit))
+    return text[left : left + limit]
+
+
+def with_related_context(
+    jobs: list[ChunkJob], all_chunks: list[list[dict]], cfg: DistillConfig
+) -> list[ChunkJob]:
+    """Long documents (Meta-Chunking §3.2.1 preprocessing): the context of a chunk is its
+    ``context_top_k`` most similar chunks of the same document, in document order."""
+    from metachunk.models import load_sentence_embedder
+
+    embedder = load_sentence_embedder(cfg.embedder)
+    by_doc: dict[str, list[dict]] = {}
+    for job, chunks in zip(jobs, all_chunks):
+        by_doc.setdefault(job.doc_id, chunks)
+    vectors = {
+        doc_id: embedder.encode([c["text"] for c in chunks], normalize_embeddings=True, convert_to_numpy=True)
+        for doc_id, chunks in by_doc.items()
+    }
+    out = []
+    for job in jobs:
+        chunks, vecs = by_doc[job.doc_id], vectors[job.doc_id]
+        similarity = vecs @ vecs[job.index]
+        similarity[job.index] = -2.0
+        top = sorted(int(i) for i in similarity.argsort()[::-1][: cfg.context_top_k] if similarity[i] > -2.0)
+        context = "\n…\n".join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
+        out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+@dataclass
+class RunResult:
+    records: list[dict]
+    seconds: float
+    sent: int
+    cached: int
+    stopped: str = ""  # why the run stopped early: "budget", or "" when it went through
+    jobs: list[ChunkJob] = field(default_factory=list)
+
+
+async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, progress: bool) -> RunResult:
+    from tqdm import tqdm
+
+    runner = StageRunner(pool.stages, cfg.parse_retries)
+    if cfg.task == "rewrite":
+        work = lambda job: rewrite(job, runner, cfg.threshold)  # noqa: E731
+    else:
+        work = lambda job: summary(job, runner)  # noqa: E731
+    records: list[dict | None] = [None] * len(jobs)
+    queue = iter(enumerate(jobs))
+    started = time.perf_counter()
+    bar = tqdm(
+        total=len(jobs), unit="chunk", desc=f"distill {cfg.task}", disable=not progress, dynamic_ncols=True
+    )
+    shown = [0.0]
+    spent_before = pool.budget.spent
+
+    def show() -> None:
+        now = time.perf_counter()
+        if now - shown[0] < 0.5 and bar.n < bar.total:
+            return
+        shown[0] = now
+        spent = pool.budget.spent - spent_before
+        tokens = sum(t.tokens_used for t in pool.stages.values())
+        bar.set_postfix_str(
+            f"{pool.sent / max(now - started, 1e-9):.1f} req/s, {tokens:,} tok, ${spent:.4f}", refresh=False
+        )
+
+    async def worker() -> None:
+        for i, job in queue:  # one shared iterator: each job is taken by exactly one worker
+            if pool.budget.exhausted:
+                return
+            records[i] = await work(job)
+            bar.update(1)
+            show()
+
+    # Chains are sequential, so keep about two chunks per request slot in flight.
+    slots = sum(e.cfg.concurrency for e in pool.endpoints.values()) or 64
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(len(jobs), 2 * slots) or 1)]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    finally:
+        bar.close()
+        await pool.close()
+    stopped = "budget" if pool.budget.exhausted else ""
+    for i, job in enumerate(jobs):  # chunks never started because the budget ran out
+        if records[i] is None:
+            records[i] = {**new_record(cfg.task, job), "reason": "budget"}
+    cached = sum(t.cached for t in pool.stages.values())
+    return RunResult(records, time.perf_counter() - started, pool.sent, cached, stopped, jobs)
+
+
+def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
+    """Run (or, offline, replay) the pipeline over every chunk; returns the records."""
+    jobs = read_jobs(cfg)
+    for stage in STAGES[cfg.task]:  # fail on a broken prompt file before anything is sent
+        for lang in {j.lang for j in jobs}:
+            load_prompt(stage, lang)
+    store = AnswerStore(cfg.cache)
+    try:
+        pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
+        return asyncio.run(_drive(cfg, jobs, pool, cfg.progress and not offline))
+    finally:
+        store.close()
+
+
+def write_records(cfg: DistillConfig, result: RunResult) -> dict:
+    out = Path(cfg.out)
+    with AtomicWriter(out / "records.jsonl") as f:
+        for record in result.records:
+            f.write(jsonl_line(record))
+    summary = summarize(result.records)
+    summary.update(
+        seconds=round(result.seconds, 2),
+        requests_sent=result.sent,
+        answers_from_store=result.cached,
+        stopped=result.stopped,
+    )
+    prompts = {
+        f"{stage}.{lang}": load_prompt(stage, lang).sha256
+        for stage in STAGES[cfg.task]
+        for lang in sorted({r["lang"] for r in result.records})
+    }
+    write_json(
+        out / "records.meta.json",
+        {"schema_version": SCHEMA_VERSION, "command": f"distill {cfg.task}", "config": config.to_dict(cfg),
+         "prompt_sha256": prompts, "summary": summary},
+    )  # fmt: skip
+    return summary
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per-record outcome counts and, per stage, done / failed by reason / pending plus usage."""
+    outcome = Counter(r["status"] for r in records)
+    reasons = Counter(f"{r.get('stage', '')}:{r['reason']}" for r in records if r["status"] == "failed")
+    stages: dict[str, dict] = defaultdict(
+        lambda: {
+            "done": 0,
+            "failed": Counter(),
+            "pending": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cost": 0.0,
+        }
+    )
+    for r in records:
+        for name, entry in r["stages"].items():
+            row = stages[name]
+            if entry["status"] == "ok":
+                row["done"] += 1
+            elif entry["status"] == "pending":
+                row["pending"] += 1
+            else:
+                row["failed"][entry["reason"] or "unknown"] += 1
+            row["prompt_tokens"] += entry["usage"]["prompt_tokens"]
+            row["completion_tokens"] += entry["usage"]["completion_tokens"]
+            row["cost"] += entry["cost"]
+    return {
+        "chunks": len(records),
+        "outcome": dict(outcome),
+        "failed_by_stage_reason": dict(reasons),
+        "stages": {
+            k: {**v, "failed": dict(v["failed"]), "cost": round(v["cost"], 6)} for k, v in stages.items()
+        },
+        "cost": round(sum(v["cost"] for v in stages.values()), 6),
+    }
+
+
+# ------------------------------------------------------------------------------------- reports
+
+
+def print_status(cfg: DistillConfig, result: RunResult, file=sys.stdout) -> None:
+    summary = summarize(result.records)
+    print(
+        f"{cfg.task}: {summary['chunks']} chunks  "
+        + ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items())),
+        file=file,
+    )
+    header = f"{'stage':<16} {'done':>6} {'failed':>7} {'pending':>8} {'prompt tok':>11} {'compl tok':>10} {'cost $':>10}  failed by reason"
+    print(header + "\n" + "-" * len(header), file=file)
+    for stage in STAGES[cfg.task]:
+        row = summary["stages"].get(
+            stage,
+            {"done": 0, "failed": {}, "pending": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0},
+        )
+        failed = sum(row["failed"].values())
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["failed"].items()))
+        print(f"{stage:<16} {row['done']:>6} {failed:>7} {row['pending']:>8} {row['prompt_tokens']:>11,} "
+              f"{row['completion_tokens']:>10,} {row['cost']:>10.4f}  {reasons}", file=file)  # fmt: skip
+    not_started = sum(1 for r in result.records if r["status"] == "pending" and not r["stages"])
+    if not_started:
+        print(f"{not_started} chunks not started", file=file)
+
+
+def print_estimate(cfg: DistillConfig, result: RunResult, file=sys.stdout) -> dict:
+    """Dry run: calls still to send, with their estimated tokens and worst-case cost."""
+    calls: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for record, job in zip(result.records, result.jobs):
+        if record["status"] != "pending":
+            continue
+        for stage, prompt, completion in estimate_pending(record, job, cfg.teachers):
+            row = calls[stage]
+            row[0] += 1
+            row[1] += prompt
+            row[2] += completion
+    total = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+    header = f"{'stage':<16} {'model':<28} {'calls':>7} {'cached':>7} {'prompt tok':>11} {'max compl tok':>14} {'max cost $':>11}"
+    print(f"dry run: {len(result.records)} chunks, nothing sent\n{header}\n{'-' * len(header)}", file=file)
+    cached = Counter()
+    for record in result.records:
+        for stage, entry in record["stages"].items():
+            cached[stage] += entry.get("cached", False)
+    for stage in STAGES[cfg.task]:
+        n, prompt, completion = calls[stage]
+        teacher = cfg.teachers[stage]
+        cost = cfg.prices.get(teacher.model, Price()).cost(prompt, completion)
+        total["calls"] += n
+        total["prompt_tokens"] += prompt
+        total["completion_tokens"] += completion
+        total["cost"] += cost
+        print(
+            f"{stage:<16} {teacher.model[-28:]:<28} {n:>7} {cached[stage]:>7} {prompt:>11,} {completion:>14,} {cost:>11.4f}",
+            file=file,
+        )
+    print(f"{'total':<16} {'':<28} {total['calls']:>7} {sum(cached.values()):>7} {total['prompt_tokens']:>11,} "
+          f"{total['completion_tokens']:>14,} {total['cost']:>11.4f}", file=file)  # fmt: skip
+    print("(prompt tokens are estimated high; completions at max_tokens: an upper bound)", file=file)
+    return total

@@ -1,0 +1,451 @@
+"""The teacher client: every LLM call in metachunk goes through here.
+
+One :class:`Teacher` per pipeline stage (its model and generation params); stages that name the
+same ``base_url`` + ``model`` share one :class:`Endpoint` (HTTP client, concurrency, rate limits).
+
+The request path, in order:
+1. The request's content hash (model, messages, generation params, prompt-template hash, attempt
+   number) is looked up in the :class:`~distill.store.AnswerStore`. An answered request is never
+   sent again; a request that only ever failed in transport is sent again.
+2. The budget reserves the request's worst-case cost (estimated prompt tokens + ``max_tokens``)
+   and refuses, cleanly, once ``--max-cost`` would be exceeded.
+3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
+4. ``openai.AsyncOpenAI`` sends it. Its machinery does the retrying: exponential backoff with
+   jitter on 408/409/429/5xx, timeouts and connection errors, honouring ``Retry-After``. An httpx
+   event hook adds what it lacks: after any 429, every request to that endpoint (new ones and
+   retries) waits out the ``Retry-After`` pause.
+5. The raw response body is stored as received, then read. We ask the client for the raw HTTP
+   response: no pydantic model is built per answer, and the bytes we parse are the bytes we keep.
+
+``finish_reason == "length"`` is not success: the request is repeated with twice the
+``max_tokens`` up to ``max_tokens_limit`` (each size is its own cached request), else it ends as
+failed with reason ``length``. Reasoning teachers: the raw content is kept, ``<think>…</think>``
+is stripped for the clean text, and a separate ``reasoning_content`` field is kept too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx2
+import openai
+
+from distill.store import AnswerStore, StoredAnswer
+from metachunk.config import option
+
+
+@dataclass
+class TeacherConfig:
+    """One stage's teacher. Stages with the same ``base_url`` and ``model`` share its limits."""
+
+    model: str = option(None, "model name sent to the endpoint")
+    base_url: str = option("http://127.0.0.1:8000/v1", "OpenAI-compatible endpoint, ending in /v1")
+    api_key_env: str | None = option(
+        None, "name of the environment variable holding the API key; the key never goes in a file"
+    )
+    temperature: float | None = option(None, "sampling temperature; unset: the server's default")
+    top_p: float | None = option(None, "nucleus sampling; unset: the server's default")
+    seed: int | None = option(None, "sampling seed, for servers that honour it")
+    max_tokens: int = option(1024, "completion token limit per request")
+    max_tokens_limit: int | None = option(
+        None, "on finish_reason=length, retry with twice max_tokens up to this; unset: record as failed"
+    )
+    concurrency: int = option(16, "requests in flight to this endpoint")
+    rpm: float | None = option(None, "requests per minute allowed by the endpoint; unset: no limit")
+    tpm: float | None = option(None, "tokens (prompt + completion) per minute; unset: no limit")
+    timeout: float = option(600.0, "seconds before one HTTP attempt is abandoned")
+    max_retries: int = option(5, "retries per request on 429, 5xx, timeouts and connection errors")
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("'model' is required")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"'base_url' must be an http(s) URL, got {self.base_url!r}")
+        for name in ("max_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name!r} must be >= 1")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < self.max_tokens:
+            raise ValueError("'max_tokens_limit' must be >= 'max_tokens'")
+
+    def generation_params(self) -> dict:
+        """Sent with every request, and part of its cache key."""
+        params = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return {k: v for k, v in params.items() if v is not None}
+
+
+@dataclass
+class Price:
+    input: float = option(0.0, "USD per 1M prompt tokens")
+    output: float = option(0.0, "USD per 1M completion tokens")
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.input + completion_tokens * self.output) / 1e6
+
+
+class BudgetExceeded(Exception):
+    """The next request could push the spend past ``--max-cost``; nothing more is sent."""
+
+
+class FatalTeacherError(Exception):
+    """The endpoint refuses every request (bad key, unknown model, wrong URL): stop the run."""
+
+
+def estimate_tokens(text: str) -> int:
+    """A deliberately high estimate (UTF-8 bytes / 3): ~4 bytes per English token and ~3 bytes per
+    Chinese character put real counts 25-40% below it, so budget reservations err on the safe side."""
+    return len(text.encode("utf-8")) // 3 + 1
+
+
+def split_reasoning(content: str, reasoning_content: str | None) -> tuple[str, str]:
+    """``(answer, reasoning)``. QwQ-style servers often drop the opening ``<think>`` tag, so
+    everything before the last ``</think>`` is reasoning. An unclosed ``<think>`` means the answer
+    was cut inside the reasoning: there is no answer."""
+    reasoning = reasoning_content or ""
+    if "</think>" in content:
+        thought, _, answer = content.rpartition("</think>")
+        thought = thought.replace("<think>", "", 1).strip()
+        return answer.strip(), "\n".join(x for x in (reasoning, thought) if x)
+    if content.lstrip().startswith("<think>"):
+        return "", "\n".join(x for x in (reasoning, content.lstrip()[len("<think>") :].strip()) if x)
+    return content.strip(), reasoning
+
+
+@dataclass
+class Answer:
+    """What a stage gets back. ``status``: ok, failed (``reason`` says why) or pending (not sent:
+    dry run, status report, or the budget stopped the run)."""
+
+    key: str
+    model: str
+    status: str
+    reason: str = ""
+    raw: str = ""  # the response body as received (or the transport error)
+    content: str = ""  # the message content as returned, <think> included
+    reasoning: str = ""
+    text: str = ""  # the clean answer that feeds the next stage
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+    cached: bool = False
+    params: dict = field(default_factory=dict)
+    estimate: tuple[int, int] = (0, 0)  # (prompt, completion) tokens, for pending answers
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def from_stored(cls, row: StoredAnswer, params: dict, cached: bool) -> Answer:
+        answer = cls(
+            row.key,
+            row.model,
+            "ok" if row.ok else "failed",
+            row.reason,
+            row.raw,
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens,
+            cost=row.cost,
+            cached=cached,
+            params=params,
+        )
+        if row.ok:
+            answer._read_body()
+        return answer
+
+    def _read_body(self) -> None:
+        body = json.loads(self.raw)
+        choice = body["choices"][0]
+        message = choice.get("message") or {}
+        self.content = message.get("content") or ""
+        self.finish_reason = choice.get("finish_reason") or ""
+        self.text, self.reasoning = split_reasoning(self.content, message.get("reasoning_content"))
+
+    def to_record(self) -> dict:
+        """The stage's entry in an output record."""
+        record = {
+            "status": self.status,
+            "reason": self.reason,
+            "teacher": self.model,
+            "params": self.params,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "cost": round(self.cost, 8),
+            "cached": self.cached,
+            "request_key": self.key,
+        }
+        if self.status == "pending":
+            record["estimate"] = {"prompt_tokens": self.estimate[0], "completion_tokens": self.estimate[1]}
+        else:
+            record.update(raw=self.content if self.status == "ok" else self.raw, reasoning=self.reasoning)
+            record["text"] = self.text
+            record["finish_reason"] = self.finish_reason
+        return record
+
+
+def _read_usage(raw: str) -> tuple[int, int, bool]:
+    """(prompt, completion, well-formed) from a 200 body; a body that is not a chat completion is
+    ``malformed_response`` (retried like a transport error)."""
+    try:
+        body = json.loads(raw)
+        choice = body["choices"][0]
+        if not isinstance(choice.get("message"), dict):
+            return 0, 0, False
+        usage = body.get("usage") or {}
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), True
+    except (ValueError, KeyError, IndexError, TypeError):
+        return 0, 0, False
+
+
+class TokenBucket:
+    """``rate`` units per minute with a burst of one minute's worth. ``take`` waits for capacity;
+    a single request larger than the burst is let through once the bucket is full."""
+
+    def __init__(self, per_minute: float):
+        self.capacity = float(per_minute)
+        self.level = self.capacity
+        self.rate = per_minute / 60.0
+        self.stamp = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    async def take(self, amount: float) -> None:
+        amount = min(amount, self.capacity)
+        self._refill()
+        while self.level < amount:
+            await asyncio.sleep((amount - self.level) / self.rate)
+            self._refill()
+        self.level -= amount
+
+    def give_back(self, amount: float) -> None:
+        """Return an over-estimate once the real usage is known."""
+        self.level = min(self.capacity, self.level + amount)
+
+
+def _retry_after_seconds(headers) -> float | None:
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return float(value) / scale
+        except ValueError:
+            stamp = email.utils.parsedate_to_datetime(value) if name == "retry-after" else None
+            if stamp is not None:
+                return stamp.timestamp() - time.time()
+    return None
+
+
+class Endpoint:
+    """One ``base_url`` + ``model``: an AsyncOpenAI client over one pooled HTTP client, a
+    concurrency cap, token buckets and the shared 429 pause."""
+
+    def __init__(self, cfg: TeacherConfig):
+        self.cfg = cfg
+        key = "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
+        if cfg.api_key_env:
+            key = os.environ.get(cfg.api_key_env, "")
+            if not key:
+                raise FatalTeacherError(
+                    f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set"
+                )
+        self.pause_until = 0.0  # monotonic time before which no request may leave (after a 429)
+        http = openai.DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
+            timeout=cfg.timeout,
+            event_hooks={"request": [self._wait_out_pause], "response": [self._note_rate_limit]},
+        )
+        self.client = openai.AsyncOpenAI(
+            base_url=cfg.base_url,
+            api_key=key,
+            max_retries=cfg.max_retries,
+            timeout=cfg.timeout,
+            http_client=http,
+        )
+        self.slots = asyncio.Semaphore(cfg.concurrency)
+        self.requests = TokenBucket(cfg.rpm) if cfg.rpm else None
+        self.tokens = TokenBucket(cfg.tpm) if cfg.tpm else None
+        self.sent = 0
+
+    async def _wait_out_pause(self, request) -> None:
+        while (delay := self.pause_until - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+
+    async def _note_rate_limit(self, response) -> None:
+        if response.status_code == 429:
+            delay = _retry_after_seconds(response.headers)
+            delay = 1.0 if delay is None or delay <= 0 else min(delay, 120.0)
+            self.pause_until = max(self.pause_until, time.monotonic() + delay)
+
+    async def post(self, payload: dict, key: str, estimated_tokens: int) -> httpx2.Response:
+        if self.requests:
+            await self.requests.take(1)
+        if self.tokens:
+            await self.tokens.take(estimated_tokens)
+        async with self.slots:
+            self.sent += 1
+            return await self.client.post(
+                "/chat/completions",
+                body=payload,
+                cast_to=httpx2.Response,
+                options={"headers": {"X-Request-Key": key}},
+            )
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class Budget:
+    """Cumulative spend over the whole answer store, so a raised ``--max-cost`` resumes where
+    the lower one stopped. Each request reserves its worst case until its real cost is known."""
+
+    def __init__(self, limit: float | None, spent: float):
+        self.limit, self.spent, self.reserved = limit, spent, 0.0
+        self.exhausted = False
+
+    def reserve(self, amount: float) -> None:
+        if self.limit is not None and self.spent + self.reserved + amount > self.limit:
+            self.exhausted = True
+            raise BudgetExceeded
+        self.reserved += amount
+
+    def settle(self, reserved: float, actual: float) -> None:
+        self.reserved -= reserved
+        self.spent += actual
+
+
+class Teacher:
+    """A stage's view of a teacher: its config, prices and params over a shared endpoint."""
+
+    def __init__(
+        self, cfg: TeacherConfig, endpoint: Endpoint | None, store: AnswerStore, price: Price, budget: Budget
+    ):
+        self.cfg, self.endpoint, self.store, self.price, self.budget = cfg, endpoint, store, price, budget
+        self.params = cfg.generation_params()
+        self.offline = endpoint is None  # dry run / status: answer from the store or say "pending"
+        self.cached = 0  # answers served from the store
+        self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
+
+    def request(
+        self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int
+    ) -> tuple[dict, str]:
+        payload = {"model": self.cfg.model, "messages": messages, "max_tokens": max_tokens, **self.params}
+        keyed = {"request": payload, "prompt_sha256": prompt_sha, "attempt": attempt}
+        digest = hashlib.sha256(json.dumps(keyed, ensure_ascii=False, sort_keys=True).encode("utf-8"))
+        return payload, digest.hexdigest()
+
+    async def complete(self, messages: list[dict], prompt_sha: str, attempt: int = 0) -> Answer:
+        """Answer ``messages``; ``attempt`` > 0 asks again for a fresh answer (the previous one
+        could not be parsed), which is a different cached request."""
+        max_tokens = self.cfg.max_tokens
+        while True:
+            answer = await self._once(messages, prompt_sha, attempt, max_tokens)
+            if answer.ok and answer.finish_reason == "length":
+                if self.cfg.max_tokens_limit and max_tokens < self.cfg.max_tokens_limit:
+                    max_tokens = min(2 * max_tokens, self.cfg.max_tokens_limit)
+                    continue
+                answer.status, answer.reason = "failed", "length"
+            return answer
+
+    async def _once(self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int) -> Answer:
+        payload, key = self.request(messages, prompt_sha, attempt, max_tokens)
+        params = {**self.params, "max_tokens": max_tokens, "attempt": attempt}
+        if self.store.has_answer(key):
+            self.cached += 1
+            return Answer.from_stored(self.store.get(key), params, cached=True)
+        prompt_estimate = sum(estimate_tokens(m["content"]) + 4 for m in messages)
+        if self.offline:
+            return Answer(
+                key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
+            )
+        worst_case = self.price.cost(prompt_estimate, max_tokens)
+        self.budget.reserve(worst_case)
+        row = None
+        try:
+            row = await self._send(payload, key, prompt_estimate + max_tokens)
+        finally:  # also when cancelled: the reservation must not outlive the request
+            self.budget.settle(worst_case, row.cost if row else 0.0)
+        self.store.put(row)
+        self.tokens_used += row.prompt_tokens + row.completion_tokens
+        return Answer.from_stored(row, params, cached=False)
+
+    async def _send(self, payload: dict, key: str, estimated_tokens: int) -> StoredAnswer:
+        """One request to a stored row. Transport retries happen inside the openai client; a 200
+        whose body is not a chat completion is retried here with the same backoff."""
+        model = self.cfg.model
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                response = await self.endpoint.post(payload, key, estimated_tokens)
+            except openai.APITimeoutError as e:
+                return StoredAnswer(key, model, "error", "timeout", str(e), 0, 0, 0.0)
+            except openai.APIConnectionError as e:
+                return StoredAnswer(key, model, "error", "connection", str(e), 0, 0, 0.0)
+            except openai.APIStatusError as e:
+                if e.status_code in (401, 403, 404):
+                    raise FatalTeacherError(
+                        f"teacher {model!r} at {self.cfg.base_url}: HTTP {e.status_code}: {_short(e.message)}"
+                    ) from None
+                return StoredAnswer(
+                    key, model, "error", f"http_{e.status_code}", _short(e.message), 0, 0, 0.0
+                )
+            raw = response.text
+            prompt_tokens, completion_tokens, well_formed = _read_usage(raw)
+            if well_formed:
+                if self.endpoint.tokens:  # replace the estimate by the real usage
+                    self.endpoint.tokens.give_back(
+                        max(0, estimated_tokens - prompt_tokens - completion_tokens)
+                    )
+                cost = self.price.cost(prompt_tokens, completion_tokens)
+                return StoredAnswer(key, model, "ok", "", raw, prompt_tokens, completion_tokens, cost)
+            if attempt < self.cfg.max_retries:
+                await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
+        return StoredAnswer(key, model, "error", "malformed_response", _short(raw), 0, 0, 0.0)
+
+
+def _short(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+class TeacherPool:
+    """Builds one :class:`Teacher` per stage, sharing endpoints and the budget."""
+
+    def __init__(
+        self,
+        teachers: dict[str, TeacherConfig],
+        prices: dict[str, Price],
+        store: AnswerStore,
+        max_cost: float | None = None,
+        offline: bool = False,
+    ):
+        self.store = store
+        self.budget = Budget(max_cost, store.total_cost)
+        self.endpoints: dict[tuple[str, str], Endpoint] = {}
+        self.stages: dict[str, Teacher] = {}
+        for stage, cfg in teachers.items():
+            endpoint = None
+            if not offline:
+                where = (cfg.base_url.rstrip("/"), cfg.model)
+                if where not in self.endpoints:
+                    self.endpoints[where] = Endpoint(cfg)
+                endpoint = self.endpoints[where]
+            self.stages[stage] = Teacher(cfg, endpoint, store, prices.get(cfg.model, Price()), self.budget)
+
+    def __getitem__(self, stage: str) -> Teacher:
+        return self.stages[stage]
+
+    @property
+    def sent(self) -> int:
+        return sum(e.sent for e in self.endpoints.values())
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints.values():
+            await endpoint.close()
