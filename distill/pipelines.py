@@ -121,7 +121,10 @@ class StageRunner:
         for attempt in range(self.parse_retries + 1):
             try:
                 answer = await self.teachers[stage].complete(messages, prompt.sha256, attempt)
-            except BudgetExceeded:
+            except BudgetExceeded:  # the entry must still read as a stage entry (status, usage, cost)
+                entry.setdefault("usage", {"prompt_tokens": 0, "completion_tokens": 0})
+                entry.setdefault("cost", 0.0)
+                entry.update(status="pending", reason="budget")
                 raise Pending(stage, None, "budget") from None
             entry.update(answer.to_record(), attempts=attempt + 1)
             if answer.status == "pending":

@@ -1,6 +1,6 @@
 """``metachunk distill rewrite|summary|status``: read chunks, ask the teachers, write records.
 
-The answer store is the source of truth; ``records.jsonl`` is a view of it, rebuilt in full by
+The answer store is the source of truth; ``OUT/TASK.jsonl`` is a view of it, rebuilt in full by
 every run (answered requests come from the store, so a rerun after a crash or a parser change
 costs nothing but the requests that never got an answer). ``--dry-run`` and ``status`` replay the
 pipeline against the store without a network client: whatever is answered is read, and the first
@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, new_record, rewrite, summary
+from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, rewrite, summary
 from distill.prompts import load_prompt
 from distill.store import AnswerStore
 from distill.teacher import Price, TeacherConfig, TeacherPool
@@ -38,7 +38,9 @@ class DistillConfig:
     task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary"])
     chunks: Path = option(None, "chunks JSONL from `metachunk chunk` or `metachunk data sample`")
     documents: Path = option(None, "the documents those chunks index into: JSONL with id and text")
-    out: Path = option(None, "run directory for records.jsonl and records.meta.json")
+    out: Path = option(
+        None, "run directory: TASK.jsonl (one record per chunk), TASK.meta.json, answers.sqlite"
+    )
     cache: Path | None = option(
         None, "answer store (SQLite, append-only); default OUT/answers.sqlite. Safe to share between runs"
     )
@@ -78,9 +80,12 @@ class DistillConfig:
         missing = [s for s in STAGES[self.task] if s not in self.teachers]
         if missing:
             raise ValueError(f"field 'teachers' lacks a block for stage(s) {', '.join(missing)}")
-        extra = sorted(set(self.teachers) - set(STAGES[self.task]))
+        # Blocks for the other task's stages are allowed: one recipe can drive both pipelines.
+        known = {stage for stages in STAGES.values() for stage in stages}
+        extra = sorted(set(self.teachers) - known)
         if extra:
             raise ValueError(f"field 'teachers' has block(s) for unknown stage(s) {', '.join(extra)}")
+        self.teachers = {stage: self.teachers[stage] for stage in STAGES[self.task]}
         if self.cache is None:
             self.cache = Path(self.out) / "answers.sqlite"
 
@@ -185,9 +190,9 @@ async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, pr
 
     runner = StageRunner(pool.stages, cfg.parse_retries)
     if cfg.task == "rewrite":
-        work = lambda job: rewrite(job, runner, cfg.threshold)  # noqa: E731
+        work = lambda job, runner=runner: rewrite(job, runner, cfg.threshold)  # noqa: E731
     else:
-        work = lambda job: summary(job, runner)  # noqa: E731
+        work = lambda job, runner=runner: summary(job, runner)  # noqa: E731
     records: list[dict | None] = [None] * len(jobs)
     queue = iter(enumerate(jobs))
     started = time.perf_counter()
@@ -230,10 +235,15 @@ async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, pr
         bar.close()
         await pool.close()
     stopped = "budget" if pool.budget.exhausted else ""
-    for i, job in enumerate(jobs):  # chunks never started because the budget ran out
-        if records[i] is None:
-            records[i] = {**new_record(cfg.task, job), "reason": "budget"}
-    cached = sum(t.cached for t in pool.stages.values())
+    # Chunks never started because the budget ran out: replay them against the store, sending
+    # nothing, so that the records still show every answer the store holds for them.
+    unstarted = [i for i, record in enumerate(records) if record is None]
+    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
+    for i in unstarted:
+        records[i] = await work(jobs[i], StageRunner(replay.stages, cfg.parse_retries))
+        if records[i]["status"] == "pending":
+            records[i]["reason"] = "budget"
+    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
     return RunResult(records, time.perf_counter() - started, pool.sent, cached, stopped, jobs)
 
 
@@ -253,7 +263,7 @@ def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
 
 def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     out = Path(cfg.out)
-    with AtomicWriter(out / "records.jsonl") as f:
+    with AtomicWriter(out / f"{cfg.task}.jsonl") as f:
         for record in result.records:
             f.write(jsonl_line(record))
     summary = summarize(result.records)
@@ -269,7 +279,7 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
         for lang in sorted({r["lang"] for r in result.records})
     }
     write_json(
-        out / "records.meta.json",
+        out / f"{cfg.task}.meta.json",
         {"schema_version": SCHEMA_VERSION, "command": f"distill {cfg.task}", "config": config.to_dict(cfg),
          "prompt_sha256": prompts, "summary": summary},
     )  # fmt: skip
@@ -316,7 +326,16 @@ def summarize(records: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------- reports
 
 
-def print_status(cfg: DistillConfig, result: RunResult, file=sys.stdout) -> None:
+def is_retryable(record: dict) -> bool:
+    """Failed in transport (no answer was paid for): the next run sends the request again."""
+    reason = record["reason"]
+    return record["status"] == "failed" and (
+        reason in ("timeout", "connection", "malformed_response") or reason.startswith("http_")
+    )
+
+
+def print_status(cfg: DistillConfig, result: RunResult, file=None) -> None:
+    file = file or sys.stdout
     summary = summarize(result.records)
     print(
         f"{cfg.task}: {summary['chunks']} chunks  "
@@ -339,11 +358,12 @@ def print_status(cfg: DistillConfig, result: RunResult, file=sys.stdout) -> None
         print(f"{not_started} chunks not started", file=file)
 
 
-def print_estimate(cfg: DistillConfig, result: RunResult, file=sys.stdout) -> dict:
+def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
     """Dry run: calls still to send, with their estimated tokens and worst-case cost."""
+    file = file or sys.stdout
     calls: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for record, job in zip(result.records, result.jobs):
-        if record["status"] != "pending":
+        if record["status"] != "pending" and not is_retryable(record):
             continue
         for stage, prompt, completion in estimate_pending(record, job, cfg.teachers):
             row = calls[stage]

@@ -10,10 +10,11 @@ The request path, in order:
 2. The budget reserves the request's worst-case cost (estimated prompt tokens + ``max_tokens``)
    and refuses, cleanly, once ``--max-cost`` would be exceeded.
 3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
-4. ``openai.AsyncOpenAI`` sends it. Its machinery does the retrying: exponential backoff with
-   jitter on 408/409/429/5xx, timeouts and connection errors, honouring ``Retry-After``. An httpx
-   event hook adds what it lacks: after any 429, every request to that endpoint (new ones and
-   retries) waits out the ``Retry-After`` pause.
+4. ``openai.AsyncOpenAI`` sends it, over openai's aiohttp transport (httpx2's own connection
+   pool costs about 1 ms of CPU per request at 64 connections). The client's machinery does the
+   retrying: exponential backoff with jitter on 408/409/429/5xx, timeouts and connection errors,
+   honouring ``Retry-After``. An httpx event hook adds what it lacks: after any 429, every request
+   to that endpoint (new ones and retries) waits out the ``Retry-After`` pause.
 5. The raw response body is stored as received, then read. We ask the client for the raw HTTP
    response: no pydantic model is built per answer, and the bytes we parse are the bytes we keep.
 
@@ -34,6 +35,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx2
 import openai
 
@@ -45,8 +47,16 @@ from metachunk.config import option
 class TeacherConfig:
     """One stage's teacher. Stages with the same ``base_url`` and ``model`` share its limits."""
 
-    model: str = option(None, "model name sent to the endpoint")
+    model: str = option(None, "model name sent to the endpoint (and the key of the price table)")
     base_url: str = option("http://127.0.0.1:8000/v1", "OpenAI-compatible endpoint, ending in /v1")
+    base_url_env: str | None = option(
+        None, "name of an environment variable holding the endpoint URL; overrides base_url when set"
+    )
+    serve_preset: bool = option(
+        False,
+        "the endpoint is `metachunk teacher serve` (transformers serve), which answers only requests "
+        "naming the served folder: send the local path of the preset named by `model`",
+    )
     api_key_env: str | None = option(
         None, "name of the environment variable holding the API key; the key never goes in a file"
     )
@@ -73,6 +83,16 @@ class TeacherConfig:
                 raise ValueError(f"{name!r} must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < self.max_tokens:
             raise ValueError("'max_tokens_limit' must be >= 'max_tokens'")
+
+    def endpoint_url(self) -> str:
+        if self.base_url_env:
+            url = os.environ.get(self.base_url_env, "")
+            if not url:
+                raise FatalTeacherError(
+                    f"teacher {self.model!r}: environment variable {self.base_url_env} is not set"
+                )
+            return url.rstrip("/")
+        return self.base_url.rstrip("/")
 
     def generation_params(self) -> dict:
         """Sent with every request, and part of its cache key."""
@@ -183,7 +203,8 @@ class Answer:
         if self.status == "pending":
             record["estimate"] = {"prompt_tokens": self.estimate[0], "completion_tokens": self.estimate[1]}
         else:
-            record.update(raw=self.content if self.status == "ok" else self.raw, reasoning=self.reasoning)
+            answered = bool(self.finish_reason)  # a paid answer (maybe cut at length), not a transport error
+            record.update(raw=self.content if answered else self.raw, reasoning=self.reasoning)
             record["text"] = self.text
             record["finish_reason"] = self.finish_reason
         return record
@@ -259,13 +280,16 @@ class Endpoint:
                     f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set"
                 )
         self.pause_until = 0.0  # monotonic time before which no request may leave (after a 429)
-        http = openai.DefaultAsyncHttpxClient(
+        # The aiohttp transport keeps the httpx2 client in front (its event hooks, and openai's retries,
+        # work unchanged) but replaces httpcore2's pool, which scans every pooled connection on each
+        # request: at 64 connections that alone costs ~1 ms of CPU per request.
+        http = openai.DefaultAioHttpClient(
             limits=httpx2.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
             timeout=cfg.timeout,
             event_hooks={"request": [self._wait_out_pause], "response": [self._note_rate_limit]},
         )
         self.client = openai.AsyncOpenAI(
-            base_url=cfg.base_url,
+            base_url=cfg.endpoint_url(),
             api_key=key,
             max_retries=cfg.max_retries,
             timeout=cfg.timeout,
@@ -331,6 +355,13 @@ class Teacher:
     ):
         self.cfg, self.endpoint, self.store, self.price, self.budget = cfg, endpoint, store, price, budget
         self.params = cfg.generation_params()
+        # The name on the wire; the cache key keeps `cfg.model`, so a served preset's answers stay
+        # valid whatever folder it is served from.
+        self.wire_model = cfg.model
+        if cfg.serve_preset:
+            from metachunk.models import resolve
+
+            self.wire_model = str(resolve(cfg.model))
         self.offline = endpoint is None  # dry run / status: answer from the store or say "pending"
         self.cached = 0  # answers served from the store
         self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
@@ -341,6 +372,8 @@ class Teacher:
         payload = {"model": self.cfg.model, "messages": messages, "max_tokens": max_tokens, **self.params}
         keyed = {"request": payload, "prompt_sha256": prompt_sha, "attempt": attempt}
         digest = hashlib.sha256(json.dumps(keyed, ensure_ascii=False, sort_keys=True).encode("utf-8"))
+        if self.wire_model != self.cfg.model:
+            payload["model"] = self.wire_model
         return payload, digest.hexdigest()
 
     async def complete(self, messages: list[dict], prompt_sha: str, attempt: int = 0) -> Answer:
@@ -364,6 +397,9 @@ class Teacher:
             return Answer.from_stored(self.store.get(key), params, cached=True)
         prompt_estimate = sum(estimate_tokens(m["content"]) + 4 for m in messages)
         if self.offline:
+            stored = self.store.get(key)  # only a transport error, if anything: the next run retries it
+            if stored is not None:
+                return Answer.from_stored(stored, params, cached=False)
             return Answer(
                 key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
             )
@@ -385,14 +421,12 @@ class Teacher:
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 response = await self.endpoint.post(payload, key, estimated_tokens)
-            except openai.APITimeoutError as e:
-                return StoredAnswer(key, model, "error", "timeout", str(e), 0, 0, 0.0)
-            except openai.APIConnectionError as e:
-                return StoredAnswer(key, model, "error", "connection", str(e), 0, 0, 0.0)
+            except openai.APIConnectionError as e:  # APITimeoutError included
+                return StoredAnswer(key, model, "error", _transport_reason(e), str(e), 0, 0, 0.0)
             except openai.APIStatusError as e:
                 if e.status_code in (401, 403, 404):
                     raise FatalTeacherError(
-                        f"teacher {model!r} at {self.cfg.base_url}: HTTP {e.status_code}: {_short(e.message)}"
+                        f"teacher {model!r} at {self.cfg.endpoint_url()}: HTTP {e.status_code}: {_short(e.message)}"
                     ) from None
                 return StoredAnswer(
                     key, model, "error", f"http_{e.status_code}", _short(e.message), 0, 0, 0.0
@@ -409,6 +443,15 @@ class Teacher:
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
         return StoredAnswer(key, model, "error", "malformed_response", _short(raw), 0, 0, 0.0)
+
+
+def _transport_reason(error: openai.APIConnectionError) -> str:
+    """``timeout`` or ``connection``. The aiohttp transport reports every failed connection (refused,
+    reset, closed early) as a connect timeout; the aiohttp error underneath tells them apart."""
+    cause = error.__cause__.__cause__ if error.__cause__ is not None else None
+    if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError):
+        return "connection"
+    return "timeout" if isinstance(error, openai.APITimeoutError) else "connection"
 
 
 def _short(text: str, limit: int = 500) -> str:
@@ -433,7 +476,7 @@ class TeacherPool:
         for stage, cfg in teachers.items():
             endpoint = None
             if not offline:
-                where = (cfg.base_url.rstrip("/"), cfg.model)
+                where = (cfg.endpoint_url(), cfg.model)
                 if where not in self.endpoints:
                     self.endpoints[where] = Endpoint(cfg)
                 endpoint = self.endpoints[where]

@@ -127,7 +127,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     summary = write_records(cfg, result)
     outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
     print(
-        f"{cfg.out}/records.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests sent, "
+        f"{cfg.out}/{cfg.task}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests sent, "
         f"{result.cached} answers from the store; ${summary['cost']:.4f}; {result.seconds:.1f}s",
         file=sys.stderr,
     )

@@ -65,17 +65,67 @@ def stage_chunk(inputs: dict[str, Path]) -> list[dict]:
     return rows
 
 
+def stage_distill(inputs: dict[str, Path]) -> list[dict]:
+    """Stage 2: both distillation pipelines against the local real teacher (SmolLM2 under
+    ``transformers serve`` on loopback), on the first Emma chunks of stage 1, with
+    ``recipes/distill/local.yaml``. Only the port differs: the demo picks a free one."""
+    import time
+
+    import yaml
+
+    from distill.local_teacher import LocalTeacher
+
+    recipe = yaml.safe_load((ROOT / "recipes" / "distill" / "local.yaml").read_text(encoding="utf-8"))
+    recipe.update(
+        chunks=str(OUT / "chunks" / "emma_ppl.jsonl"), documents=str(inputs["emma"]), out=str(OUT / "distill")
+    )
+    rows = []
+    print("\n== demo: metachunk teacher serve --model smollm2 (transformers serve on loopback)", flush=True)
+    started = time.perf_counter()
+    with LocalTeacher("smollm2", log=OUT / "distill" / "teacher.log") as teacher:
+        print(f"   ready in {time.perf_counter() - started:.0f}s at {teacher.base_url}", flush=True)
+        for block in recipe["teachers"].values():
+            block["base_url"] = teacher.base_url
+        path = OUT / "distill" / "local.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+        for task in ("rewrite", "summary"):
+            argv = ["distill", task, "--config", str(path)]
+            print(f"\n== demo: metachunk {' '.join(argv)}", flush=True)
+            if metachunk(argv) != 0:
+                sys.exit(f"demo: stage 'distill {task}' failed")
+            meta = json.loads((OUT / "distill" / f"{task}.meta.json").read_text(encoding="utf-8"))
+            summary = meta["summary"]
+            tokens = sum(s["prompt_tokens"] + s["completion_tokens"] for s in summary["stages"].values())
+            outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+            rows.append({
+                "run": f"distill {task} smollm2",
+                "documents": len({r["doc_id"] for r in _records(OUT / "distill" / f"{task}.jsonl")}),
+                "chunks": summary["chunks"],
+                "mean_chunk_chars": "-",
+                "seconds": summary["seconds"],
+                "note": f"{outcome}; {summary['requests_sent']} requests sent, "
+                f"{summary['answers_from_store']} from the store, {tokens:,} tokens",
+            })  # fmt: skip
+    return rows
+
+
+def _records(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 def print_table(rows: list[dict]) -> None:
     header = f"{'run':<28} {'documents':>9} {'chunks':>7} {'mean chars':>10} {'seconds':>8}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         print(
             f"{r['run']:<28} {r['documents']:>9} {r['chunks']:>7} {r['mean_chunk_chars']:>10} {r['seconds']:>8}"
+            + (f"  {r['note']}" if "note" in r else "")
         )
-    print(f"\noutputs: {OUT}/chunks/*.jsonl   plots: {OUT}/plots/")
+    print(f"\noutputs: {OUT}/chunks/*.jsonl  {OUT}/distill/{{rewrite,summary}}.jsonl   plots: {OUT}/plots/")
 
 
-STAGES = [stage_chunk]
+STAGES = [stage_chunk, stage_distill]
 
 
 def main() -> None:

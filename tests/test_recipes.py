@@ -18,3 +18,22 @@ def test_chunk_recipe_is_valid(recipe):
 
 def test_there_are_recipes():
     assert len(RECIPES) >= 3
+
+
+DISTILL_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "distill").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", DISTILL_RECIPES, ids=lambda p: p.name)
+def test_distill_recipe_is_valid(recipe):
+    from distill.run import DistillConfig
+
+    values = load_yaml(DistillConfig, recipe)
+    # A recipe without `task:` (local.yaml) serves both `distill rewrite` and `distill summary`.
+    for task in [values["task"]] if "task" in values else ["rewrite", "summary"]:
+        cfg = DistillConfig(**{**values, "task": task})
+        for teacher in cfg.teachers.values():
+            assert teacher.api_key_env is None or teacher.api_key_env.isupper()  # a variable name, not a key
+
+
+def test_there_are_distill_recipes():
+    assert {p.name for p in DISTILL_RECIPES} >= {"rewrite.yaml", "summary.yaml", "local.yaml"}

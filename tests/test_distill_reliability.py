@@ -1,0 +1,683 @@
+"""The distillation client under faults, end to end against the loopback server.
+
+Every request ends answered or failed with its reason and nothing hangs; a 429 pauses every
+request to the endpoint; a ``kill -9`` loses no record and re-sends no answered request; the
+budget stops at the cap and resumes when it is raised; the API key never reaches a file or a log;
+``--dry-run`` sends nothing; a parser change re-reads stored answers and sends only the requests
+whose prompts changed.
+
+Fault markers (``[[fault:KIND]]``, see ``distill.loopback_server``) ride inside the chunk texts, so
+the server sees them in every prompt that quotes the chunk. A chunk with a marker is its own
+document, so its marker does not leak into the context of other chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+import distill.pipelines
+from distill.loopback_server import THINK_TEXT, serve_in_subprocess
+from distill.pipelines import STAGES
+from distill.run import DistillConfig, run, write_records
+from distill.teacher import Endpoint, TeacherConfig
+from metachunk import config
+from metachunk.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+REWRITE, SUMMARY = STAGES["rewrite"], STAGES["summary"]
+SECRET = "sk-test-SECRET-1234567890"
+KEY_ENV = "METACHUNK_TEST_KEY"
+
+# The refinement prompt (and only it) contains '"score"': its answers must parse as items.
+ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
+REPLIES = {'"score"': ITEMS}
+
+SENTENCES = (
+    "She had lived nearly twenty-one years in the world with very little to distress or vex her.",
+    "Her mother had died too long ago for her to have more than an indistinct remembrance of her caresses.",
+    "Sixteen years had Miss Taylor been in the family, less as a governess than a friend.",
+    "The wedding was very much like other weddings, where the parties have no taste for finery or parade.",
+    "He was a nervous man, easily depressed, fond of everybody that he was used to.",
+    "The evil of the actual disparity in their ages was much increased by his constitution and habits.",
+)
+
+
+def chunk_text(n: int, marker: str = "") -> str:
+    """A unique English chunk (unique texts make unique requests), optionally with a fault marker."""
+    return f"Passage {n}. {SENTENCES[n % len(SENTENCES)]} {marker}".strip()
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """Nothing may hang. Without pytest-timeout: dump every thread's stack and exit after 120 s.
+    (CLI runs also have their own subprocess timeout.)"""
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+# --------------------------------------------------------------------------------------------
+# A run directory: inputs, recipe, CLI and in-process runs, records and the answer store
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    task: str
+    recipe: Path
+    out: Path
+
+    @property
+    def store_path(self) -> Path:
+        return self.out / "answers.sqlite"
+
+    @property
+    def records_path(self) -> Path:  # OUT/TASK.jsonl, next to OUT/TASK.meta.json
+        return self.out / f"{self.task}.jsonl"
+
+    def meta(self) -> dict:
+        return json.loads((self.out / f"{self.task}.meta.json").read_text(encoding="utf-8"))
+
+    def cli(self, action: str, *flags: str, env: dict | None = None, timeout: float = 60):
+        """``python -m metachunk.cli distill ACTION --config RECIPE FLAGS``; a hang fails the test."""
+        return subprocess.run(
+            [sys.executable, "-m", "metachunk.cli", "distill", action, "--config", str(self.recipe), *flags],
+            cwd=REPO,
+            env=cli_env() if env is None else env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def main(self, action: str, *flags: str) -> int:
+        """The same command in-process (no interpreter start-up): its exit code."""
+        return cli_main(["distill", action, "--config", str(self.recipe), *flags])
+
+    def config(self, **overrides) -> DistillConfig:
+        """The recipe as the CLI reads it, for in-process runs."""
+        return DistillConfig(**{**config.load_yaml(DistillConfig, self.recipe), **overrides})
+
+    def records(self) -> list[dict]:
+        lines = self.records_path.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines]
+
+    def records_by_doc(self) -> dict[str, dict]:
+        return {r["doc_id"]: r for r in self.records()}
+
+    def query(self, sql: str) -> list[tuple]:
+        """Read the answer store read-only (as another process would, also while a run writes it)."""
+        db = sqlite3.connect(f"file:{self.store_path}?mode=ro", uri=True)
+        try:
+            return db.execute(sql).fetchall()
+        finally:
+            db.close()
+
+
+def cli_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def make_job(
+    root: Path,
+    base_url: str,
+    docs: dict[str, list[str]],
+    *,
+    task: str = "rewrite",
+    teacher: dict | None = None,
+    **fields,
+) -> Job:
+    """Documents made of the given chunks (joined by spaces), their chunks file and a recipe with
+    the same teacher block for every stage of ``task``."""
+    documents, chunks = root / "documents.jsonl", root / "chunks.jsonl"
+    with documents.open("w", encoding="utf-8") as d, chunks.open("w", encoding="utf-8") as c:
+        for doc_id, texts in docs.items():
+            text, spans = "", []
+            for piece in texts:
+                text += " " if text else ""
+                spans.append({"text": piece, "start": len(text), "end": len(text) + len(piece)})
+                text += piece
+            d.write(json.dumps({"id": doc_id, "text": text}) + "\n")
+            c.write(json.dumps({"id": doc_id, "chunks": spans}) + "\n")
+    block = {
+        "model": "loopback",
+        "base_url": base_url,
+        "max_tokens": 64,
+        "concurrency": 8,
+        "timeout": 5.0,
+        "max_retries": 2,
+        **(teacher or {}),
+    }
+    recipe = {
+        "task": task,
+        "documents": str(documents),
+        "chunks": str(chunks),
+        "out": str(root / "run"),
+        "lang": "en",
+        "progress": False,
+        "teachers": {stage: dict(block) for stage in STAGES[task]},
+        **fields,
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    return Job(task, path, root / "run")
+
+
+def one_chunk_per_doc(chunks: dict[str, str]) -> dict[str, list[str]]:
+    return {name: [text] for name, text in chunks.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Every request ends answered or failed with its reason; nothing hangs
+# --------------------------------------------------------------------------------------------
+
+FAULTS = {  # chunk name -> marker
+    "normal": "",
+    "rate_limited": "[[fault:429@0.2*2]]",  # two 429s per request, then answered
+    "error_500_once": "[[fault:500*1]]",
+    "error_503_once": "[[fault:503*1]]",
+    "error_500": "[[fault:500]]",
+    "hang": "[[fault:hang]]",
+    "malformed_once": "[[fault:malformed*1]]",
+    "malformed": "[[fault:malformed]]",
+    "empty": "[[fault:empty]]",
+    "length": "[[fault:length]]",
+    "think": "[[fault:think]]",
+    "reasoning": "[[fault:reasoning]]",
+}
+MAX_RETRIES = 2
+PARSE_RETRIES = 2
+# chunk -> (reason the record fails with at reflection, arrivals of the failing request)
+FAILS = {
+    "error_500": ("http_500", MAX_RETRIES + 1),
+    "hang": ("timeout", MAX_RETRIES + 1),
+    "malformed": ("malformed_response", MAX_RETRIES + 1),
+    "empty": ("empty", 1),  # ... for each of the PARSE_RETRIES + 1 attempts
+    "length": ("length", 1),
+}
+# chunk -> arrivals of each stage's request before it is answered
+ANSWERED = {
+    "normal": 1,
+    "rate_limited": 3,
+    "error_500_once": 2,
+    "error_503_once": 2,
+    "malformed_once": 2,
+    "think": 1,
+    "reasoning": 1,
+}
+
+
+def test_every_request_ends_answered_or_failed_with_its_reason(tmp_path):
+    chunks = {name: chunk_text(i, marker) for i, (name, marker) in enumerate(FAULTS.items())}
+    with serve_in_subprocess(latency=0.01, replies=REPLIES, hang_seconds=30) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            one_chunk_per_doc(chunks),
+            teacher={"timeout": 1.0, "max_retries": MAX_RETRIES},
+            parse_retries=PARSE_RETRIES,
+        )
+        done = job.cli("rewrite", timeout=60)  # raises TimeoutExpired if the run hangs
+        stats = server.stats()
+    assert done.returncode == 0, done.stderr
+    by_key, records = stats["by_key"], job.records_by_doc()
+    assert set(records) == set(FAULTS)
+
+    for name, arrivals in ANSWERED.items():
+        record = records[name]
+        assert (record["status"], record["reason"]) == ("ok", ""), name
+        assert record["output"], name
+        for stage in REWRITE:
+            entry = record["stages"][stage]
+            assert entry["status"] == "ok" and entry["attempts"] == 1, (name, stage)
+            assert by_key[entry["request_key"]] == arrivals, (name, stage)
+
+    for name, (reason, arrivals) in FAILS.items():
+        record = records[name]
+        assert (record["status"], record["reason"], record["stage"]) == ("failed", reason, "reflection"), name
+        assert list(record["stages"]) == ["reflection"], name  # nothing asked after the failure
+        entry = record["stages"]["reflection"]
+        assert (entry["status"], entry["reason"]) == ("failed", reason), name
+        assert by_key[entry["request_key"]] == arrivals, name
+        assert record["output"] is None
+
+    assert records["error_500"]["stages"]["reflection"]["raw"]  # the error message is kept
+    empty = records["empty"]["stages"]["reflection"]
+    assert empty["attempts"] == PARSE_RETRIES + 1 and empty["text"] == ""
+    assert records["length"]["stages"]["reflection"]["finish_reason"] == "length"
+    assert records["length"]["stages"]["reflection"]["params"]["max_tokens"] == 64
+
+    for stage in REWRITE:  # think: <think> kept in raw, stripped from the text, reasoning extracted
+        entry = records["think"]["stages"][stage]
+        assert entry["raw"].startswith("<think>" + THINK_TEXT + "</think>")
+        assert "<think>" not in entry["text"] and "</think>" not in entry["text"]
+        assert entry["reasoning"] == THINK_TEXT
+        entry = records["reasoning"]["stages"][stage]
+        assert entry["reasoning"] == THINK_TEXT and "<think>" not in entry["raw"]
+    assert "<think>" not in records["think"]["output"]
+
+    # Server and store agree: every request the server saw ended as a row in the store.
+    assert {key for (key,) in job.query("SELECT DISTINCT key FROM answers")} == set(by_key)
+    outcome = stats["by_outcome"]
+    assert outcome["429"] == 2 * len(REWRITE)
+    assert outcome["hang"] == MAX_RETRIES + 1
+    assert outcome["empty"] == PARSE_RETRIES + 1
+    meta = job.meta()
+    assert meta["summary"]["outcome"] == {"ok": len(ANSWERED), "failed": len(FAILS)}
+
+
+def test_length_is_asked_again_with_doubled_max_tokens_up_to_the_limit(tmp_path):
+    with serve_in_subprocess(latency=0.0, replies=REPLIES) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            {"length": [chunk_text(0, "[[fault:length]]")]},
+            teacher={"max_tokens": 64, "max_tokens_limit": 256},
+        )
+        result = run(job.config())
+        first = server.stats()
+        again = run(job.config())  # each size is its own stored request: nothing is sent again
+        second = server.stats()
+    # 64, 128 and 256 tokens: three requests, each cut short, since the fault is "always".
+    assert first["by_outcome"] == {"length": 3}
+    assert sorted(first["by_key"].values()) == [1, 1, 1]
+    (record,) = result.records
+    assert (record["status"], record["reason"], record["stage"]) == ("failed", "length", "reflection")
+    entry = record["stages"]["reflection"]
+    assert entry["finish_reason"] == "length" and entry["params"]["max_tokens"] == 256
+    assert second["requests"] == first["requests"] and again.sent == 0
+    assert again.records[0]["stages"]["reflection"]["request_key"] == entry["request_key"]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. After a 429 every request to the endpoint waits out the pause
+# --------------------------------------------------------------------------------------------
+
+
+def test_429_pauses_every_request_to_the_endpoint():
+    sends: list[tuple[str, float]] = []  # (request key, when it left, after any pause)
+
+    class Probe(Endpoint):
+        async def _wait_out_pause(self, request):
+            await super()._wait_out_pause(request)
+            sends.append((request.headers["x-request-key"], time.monotonic()))
+
+    def payload(text: str) -> dict:
+        return {"model": "loopback", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+
+    async def scenario(base_url: str):
+        endpoint = Probe(TeacherConfig(model="loopback", base_url=base_url, concurrency=4, max_retries=2))
+        try:
+            limited = asyncio.ensure_future(
+                endpoint.post(payload("limited [[fault:429@1*1]]"), "limited", 10)
+            )
+            while endpoint.pause_until == 0.0:  # wait for the 429 to come back
+                await asyncio.sleep(0.002)
+            noticed, pause_end = time.monotonic(), endpoint.pause_until
+            others = [endpoint.post(payload(f"normal {i}"), f"normal-{i}", 10) for i in range(6)]
+            responses = await asyncio.gather(limited, *others)
+            return noticed, pause_end, responses
+        finally:
+            await endpoint.close()
+
+    with serve_in_subprocess(latency=0.0) as server:
+        noticed, pause_end, responses = asyncio.run(asyncio.wait_for(scenario(server.base_url), 20))
+        stats = server.stats()
+
+    assert [r.status_code for r in responses] == [200] * 7
+    assert stats["by_outcome"] == {"429": 1, "ok": 7}
+    assert 0.9 <= pause_end - noticed <= 1.1  # Retry-After: 1
+    assert [key for key, _ in sends].count("limited") == 2
+    first_limited = next(t for key, t in sends if key == "limited")
+    later = [(key, t) for key, t in sends if t > first_limited]
+    assert len(later) == 7  # the retry and the six new requests
+    for key, t in later:
+        assert t >= pause_end, f"{key} left {pause_end - t:.3f} s before the pause ended"
+
+
+# --------------------------------------------------------------------------------------------
+# 3. kill -9 mid-run: no record lost, no answered request sent again
+# --------------------------------------------------------------------------------------------
+
+
+def test_kill_9_loses_nothing_and_resends_nothing_answered(tmp_path):
+    docs = {f"doc{d:02d}": [chunk_text(3 * d + i) for i in range(3)] for d in range(40)}
+    n_chunks = sum(len(texts) for texts in docs.values())
+    total = n_chunks * len(REWRITE)  # every chunk keeps its item, so it needs all three stages
+    target = random.Random().randint(total // 5, total * 7 // 10)
+    with serve_in_subprocess(latency=0.03, replies=REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 8})
+        with open(tmp_path / "first.stderr", "w") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config", str(job.recipe)],
+                cwd=REPO,
+                env=cli_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while count_rows(job) < target:
+                assert process.poll() is None, (tmp_path / "first.stderr").read_text()  # ended too soon
+                assert time.monotonic() < deadline, "the run made no progress"
+                time.sleep(0.003)
+            os.kill(process.pid, signal.SIGKILL)
+        finally:
+            process.kill()  # no-op once it is dead
+            process.wait()
+        answered = {key for (key,) in job.query("SELECT key FROM answers WHERE status = 'ok'")}
+        assert target <= len(answered) < total, f"killed too late to test anything ({len(answered)} rows)"
+        before = server.stats()
+
+        rerun = job.cli("rewrite")
+        after = server.stats()
+
+    assert rerun.returncode == 0, rerun.stderr
+    records = job.records()
+    assert len(records) == n_chunks
+    assert {(r["doc_id"], r["chunk_index"]) for r in records} == {(d, i) for d in docs for i in range(3)}
+    assert all(r["status"] == "ok" and r["output"] for r in records)
+
+    resent = {key for key in answered if after["by_key"][key] != 1}
+    assert not resent, f"{len(resent)} answered requests were sent again"
+    # Only the requests in flight at the kill (never answered) are sent twice.
+    in_flight = {key for key, n in after["by_key"].items() if n > 1}
+    assert len(in_flight) <= 8 and in_flight <= set(before["by_key"]) - answered
+    wanted = {r["stages"][s]["request_key"] for r in records for s in REWRITE}
+    assert set(after["by_key"]) <= wanted  # nothing asked that the records do not need
+
+    assert job.query("SELECT key FROM answers WHERE status = 'ok' GROUP BY key HAVING COUNT(*) > 1") == []
+    ok_keys = {key for (key,) in job.query("SELECT key FROM answers WHERE status = 'ok'")}
+    assert ok_keys == {r["stages"][s]["request_key"] for r in records for s in REWRITE}
+    assert len(ok_keys) == total
+
+
+def count_rows(job: Job) -> int:
+    try:
+        return job.query("SELECT COUNT(*) FROM answers")[0][0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+# --------------------------------------------------------------------------------------------
+# 4. The budget stops at the cap and resumes when it is raised
+# --------------------------------------------------------------------------------------------
+
+# Every request costs exactly $1, so the cap's arithmetic is exact: output only, at $1/16 per
+# token, and every answer is exactly max_tokens = 16 tokens long (the server counts 4 chars a token).
+# Concurrency 1 runs two chunks at a time, so the budget stops the run before most chunks start.
+EXACT_TEACHER = {"max_tokens": 16, "concurrency": 1}
+EXACT_PRICES = {"loopback": {"input": 0.0, "output": 1e6 / 16}}
+EXACT_REPLIES = {
+    '"score"': '[{"missing": "who", "supplement": "Emma", "score": 9}]'.ljust(64),
+    "^": "A rewritten chunk that says who she is.".ljust(64, "."),
+}
+
+
+def outcomes(records: list[dict]) -> list[tuple]:
+    """What a record says and which answers it holds, without per-run details (``cached``)."""
+    return [
+        (r["doc_id"], r["status"], r["reason"], r.get("stage"), r["output"])
+        + tuple(
+            (s, e["status"], e.get("request_key") if e["status"] == "ok" else "")
+            for s, e in r["stages"].items()
+        )
+        for r in records
+    ]
+
+
+def test_budget_stops_at_the_cap_and_resumes_when_raised(tmp_path, capsys):
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(8)})
+    with serve_in_subprocess(latency=0.01, replies=EXACT_REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher=EXACT_TEACHER, prices=EXACT_PRICES)
+
+        assert job.main("rewrite", "--max-cost", "10.5") == 3
+        assert "stopped before exceeding --max-cost 10.5" in capsys.readouterr().err
+        first = server.stats()
+        records = job.records()
+        assert len(records) == 8
+        assert {r["status"] for r in records} == {"ok", "pending"}
+        for record in records:
+            if record["status"] == "pending":
+                assert record["reason"] == "budget"
+                assert record["stages"][record["stage"]]["status"] == "pending"
+        assert first["requests"] == 10
+        assert job.query("SELECT COUNT(*), SUM(cost), MIN(status), MAX(status) FROM answers") == [
+            (10, 10.0, "ok", "ok")
+        ]
+        meta = job.meta()
+        assert meta["summary"]["stopped"] == "budget"
+        assert meta["summary"]["cost"] == 10.0
+
+        assert job.main("rewrite", "--max-cost", "10.5") == 3
+        assert server.stats()["requests"] == first["requests"]  # nothing more fits under the cap
+        assert outcomes(job.records()) == outcomes(records)  # and the records still show every answer
+
+        assert job.main("rewrite", "--max-cost", "100") == 0
+        final = server.stats()
+    assert all(r["status"] == "ok" for r in job.records())
+    assert final["requests"] == 24 and set(final["by_key"].values()) == {1}  # nothing sent twice
+    assert set(first["by_key"]) <= set(final["by_key"])
+    assert job.query("SELECT COUNT(*), SUM(cost) FROM answers") == [(24, 24.0)]
+
+
+def test_budget_with_estimated_prompt_cost_never_passes_the_cap(tmp_path):
+    """Real prices: each request reserves its estimated worst case, so the spend stays under the cap."""
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(12)})
+    prices = {"loopback": {"input": 1.0, "output": 2.0}}
+    cap = 0.01
+    with serve_in_subprocess(latency=0.01, replies=REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 4}, prices=prices)
+        stopped = run(job.config(max_cost=cap))
+        first = server.stats()
+        ((spent,),) = job.query("SELECT SUM(cost) FROM answers")
+        raised = run(job.config(max_cost=1.0))
+        final = server.stats()
+    assert stopped.stopped == "budget"
+    assert 0 < first["requests"] < 3 * 12
+    assert 0 < spent <= cap
+    assert {r["status"] for r in stopped.records} == {"ok", "pending"}
+    assert raised.stopped == "" and all(r["status"] == "ok" for r in raised.records)
+    assert set(final["by_key"].values()) == {1}
+
+
+# --------------------------------------------------------------------------------------------
+# 5. The API key never reaches a file or a log
+# --------------------------------------------------------------------------------------------
+
+
+def test_api_key_never_reaches_a_file_or_a_log(tmp_path):
+    chunks = {
+        "normal": chunk_text(0),
+        "error_500": chunk_text(1, "[[fault:500]]"),
+        "rate_limited": chunk_text(2, "[[fault:429@0.1*1]]"),
+        "malformed": chunk_text(3, "[[fault:malformed]]"),
+        "empty": chunk_text(4, "[[fault:empty]]"),
+    }
+    with serve_in_subprocess(latency=0.0, replies=REPLIES) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            one_chunk_per_doc(chunks),
+            teacher={"api_key_env": KEY_ENV, "max_retries": 1},
+            prices={"loopback": {"input": 1.0, "output": 2.0}},
+            progress=True,
+        )
+        done = job.cli("rewrite", env=cli_env(**{KEY_ENV: SECRET}))
+        # The same run with the variable unset: a clear error naming it, and nothing else
+        # (OPENAI_API_KEY must not be picked up as a fallback either).
+        missing = job.cli("rewrite", env=cli_env(OPENAI_API_KEY=SECRET))
+    assert done.returncode == 0, done.stderr
+    assert {r["status"] for r in job.records()} == {"ok", "failed"}  # errors were recorded
+    assert job.query("SELECT COUNT(*) FROM answers WHERE status = 'error'")[0][0] > 0
+
+    assert missing.returncode == 2
+    assert KEY_ENV in missing.stderr and "not set" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+    leaks = [p for p in sorted(tmp_path.rglob("*")) if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaks == []
+    files = {p.name for p in job.out.iterdir()}
+    assert {"rewrite.jsonl", "rewrite.meta.json", "answers.sqlite"} <= files
+    for captured in (done, missing):
+        assert SECRET not in captured.stdout and SECRET not in captured.stderr
+
+
+def test_api_key_is_read_from_the_named_variable(monkeypatch):
+    """The key the client sends is the variable's value (so the scan above is not vacuous)."""
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    endpoint = Endpoint(TeacherConfig(model="loopback", api_key_env=KEY_ENV))
+    try:
+        assert endpoint.client.api_key == SECRET
+    finally:
+        asyncio.run(endpoint.close())
+
+
+# --------------------------------------------------------------------------------------------
+# 6. --dry-run sends nothing; status after a partial run
+# --------------------------------------------------------------------------------------------
+
+
+def table(stdout: str, first_words: tuple[str, ...]) -> dict[str, list[str]]:
+    """Rows of a printed table by their first word (whitespace-split)."""
+    rows = {}
+    for line in stdout.splitlines():
+        words = line.split()
+        if words and words[0] in first_words:
+            rows[words[0]] = words[1:]
+    return rows
+
+
+def test_dry_run_sends_nothing_and_status_counts_a_partial_run(tmp_path):
+    chunks = {
+        "c0": chunk_text(0),
+        "c1": chunk_text(1, "[[fault:empty]]"),
+        "c2": chunk_text(2, "[[fault:length]]"),
+        "c3": chunk_text(3, "[[fault:500]]"),
+        **{f"c{i}": chunk_text(i) for i in range(4, 8)},
+    }
+    with serve_in_subprocess(latency=0.0, replies=REPLIES) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            one_chunk_per_doc(chunks),
+            teacher={"max_retries": 1},
+            prices={"loopback": {"input": 1.0, "output": 2.0}},
+        )
+        dry = job.cli("rewrite", "--dry-run")
+        assert server.stats()["requests"] == 0
+        assert not job.records_path.exists()
+        partial = job.main("rewrite", "--limit", "4")  # c0-c3 only
+        sent = server.stats()["requests"]
+        status = job.cli("status")
+        dry_after = job.cli("rewrite", "--dry-run")
+        assert server.stats()["requests"] == sent
+
+    assert dry.returncode == 0, dry.stderr
+    assert "nothing sent" in dry.stdout
+    rows = table(dry.stdout, (*REWRITE, "total"))
+    assert [rows[stage][1:3] for stage in REWRITE] == [["8", "0"]] * 3  # model, calls, cached
+    calls, cached, _, _, cost = rows["total"]
+    assert (calls, cached) == ("24", "0") and float(cost) > 0
+
+    assert partial == 0
+    outcome = {r["doc_id"]: (r["status"], r["reason"]) for r in job.records()}
+    assert outcome == {
+        "c0": ("ok", ""),
+        "c1": ("failed", "empty"),
+        "c2": ("failed", "length"),
+        "c3": ("failed", "http_500"),
+    }
+
+    # Status replays all 8 chunks against the store. The transport failure (c3) shows as failed
+    # with its reason (the next run sends it again, and the dry run counts it as a call to send).
+    # Empty and cut-short answers are paid answers: they stay failed.
+    assert status.returncode == 0, status.stderr
+    assert "rewrite: 8 chunks" in status.stdout
+    rows = table(status.stdout, REWRITE)
+    counts = {stage: [int(x) for x in rows[stage][:3]] for stage in REWRITE}  # done, failed, pending
+    assert counts == {"reflection": [1, 3, 4], "refinement": [1, 0, 0], "completion": [1, 0, 0]}
+    assert "empty 1, http_500 1, length 1" in " ".join(rows["reflection"])
+
+    assert dry_after.returncode == 0, dry_after.stderr
+    rows = table(dry_after.stdout, ("total",))
+    assert rows["total"][:2] == ["15", "5"]  # c3-c7 still need 3 calls; c0-c2 read 5 answers
+
+
+# --------------------------------------------------------------------------------------------
+# 7. A parser change re-reads stored answers and sends only the prompts it changed
+# --------------------------------------------------------------------------------------------
+
+
+def test_parser_change_rereads_stored_answers(tmp_path, monkeypatch):
+    two_items = (
+        '[{"missing": "who she is", "supplement": "Emma Woodhouse", "score": 9},'
+        ' {"missing": "where", "supplement": "at Hartfield", "score": 8}]'
+    )
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(4)})
+    with serve_in_subprocess(latency=0.0, replies={'"score"': two_items}) as server:
+        job = make_job(tmp_path, server.base_url, docs)
+        first = run(job.config())
+        before = server.stats()
+
+        original = distill.pipelines.parse_items
+
+        def first_item_only(text):
+            items = original(text)
+            return None if items is None else items[:1]
+
+        monkeypatch.setattr(distill.pipelines, "parse_items", first_item_only)
+        second = run(job.config())
+        after = server.stats()
+
+    assert before["requests"] == 3 * 4
+    assert all(r["status"] == "ok" for r in first.records + second.records)
+    assert second.sent == 4 and second.cached == 2 * 4
+    new_keys = set(after["by_key"]) - set(before["by_key"])
+    assert after["requests"] - before["requests"] == len(new_keys) == 4
+    for old, new in zip(first.records, second.records, strict=True):
+        for stage in ("reflection", "refinement"):
+            key = new["stages"][stage]["request_key"]
+            assert key == old["stages"][stage]["request_key"] and after["by_key"][key] == 1
+            assert new["stages"][stage]["cached"]
+        assert len(old["stages"]["refinement"]["kept"]) == 2
+        assert len(new["stages"]["refinement"]["kept"]) == 1
+        assert new["stages"]["completion"]["request_key"] in new_keys
+        assert not new["stages"]["completion"]["cached"]
+
+
+# --------------------------------------------------------------------------------------------
+# Summary pipeline smoke run
+# --------------------------------------------------------------------------------------------
+
+
+def test_summary_pipeline_against_the_loopback_server(tmp_path):
+    docs = {"doc0": [chunk_text(0), chunk_text(1)], "doc1": [chunk_text(2)]}
+    with serve_in_subprocess(latency=0.005) as server:
+        job = make_job(tmp_path, server.base_url, docs, task="summary")
+        cfg = job.config()
+        result = run(cfg)
+        summary = write_records(cfg, result)
+        stats = server.stats()
+    assert stats["by_outcome"] == {"ok": 3 * 3} and set(stats["by_key"].values()) == {1}
+    assert summary["outcome"] == {"ok": 3}
+    for record in job.records():
+        assert record["status"] == "ok" and record["task"] == "summary"
+        assert [record["stages"][s]["status"] for s in SUMMARY] == ["ok"] * 3
+        fuse = record["stages"]["summary_fuse"]
+        assert record["output"] == fuse["text"] == "answer " + fuse["request_key"][:12]

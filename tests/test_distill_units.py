@@ -1,0 +1,190 @@
+"""The distillation engine's pure parts: answer parsing, prompts, the store, budget, config."""
+
+import string
+
+import pytest
+
+from distill.pipelines import NOTHING_MISSING, STAGES, Item, format_items, parse_items
+from distill.prompts import LANGS, load_prompt
+from distill.run import DistillConfig, window
+from distill.store import AnswerStore, StoredAnswer
+from distill.teacher import Budget, BudgetExceeded, Price, TeacherConfig, estimate_tokens, split_reasoning
+from metachunk.artifacts import InputError
+from metachunk.config import load_yaml
+
+PLACEHOLDERS = {
+    "reflection": {"context", "chunk"},
+    "refinement": {"context", "chunk", "reflection"},
+    "completion": {"context", "chunk", "items"},
+    "summary_global": {"context", "chunk"},
+    "summary_local": {"chunk"},
+    "summary_fuse": {"chunk", "global_summary", "local_summary"},
+}
+
+
+# --------------------------------------------------------------------------- reasoning teachers
+
+
+@pytest.mark.parametrize(
+    "content, reasoning_content, answer, reasoning",
+    [
+        ("plain answer", None, "plain answer", ""),
+        ("<think>step 1\nstep 2</think>\n\nthe answer", None, "the answer", "step 1\nstep 2"),
+        ("no opening tag, QwQ style</think>the answer", None, "the answer", "no opening tag, QwQ style"),
+        ("<think>cut off inside the reasoning", None, "", "cut off inside the reasoning"),
+        ("the answer", "separate reasoning", "the answer", "separate reasoning"),
+        ("<think>inline</think>answer", "separate", "answer", "separate\ninline"),
+    ],
+)
+def test_split_reasoning(content, reasoning_content, answer, reasoning):
+    assert split_reasoning(content, reasoning_content) == (answer, reasoning)
+
+
+# ------------------------------------------------------------------------------ refinement JSON
+
+
+def test_parse_items_reads_the_array_inside_fences_and_prose():
+    text = 'Here you go:\n```json\n[{"missing": "who", "supplement": "Emma", "score": 9}]\n```'
+    assert parse_items(text) == [Item("who", "Emma", 9.0)]
+
+
+def test_parse_items_empty_array_is_a_valid_answer():
+    assert parse_items("[]") == []
+
+
+@pytest.mark.parametrize(
+    "text", ["NONE", "[{broken json", '{"missing": "x"}', '[{"missing": "x", "score": "high"}]']
+)
+def test_parse_items_rejects_off_format(text):
+    assert parse_items(text) is None
+
+
+def test_parse_items_drops_unusable_elements_but_keeps_good_ones():
+    text = '[{"missing": "a", "supplement": "b", "score": "8"}, {"missing": "c"}, 3]'
+    assert parse_items(text) == [Item("a", "b", 8.0)]
+
+
+def test_format_items_per_language():
+    items = [Item("who", "Emma", 9)]
+    assert format_items(items, "en") == "1. missing: who / supplement: Emma"
+    assert format_items(items, "zh") == "1. 缺失：who／补充：Emma"
+    assert {"none", "无"} <= NOTHING_MISSING
+
+
+# ---------------------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("lang", LANGS)
+@pytest.mark.parametrize("name", sorted(PLACEHOLDERS))
+def test_prompt_files_have_exactly_their_placeholders(name, lang):
+    prompt = load_prompt(name, lang)
+    found = {field for _, field, _, _ in string.Formatter().parse(prompt.user) if field}
+    assert found == PLACEHOLDERS[name]
+    assert "{" not in prompt.system.replace("{{", "")
+    messages = prompt.messages(**dict.fromkeys(PLACEHOLDERS[name], "X"))
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert len(prompt.sha256) == 64
+
+
+def test_every_stage_has_a_prompt():
+    assert {s for stages in STAGES.values() for s in stages} == set(PLACEHOLDERS)
+
+
+def test_unknown_prompt_language_is_an_error():
+    with pytest.raises(ValueError, match="no prompts for language"):
+        load_prompt("reflection", "fr")
+
+
+# ------------------------------------------------------------------------------------------ store
+
+
+def _row(key, status="ok", cost=0.0, raw='{"choices": []}'):
+    return StoredAnswer(key, "m", status, "" if status == "ok" else "timeout", raw, 1, 2, cost)
+
+
+def test_store_is_append_only_and_a_success_wins(tmp_path):
+    path = tmp_path / "answers.sqlite"
+    store = AnswerStore(path)
+    store.put(_row("a", "error"))
+    assert store.get("a").status == "error" and not store.has_answer("a")
+    store.put(_row("a", "ok", cost=0.5))
+    store.put(_row("a", "error"))  # a later transport error never hides an answer
+    assert store.has_answer("a") and store.get("a").ok
+    store.close()
+
+    reopened = AnswerStore(path)
+    assert reopened.has_answer("a") and reopened.total_cost == 0.5
+    rows = reopened._db.execute("SELECT COUNT(*) FROM answers").fetchone()[0]
+    assert rows == 3  # nothing was updated or deleted
+    assert reopened.totals()["m"]["answered"] == 1 and reopened.totals()["m"]["errors"] == 2
+    assert reopened._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# ----------------------------------------------------------------------------------------- budget
+
+
+def test_budget_reserves_worst_case_and_refuses_past_the_limit():
+    budget = Budget(limit=1.0, spent=0.25)
+    budget.reserve(0.5)
+    with pytest.raises(BudgetExceeded):
+        budget.reserve(0.5)
+    assert budget.exhausted
+    budget.settle(0.5, 0.1)
+    assert budget.spent == pytest.approx(0.35) and budget.reserved == 0
+
+
+def test_price_and_token_estimate():
+    assert Price(input=2.0, output=8.0).cost(1_000_000, 500_000) == pytest.approx(6.0)
+    english = "The quick brown fox jumps over the lazy dog. " * 20
+    assert estimate_tokens(english) >= len(english.split())  # errs high
+    assert estimate_tokens("中文文本" * 10) >= 40
+
+
+# ----------------------------------------------------------------------------------------- config
+
+
+def _recipe(tmp_path, body: str):
+    path = tmp_path / "r.yaml"
+    path.write_text(body, encoding="utf-8")
+    return path
+
+
+def test_nested_teacher_blocks_load_and_errors_name_the_dotted_key(tmp_path):
+    good = _recipe(
+        tmp_path,
+        "task: summary\nchunks: c.jsonl\ndocuments: d.jsonl\nout: o\n"
+        "teachers:\n  summary_global: &t {model: m, max_tokens: 64}\n  summary_local: *t\n  summary_fuse: *t\n"
+        "prices: {m: {input: 1, output: 2}}\n",
+    )
+    cfg = DistillConfig(**load_yaml(DistillConfig, good))
+    assert cfg.teachers["summary_fuse"] == TeacherConfig(model="m", max_tokens=64)
+    assert cfg.prices["m"].output == 2.0
+
+    bad = _recipe(tmp_path, "teachers:\n  reflection: {model: m, temprature: 0.5}\n")
+    with pytest.raises(InputError, match=r"r\.yaml: unknown field\(s\) 'teachers\.reflection\.temprature'"):
+        load_yaml(DistillConfig, bad)
+    wrong_type = _recipe(tmp_path, "teachers:\n  reflection: {model: m, max_tokens: lots}\n")
+    with pytest.raises(InputError, match="'teachers.reflection.max_tokens' must be int"):
+        load_yaml(DistillConfig, wrong_type)
+
+
+def test_a_recipe_without_a_stage_teacher_is_rejected():
+    with pytest.raises(ValueError, match="lacks a block for stage"):
+        DistillConfig(
+            task="rewrite", chunks="c", documents="d", out="o", teachers={"reflection": TeacherConfig("m")}
+        )
+
+
+def test_teacher_config_validates():
+    with pytest.raises(ValueError, match="'model' is required"):
+        TeacherConfig()
+    with pytest.raises(ValueError, match="max_tokens_limit"):
+        TeacherConfig("m", max_tokens=100, max_tokens_limit=50)
+
+
+def test_window_is_the_whole_text_or_centred_on_the_chunk():
+    text = "".join(str(i % 10) for i in range(100))
+    assert window(text, 10, 20, 200) == text
+    cut = window(text, 50, 60, 30)
+    assert len(cut) == 30 and text[50:60] in cut
+    assert window(text, 0, 5, 30) == text[:30] and window(text, 95, 100, 30) == text[70:]
