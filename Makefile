@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) bench/ppl_speed.py
 	$(PY) bench/ppl_memory.py
 	$(PY) bench/msp_speed.py
+	$(PY) bench/distill_throughput.py
 
 clean:
 	rm -rf demo_out bench_out .pytest_cache .ruff_cache

@@ -12,8 +12,8 @@ What is compared, against one loopback server (``distill.loopback_server``, its 
   ``await client.chat.completions.create(model=..., messages=..., max_tokens=...)``.
 * **ours**: a :class:`~distill.teacher.TeacherPool` with one stage, ``concurrency=64``, no
   rpm/tpm limit and no price, over a fresh :class:`~distill.store.AnswerStore` in a temp dir
-  (every answer is committed to SQLite before ``complete()`` returns). Its HTTP transport is the
-  one ``distill.teacher`` picks (aiohttp when installed, else httpx2); the header line says which.
+  (every answer is committed to SQLite before ``complete()`` returns). Its HTTP transport is
+  openai's aiohttp one (``openai.DefaultAioHttpClient``), which ``distill.teacher`` always uses.
 * **ours+limits**: the same with rpm/tpm limits set far too high to bind, a price table and a
   ``max_cost`` that is never reached: token buckets, budget reservations and cost accounting all
   run on every request.
@@ -242,7 +242,6 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from distill import teacher
     from distill.loopback_server import serve_in_subprocess
 
     variants = args.variants.split(",")
@@ -252,7 +251,7 @@ def main() -> None:
     print(
         f"loopback latency {args.latency * 1000:.0f} ms, {args.in_flight} in flight, ideal {ideal:.0f} req/s; "
         f"{args.requests} requests per run after {args.warmup} warm-up, {args.rounds} rounds; "
-        f"ours over the {'aiohttp' if teacher.aiohttp else 'httpx2'} transport",
+        "ours over the aiohttp transport",
         flush=True,
     )
     with serve_in_subprocess(latency=args.latency) as server:
@@ -293,7 +292,7 @@ def main() -> None:
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "ideal_req_per_s": ideal,
-        "ours_transport": "aiohttp" if teacher.aiohttp else "httpx2",
+        "ours_transport": "aiohttp",
         "variants": {},
         "resume": resume,
     }

@@ -45,6 +45,7 @@ class LocalTeacher:
         self.threads = threads
         self.log = log
         self.process: subprocess.Popen | None = None
+        self._log_file = None
 
     def start(self, timeout: float = 300.0) -> LocalTeacher:
         command = [
@@ -54,8 +55,10 @@ class LocalTeacher:
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 (closed in stop)
-        self._log_file = out if self.log else None
+        out = subprocess.DEVNULL
+        if self.log:
+            Path(self.log).parent.mkdir(parents=True, exist_ok=True)
+            out = self._log_file = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -126,7 +126,13 @@ class StageRunner:
                 entry.setdefault("cost", 0.0)
                 entry.update(status="pending", reason="budget")
                 raise Pending(stage, None, "budget") from None
+            previous = entry.get("spent", {"prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0})
             entry.update(answer.to_record(), attempts=attempt + 1)
+            entry["spent"] = {  # every request this stage made: parse retries and length retries
+                "prompt_tokens": previous["prompt_tokens"] + answer.spent[0],
+                "completion_tokens": previous["completion_tokens"] + answer.spent[1],
+                "cost": round(previous["cost"] + answer.spent[2], 8),
+            }
             if answer.status == "pending":
                 raise Pending(stage, answer, "not sent")
             if not answer.ok:

@@ -309,9 +309,10 @@ def summarize(records: list[dict]) -> dict:
                 row["pending"] += 1
             else:
                 row["failed"][entry["reason"] or "unknown"] += 1
-            row["prompt_tokens"] += entry["usage"]["prompt_tokens"]
-            row["completion_tokens"] += entry["usage"]["completion_tokens"]
-            row["cost"] += entry["cost"]
+            spent = entry.get("spent") or {**entry["usage"], "cost": entry["cost"]}
+            row["prompt_tokens"] += spent["prompt_tokens"]
+            row["completion_tokens"] += spent["completion_tokens"]
+            row["cost"] += spent["cost"]
     return {
         "chunks": len(records),
         "outcome": dict(outcome),

@@ -63,6 +63,10 @@ class TeacherConfig:
     temperature: float | None = option(None, "sampling temperature; unset: the server's default")
     top_p: float | None = option(None, "nucleus sampling; unset: the server's default")
     seed: int | None = option(None, "sampling seed, for servers that honour it")
+    frequency_penalty: float | None = option(
+        None, "penalise repeated tokens (transformers serve maps it to repetition_penalty = 1 + value)"
+    )
+    stop: list[str] | None = option(None, "stop sequences: the answer ends before any of them")
     max_tokens: int = option(1024, "completion token limit per request")
     max_tokens_limit: int | None = option(
         None, "on finish_reason=length, retry with twice max_tokens up to this; unset: record as failed"
@@ -96,7 +100,13 @@ class TeacherConfig:
 
     def generation_params(self) -> dict:
         """Sent with every request, and part of its cache key."""
-        params = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        params = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "stop": self.stop,
+        }
         return {k: v for k, v in params.items() if v is not None}
 
 
@@ -157,6 +167,8 @@ class Answer:
     cached: bool = False
     params: dict = field(default_factory=dict)
     estimate: tuple[int, int] = (0, 0)  # (prompt, completion) tokens, for pending answers
+    # Usage of every request behind this answer (shorter tries cut at max_tokens included).
+    spent: tuple[int, int, float] = (0, 0, 0.0)
 
     @property
     def ok(self) -> bool:
@@ -380,8 +392,15 @@ class Teacher:
         """Answer ``messages``; ``attempt`` > 0 asks again for a fresh answer (the previous one
         could not be parsed), which is a different cached request."""
         max_tokens = self.cfg.max_tokens
+        spent = (0, 0, 0.0)
         while True:
             answer = await self._once(messages, prompt_sha, attempt, max_tokens)
+            spent = (
+                spent[0] + answer.prompt_tokens,
+                spent[1] + answer.completion_tokens,
+                spent[2] + answer.cost,
+            )
+            answer.spent = spent
             if answer.ok and answer.finish_reason == "length":
                 if self.cfg.max_tokens_limit and max_tokens < self.cfg.max_tokens_limit:
                     max_tokens = min(2 * max_tokens, self.cfg.max_tokens_limit)

@@ -7,7 +7,8 @@ keys and wrong types are errors that name the file and the key, raised before an
 
 Fields may also be nested: a dataclass-typed field takes a YAML mapping, and a ``dict[str, D]``
 field takes a mapping of names to ``D`` mappings (e.g. one teacher block per distillation stage).
-Nested fields have no CLI flag; errors name the dotted key (``teachers.reflection.model``).
+A ``list[T]`` field takes a YAML list. Nested and list fields have no CLI flag; errors name the
+dotted key (``teachers.reflection.model``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _field_types(cls) -> dict[str, type]:
 
 
 def _is_nested(kind) -> bool:
-    return dataclasses.is_dataclass(kind) or typing.get_origin(kind) is dict
+    return dataclasses.is_dataclass(kind) or typing.get_origin(kind) in (dict, list)
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
@@ -84,19 +85,27 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
 
 
 def _coerce(value, kind, where: Path, key: str):
+    if value is None:
+        return None
     if typing.get_origin(kind) is dict:
         if not isinstance(value, dict):
             raise InputError(where, f"field {key!r} must be a mapping, got {type(value).__name__}")
         _, item_kind = typing.get_args(kind)
         return {str(k): _coerce(v, _base_type(item_kind), where, f"{key}.{k}") for k, v in value.items()}
+    if typing.get_origin(kind) is list:
+        if not isinstance(value, list):
+            raise InputError(where, f"field {key!r} must be a list, got {type(value).__name__}")
+        (item_kind,) = typing.get_args(kind)
+        return [_coerce(v, _base_type(item_kind), where, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise InputError(where, f"field {key!r} must be a mapping of {kind.__name__} fields")
+        fields = _fields_from_mapping(kind, value, where, prefix=f"{key}.")  # raises InputError itself
         try:
-            return kind(**_fields_from_mapping(kind, value, where, prefix=f"{key}."))
+            return kind(**fields)
         except (TypeError, ValueError) as e:
             raise InputError(where, f"field {key!r}: {e}") from None
-    if value is None or isinstance(value, kind):
+    if isinstance(value, kind):
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -188,3 +188,50 @@ def test_window_is_the_whole_text_or_centred_on_the_chunk():
     cut = window(text, 50, 60, 30)
     assert len(cut) == 30 and text[50:60] in cut
     assert window(text, 0, 5, 30) == text[:30] and window(text, 95, 100, 30) == text[70:]
+
+
+# ------------------------------------------------------------------ long documents: related context
+
+
+@pytest.mark.integration
+def test_related_context_is_the_most_similar_other_chunks_in_document_order(tmp_path):
+    import json
+
+    from distill.run import read_jobs
+    from metachunk.models import ModelNotFoundError, resolve
+
+    try:
+        resolve("minilm")
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    pieces = [
+        "The harbour froze in January. ",
+        "Emma painted a portrait of Harriet. ",
+        "Ice covered the harbour until March. ",
+        "Mr. Elton admired the portrait of Harriet. ",
+        "Ships waited outside the frozen harbour. ",
+    ]
+    text = "".join(pieces)
+    chunks, start = [], 0
+    for p in pieces:
+        chunks.append({"text": p, "start": start, "end": start + len(p)})
+        start += len(p)
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "d", "text": text}) + "\n")
+    (tmp_path / "chunks.jsonl").write_text(
+        json.dumps({"id": "d", "chunks": chunks, "selected": [0, 1]}) + "\n"
+    )
+    cfg = DistillConfig(
+        task="summary",
+        chunks=tmp_path / "chunks.jsonl",
+        documents=tmp_path / "docs.jsonl",
+        out=tmp_path / "out",
+        teachers=dict.fromkeys(STAGES["summary"], TeacherConfig("m")),
+        context="related",
+        context_top_k=2,
+    )
+    jobs = read_jobs(cfg)
+    assert [j.index for j in jobs] == [0, 1]  # only the selected chunks are distilled
+    harbour, portrait = jobs
+    assert harbour.context == pieces[2] + "\n…\n" + pieces[4]  # the two other harbour chunks, in order
+    assert portrait.context.startswith(pieces[3]) or pieces[3] in portrait.context
+    assert pieces[1] not in portrait.context  # never the chunk itself
