@@ -38,6 +38,7 @@ class ChunkJob:
     text: str
     lang: str
     context: str  # the whole document (bounded) or the chunk's most related chunks
+    context_spans: tuple[tuple[int, int], ...] = ()  # where the context comes from in the document
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def new_record(task: str, job: ChunkJob) -> dict:
         "end": job.end,
         "text": job.text,
         "lang": job.lang,
+        "context_spans": [list(span) for span in job.context_spans],  # rebuilds the context (SFT prompts)
         "status": "pending",
         "reason": "",
         "output": None,

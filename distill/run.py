@@ -126,8 +126,12 @@ def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
                         f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}",
                         number,
                     )
-                context = window(text, c["start"], c["end"], cfg.max_context_chars)
-                jobs.append(ChunkJob(doc_id, i, c["start"], c["end"], c["text"], lang, context))
+                left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
+                jobs.append(
+                    ChunkJob(
+                        doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),)
+                    )
+                )
                 related.append(chunks)
                 if cfg.limit is not None and len(jobs) >= cfg.limit:
                     break
@@ -138,12 +142,25 @@ def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
     return jobs
 
 
+def window_span(length: int, start: int, end: int, limit: int) -> tuple[int, int]:
+    """``(left, right)``: the whole text if it fits, else ``limit`` characters centred on the span."""
+    if length <= limit:
+        return 0, length
+    left = max(0, min(start - (limit - (end - start)) // 2, length - limit))
+    return left, left + limit
+
+
 def window(text: str, start: int, end: int, limit: int) -> str:
-    """The whole text if it fits, else ``limit`` characters centred on the span."""
-    if len(text) <= limit:
-        return text
-    left = max(0, min(start - (limit - (end - start)) // 2, len(text) - limit))
-    return text[left : left + limit]
+    left, right = window_span(len(text), start, end, limit)
+    return text[left:right]
+
+
+CONTEXT_SEPARATOR = "\n…\n"  # between the related chunks of a context
+
+
+def context_from_spans(text: str, spans, limit: int) -> str:
+    """The context a record was distilled with, rebuilt from its ``context_spans``."""
+    return CONTEXT_SEPARATOR.join(text[a:b] for a, b in spans)[:limit]
 
 
 def with_related_context(
@@ -167,8 +184,9 @@ def with_related_context(
         similarity = vecs @ vecs[job.index]
         similarity[job.index] = -2.0
         top = sorted(int(i) for i in similarity.argsort()[::-1][: cfg.context_top_k] if similarity[i] > -2.0)
-        context = "\n…\n".join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
-        out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context))
+        context = CONTEXT_SEPARATOR.join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
+        spans = tuple((chunks[i]["start"], chunks[i]["end"]) for i in top)
+        out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context, spans))
     return out
 
 

@@ -141,6 +141,44 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    if args.action == "prepare-crud":
+        from distill.corpus import PrepareCrudConfig, prepare_crud, print_report
+
+        cfg = config.from_namespace(PrepareCrudConfig, args)
+        report = prepare_crud(cfg.news, cfg.qa, cfg.out, match_threshold=cfg.match_threshold,
+                              margin=cfg.margin, near_dup_threshold=cfg.near_dup_threshold, num_perm=cfg.num_perm)  # fmt: skip
+        print_report(report)
+        print(
+            f"{cfg.out}: test_documents.jsonl, train_pool.jsonl, qa_matches.jsonl, report.json",
+            file=sys.stderr,
+        )
+    elif args.action == "sample":
+        from distill.sample import SampleConfig, print_report, sample
+
+        cfg = config.from_namespace(SampleConfig, args)
+        print_report(sample(cfg))
+        print(f"{cfg.out}: chunks.jsonl (with 'selected'), documents.jsonl, sample.json", file=sys.stderr)
+    elif args.action == "build-sft":
+        from distill.sft import BuildSftConfig, build_sft, print_stats
+
+        cfg = config.from_namespace(BuildSftConfig, args)
+        print_stats(build_sft(cfg))
+        print(
+            f"{cfg.out}: data/*.parquet, README.md, token_lengths.png; card {cfg.cards_dir}/{cfg.name}.md",
+            file=sys.stderr,
+        )
+    elif args.action == "push":
+        from distill.hub import PushConfig, push_dataset
+
+        cfg = config.from_namespace(PushConfig, args)
+        url = push_dataset(
+            cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message
+        )
+        print(url)
+    return 0
+
+
 def cmd_teacher(args: argparse.Namespace) -> int:
     from distill.local_teacher import LocalTeacher
 
@@ -194,6 +232,36 @@ def build_parser() -> argparse.ArgumentParser:
         task = tasks.add_parser(action, help=about, description=about)
         config.add_arguments(task, DistillConfig)
     distill.set_defaults(handler=cmd_distill)
+
+    from distill.corpus import PrepareCrudConfig
+    from distill.hub import PushConfig
+    from distill.sample import SampleConfig
+    from distill.sft import BuildSftConfig
+
+    data = sub.add_parser(
+        "data", help="test split, distillation sample, SFT datasets and their cards, Hub push"
+    )
+    data_actions = data.add_subparsers(dest="action", required=True)
+    for action, cls, about in (
+        (
+            "prepare-crud",
+            PrepareCrudConfig,
+            "match CRUD QA to its articles: test documents + leakage-free training pool",
+        ),
+        (
+            "sample",
+            SampleConfig,
+            "draw training documents, PPL-chunk them, sample chunks stratified by length",
+        ),
+        ("build-sft", BuildSftConfig, "distilled records -> prompt-completion dataset (parquet) + card"),
+        (
+            "push",
+            PushConfig,
+            "upload a dataset dir and its card to the Hugging Face Hub (token from HF_TOKEN)",
+        ),
+    ):
+        config.add_arguments(data_actions.add_parser(action, help=about, description=about), cls)
+    data.set_defaults(handler=cmd_data)
 
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)

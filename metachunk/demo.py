@@ -65,10 +65,42 @@ def stage_chunk(inputs: dict[str, Path]) -> list[dict]:
     return rows
 
 
+def stage_prepare(inputs: dict[str, Path]) -> list[dict]:
+    """Stage 2: the leakage-free split of the CRUD corpus (QA-matched test documents vs the
+    training pool), then a distillation sample: 3 long pool documents, PPL-chunked on
+    Gemma-3-270m, one chunk each, stratified by length."""
+    import time
+
+    crud = DATA / "crud-news"
+    runs = [
+        ("data prepare-crud", ["data", "prepare-crud", "--news", str(crud / "news.jsonl"),
+                               "--qa", str(crud / "questanswer_1doc.json"), "--out", str(OUT / "data" / "crud")]),
+        ("data sample gemma3-270m", ["data", "sample", "--pool", str(OUT / "data" / "crud" / "train_pool.jsonl"),
+                                    "--out", str(OUT / "data" / "sample"), "--n-docs", "3", "--lang", "zh",
+                                    "--target-len", "178", "--len-unit", "char", "--model", "gemma3-270m"]),
+    ]  # fmt: skip
+    rows = []
+    for name, argv in runs:
+        print(f"\n== demo: metachunk {' '.join(argv)}", flush=True)
+        started = time.perf_counter()
+        if metachunk(argv) != 0:
+            sys.exit(f"demo: stage '{name}' failed")
+        rows.append({"run": name, "seconds": round(time.perf_counter() - started, 2)})
+    report = json.loads((OUT / "data" / "crud" / "report.json").read_text(encoding="utf-8"))
+    rows[0].update(documents=report["test_documents"] + report["train_pool"], chunks="-", mean_chunk_chars="-",
+                   note=f"QA matched {report['matched']}, ambiguous {report['ambiguous']}, unmatched "
+                   f"{report['unmatched']}; {report['test_documents']} test docs, pool {report['train_pool']}, "
+                   f"{report['near_duplicates_removed']} near-duplicates removed")  # fmt: skip
+    sample = json.loads((OUT / "data" / "sample" / "sample.json").read_text(encoding="utf-8"))
+    rows[1].update(documents=sample["documents"], chunks=sample["chunks"], mean_chunk_chars="-",
+                   note=f"{sample['selected_chunks']} chunks selected for distillation")  # fmt: skip
+    return rows
+
+
 def stage_distill(inputs: dict[str, Path]) -> list[dict]:
-    """Stage 2: both distillation pipelines against the local real teacher (SmolLM2 under
-    ``transformers serve`` on loopback), on the first Emma chunks of stage 1, with
-    ``recipes/distill/local.yaml``. Only the port differs: the demo picks a free one."""
+    """Stage 3: both distillation pipelines against the local real teacher (SmolLM2 under
+    ``transformers serve`` on loopback), on the sampled chunks, with ``recipes/distill/local.yaml``.
+    Only the port differs: the demo picks a free one."""
     import time
 
     import yaml
@@ -76,9 +108,8 @@ def stage_distill(inputs: dict[str, Path]) -> list[dict]:
     from distill.local_teacher import LocalTeacher
 
     recipe = yaml.safe_load((ROOT / "recipes" / "distill" / "local.yaml").read_text(encoding="utf-8"))
-    recipe.update(
-        chunks=str(OUT / "chunks" / "emma_ppl.jsonl"), documents=str(inputs["emma"]), out=str(OUT / "distill")
-    )
+    recipe.update(chunks=str(OUT / "data" / "sample" / "chunks.jsonl"),
+                  documents=str(OUT / "data" / "sample" / "documents.jsonl"), out=str(OUT / "distill"))  # fmt: skip
     rows = []
     print("\n== demo: metachunk teacher serve --model smollm2 (transformers serve on loopback)", flush=True)
     started = time.perf_counter()
@@ -109,6 +140,32 @@ def stage_distill(inputs: dict[str, Path]) -> list[dict]:
     return rows
 
 
+def stage_sft(inputs: dict[str, Path]) -> list[dict]:
+    """Stage 4: both SFT sets from the distilled records, decontaminated against the test
+    documents, with their cards (demo_out/data_cards/) and token-length histograms."""
+    rows = []
+    for task in ("rewrite", "summary"):
+        out = OUT / "sft" / task
+        argv = ["data", "build-sft", task, "--distilled", str(OUT / "distill" / f"{task}.jsonl"), "--out", str(out),
+                "--test-documents", str(OUT / "data" / "crud" / "test_documents.jsonl"), "--tokenizer", "smollm2",
+                "--cards-dir", str(OUT / "data_cards"), "--name", f"metachunk-{task}-demo", "--demo"]  # fmt: skip
+        print(f"\n== demo: metachunk {' '.join(argv)}", flush=True)
+        if metachunk(argv) != 0:
+            sys.exit(f"demo: stage 'build-sft {task}' failed")
+        stats = json.loads((out / "build_report.json").read_text(encoding="utf-8"))
+        dropped = ", ".join(f"{k} {v}" for k, v in stats["filters"].items() if v)
+        rows.append({
+            "run": f"build-sft {task}",
+            "documents": sum(stats["documents"].values()),
+            "chunks": stats["input_records"],
+            "mean_chunk_chars": "-",
+            "seconds": stats["build"]["seconds"],
+            "note": f"{stats['rows']['train']} train + {stats['rows']['validation']} validation rows; "
+            f"dropped: {dropped or 'none'}; card {OUT / 'data_cards'}/metachunk-{task}-demo.md",
+        })  # fmt: skip
+    return rows
+
+
 def _records(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -125,7 +182,7 @@ def print_table(rows: list[dict]) -> None:
     print(f"\noutputs: {OUT}/chunks/*.jsonl  {OUT}/distill/{{rewrite,summary}}.jsonl   plots: {OUT}/plots/")
 
 
-STAGES = [stage_chunk, stage_distill]
+STAGES = [stage_chunk, stage_prepare, stage_distill, stage_sft]
 
 
 def main() -> None:

@@ -1,0 +1,512 @@
+"""The dataset card (README.md) of a distilled SFT set, written from measured numbers only.
+
+The SFT builder measures everything it reports (rows, filters, token lengths, the leakage check,
+teacher spend) into a ``stats`` dict and calls :func:`write_dataset_card`. The card says only what
+``stats`` says: a number that is missing is printed as "not measured", never estimated, so the
+card can be trusted as a record of the build. The YAML header is built with
+``huggingface_hub.DatasetCardData`` and ``datasets``' own ``MetadataConfigs`` / ``DatasetInfosDict``,
+so ``load_dataset(DIR)`` and the Hub read the same ``configs`` and ``dataset_info`` we write; when
+``dataset_info`` carries split sizes, ``load_dataset`` checks the row counts against them.
+
+The ``stats`` schema. Only ``name``, ``task`` and ``rows`` are required; every other key may be
+missing, at any depth::
+
+    {"name": "metachunk-rewrite-demo",            # file name of the card in data_cards/
+     "task": "rewrite" | "summary",
+     "pretty_name": str,                          # default: name
+     "license": str,                              # default: "apache-2.0"
+     "language": ["zh", "en"],
+     "demo": bool,                                # True: teacher was the local SmolLM2-135M demo model
+     "rows": {"train": int, "validation": int},   # one entry per split that has a parquet file
+     "documents": {"train": int, "validation": int},
+     "input_records": int,                        # distilled records read by the builder
+     "source": {"corpus": str, "path": str, "provenance": str},
+     "teachers": [{"stage": str, "model": str}],
+     "prompts": [{"name": str, "sha256": str, "text": str, "role": "student" | "teacher"}],
+     "filters": {"failed_or_empty": int, "refusal_or_off_format": int, "too_long": int,
+                 "exact_duplicate": int, "near_duplicate": int, "lost_content": int,
+                 "contaminated": int},            # rows removed by each filter
+     "token_lengths": {"tokenizer": str, "max_tokens": int,
+                       "prompt": {"min", "mean", "p50", "p95", "max"},
+                       "completion": {"min", "mean", "p50", "p95", "max"},
+                       "histogram": "token_lengths.png"},   # relative to the dataset dir
+     "leakage": {"method": str, "threshold": float, "test_documents": int, "rows_checked": int,
+                 "contaminated": int},
+     "teacher_usage": {"prompt_tokens": int, "completion_tokens": int, "cost_usd": float},
+     "build": {"command": str, "seed": int, "seconds": float, "rows_per_s": float},
+     "limitations": [str],
+     "sizes": {"train": {"num_bytes": int, "download_size": int}, ...}}
+
+``sizes`` is not the builder's business: :func:`write_dataset_card` measures it from the parquet
+files (Arrow bytes in memory, bytes on disk). Without it the ``dataset_info`` block lists the
+features only, since ``datasets`` wants a byte count next to every split size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from metachunk.artifacts import AtomicWriter, InputError
+
+NOT_MEASURED = "not measured"
+SPLIT_ORDER = ("train", "validation", "test")
+TAGS = ["rag", "text-chunking", "meta-chunking", "distillation"]
+
+# The Hub's size_categories buckets: (upper bound, label), first bound above n wins.
+_SIZE_BUCKETS = [
+    (10**3, "n<1K"),
+    (10**4, "1K<n<10K"),
+    (10**5, "10K<n<100K"),
+    (10**6, "100K<n<1M"),
+    (10**7, "1M<n<10M"),
+    (10**8, "10M<n<100M"),
+    (10**9, "100M<n<1B"),
+    (10**10, "1B<n<10B"),
+    (10**11, "10B<n<100B"),
+    (10**12, "100B<n<1T"),
+]
+
+FILTERS = {
+    "failed_or_empty": "the teacher call failed, or the answer was empty",
+    "refusal_or_off_format": "the answer was a refusal or did not follow the requested format",
+    "too_long": "over the token limit (`max_tokens`)",
+    "exact_duplicate": "exact duplicate of another row",
+    "near_duplicate": "near-duplicate of another row",
+    "lost_content": "the completion lost content of the original chunk",
+    "contaminated": "overlaps a held-out test document (see Leakage check)",
+}
+
+TASKS = {
+    "rewrite": (
+        "rewriter",
+        "rewrite a text chunk cut out of a document so that it can be understood on its own: unresolved "
+        "references, missing background and unexplained terms are filled in from the document, and every "
+        "original fact is kept",
+    ),
+    "summary": (
+        "summarizer",
+        "write one enhanced summary sentence for a text chunk, using the document around it",
+    ),
+}
+
+
+def size_category(n: int) -> str:
+    for bound, label in _SIZE_BUCKETS:
+        if n < bound:
+            return label
+    return "n>1T"
+
+
+def _splits(stats: dict) -> list[str]:
+    """Splits with at least one row, train and validation first."""
+    rows = stats.get("rows") or {}
+    named = [s for s in SPLIT_ORDER if s in rows] + sorted(s for s in rows if s not in SPLIT_ORDER)
+    return [s for s in named if (rows.get(s) or 0) > 0]
+
+
+def data_files(stats: dict) -> list[dict]:
+    """The ``configs`` data_files: one ``data/<split>-*.parquet`` pattern per non-empty split."""
+    return [{"split": s, "path": f"data/{s}-*.parquet"} for s in _splits(stats)]
+
+
+def _num(value, fmt: str = "") -> str:
+    if value is None:
+        return NOT_MEASURED
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and fmt:
+        return format(value, fmt)
+    return str(value)
+
+
+def _cell(value) -> str:
+    """Text that fits in one Markdown table cell."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _fenced(text: str, lang: str = "text") -> str:
+    """A fenced block that the text cannot close: the fence is longer than any backtick run in it."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _yaml_header(stats: dict, features) -> str:
+    from datasets import DatasetInfo, SplitDict, SplitInfo
+    from datasets.info import DatasetInfosDict
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCardData
+
+    rows = stats["rows"]
+    card_data = DatasetCardData(
+        license=stats.get("license") or "apache-2.0",
+        language=stats.get("language") or None,  # unknown: left out rather than guessed
+        task_categories=["text-generation"],
+        size_categories=[size_category(sum(rows.values()))],
+        tags=TAGS + [stats["task"]],
+        pretty_name=stats.get("pretty_name") or stats["name"],
+    )
+    MetadataConfigs({"default": {"data_files": data_files(stats)}}).to_dataset_card_data(card_data)
+    if features is not None:
+        info = DatasetInfo(features=features)
+        sizes = stats.get("sizes") or {}
+        splits = _splits(stats)
+        if splits and all(s in sizes for s in splits):
+            info.splits = SplitDict()
+            for s in splits:
+                info.splits.add(SplitInfo(s, num_bytes=sizes[s]["num_bytes"], num_examples=rows[s]))
+            info.dataset_size = sum(sizes[s]["num_bytes"] for s in splits)
+            info.download_size = sum(sizes[s]["download_size"] for s in splits)
+        DatasetInfosDict({"default": info}).to_dataset_card_data(card_data)
+    return card_data.to_yaml()
+
+
+def _summary(stats: dict) -> str:
+    task = stats["task"]
+    student, what = TASKS.get(task, (task, f"perform the {task!r} task"))
+    rows, documents = stats["rows"], stats.get("documents") or {}
+    out = [f"# {stats.get('pretty_name') or stats['name']}", ""]
+    if stats.get("demo"):
+        out += [
+            "> **Demo-scale set, not a training-grade dataset.** The completions were distilled from "
+            "SmolLM2-135M-Instruct, the small local demo teacher, to exercise the pipeline end to end. "
+            "Do not train a model you intend to use on it.",
+            "",
+        ]
+    out += [
+        "## Summary and intended use",
+        "",
+        f"Supervised fine-tuning data for the student **{student}** of Meta-Chunking §3.2 "
+        f"(task `{task}`): each row teaches a small model to {what}. The targets were produced by the "
+        "teacher models listed below and filtered as described in this card.",
+        "",
+        "Rows are TRL conversational prompt–completion pairs: `prompt` is a list of messages (system, "
+        "then user: the student prompt filled with the document context and the chunk), `completion` "
+        "is one assistant message, the teacher's target. Metadata columns: `doc_id`, `chunk_index`, "
+        "`start`, `end` (where the chunk lies in its document), `teachers` (JSON), `prompt_sha256` "
+        "(the student prompt template, see below) and `source_record`.",
+        "",
+        _table(
+            ["split", "rows", "documents"],
+            [[s, _num(rows.get(s)), _num(documents.get(s))] for s in _splits(stats) or list(rows)],
+        ),
+        "",
+        "Load it, and fine-tune a student with TRL (loss on the completion only):",
+        "",
+        _fenced(
+            "from datasets import load_dataset\n"
+            "from trl import SFTConfig, SFTTrainer\n"
+            "\n"
+            f'ds = load_dataset("<namespace>/{stats["name"]}")  # or the local dataset directory\n'
+            'ds = ds.select_columns(["prompt", "completion"])\n'
+            "trainer = SFTTrainer(\n"
+            '    model="<student model>",\n'
+            '    train_dataset=ds["train"],\n'
+            '    eval_dataset=ds.get("validation"),\n'
+            '    args=SFTConfig(output_dir="student", completion_only_loss=True),\n'
+            ")\n"
+            "trainer.train()",
+            "python",
+        ),
+    ]
+    return "\n".join(out)
+
+
+def _source(stats: dict) -> str:
+    source = stats.get("source") or {}
+    return "\n".join(
+        [
+            "## Source corpus and provenance",
+            "",
+            f"- Corpus: {_num(source.get('corpus'))}",
+            f"- Path: {'`' + source['path'] + '`' if source.get('path') else NOT_MEASURED}",
+            f"- Provenance: {_num(source.get('provenance'))}",
+            f"- Distilled records read by the builder: {_num(stats.get('input_records'))}",
+        ]
+    )
+
+
+def _teachers(stats: dict) -> str:
+    teachers = stats.get("teachers")
+    body = (
+        _table(
+            ["stage", "model"],
+            [[t.get("stage", NOT_MEASURED), t.get("model", NOT_MEASURED)] for t in teachers],
+        )
+        if teachers
+        else f"Teacher models: {NOT_MEASURED}."
+    )
+    return "## Teacher models\n\n" + body
+
+
+def _prompts(stats: dict) -> str:
+    prompts = stats.get("prompts")
+    if not prompts:
+        return f"## Prompt templates\n\nPrompt templates: {NOT_MEASURED}."
+    out = [
+        "## Prompt templates",
+        "",
+        "The sha256 of a template file is its version; each row's `prompt_sha256` names the student "
+        "template its prompt was built from.",
+    ]
+    for p in prompts:
+        role = f" ({p['role']} prompt)" if p.get("role") else ""
+        out += [
+            "",
+            f"### {p.get('name', NOT_MEASURED)}{role}",
+            "",
+            f"sha256: `{p['sha256']}`" if p.get("sha256") else f"sha256: {NOT_MEASURED}",
+            "",
+            _fenced(p["text"]) if p.get("text") is not None else f"Text: {NOT_MEASURED}.",
+        ]
+    return "\n".join(out)
+
+
+def _filters(stats: dict) -> str:
+    filters = stats.get("filters") or {}
+    names = list(FILTERS) + sorted(k for k in filters if k not in FILTERS)
+    table = _table(
+        ["filter", "removes", "rows removed"],
+        [[f"`{k}`", FILTERS.get(k, ""), _num(filters.get(k))] for k in names],
+    )
+    inputs = stats.get("input_records")
+    kept = sum(stats["rows"].values())
+    out = [
+        "## Filters",
+        "",
+        table,
+        "",
+        f"- Input records: {_num(inputs)}",
+        f"- Rows kept: {kept}",
+    ]
+    removed = [filters.get(k) for k in names]
+    if inputs is not None and None not in removed and inputs - sum(removed) != kept:
+        out.append(
+            f"- Note: input records − rows removed = {inputs - sum(removed)}, which differs from the "
+            f"{kept} rows kept; the counts above are reported as measured."
+        )
+    return "\n".join(out)
+
+
+def _token_lengths(stats: dict) -> str:
+    lengths = stats.get("token_lengths") or {}
+    keys = ["min", "mean", "p50", "p95", "max"]
+
+    def row(name):
+        values = lengths.get(name) or {}
+        return [f"{name} tokens"] + [_num(values.get(k), ".1f") for k in keys]
+
+    histogram = lengths.get("histogram")
+    return "\n".join(
+        [
+            "## Token length statistics",
+            "",
+            f"Tokenizer: {'`' + lengths['tokenizer'] + '`' if lengths.get('tokenizer') else NOT_MEASURED}. "
+            f"Token limit (`max_tokens`): {_num(lengths.get('max_tokens'))}.",
+            "",
+            _table([""] + keys, [row("prompt"), row("completion")]),
+            "",
+            f"![Prompt and completion token lengths]({histogram})"
+            if histogram
+            else f"Histogram: {NOT_MEASURED}.",
+        ]
+    )
+
+
+def _leakage(stats: dict) -> str:
+    leakage = stats.get("leakage") or {}
+    contaminated = leakage.get("contaminated")
+    verdict = (
+        f"The check found {contaminated} contaminated rows."
+        if contaminated is not None
+        else f"The number of contaminated rows was {NOT_MEASURED}."
+    )
+    return "\n".join(
+        [
+            "## Leakage check",
+            "",
+            "The rows were compared with the held-out test documents, so that evaluation on them "
+            "does not measure memorised training data.",
+            "",
+            f"- Method: {_num(leakage.get('method'))}",
+            f"- Threshold: {_num(leakage.get('threshold'), 'g')}",
+            f"- Test documents: {_num(leakage.get('test_documents'))}",
+            f"- Rows checked: {_num(leakage.get('rows_checked'))}",
+            f"- Contaminated rows: {_num(contaminated)}",
+            "",
+            verdict,
+        ]
+    )
+
+
+def _usage(stats: dict) -> str:
+    usage = stats.get("teacher_usage") or {}
+    cost = usage.get("cost_usd")
+    return "\n".join(
+        [
+            "## Teacher usage",
+            "",
+            f"- Prompt tokens: {_num(usage.get('prompt_tokens'))}",
+            f"- Completion tokens: {_num(usage.get('completion_tokens'))}",
+            f"- Cost: {NOT_MEASURED if cost is None else f'{cost:.4f} USD'}",
+        ]
+    )
+
+
+def _build(stats: dict) -> str:
+    build = stats.get("build") or {}
+    command = build.get("command")
+    return "\n".join(
+        [
+            "## Build",
+            "",
+            _fenced(command, "bash") if command else f"Command: {NOT_MEASURED}.",
+            "",
+            f"- Seed: {_num(build.get('seed'))}",
+            f"- Seconds: {_num(build.get('seconds'), '.1f')}",
+            f"- Rows/s: {_num(build.get('rows_per_s'), '.2f')}",
+        ]
+    )
+
+
+def _limitations(stats: dict) -> str:
+    items = list(stats.get("limitations") or [])
+    if stats.get("demo"):
+        items.append(
+            "Demo scale: the teacher was SmolLM2-135M-Instruct, a 135M-parameter model run locally. A model "
+            "this small often writes wrong, incomplete or off-task completions, and the filters remove only "
+            "the ones they detect; the set exists to test the pipeline end to end."
+        )
+    items.append("Completions are machine-generated by the teacher models listed above.")
+    return "## Limitations\n\n" + "\n".join(f"- {' '.join(str(item).split())}" for item in items)
+
+
+def render_dataset_card(stats: dict, features=None) -> str:
+    """The card's text: YAML header, then one Markdown section per part of ``stats``.
+
+    ``features`` (a ``datasets.Features``) adds a ``dataset_info`` block to the header.
+    """
+    for key in ("name", "task", "rows"):
+        if key not in stats:
+            raise ValueError(f"stats needs {key!r} (has: {', '.join(stats) or 'nothing'})")
+    sections = [
+        _summary(stats),
+        _source(stats),
+        _teachers(stats),
+        _prompts(stats),
+        _filters(stats),
+        _token_lengths(stats),
+        _leakage(stats),
+        _usage(stats),
+        _build(stats),
+        _limitations(stats),
+    ]
+    return "---\n" + _yaml_header(stats, features) + "\n---\n\n" + "\n\n".join(sections) + "\n"
+
+
+def plot_token_lengths(
+    path: str | Path,
+    prompt_lengths: Sequence[int],
+    completion_lengths: Sequence[int],
+    tokenizer: str,
+    max_tokens: int | None = None,
+) -> Path:
+    """Write ``path`` (PNG): histograms of prompt and completion token counts, side by side, with a
+    dashed line at ``max_tokens`` when given. Written to a temp file, then renamed into place."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, lengths, name, color in (
+        (axes[0], prompt_lengths, "prompt", "tab:blue"),
+        (axes[1], completion_lengths, "completion", "tab:green"),
+    ):
+        lengths = list(lengths)
+        if lengths:
+            ax.hist(lengths, bins=min(50, max(5, len(set(lengths)))), color=color, alpha=0.85)
+        else:
+            ax.text(0.5, 0.5, "no rows", ha="center", va="center", transform=ax.transAxes)
+        if max_tokens is not None:
+            ax.axvline(max_tokens, color="tab:red", ls="--", lw=1, label=f"max_tokens = {max_tokens}")
+            ax.legend(loc="upper right", fontsize=7)
+        ax.set_xlabel(f"{name} tokens ({tokenizer})")
+        ax.set_ylabel("rows")
+        ax.set_title(f"{name}: {len(lengths)} rows", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def measure_sizes(dataset_dir: str | Path, splits: Sequence[str]) -> dict:
+    """``{split: {"num_bytes", "download_size"}}`` from ``data/<split>-*.parquet``: Arrow bytes once
+    loaded (what ``datasets`` calls num_bytes) and parquet bytes on disk. One shard in memory at a time."""
+    import pyarrow.parquet as pq
+
+    sizes = {}
+    for split in splits:
+        files = sorted((Path(dataset_dir) / "data").glob(f"{split}-*.parquet"))
+        sizes[split] = {
+            "num_bytes": sum(pq.read_table(f).nbytes for f in files),
+            "download_size": sum(f.stat().st_size for f in files),
+        }
+    return sizes
+
+
+def write_dataset_card(
+    dataset_dir: str | Path, stats: dict, features=None, cards_dir: str | Path = Path("data_cards")
+) -> Path:
+    """Render the card, write ``cards_dir/<name>.md`` and ``dataset_dir/README.md`` (both atomically),
+    and return the path of the first.
+
+    Checks first that every split in ``stats["rows"]`` has parquet files and that the histogram the card
+    links to exists. ``features`` defaults to the ones stored in the first parquet shard; split byte
+    sizes are measured from the files.
+    """
+    import pyarrow.parquet as pq
+    from datasets import Features
+
+    dataset_dir = Path(dataset_dir)
+    splits = _splits(stats)
+    for pattern in data_files(stats):
+        if not list(dataset_dir.glob(pattern["path"])):
+            raise InputError(
+                dataset_dir,
+                f"stats has {stats['rows'][pattern['split']]} {pattern['split']} rows but no file matches "
+                f"{pattern['path']}",
+            )
+    histogram = (stats.get("token_lengths") or {}).get("histogram")
+    if histogram and not (dataset_dir / histogram).is_file():
+        raise InputError(dataset_dir / histogram, "the card links to this histogram, but it does not exist")
+    if features is None and splits:
+        first = sorted(dataset_dir.glob(f"data/{splits[0]}-*.parquet"))[0]
+        features = Features.from_arrow_schema(pq.read_schema(first))
+    stats = dict(stats)
+    stats.setdefault("sizes", measure_sizes(dataset_dir, splits))
+    text = render_dataset_card(stats, features)
+    card_path = Path(cards_dir) / f"{stats['name']}.md"
+    for target in (card_path, dataset_dir / "README.md"):
+        with AtomicWriter(target) as f:
+            f.write(text)
+    return card_path

@@ -1,0 +1,97 @@
+"""Publish a built SFT dataset directory as a Hugging Face Hub dataset repo.
+
+Only what the card describes is sent: ``README.md`` (the card, whose ``configs`` tell the Hub and
+``load_dataset`` where the splits are), ``data/*.parquet``, the PNG plots and any
+``dataset_info*.json``. Everything is checked locally before the first request: the directory
+holds a card and parquet files, a token is set, and the Hub is not switched off
+(``HF_HUB_OFFLINE=1`` is the project's default, so a push has to turn it off on purpose).
+
+The token comes from the argument or the ``HF_TOKEN`` environment variable, never from a file we
+write, and it is never logged or printed: it only travels in the Authorization header that
+``huggingface_hub`` sets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from metachunk.artifacts import InputError
+from metachunk.config import option
+
+logger = logging.getLogger(__name__)
+
+ALLOW_PATTERNS = ["README.md", "data/*.parquet", "*.png", "dataset_info*.json"]
+
+
+@dataclass
+class PushConfig:
+    dataset_dir: Path = option(
+        None, "dataset directory with README.md and data/*.parquet (from the SFT builder)", positional=True
+    )
+    repo_id: str = option(None, "Hub dataset repo, 'namespace/name'; created if it does not exist")
+    private: bool = option(False, "create the repo as private (an existing repo keeps its visibility)")
+    commit_message: str | None = option(None, "commit message; default: 'Upload <dir name> with metachunk'")
+
+    def __post_init__(self):
+        if self.repo_id is not None and self.repo_id.count("/") != 1:
+            raise ValueError(f"repo_id must be 'namespace/name', got {self.repo_id!r}")
+
+
+def _check_dataset_dir(dataset_dir: Path) -> list[str]:
+    """The files that will be sent, relative to ``dataset_dir``; raises if the card or the data is missing."""
+    if not dataset_dir.is_dir():
+        raise InputError(dataset_dir, "no such dataset directory")
+    if not (dataset_dir / "README.md").is_file():
+        raise InputError(
+            dataset_dir, "no README.md: write the dataset card first (distill.card.write_dataset_card)"
+        )
+    if not list(dataset_dir.glob("data/*.parquet")):
+        raise InputError(dataset_dir, "no data/*.parquet files: nothing to publish")
+    files = {p.relative_to(dataset_dir).as_posix() for p in dataset_dir.rglob("*") if p.is_file()}
+    from huggingface_hub.utils import filter_repo_objects
+
+    return sorted(filter_repo_objects(files, allow_patterns=ALLOW_PATTERNS))
+
+
+def push_dataset(
+    dataset_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Create the dataset repo if needed, upload the card, data and plots in one call, and return
+    the repo URL. ``token`` defaults to the ``HF_TOKEN`` environment variable."""
+    from huggingface_hub import HfApi, constants
+
+    dataset_dir = Path(dataset_dir)
+    if not repo_id or repo_id.count("/") != 1:
+        raise ValueError(f"repo_id must be 'namespace/name', got {repo_id!r}")
+    files = _check_dataset_dir(dataset_dir)
+    token = token or os.environ.get("HF_TOKEN", "").strip()
+    if not token:
+        raise ValueError("no Hub token: set the HF_TOKEN environment variable (a write token) to push")
+    if constants.is_offline_mode():
+        raise ValueError("HF_HUB_OFFLINE=1 is set (the project default): run with HF_HUB_OFFLINE=0 to push")
+
+    api = HfApi(token=token)
+    url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
+    logger.info("uploading %d files from %s to %s", len(files), dataset_dir, url)
+    api.upload_folder(
+        repo_id=repo_id,
+        repo_type="dataset",
+        folder_path=dataset_dir,
+        allow_patterns=ALLOW_PATTERNS,
+        commit_message=commit_message or f"Upload {dataset_dir.name} with metachunk",
+    )
+    return str(url)
+
+
+def push(cfg: PushConfig) -> str:
+    """:func:`push_dataset` from a config (flags or a recipe)."""
+    if cfg.dataset_dir is None or cfg.repo_id is None:
+        raise InputError("command line", "push needs a dataset directory and --repo-id")
+    return push_dataset(cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message)

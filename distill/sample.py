@@ -1,0 +1,182 @@
+"""``metachunk data sample``: pick training documents and chunks for distillation (Appendix H.2).
+
+"We randomly select 20K long documents from the non-test documents and apply the PPL Chunking
+[...] for preliminary segmentation. Subsequently, we strategically sample text chunks of varying
+lengths from each document." Here:
+
+1. Documents of at least ``min_doc_chars`` characters are drawn from the training pool with a
+   seeded RNG (``n_docs``, capped by what the pool has), and kept in pool order.
+2. They are PPL-chunked by the chunking engine (any preset or local model dir).
+3. Each document contributes ``chunks_per_doc`` chunks. Chunk lengths are stratified: the
+   buckets (``bucket_edges``, in characters) take turns, in a seeded order, so that across the
+   sample every length bucket is about equally represented; a document without a chunk in its
+   bucket gives the chunk from the nearest bucket it has.
+
+The output is what ``metachunk distill rewrite|summary`` reads: ``chunks.jsonl`` with every
+chunk of each sampled document (the context of related-chunk retrieval) and a ``selected`` list of
+the sampled chunk indices, plus ``documents.jsonl`` and ``sample.json`` (the counts). The same
+seed, pool and model give the same output.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from metachunk import config
+from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, read_documents, write_json
+from metachunk.config import option
+
+
+@dataclass
+class SampleConfig:
+    pool: Path = option(None, "training pool JSONL ({id, text}) from `metachunk data prepare-crud`")
+    out: Path = option(None, "output dir: chunks.jsonl, documents.jsonl, sample.json")
+    n_docs: int = option(20_000, "documents to draw (capped by the pool)")
+    min_doc_chars: int = option(300, "only documents at least this long are drawn ('long documents')")
+    chunks_per_doc: int = option(1, "chunks sampled per document")
+    min_chunk_chars: int = option(50, "chunks shorter than this are never sampled (too little to rewrite)")
+    bucket_edges: list[int] | None = option(
+        None, "chunk length bucket edges in characters (recipe only); default 100, 200, 400, 800"
+    )
+    seed: int = option(0, "seed for the document draw and the chunk choice")
+    model: str = option("gemma3-270m", "PPL chunking model: preset name or local HF dir")
+    lang: str = option("auto", "document language", choices=["auto", "zh", "en"])
+    threshold: float = option(0.0, "PPL threshold θ (Meta-Chunking §3.1.1)")
+    target_len: int | None = option(None, "merge PPL meta-chunks towards this length (dynamic merging)")
+    len_unit: str | None = option(None, "unit of target_len", choices=["char", "word", "token"])
+    batch_size: int = option(8, "sequences per forward pass while chunking")
+    device: str | None = option(None, "torch device; default cuda when available, else cpu")
+    progress: bool = option(True, "show a progress bar")
+
+    def __post_init__(self):
+        config.check_choices(self)
+        if self.pool is None or self.out is None:
+            raise ValueError("fields 'pool' and 'out' are required")
+        if self.n_docs < 1 or self.chunks_per_doc < 1:
+            raise ValueError("'n_docs' and 'chunks_per_doc' must be >= 1")
+
+    @property
+    def edges(self) -> list[int]:
+        return sorted(self.bucket_edges or [100, 200, 400, 800])
+
+
+def bucket_names(edges: list[int]) -> list[str]:
+    bounds = [0, *edges]
+    return [f"{a}-{b}" for a, b in zip(bounds, edges)] + [f"{edges[-1]}+"]
+
+
+def choose_chunks(
+    lengths: list[int], wanted: list[int], edges: list[int], rng: random.Random, min_chars: int = 0
+) -> list[int]:
+    """Indices of chunks for the ``wanted`` buckets: a random chunk of each bucket, else of the
+    nearest bucket the document has; never the same chunk twice, never one under ``min_chars``."""
+    by_bucket: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n < min_chars:
+            continue
+        by_bucket.setdefault(bisect.bisect_right(edges, n), []).append(i)
+    chosen: list[int] = []
+    for bucket in wanted:
+        available = sorted(by_bucket, key=lambda b: (abs(b - bucket), b))
+        for b in available:
+            free = [i for i in by_bucket[b] if i not in chosen]
+            if free:
+                chosen.append(rng.choice(free))
+                break
+    return sorted(chosen)
+
+
+def sample(cfg: SampleConfig) -> dict:
+    """Draw, chunk and sample; writes the output dir and returns the report."""
+    from tqdm import tqdm
+
+    from chunking.pipeline import ChunkConfig, Chunker
+
+    started = time.perf_counter()
+    long_docs = [(d.id, d.text) for d in read_documents(cfg.pool) if len(d.text) >= cfg.min_doc_chars]
+    pool_size = len(long_docs)
+    rng = random.Random(cfg.seed)
+    picked = sorted(rng.sample(range(pool_size), min(cfg.n_docs, pool_size)))
+    docs = [long_docs[i] for i in picked]
+    del long_docs
+
+    chunker = Chunker(
+        ChunkConfig(
+            input=Path(cfg.pool),
+            output=Path(cfg.out) / "chunks.jsonl",
+            method="ppl",
+            model=cfg.model,
+            lang=cfg.lang,
+            threshold=cfg.threshold,
+            target_len=cfg.target_len,
+            len_unit=cfg.len_unit,
+            batch_size=cfg.batch_size,
+            device=cfg.device,
+        )
+    )
+    n_buckets = len(cfg.edges) + 1
+    # Buckets take turns across documents, in a seeded order: stratified, not dictated by the pool.
+    turns = list(range(n_buckets))
+    rng.shuffle(turns)
+    sampled_buckets: Counter = Counter()
+    n_chunks = n_selected = 0
+    out = Path(cfg.out)
+    group = max(cfg.batch_size * 4, 16)
+    with (
+        AtomicWriter(out / "chunks.jsonl") as chunks_file,
+        AtomicWriter(out / "documents.jsonl") as docs_file,
+        tqdm(total=len(docs), unit="doc", desc="sample", disable=not cfg.progress, dynamic_ncols=True) as bar,
+    ):
+        for first in range(0, len(docs), group):
+            batch = docs[first : first + group]
+            for k, chunked in enumerate(chunker.chunk([d[0] for d in batch], [d[1] for d in batch])):
+                position = first + k
+                wanted = [
+                    turns[(position * cfg.chunks_per_doc + j) % n_buckets] for j in range(cfg.chunks_per_doc)
+                ]
+                lengths = [len(c.text) for c in chunked.chunks]
+                selected = choose_chunks(lengths, wanted, cfg.edges, rng, cfg.min_chunk_chars)
+                for i in selected:
+                    sampled_buckets[bisect.bisect_right(cfg.edges, lengths[i])] += 1
+                record = {
+                    "schema_version": SCHEMA_VERSION,
+                    "id": chunked.id,
+                    "method": "ppl",
+                    "chunks": [c.to_json() for c in chunked.chunks],
+                    "selected": selected,
+                }
+                chunks_file.write(jsonl_line(record))
+                docs_file.write(jsonl_line({"id": chunked.id, "text": batch[k][1]}))
+                n_chunks += len(chunked.chunks)
+                n_selected += len(selected)
+            bar.update(len(batch))
+    names = bucket_names(cfg.edges)
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "command": "data sample",
+        "config": config.to_dict(cfg),
+        "pool_long_documents": pool_size,
+        "documents": len(docs),
+        "chunks": n_chunks,
+        "selected_chunks": n_selected,
+        "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    write_json(out / "sample.json", report)
+    return report
+
+
+def print_report(report: dict, file=None) -> None:
+    file = file or sys.stdout
+    print(
+        f"sampled {report['documents']} of {report['pool_long_documents']} long documents, "
+        f"{report['chunks']} chunks, {report['selected_chunks']} selected; by length (chars): "
+        + ", ".join(f"{k} {v}" for k, v in report["selected_by_length"].items()),
+        file=file,
+    )

@@ -1,0 +1,532 @@
+"""Dataset card and Hub push: the card loads back with ``datasets``, the push sends the right files.
+
+A small SFT dataset directory (the builder's layout, two train shards) is built in each test. The
+Hub is an ``httpx2.MockTransport`` installed with ``huggingface_hub.set_client_factory``: it answers
+the endpoints ``create_repo`` + ``upload_folder`` call (repo create, README YAML validation,
+preupload, LFS batch + the storage PUT + verify, commit) and records every request, so the tests
+see exactly which bytes and headers would have left the machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import re
+
+import pytest
+import yaml
+
+from distill.card import plot_token_lengths, render_dataset_card, size_category, write_dataset_card
+from distill.hub import PushConfig, push_dataset
+from metachunk.artifacts import InputError
+
+TOKEN = "hf_FAKEtokenForTests0123456789abcdef"
+REPO = "someone/metachunk-rewrite-demo"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PROMPT_TEXT = "<<<system>>>\nYou rewrite text chunks.\n<<<user>>>\nDocument context:\n{context}\n\n```x```"
+
+
+def _row(i: int, split: str) -> dict:
+    return {
+        "prompt": [
+            {"role": "system", "content": "You rewrite text chunks."},
+            {"role": "user", "content": f"Document context: doc {i}\n\nText chunk:\nHe said {i}."},
+        ],
+        "completion": [{"role": "assistant", "content": f"Mr Knightley said {i}."}],
+        "doc_id": f"{split}-doc-{i // 2}",
+        "chunk_index": i % 2,
+        "start": 10 * i,
+        "end": 10 * i + 9,
+        "teachers": json.dumps({"completion": "SmolLM2-135M-Instruct"}),
+        "prompt_sha256": "ab" * 32,
+        "source_record": f"rewrite.jsonl:{i + 1}",
+    }
+
+
+@pytest.fixture
+def dataset_dir(tmp_path):
+    """The builder's layout: train in two shards (3 + 2 rows), validation in one (2 rows), a histogram."""
+    from datasets import Dataset
+
+    root = tmp_path / "sft"
+    shards = {
+        "train-00000-of-00002": [_row(i, "train") for i in range(3)],
+        "train-00001-of-00002": [_row(i, "train") for i in range(3, 5)],
+        "validation-00000-of-00001": [_row(i, "validation") for i in range(2)],
+    }
+    (root / "data").mkdir(parents=True)
+    for name, rows in shards.items():
+        Dataset.from_list(rows).to_parquet(str(root / "data" / f"{name}.parquet"))
+    plot_token_lengths(root / "token_lengths.png", [40, 52, 61, 75, 80], [9, 12, 14, 20, 33], "smollm2", 96)
+    return root
+
+
+def full_stats() -> dict:
+    return {
+        "name": "metachunk-rewrite-demo",
+        "task": "rewrite",
+        "pretty_name": "Meta-Chunking rewrite SFT (demo)",
+        "license": "apache-2.0",
+        "language": ["zh", "en"],
+        "demo": True,
+        "rows": {"train": 5, "validation": 2},
+        "documents": {"train": 3, "validation": 1},
+        "input_records": 131,
+        "source": {
+            "corpus": "gutenqa-emma",
+            "path": "shared/data/emma.jsonl",
+            "provenance": "Project Gutenberg",
+        },
+        "teachers": [
+            {"stage": "reflection", "model": "SmolLM2-135M-Instruct"},
+            {"stage": "completion", "model": "SmolLM2-135M-Instruct"},
+        ],
+        "prompts": [
+            {"name": "student_rewrite.en", "sha256": "ab" * 32, "text": PROMPT_TEXT, "role": "student"},
+            {"name": "reflection.en", "sha256": "cd" * 32, "text": "Reflect.", "role": "teacher"},
+        ],
+        "filters": {
+            "failed_or_empty": 41,
+            "refusal_or_off_format": 17,
+            "too_long": 13,
+            "exact_duplicate": 11,
+            "near_duplicate": 7,
+            "lost_content": 29,
+            "contaminated": 6,
+        },
+        "token_lengths": {
+            "tokenizer": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "max_tokens": 96,
+            "prompt": {"min": 40, "mean": 61.6, "p50": 61, "p95": 79.0, "max": 80},
+            "completion": {"min": 9, "mean": 17.6, "p50": 14, "p95": 30.4, "max": 33},
+            "histogram": "token_lengths.png",
+        },
+        "leakage": {
+            "method": "MinHash LSH over 5-gram shingles",
+            "threshold": 0.8,
+            "test_documents": 23,
+            "rows_checked": 137,
+            "contaminated": 6,
+        },
+        "teacher_usage": {"prompt_tokens": 81234, "completion_tokens": 20456, "cost_usd": 0.0},
+        "build": {
+            "command": "metachunk distill sft --task rewrite",
+            "seed": 1234,
+            "seconds": 3.25,
+            "rows_per_s": 2.15,
+        },
+        "limitations": ["Only one novel (Emma) is represented."],
+    }
+
+
+def _front_matter(text: str) -> dict:
+    match = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert match, "no YAML front matter"
+    return yaml.safe_load(match.group(1))
+
+
+def test_card_round_trip_loads_with_datasets(dataset_dir, tmp_path):
+    from datasets import load_dataset
+    from huggingface_hub import DatasetCard
+
+    stats = full_stats()
+    card_path = write_dataset_card(dataset_dir, stats, cards_dir=tmp_path / "data_cards")
+    assert card_path == tmp_path / "data_cards" / "metachunk-rewrite-demo.md"
+    text = card_path.read_text(encoding="utf-8")
+    assert (dataset_dir / "README.md").read_text(encoding="utf-8") == text
+
+    meta = _front_matter(text)
+    assert meta["license"] == "apache-2.0"
+    assert meta["language"] == ["zh", "en"]
+    assert meta["task_categories"] == ["text-generation"]
+    assert meta["size_categories"] == ["n<1K"]
+    assert meta["tags"] == ["rag", "text-chunking", "meta-chunking", "distillation", "rewrite"]
+    assert meta["pretty_name"] == stats["pretty_name"]
+    card = DatasetCard.load(dataset_dir / "README.md")
+    assert card.data.size_categories == ["n<1K"]
+
+    # configs point at every parquet file, split by split
+    (config,) = meta["configs"]
+    assert config["config_name"] == "default"
+    matched = {}
+    for entry in config["data_files"]:
+        files = sorted(dataset_dir.glob(entry["path"]))
+        assert files, entry
+        matched[entry["split"]] = [f.name for f in files]
+    assert matched == {
+        "train": ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"],
+        "validation": ["validation-00000-of-00001.parquet"],
+    }
+    # dataset_info: features read from the parquet, split sizes from stats, bytes measured
+    info = meta["dataset_info"]
+    assert [f["name"] for f in info["features"]][:2] == ["prompt", "completion"]
+    assert {s["name"]: s["num_examples"] for s in info["splits"]} == {"train": 5, "validation": 2}
+    assert all(s["num_bytes"] > 0 for s in info["splits"])
+    assert info["download_size"] == sum(f.stat().st_size for f in dataset_dir.glob("data/*.parquet"))
+
+    # load_dataset reads the README's configs (and checks the row counts in dataset_info)
+    ds = load_dataset(str(dataset_dir), cache_dir=str(tmp_path / "hf_cache"))
+    assert {split: len(d) for split, d in ds.items()} == {"train": 5, "validation": 2}
+    assert [m["role"] for m in ds["train"][0]["prompt"]] == ["system", "user"]
+    assert ds["validation"][1]["completion"] == [{"role": "assistant", "content": "Mr Knightley said 1."}]
+
+    # every number from stats is on the card, as given
+    for name, removed in stats["filters"].items():
+        assert re.search(rf"^\| `{name}` \| [^\n]* \| {removed} \|$", text, re.M), name
+    assert "- Input records: 131" in text and "- Rows kept: 7" in text
+    for line in (
+        "- Method: MinHash LSH over 5-gram shingles",
+        "- Threshold: 0.8",
+        "- Test documents: 23",
+        "- Rows checked: 137",
+        "- Contaminated rows: 6",
+        "The check found 6 contaminated rows.",
+        "- Prompt tokens: 81234",
+        "- Completion tokens: 20456",
+        "- Cost: 0.0000 USD",
+        "- Seed: 1234",
+        "- Rows/s: 2.15",
+        "| prompt tokens | 40 | 61.6 | 61 | 79.0 | 80 |",
+        "| completion tokens | 9 | 17.6 | 14 | 30.4 | 33 |",
+        "| reflection | SmolLM2-135M-Instruct |",
+        "![Prompt and completion token lengths](token_lengths.png)",
+        "- Only one novel (Emma) is represented.",
+    ):
+        assert line in text, line
+    assert "not measured" not in text
+    # prompt templates in full, in a fence the template's own backticks cannot close
+    assert "sha256: `" + "ab" * 32 + "`" in text
+    assert "````text\n" + PROMPT_TEXT + "\n````" in text
+    assert "Demo-scale set, not a training-grade dataset" in text and "SmolLM2-135M" in text
+
+    png = dataset_dir / "token_lengths.png"
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert [p.name for p in dataset_dir.iterdir() if p.name.startswith(".")] == []  # no temp files left
+
+
+@pytest.mark.parametrize(
+    "n, label",
+    [
+        (0, "n<1K"),
+        (999, "n<1K"),
+        (1000, "1K<n<10K"),
+        (9999, "1K<n<10K"),
+        (10_000, "10K<n<100K"),
+        (100_000, "100K<n<1M"),
+        (2_500_000, "1M<n<10M"),
+        (10**12, "n>1T"),
+    ],
+)
+def test_size_category_uses_hub_buckets(n, label):
+    assert size_category(n) == label
+
+
+def test_missing_stats_say_not_measured():
+    text = render_dataset_card({"name": "bare", "task": "summary", "rows": {"train": 1200, "validation": 0}})
+    meta = _front_matter(text)
+    assert meta["size_categories"] == ["1K<n<10K"]
+    assert meta["license"] == "apache-2.0"
+    assert "language" not in meta and "dataset_info" not in meta
+    # an empty split has no file, so it gets no data_files pattern (load_dataset would fail on it)
+    assert meta["configs"][0]["data_files"] == [{"split": "train", "path": "data/train-*.parquet"}]
+    for line in (
+        "- Corpus: not measured",
+        "- Input records: not measured",
+        "Teacher models: not measured.",
+        "Prompt templates: not measured.",
+        "| `too_long` | over the token limit (`max_tokens`) | not measured |",
+        "| prompt tokens | not measured | not measured | not measured | not measured | not measured |",
+        "Histogram: not measured.",
+        "- Contaminated rows: not measured",
+        "- Cost: not measured",
+        "Command: not measured.",
+    ):
+        assert line in text, line
+    assert "Demo-scale" not in text
+    with pytest.raises(ValueError, match="'rows'"):
+        render_dataset_card({"name": "x", "task": "rewrite"})
+
+
+def test_counts_that_do_not_add_up_are_reported_not_fixed(tmp_path):
+    stats = full_stats()
+    stats["input_records"] = 140  # 140 - 124 removed = 16, but 7 rows were kept
+    text = render_dataset_card(stats)
+    assert "- Input records: 140" in text and "- Rows kept: 7" in text
+    assert "input records − rows removed = 16, which differs from the 7 rows kept" in text
+    png = plot_token_lengths(tmp_path / "plots" / "empty.png", [], [], "smollm2", None)
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert [p.name for p in png.parent.iterdir()] == ["empty.png"]
+
+
+def test_write_card_refuses_stats_that_do_not_match_the_files(dataset_dir, tmp_path):
+    stats = full_stats()
+    stats["rows"]["test"] = 4
+    with pytest.raises(InputError, match=r"4 test rows but no file matches data/test-\*\.parquet"):
+        write_dataset_card(dataset_dir, stats, cards_dir=tmp_path / "cards")
+    stats = full_stats()
+    stats["token_lengths"]["histogram"] = "missing.png"
+    with pytest.raises(InputError, match="missing.png"):
+        write_dataset_card(dataset_dir, stats, cards_dir=tmp_path / "cards")
+    assert not (dataset_dir / "README.md").exists()
+
+
+# ---------------------------------------------------------------------------------------------- Hub
+
+
+class FakeHub:
+    """The Hub endpoints ``create_repo`` + ``upload_folder`` use, and an LFS storage host.
+
+    ``lfs_suffixes``: files the preupload answer sends through LFS (the real Hub picks binary and large
+    files); the rest go base64-encoded inside the commit.
+    """
+
+    def __init__(self, lfs_suffixes=()):
+        self.lfs_suffixes = tuple(lfs_suffixes)
+        self.requests = []  # (method, url, headers, body)
+        self.stored = {}  # LFS oid -> bytes PUT to storage
+        self.commits = []  # parsed ndjson lines of each commit
+        self.unexpected = []  # requests to endpoints not emulated here
+
+    def handler(self, request):
+        import httpx2
+
+        body = request.read()
+        self.requests.append((request.method, str(request.url), dict(request.headers), body))
+        path, host = request.url.path, request.url.host
+        repo = f"/api/datasets/{REPO}"
+        if host == "storage.invalid" and request.method == "PUT":
+            self.stored[path.rsplit("/", 1)[1]] = body
+            return httpx2.Response(200)
+        if (request.method, host, path) == ("GET", "huggingface.co", "/api/agent-harnesses"):
+            # huggingface_hub fetches this public registry (no auth) once per process to build its
+            # user agent; a 404 makes it fall back to an empty one and write no cache file.
+            return httpx2.Response(404)
+        if host != "huggingface.co":
+            self.unexpected.append((request.method, str(request.url)))
+            return httpx2.Response(404, json={"error": f"unexpected host {host}"})
+        if (request.method, path) == ("POST", "/api/repos/create"):
+            payload = json.loads(body)
+            return httpx2.Response(
+                200,
+                json={"url": f"https://huggingface.co/datasets/{payload['organization']}/{payload['name']}"},
+            )
+        if (request.method, path) == ("POST", "/api/validate-yaml"):
+            try:
+                _front_matter(json.loads(body)["content"])
+            except Exception as e:  # noqa: BLE001 - any parse failure is the Hub's 400
+                return httpx2.Response(400, json={"errors": [{"message": str(e)}]})
+            return httpx2.Response(200, json={"errors": [], "warnings": []})
+        if (request.method, path) == ("POST", f"{repo}/preupload/main"):
+            files = json.loads(body)["files"]
+            return httpx2.Response(
+                200,
+                json={
+                    "files": [
+                        {
+                            "path": f["path"],
+                            "uploadMode": "lfs" if f["path"].endswith(self.lfs_suffixes) else "regular",
+                            "shouldIgnore": False,
+                            "oid": None,
+                        }
+                        for f in files
+                    ]
+                },
+            )
+        if (request.method, path) == ("POST", f"/datasets/{REPO}.git/info/lfs/objects/batch"):
+            objects = json.loads(body)["objects"]
+            return httpx2.Response(
+                200,
+                json={
+                    "transfer": "basic",
+                    "objects": [
+                        {
+                            "oid": o["oid"],
+                            "size": o["size"],
+                            "authenticated": True,
+                            "actions": {
+                                "upload": {"href": f"https://storage.invalid/lfs/{o['oid']}"},
+                                "verify": {
+                                    "href": f"https://huggingface.co/datasets/{REPO}.git/info/lfs/objects/verify"
+                                },
+                            },
+                        }
+                        for o in objects
+                    ],
+                },
+            )
+        if (request.method, path) == ("POST", f"/datasets/{REPO}.git/info/lfs/objects/verify"):
+            return httpx2.Response(200, json={"success": True})
+        if (request.method, path) == ("POST", f"{repo}/commit/main"):
+            self.commits.append([json.loads(line) for line in body.splitlines()])
+            oid = "0123456789abcdef0123456789abcdef01234567"
+            return httpx2.Response(
+                200,
+                json={"commitUrl": f"https://huggingface.co/datasets/{REPO}/commit/{oid}", "commitOid": oid},
+            )
+        self.unexpected.append((request.method, str(request.url)))
+        return httpx2.Response(404, json={"error": f"not emulated: {request.method} {path}"})
+
+    def committed_files(self) -> dict[str, bytes]:
+        """path -> content of every file in the commits; LFS pointers resolved from storage."""
+        files = {}
+        for commit in self.commits:
+            for line in commit:
+                if line["key"] == "file":
+                    files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                elif line["key"] == "lfsFile":
+                    files[line["value"]["path"]] = self.stored[line["value"]["oid"]]
+        return files
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """Route every huggingface_hub request to a FakeHub; restore the default client afterwards."""
+    import httpx2
+    from huggingface_hub import constants, set_client_factory
+    from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
+
+    hub = FakeHub()
+    # hf_xet (when the upload pipeline starts a session) writes its logs under HF_XET_CACHE: keep them in
+    # tmp_path, where the token scan looks
+    monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the test suite runs offline
+    monkeypatch.setattr(constants, "HF_DEBUG", True)  # log each request as curl too: the most verbose path
+
+    def factory():
+        return httpx2.Client(
+            transport=httpx2.MockTransport(hub.handler),
+            event_hooks={"request": [hf_request_event_hook]},  # the real client's hook (offline check, logs)
+            follow_redirects=True,
+        )
+
+    set_client_factory(factory)
+    yield hub
+    set_client_factory(default_client_factory)  # also closes the mock session
+
+
+def _debug_everything(caplog):
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger):
+            caplog.set_level(logging.DEBUG, logger=name)
+    caplog.set_level(logging.DEBUG)
+
+
+def _push_and_check(hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys):
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    (dataset_dir / "notes.txt").write_text("not for the Hub")  # outside the allow patterns
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    _debug_everything(caplog)
+
+    url = push_dataset(dataset_dir, REPO, commit_message="Upload demo set")
+    assert url == f"https://huggingface.co/datasets/{REPO}"
+
+    # exactly the card, the parquet shards and the PNG were committed, byte for byte
+    sent = hub.committed_files()
+    expected = {
+        p.relative_to(dataset_dir).as_posix(): p.read_bytes()
+        for p in [
+            dataset_dir / "README.md",
+            dataset_dir / "token_lengths.png",
+            *dataset_dir.glob("data/*.parquet"),
+        ]
+    }
+    assert sent == expected
+    (commit,) = hub.commits
+    assert commit[0] == {"key": "header", "value": {"summary": "Upload demo set", "description": ""}}
+    create = next(json.loads(body) for m, url, _, body in hub.requests if url.endswith("/api/repos/create"))
+    assert create == {
+        "name": "metachunk-rewrite-demo",
+        "organization": "someone",
+        "type": "dataset",
+        "visibility": "public",
+    }
+
+    # the token went to the Hub in the Authorization header, and nowhere else
+    assert hub.unexpected == []
+    for method, url, headers, _ in hub.requests:
+        if url.endswith("/api/agent-harnesses"):
+            assert "authorization" not in headers
+        elif url.startswith("https://huggingface.co/"):
+            assert headers.get("authorization") == f"Bearer {TOKEN}", (method, url)
+        else:
+            assert "authorization" not in headers, (method, url)
+    out, err = capsys.readouterr()
+    assert caplog.records, "nothing was logged: the no-token-in-logs check would be vacuous"
+    assert any("authenticated: True" in r.getMessage() for r in caplog.records)
+    assert TOKEN not in caplog.text and TOKEN not in out and TOKEN not in err
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+    return sent
+
+
+# huggingface_hub's LFS PUT passes a file object as ``data=``, which httpx2 deprecates
+@pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+def test_push_sends_card_data_and_plot_through_lfs(
+    fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys
+):
+    """The legacy path (no hf_xet): binary files go through the LFS batch API and a storage PUT."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    fake_hub.lfs_suffixes = (".parquet", ".png")
+    _push_and_check(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys)
+    assert len(fake_hub.stored) == 4  # 3 parquet shards + the PNG
+    for oid, data in fake_hub.stored.items():
+        assert hashlib.sha256(data).hexdigest() == oid
+    lines = {line["value"]["path"]: line["key"] for line in fake_hub.commits[0][1:]}
+    assert lines["README.md"] == "file" and lines["token_lengths.png"] == "lfsFile"
+    verified = [json.loads(b)["oid"] for m, url, _, b in fake_hub.requests if url.endswith("/objects/verify")]
+    assert sorted(verified) == sorted(fake_hub.stored)
+
+
+def test_push_through_the_default_pipeline(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys):
+    """With hf_xet installed upload_folder takes its streamed pipeline; files the server calls regular
+    travel inside the commit, so no Xet storage is contacted."""
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    if not is_xet_available():
+        pytest.skip("hf_xet is not installed: upload_folder uses the path tested above")
+    _push_and_check(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys)
+    assert fake_hub.stored == {}
+
+
+def test_push_without_token_or_files_sends_nothing(fake_hub, dataset_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(InputError, match=r"sft: no README\.md"):
+        push_dataset(dataset_dir, REPO, token=TOKEN)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        push_dataset(dataset_dir, REPO)
+    for shard in dataset_dir.glob("data/*.parquet"):
+        shard.unlink()
+    with pytest.raises(InputError, match=r"sft: no data/\*\.parquet"):
+        push_dataset(dataset_dir, REPO, token=TOKEN)
+    with pytest.raises(ValueError, match="namespace/name"):
+        push_dataset(dataset_dir, "no-namespace", token=TOKEN)
+    assert fake_hub.requests == []
+
+
+def test_push_refuses_offline_mode_before_any_request(dataset_dir, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+        push_dataset(dataset_dir, REPO, token=TOKEN)
+
+
+def test_push_config_from_flags(tmp_path):
+    import argparse
+
+    from metachunk import config
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, PushConfig)
+    ns = parser.parse_args([str(tmp_path), "--repo-id", REPO, "--private"])
+    cfg = config.from_namespace(PushConfig, ns)
+    assert (cfg.dataset_dir, cfg.repo_id, cfg.private, cfg.commit_message) == (tmp_path, REPO, True, None)
+    with pytest.raises(InputError, match="namespace/name"):
+        config.from_namespace(PushConfig, parser.parse_args([str(tmp_path), "--repo-id", "x"]))

@@ -1,0 +1,198 @@
+"""Sampling for distillation and the SFT set builder: filters, splits, features, chat rendering."""
+
+import json
+import random
+
+import pytest
+
+from distill.sample import SampleConfig, choose_chunks, sample
+from distill.sft import FILTERS, BuildSftConfig, build_sft, content_kept, features, in_validation, off_format
+
+# ------------------------------------------------------------------------------------- sampling
+
+
+def test_choose_chunks_takes_the_wanted_bucket_else_the_nearest():
+    edges = [100, 200, 400]
+    lengths = [50, 150, 150, 900, 20]
+    rng = random.Random(0)
+    assert choose_chunks(lengths, [1], edges, rng) in ([1], [2])
+    assert choose_chunks(lengths, [3], edges, rng) == [3]
+    assert choose_chunks(lengths, [2], edges, rng) in ([1], [2], [3])  # no 200-400 chunk: a neighbour
+    picked = choose_chunks(lengths, [1, 1, 1], edges, rng)
+    assert len(picked) == len(set(picked)) == 3  # never the same chunk twice
+    assert 4 not in choose_chunks(lengths, [0, 0], edges, rng, min_chars=30)  # too short to rewrite
+
+
+def test_sample_is_deterministic_and_feeds_distill(tiny_model_dir, shared_data, tmp_path):
+    pool = tmp_path / "pool.jsonl"
+    with (shared_data / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+        pool.write_text("".join(line for line, _ in zip(f, range(30))), encoding="utf-8")
+
+    def run(out, seed):
+        cfg = SampleConfig(pool=pool, out=out, n_docs=5, chunks_per_doc=2, seed=seed, model=str(tiny_model_dir),
+                           lang="zh", progress=False)  # fmt: skip
+        return sample(cfg)
+
+    first, again = run(tmp_path / "a", 0), run(tmp_path / "b", 0)
+    assert (tmp_path / "a" / "chunks.jsonl").read_bytes() == (tmp_path / "b" / "chunks.jsonl").read_bytes()
+    assert first["documents"] == again["documents"] == 5 and first["selected_chunks"] == 10
+    assert sum(first["selected_by_length"].values()) == 10
+    run(tmp_path / "c", 1)
+    assert (tmp_path / "a" / "chunks.jsonl").read_bytes() != (tmp_path / "c" / "chunks.jsonl").read_bytes()
+
+    # The output is distill's input: offsets check out against documents.jsonl.
+    from distill.pipelines import STAGES
+    from distill.run import DistillConfig, read_jobs
+    from distill.teacher import TeacherConfig
+
+    jobs = read_jobs(DistillConfig(task="rewrite", chunks=tmp_path / "a" / "chunks.jsonl",
+                                   documents=tmp_path / "a" / "documents.jsonl", out=tmp_path / "d",
+                                   teachers=dict.fromkeys(STAGES["rewrite"], TeacherConfig("m"))))  # fmt: skip
+    assert len(jobs) == 10 and all(j.lang == "zh" for j in jobs)
+
+
+# ------------------------------------------------------------------------------------- filters
+
+
+@pytest.mark.parametrize(
+    "task, output, bad",
+    [
+        ("rewrite", "Emma Woodhouse, the heroine, was handsome.", False),
+        ("rewrite", "I'm sorry, but I cannot help with that.", True),
+        ("rewrite", "Here is the rewritten chunk: Emma was handsome.", True),
+        ("rewrite", "1. missing: who / supplement: Emma", True),
+        ("rewrite", "以下是改写后的文本：艾玛很漂亮。", True),
+        ("summary", "Emma, a rich young woman of Highbury, is introduced.", False),
+        ("summary", "One. Two. Three. Four. Five.", True),
+    ],
+)
+def test_off_format(task, output, bad):
+    assert off_format(task, output, "She was handsome, clever, and rich.") is bad
+
+
+def test_content_kept_per_language():
+    assert content_kept("She was rich.", "Emma Woodhouse was rich, she said.", "en") == 1.0
+    assert content_kept("She was rich and clever.", "Emma.", "en") == 0.0
+    assert content_kept("西安发放消费券", "陕西西安市发放了体育消费券", "zh") > 0.6
+
+
+def test_validation_split_is_by_document_and_seeded():
+    ids = [f"doc{i}" for i in range(2000)]
+    share = sum(in_validation(i, 0, 0.1) for i in ids) / len(ids)
+    assert 0.07 < share < 0.13
+    assert [in_validation(i, 0, 0.1) for i in ids] == [in_validation(i, 0, 0.1) for i in ids]
+    assert [in_validation(i, 0, 0.1) for i in ids] != [in_validation(i, 1, 0.1) for i in ids]
+
+
+# ------------------------------------------------------------------------------------- builder
+
+WORDS = (
+    "river meadow lantern harvest village market orchard bridge chapel letter carriage garden winter "
+    "candle parcel ribbon shilling sermon pony basket ladder kettle window blanket journey cottage "
+    "bonnet fiddle vicar miller baker"
+).split()
+
+
+def sentence(seed: int, n: int = 20) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+
+def _record(doc_id, doc, chunk, output, status="ok"):
+    stage = {"status": "ok", "teacher": "teacher-model", "prompt_sha256": "ab" * 32,
+             "usage": {"prompt_tokens": 10, "completion_tokens": 5}, "cost": 0.001}  # fmt: skip
+    start = doc.index(chunk)
+    return {"schema_version": 1, "task": "rewrite", "doc_id": doc_id, "chunk_index": 1, "start": start,
+            "end": start + len(chunk), "text": chunk, "lang": "en", "context_spans": [[0, len(doc)]],
+            "status": status, "reason": "", "output": output,
+            "stages": {"reflection": dict(stage), "refinement": dict(stage), "completion": dict(stage)}}  # fmt: skip
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """Twelve good rewrites on twelve documents, plus one planted bad record per filter."""
+    docs, records = {}, []
+    for i in range(15):
+        docs[f"d{i}"] = " ".join(sentence(3 * i + k) for k in range(3))
+    for i in range(12):
+        chunk = sentence(3 * i + 1)
+        records.append(_record(f"d{i}", docs[f"d{i}"], chunk, f"In the letter of document {i}, {chunk}"))
+    held_out = " ".join(sentence(500 + k) for k in range(3))
+    docs["test-copy"] = held_out  # the held-out test document again, under another id
+    near_chunk = sentence(1) + " Bridge."  # document 0's chunk with one more word
+    docs["d13"] = sentence(99) + " " + near_chunk
+    records += [
+        _record("d12", docs["d12"], sentence(37), "", status="failed"),  # failed_or_empty
+        _record("d12", docs["d12"], sentence(37), "I'm sorry, but as an AI I cannot rewrite this."),
+        _record("d12", docs["d12"], sentence(37), "A short unrelated phrase."),  # lost_content
+        _record("test-copy", held_out, sentence(501), "Rewritten: " + sentence(501)),  # contaminated
+        dict(records[0]),  # exact_duplicate
+        _record("d13", docs["d13"], near_chunk, "Near: " + near_chunk),  # near_duplicate
+        _record("d14", docs["d14"], sentence(43), sentence(43) + " very" * 3000),  # too_long
+    ]
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items())
+    )
+    (tmp_path / "test_docs.jsonl").write_text(json.dumps({"id": "held-out", "text": held_out}) + "\n")
+    (tmp_path / "rewrite.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tmp_path
+
+
+def test_every_filter_catches_its_planted_record(planted, tiny_model_dir):
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
+                         documents=planted / "docs.jsonl", test_documents=planted / "test_docs.jsonl",
+                         cards_dir=planted / "cards", tokenizer=str(tiny_model_dir), max_tokens=2048,
+                         validation_fraction=0.25)  # fmt: skip
+    stats = build_sft(cfg, progress=False)
+    assert stats["filters"] == dict.fromkeys(FILTERS, 1)
+    assert stats["input_records"] == 19
+    assert sum(stats["rows"].values()) == 12
+    assert stats["leakage"]["contaminated"] == 1 and stats["leakage"]["test_documents"] == 1
+    assert stats["teacher_usage"]["prompt_tokens"] == 19 * 3 * 10
+
+    from datasets import load_dataset
+
+    ds = load_dataset(str(planted / "ds"))
+    assert set(ds) == {"train", "validation"}
+    assert ds["train"].features == features()
+    assert ds["train"].num_rows + ds["validation"].num_rows == 12
+    assert not set(ds["train"]["doc_id"]) & set(ds["validation"]["doc_id"])  # split by document
+    card = (planted / "ds" / "README.md").read_text(encoding="utf-8")
+    assert card == (planted / "cards" / f"{cfg.name}.md").read_text(encoding="utf-8")
+    assert (planted / "ds" / "token_lengths.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
+                         documents=planted / "docs.jsonl", cards_dir=planted / "cards",
+                         tokenizer=str(tiny_model_dir), max_tokens=100_000)  # fmt: skip
+    build_sft(cfg, progress=False)
+    row = load_dataset(str(planted / "ds"), split="train")[0]
+    assert [m["role"] for m in row["prompt"]] == ["system", "user"]
+    assert row["completion"][0]["role"] == "assistant"
+    assert row["prompt"][1]["content"].endswith("Text chunk:\n" + sentence(3 * int(row["doc_id"][1:]) + 1))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rendered = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+    assert rendered.startswith("<|im_start|>system\n" + row["prompt"][0]["content"] + "<|im_end|>\n")
+    assert ("<|im_start|>assistant\n" + row["completion"][0]["content"] + "<|im_end|>") in rendered
+    # TRL masks the loss to the completion via the template's {% generation %} markers.
+    masked = tokenizer.apply_chat_template(
+        row["prompt"] + row["completion"], return_dict=True, return_assistant_tokens_mask=True
+    )
+    kept = [t for t, m in zip(masked["input_ids"], masked["assistant_masks"]) if m]
+    assert tokenizer.decode(kept).strip().startswith(row["completion"][0]["content"])
+    assert row["prompt"][0]["content"][:40] not in tokenizer.decode(kept)  # no prompt token is trained on
+
+
+def test_bad_record_names_file_and_line(planted, tiny_model_dir):
+    from metachunk.artifacts import InputError
+
+    (planted / "bad.jsonl").write_text((planted / "rewrite.jsonl").read_text().splitlines()[0] + "\n{oops\n")
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "bad.jsonl", out=planted / "ds2",
+                         documents=planted / "docs.jsonl", cards_dir=planted / "cards", tokenizer=str(tiny_model_dir))  # fmt: skip
+    with pytest.raises(InputError, match=r"bad\.jsonl:2: not a distill record"):
+        build_sft(cfg, progress=False)
+    assert not (planted / "ds2").exists()  # nothing half-written
