@@ -3,8 +3,9 @@
 Only what the card describes is sent: ``README.md`` (the card, whose ``configs`` tell the Hub and
 ``load_dataset`` where the splits are), ``data/*.parquet``, the PNG plots and any
 ``dataset_info*.json``. Everything is checked locally before the first request: the directory
-holds a card and parquet files, a token is set, and the Hub is not switched off
-(``HF_HUB_OFFLINE=1`` is the project's default, so a push has to turn it off on purpose).
+holds a card and parquet files and a token is set. metachunk keeps the Hub switched off at run
+time (``HF_HUB_OFFLINE=1`` unless the user set it); a push is the user asking for the Hub, so it
+lifts that default for its own duration, but never an ``HF_HUB_OFFLINE=1`` the user set.
 
 The token comes from the argument or the ``HF_TOKEN`` environment variable, never from a file we
 write, and it is never logged or printed: it only travels in the Authorization header that
@@ -74,19 +75,25 @@ def push_dataset(
     token = token or os.environ.get("HF_TOKEN", "").strip()
     if not token:
         raise ValueError("no Hub token: set the HF_TOKEN environment variable (a write token) to push")
-    if constants.is_offline_mode():
-        raise ValueError("HF_HUB_OFFLINE=1 is set (the project default): run with HF_HUB_OFFLINE=0 to push")
+    from metachunk.models import OFFLINE_BY_DEFAULT
 
-    api = HfApi(token=token)
-    url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
-    logger.info("uploading %d files from %s to %s", len(files), dataset_dir, url)
-    api.upload_folder(
-        repo_id=repo_id,
-        repo_type="dataset",
-        folder_path=dataset_dir,
-        allow_patterns=ALLOW_PATTERNS,
-        commit_message=commit_message or f"Upload {dataset_dir.name} with metachunk",
-    )
+    if constants.HF_HUB_OFFLINE and not OFFLINE_BY_DEFAULT:
+        raise ValueError("HF_HUB_OFFLINE=1 is set in your environment: unset it (or set 0) to push")
+
+    offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    try:
+        api = HfApi(token=token)
+        url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
+        logger.info("uploading %d files from %s to %s", len(files), dataset_dir, url)
+        api.upload_folder(
+            repo_id=repo_id,
+            repo_type="dataset",
+            folder_path=dataset_dir,
+            allow_patterns=ALLOW_PATTERNS,
+            commit_message=commit_message or f"Upload {dataset_dir.name} with metachunk",
+        )
+    finally:
+        constants.HF_HUB_OFFLINE = offline
     return str(url)
 
 

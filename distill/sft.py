@@ -294,7 +294,8 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     completion_lengths: list[int] = []
     teachers: dict[str, set[str]] = {}
     teacher_prompts: dict[tuple[str, str], str] = {}
-    langs: Counter = Counter()
+    langs: Counter = Counter()  # of the rows kept
+    record_langs: Counter = Counter()  # of every record read
     docs_by_split: dict[str, set[str]] = {"train": set(), "validation": set()}
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
     n_records = 0
@@ -319,6 +320,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                         distilled, f"field 'task' is {record.get('task')!r}, not {cfg.task!r}", line_no
                     )
                 n_records += 1
+                record_langs[lang] += 1
                 bar.update(1)
                 for stage, entry in stages.items():
                     if entry.get("teacher"):
@@ -399,7 +401,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         plot_token_lengths(
             staging / "token_lengths.png", prompt_lengths, completion_lengths, cfg.tokenizer, cfg.max_tokens
         )
-        stats = _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropped, langs, teachers,
+        stats = _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropped, langs or record_langs, teachers,
                             teacher_prompts, prompt_lengths, completion_lengths, usage, test_ids, seconds)  # fmt: skip
         write_json(staging / "build_report.json", stats)
         write_dataset_card(staging, stats, features(), cards_dir=Path(cfg.cards_dir))
@@ -456,7 +458,7 @@ def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropp
     return {
         "name": cfg.name,
         "task": cfg.task,
-        "pretty_name": f"metachunk {cfg.task} SFT ({Path(cfg.out).name})",
+        "pretty_name": cfg.name,
         "license": cfg.license,
         "language": sorted(langs) or ["en"],
         "demo": cfg.demo,

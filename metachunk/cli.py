@@ -172,9 +172,14 @@ def cmd_data(args: argparse.Namespace) -> int:
         from distill.hub import PushConfig, push_dataset
 
         cfg = config.from_namespace(PushConfig, args)
-        url = push_dataset(
-            cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message
-        )
+        try:
+            url = push_dataset(
+                cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message
+            )
+        except InputError:
+            raise
+        except ValueError as e:  # no token, a bad repo id: before any request
+            raise InputError("data push", str(e)) from None
         print(url)
     return 0
 

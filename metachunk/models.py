@@ -15,7 +15,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# Run-time code never talks to the Hub; a missing local file must fail, not download.
+# Run-time code never talks to the Hub; a missing local file must fail, not download. Only an
+# explicit `metachunk data push` lifts this, and only when the user did not set it themselves.
+OFFLINE_BY_DEFAULT = "HF_HUB_OFFLINE" not in os.environ
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 

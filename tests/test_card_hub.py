@@ -509,13 +509,28 @@ def test_push_without_token_or_files_sends_nothing(fake_hub, dataset_dir, tmp_pa
     assert fake_hub.requests == []
 
 
-def test_push_refuses_offline_mode_before_any_request(dataset_dir, tmp_path, monkeypatch):
+def test_push_refuses_an_offline_mode_the_user_set(dataset_dir, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
+    from metachunk import models
+
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(models, "OFFLINE_BY_DEFAULT", False)  # the user exported HF_HUB_OFFLINE=1
     write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
         push_dataset(dataset_dir, REPO, token=TOKEN)
+
+
+def test_push_lifts_metachunks_own_offline_default(dataset_dir, tmp_path, monkeypatch, fake_hub):
+    from huggingface_hub import constants
+
+    from metachunk import models
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as metachunk.models sets it by default
+    monkeypatch.setattr(models, "OFFLINE_BY_DEFAULT", True)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    push_dataset(dataset_dir, REPO, token=TOKEN)
+    assert fake_hub.requests and constants.HF_HUB_OFFLINE is True  # restored afterwards
 
 
 def test_push_config_from_flags(tmp_path):

@@ -527,3 +527,28 @@ def test_missing_output_and_argparse_errors(tmp_path, capsys, tiny):
             run(capsys, src, "-o", tmp_path / "o.jsonl", *bad)
         assert exc.value.code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+def test_data_push_without_a_token_fails_cleanly(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    (tmp_path / "ds" / "README.md").write_text("---\nlicense: other\n---\n")
+    (tmp_path / "ds" / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
+    assert main(["data", "push", str(tmp_path / "ds"), "--repo-id", "org/name"]) == 2
+    assert "HF_TOKEN" in capsys.readouterr().err
+
+
+def test_data_build_sft_names_a_missing_file(tmp_path, capsys):
+    code = main(
+        [
+            "data",
+            "build-sft",
+            "rewrite",
+            "--distilled",
+            str(tmp_path / "nope.jsonl"),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert code == 2
+    assert "nope.jsonl: no such file" in capsys.readouterr().err

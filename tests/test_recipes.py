@@ -37,3 +37,22 @@ def test_distill_recipe_is_valid(recipe):
 
 def test_there_are_distill_recipes():
     assert {p.name for p in DISTILL_RECIPES} >= {"rewrite.yaml", "summary.yaml", "local.yaml"}
+
+
+DATA_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "data").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", DATA_RECIPES, ids=lambda p: p.name)
+def test_data_recipe_is_valid(recipe):
+    from distill.corpus import PrepareCrudConfig
+    from distill.sample import SampleConfig
+    from distill.sft import BuildSftConfig
+
+    cls = {"prepare": PrepareCrudConfig, "sample": SampleConfig, "build": BuildSftConfig}[
+        recipe.stem.split("_")[0]
+    ]
+    cls(**load_yaml(cls, recipe))
+
+
+def test_there_are_data_recipes():
+    assert {p.stem.split("_")[0] for p in DATA_RECIPES} == {"prepare", "sample", "build"}
