@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) bench/ppl_memory.py
 	$(PY) bench/msp_speed.py
 	$(PY) bench/distill_throughput.py
+	$(PY) bench/sft_build.py
 
 clean:
 	rm -rf demo_out bench_out .pytest_cache .ruff_cache

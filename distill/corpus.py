@@ -112,8 +112,12 @@ class NearDuplicateIndex:
     has none and never matches). Candidates come from datasketch's MinHash LSH with ``num_perm``
     permutations, built for ``threshold - 0.2``: at the default 0.8 a pair right at the threshold is
     a candidate with probability ~0.99 (an LSH built at the threshold itself finds it ~40% of the
-    time, and MinHash false negatives are leaks). Each candidate is then checked with the exact Jaccard of the kept shingle sets, so
+    time, and MinHash false negatives are leaks). Each candidate is then checked with the exact Jaccard of the shingle sets, so
     there are no false positives. Deterministic for a given ``seed``.
+
+    Memory: per text, its LSH entry (~6 KB at 128 permutations) and the text itself without whitespace;
+    a candidate's shingle set is rebuilt from that text when it is checked. (Keeping the shingle sets
+    instead cost ~50 KB per 350-character text, ~1 GB for build-sft's 20K chunks.)
 
     Used by prepare-crud (pool articles vs. test articles) and by build-sft (decontamination and
     near-duplicate rows)::
@@ -135,8 +139,8 @@ class NearDuplicateIndex:
         self.shingle = shingle
         self.seed = seed
         self._lsh = MinHashLSH(threshold=max(0.05, threshold - 0.2), num_perm=num_perm)
-        self._shingles: dict[str, frozenset[str]] = {}  # insertion order breaks ties in query results
-        self._order: dict[str, int] = {}
+        self._texts: dict[str, str] = {}  # key -> text without whitespace; shingles rebuilt on demand
+        self._order: dict[str, int] = {}  # insertion order breaks ties in query results
 
     def shingles(self, text: str) -> frozenset[str]:
         return frozenset(char_ngrams(_WHITESPACE.sub("", text), self.shingle))
@@ -148,22 +152,23 @@ class NearDuplicateIndex:
 
     def add(self, key: str, text: str) -> None:
         """Index ``text`` under ``key``; a key can be added once."""
-        if key in self._shingles:
+        if key in self._texts:
             raise ValueError(f"key {key!r} is already in the index")
-        shingles = self.shingles(text)
+        squeezed = _WHITESPACE.sub("", text)
+        shingles = self.shingles(squeezed)
         self._order[key] = len(self._order)
-        self._shingles[key] = shingles
+        self._texts[key] = squeezed
         if shingles:
             self._lsh.insert(key, self._minhash(shingles))
 
     def query_scored(self, text: str) -> list[tuple[str, float]]:
         """``(key, exact Jaccard)`` of the indexed texts at or above the threshold, most similar first."""
         shingles = self.shingles(text)
-        if not shingles or not self._shingles:
+        if not shingles or not self._texts:
             return []
         found = []
         for key in self._lsh.query(self._minhash(shingles)):
-            other = self._shingles[key]
+            other = self.shingles(self._texts[key])
             similarity = len(shingles & other) / len(shingles | other)
             if similarity >= self.threshold:
                 found.append((key, similarity))
@@ -174,10 +179,10 @@ class NearDuplicateIndex:
         return [key for key, _ in self.query_scored(text)]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._shingles
+        return key in self._texts
 
     def __len__(self) -> int:
-        return len(self._shingles)
+        return len(self._texts)
 
 
 # ---------------------------------------------------------------------------------------- QA input
