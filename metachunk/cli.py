@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         config.add_arguments(data_actions.add_parser(action, help=about, description=about), cls)
     data.set_defaults(handler=cmd_data)
 
+    # Listed for --help only: main() hands `train ...` to TRL's parser, which knows every SFTConfig flag.
+    sub.add_parser(
+        "train",
+        help="SFT with TRL: `metachunk train --config recipes/train/X.yaml [TRL flags]` (= python -m train)",
+    )
+
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)
     serve = teacher_actions.add_parser("serve", help="serve a preset with `transformers serve` until Ctrl-C")
@@ -278,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from train.sft import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -1,0 +1,156 @@
+"""Supervised fine-tuning of the student (rewriter, summarizer, MoC router/experts) with TRL.
+
+One recipe, top to bottom: parse the config, check it, load the dataset and the model, train,
+save, plot the loss. ``python -m train --config recipes/train/cpu_smoke.yaml [--flag value ...]``.
+
+The config is TRL's own: :class:`ModelDataArguments` (what to train, on what) plus TRL's
+``SFTConfig`` (how), read by TRL's ``TrlParser`` from the recipe YAML with command-line flags on
+top, every field with its help text (``--help``). TRL users know these flags; a recipe is the
+same file ``trl sft`` would read, plus our model and dataset fields.
+
+The loss is Eq. 3 of Meta-Chunking: cross-entropy on the completion tokens only. The rows are
+conversational prompt–completion pairs (``metachunk data build-sft``), so TRL renders them with
+the tokenizer's chat template and masks every prompt token out of the labels
+(``completion_only_loss``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ModelDataArguments:
+    model: str = field(metadata={"help": "base model: a preset name (smollm2, ...) or a local HF model dir"})
+    dataset: str = field(
+        metadata={"help": "dataset dir written by `metachunk data build-sft` (parquet + card)"}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "weights dtype: auto (the checkpoint's), float32, bfloat16, float16"},
+    )
+    max_train_rows: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
+
+
+def parse_args(argv: list[str] | None = None):
+    """``(ModelDataArguments, SFTConfig)`` from ``--config`` YAML and flags; errors name the field."""
+    from trl import SFTConfig, TrlParser
+
+    parser = TrlParser((ModelDataArguments, SFTConfig))
+    model_args, sft_args = parser.parse_args_and_config(argv)
+    check(model_args, sft_args)
+    return model_args, sft_args
+
+
+def check(model_args: ModelDataArguments, sft_args) -> None:
+    """Fail before any model loads."""
+    if model_args.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(
+            f"field 'dtype' must be auto, float32, bfloat16 or float16, got {model_args.dtype!r}"
+        )
+    if not (Path(model_args.dataset) / "data").is_dir():
+        raise ValueError(
+            f"field 'dataset': {model_args.dataset} has no data/ dir (run `metachunk data build-sft`)"
+        )
+    if sft_args.completion_only_loss is False:
+        raise ValueError(
+            "field 'completion_only_loss' must stay on: the loss is on the completion only (Eq. 3)"
+        )
+
+
+def effective_batch_size(sft_args) -> int:
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return sft_args.per_device_train_batch_size * sft_args.gradient_accumulation_steps * world
+
+
+def plot_losses(log_history: list[dict], path: Path) -> None:
+    """Training (and validation) loss against the step, written atomically."""
+    import os
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
+    valid = [(e["step"], e["eval_loss"]) for e in log_history if "eval_loss" in e]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if valid:
+        ax.plot(*zip(*valid), marker="o", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (completion tokens)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
+    os.close(fd)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        model_args, sft_args = parse_args(argv)
+    except ValueError as e:
+        print(f"train: invalid config: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTTrainer
+
+    from metachunk.models import resolve
+
+    model_dir = str(resolve(model_args.model))
+    data = load_dataset(model_args.dataset)
+    keep = ["prompt", "completion"]  # the metadata columns stay in the dataset, not in the batches
+    train_set = data["train"].select_columns(keep)
+    if model_args.max_train_rows:
+        train_set = train_set.select(range(min(model_args.max_train_rows, len(train_set))))
+    eval_set = data["validation"].select_columns(keep) if "validation" in data else None
+    if eval_set is not None and len(eval_set) == 0:
+        eval_set = None
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    trainer = SFTTrainer(
+        model=model, args=sft_args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer
+    )
+    tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+    # TRL folds the completion mask into `labels`: -100 on every prompt token.
+    completion = sum(sum(label != -100 for label in labels) for labels in trainer.train_dataset["labels"])
+    batch = effective_batch_size(sft_args)
+    steps = (
+        sft_args.max_steps
+        if sft_args.max_steps > 0
+        else math.ceil(len(train_set) / batch) * sft_args.num_train_epochs
+    )
+    if trainer.is_world_process_zero():
+        print(
+            f"train: {len(trainer.train_dataset)} of {len(train_set)} rows fit max_length, {tokens:,} tokens ({completion:,} completion tokens carry the loss); "
+            f"effective global batch {batch} rows; {steps} optimizer steps",
+            file=sys.stderr,
+        )
+    trainer.train(resume_from_checkpoint=sft_args.resume_from_checkpoint)
+    trainer.save_model(sft_args.output_dir)
+    if trainer.is_world_process_zero():
+        out = Path(sft_args.output_dir)
+        plot_losses(trainer.state.log_history, out / "loss.png")
+        (out / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
