@@ -86,3 +86,80 @@ def test_metachunk_train_is_python_m_train(tmp_path, capsys):
 
     assert main(["train", "--config", str(RECIPE), "--dataset", str(tmp_path)]) == 2
     assert "has no data/ dir" in capsys.readouterr().err
+
+
+def test_lora_trains_merges_and_reloads(sft_dataset, tiny_model_dir, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from train.sft import main
+
+    out = tmp_path / "lora"
+    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+            "--output_dir", str(out), "--max_steps", "2", "--max_length", "4096", "--use_peft", "true",
+            "--lora_r", "4", "--learning_rate", "1e-2"]  # fmt: skip
+    assert main(argv) == 0
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, use_safetensors=True)
+    merged = PeftModel.from_pretrained(base, out).merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", use_safetensors=True)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, use_safetensors=True)
+    changed = [
+        name
+        for name, weight in reloaded.state_dict().items()
+        if not torch.equal(weight, original.state_dict()[name])
+    ]
+    assert changed  # the adapter was trained and merged into the base weights
+
+
+def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 30
+
+    def argv(out):
+        return [sys.executable, "-m", "train", "--config", str(RECIPE), "--model", str(tiny_model_dir),
+                "--dataset", str(sft_dataset), "--output_dir", str(out), "--max_steps", str(steps),
+                "--max_length", "4096", "--save_strategy", "steps", "--save_steps", "2"]  # fmt: skip
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[1]
+    whole = subprocess.run(
+        argv(tmp_path / "whole"), cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    reference = {
+        e["step"]: e["loss"]
+        for e in json.loads((tmp_path / "whole" / "train_log.json").read_text())
+        if "loss" in e
+    }
+
+    out = tmp_path / "killed"
+    run = subprocess.Popen(argv(out), cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-4" / "trainer_state.json").exists():
+        assert run.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert not (out / "train_log.json").exists()  # it really died mid-run
+
+    resumed = subprocess.run(argv(out) + ["--resume_from_checkpoint", "latest"], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    import re
+
+    resumed_at = int(re.search(r"resuming from \S+checkpoint-\d+ at step (\d+)", resumed.stderr).group(1))
+    assert 4 <= resumed_at < steps  # continued from the newest checkpoint, not from step 1
+    log = json.loads((out / "train_log.json").read_text())
+    logged_steps = [e["step"] for e in log if "loss" in e]
+    assert logged_steps == list(range(1, steps + 1))  # every step once: the history carries over
+    losses = {e["step"]: e["loss"] for e in log if "loss" in e}
+    for step in range(resumed_at + 1, steps + 1):  # the same batches and weights as the uninterrupted run
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step

@@ -34,12 +34,25 @@ class ModelDataArguments:
         metadata={"help": "weights dtype: auto (the checkpoint's), float32, bfloat16, float16"},
     )
     max_train_rows: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
+    # LoRA is opt-in; full fine-tuning is the paper's setup. Same names as TRL's ModelConfig.
+    use_peft: bool = field(
+        default=False, metadata={"help": "train a LoRA adapter (peft) instead of all weights"}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling alpha"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA branch"})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "module names to adapt; default: every linear layer but the LM head"}
+    )
 
 
 def parse_args(argv: list[str] | None = None):
     """``(ModelDataArguments, SFTConfig)`` from ``--config`` YAML and flags; errors name the field."""
     from trl import SFTConfig, TrlParser
 
+    from train.distributed import check_deepspeed_flag
+
+    check_deepspeed_flag(sys.argv[1:] if argv is None else argv)  # SFTConfig reads the JSON as it is built
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
     check(model_args, sft_args)
@@ -56,10 +69,33 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
         raise ValueError(
             f"field 'dataset': {model_args.dataset} has no data/ dir (run `metachunk data build-sft`)"
         )
+    if model_args.use_peft and not 0 < model_args.lora_r:
+        raise ValueError(f"field 'lora_r' must be >= 1, got {model_args.lora_r}")
+    resume_point(sft_args)  # a missing checkpoint is a config error, found before the model loads
+    from train.distributed import check_deepspeed  # --deepspeed JSON, or accelerate's DeepSpeed config
+
+    check_deepspeed(sft_args)
     if sft_args.completion_only_loss is False:
         raise ValueError(
             "field 'completion_only_loss' must stay on: the loss is on the completion only (Eq. 3)"
         )
+
+
+def resume_point(sft_args) -> str | None:
+    """``--resume_from_checkpoint latest`` (the newest checkpoint in ``output_dir``) or a path."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    wanted = sft_args.resume_from_checkpoint
+    if wanted in (None, ""):
+        return None
+    if str(wanted).lower() in ("latest", "true"):
+        last = get_last_checkpoint(sft_args.output_dir) if Path(sft_args.output_dir).is_dir() else None
+        if last is None:
+            raise ValueError(f"field 'resume_from_checkpoint': no checkpoint-* in {sft_args.output_dir}")
+        return last
+    if not Path(wanted).is_dir():
+        raise ValueError(f"field 'resume_from_checkpoint': {wanted} is not a checkpoint dir")
+    return str(wanted)
 
 
 def effective_batch_size(sft_args) -> int:
@@ -111,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import SFTTrainer
 
     from metachunk.models import resolve
+    from train.distributed import prepare_distributed
 
     model_dir = str(resolve(model_args.model))
     data = load_dataset(model_args.dataset)
@@ -124,9 +161,26 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
+    prepare_distributed(sft_args)  # DeepSpeed on CPU: gloo group first, so ZeRO-3 partitions at load
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    peft_config = None
+    if model_args.use_peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules or "all-linear",
+            task_type="CAUSAL_LM",
+        )
     trainer = SFTTrainer(
-        model=model, args=sft_args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer
+        model=model,
+        args=sft_args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        peft_config=peft_config,
     )
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
     # TRL folds the completion mask into `labels`: -100 on every prompt token.
@@ -143,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
             f"effective global batch {batch} rows; {steps} optimizer steps",
             file=sys.stderr,
         )
-    trainer.train(resume_from_checkpoint=sft_args.resume_from_checkpoint)
+    resume = resume_point(sft_args)
+    if resume and trainer.is_world_process_zero():
+        state = json.loads((Path(resume) / "trainer_state.json").read_text(encoding="utf-8"))
+        print(f"train: resuming from {resume} at step {state['global_step']}", file=sys.stderr)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(sft_args.output_dir)
     if trainer.is_world_process_zero():
         out = Path(sft_args.output_dir)
