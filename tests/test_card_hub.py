@@ -22,7 +22,7 @@ from distill.card import plot_token_lengths, render_dataset_card, size_category,
 from distill.hub import PushConfig, push_dataset
 from metachunk.artifacts import InputError
 
-TOKEN = "hf_FAKEtokenForTests0123456789abcdef"
+TOKEN = "not-a-real-hub-token-metachunk-tests"  # distinctive, so the leak scan cannot miss it
 REPO = "someone/metachunk-rewrite-demo"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPT_TEXT = "<<<system>>>\nYou rewrite text chunks.\n<<<user>>>\nDocument context:\n{context}\n\n```x```"
