@@ -78,6 +78,13 @@ def test_cpu_smoke_recipe_trains_saves_and_plots(sft_dataset, tiny_model_dir, tm
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "model.safetensors").exists()
+    # validation during training (eval_steps 2), TensorBoard by default, the facts the card is written from
+    assert [e["step"] for e in log if "eval_loss" in e][:1] == [2]
+    assert list(out.glob("runs/**/events.out.tfevents.*")), "no TensorBoard event file"
+    facts = json.loads((out / "metachunk_run.json").read_text())
+    assert facts["global_steps"] == 3 and facts["final_train_loss"] == losses[-1]
+    assert facts["final_eval_loss"] == [e["eval_loss"] for e in log if "eval_loss" in e][-1]
+    assert facts["hyperparameters"]["learning_rate"] == 1e-5 and facts["dataset_report"]["task"] == "rewrite"
     AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)
 
 

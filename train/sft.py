@@ -134,6 +134,50 @@ def plot_losses(log_history: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+RUN_FACTS = "metachunk_run.json"  # what `metachunk export` writes the model card from
+
+
+def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
+    """What this run was, measured, not remembered: the model card is written from this file."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    history = trainer.state.log_history
+    train_losses = [e["loss"] for e in history if "loss" in e]
+    eval_losses = [e["eval_loss"] for e in history if "eval_loss" in e]
+    build_report = Path(model_args.dataset) / "build_report.json"
+    hyper = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+             "gradient_accumulation_steps", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_length",
+             "bf16", "packing", "padding_free", "seed", "deepspeed", "completion_only_loss")  # fmt: skip
+    return {
+        "base_model": model_args.model,
+        "base_model_dir": str(model_dir),
+        "dataset": str(Path(model_args.dataset).resolve()),
+        "dataset_report": json.loads(build_report.read_text(encoding="utf-8"))
+        if build_report.is_file()
+        else None,
+        "model_args": dataclasses.asdict(model_args),
+        "hyperparameters": {k: getattr(sft_args, k, None) for k in hyper},
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "global_steps": trainer.state.global_step,
+        "final_train_loss": train_losses[-1] if train_losses else None,
+        "final_eval_loss": eval_losses[-1] if eval_losses else None,
+        "train_runtime_s": next(
+            (e["train_runtime"] for e in reversed(history) if "train_runtime" in e), None
+        ),
+        "command": counts.pop("argv"),
+        **counts,
+    }
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    from metachunk.artifacts import AtomicWriter
+
+    with AtomicWriter(path) as f:
+        f.write(json.dumps(obj, ensure_ascii=False, indent=1, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         model_args, sft_args = parse_args(argv)
@@ -206,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_world_process_zero():
         out = Path(sft_args.output_dir)
         plot_losses(trainer.state.log_history, out / "loss.png")
-        (out / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1), encoding="utf-8")
+        write_json_atomic(out / "train_log.json", trainer.state.log_history)
+        facts = run_facts(model_args, sft_args, model_dir, trainer, rows=len(trainer.train_dataset), tokens=tokens,
+                          completion_tokens=completion, global_batch=batch, argv=sys.argv[1:] if argv is None else argv)  # fmt: skip
+        write_json_atomic(out / RUN_FACTS, facts)
+        print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "
+              f"wrote {out}", file=sys.stderr)  # fmt: skip
     return 0
 
 
