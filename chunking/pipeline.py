@@ -101,6 +101,37 @@ class ChunkConfig:
         "exact fp32, only the normaliser is approximate), auto = the model's dtype",
         choices=["auto", "float32", "bfloat16"],
     )
+    rewrite: str | None = option(
+        None,
+        "rewriter (local HF dir, e.g. from `metachunk export`, or a preset): add 'rewritten', the chunk "
+        "rewritten to stand on its own, to every chunk",
+    )
+    summarize: str | None = option(
+        None,
+        "summarizer (local HF dir or preset): add 'summary', one sentence on the chunk from the "
+        "document's perspective, to every chunk",
+    )
+    student_context: str = option(
+        "document",
+        "--rewrite/--summarize: context given with each chunk, as in the distill run the students "
+        "learnt from: the document around the chunk, or its --student-top-k most similar chunks (--embedder)",
+        choices=["document", "related"],
+    )
+    student_context_chars: int = option(
+        8000, "--rewrite/--summarize: longest context in characters (distill's max_context_chars)"
+    )
+    student_top_k: int = option(
+        4, "--student-context related: how many of the document's other chunks (distill's context_top_k)"
+    )
+    rewrite_max_new_tokens: int | None = option(
+        None, "--rewrite: most new tokens per chunk; default 1.5 x the chunk's tokens + 32, at most 1024"
+    )
+    summary_max_new_tokens: int = option(256, "--summarize: most new tokens per chunk")
+    student_sample: bool = option(
+        False,
+        "--rewrite/--summarize: decode with the models' own generation_config (sampling if it says so) "
+        "instead of greedy",
+    )
 
     def __post_init__(self):
         check_choices(self)
@@ -112,7 +143,9 @@ class ChunkConfig:
             )
         if self.method == "fixed" and self.len_unit == "token":
             raise ValueError("--method fixed counts characters or words, not tokens")
-        for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window"):
+        for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window",
+                     "student_context_chars", "student_top_k", "rewrite_max_new_tokens",
+                     "summary_max_new_tokens"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

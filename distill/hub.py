@@ -3,26 +3,19 @@
 Only what the card describes is sent: ``README.md`` (the card, whose ``configs`` tell the Hub and
 ``load_dataset`` where the splits are), ``data/*.parquet``, the PNG plots and any
 ``dataset_info*.json``. Everything is checked locally before the first request: the directory
-holds a card and parquet files and a token is set. metachunk keeps the Hub switched off at run
-time (``HF_HUB_OFFLINE=1`` unless the user set it); a push is the user asking for the Hub, so it
-lifts that default for its own duration, but never an ``HF_HUB_OFFLINE=1`` the user set.
-
-The token comes from the argument or the ``HF_TOKEN`` environment variable, never from a file we
-write, and it is never logged or printed: it only travels in the Authorization header that
-``huggingface_hub`` sets.
+holds a card and parquet files and a token is set. The upload itself, the token and the offline
+switch are :func:`metachunk.hub.push_folder`'s, shared with ``metachunk export --push``: the token
+comes from the argument or ``HF_TOKEN`` and is never logged or printed, and a push lifts
+metachunk's own ``HF_HUB_OFFLINE=1`` default for its duration, but never one the user set.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk.artifacts import InputError
 from metachunk.config import option
-
-logger = logging.getLogger(__name__)
 
 ALLOW_PATTERNS = ["README.md", "data/*.parquet", "*.png", "dataset_info*.json"]
 
@@ -66,35 +59,20 @@ def push_dataset(
 ) -> str:
     """Create the dataset repo if needed, upload the card, data and plots in one call, and return
     the repo URL. ``token`` defaults to the ``HF_TOKEN`` environment variable."""
-    from huggingface_hub import HfApi, constants
+    from metachunk.hub import check_repo_id, push_folder
 
     dataset_dir = Path(dataset_dir)
-    if not repo_id or repo_id.count("/") != 1:
-        raise ValueError(f"repo_id must be 'namespace/name', got {repo_id!r}")
-    files = _check_dataset_dir(dataset_dir)
-    token = token or os.environ.get("HF_TOKEN", "").strip()
-    if not token:
-        raise ValueError("no Hub token: set the HF_TOKEN environment variable (a write token) to push")
-    from metachunk.models import OFFLINE_BY_DEFAULT
-
-    if constants.HF_HUB_OFFLINE and not OFFLINE_BY_DEFAULT:
-        raise ValueError("HF_HUB_OFFLINE=1 is set in your environment: unset it (or set 0) to push")
-
-    offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
-    try:
-        api = HfApi(token=token)
-        url = api.create_repo(repo_id, repo_type="dataset", private=private, exist_ok=True)
-        logger.info("uploading %d files from %s to %s", len(files), dataset_dir, url)
-        api.upload_folder(
-            repo_id=repo_id,
-            repo_type="dataset",
-            folder_path=dataset_dir,
-            allow_patterns=ALLOW_PATTERNS,
-            commit_message=commit_message or f"Upload {dataset_dir.name} with metachunk",
-        )
-    finally:
-        constants.HF_HUB_OFFLINE = offline
-    return str(url)
+    check_repo_id(repo_id)
+    _check_dataset_dir(dataset_dir)
+    return push_folder(
+        dataset_dir,
+        repo_id,
+        repo_type="dataset",
+        allow_patterns=ALLOW_PATTERNS,
+        private=private,
+        token=token,
+        commit_message=commit_message,
+    )
 
 
 def push(cfg: PushConfig) -> str:

@@ -17,6 +17,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chunking.students import (  # the students' context, shared with the chunker's inference
+    CONTEXT_SEPARATOR,
+    context_from_spans,  # noqa: F401  (re-exported)
+    related_chunks,
+    window_span,
+)
 from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, rewrite, summary
 from distill.prompts import load_prompt
 from distill.store import AnswerStore
@@ -142,25 +148,9 @@ def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
     return jobs
 
 
-def window_span(length: int, start: int, end: int, limit: int) -> tuple[int, int]:
-    """``(left, right)``: the whole text if it fits, else ``limit`` characters centred on the span."""
-    if length <= limit:
-        return 0, length
-    left = max(0, min(start - (limit - (end - start)) // 2, length - limit))
-    return left, left + limit
-
-
 def window(text: str, start: int, end: int, limit: int) -> str:
     left, right = window_span(len(text), start, end, limit)
     return text[left:right]
-
-
-CONTEXT_SEPARATOR = "\n…\n"  # between the related chunks of a context
-
-
-def context_from_spans(text: str, spans, limit: int) -> str:
-    """The context a record was distilled with, rebuilt from its ``context_spans``."""
-    return CONTEXT_SEPARATOR.join(text[a:b] for a, b in spans)[:limit]
 
 
 def with_related_context(
@@ -181,9 +171,7 @@ def with_related_context(
     out = []
     for job in jobs:
         chunks, vecs = by_doc[job.doc_id], vectors[job.doc_id]
-        similarity = vecs @ vecs[job.index]
-        similarity[job.index] = -2.0
-        top = sorted(int(i) for i in similarity.argsort()[::-1][: cfg.context_top_k] if similarity[i] > -2.0)
+        top = related_chunks(vecs, job.index, cfg.context_top_k)
         context = CONTEXT_SEPARATOR.join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
         spans = tuple((chunks[i]["start"], chunks[i]["end"]) for i in top)
         out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context, spans))

@@ -3,8 +3,9 @@
 The student does not learn the teacher's three stages. It learns to go from chunk plus context
 straight to the final answer (Meta-Chunking §3.2, trained with the loss of Eq. 3 on the
 completion), with one versioned student instruction per task and language
-(``distill/prompts/student_{task}.{lang}.txt``). Its context is the one the teacher saw, rebuilt
-from the record's ``context_spans``.
+(``chunking/prompts/student_{task}.{lang}.txt``). Its context is the one the teacher saw, rebuilt
+from the record's ``context_spans``. The prompt is built by :func:`chunking.students.student_messages`,
+the function ``metachunk chunk --rewrite/--summarize`` builds the inference prompt with.
 
 Rows are TRL's conversational prompt–completion format: ``prompt`` = [system, user] messages,
 ``completion`` = [assistant] message, plus metadata (doc id, chunk offsets, teacher models, prompt
@@ -37,8 +38,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from chunking.students import load_student_prompt, student_messages
 from distill.prompts import load_prompt
-from distill.run import context_from_spans
 from metachunk import config
 from metachunk.artifacts import InputError, read_documents, write_json
 from metachunk.config import option
@@ -358,11 +359,11 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                     dropped[reason] += 1
                     continue
 
-                student = load_prompt(f"student_{cfg.task}", lang)
-                context = context_from_spans(
-                    docs[doc_id], record.get("context_spans") or [[0, len(docs[doc_id])]], max_context
+                student = load_student_prompt(cfg.task, lang)
+                # The one prompt builder: the chunker's --rewrite/--summarize sends exactly this.
+                prompt = student_messages(
+                    cfg.task, lang, docs[doc_id], chunk, record.get("context_spans"), max_context
                 )
-                prompt = student.messages(context=context, chunk=chunk)
                 completion = [{"role": "assistant", "content": output}]
                 prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
                 full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)

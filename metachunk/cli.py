@@ -35,6 +35,7 @@ def cmd_chunk(args: argparse.Namespace) -> int:
 
     from chunking.pipeline import ChunkConfig, Chunker
     from chunking.plots import plot_profile
+    from chunking.students import ChunkStudents
 
     cfg = config.from_namespace(ChunkConfig, args)
     if cfg.input is None or cfg.output is None:
@@ -44,6 +45,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     n_docs = sum(1 for _ in read_documents(cfg.input))
 
     started = time.perf_counter()
+    # --rewrite/--summarize: the student model dirs are checked before any model loads.
+    students = ChunkStudents.from_config(cfg, expected_docs=n_docs)
     chunker = Chunker(cfg)
     load_s = time.perf_counter() - started
     n_chunks = chunk_chars = n_written = 0
@@ -53,8 +56,12 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True) as bar,
     ):
         for docs in _batched(read_documents(cfg.input), group):
-            for doc in chunker.chunk([d.id for d in docs], [d.text for d in docs]):
+            chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
+            added = students.apply(chunked) if students else [[] for _ in chunked]
+            for doc, fields in zip(chunked, added):
                 record = doc.to_json(cfg.method, cfg.emit_sentences)
+                for chunk, extra in zip(record["chunks"], fields):  # "rewritten", "summary"
+                    chunk.update(extra)
                 out.write(jsonl_line({"schema_version": SCHEMA_VERSION, **record}))
                 n_chunks += len(doc.chunks)
                 chunk_chars += sum(len(c.text) for c in doc.chunks)
@@ -65,6 +72,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
                     plot_profile(png, doc, cfg.method, cfg.effective_threshold)
                 n_written += 1
             bar.update(len(docs))
+    if students:
+        students.close()
     seconds = time.perf_counter() - started
     summary = {
         "documents": n_docs,
@@ -81,12 +90,20 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         "prompt_sha256": chunker.prompt_sha256,
         "summary": summary,
     }
+    if students:  # which rewriter / summarizer (path), prompt versions, context and decoding settings
+        manifest["students"] = students.manifest()
     write_json(Path(cfg.output).with_suffix(".meta.json"), manifest)
     print(
         f"{cfg.output}: {n_docs} documents, {n_chunks} chunks, mean {summary['mean_chunk_chars']} chars/chunk, "
         f"{seconds:.1f}s",
         file=sys.stderr,
     )
+    for task, run in manifest.get("students", {}).items():
+        print(
+            f"  {task} ({run['model']}): '{run['field']}' on {run['chunks']} chunks, {run['new_tokens']} new "
+            f"tokens, {run['seconds']:.1f}s",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -184,6 +201,22 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from train.export import ExportConfig, export
+
+    cfg = config.from_namespace(ExportConfig, args)
+    try:
+        result = export(cfg)
+    except ValueError as e:  # a push refused by the Hub client before sending (bad repo id, token)
+        if isinstance(e, InputError):
+            raise
+        raise InputError("export", str(e)) from None
+    print(result.summary(), file=sys.stderr)
+    if result.url:
+        print(result.url)
+    return 0
+
+
 def cmd_teacher(args: argparse.Namespace) -> int:
     from distill.local_teacher import LocalTeacher
 
@@ -273,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="SFT with TRL: `metachunk train --config recipes/train/X.yaml [TRL flags]` (= python -m train)",
     )
+
+    from train.export import ExportConfig
+
+    about = "checkpoint -> clean HF model folder (safetensors, tokenizer, model card); --push to the Hub"
+    export = sub.add_parser("export", help=about, description=about)
+    config.add_arguments(export, ExportConfig)
+    export.set_defaults(handler=cmd_export)
 
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)

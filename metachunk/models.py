@@ -152,11 +152,14 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_causal_lm(name_or_dir: str, device: str | None = None, dtype: str = "auto"):
+def load_causal_lm(
+    name_or_dir: str, device: str | None = None, dtype: str = "auto", use_safetensors: bool | None = None
+):
     """Load (model, tokenizer) for a preset or a local dir, in eval mode.
 
     ``dtype="auto"`` picks bf16 on a GPU and fp32 on CPU (the per-token scores are then exact
-    enough to compare against the per-sentence reference within 1e-4).
+    enough to compare against the per-sentence reference within 1e-4). ``use_safetensors=True``
+    refuses pickled (``.bin``) weights.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -170,7 +173,11 @@ def load_causal_lm(name_or_dir: str, device: str | None = None, dtype: str = "au
     else:
         torch_dtype = getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=use_safetensors)
+        .to(device)
+        .eval()
+    )
     return model, tokenizer
 
 

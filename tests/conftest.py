@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: an offline tiny Qwen2 model and the path to the real corpora."""
+"""Shared pytest fixtures: an offline tiny Qwen2 model, the path to the real corpora, a fake Hub."""
 
 from __future__ import annotations
 
@@ -40,3 +40,30 @@ def smollm2():
         return load_causal_lm("smollm2", device="cpu")
     except ModelNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """Route every huggingface_hub request to a ``hub_mock.FakeHub``; restore the default client afterwards."""
+    import httpx2
+    from hub_mock import FakeHub
+    from huggingface_hub import constants, set_client_factory
+    from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
+
+    hub = FakeHub()
+    # hf_xet (when the upload pipeline starts a session) writes its logs under HF_XET_CACHE: keep them in
+    # tmp_path, where the token scan looks
+    monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the test suite runs offline
+    monkeypatch.setattr(constants, "HF_DEBUG", True)  # log each request as curl too: the most verbose path
+
+    def factory():
+        return httpx2.Client(
+            transport=httpx2.MockTransport(hub.handler),
+            event_hooks={"request": [hf_request_event_hook]},  # the real client's hook (offline check, logs)
+            follow_redirects=True,
+        )
+
+    set_client_factory(factory)
+    yield hub
+    set_client_factory(default_client_factory)  # also closes the mock session

@@ -1,15 +1,15 @@
 """Dataset card and Hub push: the card loads back with ``datasets``, the push sends the right files.
 
 A small SFT dataset directory (the builder's layout, two train shards) is built in each test. The
-Hub is an ``httpx2.MockTransport`` installed with ``huggingface_hub.set_client_factory``: it answers
-the endpoints ``create_repo`` + ``upload_folder`` call (repo create, README YAML validation,
-preupload, LFS batch + the storage PUT + verify, commit) and records every request, so the tests
-see exactly which bytes and headers would have left the machine.
+Hub is ``hub_mock.FakeHub`` (the ``fake_hub`` fixture of ``conftest.py``, shared with the model
+export tests): an ``httpx2.MockTransport`` installed with ``huggingface_hub.set_client_factory``
+that answers the endpoints ``create_repo`` + ``upload_folder`` call (repo create, README YAML
+validation, preupload, LFS batch + the storage PUT + verify, commit) and records every request,
+so the tests see exactly which bytes and headers would have left the machine.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
@@ -273,137 +273,6 @@ def test_write_card_refuses_stats_that_do_not_match_the_files(dataset_dir, tmp_p
 
 
 # ---------------------------------------------------------------------------------------------- Hub
-
-
-class FakeHub:
-    """The Hub endpoints ``create_repo`` + ``upload_folder`` use, and an LFS storage host.
-
-    ``lfs_suffixes``: files the preupload answer sends through LFS (the real Hub picks binary and large
-    files); the rest go base64-encoded inside the commit.
-    """
-
-    def __init__(self, lfs_suffixes=()):
-        self.lfs_suffixes = tuple(lfs_suffixes)
-        self.requests = []  # (method, url, headers, body)
-        self.stored = {}  # LFS oid -> bytes PUT to storage
-        self.commits = []  # parsed ndjson lines of each commit
-        self.unexpected = []  # requests to endpoints not emulated here
-
-    def handler(self, request):
-        import httpx2
-
-        body = request.read()
-        self.requests.append((request.method, str(request.url), dict(request.headers), body))
-        path, host = request.url.path, request.url.host
-        repo = f"/api/datasets/{REPO}"
-        if host == "storage.invalid" and request.method == "PUT":
-            self.stored[path.rsplit("/", 1)[1]] = body
-            return httpx2.Response(200)
-        if (request.method, host, path) == ("GET", "huggingface.co", "/api/agent-harnesses"):
-            # huggingface_hub fetches this public registry (no auth) once per process to build its
-            # user agent; a 404 makes it fall back to an empty one and write no cache file.
-            return httpx2.Response(404)
-        if host != "huggingface.co":
-            self.unexpected.append((request.method, str(request.url)))
-            return httpx2.Response(404, json={"error": f"unexpected host {host}"})
-        if (request.method, path) == ("POST", "/api/repos/create"):
-            payload = json.loads(body)
-            return httpx2.Response(
-                200,
-                json={"url": f"https://huggingface.co/datasets/{payload['organization']}/{payload['name']}"},
-            )
-        if (request.method, path) == ("POST", "/api/validate-yaml"):
-            try:
-                _front_matter(json.loads(body)["content"])
-            except Exception as e:  # noqa: BLE001 - any parse failure is the Hub's 400
-                return httpx2.Response(400, json={"errors": [{"message": str(e)}]})
-            return httpx2.Response(200, json={"errors": [], "warnings": []})
-        if (request.method, path) == ("POST", f"{repo}/preupload/main"):
-            files = json.loads(body)["files"]
-            return httpx2.Response(
-                200,
-                json={
-                    "files": [
-                        {
-                            "path": f["path"],
-                            "uploadMode": "lfs" if f["path"].endswith(self.lfs_suffixes) else "regular",
-                            "shouldIgnore": False,
-                            "oid": None,
-                        }
-                        for f in files
-                    ]
-                },
-            )
-        if (request.method, path) == ("POST", f"/datasets/{REPO}.git/info/lfs/objects/batch"):
-            objects = json.loads(body)["objects"]
-            return httpx2.Response(
-                200,
-                json={
-                    "transfer": "basic",
-                    "objects": [
-                        {
-                            "oid": o["oid"],
-                            "size": o["size"],
-                            "authenticated": True,
-                            "actions": {
-                                "upload": {"href": f"https://storage.invalid/lfs/{o['oid']}"},
-                                "verify": {
-                                    "href": f"https://huggingface.co/datasets/{REPO}.git/info/lfs/objects/verify"
-                                },
-                            },
-                        }
-                        for o in objects
-                    ],
-                },
-            )
-        if (request.method, path) == ("POST", f"/datasets/{REPO}.git/info/lfs/objects/verify"):
-            return httpx2.Response(200, json={"success": True})
-        if (request.method, path) == ("POST", f"{repo}/commit/main"):
-            self.commits.append([json.loads(line) for line in body.splitlines()])
-            oid = "0123456789abcdef0123456789abcdef01234567"
-            return httpx2.Response(
-                200,
-                json={"commitUrl": f"https://huggingface.co/datasets/{REPO}/commit/{oid}", "commitOid": oid},
-            )
-        self.unexpected.append((request.method, str(request.url)))
-        return httpx2.Response(404, json={"error": f"not emulated: {request.method} {path}"})
-
-    def committed_files(self) -> dict[str, bytes]:
-        """path -> content of every file in the commits; LFS pointers resolved from storage."""
-        files = {}
-        for commit in self.commits:
-            for line in commit:
-                if line["key"] == "file":
-                    files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
-                elif line["key"] == "lfsFile":
-                    files[line["value"]["path"]] = self.stored[line["value"]["oid"]]
-        return files
-
-
-@pytest.fixture
-def fake_hub(monkeypatch, tmp_path):
-    """Route every huggingface_hub request to a FakeHub; restore the default client afterwards."""
-    import httpx2
-    from huggingface_hub import constants, set_client_factory
-    from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
-
-    hub = FakeHub()
-    # hf_xet (when the upload pipeline starts a session) writes its logs under HF_XET_CACHE: keep them in
-    # tmp_path, where the token scan looks
-    monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the test suite runs offline
-    monkeypatch.setattr(constants, "HF_DEBUG", True)  # log each request as curl too: the most verbose path
-
-    def factory():
-        return httpx2.Client(
-            transport=httpx2.MockTransport(hub.handler),
-            event_hooks={"request": [hf_request_event_hook]},  # the real client's hook (offline check, logs)
-            follow_redirects=True,
-        )
-
-    set_client_factory(factory)
-    yield hub
-    set_client_factory(default_client_factory)  # also closes the mock session
 
 
 def _debug_everything(caplog):

@@ -1,0 +1,453 @@
+"""Trained students applied to chunks: ``metachunk chunk --rewrite MODEL --summarize MODEL``.
+
+A *rewriter* rewrites a chunk so that it stands on its own; a *summarizer* writes one sentence that
+states the chunk's content from the whole document's perspective (Meta-Chunking §3.2). Both are
+small causal LMs fine-tuned on the rows of ``metachunk data build-sft``, and a student only does
+its job on the prompt it was trained on. This module is the one home of that prompt; the training
+rows and the chunker build it with the same functions:
+
+* the instruction: ``chunking/prompts/student_{task}.{lang}.txt`` (its sha256 is its version,
+  recorded on every SFT row and in the manifest of every chunk run that uses it);
+* the context, as spans of the document (what distill records store as ``context_spans``): the
+  document around the chunk (:func:`window_span`: all of it when it fits in ``max_context_chars``,
+  else a window centred on the chunk), or the chunk's ``top_k`` most similar chunks of the same
+  document (:func:`related_chunks`), turned into text by :func:`context_from_spans`;
+* :func:`student_messages`: the [system, user] chat messages from the two.
+
+``distill`` builds its contexts with these functions and ``build-sft`` its prompts with
+:func:`student_messages`; the chunker calls the same ones with the same settings (the defaults
+are distill's), so the prompt at inference is the training prompt, byte for byte.
+
+Generation (:class:`Student`): the model's chat template with the generation prompt, prompts of
+similar length batched and padded on the left, the model's own ``generation_config`` with
+``do_sample=False`` on top (greedy, reproducible) unless sampling is asked for; only the new
+tokens are decoded. Weights load from safetensors only.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+
+LANGS = ("zh", "en")
+FIELDS = {"rewrite": "rewritten", "summary": "summary"}  # task -> the field it adds to each chunk
+CONTEXT_MODES = ("document", "related")
+CONTEXT_SEPARATOR = "\n…\n"  # between the related chunks of a context
+DEFAULT_CONTEXT_CHARS = 8000  # distill's and build-sft's default max_context_chars
+DEFAULT_TOP_K = 4  # distill's default context_top_k
+SUMMARY_MAX_NEW_TOKENS = 256
+REWRITE_MAX_NEW_TOKENS = 1024  # the cap of the default rewrite budget
+REWRITE_BUDGET = "1.5 x chunk tokens + 32, at most 1024"
+
+# ------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A versioned prompt file: a ``<<<system>>>`` part and a ``<<<user>>>`` part filled with
+    ``str.format``; ``sha256`` is the file's hash (the same format serves the teacher prompts)."""
+
+    name: str
+    lang: str
+    system: str
+    user: str
+    sha256: str
+
+    def messages(self, **values: str) -> list[dict]:
+        return [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": self.user.format(**values)},
+        ]
+
+
+def check_lang(lang: str) -> None:
+    if lang not in LANGS:
+        raise ValueError(f"no prompts for language {lang!r}; have {', '.join(LANGS)}")
+
+
+def parse_prompt(name: str, lang: str, data: bytes, where) -> Prompt:
+    text = data.decode("utf-8")
+    head, sep, user = text.partition("\n<<<user>>>\n")
+    if not head.startswith("<<<system>>>\n") or not sep:
+        raise ValueError(f"{where}: expected a '<<<system>>>' line first and one '<<<user>>>' line")
+    system = head[len("<<<system>>>\n") :].strip()
+    return Prompt(name, lang, system, user.strip(), hashlib.sha256(data).hexdigest())
+
+
+@cache
+def load_student_prompt(task: str, lang: str) -> Prompt:
+    if task not in FIELDS:
+        raise ValueError(f"unknown student task {task!r}; have {', '.join(FIELDS)}")
+    check_lang(lang)
+    resource = files("chunking") / "prompts" / f"student_{task}.{lang}.txt"
+    return parse_prompt(f"student_{task}", lang, resource.read_bytes(), resource)
+
+
+# ------------------------------------------------------------------------------------- context
+
+
+def window_span(length: int, start: int, end: int, limit: int) -> tuple[int, int]:
+    """``(left, right)``: the whole text if it fits, else ``limit`` characters centred on the span."""
+    if length <= limit:
+        return 0, length
+    left = max(0, min(start - (limit - (end - start)) // 2, length - limit))
+    return left, left + limit
+
+
+def context_from_spans(text: str, spans, limit: int) -> str:
+    """The context text of ``spans`` of the document (joined, cut to ``limit`` characters)."""
+    return CONTEXT_SEPARATOR.join(text[a:b] for a, b in spans)[:limit]
+
+
+def related_chunks(vectors, index: int, top_k: int) -> list[int]:
+    """Indices of the ``top_k`` chunks most similar to chunk ``index`` (not itself), in document
+    order. ``vectors``: unit-normalised embeddings of the document's chunks (numpy, one row each)."""
+    similarity = vectors @ vectors[index]
+    similarity[index] = -2.0
+    return sorted(int(i) for i in similarity.argsort()[::-1][:top_k] if similarity[i] > -2.0)
+
+
+def student_messages(
+    task: str, lang: str, text: str, chunk: str, spans, max_context_chars: int
+) -> list[dict]:
+    """The student's prompt for one chunk of ``text``: [system, user] messages.
+
+    ``spans`` is where the context comes from (a distill record's ``context_spans``); none means
+    the whole document, as for records written before context spans existed.
+    """
+    context = context_from_spans(text, spans or [(0, len(text))], max_context_chars)
+    return load_student_prompt(task, lang).messages(context=context, chunk=chunk)
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """How the students' context is chosen; must match the distill run the students learnt from."""
+
+    mode: str = "document"
+    max_chars: int = DEFAULT_CONTEXT_CHARS
+    top_k: int = DEFAULT_TOP_K
+
+    def __post_init__(self):
+        if self.mode not in CONTEXT_MODES:
+            raise ValueError(f"student context must be one of {', '.join(CONTEXT_MODES)}, got {self.mode!r}")
+
+
+def chunk_context_spans(
+    text: str,
+    chunks: Sequence[tuple[int, int]],
+    spec: ContextSpec,
+    embed: Callable[[list[str]], object] | None = None,
+) -> list[tuple[tuple[int, int], ...]]:
+    """The context spans of every chunk ``(start, end)`` of ``text`` (``embed`` for ``related``:
+    texts -> unit-normalised vectors)."""
+    if spec.mode == "document":
+        return [(window_span(len(text), s, e, spec.max_chars),) for s, e in chunks]
+    if not chunks:
+        return []
+    vectors = embed([text[s:e] for s, e in chunks])
+    return [
+        tuple((chunks[j][0], chunks[j][1]) for j in related_chunks(vectors, i, spec.top_k))
+        for i in range(len(chunks))
+    ]
+
+
+def chunk_prompts(
+    task: str,
+    lang: str,
+    text: str,
+    chunks: Sequence[tuple[int, int]],
+    spec: ContextSpec,
+    embed: Callable[[list[str]], object] | None = None,
+    spans: Sequence | None = None,
+) -> list[list[dict]]:
+    """The prompt of every chunk ``(start, end)`` of ``text``, exactly as the chunker sends it
+    (``spans``: the chunks' context spans when already known, else found here)."""
+    if spans is None:
+        spans = chunk_context_spans(text, chunks, spec, embed)
+    return [
+        student_messages(task, lang, text, text[s:e], sp, spec.max_chars) for (s, e), sp in zip(chunks, spans)
+    ]
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def student_dir(name_or_dir: str) -> Path:
+    """A student's model folder: a preset or a local HF dir holding safetensors weights.
+
+    Raises :class:`~metachunk.models.ModelNotFoundError` (a clear one-line error) otherwise.
+    """
+    from metachunk.models import ModelNotFoundError, resolve
+
+    path = resolve(name_or_dir)
+    if not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(
+            f"{name_or_dir!r} holds no *.safetensors weights; students load from safetensors only "
+            "(`metachunk export` writes them)"
+        )
+    return path
+
+
+def greedy(generation_config, sample: bool = False):
+    """A copy of the model's ``generation_config``; greedy (``do_sample=False``, sampling knobs
+    cleared) unless ``sample``."""
+    config = copy.deepcopy(generation_config)
+    if not sample:
+        config.do_sample = False
+        for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
+            if hasattr(config, name):
+                setattr(config, name, None)
+    return config
+
+
+class Student:
+    """One trained student (rewriter or summarizer), loaded once, applied to batches of prompts."""
+
+    def __init__(
+        self,
+        task: str,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        batch_size: int = 8,
+        max_new_tokens: int | None = None,
+        sample: bool = False,
+    ):
+        from metachunk.models import ModelNotFoundError, load_causal_lm
+
+        if task not in FIELDS:
+            raise ValueError(f"unknown student task {task!r}; have {', '.join(FIELDS)}")
+        self.task, self.name, self.batch_size, self.sample = task, model, batch_size, sample
+        self.path = student_dir(model)
+        started = time.perf_counter()
+        self.model, self.tokenizer = load_causal_lm(
+            str(self.path), device=device, dtype=dtype, use_safetensors=True
+        )
+        self.load_seconds = time.perf_counter() - started
+        tok = self.tokenizer
+        if not tok.chat_template:
+            raise ModelNotFoundError(
+                f"{model!r} has no chat template; a student is trained on chat messages "
+                "(`metachunk export` keeps the template)"
+            )
+        tok.padding_side = "left"
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        self.generation = greedy(self.model.generation_config, sample)
+        if self.generation.pad_token_id is None:
+            self.generation.pad_token_id = tok.pad_token_id
+        eos = self.generation.eos_token_id if self.generation.eos_token_id is not None else tok.eos_token_id
+        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.fixed_max_new_tokens = max_new_tokens or (SUMMARY_MAX_NEW_TOKENS if task == "summary" else None)
+        self.new_tokens = self.prompts_done = 0
+        self.seconds = 0.0
+
+    def max_new_tokens(self, chunk: str) -> int:
+        """The generation budget of one chunk: fixed, or for a rewrite 1.5x the chunk's tokens + 32
+        (the rewrite keeps the chunk and weaves in context), at most 1024."""
+        if self.fixed_max_new_tokens:
+            return self.fixed_max_new_tokens
+        n = len(self.tokenizer(chunk, add_special_tokens=False)["input_ids"])
+        return min(REWRITE_MAX_NEW_TOKENS, math.ceil(1.5 * n) + 32)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Token ids of the prompt as the student saw it in training: chat template + generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(
+        self,
+        prompts: Sequence[list[dict]],
+        budgets: Sequence[int],
+        on_batch: Callable[[int], object] | None = None,
+    ) -> list[str]:
+        """One answer per prompt (new text only, stripped), in the order given.
+
+        Prompts are batched longest first (little padding; memory trouble shows in the first batch);
+        a batch generates up to its largest budget and each answer is cut to its own budget, so
+        an answer does not depend on its batch neighbours.
+        """
+        import torch
+
+        started = time.perf_counter()
+        ids = [self.encode(p) for p in prompts]
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        answers = [""] * len(ids)
+        for first in range(0, len(order), self.batch_size):
+            batch = order[first : first + self.batch_size]
+            padded = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
+            input_ids = padded["input_ids"].to(self.model.device)
+            config = copy.deepcopy(self.generation)
+            config.max_new_tokens = max(budgets[i] for i in batch)
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=padded["attention_mask"].to(self.model.device),
+                    generation_config=config,
+                )
+            for row, i in zip(out[:, input_ids.shape[1] :].tolist(), batch):  # the echoed prompt cut off
+                new = row[: budgets[i]]
+                stop = next((k for k, t in enumerate(new) if t in self.stop_ids), len(new))
+                self.new_tokens += stop
+                answers[i] = self.tokenizer.decode(new[:stop], skip_special_tokens=True).strip()
+            self.prompts_done += len(batch)
+            if on_batch is not None:
+                on_batch(len(batch))
+        self.seconds += time.perf_counter() - started
+        return answers
+
+    def generation_settings(self) -> dict:
+        settings = {k: v for k, v in self.generation.to_diff_dict().items() if k != "transformers_version"}
+        settings["do_sample"] = bool(self.generation.do_sample)
+        settings["num_beams"] = self.generation.num_beams or 1
+        settings["max_new_tokens"] = self.fixed_max_new_tokens or REWRITE_BUDGET
+        settings["forced_greedy"] = not self.sample
+        return settings
+
+
+# ------------------------------------------------------------------------------------ chunk run
+
+
+class ChunkStudents:
+    """The students of one chunk run: loaded once, applied to each batch of chunked documents.
+
+    ``models`` maps a task (``rewrite``, ``summary``) to a preset or model dir. Every model dir is
+    checked before any model loads.
+    """
+
+    def __init__(
+        self,
+        models: dict[str, str],
+        *,
+        context: ContextSpec | None = None,
+        embedder: str = "minilm",
+        device: str | None = None,
+        dtype: str = "auto",
+        batch_size: int = 8,
+        max_new_tokens: dict[str, int | None] | None = None,
+        sample: bool = False,
+        expected_docs: int | None = None,
+        progress: bool = True,
+    ):
+        from tqdm import tqdm
+
+        self.context = context or ContextSpec()
+        self.embedder_name = embedder
+        for model in models.values():
+            student_dir(model)
+        max_new_tokens = max_new_tokens or {}
+        self.students = {
+            task: Student(task, model, device=device, dtype=dtype, batch_size=batch_size,
+                          max_new_tokens=max_new_tokens.get(task), sample=sample)
+            for task, model in models.items()
+        }  # fmt: skip
+        self._embed = None
+        if self.context.mode == "related":
+            from metachunk.models import load_sentence_embedder
+
+            embedder_model = load_sentence_embedder(embedder, device=device)
+            self._embed = lambda texts: embedder_model.encode(
+                texts, normalize_embeddings=True, convert_to_numpy=True
+            )
+        self.expected_docs = expected_docs
+        self.docs_seen = self.chunks_seen = 0
+        self.prompt_sha256: dict[str, str] = {}
+        self.bar = tqdm(
+            total=None,
+            unit="chunk",
+            desc=" + ".join(self.students),
+            dynamic_ncols=True,
+            disable=not progress,
+        )
+
+    @classmethod
+    def from_config(
+        cls, cfg, expected_docs: int | None = None, progress: bool = True
+    ) -> ChunkStudents | None:
+        """The students a :class:`~chunking.pipeline.ChunkConfig` asks for, or None."""
+        models = {
+            task: model for task, model in (("rewrite", cfg.rewrite), ("summary", cfg.summarize)) if model
+        }
+        if not models:
+            return None
+        return cls(
+            models,
+            context=ContextSpec(cfg.student_context, cfg.student_context_chars, cfg.student_top_k),
+            embedder=cfg.embedder,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            batch_size=cfg.batch_size,
+            max_new_tokens={"rewrite": cfg.rewrite_max_new_tokens, "summary": cfg.summary_max_new_tokens},
+            sample=cfg.student_sample,
+            expected_docs=expected_docs,
+            progress=progress,
+        )
+
+    def apply(self, docs: Sequence) -> list[list[dict]]:
+        """Per document (``ChunkedDocument``), per chunk: ``{"rewritten": ..., "summary": ...}``
+        (the fields asked for)."""
+        chunks = [c for d in docs for c in d.chunks]
+        self.docs_seen += len(docs)
+        self.chunks_seen += len(chunks)
+        estimate = self.chunks_seen
+        if self.expected_docs and self.docs_seen:  # chunks per document so far x documents in all
+            estimate = max(estimate, round(self.chunks_seen / self.docs_seen * self.expected_docs))
+        self.bar.total = estimate * len(self.students)
+        self.bar.refresh()
+        fields = [{} for _ in chunks]
+        if not chunks:
+            return [[] for _ in docs]
+        geometry = [[(c.start, c.end) for c in d.chunks] for d in docs]
+        spans = [chunk_context_spans(d.text, g, self.context, self._embed) for d, g in zip(docs, geometry)]
+        for task, student in self.students.items():
+            prompts = []
+            for d, g, s in zip(docs, geometry, spans):
+                prompts += chunk_prompts(task, d.lang, d.text, g, self.context, spans=s)
+                if g:
+                    prompt = load_student_prompt(task, d.lang)
+                    self.prompt_sha256[f"{prompt.name}.{prompt.lang}"] = prompt.sha256
+            budgets = [student.max_new_tokens(c.text) for c in chunks]
+            for extra, answer in zip(fields, student.generate(prompts, budgets, self.bar.update)):
+                extra[FIELDS[task]] = answer
+        out, k = [], 0
+        for d in docs:
+            out.append(fields[k : k + len(d.chunks)])
+            k += len(d.chunks)
+        return out
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def manifest(self) -> dict:
+        """What the run's ``.meta.json`` records: which students, from where, decoded how."""
+        context = {"mode": self.context.mode, "max_chars": self.context.max_chars}
+        if self.context.mode == "related":
+            context.update(top_k=self.context.top_k, embedder=self.embedder_name)
+        out = {}
+        for task, s in self.students.items():
+            out[task] = {
+                "model": s.name,
+                "path": str(Path(s.path).resolve()),
+                "field": FIELDS[task],
+                "prompt_sha256": {
+                    k: v for k, v in self.prompt_sha256.items() if k.startswith(f"student_{task}.")
+                },
+                "context": context,
+                "generation": s.generation_settings(),
+                "batch_size": s.batch_size,
+                "device": str(s.model.device),
+                "dtype": str(s.model.dtype).removeprefix("torch."),
+                "chunks": s.prompts_done,
+                "new_tokens": s.new_tokens,
+                "seconds": round(s.seconds, 2),
+                "load_seconds": round(s.load_seconds, 2),
+            }
+        return out

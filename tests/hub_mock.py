@@ -1,0 +1,136 @@
+"""A fake Hugging Face Hub for push tests (the ``fake_hub`` fixture in ``conftest.py`` installs it).
+
+The Hub is an ``httpx2.MockTransport`` installed with ``huggingface_hub.set_client_factory``: it
+answers the endpoints ``create_repo`` + ``upload_folder`` call (repo create, README YAML
+validation, preupload, LFS batch + the storage PUT + verify, commit) for any repo of any type
+(model, dataset) and records every request, so a test sees exactly which bytes and headers would
+have left the machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import yaml
+
+# /api/{models|datasets|spaces}/{ns}/{name}/{preupload|commit}/{revision}
+_API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preupload|commit)/[^/]+$")
+# /{datasets/|spaces/|}{ns}/{name}.git/info/lfs/objects/{batch|verify}
+_LFS = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
+
+
+def front_matter(text: str) -> dict:
+    match = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert match, "no YAML front matter"
+    return yaml.safe_load(match.group(1))
+
+
+class FakeHub:
+    """The Hub endpoints ``create_repo`` + ``upload_folder`` use, and an LFS storage host.
+
+    ``lfs_suffixes``: files the preupload answer sends through LFS (the real Hub picks binary and large
+    files); the rest go base64-encoded inside the commit.
+    """
+
+    def __init__(self, lfs_suffixes=()):
+        self.lfs_suffixes = tuple(lfs_suffixes)
+        self.requests = []  # (method, url, headers, body)
+        self.stored = {}  # LFS oid -> bytes PUT to storage
+        self.commits = []  # parsed ndjson lines of each commit
+        self.repos = []  # (repo type, repo id) of each commit, in order
+        self.unexpected = []  # requests to endpoints not emulated here
+
+    def handler(self, request):
+        import httpx2
+
+        body = request.read()
+        self.requests.append((request.method, str(request.url), dict(request.headers), body))
+        path, host = request.url.path, request.url.host
+        if host == "storage.invalid" and request.method == "PUT":
+            self.stored[path.rsplit("/", 1)[1]] = body
+            return httpx2.Response(200)
+        if (request.method, host, path) == ("GET", "huggingface.co", "/api/agent-harnesses"):
+            # huggingface_hub fetches this public registry (no auth) once per process to build its
+            # user agent; a 404 makes it fall back to an empty one and write no cache file.
+            return httpx2.Response(404)
+        if host != "huggingface.co":
+            self.unexpected.append((request.method, str(request.url)))
+            return httpx2.Response(404, json={"error": f"unexpected host {host}"})
+        if (request.method, path) == ("POST", "/api/repos/create"):
+            payload = json.loads(body)
+            prefix = {"dataset": "datasets/", "space": "spaces/"}.get(payload.get("type"), "")
+            return httpx2.Response(
+                200,
+                json={"url": f"https://huggingface.co/{prefix}{payload['organization']}/{payload['name']}"},
+            )
+        if (request.method, path) == ("POST", "/api/validate-yaml"):
+            try:
+                front_matter(json.loads(body)["content"])
+            except Exception as e:  # noqa: BLE001 - any parse failure is the Hub's 400
+                return httpx2.Response(400, json={"errors": [{"message": str(e)}]})
+            return httpx2.Response(200, json={"errors": [], "warnings": []})
+        api, lfs = _API.match(path), _LFS.match(path)
+        if request.method == "POST" and api and api.group(3) == "preupload":
+            files = json.loads(body)["files"]
+            return httpx2.Response(
+                200,
+                json={
+                    "files": [
+                        {
+                            "path": f["path"],
+                            "uploadMode": "lfs" if f["path"].endswith(self.lfs_suffixes) else "regular",
+                            "shouldIgnore": False,
+                            "oid": None,
+                        }
+                        for f in files
+                    ]
+                },
+            )
+        if request.method == "POST" and lfs and lfs.group(3) == "batch":
+            objects = json.loads(body)["objects"]
+            verify = f"https://huggingface.co{path.rsplit('/', 1)[0]}/verify"
+            return httpx2.Response(
+                200,
+                json={
+                    "transfer": "basic",
+                    "objects": [
+                        {
+                            "oid": o["oid"],
+                            "size": o["size"],
+                            "authenticated": True,
+                            "actions": {
+                                "upload": {"href": f"https://storage.invalid/lfs/{o['oid']}"},
+                                "verify": {"href": verify},
+                            },
+                        }
+                        for o in objects
+                    ],
+                },
+            )
+        if request.method == "POST" and lfs and lfs.group(3) == "verify":
+            return httpx2.Response(200, json={"success": True})
+        if request.method == "POST" and api and api.group(3) == "commit":
+            self.commits.append([json.loads(line) for line in body.splitlines()])
+            kind, repo = api.group(1), api.group(2)
+            self.repos.append((kind[:-1], repo))
+            prefix = "" if kind == "models" else f"{kind}/"
+            oid = "0123456789abcdef0123456789abcdef01234567"
+            return httpx2.Response(
+                200,
+                json={"commitUrl": f"https://huggingface.co/{prefix}{repo}/commit/{oid}", "commitOid": oid},
+            )
+        self.unexpected.append((request.method, str(request.url)))
+        return httpx2.Response(404, json={"error": f"not emulated: {request.method} {path}"})
+
+    def committed_files(self) -> dict[str, bytes]:
+        """path -> content of every file in the commits; LFS pointers resolved from storage."""
+        files = {}
+        for commit in self.commits:
+            for line in commit:
+                if line["key"] == "file":
+                    files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                elif line["key"] == "lfsFile":
+                    files[line["value"]["path"]] = self.stored[line["value"]["oid"]]
+        return files

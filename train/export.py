@@ -1,0 +1,842 @@
+"""Export a training run as a clean Hugging Face model folder with its model card, and publish it.
+
+``metachunk export --checkpoint runs/train/rewriter --out models/rewriter [--merge-lora] [--push ORG/NAME]``
+
+The flow, top to bottom (:func:`export`):
+
+1. **Check everything before any model loads.** :func:`find_weights` says what the checkpoint
+   holds, one of:
+
+   * ``full``: ``model.safetensors`` (or sharded ``model-*.safetensors`` + index). A training
+     ``output_dir``, a ``checkpoint-N``, and a ZeRO-3 ``checkpoint-N`` too: our DeepSpeed configs
+     require ``stage3_gather_16bit_weights_on_model_save``, so the Trainer writes the gathered
+     weights there next to the shards, and those are what we load.
+   * ``lora``: ``adapter_config.json`` + ``adapter_model.safetensors``. Needs ``--merge-lora``:
+     the adapter is merged into its base model (``adapter_config.json``'s
+     ``base_model_name_or_path``, else ``metachunk_run.json``'s ``base_model_dir``, or
+     ``--base-model``). We export plain models only, because ``metachunk chunk --rewrite`` /
+     ``--summarize`` load plain models; an adapter without ``--merge-lora`` is an error.
+   * ``zero``: only DeepSpeed ZeRO shards (``global_stepN/*_model_states.pt`` +
+     ``*_optim_states.pt``, named by ``latest``). Needs ``--trust-zero-shards``; see below.
+
+   Pickled weights (``pytorch_model.bin``, ``adapter_model.bin``, ``*.pt`` ...) are refused with
+   an error that names the file; trainer state files that are pickles too (``optimizer.pt``,
+   ``rng_state.pth``, ``training_args.bin``) are never read and never exported. ``--out``, and for
+   ``--push`` the repo id, the token and the offline switch are checked here too.
+2. **Load the model**: ``from_pretrained(..., use_safetensors=True)``; for ``lora`` the base the
+   same way, then ``PeftModel.from_pretrained(...).merge_and_unload()``; for ``zero`` DeepSpeed's
+   own ``get_fp32_state_dict_from_zero_checkpoint`` into the model built from ``config.json``
+   (the fp32 master weights).
+3. **Write a temp folder next to --out**: the weights with ``save_pretrained(safe_serialization=
+   True)`` and ``config.json`` (``use_cache`` back on: training turns the KV cache off), the
+   tokenizer with its chat template (checked to survive the round trip), the checkpoint's
+   ``generation_config.json`` (else the base model's, else one derived from the tokenizer's
+   eos/pad tokens), ``loss.png`` (copied, or plotted from a ``checkpoint-N``'s own log),
+   ``eval_results.json`` when the checkpoint has one, and ``README.md``, the model card.
+4. **Swap it into place** (:func:`replace_dir`): a previous export at ``--out`` (any other
+   folder only with ``--overwrite``) is renamed aside, the new folder renamed in, the old one deleted. An
+   interrupted export leaves ``--out`` as it was; only a hidden ``.NAME.export-*`` temp folder
+   can remain next to it.
+5. **Push** (``--push ORG/NAME``): :func:`metachunk.hub.push_folder` (shared with ``metachunk
+   data push``) uploads exactly the exported files to a model repo; the token comes from
+   ``HF_TOKEN`` only and is never printed.
+
+The card (:func:`render_model_card`) says only what the run recorded: ``metachunk_run.json``
+(``train.sft.run_facts``: base model, dataset build report, hyperparameters, counts) and the
+trainer's log history (``train_log.json``, or a ``checkpoint-N``'s ``trainer_state.json``, whose
+losses and step are that checkpoint's, not the run's end). A missing fact reads "not recorded".
+
+Trust boundary. Only safetensors and JSON are read, except on the ``zero`` path: DeepSpeed
+0.19.8's ``zero_to_fp32`` reads the shards with ``torch.load(..., weights_only=False)``, i.e.
+full pickle, which can run arbitrary code from the file. That path is therefore opt-in
+(``--trust-zero-shards``), meant for checkpoints you produced yourself, and used only when the
+checkpoint has no gathered ``model.safetensors``. (Under bf16 the gathered weights are the bf16
+copy DeepSpeed rounds from the fp32 masters; the shards hold the fp32 masters themselves.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from metachunk import config
+from metachunk.artifacts import InputError
+from metachunk.config import option
+from train.sft import RUN_FACTS
+
+NOT_RECORDED = "not recorded"
+TAGS = ["metachunk", "text-chunking", "rag"]
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+# Pickle files the Trainer writes next to the weights; never read, never exported.
+TRAINER_STATE = re.compile(
+    r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin)$"
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# The Hub ids of the presets' upstream models (metachunk.models.PRESETS ships them as GGUF files).
+PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
+# What a distilled model is for, by the dataset's task (distill.sft: rewrite | summary).
+PURPOSE = {
+    "rewrite": (
+        "a **chunk rewriter**: given a text chunk cut out of a document and the document context, it rewrites "
+        "the chunk so that it stands on its own (Meta-Chunking's chunk rewriting)",
+        "--rewrite",
+    ),
+    "summary": (
+        "a **chunk summarizer**: given a text chunk and its document, it writes one sentence that states the "
+        "chunk's content from the whole document's perspective (Meta-Chunking's chunk summaries)",
+        "--summarize",
+    ),
+}
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: Path = option(
+        None, "training output_dir or checkpoint-N (full weights, a LoRA adapter, or DeepSpeed ZeRO shards)"
+    )
+    out: Path = option(
+        None, "folder to write the HF model into (written next to it, then renamed into place)"
+    )
+    merge_lora: bool = option(
+        False, "the checkpoint is a LoRA adapter: merge it into its base model and export that"
+    )
+    base_model: str | None = option(
+        None,
+        "--merge-lora: base model dir or preset; default: the adapter's base_model_name_or_path, then the "
+        "run's base_model_dir",
+    )
+    trust_zero_shards: bool = option(
+        False,
+        "when the checkpoint has no model.safetensors, consolidate its DeepSpeed ZeRO shards. DeepSpeed reads "
+        "them with pickle (torch.load weights_only=False), which can run code: only for checkpoints you made",
+    )
+    dtype: str = option(
+        "auto",
+        "weights dtype of the export: auto (as loaded: the checkpoint's; fp32 masters from ZeRO shards)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    overwrite: bool = option(
+        False,
+        "replace an existing --out folder that is not an earlier export (an earlier export is replaced "
+        "anyway); the old folder stays until the new export is complete",
+    )
+    push: str | None = option(
+        None, "then upload the folder to this Hub model repo, 'namespace/name' (HF_TOKEN)"
+    )
+    private: bool = option(
+        False, "--push: create the repo as private (an existing repo keeps its visibility)"
+    )
+    commit_message: str | None = option(
+        None, "--push: commit message; default: 'Upload <out name> with metachunk'"
+    )
+    base_model_id: str | None = option(
+        None, "the card's base_model (a Hub id); default: known for presets, else left out (local dirs)"
+    )
+    dataset_id: str | None = option(
+        None,
+        "Hub id of the training dataset (`metachunk data push`), linked from the card; default: not linked",
+    )
+
+    def __post_init__(self):
+        config.check_choices(self)
+        for name in ("checkpoint", "out"):
+            if getattr(self, name) is None:
+                raise ValueError(f"field {name!r} is required (--{name})")
+        self.checkpoint, self.out = Path(self.checkpoint), Path(self.out)
+        for name in ("push", "base_model_id", "dataset_id"):
+            value = getattr(self, name)
+            if value is not None and value.count("/") != 1:
+                raise ValueError(f"field {name!r} must be 'namespace/name', got {value!r}")
+
+
+@dataclass
+class Weights:
+    kind: str  # "full" | "lora" | "zero"
+    files: list[Path]  # what will be read
+
+
+@dataclass
+class Run:
+    """What the card is written from. Any part may be missing."""
+
+    facts: dict = field(default_factory=dict)  # metachunk_run.json ({} when there is none)
+    log: list[dict] = field(default_factory=list)  # the trainer's log history
+    global_step: int | None = None
+    checkpoint_step: int | None = None  # set when exporting checkpoint-N of a run
+    eval_results: dict | None = None
+    loss_png: Path | None = None
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    kind: str
+    files: int
+    bytes: int
+    parameters: int
+    dtype: str
+    url: str | None = None
+
+    def summary(self) -> str:
+        line = (
+            f"{self.out}: {self.files} files, {self.bytes:,} bytes, {self.parameters:,} parameters "
+            f"({self.dtype}, from {self.kind} weights)"
+        )
+        return line + (f"; pushed to {self.url}" if self.url else "")
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _pickles(folder: Path) -> list[Path]:
+    """Pickled weight files in ``folder`` (trainer state files excluded)."""
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.name.endswith(PICKLE_SUFFIXES) and not TRAINER_STATE.match(p.name)
+    )
+
+
+def _refuse_pickle(path: Path):
+    return InputError(
+        path,
+        "pickled weights: metachunk export loads safetensors only (unpickling a file can run code). "
+        "Re-save the model with save_pretrained(safe_serialization=True) where you trust the file",
+    )
+
+
+def find_weights(folder: Path) -> Weights:
+    """What ``folder`` holds, checked without loading anything; ``InputError`` when nothing usable."""
+    if not folder.is_dir():
+        raise InputError(folder, "no such checkpoint directory")
+    full = sorted(folder.glob("model*.safetensors"))
+    if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
+        return Weights("full", full + sorted(folder.glob("model.safetensors.index.json")))
+    if (folder / "adapter_config.json").is_file():
+        if (folder / "adapter_model.safetensors").is_file():
+            return Weights("lora", [folder / "adapter_config.json", folder / "adapter_model.safetensors"])
+        if (folder / "adapter_model.bin").is_file():
+            raise _refuse_pickle(folder / "adapter_model.bin")
+        raise InputError(folder, "adapter_config.json but no adapter_model.safetensors")
+    latest = folder / "latest"
+    if latest.is_file():
+        tag = latest.read_text(encoding="utf-8").strip()
+        shards = sorted((folder / tag).glob("*_model_states.pt")) + sorted(
+            (folder / tag).glob("*_optim_states.pt")
+        )
+        if shards:
+            return Weights("zero", shards)
+    pickles = _pickles(folder)
+    if pickles:
+        raise _refuse_pickle(pickles[0])
+    raise InputError(
+        folder,
+        "no weights: expected model.safetensors (or a sharded index), adapter_model.safetensors, "
+        "or DeepSpeed ZeRO shards (latest + global_stepN/)",
+    )
+
+
+def _check_out(cfg: ExportConfig) -> None:
+    out, source = cfg.out.resolve(), cfg.checkpoint.resolve()
+    if out == source or out in source.parents:
+        raise InputError(
+            cfg.out, f"--out would replace the checkpoint {cfg.checkpoint} itself; pick another folder"
+        )
+    if cfg.out.exists():
+        if not cfg.out.is_dir():
+            raise InputError(cfg.out, "--out exists and is not a folder")
+        if any(cfg.out.iterdir()) and not cfg.overwrite and not is_export(cfg.out):
+            raise InputError(
+                cfg.out,
+                "--out exists and is not a metachunk export; pass --overwrite to replace it (after the new "
+                "export is done)",
+            )
+
+
+def is_export(folder: Path) -> bool:
+    """An earlier ``metachunk export``: config.json and a card tagged ``metachunk``. Replaced without --overwrite."""
+    import yaml
+
+    card = folder / "README.md"
+    if not ((folder / "config.json").is_file() and card.is_file()):
+        return False
+    match = re.match(r"^---\n(.*?)\n---\n", card.read_text(encoding="utf-8", errors="replace"), re.S)
+    try:
+        meta = yaml.safe_load(match.group(1)) if match else None
+    except yaml.YAMLError:
+        return False
+    return isinstance(meta, dict) and "metachunk" in (meta.get("tags") or [])
+
+
+def check(cfg: ExportConfig) -> Weights:
+    """Every check that needs no model: the weights, --out, --push. Returns what will be loaded."""
+    weights = find_weights(cfg.checkpoint)
+    if weights.kind == "lora" and not cfg.merge_lora:
+        raise InputError(
+            cfg.checkpoint,
+            "a LoRA adapter: pass --merge-lora to merge it into its base model and export a plain model "
+            "(metachunk exports plain models only)",
+        )
+    if weights.kind != "lora" and cfg.merge_lora:
+        raise InputError(
+            cfg.checkpoint, f"--merge-lora, but this checkpoint holds {weights.kind} weights, no adapter"
+        )
+    if weights.kind == "zero":
+        if not cfg.trust_zero_shards:
+            raise InputError(
+                cfg.checkpoint,
+                f"no model.safetensors, only DeepSpeed ZeRO shards ({weights.files[0].parent.name}/*.pt). DeepSpeed "
+                "reads them with pickle (torch.load weights_only=False), which can run code from the file: if you "
+                "made this checkpoint yourself, pass --trust-zero-shards to consolidate them",
+            )
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise InputError(cfg.checkpoint, "ZeRO shards need deepspeed: pip install -e '.[train]'")
+        if not (cfg.checkpoint / "config.json").is_file():
+            raise InputError(cfg.checkpoint, "ZeRO shards but no config.json to build the model from")
+    _check_out(cfg)
+    if cfg.push:
+        from metachunk.hub import check_online_allowed, hub_token
+
+        try:
+            hub_token()
+            check_online_allowed()
+        except ValueError as e:  # no token, or the user's own HF_HUB_OFFLINE=1: before any work
+            raise InputError("export --push", str(e)) from None
+    return weights
+
+
+# ------------------------------------------------------------------------------------ what the run was
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"not JSON ({e.msg})", e.lineno) from None
+
+
+def read_run(folder: Path) -> Run:
+    """The run's facts and log; a ``checkpoint-N`` takes the static facts from its run folder and its
+    losses and step from its own ``trainer_state.json``."""
+    run = Run()
+    step = CHECKPOINT_DIR.match(folder.name)
+    if (folder / RUN_FACTS).is_file():
+        run.facts = _read_json(folder / RUN_FACTS)
+    elif step and (folder.parent / RUN_FACTS).is_file():
+        run.facts = _read_json(folder.parent / RUN_FACTS)
+    if (folder / "train_log.json").is_file():
+        run.log = _read_json(folder / "train_log.json")
+        run.global_step = run.facts.get("global_steps") or _last(run.log, "step")
+    elif (folder / "trainer_state.json").is_file():
+        state = _read_json(folder / "trainer_state.json")
+        run.log, run.global_step = state.get("log_history") or [], state.get("global_step")
+        run.checkpoint_step = run.global_step if step else None
+    else:
+        run.global_step = run.facts.get("global_steps")
+    if (folder / "eval_results.json").is_file():
+        run.eval_results = _read_json(folder / "eval_results.json")
+    if (folder / "loss.png").is_file():
+        run.loss_png = folder / "loss.png"
+    return run
+
+
+def _last(log: list[dict], key: str):
+    return next((e[key] for e in reversed(log) if key in e), None)
+
+
+def results(run: Run) -> dict:
+    """Final losses, steps and runtime: from the log history (the checkpoint's own), else the facts."""
+    facts = run.facts if run.checkpoint_step is None else {}
+    return {
+        "final_train_loss": _last(run.log, "loss") if run.log else facts.get("final_train_loss"),
+        "final_eval_loss": _last(run.log, "eval_loss") if run.log else facts.get("final_eval_loss"),
+        "global_steps": run.global_step,
+        "train_runtime_s": _last(run.log, "train_runtime") or facts.get("train_runtime_s"),
+    }
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def _lora_base(cfg: ExportConfig, facts: dict) -> Path:
+    from metachunk.models import PRESETS, ModelNotFoundError, resolve
+
+    adapter = _read_json(cfg.checkpoint / "adapter_config.json")
+    named = [cfg.base_model] if cfg.base_model else []
+    named += [adapter.get("base_model_name_or_path"), facts.get("base_model_dir"), facts.get("base_model")]
+    for name in filter(None, named):
+        if (Path(name).expanduser() / "config.json").is_file() or name in PRESETS or name == cfg.base_model:
+            try:
+                base = resolve(name)
+            except ModelNotFoundError as e:
+                raise InputError(cfg.checkpoint, f"base model of the adapter: {e}") from None
+            if find_weights(base).kind != "full":
+                raise InputError(base, "the adapter's base model has no model.safetensors")
+            return base
+    raise InputError(
+        cfg.checkpoint,
+        f"the adapter's base model ({', '.join(map(str, filter(None, named))) or NOT_RECORDED}) is not a local "
+        "model dir or preset here: pass --base-model DIR",
+    )
+
+
+def _load_zero(folder: Path):
+    """DeepSpeed's consolidation of the ZeRO shards (fp32 masters) into the model of ``config.json``.
+
+    Trust boundary: this unpickles the shards (see the module docstring); :func:`check` lets us
+    here only with ``--trust-zero-shards``.
+    """
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with contextlib.redirect_stdout(sys.stderr):  # its progress prints; stdout is for the push URL
+        state = get_fp32_state_dict_from_zero_checkpoint(str(folder))  # tag from the `latest` file
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    loaded = model.load_state_dict(state, strict=False)
+    if loaded.unexpected_keys:
+        raise InputError(folder, f"ZeRO shards hold weights the model has not: {loaded.unexpected_keys[:5]}")
+    model.tie_weights()
+    own = model.state_dict()
+    filled = {own[k].data_ptr() for k in state if k in own}
+    missing = [k for k in loaded.missing_keys if own[k].data_ptr() not in filled]  # tied ones are filled
+    if missing:
+        raise InputError(folder, f"ZeRO shards lack weights of the model: {missing[:5]}")
+    return model
+
+
+def load_model(cfg: ExportConfig, weights: Weights, run: Run):
+    """The model to export, and the folders (in order) its tokenizer / generation config may come from."""
+    from transformers import AutoModelForCausalLM
+
+    folders = [cfg.checkpoint]
+    if CHECKPOINT_DIR.match(cfg.checkpoint.name):
+        folders.append(cfg.checkpoint.parent)
+    if weights.kind == "full":
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.checkpoint, dtype=_torch_dtype(cfg.dtype), use_safetensors=True
+        )
+    elif weights.kind == "lora":
+        from peft import PeftModel
+
+        base_dir = _lora_base(cfg, run.facts)
+        trained_dtype = (run.facts.get("model_args") or {}).get("dtype") or "auto"
+        base = AutoModelForCausalLM.from_pretrained(
+            base_dir, dtype=_torch_dtype(trained_dtype), use_safetensors=True
+        )
+        model = PeftModel.from_pretrained(base, cfg.checkpoint).merge_and_unload()
+        folders.append(base_dir)
+    else:
+        model = _load_zero(cfg.checkpoint)
+    if cfg.dtype != "auto":
+        model = model.to(_torch_dtype(cfg.dtype))
+    model.config.use_cache = True  # training turns the KV cache off; the export is for generation
+    return model.eval(), folders
+
+
+def _tokenizer_dir(folders: list[Path]) -> Path:
+    for folder in folders:
+        if (folder / "tokenizer_config.json").is_file():
+            return folder
+    raise InputError(folders[0], f"no tokenizer (tokenizer_config.json) in {', '.join(map(str, folders))}")
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def write_generation_config(folders: list[Path], tokenizer, into: Path) -> str:
+    """Copy the first ``generation_config.json`` found, else derive one from the tokenizer's special tokens."""
+    from transformers import GenerationConfig
+
+    for folder in folders:
+        if (folder / "generation_config.json").is_file():
+            GenerationConfig.from_pretrained(folder)  # it must parse
+            shutil.copyfile(folder / "generation_config.json", into / "generation_config.json")
+            return f"copied from {folder}"
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(into)
+    return "derived from the tokenizer's special tokens"
+
+
+def _publishable_modes(folder: Path, files: list[Path]) -> None:
+    """The umask's ordinary modes: ``mkdtemp`` makes the folder 0700, and some writers make files 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in files:
+        path.chmod(0o666 & ~umask)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``. A previous ``out`` is renamed aside first, restored if
+    the second rename fails, and deleted only once the new folder is in place."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old)
+
+
+def export(cfg: ExportConfig, progress=None) -> ExportResult:
+    """Check, load, write into a temp folder next to ``cfg.out``, swap into place, push."""
+    say = progress or (lambda msg: print(f"export: {msg}", file=sys.stderr))
+    weights = check(cfg)
+    run = read_run(cfg.checkpoint)
+    from transformers import AutoTokenizer
+
+    say(f"loading {weights.kind} weights from {cfg.checkpoint}")
+    model, folders = load_model(cfg, weights, run)
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(folders))
+    parameters = sum(p.numel() for p in model.parameters())
+    dtype = str(model.dtype).removeprefix("torch.")
+
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.export-", dir=cfg.out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if AutoTokenizer.from_pretrained(tmp).chat_template != tokenizer.chat_template:
+            raise RuntimeError("the chat template did not survive tokenizer.save_pretrained")
+        generation = write_generation_config(folders, tokenizer, tmp)
+        if run.loss_png is not None:
+            shutil.copyfile(run.loss_png, tmp / "loss.png")
+        elif any("loss" in e for e in run.log):
+            from train.sft import plot_losses
+
+            plot_losses(run.log, tmp / "loss.png")
+        if run.eval_results is not None:
+            shutil.copyfile(cfg.checkpoint / "eval_results.json", tmp / "eval_results.json")
+        export_facts = {
+            "checkpoint": str(cfg.checkpoint),
+            "kind": weights.kind,
+            "parameters": parameters,
+            "dtype": dtype,
+            "generation_config": generation,
+            "loss_png": (tmp / "loss.png").is_file(),
+        }
+        card = render_model_card(run, export_facts, cfg)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        pickled = [p.name for p in files if p.name.endswith(PICKLE_SUFFIXES)]
+        if pickled:  # an invariant: nothing we write is a pickle
+            raise RuntimeError(f"export wrote pickle files {pickled}")
+        _publishable_modes(tmp, files)
+        replace_dir(tmp, cfg.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the swap succeeded
+
+    files = sorted(p for p in cfg.out.rglob("*") if p.is_file())
+    result = ExportResult(
+        cfg.out, weights.kind, len(files), sum(p.stat().st_size for p in files), parameters, dtype
+    )
+    if cfg.push:
+        from metachunk.hub import push_folder
+
+        say(f"pushing {len(files)} files to {cfg.push}")
+        result.url = push_folder(
+            cfg.out,
+            cfg.push,
+            repo_type="model",
+            allow_patterns=[p.relative_to(cfg.out).as_posix() for p in files],
+            private=cfg.private,
+            commit_message=cfg.commit_message,
+        )
+    return result
+
+
+# ---------------------------------------------------------------------------------------- model card
+
+
+def _value(value) -> str:
+    if value is None:
+        return NOT_RECORDED
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _code(text) -> str:
+    return f"`{text}`" if text else NOT_RECORDED
+
+
+def _cell(value) -> str:
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
+
+
+def _fenced(text: str, lang: str = "text") -> str:
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def _flatten(obj, prefix: str = "") -> list[tuple[str, object]]:
+    if isinstance(obj, dict):
+        return [kv for k, v in obj.items() for kv in _flatten(v, f"{prefix}{k}.")]
+    return [(prefix.rstrip("."), obj)]
+
+
+def _base_model_id(cfg: ExportConfig, facts: dict) -> str | None:
+    if cfg.base_model_id:
+        return cfg.base_model_id
+    return PRESET_HUB_IDS.get(facts.get("base_model"))
+
+
+def _front_matter(run: Run, cfg: ExportConfig) -> str:
+    from huggingface_hub import ModelCardData
+
+    report = run.facts.get("dataset_report") or {}
+    task = report.get("task")
+    return ModelCardData(
+        base_model=_base_model_id(cfg, run.facts),
+        datasets=[cfg.dataset_id] if cfg.dataset_id else None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=TAGS + ([task] if task else []),
+        license=report.get("license") or "other",
+        language=report.get("language") or None,  # unknown: left out rather than guessed
+    ).to_yaml()
+
+
+def _what_it_is(run: Run, title: str) -> str:
+    task = (run.facts.get("dataset_report") or {}).get("task")
+    if task in PURPOSE:
+        what, flag = PURPOSE[task]
+        field_name = "`rewritten`" if task == "rewrite" else "`summary`"
+        text = (
+            f"`{title}` is {what}. It was fine-tuned with metachunk on completions written by teacher LLMs. "
+            f"Use it with metachunk: `metachunk chunk docs.jsonl -o chunks.jsonl {flag} path/to/{title}` adds a "
+            f"{field_name} field to every chunk, prompting the model exactly as in training."
+        )
+    elif task:
+        text = (
+            f"`{title}` is a student model for metachunk's `{task}` task, fine-tuned with metachunk on "
+            "completions written by teacher LLMs. It answers the prompt it was trained on."
+        )
+    elif run.facts:
+        text = f"`{title}` is a causal LM fine-tuned with `metachunk train`; its task: {NOT_RECORDED}."
+    else:
+        text = (
+            f"`{title}` is a causal LM exported with `metachunk export`. How it was trained: {NOT_RECORDED} "
+            f"(no {RUN_FACTS} next to the checkpoint)."
+        )
+    return f"# {title}\n\n{text}"
+
+
+def _base_section(run: Run, cfg: ExportConfig, export_facts: dict) -> str:
+    facts = run.facts
+    base, hub_id = facts.get("base_model"), _base_model_id(cfg, facts)
+    from metachunk.models import PRESETS
+
+    preset = PRESETS.get(base) if base else None
+    lines = [
+        f"- Base model: {_code(base)}"
+        + (f", the metachunk preset {preset.description}" if preset else "")
+        + (f" ([{hub_id}](https://huggingface.co/{hub_id}))" if hub_id else ""),
+        f"- Base model folder used in training: {_code(facts.get('base_model_dir'))}",
+    ]
+    model_args = facts.get("model_args") or {}
+    if model_args.get("use_peft"):
+        lines.append(
+            f"- Fine-tuning: LoRA (r={model_args.get('lora_r')}, alpha={model_args.get('lora_alpha')}, "
+            f"dropout={model_args.get('lora_dropout')}), merged into the base weights in this export"
+        )
+    elif model_args:
+        lines.append("- Fine-tuning: all weights")
+    else:
+        lines.append(f"- Fine-tuning: {NOT_RECORDED}")
+    kind = {
+        "full": "safetensors weights",
+        "lora": "a LoRA adapter merged into its base",
+        "zero": "DeepSpeed ZeRO shards consolidated to the fp32 master weights",
+    }[export_facts["kind"]]
+    lines += [
+        f"- Exported from: `{export_facts['checkpoint']}` ({kind})"
+        + (f", the checkpoint at step {run.checkpoint_step}" if run.checkpoint_step is not None else ""),
+        f"- Parameters: {export_facts['parameters']:,} ({export_facts['dtype']})",
+        f"- Generation config: {export_facts['generation_config']}",
+    ]
+    return "## Base model\n\n" + "\n".join(lines)
+
+
+def _data_section(run: Run, cfg: ExportConfig) -> str:
+    report = run.facts.get("dataset_report")
+    path = run.facts.get("dataset")
+    if not report:
+        return f"## Training data\n\nDataset: {_code(path)}; its build report: {NOT_RECORDED}."
+    name = report.get("name") or NOT_RECORDED
+    split_rows = report.get("rows") or {}
+    teachers = sorted({t.get("model") for t in report.get("teachers") or [] if t.get("model")})
+    lines = [
+        f"- Dataset: [{name}](https://huggingface.co/datasets/{cfg.dataset_id})"
+        if cfg.dataset_id
+        else f"- Dataset: {name} (Hub id: {NOT_RECORDED}; its card is README.md in the dataset folder)",
+        f"- Dataset folder: {_code(path)}",
+        f"- Task: {report.get('task') or NOT_RECORDED}",
+        "- Rows: " + (", ".join(f"{s} {n:,}" for s, n in split_rows.items()) if split_rows else NOT_RECORDED),
+        f"- Language: {', '.join(report['language']) if report.get('language') else NOT_RECORDED}",
+        f"- Teacher models: {', '.join(teachers) if teachers else NOT_RECORDED}",
+        f"- Rows used in training: {_value(run.facts.get('rows'))}; "
+        f"{_value(run.facts.get('tokens'))} tokens, of which {_value(run.facts.get('completion_tokens'))} "
+        "completion tokens carry the loss",
+    ]
+    text = "## Training data\n\n" + "\n".join(lines)
+    student = next((p for p in report.get("prompts") or [] if p.get("role") == "student"), None)
+    if student and student.get("text"):
+        text += (
+            f"\n\nThe prompt it was trained on: `{student.get('name', NOT_RECORDED)}` (sha256 "
+            f"`{student.get('sha256', NOT_RECORDED)}`), as chat messages through the tokenizer's chat template; "
+            "`{context}` and `{chunk}` are filled per chunk.\n\n" + _fenced(student["text"])
+        )
+    return text
+
+
+def _recipe_section(run: Run) -> str:
+    facts = run.facts
+    hyper = facts.get("hyperparameters")
+    command = facts.get("command")
+    text = "## Training recipe\n\n"
+    text += (
+        "Arguments of `python -m train` (= `metachunk train`; TRL SFTTrainer, loss on the completion tokens "
+        "only):\n\n" + _fenced(shlex.join(map(str, command)), "bash")
+        if command
+        else f"Command: {NOT_RECORDED}."
+    )
+    if hyper is None:
+        return text + f"\n\nHyperparameters: {NOT_RECORDED}."
+    rows = [
+        [k, "none" if v is None else _value(v) if not isinstance(v, float) else repr(v)]
+        for k, v in hyper.items()
+    ]
+    model_args = facts.get("model_args") or {}
+    rows += [
+        ["dtype", model_args.get("dtype", NOT_RECORDED)],
+        ["world_size (processes)", _value(facts.get("world_size"))],
+        ["global batch (rows per optimizer step)", _value(facts.get("global_batch"))],
+    ]
+    return text + "\n\n" + _table(["hyperparameter", "value"], rows)
+
+
+def _results_section(run: Run, export_facts: dict) -> str:
+    r = results(run)
+    rows = [
+        ["final training loss", _value(r["final_train_loss"])],
+        ["final validation loss", _value(r["final_eval_loss"])],
+        ["optimizer steps", _value(r["global_steps"])],
+        ["training rows", _value(run.facts.get("rows"))],
+        ["training tokens", _value(run.facts.get("tokens"))],
+        ["completion tokens (carrying the loss)", _value(run.facts.get("completion_tokens"))],
+        ["training time (s)", _value(r["train_runtime_s"])],
+    ]
+    text = "## Results\n\nLosses are mean cross-entropy per completion token.\n\n" + _table(
+        ["", "value"], rows
+    )
+    if export_facts["loss_png"]:
+        text += "\n\n![Training and validation loss](loss.png)"
+    if run.eval_results is not None:
+        flat = _flatten(run.eval_results)
+        text += "\n\nEvaluation (`eval_results.json`):\n\n" + _table(
+            ["metric", "value"], [[k, _value(v)] for k, v in flat]
+        )
+    else:
+        text += f"\n\nEvaluation beyond the validation loss: {NOT_RECORDED}."
+    return text
+
+
+def _use_section(run: Run, title: str) -> str:
+    task = (run.facts.get("dataset_report") or {}).get("task")
+    purpose = {
+        "rewrite": "Rewriting RAG chunks so that each stands on its own before it is embedded and indexed, "
+        "with the prompt above.",
+        "summary": "Writing a one-sentence summary per RAG chunk, indexed or shown next to the chunk, "
+        "with the prompt above.",
+    }.get(
+        task,
+        f"The task it was trained for, with the prompt it was trained on (task: {task or NOT_RECORDED}).",
+    )
+    code = f"""from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("path/to/{title}")
+model = AutoModelForCausalLM.from_pretrained("path/to/{title}")
+messages = [...]  # the system and user messages of the training prompt
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+output = model.generate(**inputs, max_new_tokens=256)
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+    if task:
+        purpose += " It is not a general chat or instruction model: other prompts are out of its training "
+        purpose += "distribution."
+    return f"## Intended use\n\n{purpose}\n\n" + _fenced(code, "python")
+
+
+def _limitations(run: Run) -> str:
+    facts, r = run.facts, results(run)
+    report = facts.get("dataset_report") or {}
+    rows, steps = facts.get("rows"), r["global_steps"]
+    items = [
+        f"Trained on {_value(rows)} rows for {_value(steps)} optimizer steps"
+        + (
+            f" (this export is the checkpoint at step {run.checkpoint_step})."
+            if run.checkpoint_step is not None
+            else "."
+        )
+        if rows is not None or steps is not None
+        else f"Training rows and steps: {NOT_RECORDED}."
+    ]
+    if report.get("demo"):
+        items.append(
+            "Demo data: the dataset's teacher was a small local demo model, so its targets are often wrong or "
+            "off-task; this model exists to test the pipeline end to end, not for use."
+        )
+    items += [f"Training data: {' '.join(str(x).split())}" for x in report.get("limitations") or []]
+    if run.eval_results is None:
+        items.append("No evaluation beyond the training and validation loss is recorded here.")
+    items.append("Its output is generated text: it can drop or invent facts. Check it before indexing.")
+    return "## Limitations\n\n" + "\n".join(f"- {item}" for item in items)
+
+
+def render_model_card(run: Run, export_facts: dict, cfg: ExportConfig) -> str:
+    """README.md: YAML front matter, then what it is, base model, data, recipe, results, use, limits."""
+    title = cfg.push.split("/")[1] if cfg.push else cfg.out.name
+    sections = [
+        _what_it_is(run, title),
+        _base_section(run, cfg, export_facts),
+        _data_section(run, cfg),
+        _recipe_section(run),
+        _results_section(run, export_facts),
+        _use_section(run, title),
+        _limitations(run),
+    ]
+    return "---\n" + _front_matter(run, cfg) + "\n---\n\n" + "\n\n".join(sections) + "\n"
