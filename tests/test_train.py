@@ -39,6 +39,17 @@ def test_invalid_configs_fail_before_any_model_loads(tmp_path, capsys):
     assert "--learning_rte" in capsys.readouterr().err
 
 
+def test_evaluation_without_validation_rows_is_a_config_error(sft_dataset, tmp_path, capsys):
+    from train.sft import main
+
+    report = sft_dataset / "build_report.json"
+    stats = json.loads(report.read_text())
+    report.write_text(json.dumps({**stats, "rows": {**stats["rows"], "validation": 0}}))
+    argv = ["--config", str(RECIPE), "--dataset", str(sft_dataset), "--output_dir", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "field 'eval_strategy' is 'steps'" in capsys.readouterr().err
+
+
 def test_prompt_tokens_are_masked_and_completion_tokens_trained(sft_dataset, tiny_model_dir):
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer

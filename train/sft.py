@@ -33,6 +33,13 @@ class ModelDataArguments:
         default="auto",
         metadata={"help": "weights dtype: auto (the checkpoint's), float32, bfloat16, float16"},
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "attention kernel: sdpa (the default), eager, flex_attention, flash_attention_2 (GPU, "
+            "flash-attn installed); packing / padding_free need one of these"
+        },
+    )
     max_train_rows: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
     # LoRA is opt-in; full fine-tuning is the paper's setup. Same names as TRL's ModelConfig.
     use_peft: bool = field(
@@ -69,6 +76,14 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
         raise ValueError(
             f"field 'dataset': {model_args.dataset} has no data/ dir (run `metachunk data build-sft`)"
         )
+    report = Path(model_args.dataset) / "build_report.json"
+    if report.is_file() and sft_args.eval_strategy != "no":
+        rows = json.loads(report.read_text(encoding="utf-8")).get("rows", {})
+        if rows.get("validation") == 0:
+            raise ValueError(
+                f"field 'eval_strategy' is '{sft_args.eval_strategy.value}' but {model_args.dataset} has no "
+                "validation rows: rebuild it with a validation_fraction, or pass --eval_strategy no"
+            )
     if model_args.use_peft and not 0 < model_args.lora_r:
         raise ValueError(f"field 'lora_r' must be >= 1, got {model_args.lora_r}")
     resume_point(sft_args)  # a missing checkpoint is a config error, found before the model loads
@@ -78,6 +93,45 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
     if sft_args.completion_only_loss is False:
         raise ValueError(
             "field 'completion_only_loss' must stay on: the loss is on the completion only (Eq. 3)"
+        )
+    check_packing(model_args.attn_implementation, sft_args)
+    if sft_args.use_liger_kernel:
+        from transformers.utils import is_liger_kernel_available
+
+        if sft_args.use_cpu or not is_liger_kernel_available():
+            raise ValueError(
+                "field 'use_liger_kernel' needs a CUDA GPU and `pip install liger-kernel` (Triton kernels); "
+                "not available here"
+            )
+
+
+def padding_free(sft_args) -> bool:
+    """TRL's rule: ``padding_free``, or ``packing`` with a bfd strategy (it flattens the packed rows)."""
+    return bool(
+        sft_args.padding_free or (sft_args.packing and sft_args.packing_strategy in ("bfd", "bfd_split"))
+    )
+
+
+def check_packing(attn_implementation: str | None, sft_args) -> None:
+    """Padding-free batches are one flattened row per micro-batch, the rows told apart only by ``position_ids``
+    restarting at 0. transformers 5 turns that into a block-diagonal causal mask for sdpa, eager and flex_attention
+    (``masking_utils.find_packed_sequence_indices``); the flash-attention kernels take the boundaries (``cu_seq_lens``)
+    from TRL's collator. Any other attention would let the rows attend to each other, silently."""
+    if sft_args.padding_free and not sft_args.packing and sft_args.max_length is not None:
+        raise ValueError(
+            "field 'padding_free' without packing does not truncate rows to max_length: set max_length: null "
+            "(--max_length None), or use --packing true (bfd, which truncates each row at max_length)"
+        )
+    impl = attn_implementation
+    if (
+        padding_free(sft_args)
+        and impl is not None
+        and impl not in ("sdpa", "eager", "flex_attention")
+        and "flash" not in impl
+    ):
+        raise ValueError(
+            f"field 'attn_implementation': {impl!r} cannot keep the rows of a packed / padding-free batch apart; "
+            "use sdpa, eager, flex_attention or flash_attention_2"
         )
 
 
@@ -149,7 +203,7 @@ def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
     build_report = Path(model_args.dataset) / "build_report.json"
     hyper = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
              "gradient_accumulation_steps", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_length",
-             "bf16", "packing", "padding_free", "seed", "deepspeed", "completion_only_loss")  # fmt: skip
+             "bf16", "packing", "packing_strategy", "padding_free", "seed", "deepspeed", "completion_only_loss")  # fmt: skip
     return {
         "base_model": model_args.model,
         "base_model_dir": str(model_dir),
@@ -206,7 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     prepare_distributed(sft_args)  # DeepSpeed on CPU: gloo group first, so ZeRO-3 partitions at load
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, use_safetensors=True, attn_implementation=model_args.attn_implementation
+    )
+    impl = model.config._attn_implementation  # what transformers picked when none was asked for
+    try:
+        check_packing(impl, sft_args)
+    except ValueError as e:
+        print(f"train: invalid config: {e}", file=sys.stderr)
+        return 2
+    if padding_free(sft_args) and "flash" not in impl:
+        print(f"train: padding-free batches with {impl}: each micro-batch is one flattened row and attention is "
+              "computed densely under a block-diagonal mask (time and memory quadratic in the row); "
+              "see recipes/train/README.md", file=sys.stderr)  # fmt: skip
     peft_config = None
     if model_args.use_peft:
         from peft import LoraConfig
@@ -230,15 +296,23 @@ def main(argv: list[str] | None = None) -> int:
     # TRL folds the completion mask into `labels`: -100 on every prompt token.
     completion = sum(sum(label != -100 for label in labels) for labels in trainer.train_dataset["labels"])
     batch = effective_batch_size(sft_args)
+    packed = "seq_lengths" in trainer.train_dataset.column_names  # TRL's bfd packing: one row = several rows
+    rows = sum(map(len, trainer.train_dataset["seq_lengths"])) if packed else len(trainer.train_dataset)
     steps = (
         sft_args.max_steps
         if sft_args.max_steps > 0
-        else math.ceil(len(train_set) / batch) * sft_args.num_train_epochs
+        else math.ceil((len(trainer.train_dataset) if packed else len(train_set)) / batch)
+        * sft_args.num_train_epochs
     )
     if trainer.is_world_process_zero():
+        fit = (
+            f"{rows} rows packed into {len(trainer.train_dataset)} sequences of <= {sft_args.max_length} tokens"
+            if packed
+            else f"{rows} of {len(train_set)} rows fit max_length"
+        )
         print(
-            f"train: {len(trainer.train_dataset)} of {len(train_set)} rows fit max_length, {tokens:,} tokens ({completion:,} completion tokens carry the loss); "
-            f"effective global batch {batch} rows; {steps} optimizer steps",
+            f"train: {fit}, {tokens:,} tokens ({completion:,} completion tokens carry the loss); "
+            f"effective global batch {batch} {'packed sequences' if packed else 'rows'}; {steps} optimizer steps",
             file=sys.stderr,
         )
     resume = resume_point(sft_args)
@@ -251,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(sft_args.output_dir)
         plot_losses(trainer.state.log_history, out / "loss.png")
         write_json_atomic(out / "train_log.json", trainer.state.log_history)
-        facts = run_facts(model_args, sft_args, model_dir, trainer, rows=len(trainer.train_dataset), tokens=tokens,
+        facts = run_facts(model_args, sft_args, model_dir, trainer, rows=rows, tokens=tokens,
                           completion_tokens=completion, global_batch=batch, argv=sys.argv[1:] if argv is None else argv)  # fmt: skip
         write_json_atomic(out / RUN_FACTS, facts)
         print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "

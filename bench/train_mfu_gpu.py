@@ -1,0 +1,243 @@
+"""Training MFU on one GPU (H200): full fine-tuning of a Qwen2.5-0.5B-shaped model on padding-free packed batches.
+
+Self-contained (torch, transformers, and TRL's fused LM head if TRL is installed); no data, no checkpoint: the model
+is randomly initialised from a ``Qwen2Config`` shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV
+heads, MLP 4,864, vocabulary 151,936, tied embeddings), bf16 weights (as ``dtype: bfloat16`` + ``bf16: true`` in
+our recipes), AdamW (fused on CUDA), flash_attention_2 when ``flash_attn`` is importable, else sdpa.
+
+Batches: one padding-free row per step, as TRL's collator builds it with ``packing``/``padding_free``: sequences of
+random lengths (uniform in ``--min-len``..``--max-len``, an SFT-like mix) concatenated up to exactly
+``--tokens`` tokens (the last one cut to fit, so every step has the same shape), ``position_ids`` restarting at 0
+for each sequence and the varlen boundaries ``cu_seq_lens_q/k`` + ``max_length_q/k`` (what flash-attention uses; with
+sdpa, transformers builds a block-diagonal causal mask from the ``position_ids``). The loss is the next-token
+cross-entropy on every token but each sequence's first (TRL's padding-free labels), through TRL's fused LM head
+(``add_fused_lm_head``: no ``(tokens, vocab)`` logits tensor) when TRL is importable, else the model's own loss.
+
+Measured: ``--warmup`` steps (default 5), then ``--steps`` (default 30) timed with CUDA events around the whole
+step (forward, backward, optimizer step, zero_grad).
+
+FLOPs per step, the formula (model FLOPs: recomputation, if any, is not counted; neither are the masked-out
+attention blocks):
+
+    dense     = 6 * N * T          N = parameters in matmuls: every non-embedding weight + the LM head
+                                   (vocab x hidden; with tied embeddings the shared matrix counts once, as the
+                                   head: the embedding lookup does no FLOPs); T = tokens in the step
+    attention = 6 * layers * heads * head_dim * sum_i L_i^2
+                                   causal attention inside each packed sequence i of length L_i: forward QK^T and
+                                   AV are 2 * L^2 * head_dim FLOPs per head with the causal half only, backward 2x
+    MFU       = (dense + attention) / step_time / peak
+
+Peak: 989 TFLOP/s, the H200 (SXM) dense bf16 tensor-core peak (the same as the H100 SXM; ``--peak-tflops`` to
+change). Prints tokens/s, TFLOP/s, MFU, and the peak GPU memory.
+
+Not run on a GPU yet (none here). Rough expectation, not a measurement: ~109 TFLOP per 32K-token step (97 dense +
+~12 attention), so ~0.3 s a step at 40% MFU; ~40 GB of GPU memory (bf16 weights, gradients and AdamW state ~4 GB,
+activations of 32K tokens x 24 layers the rest). Checked on CPU: ``--tiny`` (3 steps, ~5 s), and the full
+0.5B shape for one 256-token step (494.0M parameters, as Qwen2.5-0.5B).
+
+    python bench/train_mfu_gpu.py                     # H200: 35 steps of 32K tokens after model init
+    python bench/train_mfu_gpu.py --tokens 65536      # a bigger packed step
+    python bench/train_mfu_gpu.py --tiny              # any machine (CPU here): a tiny config, 3 steps, a smoke run
+
+Results: ``bench_out/train_mfu_gpu.json`` (``train_mfu_tiny.json`` with ``--tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936)  # fmt: skip
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=1024)  # fmt: skip
+
+
+def packed_batch(lengths: list[int], vocab: int, device, rng: random.Random):
+    """One padding-free row: TRL's collator output for sequences of these lengths."""
+    import torch
+
+    total = sum(lengths)
+    ids = torch.tensor([rng.randrange(vocab) for _ in range(total)], dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    labels = ids.clone()
+    labels[position_ids == 0] = -100  # no prediction across a sequence boundary (as TRL's collator does)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    batch = {"input_ids": ids[None], "position_ids": position_ids[None], "labels": labels[None],
+             "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}  # fmt: skip
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+
+def draw_lengths(tokens: int, lo: int, hi: int, rng: random.Random) -> list[int]:
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(lo, hi), tokens - sum(lengths)))
+    return lengths
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in a matmul: all but the input embedding, plus the LM head (even when tied)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    tied = emb.data_ptr() == head.data_ptr()
+    return total - emb.numel() + (head.numel() if tied else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny config, 3 steps after 1 warm-up: a smoke run anywhere"
+    )
+    ap.add_argument("--steps", type=int, help="timed steps (default 30; 3 with --tiny)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default 5; 1 with --tiny)")
+    ap.add_argument(
+        "--tokens", type=int, help="tokens per step, one packed row (default 32768; 512 with --tiny)"
+    )
+    ap.add_argument("--min-len", type=int, help="shortest sequence (default 256; 16 with --tiny)")
+    ap.add_argument("--max-len", type=int, help="longest sequence (default 4096; 128 with --tiny)")
+    ap.add_argument(
+        "--attn", help="attention: default flash_attention_2 if flash_attn is importable, else sdpa"
+    )
+    ap.add_argument("--dtype", default="bfloat16", help="weights dtype (default bfloat16)")
+    ap.add_argument("--device", help="default cuda if available, else cpu")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument(
+        "--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default 989 on CUDA, none on CPU)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="JSON result path (default bench_out/train_mfu_gpu.json or _tiny.json)")
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import is_flash_attn_2_available
+
+    def d(full, tiny):
+        return tiny if args.tiny else full
+
+    steps, warmup = args.steps or d(30, 3), args.warmup if args.warmup is not None else d(5, 1)
+    tokens, lo, hi = args.tokens or d(32768, 512), args.min_len or d(256, 16), args.max_len or d(4096, 128)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    attn = args.attn or ("flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa")
+    dtype = getattr(torch, args.dtype)
+    peak_tflops = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else None)
+
+    shape = TINY if args.tiny else QWEN25_05B
+    config = Qwen2Config(**shape, max_position_embeddings=32768, rope_parameters={"rope_type": "default",
+                         "rope_theta": 1_000_000.0}, tie_word_embeddings=True, use_cache=False)  # fmt: skip
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
+    model.train()
+    assert model.config._attn_implementation == attn, model.config._attn_implementation
+    init_s = time.perf_counter() - t0
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+        fused = True
+    except ImportError:
+        fused = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_matmul = matmul_params(model)
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = config.hidden_size // heads
+
+    rng = random.Random(args.seed)
+    lengths_per_step = [draw_lengths(tokens, lo, hi, rng) for _ in range(warmup + steps)]
+    # built before the timed steps
+    batches = [packed_batch(lengths, config.vocab_size, device, rng) for lengths in lengths_per_step]
+
+    def step(batch):
+        out = model(**batch, fused_lm_head=True) if fused else model(**batch)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for batch in batches[:warmup]:
+        step(batch)
+    sync()
+    times, losses = [], []
+    for batch in batches[warmup:]:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(step(batch))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            losses.append(step(batch))
+            times.append(time.perf_counter() - t)
+    losses = [float(x) for x in losses]
+
+    timed = lengths_per_step[warmup:]
+    total_s = sum(times)
+    n_tokens = sum(sum(b) for b in timed)
+    dense = 6 * n_matmul * n_tokens
+    attention = 6 * layers * heads * head_dim * sum(n * n for b in timed for n in b)
+    flops = dense + attention
+    tflops = flops / total_s / 1e12
+    mfu = tflops / peak_tflops if peak_tflops else None
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
+    print(
+        f"{'tiny Qwen2' if args.tiny else 'Qwen2.5-0.5B-shaped'} ({n_params / 1e6:.1f}M params, {n_matmul / 1e6:.1f}M in "
+        f"matmuls), random init, {args.dtype}, {attn}, {'TRL fused LM head' if fused else 'model loss'}, on {name}; "
+        f"init {init_s:.1f} s"
+    )
+    print(
+        f"{steps} steps after {warmup} warm-up, {tokens:,} tokens per step (one padding-free row of "
+        f"{sum(len(b) for b in timed) / len(timed):.1f} sequences of {lo}-{hi} tokens on average)"
+    )
+    print(
+        f"step {total_s / len(times) * 1000:.1f} ms (min {min(times) * 1000:.1f}), {n_tokens / total_s:,.0f} tokens/s, "
+        f"{tflops:.2f} TFLOP/s model FLOPs (attention {attention / flops:.1%} of them)"
+        + (
+            f", MFU {mfu:.1%} of {peak_tflops:g} TFLOP/s"
+            if mfu is not None
+            else ", MFU n/a (no --peak-tflops)"
+        )
+        + (f"; peak GPU memory {peak_mem:.1f} GiB" if peak_mem is not None else "")
+    )
+    print(f"loss first/last timed step: {losses[0]:.3f} / {losses[-1]:.3f}")
+    if cuda and "flash" not in attn:
+        print(
+            f"note: {attn} attends the whole {tokens:,}-token row under a block-diagonal mask (the masked blocks are "
+            "computed, not counted as model FLOPs): install flash-attn for the varlen kernel, or use a smaller --tokens"
+        )
+    result = {
+        "bench": "train_mfu_gpu", "tiny": args.tiny, "device": name, "attn_implementation": attn, "dtype": args.dtype,
+        "fused_lm_head": fused, "config": shape, "params": n_params, "matmul_params": n_matmul, "steps": steps,
+        "warmup": warmup, "tokens_per_step": tokens, "min_len": lo, "max_len": hi, "step_s": times,
+        "tokens_per_s": n_tokens / total_s, "flops_dense": dense, "flops_attention": attention, "tflops": tflops,
+        "peak_tflops": peak_tflops, "mfu": mfu, "peak_memory_gib": peak_mem, "losses": losses,
+        "formula": "MFU = (6*N*T + 6*layers*heads*head_dim*sum(L_i^2)) / step_time / peak",
+    }  # fmt: skip
+    out = Path(
+        args.out or ROOT / "bench_out" / ("train_mfu_tiny.json" if args.tiny else "train_mfu_gpu.json")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"[{out}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
