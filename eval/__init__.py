@@ -1,1 +1,1 @@
-"""Evaluation of chunkers and RAG answers (built in a later issue)."""
+"""Evaluation of chunkers and RAG answers: QA metrics, the Milvus RAG loop, chunk quality, reports."""

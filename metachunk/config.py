@@ -7,8 +7,9 @@ keys and wrong types are errors that name the file and the key, raised before an
 
 Fields may also be nested: a dataclass-typed field takes a YAML mapping, and a ``dict[str, D]``
 field takes a mapping of names to ``D`` mappings (e.g. one teacher block per distillation stage).
-A ``list[T]`` field takes a YAML list. Nested and list fields have no CLI flag; errors name the
-dotted key (``teachers.reflection.model``).
+A ``list[T]`` field takes a YAML list; a list of scalars also gets a flag taking one or more
+values (``--models a b``), or is positional with ``positional=True``. Nested fields and lists of
+mappings have no CLI flag; errors name the dotted key (``teachers.reflection.model``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,18 @@ def _field_types(cls) -> dict[str, type]:
     return {f.name: _base_type(hints[f.name]) for f in dataclasses.fields(cls)}
 
 
+def _scalar_list(kind):
+    """``list[str]``, ``list[Path]``, ... -> the item type; None for anything else."""
+    if typing.get_origin(kind) is not list:
+        return None
+    (item,) = typing.get_args(kind)
+    item = _base_type(item)
+    return item if item in (str, int, float, Path) else None
+
+
 def _is_nested(kind) -> bool:
+    if _scalar_list(kind):
+        return False
     return dataclasses.is_dataclass(kind) or typing.get_origin(kind) in (dict, list)
 
 
@@ -59,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         helptext = meta.get("help", "")
         if f.default is not dataclasses.MISSING and f.default is not None:
             helptext += f" (default: {f.default})"
+        item = _scalar_list(kind)
+        nargs = {"nargs": "+"} if item else {}
+        kind = item or kind
         if meta.get("positional"):
             # default=None, not SUPPRESS: argparse runs a string default of an absent optional
             # positional through ``type`` (Path("==SUPPRESS==")), which would override the recipe.
@@ -67,14 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
                 f.name,
                 type=kind,
                 help=helptext,
-                nargs="?" if f.default is not dataclasses.MISSING else None,
+                nargs=("*" if item else "?") if f.default is not dataclasses.MISSING else nargs.get("nargs"),
                 default=None,
             )
             continue
         names = [meta.get("flag", "--" + f.name.replace("_", "-"))]
         if "short" in meta:
             names.insert(0, meta["short"])
-        kwargs = {"dest": f.name, "help": helptext, "default": argparse.SUPPRESS}
+        kwargs = {"dest": f.name, "help": helptext, "default": argparse.SUPPRESS, **nargs}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -151,7 +166,8 @@ def from_namespace(cls, ns: argparse.Namespace):
     values = dict(vars(ns))
     config_path = values.pop("config", None)
     merged = load_yaml(cls, config_path) if config_path else {}
-    merged.update({k: v for k, v in values.items() if k in _field_types(cls) and v is not None})
+    # None / [] = not given (an absent optional positional): the recipe's value stands
+    merged.update({k: v for k, v in values.items() if k in _field_types(cls) and v is not None and v != []})
     try:
         return cls(**merged)
     except (TypeError, ValueError) as e:  # a required field is missing, or __post_init__ rejected a value

@@ -1,0 +1,63 @@
+"""What every eval command writes: ``metrics.json`` (machine-readable) and ``report.md`` (a table).
+
+Both are written atomically, so a crash mid-run never leaves a half-written report over a good one.
+``metrics.json`` is the contract ``eval compare`` reads: ``{"schema_version", "command", "run",
+"config", "metrics": {name: number}, "details": {...}}``; ``metrics`` holds flat numbers only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from metachunk.artifacts import AtomicWriter
+
+SCHEMA_VERSION = 1
+
+
+def write_run(out: Path, command: str, config: dict, metrics: dict[str, float], details: dict | None = None,
+              title: str | None = None) -> dict:  # fmt: skip
+    """Write ``out/metrics.json`` and ``out/report.md``; returns the metrics.json object."""
+    out = Path(out)
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "run": out.name,
+        "config": config,
+        "metrics": metrics,
+        "details": details or {},
+    }
+    with AtomicWriter(out / "metrics.json") as f:
+        f.write(json.dumps(doc, ensure_ascii=False, indent=1, default=str) + "\n")
+    lines = [f"# {title or f'metachunk eval {command}: {out.name}'}", "", markdown_table(
+        ["metric", "value"], [[name, format_value(value)] for name, value in metrics.items()])]  # fmt: skip
+    with AtomicWriter(out / "report.md") as f:
+        f.write("\n".join(lines) + "\n")
+    return doc
+
+
+def read_run(run_dir: Path) -> dict:
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no metrics.json (not an eval run dir)")
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(doc.get("metrics"), dict):
+        raise ValueError(f"{path}: field 'metrics' is missing or not an object")
+    return doc
+
+
+def format_value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    def cell(x) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""`metachunk eval compare`: side-by-side table, bar charts, and the equal-length guard."""
+
+import json
+
+import pytest
+
+from eval.compare import CompareConfig, LengthMismatch, check_lengths, compare, run
+from eval.report import read_run, write_run
+
+
+def _runs(tmp_path, lengths):
+    dirs = []
+    for i, length in enumerate(lengths):
+        out = tmp_path / f"run{i}"
+        write_run(
+            out,
+            "qa",
+            {"chunks": f"c{i}.jsonl"},
+            {"hits@8": 0.5 + i / 10, "mrr@8": 0.25, "avg_chunk_chars": length},
+        )
+        dirs.append(out)
+    return dirs
+
+
+def test_report_round_trip(tmp_path):
+    (run_dir,) = _runs(tmp_path, [500.0])
+    doc = read_run(run_dir)
+    assert doc["metrics"] == {"hits@8": 0.5, "mrr@8": 0.25, "avg_chunk_chars": 500.0}
+    assert "| hits@8 | 0.5000 |" in (run_dir / "report.md").read_text()
+
+
+def test_side_by_side_table_and_one_png_per_metric(tmp_path):
+    dirs = _runs(tmp_path, [500.0, 520.0])
+    out = tmp_path / "cmp" / "report.md"
+    result = compare(CompareConfig(runs=dirs, out=out, labels=["fixed", "ppl"]))
+    text = out.read_text()
+    assert "| metric | fixed | ppl |" in text and "| hits@8 | 0.5000 | 0.6000 |" in text
+    assert "within 4.0%" in text
+    for name in ("hits@8", "mrr@8", "avg_chunk_chars"):
+        assert (tmp_path / "cmp" / f"report_{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(out.with_suffix(".json").read_text())["metrics"] == result["metrics"]
+
+
+def test_unequal_lengths_are_refused_unless_forced(tmp_path, capsys):
+    dirs = _runs(tmp_path, [400.0, 600.0])
+    out = tmp_path / "report.md"
+    assert run(CompareConfig(runs=dirs, out=out)) == 2
+    assert "differ by 50.0%" in capsys.readouterr().err and not out.exists()
+    assert run(CompareConfig(runs=dirs, out=out, force=True, plots=False)) == 0
+    assert out.read_text().splitlines()[2].startswith("**Forced:**")
+
+
+def test_length_guard_edges():
+    assert check_lengths({"a": 100.0, "b": 110.0}, 0.1) == pytest.approx(0.1)
+    with pytest.raises(LengthMismatch):
+        check_lengths({"a": 100.0, "b": 110.5}, 0.1)
+    assert check_lengths({"a": 100.0, "b": None}, 0.1) is None  # nothing to compare
+
+
+def test_bad_run_dir_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no metrics.json"):
+        compare(CompareConfig(runs=[tmp_path], out=tmp_path / "r.md"))
