@@ -14,13 +14,14 @@ import torch
 
 from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
 from chunking.merge import add_sentence_overlap, merge_chunks
+from chunking.moc import PLACEHOLDERS
 from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_prompt, msp_decisions
 from chunking.ppl import ppl_boundaries, score_documents
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
 from metachunk.config import check_choices, option
 
-METHODS = ("ppl", "msp", "fixed", "sentence", "semantic")
+METHODS = ("ppl", "msp", "fixed", "sentence", "semantic", "moc")
 LM_METHODS = ("ppl", "msp")
 
 
@@ -132,6 +133,36 @@ class ChunkConfig:
         "--rewrite/--summarize: decode with the models' own generation_config (sampling if it says so) "
         "instead of greedy",
     )
+    router: str | None = option(
+        None, "moc: the router (local HF dir with safetensors, chat model answering one label 0-3)"
+    )
+    experts: str | None = option(
+        None,
+        "moc: the four chunking experts, comma-separated, for granularity labels 0,1,2,3 (mean chunk "
+        "length <=120, <=150, <=180, >180 chars); the same dir may repeat",
+    )
+    moc_placeholder: str = option(
+        "[MASK]",
+        "moc: the placeholder between head and tail in the experts' answers (as they were trained)",
+        choices=list(PLACEHOLDERS),
+    )
+    moc_window_chars: int = option(
+        1024, "moc: characters per window sent to router and expert (cut at sentence ends)"
+    )
+    moc_temperature: float = option(0.1, "moc: experts' sampling temperature")
+    moc_top_p: float = option(0.1, "moc: experts' nucleus sampling top-p")
+    moc_retries: int = option(
+        2,
+        "moc: retries of a window whose answer is no JSON list or matches nothing (each adds 0.4 to "
+        "temperature and top-p); then the window falls back to PPL chunking",
+    )
+    moc_max_new_tokens: int = option(512, "moc: most new tokens of an expert's answer")
+    moc_max_ratio: float = option(
+        0.1, "moc: most edits, as a share of its length, for a head or tail found by edit distance"
+    )
+    moc_fallback_model: str | None = option(
+        None, "moc: model for the PPL fallback (threshold --threshold, default 0.5); default the router"
+    )
 
     def __post_init__(self):
         check_choices(self)
@@ -151,12 +182,25 @@ class ChunkConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_context < 16:
             raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
+        if self.method == "moc":
+            if not (self.router and self.experts):
+                raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
+            if len([e for e in self.experts.split(",") if e.strip()]) != 4:
+                raise ValueError("--experts takes 4 model dirs separated by commas (granularity 0,1,2,3)")
+            if self.moc_window_chars < 64 or self.moc_retries < 0 or self.moc_max_new_tokens < 1:
+                raise ValueError(
+                    "--moc-window-chars must be >= 64, --moc-retries >= 0, --moc-max-new-tokens >= 1"
+                )
+            if not (self.moc_temperature > 0 and 0 < self.moc_top_p <= 1 and 0 <= self.moc_max_ratio < 1):
+                raise ValueError(
+                    "--moc-temperature must be > 0, --moc-top-p in (0, 1], --moc-max-ratio in [0, 1)"
+                )
 
     @property
     def effective_threshold(self) -> float:
         if self.threshold is not None:
             return self.threshold
-        if self.method == "ppl":
+        if self.method in ("ppl", "moc"):  # moc: its PPL fallback
             return 0.0 if self.target_len else 0.5
         return 95.0 if self.method == "semantic" else 0.0
 
@@ -192,6 +236,11 @@ class Chunker:
         self.cfg = cfg
         self.model = self.tokenizer = self._embed = None
         self._scorers: dict[str, MarginScorer] = {}
+        self.moc = None
+        if cfg.method == "moc":
+            from chunking.moc import MocChunker
+
+            self.moc = MocChunker.from_config(cfg)
         if cfg.method in LM_METHODS:
             from metachunk.models import load_causal_lm
 
@@ -207,7 +256,10 @@ class Chunker:
 
     @property
     def prompt_sha256(self) -> dict[str, str]:
-        return {s.prompt.name: s.prompt.sha256 for s in self._scorers.values()}
+        shas = {s.prompt.name: s.prompt.sha256 for s in self._scorers.values()}
+        if self.moc is not None:
+            shas.update(self.moc.prompt_sha256)
+        return shas
 
     def _scorer(self, lang: str) -> MarginScorer:
         if lang not in self._scorers:
@@ -257,6 +309,11 @@ class Chunker:
                 for k, res in zip(idx, results):
                     out[k].sentences = _with_scores(out[k].sentences, res.margins)
                     out[k].boundaries, out[k].thresholds = res.boundaries, res.thresholds
+        elif cfg.method == "moc":
+            for d, spans in zip(out, self.moc.chunk_documents(texts, langs, sentences)):
+                d.chunks = [Chunk.span(d.text, a, b) for a, b in spans]
+                index_by_end = {s.end: i for i, s in enumerate(d.sentences)}
+                d.boundaries = [index_by_end[c.end] for c in d.chunks[:-1] if c.end in index_by_end]
         elif cfg.method == "semantic":
             for d in out:
                 chunks, distances = semantic_chunks(d.text, d.sentences, self._embed, percentile=theta)
@@ -272,7 +329,8 @@ class Chunker:
             if cfg.method == "sentence":
                 d.chunks = sentence_chunks(d.text, d.sentences, cfg.target_len, unit, self.tokenizer)
                 continue
-            d.chunks = chunks_from_boundaries(d.text, d.sentences, d.boundaries)
+            if cfg.method != "moc":
+                d.chunks = chunks_from_boundaries(d.text, d.sentences, d.boundaries)
             if cfg.target_len:
                 d.chunks = merge_chunks(d.text, d.chunks, cfg.target_len, unit, self.tokenizer)
             if cfg.overlap:

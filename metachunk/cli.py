@@ -92,12 +92,21 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     }
     if students:  # which rewriter / summarizer (path), prompt versions, context and decoding settings
         manifest["students"] = students.manifest()
+    if getattr(chunker, "moc", None) is not None:  # router/experts, retries, PPL fallbacks, recovery counts
+        manifest["moc"] = chunker.moc.manifest()
     write_json(Path(cfg.output).with_suffix(".meta.json"), manifest)
     print(
         f"{cfg.output}: {n_docs} documents, {n_chunks} chunks, mean {summary['mean_chunk_chars']} chars/chunk, "
         f"{seconds:.1f}s",
         file=sys.stderr,
     )
+    if "moc" in manifest:
+        moc = manifest["moc"]
+        print(
+            f"  moc: {moc['windows']} windows, routes {moc['routes']}, {moc['retried']} retries, "
+            f"{moc['fallback']['windows']} PPL fallbacks, {moc['recovery']['skipped']} elements skipped",
+            file=sys.stderr,
+        )
     for task, run in manifest.get("students", {}).items():
         print(
             f"  {task} ({run['model']}): '{run['field']}' on {run['chunks']} chunks, {run['new_tokens']} new "

@@ -1,0 +1,675 @@
+"""Mixture-of-Chunkers inference (MoC §3.2): a router picks one of four chunking experts per
+window of text; the expert writes a JSON list of ``head[MASK]tail`` rules; the rules are recovered
+against the text as exact spans.
+
+``metachunk chunk --method moc --router DIR --experts DIR0,DIR1,DIR2,DIR3``
+
+* **Prompts** (one home, shared with training): ``chunking/prompts/moc_router.{lang}.txt`` and
+  ``moc_expert.{lang}.txt`` in the ``<<<system>>>/<<<user>>>`` format of the students' prompts
+  (their sha256 is their version). :func:`router_messages` and :func:`expert_messages` build the
+  chat messages; ``data build-sft moc-router`` / ``moc-expert`` build training rows with the same
+  functions, so the prompt at inference is the training prompt byte for byte.
+* **Router** (Eq. 5): a causal LM fine-tuned to answer one label token ``"0".."3"`` (granularity
+  bins of the mean chunk length: ≤120, ≤150, ≤180, >180 characters, :func:`granularity_label`).
+  The label is the argmax of the logits of the four label tokens at the first generated position
+  (:func:`router_label`); nothing is generated.
+* **Experts**: causal LMs fine-tuned to answer a JSON list of ``head{placeholder}tail`` strings,
+  decoded with sampling at temperature 0.1, top-p 0.1 (the paper's low-randomness setting). An
+  answer that is not a JSON list of strings, or of which no element can be found in the text, is
+  retried (each retry adds 0.4 to temperature and top-p, capped at 1); after the last retry the
+  window is chunked by PPL chunking (:mod:`chunking.ppl`) with the router's model or
+  ``--moc-fallback-model`` and counted in the run's ``.meta.json``.
+* **Recovery** (§3.2.4, :func:`recover_spans`): each element is split at the placeholder and
+  ``re.escape(head) + ".*?" + re.escape(tail)`` (DOTALL, shortest) is searched in the text after
+  the previous match. When that fails, head and tail are found by edit distance
+  (:func:`chunking.align.locate`, at most ``max_ratio`` = 10% edits, as in Appendix A.3, and
+  at least one edit for anchors of 8 characters or more).
+  Elements found nowhere are skipped and counted. Chunks start where the recovered elements start
+  and tile the window (:func:`tile`): text before the first match joins the first chunk, text
+  between or after matches joins the chunk before it, so ``chunk.text == doc[start:end]``.
+* **Windows** (Appendix A.3's sliding window with chunk buffer): a document longer than
+  ``window_chars`` is processed window by window, cut at sentence ends
+  (:func:`chunking.sentences.split_sentences`); the last chunk of each window (when shorter than
+  half a window) is carried over as the start of the next window and chunked again there.
+  Documents advance in lockstep, so the router and each expert see batches of windows.
+
+Weights load from safetensors only (:func:`chunking.students.student_dir`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import json
+import re
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+
+from chunking.align import locate
+from chunking.students import Prompt, check_lang, parse_prompt, student_dir
+from chunking.types import Sentence
+
+# The paper's eight placeholders for the omitted middle of a chunk (§3.2.3, Table 2); [MASK] is
+# the one its experiments use.
+PLACEHOLDERS = ("[MASK]", "<omitted>", "<ellipsis>", "[ELLIPSIS]", ".*?", "<...>", "<.*>", "<pad>")
+DEFAULT_PLACEHOLDER = "[MASK]"
+ROUTER_LABELS = ("0", "1", "2", "3")
+# Upper bounds (characters) of the mean chunk length of granularity labels 0, 1, 2 (§3.2.2).
+GRANULARITY_BOUNDS = (120, 150, 180)
+DEFAULT_WINDOW_CHARS = 1024
+DEFAULT_TEMPERATURE = 0.1
+DEFAULT_TOP_P = 0.1
+DEFAULT_RETRIES = 2
+DEFAULT_MAX_NEW_TOKENS = 512
+DEFAULT_MAX_RATIO = 0.1
+RETRY_STEP = 0.4  # added to temperature and top-p on each retry
+MIN_TYPO_CHARS = 8  # anchors at least this long may always have one edit
+
+# ------------------------------------------------------------------------------------- prompts
+
+
+@cache
+def load_moc_prompt(role: str, lang: str) -> Prompt:
+    """``moc_router`` / ``moc_expert`` prompt file of ``lang`` (zh, en)."""
+    if role not in ("router", "expert"):
+        raise ValueError(f"unknown MoC prompt {role!r}; have router, expert")
+    check_lang(lang)
+    resource = files("chunking") / "prompts" / f"moc_{role}.{lang}.txt"
+    return parse_prompt(f"moc_{role}", lang, resource.read_bytes(), resource)
+
+
+def router_messages(text: str, lang: str) -> list[dict]:
+    """The router's prompt for ``text`` (about 1024 characters): [system, user] messages. The
+    answer it is trained on is one of :data:`ROUTER_LABELS`."""
+    return load_moc_prompt("router", lang).messages(text=text)
+
+
+def expert_messages(text: str, lang: str, placeholder: str = DEFAULT_PLACEHOLDER) -> list[dict]:
+    """An expert's prompt for ``text``: [system, user] messages (the paper's Table 7 prompt). The
+    answer it is trained on is a JSON list of ``head + placeholder + tail`` strings
+    (:func:`format_elements`)."""
+    check_placeholder(placeholder)
+    return load_moc_prompt("expert", lang).messages(text=text, placeholder=placeholder)
+
+
+def check_placeholder(placeholder: str) -> None:
+    if placeholder not in PLACEHOLDERS:
+        raise ValueError(f"unknown placeholder {placeholder!r}; have {', '.join(PLACEHOLDERS)}")
+
+
+def granularity_label(mean_chunk_chars: float) -> int:
+    """The router label (0..3) of a text whose chunks average ``mean_chunk_chars`` characters:
+    (0, 120] -> 0, (120, 150] -> 1, (150, 180] -> 2, (180, inf) -> 3."""
+    return bisect.bisect_left(GRANULARITY_BOUNDS, mean_chunk_chars)
+
+
+def format_elements(heads_tails: Sequence[tuple[str, str]], placeholder: str = DEFAULT_PLACEHOLDER) -> str:
+    """The expert's answer for (head, tail) pairs: a JSON list of ``head + placeholder + tail``
+    (non-ASCII kept as is)."""
+    check_placeholder(placeholder)
+    return json.dumps([h + placeholder + t for h, t in heads_tails], ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------------- router
+
+
+def label_token_ids(tokenizer) -> list[int]:
+    """Token id of each router label; each label must be one token of its own."""
+    ids = []
+    for label in ROUTER_LABELS:
+        pieces = tokenizer.encode(label, add_special_tokens=False)
+        if len(pieces) != 1:
+            raise ValueError(f"router label {label!r} is {len(pieces)} tokens for this tokenizer; need 1")
+        ids.append(pieces[0])
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"router labels share token ids: {ids}")
+    return ids
+
+
+def router_label(logits, label_ids: Sequence[int]) -> int:
+    """Eq. 5: argmax over the logits of the label tokens at the first generated position.
+    ``logits``: one row (vocabulary) or a batch of rows; returns the label index (0..3), or a list."""
+    import torch
+
+    logits = torch.as_tensor(logits)
+    picked = logits[..., list(label_ids)]
+    best = picked.argmax(dim=-1)
+    return best.tolist() if best.ndim else int(best)
+
+
+# ------------------------------------------------------------------------------------- answers
+
+
+def parse_expert_answer(answer: str) -> list[str] | None:
+    """The expert's JSON list of strings, or None when the answer holds none.
+
+    Tolerates text around the list (a code fence, a preamble): the outermost ``[ ... ]`` is parsed.
+    A list with a non-string element, or an empty list, is invalid.
+    """
+    first, last = answer.find("["), answer.rfind("]")
+    if first < 0 or last <= first:
+        return None
+    try:
+        value = json.loads(answer[first : last + 1])
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
+        return None
+    return value
+
+
+def split_element(element: str, placeholder: str = DEFAULT_PLACEHOLDER) -> tuple[str, str]:
+    """(head, tail) of an element, whitespace around the placeholder dropped. An element without
+    the placeholder is a whole chunk quoted in full (head = element, tail = "")."""
+    head, sep, rest = element.partition(placeholder)
+    if not sep:
+        return element.strip(), ""
+    tail = rest.rpartition(placeholder)[2]  # a repeated placeholder: the tail follows the last
+    return head.strip(), tail.strip()
+
+
+# ------------------------------------------------------------------------------------- recovery
+
+
+@dataclass
+class RecoveryStats:
+    """How the elements of expert answers were recovered."""
+
+    elements: int = 0
+    exact: int = 0  # found without edits (the head.*?tail pattern, or head and tail overlapping)
+    fuzzy: int = 0  # head and/or tail found by edit distance
+    skipped: int = 0  # found nowhere (or empty)
+
+    def add(self, other: RecoveryStats) -> None:
+        self.elements += other.elements
+        self.exact += other.exact
+        self.fuzzy += other.fuzzy
+        self.skipped += other.skipped
+
+    def to_json(self) -> dict:
+        return {"elements": self.elements, "exact": self.exact, "fuzzy": self.fuzzy, "skipped": self.skipped}
+
+
+def recover_spans(
+    text: str,
+    elements: Sequence[str],
+    placeholder: str = DEFAULT_PLACEHOLDER,
+    max_ratio: float = DEFAULT_MAX_RATIO,
+) -> tuple[list[tuple[int, int]], RecoveryStats]:
+    """Spans ``(start, end)`` of ``text`` matched by the elements, in order, and how.
+
+    Each element is matched after the end of the previous match: first exactly
+    (``head.*?tail``, DOTALL, shortest), else head and tail by edit distance (at most
+    ``max_ratio`` of their length in edits), the tail searched from the head on (a short chunk's
+    head and tail may overlap). Spans are non-overlapping and increasing.
+    """
+    stats = RecoveryStats(elements=len(elements))
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for element in elements:
+        head, tail = split_element(element, placeholder)
+        if not head and not tail:
+            stats.skipped += 1
+            continue
+        pattern = re.compile(re.escape(head) + ".*?" + re.escape(tail), re.DOTALL)
+        m = pattern.search(text, cursor)
+        if m is not None and m.end() > m.start():
+            spans.append((m.start(), m.end()))
+            cursor = m.end()
+            stats.exact += 1
+            continue
+        found = _fuzzy_span(text, head, tail, cursor, max_ratio)
+        if found is None:
+            stats.skipped += 1
+            continue
+        span, distance = found
+        spans.append(span)
+        cursor = span[1]
+        if distance:
+            stats.fuzzy += 1
+        else:  # exact, but head and tail overlap (a chunk shorter than both)
+            stats.exact += 1
+    return spans, stats
+
+
+def _edit_ratio(fragment: str, max_ratio: float) -> float:
+    """``max_ratio``, but at least one edit for an anchor of :data:`MIN_TYPO_CHARS` or more (10%
+    of a 9-character anchor would allow no typo at all)."""
+    if len(fragment) >= MIN_TYPO_CHARS:
+        return max(max_ratio, 1.0 / len(fragment))
+    return max_ratio
+
+
+def _fuzzy_span(
+    text: str, head: str, tail: str, cursor: int, max_ratio: float
+) -> tuple[tuple[int, int], int] | None:
+    """((start, end), edits) of an element the pattern missed, or None."""
+    distance = 0
+    if head:
+        h = locate(head, text, cursor, max_ratio=_edit_ratio(head, max_ratio))
+        if h is None or h.end <= h.start:
+            return None
+        start, head_end, distance = h.start, h.end, h.distance
+    else:
+        start = head_end = cursor
+    if not tail:
+        return ((start, head_end), distance) if head_end > start else None
+    # The tail ends at or after the head's end; it may overlap the head (short chunks).
+    t = locate(tail, text, max(start, head_end - len(tail)), max_ratio=_edit_ratio(tail, max_ratio))
+    if t is None or t.end < head_end or t.end <= start:
+        return None
+    return (start, t.end), distance + t.distance
+
+
+def tile(length: int, starts: Sequence[int]) -> list[tuple[int, int]]:
+    """Spans tiling ``[0, length)`` that begin at ``starts`` (0 always; out-of-range and repeated
+    starts dropped): text before the first start joins the first chunk, every other gap the chunk
+    before it."""
+    if length <= 0:
+        return []
+    cuts = sorted({s for s in starts if 0 < s < length})
+    edges = [0, *cuts, length]
+    return list(zip(edges, edges[1:]))
+
+
+def recover_chunks(
+    text: str,
+    elements: Sequence[str],
+    placeholder: str = DEFAULT_PLACEHOLDER,
+    max_ratio: float = DEFAULT_MAX_RATIO,
+) -> tuple[list[tuple[int, int]], RecoveryStats]:
+    """Chunks ``(start, end)`` tiling ``text``, one starting at each recovered element."""
+    spans, stats = recover_spans(text, elements, placeholder, max_ratio)
+    return tile(len(text), [s for s, _ in spans]), stats
+
+
+# ------------------------------------------------------------------------------------- windows
+
+
+def window_end(sentences: Sequence[Sentence], ends: Sequence[int], start: int, after: int, limit: int) -> int:
+    """End of the window beginning at ``start``: the last sentence end within ``limit`` characters
+    of ``start``, but past ``after`` (the previous window's end, so every window brings new text);
+    the first sentence end past ``after`` when none fits. ``ends``: the sentences' ends, sorted."""
+    first = bisect.bisect_right(ends, max(start, after))
+    if first >= len(ends):
+        return sentences[-1].end if sentences else start
+    last = bisect.bisect_right(ends, start + limit) - 1
+    return ends[max(first, last)]
+
+
+@dataclass
+class _Doc:
+    text: str
+    lang: str
+    ends: list[int]
+    sentences: Sequence[Sentence]
+    pos: int = 0  # where the next window starts (a carried-over chunk's start)
+    prev_end: int = 0  # the previous window's end
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.text)
+
+
+@dataclass
+class _Window:
+    doc: _Doc
+    start: int
+    end: int
+    label: int = -1
+    elements: list[str] | None = None
+    spans: list[tuple[int, int]] | None = None  # chunks, window coordinates
+
+    @property
+    def text(self) -> str:
+        return self.doc.text[self.start : self.end]
+
+
+# ------------------------------------------------------------------------------------- chunker
+
+
+@dataclass
+class MocSettings:
+    router: str
+    experts: tuple[str, str, str, str]
+    placeholder: str = DEFAULT_PLACEHOLDER
+    window_chars: int = DEFAULT_WINDOW_CHARS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    retries: int = DEFAULT_RETRIES
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_ratio: float = DEFAULT_MAX_RATIO
+    fallback_model: str | None = None  # PPL fallback; None: the router's model
+    fallback_threshold: float = 0.5
+    max_context: int = 4096
+    batch_size: int = 8
+    device: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_placeholder(self.placeholder)
+        if len(self.experts) != len(ROUTER_LABELS):
+            raise ValueError(
+                f"MoC needs {len(ROUTER_LABELS)} experts (one per granularity), got {len(self.experts)}"
+            )
+        if self.retries < 0 or self.window_chars < 64 or self.max_new_tokens < 1:
+            raise ValueError("retries must be >= 0, window_chars >= 64, max_new_tokens >= 1")
+        if not (0 < self.temperature and 0 < self.top_p <= 1):
+            raise ValueError("temperature must be > 0 and top_p in (0, 1]")
+
+
+def parse_experts(value: str | Sequence[str]) -> tuple[str, str, str, str]:
+    """``"d0,d1,d2,d3"`` (or a list) -> the four expert dirs, label 0 first."""
+    items = [x.strip() for x in (value.split(",") if isinstance(value, str) else value)]
+    if len(items) != len(ROUTER_LABELS) or not all(items):
+        raise ValueError(
+            f"--experts takes {len(ROUTER_LABELS)} model dirs separated by commas (granularity 0..3), "
+            f"got {value!r}"
+        )
+    return tuple(items)  # type: ignore[return-value]
+
+
+class _LM:
+    """A loaded chat model (router / expert / fallback), shared by every role that names its path."""
+
+    def __init__(self, path: Path, device: str | None, dtype: str):
+        from metachunk.models import ModelNotFoundError, load_causal_lm
+
+        started = time.perf_counter()
+        self.path = path
+        self.model, self.tokenizer = load_causal_lm(
+            str(path), device=device, dtype=dtype, use_safetensors=True
+        )
+        self.load_seconds = time.perf_counter() - started
+        tok = self.tokenizer
+        if not tok.chat_template:
+            raise ModelNotFoundError(f"{path} has no chat template; MoC models are trained on chat messages")
+        tok.padding_side = "left"
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if eos is not None else tok.eos_token_id
+        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def batches(self, prompts: Sequence[list[dict]], batch_size: int):
+        """(indices, input_ids, attention_mask) per batch, longest prompts first, padded left."""
+        ids = [self.encode(p) for p in prompts]
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        for first in range(0, len(order), batch_size):
+            batch = order[first : first + batch_size]
+            padded = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
+            yield (
+                batch,
+                padded["input_ids"].to(self.model.device),
+                padded["attention_mask"].to(self.model.device),
+            )
+
+
+class MocChunker:
+    """Router + four experts, loaded once (each distinct model dir once; experts on first use)."""
+
+    def __init__(self, settings: MocSettings):
+        self.s = settings
+        # Every dir is checked (safetensors present) before any model loads.
+        self.router_path = student_dir(settings.router).resolve()
+        self.expert_paths = [student_dir(e).resolve() for e in settings.experts]
+        self.fallback_path = (
+            student_dir(settings.fallback_model).resolve() if settings.fallback_model else self.router_path
+        )
+        self._models: dict[Path, _LM] = {}
+        self.router = self._lm(self.router_path)
+        self.label_ids = label_token_ids(self.router.tokenizer)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the run's counters (models stay loaded)."""
+        self.routes = Counter()
+        self.recovery = RecoveryStats()
+        self.windows = self.attempts = self.retried = self.invalid_json = self.unrecovered = 0
+        self.fallback_windows = self.carried = 0
+        self.new_tokens = 0
+        self.seconds = {"router": 0.0, "experts": 0.0, "fallback": 0.0, "recovery": 0.0}
+        self.prompt_sha256: dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> MocChunker:
+        """The MoC chunker a :class:`~chunking.pipeline.ChunkConfig` asks for."""
+        if not cfg.router or not cfg.experts:
+            raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
+        return cls(
+            MocSettings(
+                router=cfg.router,
+                experts=parse_experts(cfg.experts),
+                placeholder=cfg.moc_placeholder,
+                window_chars=cfg.moc_window_chars,
+                temperature=cfg.moc_temperature,
+                top_p=cfg.moc_top_p,
+                retries=cfg.moc_retries,
+                max_new_tokens=cfg.moc_max_new_tokens,
+                max_ratio=cfg.moc_max_ratio,
+                fallback_model=cfg.moc_fallback_model,
+                fallback_threshold=cfg.effective_threshold,
+                max_context=cfg.max_context,
+                batch_size=cfg.batch_size,
+                device=cfg.device,
+                dtype=cfg.dtype,
+            )
+        )
+
+    def _lm(self, path: Path) -> _LM:
+        if path not in self._models:
+            self._models[path] = _LM(path, self.s.device, self.s.dtype)
+        return self._models[path]
+
+    def _note_prompt(self, role: str, lang: str) -> None:
+        p = load_moc_prompt(role, lang)
+        self.prompt_sha256[f"{p.name}.{p.lang}"] = p.sha256
+
+    # ---------------------------------------------------------------------------------- steps
+
+    def route(self, texts: Sequence[str], langs: Sequence[str]) -> list[int]:
+        """Router label (0..3) of each text: one forward pass, no generation."""
+        import torch
+
+        started = time.perf_counter()
+        lm = self.router
+        labels = [0] * len(texts)
+        for lang in set(langs):
+            self._note_prompt("router", lang)
+        prompts = [router_messages(t, lang) for t, lang in zip(texts, langs)]
+        for batch, input_ids, mask in lm.batches(prompts, self.s.batch_size):
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real positions
+            with torch.inference_mode():
+                logits = lm.model(
+                    input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=1
+                ).logits[:, -1, :]
+            for i, label in zip(batch, router_label(logits.float(), self.label_ids)):
+                labels[i] = label
+        self.seconds["router"] += time.perf_counter() - started
+        return labels
+
+    def sampling(self, attempt: int) -> tuple[float, float]:
+        """(temperature, top_p) of attempt 0 (the settings) and of each retry (+0.4 each, at most 1)."""
+        if attempt == 0:
+            return self.s.temperature, self.s.top_p
+        step = RETRY_STEP * attempt
+        return min(1.0, self.s.temperature + step), min(1.0, self.s.top_p + step)
+
+    def generate(self, lm: _LM, prompts: Sequence[list[dict]], attempt: int) -> list[str]:
+        """One sampled answer per prompt (new text only)."""
+        import torch
+
+        temperature, top_p = self.sampling(attempt)
+        config = copy.deepcopy(lm.model.generation_config)
+        config.do_sample = True
+        config.temperature, config.top_p = temperature, top_p
+        for name in ("top_k", "min_p", "typical_p"):
+            if hasattr(config, name):
+                setattr(config, name, None)
+        config.max_new_tokens = self.s.max_new_tokens
+        config.num_beams = 1
+        if config.pad_token_id is None:
+            config.pad_token_id = lm.tokenizer.pad_token_id
+        answers = [""] * len(prompts)
+        for batch, input_ids, mask in lm.batches(prompts, self.s.batch_size):
+            torch.manual_seed(self.s.seed + attempt)
+            with torch.inference_mode():
+                out = lm.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            for row, i in zip(out[:, input_ids.shape[1] :].tolist(), batch):
+                stop = next((k for k, t in enumerate(row) if t in lm.stop_ids), len(row))
+                self.new_tokens += stop
+                answers[i] = lm.tokenizer.decode(row[:stop], skip_special_tokens=True).strip()
+        return answers
+
+    def expert_chunks(self, windows: Sequence[_Window]) -> None:
+        """Fill ``spans`` of each window (with its ``label`` set) from its expert; windows whose
+        expert never gives a usable answer keep ``spans = None``."""
+        by_label: dict[int, list[_Window]] = {}
+        for w in windows:
+            by_label.setdefault(w.label, []).append(w)
+        for label, group in sorted(by_label.items()):
+            lm = self._lm(self.expert_paths[label])
+            pending = group
+            for attempt in range(self.s.retries + 1):
+                if not pending:
+                    break
+                if attempt:
+                    self.retried += len(pending)
+                self.attempts += len(pending)
+                for lang in {w.doc.lang for w in pending}:
+                    self._note_prompt("expert", lang)
+                started = time.perf_counter()
+                answers = self.generate(
+                    lm, [expert_messages(w.text, w.doc.lang, self.s.placeholder) for w in pending], attempt
+                )
+                self.seconds["experts"] += time.perf_counter() - started
+                started = time.perf_counter()
+                still = []
+                for w, answer in zip(pending, answers):
+                    elements = parse_expert_answer(answer)
+                    if elements is None:
+                        self.invalid_json += 1
+                        still.append(w)
+                        continue
+                    spans, stats = recover_spans(w.text, elements, self.s.placeholder, self.s.max_ratio)
+                    self.recovery.add(stats)
+                    if not spans:
+                        self.unrecovered += 1
+                        still.append(w)
+                        continue
+                    w.elements = elements
+                    w.spans = tile(len(w.text), [a for a, _ in spans])
+                self.seconds["recovery"] += time.perf_counter() - started
+                pending = still
+
+    def ppl_chunks(self, windows: Sequence[_Window]) -> None:
+        """PPL chunking of each window (the fallback), with the fallback model."""
+        from chunking.ppl import ppl_boundaries, score_documents
+        from chunking.sentences import split_sentences
+        from chunking.types import chunks_from_boundaries
+
+        if not windows:
+            return
+        started = time.perf_counter()
+        lm = self._lm(self.fallback_path)
+        texts = [w.text for w in windows]
+        sentences = [split_sentences(t, w.doc.lang) for t, w in zip(texts, windows)]
+        scores = score_documents(
+            lm.model, lm.tokenizer, texts, sentences, self.s.max_context, self.s.batch_size
+        )
+        for w, t, sents, ppl in zip(windows, texts, sentences, scores):
+            chunks = chunks_from_boundaries(t, sents, ppl_boundaries(ppl, self.s.fallback_threshold))
+            w.spans = [(c.start, c.end) for c in chunks] or tile(len(t), [0])
+        self.fallback_windows += len(windows)
+        self.seconds["fallback"] += time.perf_counter() - started
+
+    # ---------------------------------------------------------------------------------- documents
+
+    def chunk_documents(
+        self, texts: Sequence[str], langs: Sequence[str], sentences: Sequence[Sequence[Sentence]]
+    ) -> list[list[tuple[int, int]]]:
+        """Chunks ``(start, end)`` tiling each document, the documents processed in lockstep."""
+        docs = [
+            _Doc(t, lang, [s.end for s in sents], sents, pos=0 if sents else len(t))
+            for t, lang, sents in zip(texts, langs, sentences)
+        ]
+        half = self.s.window_chars // 2
+        while active := [d for d in docs if not d.done]:
+            windows = []
+            for d in active:
+                end = window_end(d.sentences, d.ends, d.pos, d.prev_end, self.s.window_chars)
+                windows.append(_Window(d, d.pos, end))
+            self.windows += len(windows)
+            for w, label in zip(
+                windows, self.route([w.text for w in windows], [w.doc.lang for w in windows])
+            ):
+                w.label = label
+                self.routes[label] += 1
+            self.expert_chunks(windows)
+            self.ppl_chunks([w for w in windows if w.spans is None])
+            for w in windows:
+                d = w.doc
+                spans = [(w.start + a, w.start + b) for a, b in w.spans]
+                d.prev_end = w.end
+                last_start = spans[-1][0]
+                if w.end < len(d.text) and last_start > w.start and w.end - last_start <= half:
+                    d.chunks.extend(spans[:-1])  # the chunk buffer: the last chunk starts the next window
+                    d.pos = last_start
+                    self.carried += 1
+                else:
+                    d.chunks.extend(spans)
+                    d.pos = w.end
+        return [d.chunks for d in docs]  # a blank document (no sentences) has no chunks
+
+    def manifest(self) -> dict:
+        """What the run's ``.meta.json`` records about the MoC run."""
+        temperature, top_p = self.sampling(0)
+        models = {str(p): lm for p, lm in self._models.items()}
+        return {
+            "router": {"model": self.s.router, "path": str(self.router_path)},
+            "experts": [
+                {"label": k, "model": e, "path": str(p), "loaded": str(p) in models}
+                for k, (e, p) in enumerate(zip(self.s.experts, self.expert_paths))
+            ],
+            "prompt_sha256": dict(sorted(self.prompt_sha256.items())),
+            "placeholder": self.s.placeholder,
+            "window_chars": self.s.window_chars,
+            "generation": {
+                "do_sample": True,
+                "temperature": temperature,
+                "top_p": top_p,
+                "max_new_tokens": self.s.max_new_tokens,
+                "retries": self.s.retries,
+                "retry_sampling": [self.sampling(k) for k in range(1, self.s.retries + 1)],
+                "seed": self.s.seed,
+            },
+            "max_edit_ratio": self.s.max_ratio,
+            "fallback": {
+                "method": "ppl",
+                "model": self.s.fallback_model or self.s.router,
+                "threshold": self.s.fallback_threshold,
+                "windows": self.fallback_windows,
+            },
+            "windows": self.windows,
+            "carried_over": self.carried,
+            "routes": {str(k): self.routes.get(k, 0) for k in range(len(ROUTER_LABELS))},
+            "expert_attempts": self.attempts,
+            "retried": self.retried,
+            "invalid_json": self.invalid_json,
+            "unrecovered_answers": self.unrecovered,
+            "recovery": self.recovery.to_json(),
+            "new_tokens": self.new_tokens,
+            "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
+            "load_seconds": {str(p): round(lm.load_seconds, 2) for p, lm in self._models.items()},
+        }
