@@ -1,0 +1,82 @@
+"""QA answer metrics as local Hugging Face ``evaluate`` modules (no Hub script downloads).
+
+Each folder here is one metric script, loadable anywhere with ``evaluate.load(metric_path(name))``
+(or ``evaluate.load("/abs/path/eval/metrics/NAME")``); its description says exactly which
+reference it reproduces:
+
+* ``crud_bleu``: CRUD-RAG BLEU-1..4 / BLEU-avg (NMT ``compute_bleu``, jieba tokens for zh, 13a for en).
+* ``rouge_l``: ROUGE-L F via ``rouge-score``, jieba tokens for zh.
+* ``bertscore``: BERTScore via ``bert-score`` with a local encoder, no baseline download.
+* ``embedding_similarity``: sentence-embedding cosine, what CRUD-RAG's code calls "bertScore".
+* ``longbench_f1``: LongBench ``qa_f1_score`` / ``qa_f1_zh_score``.
+
+:func:`qa_scores` runs them all and returns the flat means ``eval qa`` reports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+METRICS = ("crud_bleu", "rouge_l", "bertscore", "embedding_similarity", "longbench_f1")
+_HERE = Path(__file__).resolve().parent
+_LOADED: dict[str, object] = {}
+
+
+def metric_path(name: str) -> str:
+    """Absolute path of the folder holding metric ``name`` (what ``evaluate.load`` takes)."""
+    if name not in METRICS:
+        raise ValueError(f"unknown metric {name!r}; known: {', '.join(METRICS)}")
+    return str(_HERE / name)
+
+
+def load(name: str):
+    """``evaluate.load(metric_path(name), keep_in_memory=True)``, once per process.
+
+    In memory: no Arrow cache file and no file lock under ``~/.cache/huggingface/metrics``, so
+    parallel runs never wait on each other (and a failed call leaves no lock behind).
+    """
+    if name not in _LOADED:
+        import evaluate
+
+        _LOADED[name] = evaluate.load(metric_path(name), keep_in_memory=True)
+    return _LOADED[name]
+
+
+def qa_scores(
+    predictions: list[str],
+    references: list[str],
+    lang: str,
+    bertscore_model: str | None = "minilm",
+    embedder: str | None = "minilm",
+) -> dict[str, float]:
+    """Mean answer scores over the examples, as one flat dict.
+
+    Keys: ``bleu_1``..``bleu_4``, ``bleu_avg`` (CRUD-RAG BLEU, brevity penalty divided out as CRUD
+    does), ``rouge_l``, ``bertscore_precision``, ``bertscore_recall``, ``bertscore_f1`` (unless
+    ``bertscore_model`` is None), ``embedding_similarity`` (unless ``embedder`` is None) and ``f1``
+    (LongBench QA F1). ``bertscore_model`` / ``embedder``: a preset name or a local model folder.
+    """
+    if lang not in ("zh", "en"):
+        raise ValueError(f"lang must be 'zh' or 'en', not {lang!r}")
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
+    if not predictions:
+        raise ValueError("no predictions to score")
+    data = {"predictions": list(predictions), "references": list(references), "lang": lang}
+    out: dict[str, float] = {}
+    bleu = load("crud_bleu").compute(**data)
+    out.update({f"bleu_{n}": float(bleu[f"bleu_{n}"]) for n in range(1, 5)})
+    out["bleu_avg"] = float(bleu["bleu_avg"])
+    out["rouge_l"] = float(load("rouge_l").compute(**data)["rouge_l"])
+    if bertscore_model is not None:
+        bs = load("bertscore").compute(**data, model=bertscore_model)
+        out.update(
+            bertscore_precision=float(bs["precision"]),
+            bertscore_recall=float(bs["recall"]),
+            bertscore_f1=float(bs["f1"]),
+        )
+    if embedder is not None:
+        sim = load("embedding_similarity").compute(**data, model=embedder)
+        out["embedding_similarity"] = float(sim["embedding_similarity"])
+    out["f1"] = float(load("longbench_f1").compute(**data)["f1"])
+    return out
