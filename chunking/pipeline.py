@@ -21,7 +21,8 @@ from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
 from metachunk.config import check_choices, option
 
-METHODS = ("ppl", "msp", "fixed", "sentence", "semantic", "moc")
+# lumber (LumberChunker, an LLM-prompted baseline) runs in eval/lumber.py: it needs the teacher client.
+METHODS = ("ppl", "msp", "fixed", "sentence", "semantic", "moc", "lumber")
 LM_METHODS = ("ppl", "msp")
 
 
@@ -163,6 +164,36 @@ class ChunkConfig:
     moc_fallback_model: str | None = option(
         None, "moc: model for the PPL fallback (threshold --threshold, default 0.5); default the router"
     )
+    teachers: dict[str, dict] | None = option(
+        None,
+        "lumber: teacher blocks by name, as in a distill recipe (the fields of distill.teacher.TeacherConfig); "
+        "the block named by --lumber-teacher finds the content shifts. Recipe only",
+    )
+    prices: dict[str, dict] | None = option(
+        None, "lumber: USD per 1M tokens by model name, {input, output}, as in a distill recipe. Recipe only"
+    )
+    teacher_config: Path | None = option(
+        None,
+        "lumber: take 'teachers:' and 'prices:' from this YAML too (e.g. a distill recipe; its other keys "
+        "are ignored); blocks in this recipe win",
+    )
+    lumber_teacher: str = option("lumber", "lumber: name of the teacher block that finds the content shifts")
+    lumber_tokens: int = option(
+        550,
+        "lumber: token budget of one window of numbered paragraphs (or sentences) shown to the teacher; "
+        "the paper's 550, estimated as 1.2 tokens per word and 1 per CJK character",
+    )
+    lumber_retries: int = option(
+        0, "lumber: ask again this many times when an answer names no usable ID, then cut by fallback"
+    )
+    lumber_cache: Path | None = option(
+        None,
+        "lumber: answer store (SQLite, append-only; safe to share with distill runs), so a rerun pays "
+        "nothing; default answers.sqlite next to the output",
+    )
+    lumber_max_cost: float | None = option(
+        None, "lumber: stop before the total spend recorded in the answer store passes USD"
+    )
 
     def __post_init__(self):
         check_choices(self)
@@ -176,12 +207,23 @@ class ChunkConfig:
             raise ValueError("--method fixed counts characters or words, not tokens")
         for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window",
                      "student_context_chars", "student_top_k", "rewrite_max_new_tokens",
-                     "summary_max_new_tokens"):  # fmt: skip
+                     "summary_max_new_tokens", "lumber_tokens"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_context < 16:
             raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
+        if self.method == "lumber":
+            if not (self.teachers or self.teacher_config):
+                raise ValueError(
+                    "--method lumber needs a teacher: a 'teachers:' block in the recipe or --teacher-config YAML"
+                )
+            if self.target_len:
+                raise ValueError(
+                    "--method lumber takes its cuts from the teacher; --target-len does not apply"
+                )
+            if self.lumber_retries < 0:
+                raise ValueError(f"--lumber-retries must be >= 0, got {self.lumber_retries}")
         if self.method == "moc":
             if not (self.router and self.experts):
                 raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
@@ -233,6 +275,8 @@ class Chunker:
     """Loads what the configured method needs once, then chunks batches of documents."""
 
     def __init__(self, cfg: ChunkConfig):
+        if cfg.method == "lumber":  # it needs the teacher client, which chunking/ may not import
+            raise ValueError("method 'lumber' is eval.lumber.LumberChunker (metachunk chunk --method lumber)")
         self.cfg = cfg
         self.model = self.tokenizer = self._embed = None
         self._scorers: dict[str, MarginScorer] = {}

@@ -7,6 +7,7 @@ list`` stay fast and a stage never pays for another stage's imports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from itertools import islice
@@ -42,19 +43,28 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
     # Validate the whole input before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the second pass streams.
-    n_docs = sum(1 for _ in read_documents(cfg.input))
+    n_docs = n_chars = 0
+    for doc in read_documents(cfg.input):
+        n_docs, n_chars = n_docs + 1, n_chars + len(doc.text)
 
     started = time.perf_counter()
     # --rewrite/--summarize: the student model dirs are checked before any model loads.
     students = ChunkStudents.from_config(cfg, expected_docs=n_docs)
-    chunker = Chunker(cfg)
+    if cfg.method == "lumber":  # it needs the teacher client (distill/), so it lives in eval/
+        from eval.lumber import LumberChunker
+
+        chunker = LumberChunker(cfg, total_chars=n_chars)  # its own progress bar, in characters
+    else:
+        chunker = Chunker(cfg)
     load_s = time.perf_counter() - started
     n_chunks = chunk_chars = n_written = 0
     group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
     with (
         AtomicWriter(cfg.output) as out,
-        tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True) as bar,
-    ):
+        tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
+             disable=cfg.method == "lumber") as bar,
+        contextlib.closing(chunker) if cfg.method == "lumber" else contextlib.nullcontext(),
+    ):  # fmt: skip
         for docs in _batched(read_documents(cfg.input), group):
             chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
             added = students.apply(chunked) if students else [[] for _ in chunked]
@@ -94,6 +104,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         manifest["students"] = students.manifest()
     if getattr(chunker, "moc", None) is not None:  # router/experts, retries, PPL fallbacks, recovery counts
         manifest["moc"] = chunker.moc.manifest()
+    if cfg.method == "lumber":  # teacher, answer store, windows, requests sent / cached, fallbacks, cost
+        manifest["lumber"] = chunker.manifest()
     write_json(Path(cfg.output).with_suffix(".meta.json"), manifest)
     print(
         f"{cfg.output}: {n_docs} documents, {n_chunks} chunks, mean {summary['mean_chunk_chars']} chars/chunk, "
@@ -107,6 +119,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
             f"{moc['fallback']['windows']} PPL fallbacks, {moc['recovery']['skipped']} elements skipped",
             file=sys.stderr,
         )
+    if cfg.method == "lumber":
+        print(chunker.summary_line(), file=sys.stderr)
     for task, run in manifest.get("students", {}).items():
         print(
             f"  {task} ({run['model']}): '{run['field']}' on {run['chunks']} chunks, {run['new_tokens']} new "

@@ -1,0 +1,409 @@
+"""LumberChunker (Duarte et al. 2024), the LLM-prompted chunking baseline: ``chunk --method lumber``.
+
+The paper's loop (``joaodsmarques/LumberChunker``, ``Code/LumberChunker-Segmentation.py``): number
+the document's units ``ID n: <text>``, show the teacher a window of consecutive units starting at
+the current one and holding up to ``--lumber-tokens`` tokens (the paper's 550, counted there as
+1.2 tokens per word), ask for the first unit where the content clearly shifts, cut before it and
+start the next window at that unit. Here:
+
+* **Units** are the document's paragraphs (text between blank lines) when it has at least two, else
+  its sentences (:func:`chunking.sentences.split_sentences`). A paragraph over the token budget on
+  its own is replaced by its sentences, so a window always has room for a choice. Units are groups
+  of the tiled sentences, so every cut is a sentence boundary and the chunks tile the document:
+  ``chunk.text == doc[chunk.start:chunk.end]``, whitespace included. In the prompt each unit is
+  one line, its whitespace collapsed; IDs count units from 0 over the whole document.
+* **Tokens** are estimated, not counted with a tokenizer: 1.2 per whitespace-separated word (the
+  paper's rule) plus 1 per CJK character. A window holds at least two units, even when that
+  passes the budget (a single unit over it, e.g. a very long Chinese sentence).
+* **The answer** is read as the number after ``Answer:`` / ``答案：`` (with or without ``ID``), else
+  after the first ``ID``, else a bare number. It must name a unit after the window's first and
+  inside the window. Anything else (no ID, an ID at or before the first, an ID past the window,
+  a failed request) is asked again ``--lumber-retries`` times (default 0) as a fresh request, then
+  cut by the fallback: the whole window becomes a chunk (it ends at a unit boundary, so at a
+  sentence end, and holds about the token budget) and the next window starts after it. Each
+  fallback is counted by reason in the run's ``.meta.json``.
+* **The teacher** is the block named ``--lumber-teacher`` (default ``lumber``) of a ``teachers:``
+  mapping, written as in a distill recipe (:class:`distill.teacher.TeacherConfig`: any
+  OpenAI-compatible endpoint, or the local ``metachunk teacher serve`` with ``serve_preset``),
+  either inline in the chunk recipe or read from ``--teacher-config`` (a distill recipe works; its
+  other keys are ignored; inline blocks win). ``prices:`` gives the cost per model. Requests go
+  through the teacher client with its retries, rate limits and budget (``--lumber-max-cost``), and
+  every answer is kept in the answer store (``--lumber-cache``, default ``answers.sqlite`` next to
+  the output), keyed by the request and the prompt file's sha256: a rerun sends nothing.
+* **The prompt** is ``eval/prompts/lumber.{en,zh}.txt``, the paper's instruction with the window
+  after ``Document:``; its sha256 goes into the run's ``.meta.json``.
+
+Documents are chunked concurrently (each one's windows in order); the progress bar counts
+characters, with the request rate, answers from the store, fallbacks and cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+
+import yaml
+
+from chunking.pipeline import ChunkConfig, ChunkedDocument
+from chunking.sentences import detect_lang, split_sentences
+from chunking.students import Prompt, check_lang, parse_prompt
+from chunking.types import Sentence, chunks_from_boundaries
+from distill.store import AnswerStore
+from distill.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
+from metachunk import config
+from metachunk.artifacts import InputError
+from metachunk.config import option
+
+PROMPT_NAME = "lumber"
+STAGE = "lumber"  # the stage name inside this run's TeacherPool
+
+
+@cache
+def load_lumber_prompt(lang: str) -> Prompt:
+    check_lang(lang)
+    resource = files("eval") / "prompts" / f"{PROMPT_NAME}.{lang}.txt"
+    return parse_prompt(PROMPT_NAME, lang, resource.read_bytes(), resource)
+
+
+# ---------------------------------------------------------------------------------- units & windows
+
+_CJK_RE = re.compile("[\u3007\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f]")
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
+def estimate_tokens(text: str) -> int:
+    """1.2 tokens per whitespace-separated word (LumberChunker's ``count_words``), plus 1 per CJK
+    character (each counted apart from the words around it)."""
+    cjk = len(_CJK_RE.findall(text))
+    return cjk + round(1.2 * len(_CJK_RE.sub(" ", text).split()))
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Sentences ``first .. stop-1`` of the document, i.e. characters ``start .. end``."""
+
+    first: int
+    stop: int
+    start: int
+    end: int
+
+
+def _ends_paragraph(gap: str) -> bool:
+    """Whether the whitespace after a sentence holds a blank line (two line breaks, or U+2029)."""
+    if "\u2029" in gap:
+        return True
+    lines = gap.splitlines(keepends=True)
+    return sum(1 for line in lines if line and line[-1] in _LINE_BREAKS) >= 2
+
+
+def make_units(text: str, sentences: Sequence[Sentence], budget: int) -> tuple[list[Unit], str]:
+    """``(units, kind)``: paragraphs (``kind`` "paragraph") when the text has two or more, a
+    paragraph over ``budget`` tokens split into its sentences; else one unit per sentence."""
+
+    def unit(a: int, b: int) -> Unit:
+        return Unit(a, b, sentences[a].start, sentences[b - 1].end)
+
+    paragraphs, begin = [], 0
+    for i in range(1, len(sentences)):
+        prev = text[sentences[i - 1].start : sentences[i - 1].end]
+        if _ends_paragraph(prev[len(prev.rstrip()) :]):
+            paragraphs.append((begin, i))
+            begin = i
+    if sentences:
+        paragraphs.append((begin, len(sentences)))
+    if len(paragraphs) < 2:
+        return [unit(i, i + 1) for i in range(len(sentences))], "sentence"
+    units = []
+    for a, b in paragraphs:
+        if b - a > 1 and estimate_tokens(text[sentences[a].start : sentences[b - 1].end]) > budget:
+            units.extend(unit(i, i + 1) for i in range(a, b))
+        else:
+            units.append(unit(a, b))
+    return units, "paragraph"
+
+
+def unit_line(text: str, unit: Unit, number: int) -> str:
+    return f"ID {number}: {' '.join(text[unit.start : unit.end].split())}"
+
+
+def window_end(costs: Sequence[int], first: int, budget: int) -> int:
+    """Index of the window's last unit: as many units from ``first`` as fit in ``budget`` tokens,
+    and at least two (when the document has them)."""
+    last, total = first, costs[first]
+    while last + 1 < len(costs) and total + costs[last + 1] <= budget:
+        last += 1
+        total += costs[last]
+    return max(last, min(first + 1, len(costs) - 1))
+
+
+_ANSWER_RE = re.compile(r"(?:answer|答案)\s*[:：]?\s*\**\s*(?:ID\b\s*[:：#]?\s*)?(\d+)", re.IGNORECASE)
+_ID_RE = re.compile(r"\bID\s*[:：#]?\s*(\d+)", re.IGNORECASE)
+
+
+def parse_answer(text: str) -> int | None:
+    """The unit ID an answer names: after ``Answer:``/``答案：``, else after the first ``ID``, else a
+    bare number; None when there is none."""
+    match = _ANSWER_RE.search(text) or _ID_RE.search(text)
+    if match:
+        return int(match.group(1))
+    stripped = text.strip().rstrip(".。")
+    return int(stripped) if stripped.isdecimal() else None
+
+
+def judge(found: int | None, first: int, last: int) -> str:
+    """``ok`` for a usable cut, else the fallback reason."""
+    if found is None:
+        return "no_id"
+    if found <= first:
+        return "not_after_first"
+    if found > last:
+        return "out_of_window"
+    return "ok"
+
+
+# ---------------------------------------------------------------------------------------- teacher
+
+
+@dataclass
+class TeacherBlocks:
+    """What lumber reads of a recipe: the ``teachers:`` and ``prices:`` mappings of a distill recipe."""
+
+    teachers: dict[str, TeacherConfig] | None = option(None, "teacher blocks by name")
+    prices: dict[str, Price] | None = option(None, "USD per 1M prompt/completion tokens, by model name")
+
+
+def resolve_teacher(cfg: ChunkConfig) -> tuple[str, TeacherConfig, dict[str, Price]]:
+    """``(where, teacher, prices)``: the block ``cfg.lumber_teacher`` of ``--teacher-config`` and the
+    recipe's own ``teachers:`` (which win), checked with the one config loader."""
+    teachers: dict[str, TeacherConfig] = {}
+    prices: dict[str, Price] = {}
+    sources = []
+    if cfg.teacher_config is not None:
+        path = Path(cfg.teacher_config)
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except FileNotFoundError:
+            raise InputError(path, "teacher config not found") from None
+        except yaml.YAMLError as e:
+            raise InputError(path, f"invalid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(data, dict):
+            raise InputError(path, "expected a mapping with a 'teachers:' block")
+        sources.append((path, {k: data[k] for k in ("teachers", "prices") if data.get(k) is not None}))
+    inline = {k: v for k, v in (("teachers", cfg.teachers), ("prices", cfg.prices)) if v}
+    if inline:
+        sources.append(("chunk recipe", inline))
+    for where, data in sources:
+        loaded = config._fields_from_mapping(TeacherBlocks, data, where)
+        teachers.update(loaded.get("teachers") or {})
+        prices.update(loaded.get("prices") or {})
+    where = " + ".join(str(w) for w, _ in sources) or "chunk recipe"
+    if cfg.lumber_teacher not in teachers:
+        have = ", ".join(sorted(teachers)) or "none"
+        raise InputError(
+            where,
+            f"no teacher block {cfg.lumber_teacher!r} under 'teachers:' (have: {have}); "
+            "add one or pick one with --lumber-teacher",
+        )
+    return where, teachers[cfg.lumber_teacher], prices
+
+
+# ---------------------------------------------------------------------------------------- chunker
+
+
+class LumberChunker:
+    """``chunk(ids, texts)`` like :class:`chunking.pipeline.Chunker`, asking the teacher for cuts.
+
+    One event loop (an :class:`asyncio.Runner`), one teacher pool and one answer store serve every
+    batch of the run; :meth:`close` releases them. :meth:`manifest` is the run's ``lumber`` block.
+    """
+
+    def __init__(self, cfg: ChunkConfig, total_chars: int | None = None, progress: bool = True):
+        from tqdm import tqdm
+
+        self.cfg = cfg
+        self.where, self.teacher_cfg, self.prices = resolve_teacher(cfg)
+        for lang in ("en", "zh"):  # a broken prompt file fails before anything is sent
+            load_lumber_prompt(lang)
+        if cfg.lumber_cache is not None:
+            self.store_path = Path(cfg.lumber_cache)
+        elif cfg.output is not None:
+            self.store_path = Path(cfg.output).parent / "answers.sqlite"
+        else:
+            raise InputError("command line", "--method lumber needs --output or --lumber-cache")
+        self.store = AnswerStore(self.store_path)
+        self._runner: asyncio.Runner | None = asyncio.Runner()
+        try:
+            self.pool = TeacherPool({STAGE: self.teacher_cfg}, self.prices, self.store, cfg.lumber_max_cost)
+        except BaseException:
+            self._runner.close()
+            self.store.close()
+            raise
+        self.teacher = self.pool[STAGE]
+        self.spent_before = self.pool.budget.spent
+        self.langs: set[str] = set()
+        self.kinds: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+        self.documents = self.units = self.windows = self.requests = self.retries = 0
+        self.prompt_tokens = self.completion_tokens = 0
+        self.cost = 0.0  # of every answer used, from the store or paid now
+        self.seconds = 0.0
+        self.bar = tqdm(
+            total=total_chars,
+            unit="char",
+            unit_scale=True,
+            desc="chunk lumber",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
+        self._shown = 0.0
+        self._started = time.perf_counter()
+
+    @property
+    def prompt_sha256(self) -> dict[str, str]:
+        return {f"{PROMPT_NAME}.{lang}": load_lumber_prompt(lang).sha256 for lang in sorted(self.langs)}
+
+    # -- running
+
+    def chunk(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
+        if self._runner is None:
+            raise RuntimeError("LumberChunker is closed")
+        started = time.perf_counter()
+        try:
+            return self._runner.run(self._chunk_all(ids, texts))
+        except BudgetExceeded:
+            raise InputError(
+                self.store_path,
+                f"stopped before the spend recorded here passes --lumber-max-cost {self.cfg.lumber_max_cost} "
+                f"(${self.pool.budget.spent:.4f} so far); every answer is stored: rerun with a higher limit",
+            ) from None
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    async def _chunk_all(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
+        tasks = [asyncio.ensure_future(self._chunk_one(i, t)) for i, t in zip(ids, texts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _chunk_one(self, doc_id: str, text: str) -> ChunkedDocument:
+        cfg = self.cfg
+        lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
+        prompt = load_lumber_prompt(lang)
+        self.langs.add(lang)
+        sentences = split_sentences(text, cfg.lang, max_chars=cfg.max_sentence_chars)
+        units, kind = make_units(text, sentences, cfg.lumber_tokens)
+        lines = [unit_line(text, u, k) for k, u in enumerate(units)]
+        costs = [estimate_tokens(line) for line in lines]
+        starts, first, done = [], 0, 0  # units that start a chunk; current window start; chars done
+        while len(units) - first > 1:
+            last = window_end(costs, first, cfg.lumber_tokens)
+            cut = await self._ask(prompt, lines, first, last)
+            reached = units[cut].start if cut < len(units) else len(text)
+            self._advance(reached - done)
+            done = reached
+            if cut >= len(units):
+                break
+            starts.append(cut)
+            first = cut
+        self._advance(len(text) - done)
+        self.documents += 1
+        self.units += len(units)
+        if units:
+            self.kinds[kind] += 1
+        boundaries = [units[k].first - 1 for k in starts]  # sentence indices that end a chunk
+        chunks = chunks_from_boundaries(text, sentences, boundaries)
+        return ChunkedDocument(doc_id, text, lang, chunks, sentences, boundaries)
+
+    async def _ask(self, prompt: Prompt, lines: Sequence[str], first: int, last: int) -> int:
+        """The unit the next chunk starts at: the teacher's answer, else the fallback ``last + 1``."""
+        messages = prompt.messages(document="\n".join(lines[first : last + 1]))
+        self.windows += 1
+        verdict = "no_id"
+        for attempt in range(self.cfg.lumber_retries + 1):
+            answer = await self.teacher.complete(messages, prompt.sha256, attempt)
+            self.requests += 1
+            self.retries += attempt > 0
+            self.prompt_tokens += answer.spent[0]
+            self.completion_tokens += answer.spent[1]
+            self.cost += answer.spent[2]
+            if not answer.text and not answer.ok:  # transport error, or cut at max_tokens with no text
+                verdict = f"teacher_{answer.reason or answer.status}"
+                continue
+            found = parse_answer(answer.text)
+            verdict = judge(found, first, last)
+            if verdict == "ok":
+                return found
+        self.fallbacks[verdict] += 1
+        return last + 1
+
+    def _advance(self, chars: int, force: bool = False) -> None:
+        if chars:
+            self.bar.update(chars)
+        now = time.perf_counter()
+        if force or now - self._shown >= 0.5:
+            self._shown = now
+            self.bar.set_postfix_str(
+                f"{self.pool.sent / max(now - self._started, 1e-9):.1f} req/s, {self.teacher.cached} cached, "
+                f"{sum(self.fallbacks.values())} fallbacks, ${self.pool.budget.spent - self.spent_before:.4f}",
+                refresh=False,
+            )
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._advance(0, force=True)
+            try:
+                self._runner.run(self.pool.close())
+            finally:
+                self._runner.close()
+                self._runner = None
+                self.bar.close()
+                self.store.close()
+
+    # -- reporting
+
+    def manifest(self) -> dict:
+        teacher = {k: v for k, v in config.to_dict(self.teacher_cfg).items() if v is not None}
+        return {
+            "method": "LumberChunker (Duarte et al. 2024)",
+            "teacher_block": self.cfg.lumber_teacher,
+            "teacher_from": self.where,
+            "teacher": teacher,
+            "answer_store": str(self.store_path),
+            "token_budget": self.cfg.lumber_tokens,
+            "retries_allowed": self.cfg.lumber_retries,
+            "documents": self.documents,
+            "documents_by_unit": dict(self.kinds),
+            "units": self.units,
+            "windows": self.windows,
+            "requests": self.requests,
+            "retries": self.retries,
+            "requests_sent": self.pool.sent,
+            "answers_from_store": self.teacher.cached,
+            "fallbacks": {"total": sum(self.fallbacks.values()), **dict(sorted(self.fallbacks.items()))},
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cost": round(self.cost, 6),
+            "tokens_paid": self.teacher.tokens_used,
+            "cost_paid": round(self.pool.budget.spent - self.spent_before, 6),
+            "seconds": round(self.seconds, 2),
+        }
+
+    def summary_line(self) -> str:
+        m = self.manifest()
+        return (
+            f"  lumber ({self.teacher_cfg.model}): {m['windows']} windows, {m['requests_sent']} requests sent, "
+            f"{m['answers_from_store']} answers from the store, {m['fallbacks']['total']} fallbacks, "
+            f"{m['prompt_tokens'] + m['completion_tokens']:,} tokens, ${m['cost']:.4f} "
+            f"(paid now: {m['tokens_paid']:,} tokens, ${m['cost_paid']:.4f})"
+        )
