@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
 from chunking.students import (  # the students' context, shared with the chunker's inference
     CONTEXT_SEPARATOR,
     context_from_spans,  # noqa: F401  (re-exported)
@@ -38,12 +39,19 @@ from metachunk.artifacts import (
 )
 from metachunk.config import option
 
+# Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
+TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}
+
 
 @dataclass
 class DistillConfig:
-    task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary"])
-    chunks: Path = option(None, "chunks JSONL from `metachunk chunk` or `metachunk data sample`")
-    documents: Path = option(None, "the documents those chunks index into: JSONL with id and text")
+    task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary", "moc"])
+    chunks: Path = option(
+        None, "chunks JSONL from `metachunk chunk` or `metachunk data sample` (not used by moc)"
+    )
+    documents: Path = option(
+        None, "the documents those chunks index into (moc: the documents to chunk): JSONL with id and text"
+    )
     out: Path = option(
         None, "run directory: TASK.jsonl (one record per chunk), TASK.meta.json, answers.sqlite"
     )
@@ -53,7 +61,7 @@ class DistillConfig:
     teachers: dict[str, TeacherConfig] | None = option(
         None,
         "one teacher block per stage (rewrite: reflection, refinement, completion; summary: "
-        "summary_global, summary_local, summary_fuse)",
+        "summary_global, summary_local, summary_fuse; moc: moc_chunk)",
     )
     prices: dict[str, Price] | None = option(None, "USD per 1M prompt/completion tokens, by model name")
     lang: str = option("auto", "prompt language; auto detects it per document", choices=["auto", "zh", "en"])
@@ -69,29 +77,56 @@ class DistillConfig:
     embedder: str = option("minilm", "related context: sentence embedder preset or local dir")
     threshold: float = option(7.0, "rewrite: keep refinement items scoring at least this (scores are 1-10)")
     parse_retries: int = option(2, "ask again this many times when an answer is empty or unparseable")
-    limit: int | None = option(None, "only the first N chunks")
+    limit: int | None = option(None, "only the first N chunks (moc: documents)")
     max_cost: float | None = option(
         None, "stop cleanly before total spend (all runs on this store) passes USD"
     )
     dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
     progress: bool = option(True, "show a progress bar")
+    # MoC dataset distillation (distill/moc.py, MoC §3.2.1 and Appendix A.3)
+    tokenizer: str = option(
+        "gemma3-270m", "moc: tokenizer (preset or local HF dir) that measures windows in tokens"
+    )
+    window_tokens: int = option(
+        1024, "moc: longest window of text per teacher request, cut at a paragraph or sentence end"
+    )
+    max_edit_ratio: float = option(
+        0.1, "moc: a returned chunk further than this share of its length (edits) from the text is flagged"
+    )
+    sample_chars: int = option(1024, "moc: router/expert samples of about this many characters, whole chunks")
+    placeholder: str = option(
+        DEFAULT_PLACEHOLDER,
+        "moc: what stands for a chunk's middle in expert targets",
+        choices=list(PLACEHOLDERS),
+    )
+    head_chars: int = option(10, "moc: characters of a chunk's start kept in its expert target")
+    tail_chars: int = option(10, "moc: characters of a chunk's end kept in its expert target")
 
     def __post_init__(self):
         config.check_choices(self)
         self.teachers = self.teachers or {}
         self.prices = self.prices or {}
-        for name in ("task", "chunks", "documents", "out"):
+        required = (
+            ("task", "documents", "out") if self.task == "moc" else ("task", "chunks", "documents", "out")
+        )
+        for name in required:
             if getattr(self, name) is None:
                 raise ValueError(f"field {name!r} is required")
-        missing = [s for s in STAGES[self.task] if s not in self.teachers]
+        if self.task == "moc" and (
+            self.window_tokens < 16 or self.sample_chars < 1 or min(self.head_chars, self.tail_chars) < 1
+        ):
+            raise ValueError("window_tokens must be >= 16; sample_chars, head_chars, tail_chars >= 1")
+        if not 0 <= self.max_edit_ratio < 1:
+            raise ValueError("'max_edit_ratio' must be in [0, 1)")
+        missing = [s for s in TASK_STAGES[self.task] if s not in self.teachers]
         if missing:
             raise ValueError(f"field 'teachers' lacks a block for stage(s) {', '.join(missing)}")
         # Blocks for the other task's stages are allowed: one recipe can drive both pipelines.
-        known = {stage for stages in STAGES.values() for stage in stages}
+        known = {stage for stages in TASK_STAGES.values() for stage in stages}
         extra = sorted(set(self.teachers) - known)
         if extra:
             raise ValueError(f"field 'teachers' has block(s) for unknown stage(s) {', '.join(extra)}")
-        self.teachers = {stage: self.teachers[stage] for stage in STAGES[self.task]}
+        self.teachers = {stage: self.teachers[stage] for stage in TASK_STAGES[self.task]}
         if self.cache is None:
             self.cache = Path(self.out) / "answers.sqlite"
 

@@ -1,5 +1,8 @@
 """``metachunk data build-sft rewrite|summary``: distilled records -> a prompt–completion dataset.
 
+(``moc-router`` / ``moc-expert``, the MoC router's and experts' sets from ``distill moc`` records,
+are built by :func:`distill.moc.build_moc_sft`, with the same shards, split, decontamination and card.)
+
 The student does not learn the teacher's three stages. It learns to go from chunk plus context
 straight to the final answer (Meta-Chunking §3.2, trained with the loss of Eq. 3 on the
 completion), with one versioned student instruction per task and language
@@ -61,8 +64,12 @@ TEACHER_STAGES = {
 
 @dataclass
 class BuildSftConfig:
-    task: str = option(None, "which dataset", choices=["rewrite", "summary"], positional=True)
-    distilled: Path = option(None, "records of `metachunk distill TASK` (OUT/TASK.jsonl)")
+    task: str = option(
+        None, "which dataset", choices=["rewrite", "summary", "moc-router", "moc-expert"], positional=True
+    )
+    distilled: Path = option(
+        None, "records of `metachunk distill TASK` (OUT/TASK.jsonl; moc-*: OUT/moc.jsonl)"
+    )
     out: Path = option(None, "dataset dir: data/*.parquet, README.md (the card), token_lengths.png")
     documents: Path | None = option(
         None, "documents the records index into; default: the distill run's (from TASK.meta.json)"
@@ -93,6 +100,9 @@ class BuildSftConfig:
     )
     license: str = option("other", "dataset license for the card (the source corpus's terms apply)")
     demo: bool = option(False, "card says: demo-scale set from a small local teacher, not training-grade")
+    granularity: list[int] | None = option(
+        None, "moc-expert: labels (0-3) to build, one dataset OUT-k with card NAME-k each; default all four"
+    )
 
     def __post_init__(self):
         config.check_choices(self)
@@ -260,6 +270,10 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     from distill.corpus import NearDuplicateIndex
     from metachunk.models import resolve
 
+    if cfg.task.startswith("moc-"):
+        from distill.moc import build_moc_sft
+
+        return build_moc_sft(cfg, progress)
     started = time.perf_counter()
     distilled = Path(cfg.distilled)
     if not distilled.is_file():
@@ -528,6 +542,10 @@ def print_stats(stats: dict, file=None) -> None:
     import sys
 
     file = file or sys.stdout
+    if "datasets" in stats:  # moc-expert: one dataset per granularity label
+        for one in stats["datasets"].values():
+            print_stats(one, file)
+        return
     rows, filters, lengths = stats["rows"], stats["filters"], stats["token_lengths"]
     print(f"{stats['name']}: {stats['input_records']} records -> {rows['train']} train + {rows['validation']} validation rows "
           f"({stats['documents']['train']} + {stats['documents']['validation']} documents)", file=file)  # fmt: skip

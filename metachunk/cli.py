@@ -159,6 +159,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     cfg = config.from_namespace(DistillConfig, args)
     if args.action != "status" and cfg.task != args.action:
         raise InputError(args.config, f"this recipe is for 'distill {cfg.task}', not 'distill {args.action}'")
+    if cfg.task == "moc":  # windows + chunk buffer + edit-distance cleaning (distill/moc.py)
+        from distill.moc import main as moc_main
+
+        return moc_main(cfg, args.action)
     if args.action == "status" or cfg.dry_run:
         result = run(cfg, offline=True)
         print_status(cfg, result) if args.action == "status" else print_estimate(cfg, result)
@@ -203,11 +207,13 @@ def cmd_data(args: argparse.Namespace) -> int:
         from distill.sft import BuildSftConfig, build_sft, print_stats
 
         cfg = config.from_namespace(BuildSftConfig, args)
-        print_stats(build_sft(cfg))
-        print(
-            f"{cfg.out}: data/*.parquet, README.md, token_lengths.png; card {cfg.cards_dir}/{cfg.name}.md",
-            file=sys.stderr,
-        )
+        stats = build_sft(cfg)
+        print_stats(stats)
+        for out, name in stats.get("outputs", [(cfg.out, cfg.name)]):  # moc-expert: one per label
+            print(
+                f"{out}: data/*.parquet, README.md, token_lengths.png; card {cfg.cards_dir}/{name}.md",
+                file=sys.stderr,
+            )
     elif args.action == "push":
         from distill.hub import PushConfig, push_dataset
 
@@ -288,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action, about in (
         ("rewrite", "missing reflection -> refinement -> completion, per chunk"),
         ("summary", "global and local summaries -> one enhanced summary sentence, per chunk"),
+        ("moc", "chunk raw documents with the teacher (MoC Table 6) -> router/expert samples, per document"),
         ("status", "done / failed / pending per stage, tokens and cost, from the answer store"),
     ):
         task = tasks.add_parser(action, help=about, description=about)

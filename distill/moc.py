@@ -1,0 +1,1240 @@
+"""MoC dataset distillation (MoC §3.2.1, Appendix A.3): a teacher chunks raw text, we keep offsets.
+
+``metachunk distill moc --config recipes/distill/moc.yaml`` asks a GPT-4o-class teacher to chunk
+documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``:
+chunks separated by ``\\n—\\n``), through the same teacher client, answer store, limits, budget and
+resume as ``distill rewrite|summary``: the store is the source of truth, ``OUT/moc.jsonl`` is
+rebuilt from it by every run, and a rerun (or a run after a crash) sends only the requests that
+never got an answer. ``metachunk data build-sft moc-router|moc-expert`` turns the records into the
+router's and the experts' SFT sets (:func:`build_moc_sft`), with the prompts of
+:mod:`chunking.moc` (the ones ``chunk --method moc`` sends at inference).
+
+**Windows.** A document is sent in windows of at most ``window_tokens`` (1024) tokens of the
+``tokenizer`` (a preset or local HF dir; the teacher's own tokenizer is not needed, only a
+comparable count; sentences are counted one by one, which comes out a few tokens over a count of
+the whole window, never under). A window ends at a sentence end (:func:`chunking.sentences.split_sentences`),
+preferably at a paragraph end (a sentence followed by a line break) when one lies in the second
+half of the budget. Every window reaches past the previous window's end, so every request brings
+new text; a single sentence over the budget is sent alone and counted (``over_budget``).
+
+**Chunk buffer.** The last chunk the teacher returns for a window may have been cut by the window
+edge, so it is not kept: the next window starts where it starts, and it is chunked again there
+with the text after it. When the teacher answers a window that was cut short at a paragraph end
+with a single chunk, the window is asked again with the whole budget (``widened``). So no
+boundary is forced by a window edge, except when a single chunk fills a whole-budget window
+(kept, counted as ``forced_edges``). The document's last window keeps all its chunks.
+
+**Cleaning.** Each returned chunk is located in the window by edit distance
+(:func:`chunking.align.locate`, searched forward from the previous chunk's end). A chunk whose
+best match needs more than ``max_edit_ratio`` (10%) of its length in edits is *flagged*: kept in
+the record with the teacher's text (for review) and excluded from training. Accepted chunks are
+stored as exact offsets of the document (with their edit distance), never as teacher text: the
+training data quotes the source. An answer of which no chunk can be located is asked again
+(``parse_retries``); when no answer is usable the window is skipped (a *fallback*: its text is
+left uncovered, a ``gap``) and the next window starts at its end. A transport failure (timeout,
+HTTP error) stops the document there; the next run resumes it. An answer cut at ``max_tokens``
+(after the teacher client's ``max_tokens_limit`` retries) is still used: its last chunk is the
+buffer, whatever the window.
+
+**Labels and samples.** A completed document's label is the granularity of the mean length (in
+characters) of its accepted chunks (:func:`chunking.moc.granularity_label`: (0,120] → 0,
+(120,150] → 1, (150,180] → 2, (180,∞) → 3). Samples are texts of about ``sample_chars`` (1024)
+characters made of whole consecutive chunks (§3.2.2: long texts truncated, short ones
+concatenated, always at chunk boundaries), never spanning a gap. Each sample carries the document's
+label (the router's target) and its expert target: one ``head + placeholder + tail`` string per
+chunk (``head_chars`` / ``tail_chars`` characters, widened to whole ASCII words; a chunk shorter
+than both is quoted whole). A target is checked by recovering it with the inference algorithm
+(:func:`chunking.moc.recover_spans`): when its chunk starts do not come back, the anchors are
+doubled (twice), else the sample is marked ``recoverable: false`` and kept out of the expert set.
+
+Record (one per document, ``OUT/moc.jsonl``)::
+
+    {"schema_version": 1, "task": "moc", "doc_id", "lang", "chars",
+     "status": "ok" | "pending" | "failed", "reason",     # failed: transport reason or "no_chunks"
+     "windows": [{"start", "end", "tokens", "over_budget", "status": "ok"|"failed"|"pending", "reason",
+                  "answer": {stage entry: teacher, params, prompt_sha256, request_key, cached, usage,
+                             cost, spent, attempts, raw, text, finish_reason},
+                  "returned", "accepted": [[start, end, distance]], "carried": [start, end] | null,
+                  "flagged": [{"index", "text", "near": [start, end, score]}], "forced_edge", "widened",
+                  "fallback", "truncated"}],
+     "chunks": [{"start", "end", "distance"}],             # accepted, document offsets, in order
+     "gaps": [[start, end]],                               # text no accepted chunk covers
+     "counts": {"windows", "returned", "accepted", "flagged", "fuzzy", "fallbacks", "forced_edges",
+                "widened", "over_budget"},
+     "mean_chunk_chars", "label",                          # null unless status is ok
+     "placeholder", "head_chars", "tail_chars",
+     "samples": [{"start", "end", "chunks": [[start, end]], "mean_chunk_chars", "elements": [str],
+                  "recoverable"}]}
+
+``OUT/moc.meta.json`` holds the config, the prompt hashes, the tokenizer and the run's counts
+(requests sent, answers from the store, tokens, cost, chunks returned / accepted / flagged,
+fallbacks, labels, samples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from chunking.align import locate
+from chunking.moc import (
+    ROUTER_LABELS,
+    check_placeholder,
+    expert_messages,
+    granularity_label,
+    load_moc_prompt,
+    recover_spans,
+    router_messages,
+)
+from chunking.sentences import detect_lang, split_sentences
+from chunking.types import Sentence
+from distill.pipelines import Pending, StageFailed, StageRunner
+from distill.prompts import load_prompt
+from distill.store import AnswerStore
+from distill.teacher import Price, TeacherPool, estimate_tokens
+from metachunk import config
+from metachunk.artifacts import (
+    SCHEMA_VERSION,
+    AtomicWriter,
+    InputError,
+    jsonl_line,
+    read_documents,
+    write_json,
+)
+
+if TYPE_CHECKING:
+    from distill.run import DistillConfig
+    from distill.sft import BuildSftConfig
+
+TASK = "moc"
+STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
+SEPARATOR = "\n—\n"  # what the Table 6 prompt asks the teacher to put between chunks
+MOC_SFT_TASKS = ("moc-router", "moc-expert")
+ANCHOR_SCALES = (1, 2, 4)  # head/tail lengths tried, in multiples of head_chars/tail_chars
+WORD_SNAP = 20  # an anchor is widened by at most this many characters to end on a word edge
+
+# ------------------------------------------------------------------------------------- answers
+
+# A separator line: dashes only (em dash as asked, or en dash / hyphens / a horizontal bar).
+_SEPARATOR_LINE = re.compile(r"[ \t]*[—–―-]{1,6}[ \t]*")
+# The separator written out literally (`\n—\n` with backslashes), as some models echo it.
+_LITERAL_SEPARATOR = re.compile(r"\\n[ \t]*([—–―-]{1,6})[ \t]*\\n")
+_ECHO = re.compile(r"^\s*(the segmented text chunks are|分割后的文本块为)\s*[:：]?\s*", re.IGNORECASE)
+
+
+def split_answer(answer: str) -> list[str]:
+    """The chunks of a teacher answer: pieces between separator lines, stripped, empty ones dropped.
+
+    Tolerates the separator written literally (``\\n—\\n``), other dashes on their own line, a
+    code fence and an echo of the prompt's last line."""
+    text = _LITERAL_SEPARATOR.sub(lambda m: "\n" + m.group(1) + "\n", answer)
+    text = _ECHO.sub("", text.strip().removeprefix("```").removesuffix("```"))
+    pieces, current = [], []
+    for line in text.splitlines(keepends=True):
+        if _SEPARATOR_LINE.fullmatch(line.rstrip("\r\n")):
+            pieces.append("".join(current))
+            current = []
+        else:
+            current.append(line)
+    pieces.append("".join(current))
+    return [p.strip() for p in pieces if p.strip()]
+
+
+# ------------------------------------------------------------------------------------- geometry
+
+
+class TokenCounter:
+    """Counts tokens with a preset's (or a local HF dir's) tokenizer, no special tokens."""
+
+    def __init__(self, name_or_dir: str):
+        from transformers import AutoTokenizer
+
+        from metachunk.models import resolve
+
+        self.name = name_or_dir
+        self.path = resolve(name_or_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        if not texts:
+            return []
+        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+@dataclass
+class DocPlan:
+    """A document's sentences with their token counts, for cutting windows."""
+
+    doc_id: str
+    text: str
+    lang: str
+    sentences: list[Sentence]
+    ends: list[int]
+    prefix: list[int]  # prefix[i]: tokens of sentences[:i]
+    paragraph: list[bool]  # sentence i ends a paragraph (line break after it) or the document
+    counter: TokenCounter
+
+    @classmethod
+    def build(cls, doc_id: str, text: str, lang: str, counter: TokenCounter) -> DocPlan:
+        sentences = split_sentences(text, lang)
+        pieces = [text[s.start : s.end] for s in sentences]
+        prefix = [0]
+        for n in counter.count_many(pieces):
+            prefix.append(prefix[-1] + n)
+        paragraph = [
+            i == len(pieces) - 1 or any(c in "\n\r\u2029" for c in p[len(p.rstrip()) :])
+            for i, p in enumerate(pieces)
+        ]
+        return cls(doc_id, text, lang, sentences, [s.end for s in sentences], prefix, paragraph, counter)
+
+
+def window_end(
+    plan: DocPlan, pos: int, after: int, budget: int, paragraphs: bool = True
+) -> tuple[int, int, bool]:
+    """``(end, tokens, over_budget)`` of the window starting at ``pos``: the last sentence end
+    within ``budget`` tokens, or (``paragraphs``) the last paragraph end when it has at least half
+    the budget, always past ``after`` (the previous window's end). When even the first new
+    sentence end is over the budget, that end (``over_budget``)."""
+    ends, prefix, n = plan.ends, plan.prefix, len(plan.ends)
+    first = bisect.bisect_right(ends, max(pos, after))
+    if first >= n:
+        return len(plan.text), plan.counter.count(plan.text[pos:]), False
+    i = bisect.bisect_right(ends, pos)  # the sentence holding pos
+    s = plan.sentences[i]
+    head = prefix[i + 1] - prefix[i] if s.start == pos else plan.counter.count(plan.text[pos : s.end])
+
+    def tokens(j: int) -> int:  # text[pos:ends[j]], j >= i
+        return head + prefix[j + 1] - prefix[i + 1]
+
+    lo, hi = first, n  # the first j over the budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tokens(mid) <= budget:
+            lo = mid + 1
+        else:
+            hi = mid
+    last = lo - 1
+    if last < first:
+        return ends[first], tokens(first), True
+    k = last
+    while paragraphs and k >= first and not plan.paragraph[k]:
+        k -= 1
+    if paragraphs and k >= first and k != last and tokens(k) * 2 >= budget:
+        last = k
+    return ends[last], tokens(last), False
+
+
+# ------------------------------------------------------------------------------------- cleaning
+
+
+@dataclass
+class Cleaned:
+    """Where each returned chunk lies in the window: ``(start, end, distance)``, or None (flagged)."""
+
+    pieces: list[str]
+    spans: list[tuple[int, int, int] | None]
+
+    @property
+    def located(self) -> list[tuple[int, tuple[int, int, int]]]:
+        return [(k, s) for k, s in enumerate(self.spans) if s is not None]
+
+
+def clean_window(window: str, pieces: Sequence[str], max_ratio: float) -> Cleaned:
+    """Locate each piece in ``window`` by edit distance, in order, each after the previous match."""
+    spans: list[tuple[int, int, int] | None] = []
+    cursor = 0
+    for piece in pieces:
+        match = locate(piece, window, cursor, max_ratio=max_ratio)
+        if match is None or match.end <= match.start:
+            spans.append(None)
+            continue
+        spans.append((match.start, match.end, match.distance))
+        cursor = match.end
+    return Cleaned(list(pieces), spans)
+
+
+def _near(piece: str, window: str, offset: int) -> list:
+    """Where a flagged piece comes closest (rapidfuzz partial ratio), for a reviewer."""
+    from rapidfuzz.fuzz import partial_ratio_alignment
+
+    found = partial_ratio_alignment(piece, window)
+    if found is None:
+        return [offset, offset, 0.0]
+    return [offset + found.dest_start, offset + found.dest_end, round(found.score, 1)]
+
+
+# ------------------------------------------------------------------------------------- samples
+
+
+def _snap_right(text: str, k: int) -> int:
+    """Move a cut at ``k`` right to the end of the ASCII word it splits (at most WORD_SNAP)."""
+    limit = min(len(text), k + WORD_SNAP)
+    while 0 < k < limit and _word(text[k - 1]) and _word(text[k]):
+        k += 1
+    return k
+
+
+def _snap_left(text: str, k: int) -> int:
+    limit = max(0, k - WORD_SNAP)
+    while limit < k < len(text) and _word(text[k - 1]) and _word(text[k]):
+        k -= 1
+    return k
+
+
+def _word(c: str) -> bool:
+    return c.isascii() and c.isalnum()
+
+
+def element(chunk: str, head_chars: int, tail_chars: int, placeholder: str) -> str:
+    """The expert's rule for one chunk: its first ``head_chars`` and last ``tail_chars`` characters
+    (widened to whole ASCII words) around the placeholder; a short chunk is quoted whole."""
+    text = chunk.strip()
+    if len(text) <= head_chars + tail_chars:
+        return text
+    head_end, tail_start = _snap_right(text, head_chars), _snap_left(text, len(text) - tail_chars)
+    if head_end >= tail_start:
+        return text
+    return text[:head_end].rstrip() + placeholder + text[tail_start:].lstrip()
+
+
+def expert_target(
+    text: str, chunks: Sequence[tuple[int, int]], head_chars: int, tail_chars: int, placeholder: str
+) -> tuple[list[str], bool]:
+    """``(elements, recoverable)`` for a sample ``text`` whose chunks are ``chunks`` (offsets in
+    ``text``). Recoverable: the inference recovery (:func:`chunking.moc.recover_spans`) finds every
+    element exactly, at its chunk's start. Anchors are doubled until it does (ANCHOR_SCALES)."""
+    first = None
+    for scale in ANCHOR_SCALES:
+        elements = [
+            element(text[s:e], head_chars * scale, tail_chars * scale, placeholder) for s, e in chunks
+        ]
+        first = first or elements
+        spans, stats = recover_spans(text, elements, placeholder, max_ratio=0.0)
+        if stats.skipped == 0 and [a for a, _ in spans] == [s for s, _ in chunks]:
+            return elements, True
+    return first, False
+
+
+def runs(text: str, chunks: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Consecutive chunks with nothing but whitespace between them."""
+    out: list[list[tuple[int, int]]] = []
+    for c in chunks:
+        if out and not text[out[-1][-1][1] : c[0]].strip():
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def pack_samples(text: str, chunks: Sequence[tuple[int, int]], target: int) -> list[list[tuple[int, int]]]:
+    """Groups of whole consecutive chunks of about ``target`` characters (never across a gap): a
+    group grows while it stays within ``target`` (a longer chunk stands alone); a run's remainder
+    shorter than ``target / 2`` joins the group before it when the two fit in ``1.5 * target``."""
+    groups: list[list[tuple[int, int]]] = []
+    for run in runs(text, chunks):
+        made = []
+        for c in run:
+            if made and c[1] - made[-1][0][0] <= target:
+                made[-1].append(c)
+            else:
+                made.append([c])
+        if len(made) > 1 and made[-1][-1][1] - made[-1][0][0] < target / 2:
+            if made[-1][-1][1] - made[-2][0][0] <= 1.5 * target:
+                made[-2].extend(made.pop())
+        groups.extend(made)
+    return groups
+
+
+def gaps_of(text: str, chunks: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Spans of ``text`` that hold non-whitespace text and no chunk."""
+    out, cursor = [], 0
+    for s, e in [*chunks, (len(text), len(text))]:
+        if s > cursor and text[cursor:s].strip():
+            out.append([cursor, s])
+        cursor = max(cursor, e)
+    return out
+
+
+def _mean(chunks: Sequence[tuple[int, int]]) -> float:
+    return round(sum(e - s for s, e in chunks) / len(chunks), 2) if chunks else 0.0
+
+
+def finish_record(record: dict, text: str, cfg: DistillConfig) -> dict:
+    """Gaps, counts, label and samples of a document whose windows are done."""
+    chunks = [(c["start"], c["end"]) for c in record["chunks"]]
+    record["gaps"] = gaps_of(text, chunks)
+    windows = record["windows"]
+    record["counts"] = {
+        "windows": len(windows),
+        "returned": sum(w.get("returned", 0) for w in windows),
+        "accepted": len(chunks),
+        "flagged": sum(len(w.get("flagged", [])) for w in windows),
+        "fuzzy": sum(1 for c in record["chunks"] if c["distance"] > 0),
+        "fallbacks": sum(1 for w in windows if w.get("fallback")),
+        "forced_edges": sum(1 for w in windows if w.get("forced_edge")),
+        "widened": sum(1 for w in windows if w.get("widened")),
+        "over_budget": sum(1 for w in windows if w.get("over_budget")),
+    }
+    if record["status"] == "ok" and not chunks:
+        record.update(status="failed", reason="no_chunks")
+    if record["status"] != "ok":
+        return record
+    record["mean_chunk_chars"] = _mean(chunks)
+    record["label"] = granularity_label(record["mean_chunk_chars"])
+    for group in pack_samples(text, chunks, cfg.sample_chars):
+        start, end = group[0][0], group[-1][1]
+        relative = [(s - start, e - start) for s, e in group]
+        elements, recoverable = expert_target(
+            text[start:end], relative, cfg.head_chars, cfg.tail_chars, cfg.placeholder
+        )
+        record["samples"].append(
+            {
+                "start": start,
+                "end": end,
+                "chunks": [list(c) for c in group],
+                "mean_chunk_chars": _mean(group),
+                "elements": elements,
+                "recoverable": recoverable,
+            }
+        )
+    return record
+
+
+# ------------------------------------------------------------------------------------- one document
+
+
+def is_transport_failure(reason: str) -> bool:
+    """No answer was paid for: the next run sends the request again."""
+    return reason in ("timeout", "connection", "malformed_response") or reason.startswith("http_")
+
+
+def new_record(plan: DocPlan, cfg: DistillConfig) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "task": TASK,
+        "doc_id": plan.doc_id,
+        "lang": plan.lang,
+        "chars": len(plan.text),
+        "status": "ok",
+        "reason": "",
+        "windows": [],
+        "chunks": [],
+        "gaps": [],
+        "counts": {},
+        "mean_chunk_chars": None,
+        "label": None,
+        "placeholder": cfg.placeholder,
+        "head_chars": cfg.head_chars,
+        "tail_chars": cfg.tail_chars,
+        "samples": [],
+    }
+
+
+async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig) -> dict:
+    """Window by window through the document; returns its record."""
+    text = plan.text
+    record = new_record(plan, cfg)
+    pos = after = 0
+    widen = False  # ask the same window again without the paragraph preference
+    while pos < len(text) and text[pos:].strip():
+        end, tokens, over = window_end(plan, pos, after, cfg.window_tokens, paragraphs=not widen)
+        can_widen = not widen and window_end(plan, pos, after, cfg.window_tokens, paragraphs=False)[0] > end
+        widen = False
+        window = {
+            "start": pos,
+            "end": end,
+            "tokens": tokens,
+            "over_budget": over,
+            "status": "ok",
+            "reason": "",
+        }
+        record["windows"].append(window)
+        body = text[pos:end]
+        holder: dict = {"stages": {}}
+        truncated = False
+
+        def parse(answer: str, body=body) -> Cleaned | None:
+            cleaned = clean_window(body, split_answer(answer), cfg.max_edit_ratio)
+            return cleaned if cleaned.located else None
+
+        try:
+            cleaned = await runner.ask(holder, STAGE, plan.lang, parse=parse, text=body)
+        except Pending as e:
+            window.update(status="pending", reason=e.reason, answer=holder["stages"].get(STAGE))
+            record.update(status="pending", reason=e.reason)
+            break
+        except StageFailed as e:
+            entry = holder["stages"].get(STAGE) or {}
+            window.update(status="failed", reason=e.reason, answer=entry)
+            if is_transport_failure(e.reason):
+                record.update(status="failed", reason=e.reason)
+                break
+            cleaned = None
+            if e.reason == "length" and entry.get("text"):  # cut at max_tokens: its last chunk is the buffer
+                cleaned = parse(entry["text"])
+                truncated = cleaned is not None
+            if cleaned is None:  # fallback: skip the window, its text stays uncovered
+                pieces = split_answer(entry.get("text") or "")
+                flagged = [{"index": k, "text": p, "near": _near(p, body, pos)} for k, p in enumerate(pieces)]
+                window.update(fallback=True, returned=len(pieces), flagged=flagged)
+                pos = after = end
+                continue
+        window["answer"] = holder["stages"][STAGE]
+        pos, after, widen = settle(window, cleaned, body, pos, end, len(text), truncated, can_widen, record)
+    return finish_record(record, text, cfg)
+
+
+def settle(
+    window: dict,
+    cleaned: Cleaned,
+    body: str,
+    start: int,
+    end: int,
+    length: int,
+    truncated: bool,
+    can_widen: bool,
+    record: dict,
+) -> tuple[int, int, bool]:
+    """Accept the window's located chunks but the last (the buffer, re-chunked by the next window);
+    returns where the next window starts, the end it must pass, and whether it is this window
+    again with the whole budget (``can_widen``: it was cut short at a paragraph end)."""
+    located = cleaned.located
+    window.update(
+        returned=len(cleaned.pieces),
+        truncated=truncated,
+        flagged=[
+            {"index": k, "text": piece, "near": _near(piece, body, start)}
+            for k, (piece, span) in enumerate(zip(cleaned.pieces, cleaned.spans))
+            if span is None
+        ],
+        carried=None,
+        forced_edge=False,
+        widened=False,
+    )
+    spans = [span for _, span in located]
+    if end >= length and not truncated:  # the last window keeps every chunk
+        keep, nxt = spans, length
+    elif spans[-1][0] > 0:  # the buffer: the next window starts with the last chunk
+        keep, nxt = spans[:-1], start + spans[-1][0]
+        window["carried"] = [start + spans[-1][0], start + spans[-1][1]]
+    elif truncated:  # a cut answer whose only chunk starts the window: nothing to keep
+        window.update(status="failed", reason="length", fallback=True, accepted=[])
+        return end, end, False
+    elif can_widen:  # one chunk in a window cut short at a paragraph end: the same, with the whole budget
+        window.update(widened=True, accepted=[])
+        return start, end, True
+    else:  # one chunk from the window's start: keep it; the edge is forced if it reaches it
+        keep, nxt = spans, spans[-1][1]
+        window["forced_edge"] = nxt >= len(body.rstrip())
+        while nxt < len(body) and body[nxt].isspace():
+            nxt += 1
+        nxt += start
+    window["accepted"] = [[start + s, start + e, d] for s, e, d in keep]
+    record["chunks"].extend({"start": start + s, "end": start + e, "distance": d} for s, e, d in keep)
+    return nxt, end, False
+
+
+# ------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class MocResult:
+    records: list[dict]
+    seconds: float
+    sent: int
+    cached: int
+    stopped: str = ""
+    tokenizer: str = ""
+    texts: list[str] = field(default_factory=list)
+
+
+def read_moc_documents(cfg: DistillConfig) -> list[tuple[str, str, str]]:
+    """``(id, text, lang)`` of the documents to chunk (the first ``limit``); ids must be unique."""
+    docs, seen = [], set()
+    for doc in read_documents(cfg.documents):
+        if doc.id in seen:
+            raise InputError(cfg.documents, f"document id {doc.id!r} appears twice")
+        seen.add(doc.id)
+        lang = detect_lang(doc.text) if cfg.lang == "auto" else cfg.lang
+        docs.append((doc.id, doc.text, lang))
+        if cfg.limit is not None and len(docs) >= cfg.limit:
+            break
+    return docs
+
+
+def run_moc(cfg: DistillConfig, offline: bool = False) -> MocResult:
+    """Chunk every document with the teacher (or, offline, replay the store); returns the records."""
+    docs = read_moc_documents(cfg)
+    for lang in {lang for _, _, lang in docs}:  # fail on a broken prompt file before anything is sent
+        load_prompt(STAGE, lang)
+    counter = TokenCounter(cfg.tokenizer)
+    store = AnswerStore(cfg.cache)
+    try:
+        pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
+        result = asyncio.run(_drive(cfg, docs, counter, pool, cfg.progress and not offline))
+    finally:
+        store.close()
+    result.tokenizer = str(counter.path)
+    result.texts = [text for _, text, _ in docs]
+    return result
+
+
+async def _drive(
+    cfg: DistillConfig, docs, counter: TokenCounter, pool: TeacherPool, progress: bool
+) -> MocResult:
+    from tqdm import tqdm
+
+    runner = StageRunner(pool.stages, cfg.parse_retries)
+    records: list[dict | None] = [None] * len(docs)
+    queue = iter(enumerate(docs))
+    started = time.perf_counter()
+    bar = tqdm(total=len(docs), unit="doc", desc="distill moc", disable=not progress, dynamic_ncols=True)
+
+    async def worker() -> None:
+        for i, (doc_id, text, lang) in queue:  # one shared iterator: each document goes to one worker
+            if pool.budget.exhausted:
+                return
+            records[i] = await chunk_document(DocPlan.build(doc_id, text, lang, counter), runner, cfg)
+            bar.update(1)
+
+    # A document's windows are sequential: one request in flight per document.
+    slots = sum(e.cfg.concurrency for e in pool.endpoints.values()) or 64
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(len(docs), slots) or 1)]
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    finally:
+        bar.close()
+        await pool.close()
+    stopped = "budget" if pool.budget.exhausted else ""
+    # Documents never started because the budget ran out: replay them against the store.
+    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
+    replay_runner = StageRunner(replay.stages, cfg.parse_retries)
+    for i, record in enumerate(records):
+        if record is None:
+            doc_id, text, lang = docs[i]
+            records[i] = await chunk_document(DocPlan.build(doc_id, text, lang, counter), replay_runner, cfg)
+            if records[i]["status"] == "pending":
+                records[i]["reason"] = "budget"
+    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
+    return MocResult(records, time.perf_counter() - started, pool.sent, cached, stopped)
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """The run's counts over every record (documents, windows, chunks, labels, samples, spend)."""
+    outcome = Counter(r["status"] for r in records)
+    failed = Counter(r["reason"] for r in records if r["status"] == "failed")
+    windows = Counter(w["status"] for r in records for w in r["windows"])
+    counts = Counter()
+    for r in records:
+        counts.update(r.get("counts") or {})
+    spend = {"prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+    for r in records:
+        for w in r["windows"]:
+            entry = w.get("answer") or {}
+            spent = entry.get("spent") or {**entry.get("usage", {}), "cost": entry.get("cost", 0.0)}
+            for k in spend:
+                spend[k] += spent.get(k, 0)
+    ok = [r for r in records if r["status"] == "ok"]
+    samples = [s for r in ok for s in r["samples"]]
+    lengths = [c["end"] - c["start"] for r in ok for c in r["chunks"]]
+    return {
+        "documents": len(records),
+        "outcome": dict(outcome),
+        "failed_by_reason": dict(failed),
+        "windows": {**dict(windows), "total": sum(windows.values())},
+        "fallbacks": counts["fallbacks"],
+        "forced_edges": counts["forced_edges"],
+        "widened_windows": counts["widened"],
+        "over_budget_windows": counts["over_budget"],
+        "chunks": {
+            "returned": counts["returned"],
+            "accepted": counts["accepted"],
+            "accepted_with_edits": counts["fuzzy"],
+            "flagged": counts["flagged"],
+            "mean_chars": round(sum(lengths) / len(lengths), 1) if lengths else 0.0,
+        },
+        "gaps": {
+            "count": sum(len(r["gaps"]) for r in records),
+            "chars": sum(e - s for r in records for s, e in r["gaps"]),
+        },
+        "labels": {label: sum(1 for r in ok if r["label"] == int(label)) for label in ROUTER_LABELS},
+        "samples": {
+            "total": len(samples),
+            "unrecoverable": sum(1 for s in samples if not s["recoverable"]),
+            "by_label": {
+                label: sum(len(r["samples"]) for r in ok if r["label"] == int(label))
+                for label in ROUTER_LABELS
+            },
+        },
+        "prompt_tokens": spend["prompt_tokens"],
+        "completion_tokens": spend["completion_tokens"],
+        "cost": round(spend["cost"], 6),
+    }
+
+
+def write_records(cfg: DistillConfig, result: MocResult) -> dict:
+    """``OUT/moc.jsonl`` (one record per document) and ``OUT/moc.meta.json``; returns the summary."""
+    out = Path(cfg.out)
+    with AtomicWriter(out / f"{TASK}.jsonl") as f:
+        for record in result.records:
+            f.write(jsonl_line(record))
+    summary = summarize(result.records)
+    summary.update(
+        seconds=round(result.seconds, 2),
+        requests_sent=result.sent,
+        answers_from_store=result.cached,
+        stopped=result.stopped,
+    )
+    langs = sorted({r["lang"] for r in result.records})
+    write_json(
+        out / f"{TASK}.meta.json",
+        {
+            "schema_version": SCHEMA_VERSION,
+            "command": "distill moc",
+            "config": config.to_dict(cfg),
+            "tokenizer": result.tokenizer,
+            "separator": SEPARATOR,
+            "prompt_sha256": {f"{STAGE}.{lang}": load_prompt(STAGE, lang).sha256 for lang in langs},
+            "summary": summary,
+        },
+    )
+    return summary
+
+
+def summary_line(cfg: DistillConfig, result: MocResult, summary: dict) -> str:
+    outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+    chunks, labels = summary["chunks"], summary["labels"]
+    return (
+        f"{cfg.out}/{TASK}.jsonl: {summary['documents']} documents ({outcome}); {summary['windows']['total']} "
+        f"windows, {summary['fallbacks']} fallbacks; chunks {chunks['accepted']} accepted "
+        f"({chunks['accepted_with_edits']} with edits), {chunks['flagged']} flagged; labels "
+        f"{' '.join(f'{k}:{v}' for k, v in labels.items())}; {summary['samples']['total']} samples; "
+        f"{result.sent} requests sent, {result.cached} answers from the store; "
+        f"{summary['prompt_tokens'] + summary['completion_tokens']:,} tokens, ${summary['cost']:.4f}; "
+        f"{result.seconds:.1f}s"
+    )
+
+
+def print_status(cfg: DistillConfig, result: MocResult, file=None) -> None:
+    file = file or sys.stdout
+    s = summarize(result.records)
+    outcome = ", ".join(f"{k} {v}" for k, v in sorted(s["outcome"].items()))
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items()))
+    windows = ", ".join(f"{k} {v}" for k, v in sorted(s["windows"].items()) if k != "total")
+    chunks = s["chunks"]
+    print(
+        f"moc: {s['documents']} documents  {outcome}" + (f"  (failed: {reasons})" if reasons else ""),
+        file=file,
+    )
+    print(
+        f"  windows {s['windows']['total']}: {windows}; fallbacks {s['fallbacks']}, widened "
+        f"{s['widened_windows']}, forced edges {s['forced_edges']}, over budget {s['over_budget_windows']}",
+        file=file,
+    )
+    print(
+        f"  chunks: returned {chunks['returned']}, accepted {chunks['accepted']} ({chunks['accepted_with_edits']} "
+        f"with edits), flagged {chunks['flagged']}; gaps {s['gaps']['count']} ({s['gaps']['chars']} chars)",
+        file=file,
+    )
+    print(
+        f"  labels {' '.join(f'{k}:{v}' for k, v in s['labels'].items())}; samples {s['samples']['total']} "
+        f"({s['samples']['unrecoverable']} unrecoverable)",
+        file=file,
+    )
+    print(
+        f"  tokens {s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion; ${s['cost']:.4f}",
+        file=file,
+    )
+
+
+def print_estimate(cfg: DistillConfig, result: MocResult, file=None) -> dict:
+    """Dry run: requests still to send for unfinished documents, estimated from their remaining
+    text (windows of ``window_tokens``, a quarter re-sent as chunk buffer), at worst ``max_tokens``
+    per answer."""
+    file = file or sys.stdout
+    teacher = cfg.teachers[STAGE]
+    instructions = {lang: estimate_tokens(load_prompt(STAGE, lang).user) + 8 for lang in ("zh", "en")}
+    docs = calls = prompt = completion = cached = 0
+    for record, text in zip(result.records, result.texts):
+        cached += sum(1 for w in record["windows"] if (w.get("answer") or {}).get("cached"))
+        if record["status"] == "ok" or (
+            record["status"] == "failed" and not is_transport_failure(record["reason"])
+        ):
+            continue
+        pos = record["windows"][-1]["start"] if record["windows"] else 0
+        remaining = estimate_tokens(text[pos:])
+        n = max(1, math.ceil(remaining / (0.75 * cfg.window_tokens)))
+        docs += 1
+        calls += n
+        prompt += math.ceil(remaining / 0.75) + n * instructions[record["lang"]]
+        completion += n * teacher.max_tokens
+    cost = cfg.prices.get(teacher.model, Price()).cost(prompt, completion)
+    print(f"dry run: {len(result.records)} documents, {docs} unfinished, nothing sent", file=file)
+    header = f"{'stage':<10} {'model':<28} {'calls':>7} {'cached':>7} {'prompt tok':>11} {'max compl tok':>14} {'max cost $':>11}"
+    print(header + "\n" + "-" * len(header), file=file)
+    print(
+        f"{STAGE:<10} {teacher.model[-28:]:<28} {calls:>7} {cached:>7} {prompt:>11,} {completion:>14,} {cost:>11.4f}",
+        file=file,
+    )
+    return {
+        "calls": calls,
+        "cached": cached,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cost": cost,
+    }
+
+
+def main(cfg: DistillConfig, action: str) -> int:
+    """``metachunk distill moc`` / ``distill status`` / ``--dry-run`` for a moc recipe."""
+    if action == "status" or cfg.dry_run:
+        result = run_moc(cfg, offline=True)
+        print_status(cfg, result) if action == "status" else print_estimate(cfg, result)
+        return 0
+    result = run_moc(cfg)
+    summary = write_records(cfg, result)
+    print(summary_line(cfg, result, summary), file=sys.stderr)
+    if result.stopped == "budget":
+        print(
+            f"metachunk: stopped before exceeding --max-cost {cfg.max_cost}; every answer is stored. "
+            "Rerun with a higher --max-cost to continue.",
+            file=sys.stderr,
+        )
+        return 3
+    return 0
+
+
+# ------------------------------------------------------------------------------------- SFT sets
+
+SFT_FILTERS = (
+    "failed_or_empty",
+    "unrecoverable",
+    "contaminated",
+    "exact_duplicate",
+    "near_duplicate",
+    "too_long",
+)
+
+
+def _register_card_texts() -> None:
+    """What the dataset card says about the MoC tasks (the card's task table is keyed by name;
+    the extra ``unrecoverable`` filter shows as an extra row of the card's filter table)."""
+    from distill import card
+
+    card.TASKS.setdefault(
+        "moc-router",
+        (
+            "MoC granularity router",
+            "read a text of about 1024 characters and answer one label token, 0-3, the granularity "
+            "its chunks should have (MoC §3.2.2: mean chunk length in (0,120], (120,150], (150,180] "
+            "or over 180 characters)",
+        ),
+    )
+    card.TASKS.setdefault(
+        "moc-expert",
+        (
+            "MoC meta-chunker (one granularity interval)",
+            "chunk a text by writing a JSON list of `head[placeholder]tail` rules, one per chunk, "
+            "from which the chunks are recovered as exact spans (MoC §3.2.3)",
+        ),
+    )
+
+
+def moc_features():
+    from datasets import Features, List, Value
+
+    message = {"role": Value("string"), "content": Value("string")}
+    return Features(
+        {
+            "prompt": List(message),
+            "completion": List(message),
+            "doc_id": Value("string"),
+            "sample_index": Value("int64"),
+            "start": Value("int64"),  # the sample's span in its document
+            "end": Value("int64"),
+            "lang": Value("string"),
+            "label": Value("int64"),  # granularity 0..3 of the document
+            "mean_chunk_chars": Value("float64"),  # of the sample's chunks
+            "chunks": Value("int64"),
+            "placeholder": Value("string"),
+            "teachers": Value("string"),  # JSON {stage: model}
+            "prompt_sha256": Value("string"),  # the router / expert prompt's version
+            "teacher_prompt_sha256": Value("string"),  # JSON {stage: sha256}
+            "source_record": Value("string"),  # FILE:LINE of the distilled record
+        }
+    )
+
+
+@dataclass
+class _Target:
+    """One dataset being built: the router set, or the expert set of one granularity label."""
+
+    label: int | None
+    out: Path
+    name: str
+    staging: Path
+    writers: dict
+    dropped: Counter = field(default_factory=Counter)
+    inputs: int = 0
+    seen: set = field(default_factory=set)
+    near: object = None
+    prompt_lengths: list = field(default_factory=list)
+    completion_lengths: list = field(default_factory=list)
+    langs: Counter = field(default_factory=Counter)
+    labels: Counter = field(default_factory=Counter)
+    docs_by_split: dict = field(default_factory=lambda: {"train": set(), "validation": set()})
+
+
+def _check_granularity(cfg: BuildSftConfig) -> list[int]:
+    labels = list(cfg.granularity) if cfg.granularity else list(range(len(ROUTER_LABELS)))
+    bad = [k for k in labels if not 0 <= k < len(ROUTER_LABELS)]
+    if bad or len(set(labels)) != len(labels):
+        raise InputError("build-sft", f"--granularity takes distinct labels 0..3, got {labels}")
+    return labels
+
+
+def build_moc_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
+    """``data build-sft moc-router|moc-expert``: the distilled MoC records -> prompt-completion sets.
+
+    ``moc-router``: one dataset at OUT; completion = the label token. ``moc-expert``: one dataset
+    per granularity label in ``granularity`` (default all four) at ``OUT-k`` with the card
+    ``NAME-k``; completion = the JSON list of the sample's ``head+placeholder+tail`` rules. Returns
+    the stats (for moc-expert ``{"task", "datasets": {k: stats}, "outputs"}``)."""
+    import shutil
+    import tempfile
+
+    from tqdm import tqdm
+
+    from distill.corpus import NearDuplicateIndex
+    from distill.sft import ShardWriter, _distill_meta, _ids, in_validation
+
+    role = cfg.task.removeprefix("moc-")
+    started = time.perf_counter()
+    distilled = Path(cfg.distilled)
+    if not distilled.is_file():
+        raise InputError(distilled, "no such file")
+    labels = _check_granularity(cfg) if role == "expert" else None
+    meta = _distill_meta(cfg)
+    documents_path = cfg.documents or meta.get("config", {}).get("documents")
+    if documents_path is None:
+        raise InputError(distilled, "no documents: pass --documents (no moc.meta.json next to the records)")
+    docs = {d.id: d.text for d in read_documents(documents_path)}
+    test_ids: set[str] = set()
+    test_index = NearDuplicateIndex(threshold=cfg.near_dup_threshold)
+    if cfg.test_documents:
+        for d in read_documents(cfg.test_documents):
+            test_ids.add(d.id)
+            test_index.add(d.id, d.text)
+    contaminated: dict[str, bool] = {}
+    tokenizer = _tokenizer(cfg.tokenizer)
+    schema = moc_features().arrow_schema
+
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    targets: dict[int | None, _Target] = {}
+    for label in labels if labels is not None else [None]:
+        where = out if label is None else out.with_name(f"{out.name}-{label}")
+        staging = Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=out.parent))
+        (staging / "data").mkdir()
+        writers = {
+            s: ShardWriter(staging / "data", s, schema, cfg.shard_rows) for s in ("train", "validation")
+        }
+        name = cfg.name if label is None else f"{cfg.name}-{label}"
+        targets[label] = _Target(
+            label, where, name, staging, writers, near=NearDuplicateIndex(cfg.near_dup_threshold)
+        )
+    teachers: dict[str, set[str]] = {}
+    teacher_prompts: dict[tuple[str, str], str] = {}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+    record_langs: Counter = Counter()
+    n_records = no_samples = 0
+    try:
+        with (
+            distilled.open(encoding="utf-8") as f,
+            tqdm(unit="rec", desc=f"build-sft {cfg.task}", disable=not progress) as bar,
+        ):
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    doc_id, lang, status = record["doc_id"], record["lang"], record["status"]
+                    windows, samples = record["windows"], record.get("samples") or []
+                    label = record.get("label")
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise InputError(
+                        distilled, f"not a moc record ({type(e).__name__}: {e})", line_no
+                    ) from None
+                if record.get("task") != TASK:
+                    raise InputError(distilled, f"field 'task' is {record.get('task')!r}, not 'moc'", line_no)
+                n_records += 1
+                record_langs[lang] += 1
+                bar.update(1)
+                for w in windows:
+                    entry = w.get("answer") or {}
+                    if entry.get("teacher"):
+                        teachers.setdefault(STAGE, set()).add(entry["teacher"])
+                    if entry.get("prompt_sha256"):
+                        teacher_prompts[(f"{STAGE}.{lang}", entry["prompt_sha256"])] = STAGE
+                    spent = entry.get("spent") or {**entry.get("usage", {}), "cost": entry.get("cost", 0.0)}
+                    usage["prompt_tokens"] += spent.get("prompt_tokens", 0)
+                    usage["completion_tokens"] += spent.get("completion_tokens", 0)
+                    usage["cost_usd"] += spent.get("cost", 0.0)
+
+                if status != "ok" or not samples:
+                    no_samples += 1
+                    target = targets.get(None if labels is None else label)
+                    if target is not None:  # the router set; an expert set only knows labelled records
+                        target.inputs += 1
+                        target.dropped["failed_or_empty"] += 1
+                    continue
+                target = targets.get(None if labels is None else label)
+                if target is None:  # an expert set not asked for
+                    continue
+                text = docs.get(doc_id)
+                if text is None:
+                    raise InputError(distilled, f"document {doc_id!r} is not in {documents_path}", line_no)
+                if doc_id not in contaminated:
+                    contaminated[doc_id] = doc_id in test_ids or bool(test_index.query(text))
+                placeholder = record.get("placeholder") or "[MASK]"
+                check_placeholder(placeholder)
+                answered = next((w["answer"] for w in windows if w.get("answer")), {})
+                teacher = json.dumps({STAGE: answered.get("teacher")})
+                teacher_prompt = json.dumps({STAGE: answered.get("prompt_sha256")})
+                for index, sample in enumerate(samples):
+                    target.inputs += 1
+                    body = text[sample["start"] : sample["end"]]
+                    if role == "expert":
+                        answer = json.dumps(sample["elements"], ensure_ascii=False)
+                        prompt = expert_messages(body, lang, placeholder)
+                    else:
+                        answer = ROUTER_LABELS[label]
+                        prompt = router_messages(body, lang)
+                    reason = None
+                    if role == "expert" and not sample.get("recoverable", False):
+                        reason = "unrecoverable"
+                    elif contaminated[doc_id]:
+                        reason = "contaminated"
+                    else:
+                        exact = hashlib.sha256(
+                            json.dumps([body, answer], ensure_ascii=False).encode()
+                        ).hexdigest()
+                        if exact in target.seen:
+                            reason = "exact_duplicate"
+                        elif target.near.query(body):
+                            reason = "near_duplicate"
+                        else:
+                            target.seen.add(exact)
+                            target.near.add(exact, body)
+                    if reason is not None:
+                        target.dropped[reason] += 1
+                        continue
+                    completion = [{"role": "assistant", "content": answer}]
+                    prompt_ids = tokenizer.apply_chat_template(
+                        prompt, add_generation_prompt=True, tokenize=True
+                    )
+                    full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)
+                    n_prompt, n_full = len(_ids(prompt_ids)), len(_ids(full_ids))
+                    if n_full > cfg.max_tokens:
+                        target.dropped["too_long"] += 1
+                        continue
+                    target.prompt_lengths.append(n_prompt)
+                    target.completion_lengths.append(n_full - n_prompt)
+                    split = (
+                        "validation" if in_validation(doc_id, cfg.seed, cfg.validation_fraction) else "train"
+                    )
+                    target.docs_by_split[split].add(doc_id)
+                    target.langs[lang] += 1
+                    target.labels[label] += 1
+                    target.writers[split].add(
+                        {
+                            "prompt": prompt,
+                            "completion": completion,
+                            "doc_id": doc_id,
+                            "sample_index": index,
+                            "start": sample["start"],
+                            "end": sample["end"],
+                            "lang": lang,
+                            "label": label,
+                            "mean_chunk_chars": float(sample["mean_chunk_chars"]),
+                            "chunks": len(sample["chunks"]),
+                            "placeholder": placeholder,
+                            "teachers": teacher,
+                            "prompt_sha256": load_moc_prompt(role, lang).sha256,
+                            "teacher_prompt_sha256": teacher_prompt,
+                            "source_record": f"{distilled.name}:{line_no}",
+                        }
+                    )
+        common = {
+            "meta": meta,
+            "documents_path": documents_path,
+            "n_records": n_records,
+            "no_samples": no_samples,
+            "record_langs": record_langs,
+            "teachers": teachers,
+            "teacher_prompts": teacher_prompts,
+            "usage": usage,
+            "test_ids": test_ids,
+            "role": role,
+        }
+        all_stats = {}
+        for label, target in targets.items():
+            all_stats[label] = _finish_target(cfg, target, common, time.perf_counter() - started)
+        for target in targets.values():  # replace previous builds only once every new one is complete
+            if target.out.exists():
+                shutil.rmtree(target.out)
+            target.staging.replace(target.out)
+    finally:
+        for target in targets.values():
+            if target.staging.exists():
+                shutil.rmtree(target.staging)
+    if labels is None:
+        return all_stats[None]
+    return {
+        "name": cfg.name,
+        "task": cfg.task,
+        "datasets": {str(k): s for k, s in all_stats.items()},
+        "outputs": [(str(t.out), t.name) for t in targets.values()],
+    }
+
+
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from metachunk.models import resolve
+
+    return AutoTokenizer.from_pretrained(str(resolve(name)))
+
+
+def _finish_target(cfg: BuildSftConfig, target: _Target, common: dict, seconds: float) -> dict:
+    from distill.card import plot_token_lengths, write_dataset_card
+
+    for writer in target.writers.values():
+        writer.close()
+    plot_token_lengths(
+        target.staging / "token_lengths.png",
+        target.prompt_lengths,
+        target.completion_lengths,
+        cfg.tokenizer,
+        cfg.max_tokens,
+    )
+    stats = _card_stats(cfg, target, common, seconds)
+    write_json(target.staging / "build_report.json", stats)
+    _register_card_texts()
+    write_dataset_card(target.staging, stats, moc_features(), cards_dir=Path(cfg.cards_dir))
+    return stats
+
+
+def _card_stats(cfg: BuildSftConfig, target: _Target, common: dict, seconds: float) -> dict:
+    from distill.sft import _prompt_text, _stats
+
+    role = common["role"]
+    langs = target.langs or common["record_langs"]
+    prompts = []
+    for lang in sorted(langs) or ["en"]:
+        student = load_moc_prompt(role, lang)
+        prompts.append(
+            {
+                "name": f"moc_{role}.{lang}",
+                "sha256": student.sha256,
+                "text": _prompt_text(student),
+                "role": "student",
+            }
+        )
+    for (name, sha), stage in sorted(common["teacher_prompts"].items()):
+        current = load_prompt(stage, name.rsplit(".", 1)[1])
+        text = (
+            _prompt_text(current) if current.sha256 == sha else "(a different version than this checkout's)"
+        )
+        prompts.append({"name": name, "sha256": sha, "text": text, "role": "teacher"})
+    rows = {s: w.rows for s, w in target.writers.items()}
+    total = sum(rows.values())
+    documents_path = common["documents_path"]
+    label_text = (
+        "labels " + ", ".join(f"{k}: {target.labels.get(int(k), 0)}" for k in ROUTER_LABELS)
+        if role == "router"
+        else f"granularity label {target.label} only"
+    )
+    limitations = [
+        "Chunk boundaries are the teacher's (a GPT-4o-class model), kept only where every chunk was "
+        "found in the source within 10% edits; they are not human-checked.",
+        f"Rows: {label_text}; {common['no_samples']} of {common['n_records']} distilled documents gave "
+        "no sample (not finished, or no chunk accepted).",
+    ]
+    if total < 20_000:
+        limitations.append(f"{total} rows: the MoC paper trains each component on 20,000.")
+    if not common["test_ids"]:
+        limitations.append("No test documents were given, so no decontamination was done.")
+    from distill.sft import FILTERS
+
+    # Every filter of the card's table (0 where it cannot fire here), then unrecoverable.
+    filters = {name: target.dropped.get(name, 0) for name in (*FILTERS, *SFT_FILTERS)}
+    meta = common["meta"]
+    command = f"metachunk data build-sft {cfg.task} --distilled {cfg.distilled} --out {cfg.out}"
+    if role == "expert":
+        command += f" --granularity {target.label}"
+    return {
+        "name": target.name,
+        "task": cfg.task,
+        "pretty_name": target.name,
+        "license": cfg.license,
+        "language": sorted(langs) or ["en"],
+        "demo": cfg.demo,
+        "rows": rows,
+        "documents": {s: len(d) for s, d in target.docs_by_split.items()},
+        "input_records": target.inputs,
+        "label": target.label,
+        "labels": {k: target.labels.get(int(k), 0) for k in ROUTER_LABELS},
+        "source": {
+            "corpus": Path(str(documents_path)).name,
+            "path": str(documents_path),
+            "provenance": f"distilled records {Path(cfg.distilled).name} ({meta.get('command', 'metachunk distill moc')}), "
+            f"documents {documents_path}; one row per sample of whole teacher chunks",
+        },
+        "teachers": [
+            {"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(common["teachers"].items())
+        ],
+        "prompts": prompts,
+        "filters": filters,
+        "token_lengths": {
+            "tokenizer": cfg.tokenizer,
+            "max_tokens": cfg.max_tokens,
+            "prompt": _stats(target.prompt_lengths),
+            "completion": _stats(target.completion_lengths),
+            "histogram": "token_lengths.png",
+        },
+        "leakage": {
+            "method": "document id match, then MinHash LSH over character 5-gram shingles verified by exact Jaccard",
+            "threshold": cfg.near_dup_threshold,
+            "test_documents": len(common["test_ids"]),
+            "rows_checked": target.inputs - filters["failed_or_empty"] - filters["unrecoverable"],
+            "contaminated": filters["contaminated"],
+        },
+        "teacher_usage": {**common["usage"], "cost_usd": round(common["usage"]["cost_usd"], 6)},
+        "build": {
+            "command": command,
+            "seed": cfg.seed,
+            "seconds": round(seconds, 2),
+            "rows_per_s": round(total / seconds, 1) if seconds > 0 else 0.0,
+        },
+        "limitations": limitations,
+    }
