@@ -79,6 +79,10 @@ FILTERS = {
     "lost_content": "the completion lost content of the original chunk",
     "contaminated": "overlaps a held-out test document (see Leakage check)",
 }
+# Filters only some tasks have: listed only when the build counted them.
+TASK_FILTERS = {
+    "unrecoverable": "MoC expert target whose chunk starts do not come back through regex recovery"
+}
 
 TASKS = {
     "rewrite": (
@@ -91,6 +95,22 @@ TASKS = {
         "summarizer",
         "write one enhanced summary sentence for a text chunk, using the document around it",
     ),
+    "moc-router": (
+        "MoC granularity router",
+        "read a text of about 1024 characters and answer one label token, 0-3, the granularity "
+        "its chunks should have (mean chunk length in (0,120], (120,150], (150,180] or over 180 characters)",
+    ),
+    "moc-expert": (
+        "MoC meta-chunker (one granularity interval)",
+        "chunk a text by writing a JSON list of `head[placeholder]tail` rules, one per chunk, "
+        "from which the chunks are recovered as exact spans",
+    ),
+}
+# Where each task comes from, and what its user message holds.
+SOURCES = {"moc-router": "MoC §3.2.2", "moc-expert": "MoC §3.2.3"}
+PROMPT_INPUTS = {
+    "moc-router": "the router prompt filled with the text",
+    "moc-expert": "the expert prompt filled with the text",
 }
 
 
@@ -186,12 +206,12 @@ def _summary(stats: dict) -> str:
     out += [
         "## Summary and intended use",
         "",
-        f"Supervised fine-tuning data for the student **{student}** of Meta-Chunking §3.2 "
+        f"Supervised fine-tuning data for the student **{student}** of {SOURCES.get(task, 'Meta-Chunking §3.2')} "
         f"(task `{task}`): each row teaches a small model to {what}. The targets were produced by the "
         "teacher models listed below and filtered as described in this card.",
         "",
         "Rows are TRL conversational prompt–completion pairs: `prompt` is a list of messages (system, "
-        "then user: the student prompt filled with the document context and the chunk), `completion` "
+        f"then user: {PROMPT_INPUTS.get(task, 'the student prompt filled with the document context and the chunk')}), `completion` "
         "is one assistant message, the teacher's target. Metadata columns: `doc_id`, `chunk_index`, "
         "`start`, `end` (where the chunk lies in its document), `teachers` (JSON), `prompt_sha256` "
         "(the student prompt template, see below) and `source_record`.",
@@ -277,7 +297,7 @@ def _filters(stats: dict) -> str:
     names = list(FILTERS) + sorted(k for k in filters if k not in FILTERS)
     table = _table(
         ["filter", "removes", "rows removed"],
-        [[f"`{k}`", FILTERS.get(k, ""), _num(filters.get(k))] for k in names],
+        [[f"`{k}`", FILTERS.get(k) or TASK_FILTERS.get(k, ""), _num(filters.get(k))] for k in names],
     )
     inputs = stats.get("input_records")
     kept = sum(stats["rows"].values())

@@ -835,30 +835,6 @@ SFT_FILTERS = (
 )
 
 
-def _register_card_texts() -> None:
-    """What the dataset card says about the MoC tasks (the card's task table is keyed by name;
-    the extra ``unrecoverable`` filter shows as an extra row of the card's filter table)."""
-    from distill import card
-
-    card.TASKS.setdefault(
-        "moc-router",
-        (
-            "MoC granularity router",
-            "read a text of about 1024 characters and answer one label token, 0-3, the granularity "
-            "its chunks should have (MoC §3.2.2: mean chunk length in (0,120], (120,150], (150,180] "
-            "or over 180 characters)",
-        ),
-    )
-    card.TASKS.setdefault(
-        "moc-expert",
-        (
-            "MoC meta-chunker (one granularity interval)",
-            "chunk a text by writing a JSON list of `head[placeholder]tail` rules, one per chunk, "
-            "from which the chunks are recovered as exact spans (MoC §3.2.3)",
-        ),
-    )
-
-
 def moc_features():
     from datasets import Features, List, Value
 
@@ -1139,7 +1115,6 @@ def _finish_target(cfg: BuildSftConfig, target: _Target, common: dict, seconds: 
     )
     stats = _card_stats(cfg, target, common, seconds)
     write_json(target.staging / "build_report.json", stats)
-    _register_card_texts()
     write_dataset_card(target.staging, stats, moc_features(), cards_dir=Path(cfg.cards_dir))
     return stats
 
