@@ -304,3 +304,67 @@ def token_nll_incremental(model, pieces: Sequence[Sequence[int]]) -> np.ndarray:
         out.extend((-logp.gather(1, targets[:, None]).squeeze(1)).tolist())
         last_logits = logits[-1]
     return np.asarray(out, dtype=np.float32)
+
+
+@torch.inference_mode()
+def continuation_nll(
+    model,
+    prefix: Sequence[int],
+    continuations: Sequence[Sequence[int]],
+    batch_tokens: int = 4096,
+    max_batch_size: int = 16,
+    head_rows: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[np.ndarray]:
+    """NLL in nats of every token of each continuation, read after one shared ``prefix``.
+
+    Many texts scored after the same context (Chunk Stickiness: every chunk ``q`` after one chunk
+    ``d``) run the prefix once; its KV cache is copied into every batch of continuations, so only
+    continuation tokens are computed. Continuations are sorted by length and right-padded: a real
+    token never attends to padding behind it, so no attention mask is needed and every real
+    position sees exactly ``prefix + its own earlier tokens``, as in one forward pass over the
+    concatenation. Entry ``t`` of each returned float32 array is the NLL of continuation token
+    ``t`` (entry 0 is predicted from the prefix's last position). ``batch_tokens`` caps padded
+    continuation tokens per forward pass and ``max_batch_size`` its rows; ``on_batch`` is called
+    with the number of tokens scored after each batch. The caller keeps ``prefix + continuation``
+    within the model's context.
+    """
+    import copy
+
+    if not prefix:
+        raise ValueError("continuation_nll needs a non-empty prefix (its last position predicts token 0)")
+    device = next(model.parameters()).device
+    head_rows = head_rows or default_head_rows(model.config.get_text_config().vocab_size)
+    decoder = model.get_decoder()
+    results = [np.zeros(len(c), dtype=np.float32) for c in continuations]
+    order = sorted((i for i, c in enumerate(continuations) if len(c)), key=lambda i: -len(continuations[i]))
+    if not order:
+        return results
+    head = decoder(input_ids=torch.as_tensor([list(prefix)], device=device), use_cache=True)
+    prefix_cache, prefix_last = head.cache, head.last_hidden_state[0, -1]
+    i = 0
+    while i < len(order):
+        longest = len(continuations[order[i]])
+        batch = order[i : i + max(1, min(max_batch_size, batch_tokens // longest))]
+        i += len(batch)
+        lengths = torch.as_tensor([len(continuations[k]) for k in batch])
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        for r, k in enumerate(batch):
+            ids[r, : lengths[r]] = torch.as_tensor(list(continuations[k]))
+        cache = copy.deepcopy(prefix_cache)
+        if len(batch) > 1:
+            cache.batch_repeat_interleave(len(batch))
+        ids = ids.to(device)
+        hidden = decoder(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+        # the state predicting token t: the prefix's last one for t = 0, else the row's own t - 1
+        states = torch.cat([prefix_last.expand(len(batch), 1, -1), hidden[:, :-1]], dim=1)
+        real = (torch.arange(longest)[None, :] < lengths[:, None]).to(device)
+        nll = _sliced_nll(model, states[real], ids[real], head_rows).cpu().numpy()
+        offset = 0
+        for r, k in enumerate(batch):
+            n = int(lengths[r])
+            results[k] = nll[offset : offset + n]
+            offset += n
+        if on_batch:
+            on_batch(offset)
+    return results
