@@ -344,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_arguments(export, ExportConfig)
     export.set_defaults(handler=cmd_export)
 
+    from eval.cli import add_parser as add_eval_parser  # eval qa | chunk-quality | diagnostics | compare
+
+    add_eval_parser(sub)
+
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)
     serve = teacher_actions.add_parser("serve", help="serve a preset with `transformers serve` until Ctrl-C")

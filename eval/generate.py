@@ -1,0 +1,244 @@
+"""Answering the questions from the retrieved chunks: an OpenAI-compatible endpoint or a local model.
+
+The prompt is ``eval/prompts/rag_answer.{zh,en}.txt`` (``<<<system>>>`` / ``<<<user>>>``, filled
+with ``{context}`` and ``{question}``); its sha256 is recorded in the run's metrics.json and on
+every answer. The context lists the passages best first, numbered ``[1]``, ``[2]``, ...
+
+* **Endpoint** (``--generator BASE_URL:MODEL``): every request goes through the teacher client
+  (:mod:`distill.teacher`: retries, rate limits, budget) and its answer store (``answers.sqlite``):
+  an answered request is never sent again, so a rerun pays nothing. An answer cut at
+  ``max_tokens`` (``finish_reason == "length"``) keeps its text and is marked ``length``.
+* **Local** (``--generator-model PRESET_OR_DIR``): transformers ``generate`` on the chat template
+  (or, for a base model without one, the system and user parts joined by a blank line), prompts of
+  similar length batched and padded on the left, sampling with the run's settings from one seed.
+
+Default sampling is the paper's (§4.3): top_p 0.9, top_k 5, temperature 0.1, 1280 new tokens. The
+OpenAI API has no ``top_k``; it is sent to an endpoint only when ``--endpoint-top-k`` is set
+(vLLM, SGLang and llama.cpp accept it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+
+from chunking.students import Prompt, check_lang, parse_prompt
+
+PROMPT_NAME = "rag_answer"
+
+
+@cache
+def load_rag_prompt(lang: str) -> Prompt:
+    check_lang(lang)
+    resource = files("eval") / "prompts" / f"{PROMPT_NAME}.{lang}.txt"
+    return parse_prompt(PROMPT_NAME, lang, resource.read_bytes(), resource)
+
+
+def format_context(passages: Sequence[str]) -> str:
+    return "\n\n".join(f"[{i}] {p.strip()}" for i, p in enumerate(passages, start=1))
+
+
+def rag_messages(prompt: Prompt, question: str, passages: Sequence[str]) -> list[dict]:
+    return prompt.messages(context=format_context(passages), question=question.strip())
+
+
+def parse_generator(spec: str) -> tuple[str, str]:
+    """``"http://host:8000/v1:Qwen/Qwen2-7B-Instruct"`` -> ``(base_url, model)``.
+
+    The model starts after the first ``:`` of the URL's path, so ports and model names with
+    colons (``qwen2:7b``) both work; the URL needs a path (``/v1``)."""
+    scheme, sep, rest = spec.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        raise ValueError(f"--generator must be BASE_URL:MODEL with an http(s) URL, got {spec!r}")
+    host, slash, path = rest.partition("/")
+    base_path, colon, model = path.partition(":")
+    if not slash or not colon or not model or not host:
+        raise ValueError(
+            f"--generator must be BASE_URL:MODEL with a path in the URL, e.g. "
+            f"http://127.0.0.1:8000/v1:Qwen2-7B-Instruct; got {spec!r}"
+        )
+    return f"{scheme}://{host}/{base_path}".rstrip("/"), model
+
+
+@dataclass
+class Generated:
+    text: str
+    status: str  # ok | failed | pending (not sent: the budget ran out)
+    reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached: bool = False
+    finish_reason: str = ""
+
+
+# ------------------------------------------------------------------------------------ endpoint
+
+
+class EndpointGenerator:
+    """Answers through :class:`distill.teacher.Teacher`, cached in an :class:`AnswerStore`."""
+
+    def __init__(
+        self, teacher_cfg, store_path: Path, max_cost: float | None = None, extra: dict | None = None
+    ):
+        self.cfg, self.store_path, self.max_cost = teacher_cfg, Path(store_path), max_cost
+        self.extra = extra or {}
+        self.sent = self.cached = self.tokens = 0
+        self.stopped = ""
+
+    def generate(
+        self, prompts: Sequence[list[dict]], prompt_sha: str, progress: bool = True
+    ) -> list[Generated]:
+        from distill.store import AnswerStore
+
+        store = AnswerStore(self.store_path)
+        try:
+            return asyncio.run(self._run(store, prompts, prompt_sha, progress))
+        finally:
+            store.close()
+
+    async def _run(self, store, prompts, prompt_sha, progress) -> list[Generated]:
+        from tqdm import tqdm
+
+        from distill.teacher import BudgetExceeded, TeacherPool
+
+        pool = TeacherPool({"generator": self.cfg}, {}, store, self.max_cost)
+        teacher = pool["generator"]
+        teacher.params.update(self.extra)  # part of the payload and of the cache key
+        out: list[Generated | None] = [None] * len(prompts)
+        queue = iter(enumerate(prompts))
+        bar = tqdm(total=len(prompts), unit="q", desc="generate", disable=not progress, dynamic_ncols=True)
+
+        async def worker():
+            for i, messages in queue:
+                if pool.budget.exhausted:
+                    return
+                try:
+                    answer = await teacher.complete(messages, prompt_sha)
+                except BudgetExceeded:
+                    return
+                # an answer cut at max_tokens keeps its text, as a local model's would
+                cut = answer.reason == "length"
+                out[i] = Generated(
+                    answer.text,
+                    "ok" if answer.ok or cut else "failed",
+                    answer.reason,
+                    answer.prompt_tokens,
+                    answer.completion_tokens,
+                    answer.cached,
+                    answer.finish_reason,
+                )
+                bar.update(1)
+
+        workers = [
+            asyncio.ensure_future(worker())
+            for _ in range(max(1, min(len(prompts), 2 * self.cfg.concurrency)))
+        ]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        finally:
+            bar.close()
+            await pool.close()
+        self.sent, self.cached, self.tokens = pool.sent, teacher.cached, teacher.tokens_used
+        self.stopped = "budget" if pool.budget.exhausted else ""
+        return [g or Generated("", "pending", "budget") for g in out]
+
+
+# ------------------------------------------------------------------------------------ local
+
+
+class LocalGenerator:
+    """A causal LM (preset or local dir) generating with sampling, batched."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        batch_size: int = 4,
+        temperature: float = 0.1,
+        top_p: float = 0.9,
+        top_k: int | None = 5,
+        max_new_tokens: int = 1280,
+        seed: int = 0,
+    ):
+        import copy
+
+        from metachunk.models import load_causal_lm
+
+        self.name = model
+        started = time.perf_counter()
+        self.model, self.tokenizer = load_causal_lm(model, device=device, dtype=dtype)
+        self.load_seconds = time.perf_counter() - started
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        config = copy.deepcopy(self.model.generation_config)
+        config.do_sample = temperature > 0
+        config.temperature = temperature if temperature > 0 else None
+        config.top_p = top_p if temperature > 0 else None
+        config.top_k = top_k if temperature > 0 else None
+        config.max_new_tokens = max_new_tokens
+        if config.pad_token_id is None:
+            config.pad_token_id = tok.pad_token_id
+        self.generation = config
+        eos = config.eos_token_id if config.eos_token_id is not None else tok.eos_token_id
+        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.batch_size, self.seed = batch_size, seed
+        self.seconds = 0.0
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if tok.chat_template:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        text = "\n\n".join(m["content"] for m in messages) + "\n"
+        return tok(text, add_special_tokens=True)["input_ids"]
+
+    def generate(self, prompts: Sequence[list[dict]], progress: bool = True) -> list[Generated]:
+        import torch
+        from tqdm import tqdm
+
+        started = time.perf_counter()
+        torch.manual_seed(self.seed)
+        ids = [self.encode(p) for p in prompts]
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        out: list[Generated | None] = [None] * len(ids)
+        with tqdm(total=len(ids), unit="q", desc="generate", disable=not progress, dynamic_ncols=True) as bar:
+            for first in range(0, len(order), self.batch_size):
+                batch = order[first : first + self.batch_size]
+                padded = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
+                input_ids = padded["input_ids"].to(self.model.device)
+                with torch.inference_mode():
+                    generated = self.model.generate(
+                        input_ids=input_ids,
+                        attention_mask=padded["attention_mask"].to(self.model.device),
+                        generation_config=self.generation,
+                    )
+                for row, i in zip(generated[:, input_ids.shape[1] :].tolist(), batch):
+                    stop = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
+                    new = row if stop is None else row[:stop]
+                    text = self.tokenizer.decode(new, skip_special_tokens=True).strip()
+                    out[i] = Generated(
+                        text,
+                        "ok",
+                        "" if stop is not None else "length",
+                        len(ids[i]),
+                        len(new),
+                        False,
+                        "stop" if stop is not None else "length",
+                    )
+                bar.update(len(batch))
+        self.seconds += time.perf_counter() - started
+        return out

@@ -1,0 +1,263 @@
+"""The chunks to retrieve from, and their embedded Milvus index (a file DB, no server).
+
+Chunks come from ``metachunk chunk`` output (one JSONL row per document: ``{id, method, chunks:
+[{text, start, end, rewritten?, summary?}]}``). What gets embedded is chosen by ``index_text``:
+
+* ``chunk``: the chunk's text;
+* ``rewritten``: the student's rewrite (``chunk --rewrite``), or the chunk's text where a chunk
+  has none;
+* ``summary+chunk``: the summary (``chunk --summarize``), a blank line, then the chunk's text.
+
+The index lives in ``INDEX_DIR/index.db`` (a Milvus Lite database). One collection per index key,
+the sha256 of (the chunks file's bytes, the embedder's resolved path, ``index_text``, the schema
+version), so a rerun, or another eval run on the same chunks, reuses the vectors; any edit of the
+chunks file, another embedder or another indexed text gives a new collection. A collection is built
+under a temporary name and renamed when complete, so an interrupted build is never reused (its
+leftover is dropped by the next build). Vectors are unit-normalised and searched exactly (FLAT,
+inner product = cosine). Milvus stores only ids, document ids and chunk indices: the texts are read
+from the chunks file, so no length limit applies to them. A Milvus Lite file is opened by one
+process at a time: runs sharing an ``--index-dir`` must not run at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from metachunk.artifacts import AtomicWriter, InputError
+
+INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
+INDEX_SCHEMA = 1
+DB_NAME = "index.db"
+MANIFEST = "index.collections.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    id: int  # position in the chunks file (document order, then chunk order)
+    doc_id: str
+    chunk_index: int
+    start: int
+    end: int
+    text: str
+    indexed_text: str
+
+
+def indexed_text(chunk: dict, mode: str) -> tuple[str, bool]:
+    """``(text to embed, whether the chunk lacked the field the mode asks for)``."""
+    if mode == "chunk":
+        return chunk["text"], False
+    if mode == "rewritten":
+        rewritten = chunk.get("rewritten")
+        return (
+            (rewritten, False) if isinstance(rewritten, str) and rewritten.strip() else (chunk["text"], True)
+        )
+    if mode == "summary+chunk":
+        summary = chunk.get("summary")
+        if isinstance(summary, str) and summary.strip():
+            return f"{summary.strip()}\n\n{chunk['text']}", False
+        return chunk["text"], True
+    raise ValueError(f"unknown index_text {mode!r}; have {', '.join(INDEX_TEXTS)}")
+
+
+def read_chunks(path: Path, mode: str = "chunk") -> tuple[list[ChunkRecord], dict[str, str], int]:
+    """``(chunks, documents, n_lacking)``: every chunk of the file, the documents rebuilt from their
+    chunks (chunk texts at their offsets; these tile the document, see ``metachunk chunk``), and how
+    many chunks lacked the field ``mode`` asks for."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, "no such file")
+    chunks: list[ChunkRecord] = []
+    docs: dict[str, str] = {}
+    lacking = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                doc_id, rows = str(row["id"]), row["chunks"]
+                if not isinstance(rows, list):
+                    raise TypeError("'chunks' is not a list")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InputError(
+                    path, f"expected a chunks record with 'id' and 'chunks' ({e})", number
+                ) from None
+            if doc_id in docs:
+                raise InputError(path, f"duplicate document id {doc_id!r}", number)
+            buffer: list[str] = []
+            for i, c in enumerate(rows):
+                try:
+                    text, start, end = c["text"], int(c["start"]), int(c["end"])
+                    if not isinstance(text, str):
+                        raise TypeError("'text' is not a string")
+                except (KeyError, TypeError, ValueError) as e:
+                    raise InputError(path, f"chunks[{i}] needs text, start and end ({e})", number) from None
+                if end - start != len(text):
+                    raise InputError(path, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
+                shown, missing = indexed_text(c, mode)
+                lacking += missing
+                chunks.append(ChunkRecord(len(chunks), doc_id, i, start, end, text, shown))
+                if len(buffer) < end:
+                    buffer.extend("\0" * (end - len(buffer)))
+                buffer[start:end] = text
+            docs[doc_id] = "".join(buffer)
+    if not chunks:
+        raise InputError(path, "no chunks in the file")
+    return chunks, docs, lacking
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def index_key(chunks_sha256: str, embedder: str, mode: str) -> str:
+    keyed = {"chunks_sha256": chunks_sha256, "embedder": embedder, "index_text": mode, "schema": INDEX_SCHEMA}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def collection_name(key: str) -> str:
+    return f"chunks_{key[:32]}"
+
+
+def embed(
+    model,
+    texts: Sequence[str],
+    batch_size: int = 64,
+    progress: bool = True,
+    desc: str = "embed",
+    prefix: str = "",
+):
+    """Unit-normalised float32 embeddings, one row per text, with a progress bar."""
+    import numpy as np
+    from tqdm import tqdm
+
+    dim = _dimension(model)
+    out = np.zeros((len(texts), dim), dtype=np.float32)
+    # Longest first: batches of similar length pad little; the rows go back to their places.
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    with tqdm(total=len(texts), unit="text", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+        for a in range(0, len(order), batch_size):
+            rows = order[a : a + batch_size]
+            vectors = model.encode(
+                [prefix + texts[i] for i in rows],
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
+            out[rows] = vectors
+            bar.update(len(rows))
+    return out
+
+
+def _dimension(model) -> int:
+    get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    return int(get())
+
+
+class ChunkIndex:
+    """One Milvus Lite database holding any number of chunk collections."""
+
+    def __init__(self, index_dir: Path):
+        from pymilvus import MilvusClient
+
+        self.dir = Path(index_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / DB_NAME
+        self.client = MilvusClient(str(self.path))
+
+    def has(self, name: str, rows: int) -> bool:
+        if not self.client.has_collection(name):
+            return False
+        count = int(self.client.get_collection_stats(name).get("row_count", -1))
+        return count == rows
+
+    def build(self, name: str, chunks: Sequence[ChunkRecord], vectors, info: dict, batch: int = 2048) -> None:
+        """Create collection ``name`` from ``vectors`` (one row per chunk); atomic by renaming."""
+        from pymilvus import DataType, MilvusClient
+
+        client, tmp = self.client, f"tmp_{name}"
+        for stale in (tmp, name):
+            if client.has_collection(stale):
+                client.drop_collection(stale)
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("id", DataType.INT64, is_primary=True)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=int(vectors.shape[1]))
+        schema.add_field("doc_id", DataType.VARCHAR, max_length=4096)
+        schema.add_field("chunk_index", DataType.INT64)
+        params = client.prepare_index_params()
+        params.add_index(field_name="vector", index_type="FLAT", metric_type="IP")
+        # pymilvus asks the server for a timestamp on create; Milvus Lite does not implement that call
+        # and its in-process gRPC server logs a traceback at ERROR, although the create succeeds.
+        grpc_log = logging.getLogger("grpc._server")
+        level = grpc_log.level
+        grpc_log.setLevel(logging.CRITICAL)
+        try:
+            client.create_collection(tmp, schema=schema, index_params=params)
+        finally:
+            grpc_log.setLevel(level)
+        for a in range(0, len(chunks), batch):
+            client.insert(
+                tmp,
+                [
+                    {
+                        "id": c.id,
+                        "vector": vectors[c.id].tolist(),
+                        "doc_id": c.doc_id[:4096],
+                        "chunk_index": c.chunk_index,
+                    }
+                    for c in chunks[a : a + batch]
+                ],
+            )
+        client.flush(tmp)
+        client.rename_collection(tmp, name)
+        self._note(name, {**info, "rows": len(chunks), "dim": int(vectors.shape[1]), "built": time.time()})
+
+    def _note(self, name: str, info: dict) -> None:
+        """A human-readable list of the collections and what each holds (not read by the code)."""
+        path = self.dir / MANIFEST
+        try:
+            notes = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            notes = {}
+        notes[name] = info
+        with AtomicWriter(path) as f:
+            f.write(json.dumps(notes, ensure_ascii=False, indent=1) + "\n")
+
+    def search(
+        self, name: str, vectors, limit: int, batch: int = 64, on_batch: Callable[[int], object] | None = None
+    ) -> list[list[tuple[int, float]]]:
+        """Per query vector, ``[(chunk id, cosine), ...]`` best first."""
+        self.client.load_collection(name)
+        out: list[list[tuple[int, float]]] = []
+        for a in range(0, len(vectors), batch):
+            rows = vectors[a : a + batch]
+            results = self.client.search(
+                name,
+                data=[v.tolist() for v in rows],
+                limit=limit,
+                output_fields=[],
+                search_params={"metric_type": "IP"},
+            )
+            for hits in results:
+                out.append([(int(h["id"]), float(h["distance"])) for h in hits])
+            if on_batch:
+                on_batch(len(rows))
+        return out
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,571 @@
+"""``metachunk eval qa``: retrieve chunks from an embedded Milvus index, optionally re-rank, answer, score.
+
+```
+metachunk eval qa --chunks CHUNKS.jsonl --qa QA --embedder PRESET_OR_DIR --top-k 8 \\
+  [--rerank ppl|cross-encoder] [--generator BASE_URL:MODEL | --generator-model PRESET] --out DIR
+```
+
+1. **Chunks** (``metachunk chunk`` output) are embedded (``--index-text chunk|rewritten|summary+
+   chunk``) into ``INDEX_DIR/index.db``, one collection per (chunks file sha256, embedder, indexed
+   text), reused across runs (:mod:`eval.index`).
+2. **Questions** (GutenQA ``questions.jsonl`` or CRUD ``qa_matches.jsonl``) are located in the
+   documents and each chunk is judged relevant or not (:mod:`eval.retrieval` states the rules).
+3. **Retrieval**: the ``top_k`` (or, with ``--rerank``, ``rerank_depth``) nearest chunks per
+   question; Hits@k, MRR@k, MAP@k need no generator.
+4. **Re-ranking** (Appendix E): ``ppl`` or ``cross-encoder`` reorders the dense top ``rerank_depth``
+   (10); metrics are reported before (``hits@8``) and after (``reranked_hits@8``).
+5. **Generation** (optional): the final ``top_k`` passages and the question in the versioned prompt
+   ``eval/prompts/rag_answer.{lang}.txt``, answered by an endpoint (cached in ``answers.sqlite``)
+   or a local model (:mod:`eval.generate`); answers are scored by :func:`eval.metrics.qa_scores`.
+
+Writes ``OUT/metrics.json`` + ``report.md`` (:func:`eval.report.write_run`), ``OUT/retrieval.jsonl``
+(one row per question: ``qid, question, answer, lang, relevant_any, hits, reranked``),
+``OUT/evidence.jsonl`` (where each question's evidence was found, and which chunks are relevant)
+and, when generating, ``OUT/answers.jsonl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from distill.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
+from eval.index import INDEX_TEXTS
+from metachunk import config
+from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
+from metachunk.config import option
+
+DEFAULT_PPL_RERANKER = {"en": "smollm2", "zh": "gemma3-270m"}
+
+
+@dataclass
+class QAConfig:
+    chunks: Path = option(None, "chunks JSONL from `metachunk chunk` (one row per document)")
+    qa: Path = option(
+        None, "questions: GutenQA questions.jsonl, or qa_matches.jsonl from `metachunk data prepare-crud`"
+    )
+    out: Path = option(
+        None, "run dir: metrics.json, report.md, retrieval.jsonl, evidence.jsonl, answers.jsonl, index.db"
+    )
+    qa_format: str = option(
+        "auto", "QA file format; auto tells from its first row", choices=["auto", "gutenqa", "crud"]
+    )
+    lang: str = option(
+        "auto",
+        "question language (answer prompt, PPL re-rank statement, metrics); auto: en for GutenQA, zh for CRUD",
+        choices=["auto", "en", "zh"],
+    )
+    questions: str = option(
+        "all",
+        "all questions, or only those whose evidence is in the chunked documents (others count as misses)",
+        choices=["all", "answerable"],
+    )
+    limit: int | None = option(None, "only the first N questions (after --questions)")
+    crud_status: str = option(
+        "matched+ambiguous",
+        "CRUD entries to ask: matched only, or also ambiguous",
+        choices=["matched", "matched+ambiguous"],
+    )
+    min_share: float = option(
+        0.5, "a chunk is relevant when it holds this share of an evidence string (or the largest share of it)"
+    )
+    fuzzy_threshold: float = option(
+        90.0, "GutenQA: rapidfuzz partial ratio needed to accept a must-contain string not found verbatim"
+    )
+    embedder: str = option("minilm", "sentence embedder: preset or local sentence-transformers dir")
+    query_prefix: str = option(
+        "", "text put before each question when embedding it (e.g. a BGE query instruction)"
+    )
+    embed_batch_size: int = option(64, "texts per embedding batch")
+    index_dir: Path | None = option(
+        None, "where index.db lives; share it between runs (not at once); default OUT"
+    )
+    index_text: str = option("chunk", "what is embedded for each chunk", choices=list(INDEX_TEXTS))
+    top_k: int = option(8, "chunks retrieved per question and given to the generator (paper: 8 for CRUD)")
+    rerank: str = option(
+        "none", "re-rank the dense top rerank_depth", choices=["none", "ppl", "cross-encoder"]
+    )
+    rerank_depth: int = option(10, "how many dense results are re-ranked (Appendix E: 10)")
+    reranker: str | None = option(
+        None,
+        "ppl: causal LM preset or dir (default smollm2 for en, gemma3-270m for zh); cross-encoder: a "
+        "local sentence-transformers CrossEncoder dir (required)",
+    )
+    rerank_max_passage_tokens: int = option(512, "ppl re-rank: a longer passage keeps its first tokens")
+    generator: str | None = option(
+        None,
+        "answer with an OpenAI-compatible endpoint: BASE_URL:MODEL (e.g. http://127.0.0.1:8000/v1:qwen2-7b)",
+    )
+    generator_model: str | None = option(None, "answer with a local causal LM: preset or HF model dir")
+    generator_teacher: TeacherConfig | None = option(
+        None,
+        "YAML only: the endpoint's teacher block (base_url, model, api_key_env, concurrency, rpm, timeout, "
+        "serve_preset...); --generator overrides its base_url and model; sampling comes from this config; "
+        "unused when generator_model is given",
+    )
+    api_key_env: str | None = option(
+        None, "endpoint without a generator_teacher block: environment variable holding the API key"
+    )
+    serve_preset: bool = option(
+        False, "endpoint is `metachunk teacher serve`: send the served folder of the preset named as MODEL"
+    )
+    concurrency: int = option(8, "endpoint without a generator_teacher block: requests in flight")
+    max_cost: float | None = option(None, "endpoint: stop before the answer store's total spend passes USD")
+    cache: Path | None = option(None, "endpoint answer store (SQLite); default OUT/answers.sqlite")
+    temperature: float = option(0.1, "sampling temperature (paper: 0.1); 0 = greedy")
+    top_p: float = option(0.9, "nucleus sampling (paper: 0.9)")
+    gen_top_k: int | None = option(
+        5, "top-k sampling (paper: 5); local models, and endpoints with --endpoint-top-k"
+    )
+    endpoint_top_k: bool = option(
+        False, "send gen_top_k to the endpoint (vLLM/SGLang accept it; OpenAI does not)"
+    )
+    max_new_tokens: int = option(1280, "answer length limit in tokens (paper: 1280)")
+    seed: int = option(0, "local generation: sampling seed")
+    batch_size: int = option(4, "local generation: prompts per batch")
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
+    dtype: str = option("auto", "local generator / ppl re-ranker dtype (auto: bf16 on GPU, fp32 on CPU)")
+    bertscore_model: str = option("minilm", "BERTScore model for qa_scores, or none")
+    score_embedder: str = option("minilm", "embedding-similarity model for qa_scores, or none")
+    progress: bool = option(True, "progress bars")
+
+    def __post_init__(self):
+        config.check_choices(self)
+        for name in ("chunks", "qa", "out"):
+            if getattr(self, name) is None:
+                raise ValueError(f"field {name!r} is required")
+        if self.generator and self.generator_model:
+            raise ValueError(
+                "give either 'generator' (an endpoint) or 'generator_model' (a local model), not both"
+            )
+        if self.generator:
+            from eval.generate import parse_generator
+
+            parse_generator(self.generator)
+        if self.rerank == "cross-encoder" and not self.reranker:
+            raise ValueError("--rerank cross-encoder needs --reranker DIR (a local CrossEncoder)")
+        for name in (
+            "top_k",
+            "rerank_depth",
+            "embed_batch_size",
+            "batch_size",
+            "max_new_tokens",
+            "concurrency",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"field {name!r} must be >= 1")
+        if not 0 < self.min_share <= 1:
+            raise ValueError("field 'min_share' must be in (0, 1]")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("field 'limit' must be >= 1")
+        if self.cache is None:
+            self.cache = Path(self.out) / "answers.sqlite"
+        if self.index_dir is None:
+            self.index_dir = Path(self.out)
+
+    @property
+    def generating(self) -> bool:
+        return bool(self.generator or self.generator_model or self.generator_teacher)
+
+
+CONFIG = QAConfig
+
+
+def _none(name: str | None) -> str | None:
+    return None if name is None or name.lower() == "none" else name
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def run(cfg: QAConfig) -> int:
+    result = evaluate(cfg)
+    print_summary(result, cfg)
+    return 0
+
+
+def evaluate(cfg: QAConfig) -> dict:
+    """The whole command; returns the metrics.json object."""
+    from eval.index import ChunkIndex, collection_name, embed, file_sha256, index_key, read_chunks
+    from eval.retrieval import (
+        NormalizedDoc,
+        aggregate,
+        cutoffs,
+        find_evidence,
+        load_questions,
+        relevant_chunks,
+    )
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    out = Path(cfg.out)
+
+    # ---- inputs, before any model loads
+    chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text)
+    if cfg.index_text != "chunk" and lacking == len(chunks):
+        field_name = "rewritten" if cfg.index_text == "rewritten" else "summary"
+        raise InputError(
+            cfg.chunks,
+            f"--index-text {cfg.index_text}: no chunk has a {field_name!r} field "
+            f"(make one with `metachunk chunk --{'rewrite' if field_name == 'rewritten' else 'summarize'} MODEL`)",
+        )
+    statuses = ("matched",) if cfg.crud_status == "matched" else ("matched", "ambiguous")
+    fmt, questions, skipped = load_questions(cfg.qa, cfg.qa_format, statuses)
+    if not questions:
+        raise InputError(cfg.qa, "no questions to ask (CRUD: no matched entries?)")
+    lang = cfg.lang if cfg.lang != "auto" else ("en" if fmt == "gutenqa" else "zh")
+    if cfg.generating:
+        from eval.generate import load_rag_prompt
+
+        load_rag_prompt(lang)  # a broken prompt file fails before anything loads
+
+    # ---- evidence and relevance
+    t = time.perf_counter()
+    normalized: dict[str, NormalizedDoc] = {}
+
+    def docs_for(q) -> dict[str, NormalizedDoc]:
+        wanted = docs.keys() if q.doc_ids is None else [d for d in q.doc_ids if d in docs]
+        for d in wanted:
+            if d not in normalized:
+                normalized[d] = NormalizedDoc(d, docs[d])
+        return {d: normalized[d] for d in wanted}
+
+    chunks_by_doc: dict[str, list[tuple[int, int, int]]] = {}
+    for c in chunks:
+        chunks_by_doc.setdefault(c.doc_id, []).append((c.id, c.start, c.end))
+    judged = []
+    for q in questions:
+        evidence = find_evidence(q, docs_for(q), fuzzy=fmt == "gutenqa", fuzzy_threshold=cfg.fuzzy_threshold)
+        judged.append((q, evidence, relevant_chunks(evidence, chunks_by_doc, cfg.min_share)))
+    n_all, n_answerable = len(judged), sum(1 for _, _, rel in judged if rel)
+    if cfg.questions == "answerable":
+        judged = [j for j in judged if j[2]]
+    if cfg.limit is not None:
+        judged = judged[: cfg.limit]
+    if not judged:
+        raise InputError(cfg.qa, "no question has evidence in the chunked documents (--questions answerable)")
+    timings["relevance"] = time.perf_counter() - t
+
+    # ---- index
+    from metachunk.models import load_sentence_embedder, resolve
+
+    t = time.perf_counter()
+    embedder_path = str(resolve(cfg.embedder).resolve())
+    embedder = load_sentence_embedder(cfg.embedder, device=cfg.device)
+    timings["embedder_load"] = time.perf_counter() - t
+    key = index_key(file_sha256(cfg.chunks), embedder_path, cfg.index_text)
+    name = collection_name(key)
+    index = ChunkIndex(cfg.index_dir)
+    try:
+        t = time.perf_counter()
+        built = not index.has(name, len(chunks))
+        if built:
+            vectors = embed(
+                embedder,
+                [c.indexed_text for c in chunks],
+                cfg.embed_batch_size,
+                cfg.progress,
+                desc="embed chunks",
+            )
+            index.build(
+                name,
+                chunks,
+                vectors,
+                {
+                    "chunks": str(Path(cfg.chunks).resolve()),
+                    "embedder": embedder_path,
+                    "index_text": cfg.index_text,
+                    "key": key,
+                },
+            )
+        timings["index"] = time.perf_counter() - t
+
+        # ---- retrieval
+        t = time.perf_counter()
+        depth = max(cfg.top_k, cfg.rerank_depth if cfg.rerank != "none" else 0)
+        query_vectors = embed(
+            embedder,
+            [q.question for q, _, _ in judged],
+            cfg.embed_batch_size,
+            cfg.progress,
+            "embed questions",
+            cfg.query_prefix,
+        )
+        from tqdm import tqdm
+
+        with tqdm(
+            total=len(judged), unit="q", desc="retrieve", disable=not cfg.progress, dynamic_ncols=True
+        ) as bar:
+            found = index.search(name, query_vectors, depth, on_batch=bar.update)
+        timings["retrieval"] = time.perf_counter() - t
+    finally:
+        index.close()
+
+    # ---- re-ranking
+    reranked_order: list[list[int]] | None = None
+    rerank_info: dict = {}
+    if cfg.rerank != "none":
+        t = time.perf_counter()
+        reranked_order, rerank_info = rerank(cfg, lang, judged, found, chunks)
+        timings["rerank"] = time.perf_counter() - t
+
+    # ---- rows and metrics
+    def hit_row(rank: int, cid: int, score: float, rel: set[int]) -> dict:
+        c = chunks[cid]
+        return {"rank": rank, "doc_id": c.doc_id, "chunk_index": c.chunk_index, "start": c.start, "end": c.end,
+                "text": c.text, "indexed_text": c.indexed_text, "score": round(score, 6), "relevant": cid in rel}  # fmt: skip
+
+    rows, evidence_rows, final_ids = [], [], []
+    flags_dense, flags_reranked, n_relevant = [], [], []
+    for i, ((q, evidence, rel), hits) in enumerate(zip(judged, found)):
+        row = {"qid": q.qid, "question": q.question, "answer": q.answer, "lang": lang, "relevant_any": bool(rel),
+               "hits": [hit_row(r, cid, s, rel) for r, (cid, s) in enumerate(hits, start=1)], "reranked": None}  # fmt: skip
+        flags_dense.append([cid in rel for cid, _ in hits])
+        n_relevant.append(len(rel))
+        final = [cid for cid, _ in hits]
+        if reranked_order is not None:
+            top = hits[: cfg.rerank_depth]
+            scores = rerank_info["scores"][i]
+            row["reranked"] = [
+                hit_row(r, top[j][0], scores[j], rel) for r, j in enumerate(reranked_order[i], start=1)
+            ]
+            final = [top[j][0] for j in reranked_order[i]] + [cid for cid, _ in hits[cfg.rerank_depth :]]
+            flags_reranked.append([cid in rel for cid in final[: cfg.rerank_depth]])
+        final_ids.append(final[: cfg.top_k])
+        rows.append(row)
+        evidence_rows.append({
+            "qid": q.qid, "evidence": [dataclasses.asdict(e) for e in evidence],
+            "relevant": sorted([chunks[c].doc_id, chunks[c].chunk_index] for c in rel), **q.source,
+        })  # fmt: skip
+
+    out.mkdir(parents=True, exist_ok=True)
+    with AtomicWriter(out / "retrieval.jsonl") as f:
+        f.writelines(jsonl_line(r) for r in rows)
+    with AtomicWriter(out / "evidence.jsonl") as f:
+        f.writelines(jsonl_line(r) for r in evidence_rows)
+
+    lengths = [len(c.text) for c in chunks]
+    tokens = _token_counts(embedder, [c.text for c in chunks])
+    limit_tokens = int(getattr(embedder, "max_seq_length", 0) or 0)
+    indexed_tokens = (
+        _token_counts(embedder, [c.indexed_text for c in chunks]) if cfg.index_text != "chunk" else tokens
+    )
+    metrics: dict[str, float] = {
+        "n_questions": len(judged),
+        "n_answerable": sum(1 for _, _, rel in judged if rel),
+        "n_chunks": len(chunks),
+        "n_documents": len(docs),
+        "avg_chunk_chars": round(sum(lengths) / len(lengths), 2),
+        "avg_chunk_tokens": round(sum(tokens) / len(tokens), 2),
+        "avg_indexed_chars": round(sum(len(c.indexed_text) for c in chunks) / len(chunks), 2),
+        "chunks_truncated": sum(1 for n in indexed_tokens if limit_tokens and n + 2 > limit_tokens),
+    }
+    hit_ks = cutoffs(depth, cfg.top_k)
+    score_ks = sorted({cfg.top_k, depth})
+    metrics.update(aggregate(flags_dense, n_relevant, hit_ks, score_ks))
+    if reranked_order is not None:
+        metrics.update(aggregate(flags_reranked, n_relevant, cutoffs(cfg.rerank_depth, cfg.top_k),
+                                 sorted({min(cfg.top_k, cfg.rerank_depth), cfg.rerank_depth}), prefix="reranked_"))  # fmt: skip
+
+    details: dict = {
+        "qa_format": fmt,
+        "lang": lang,
+        "questions_in_file": n_all,
+        "questions_skipped": skipped,
+        "answerable_in_file": n_answerable,
+        "evidence_found_by": _count_how(evidence_rows),
+        "relevance": (
+            f"a chunk is relevant when it holds >= {cfg.min_share:.0%} of an evidence span, or the largest "
+            "share of it; GutenQA evidence: chunk_must_contain (verbatim, normalised, or fuzzy); CRUD evidence: "
+            "key strings of the answer inside the matched article(s) (see eval/retrieval.py)"
+        ),
+        "index": {
+            "db": str(Path(cfg.index_dir) / "index.db"),
+            "collection": name,
+            "key": key,
+            "built": built,
+            "embedder": embedder_path,
+            "index_text": cfg.index_text,
+            "chunks_lacking_field": lacking,
+            "embedder_max_seq_length": limit_tokens,
+        },
+        "retrieval_depth": depth,
+        "rerank": {k: v for k, v in rerank_info.items() if k != "scores"} or None,
+        "timings_s": timings,
+    }
+
+    # ---- generation
+    if cfg.generating:
+        t = time.perf_counter()
+        gen_metrics, gen_details = generate_and_score(cfg, lang, judged, final_ids, chunks)
+        metrics.update(gen_metrics)
+        details["generation"] = gen_details
+        timings["generation_and_scoring"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - started
+    details["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
+    from eval.report import write_run
+
+    return write_run(out, "qa", config.to_dict(cfg), metrics, details)
+
+
+def _count_how(evidence_rows: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in evidence_rows:
+        hows = {e["how"].split(":")[0] for e in row["evidence"]} or {"missing"}
+        best = next(h for h in ("verbatim", "normalized", "fuzzy", "missing") if h in hows)
+        counts[best] = counts.get(best, 0) + 1
+    return counts
+
+
+def _token_counts(embedder, texts: list[str]) -> list[int]:
+    tok = getattr(embedder, "tokenizer", None)
+    if tok is None:
+        return [0] * len(texts)
+    counts = []
+    for a in range(0, len(texts), 512):
+        counts += [len(ids) for ids in tok(texts[a : a + 512], add_special_tokens=False)["input_ids"]]
+    return counts
+
+
+# -------------------------------------------------------------------------------------- rerank
+
+
+def rerank(cfg: QAConfig, lang: str, judged, found, chunks) -> tuple[list[list[int]], dict]:
+    """Per question, the order of its dense top ``rerank_depth`` after re-ranking, and details."""
+    from eval.rerank import cross_encoder_scores, load_cross_encoder, order, ppl_scores
+
+    queries = [
+        (q.question, [chunks[cid].indexed_text for cid, _ in hits[: cfg.rerank_depth]])
+        for (q, _, _), hits in zip(judged, found)
+    ]
+    t = time.perf_counter()
+    if cfg.rerank == "ppl":
+        from metachunk.models import load_causal_lm
+
+        name = cfg.reranker or DEFAULT_PPL_RERANKER[lang]
+        model, tokenizer = load_causal_lm(name, device=cfg.device, dtype=cfg.dtype)
+        load = time.perf_counter() - t
+        scores = ppl_scores(
+            model, tokenizer, queries, lang, cfg.rerank_max_passage_tokens, progress=cfg.progress
+        )
+        info = {
+            "method": "ppl",
+            "model": name,
+            "score": "- mean NLL (nats) of question + restrictive statement given the passage",
+        }
+    else:
+        model = load_cross_encoder(cfg.reranker, device=cfg.device)
+        load = time.perf_counter() - t
+        scores = cross_encoder_scores(model, queries, progress=cfg.progress)
+        info = {"method": "cross-encoder", "model": cfg.reranker, "score": "cross-encoder relevance score"}
+    info.update(depth=cfg.rerank_depth, load_seconds=round(load, 2), seconds=round(time.perf_counter() - t - load, 2),
+                pairs=sum(len(p) for _, p in queries), scores=scores)  # fmt: skip
+    return [order(s) for s in scores], info
+
+
+# ---------------------------------------------------------------------------------- generation
+
+
+def teacher_config(cfg: QAConfig):
+    """The endpoint's :class:`TeacherConfig`: the YAML block (or defaults), ``--generator``'s URL and
+    model on top, the run's sampling settings always."""
+    from eval.generate import parse_generator
+
+    block = cfg.generator_teacher
+    values = dataclasses.asdict(block) if block is not None else {
+        "concurrency": cfg.concurrency, "api_key_env": cfg.api_key_env, "serve_preset": cfg.serve_preset,
+    }  # fmt: skip
+    if cfg.generator:
+        base_url, model = parse_generator(cfg.generator)
+        values.update(base_url=base_url, model=model, base_url_env=None)
+    values.update(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens,
+                  max_tokens_limit=None)  # fmt: skip
+    return TeacherConfig(**values)
+
+
+def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> tuple[dict, dict]:
+    from eval.generate import EndpointGenerator, LocalGenerator, load_rag_prompt, rag_messages
+
+    prompt = load_rag_prompt(lang)
+    prompts = [
+        rag_messages(prompt, q.question, [chunks[cid].indexed_text for cid in ids])
+        for (q, _, _), ids in zip(judged, final_ids)
+    ]
+    t = time.perf_counter()
+    details: dict = {"prompt": f"eval/prompts/{prompt.name}.{lang}.txt", "prompt_sha256": prompt.sha256}
+    if cfg.generator_model:
+        local = LocalGenerator(
+            cfg.generator_model, device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.gen_top_k, max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+        )  # fmt: skip
+        answers = local.generate(prompts, progress=cfg.progress)
+        details.update(kind="local", model=cfg.generator_model, load_seconds=round(local.load_seconds, 2),
+                       sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.gen_top_k,
+                                 "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed})  # fmt: skip
+    else:
+        teacher = teacher_config(cfg)
+        extra = {"top_k": cfg.gen_top_k} if cfg.endpoint_top_k and cfg.gen_top_k else {}
+        endpoint = EndpointGenerator(teacher, cfg.cache, cfg.max_cost, extra)
+        answers = endpoint.generate(prompts, prompt.sha256, progress=cfg.progress)
+        details.update(kind="endpoint", model=teacher.model, base_url=teacher.endpoint_url(), cache=str(cfg.cache),
+                       requests_sent=endpoint.sent, answers_from_store=endpoint.cached, stopped=endpoint.stopped,
+                       sampling={**teacher.generation_params(), "max_tokens": teacher.max_tokens, **extra})  # fmt: skip
+    details["seconds"] = round(time.perf_counter() - t, 2)
+
+    with AtomicWriter(Path(cfg.out) / "answers.jsonl") as f:
+        for (q, _, _), ids, a in zip(judged, final_ids, answers):
+            f.write(jsonl_line({
+                "qid": q.qid, "question": q.question, "reference": q.answer, "prediction": a.text,
+                "status": a.status, "reason": a.reason, "finish_reason": a.finish_reason, "cached": a.cached,
+                "usage": {"prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens},
+                "context": [[chunks[c].doc_id, chunks[c].chunk_index] for c in ids], "prompt_sha256": prompt.sha256,
+            }))  # fmt: skip
+
+    from eval.metrics import qa_scores
+
+    t = time.perf_counter()
+    scores = qa_scores(
+        [a.text for a in answers],
+        [q.answer for q, _, _ in judged],
+        lang,
+        bertscore_model=_none(cfg.bertscore_model),
+        embedder=_none(cfg.score_embedder),
+    )
+    details["scoring_seconds"] = round(time.perf_counter() - t, 2)
+    metrics = {k: float(v) for k, v in scores.items()}
+    metrics["answers_failed"] = sum(1 for a in answers if a.status != "ok")
+    metrics["answers_cut_at_max_tokens"] = sum(1 for a in answers if a.finish_reason == "length")
+    metrics["avg_answer_tokens"] = round(sum(a.completion_tokens for a in answers) / len(answers), 2)
+    return metrics, details
+
+
+# ------------------------------------------------------------------------------------- summary
+
+
+def print_summary(doc: dict, cfg: QAConfig, file=None) -> None:
+    file = file or sys.stdout
+    m, d = doc["metrics"], doc["details"]
+    index = d["index"]
+    print(f"eval qa: {m['n_questions']} questions ({m['n_answerable']} with evidence in the corpus), "
+          f"{m['n_chunks']} chunks in {m['n_documents']} documents, avg {m['avg_chunk_chars']:.0f} chars / "
+          f"{m['avg_chunk_tokens']:.0f} tokens", file=file)  # fmt: skip
+    print(
+        f"index: {index['collection']} in {index['db']} ({'built' if index['built'] else 'reused'})",
+        file=file,
+    )
+    shown = [
+        k
+        for k in m
+        if k.split("@")[0] in ("hits", "mrr", "map", "reranked_hits", "reranked_mrr", "reranked_map")
+    ]
+    print("  ".join(f"{k} {m[k]:.4f}" for k in shown), file=file)
+    gen = [k for k in ("bleu_avg", "rouge_l", "bertscore_f1", "embedding_similarity", "f1") if k in m]
+    if gen:
+        print("  ".join(f"{k} {m[k]:.4f}" for k in gen), file=file)
+    print(f"wrote {Path(cfg.out) / 'metrics.json'}, report.md, retrieval.jsonl", file=file)
+    print(json.dumps(d["timings_s"]), file=file)
