@@ -89,3 +89,30 @@ def test_both_pipelines_against_smollm2(local_teacher, shared_data, tmp_path):
     assert metachunk(["distill", "summary", "--config", str(config)]) == 0
     meta = json.loads((tmp_path / "run" / "summary.meta.json").read_text(encoding="utf-8"))
     assert meta["summary"]["requests_sent"] == 0 and meta["summary"]["answers_from_store"] >= 2
+
+
+def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, shared_data, tmp_path):
+    """`metachunk eval qa` end to end: real MiniLM retrieval from an embedded Milvus index, the
+    local teacher answering through the teacher client, every metric scored; a rerun pays nothing."""
+    _emma_inputs(shared_data, tmp_path, n_chunks=6)
+    questions = tmp_path / "questions.jsonl"
+    with (shared_data / "gutenqa-emma" / "questions.jsonl").open(encoding="utf-8") as f:
+        questions.write_text(
+            f.readline(), encoding="utf-8"
+        )  # a chapter I question; retrieval may miss it here
+    out = tmp_path / "qa"
+    argv = ["eval", "qa", "--chunks", str(tmp_path / "chunks.jsonl"), "--qa", str(questions), "--out", str(out),
+            "--top-k", "2", "--generator", f"{local_teacher.base_url}:smollm2", "--serve-preset",
+            "--max-new-tokens", "32", "--no-progress"]  # fmt: skip
+    assert metachunk(argv) == 0
+    doc = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
+    metrics = doc["metrics"]
+    for name in ("hits@2", "mrr@2", "bleu_avg", "rouge_l", "bertscore_f1", "embedding_similarity", "f1"):
+        assert name in metrics, name
+    assert doc["details"]["generation"]["requests_sent"] == 1 and metrics["answers_failed"] == 0
+    answers = [json.loads(line) for line in (out / "answers.jsonl").open(encoding="utf-8")]
+    assert len(answers) == 1 and answers[0]["prediction"].strip()
+    assert metachunk(argv) == 0  # the rerun: the answer comes from answers.sqlite
+    again = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
+    assert again["details"]["generation"]["answers_from_store"] == 1
+    assert again["metrics"]["bleu_avg"] == metrics["bleu_avg"]
