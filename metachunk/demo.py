@@ -349,7 +349,7 @@ EVAL_LEN = 600  # characters: every method is merged to the same average length,
 
 
 def stage_eval(inputs: dict[str, Path]) -> list[dict]:
-    """Stage 6: on Emma (English), fixed, sentence, semantic and PPL chunking at equal average
+    """Stage 7: on Emma (English), fixed, sentence, semantic and PPL chunking at equal average
     length, compared by retrieval alone (Hits@k and MRR over the GutenQA questions whose evidence
     lies in these chapters; MiniLM embeddings in an embedded Milvus) and by Boundary Clarity and
     Chunk Stickiness under SmolLM2, then ``eval compare`` writes the table and the charts."""
