@@ -427,3 +427,39 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir):
     card = (tmp_path / "ro" / "README.md").read_text(encoding="utf-8")
     assert "`unrecoverable`" in card and "differs from" not in card
     assert sum(router["rows"].values()) == 6 and router["input_records"] == 11
+
+
+def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_model_dir, tmp_path):
+    """The whole MoC path on distilled rows: build-sft → train (router, expert) → chunk --method moc
+    with the trained checkpoints. The tiny model's rules are junk; the chunks must still tile."""
+    from distill.sft import BuildSftConfig, build_sft
+    from train.sft import main as train_main
+
+    label = distilled.records["planted"]["label"]
+    common = dict(distilled=distilled.root / "run" / "moc.jsonl", cards_dir=tmp_path / "cards",
+                  tokenizer=str(tiny_model_dir), validation_fraction=0.0)  # fmt: skip
+    build_sft(BuildSftConfig(task="moc-router", out=tmp_path / "router", **common), progress=False)
+    build_sft(BuildSftConfig(task="moc-expert", out=tmp_path / "expert", granularity=[label], **common), progress=False)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
+    trained = {}
+    for name, dataset in (("router", tmp_path / "router"), ("expert", tmp_path / f"expert-{label}")):
+        out = tmp_path / "runs" / name
+        argv = ["--config", str(recipe), "--model", str(tiny_model_dir), "--dataset", str(dataset),
+                "--output_dir", str(out), "--max_steps", "2", "--eval_strategy", "no", "--max_length", "4096"]  # fmt: skip
+        assert train_main(argv) == 0
+        facts = json.loads((out / "metachunk_run.json").read_text())
+        assert facts["global_steps"] == 2 and facts["final_train_loss"] > 0
+        assert facts["dataset_report"]["task"] == ("moc-router" if name == "router" else "moc-expert")
+        trained[name] = str(out)
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"id": "planted", "text": distilled.text}) + "\n")
+    chunks = tmp_path / "moc.jsonl"
+    argv = ["chunk", str(src), "-o", str(chunks), "--method", "moc", "--lang", "en", "--router", trained["router"],
+            "--experts", ",".join([trained["expert"]] * 4), "--moc-max-new-tokens", "8", "--moc-retries", "1"]  # fmt: skip
+    assert cli_main(argv) == 0
+    record = json.loads(chunks.read_text())
+    assert "".join(c["text"] for c in record["chunks"]) == distilled.text
+    assert all(c["text"] == distilled.text[c["start"] : c["end"]] for c in record["chunks"])
+    moc = json.loads(chunks.with_suffix(".meta.json").read_text())["moc"]
+    assert sum(moc["routes"].values()) == moc["windows"] >= 1
