@@ -439,7 +439,10 @@ def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_mo
     common = dict(distilled=distilled.root / "run" / "moc.jsonl", cards_dir=tmp_path / "cards",
                   tokenizer=str(tiny_model_dir), validation_fraction=0.0)  # fmt: skip
     build_sft(BuildSftConfig(task="moc-router", out=tmp_path / "router", **common), progress=False)
-    build_sft(BuildSftConfig(task="moc-expert", out=tmp_path / "expert", granularity=[label], **common), progress=False)
+    build_sft(
+        BuildSftConfig(task="moc-expert", out=tmp_path / "expert", granularity=[label], **common),
+        progress=False,
+    )
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
     trained = {}
     for name, dataset in (("router", tmp_path / "router"), ("expert", tmp_path / f"expert-{label}")):
