@@ -114,6 +114,15 @@ PROMPT_INPUTS = {
 }
 
 
+def card_path(path: str | Path) -> str:
+    """A path as cards and build reports show it: relative to the working directory when it lies
+    under it, so a published card does not carry the builder's home directory."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def size_category(n: int) -> str:
     for bound, label in _SIZE_BUCKETS:
         if n < bound:

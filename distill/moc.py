@@ -99,6 +99,7 @@ from chunking.moc import (
 )
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
+from distill.card import card_path
 from distill.pipelines import Pending, StageFailed, StageRunner
 from distill.prompts import load_prompt
 from distill.store import AnswerStore
@@ -1164,7 +1165,7 @@ def _card_stats(cfg: BuildSftConfig, target: _Target, common: dict, seconds: flo
     # Every filter of the card's table (0 where it cannot fire here), then unrecoverable.
     filters = {name: target.dropped.get(name, 0) for name in (*FILTERS, *SFT_FILTERS)}
     meta = common["meta"]
-    command = f"metachunk data build-sft {cfg.task} --distilled {cfg.distilled} --out {cfg.out}"
+    command = f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}"
     if role == "expert":
         command += f" --granularity {target.label}"
     return {
@@ -1181,9 +1182,9 @@ def _card_stats(cfg: BuildSftConfig, target: _Target, common: dict, seconds: flo
         "labels": {k: target.labels.get(int(k), 0) for k in ROUTER_LABELS},
         "source": {
             "corpus": Path(str(documents_path)).name,
-            "path": str(documents_path),
+            "path": card_path(documents_path),
             "provenance": f"distilled records {Path(cfg.distilled).name} ({meta.get('command', 'metachunk distill moc')}), "
-            f"documents {documents_path}; one row per sample of whole teacher chunks",
+            f"documents {card_path(documents_path)}; one row per sample of whole teacher chunks",
         },
         "teachers": [
             {"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(common["teachers"].items())

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunking.students import load_student_prompt, student_messages
+from distill.card import card_path
 from distill.prompts import load_prompt
 from metachunk import config
 from metachunk.artifacts import InputError, read_documents, write_json
@@ -482,9 +483,9 @@ def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropp
         "input_records": n_records,
         "source": {
             "corpus": Path(str(documents_path)).name,
-            "path": str(documents_path),
+            "path": card_path(documents_path),
             "provenance": f"distilled records {Path(cfg.distilled).name} ({meta.get('command', 'metachunk distill')}), "
-            f"documents {documents_path}",
+            f"documents {card_path(documents_path)}",
         },
         "teachers": [{"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(teachers.items())],
         "prompts": prompts,
@@ -508,7 +509,7 @@ def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropp
         },
         "teacher_usage": {**usage, "cost_usd": round(usage["cost_usd"], 6)},
         "build": {
-            "command": f"metachunk data build-sft {cfg.task} --distilled {cfg.distilled} --out {cfg.out}",
+            "command": f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}",
             "seed": cfg.seed,
             "seconds": round(seconds, 2),
             "rows_per_s": round(total_rows / seconds, 1) if seconds > 0 else 0.0,
