@@ -17,9 +17,10 @@ bounded memory comes down to three choices:
   recomputing keeps windows independent and batchable, and works for any cache layout.
 * **Windows of many documents share a batch.** All windows of all sequences are sorted by length
   and packed into batches under a token budget, so short documents do not run one by one.
-* **The LM head is applied in slices.** Only the hidden states of positions that are scored are
-  gathered, then the head, log-softmax and target gather run on ``head_rows`` positions at a time.
-  Full fp32 logits for thousands of positions (262K vocab x 8K positions = 8 GB) never exist.
+* **The LM head is applied in tiles.** Only the hidden states of positions that are scored are
+  gathered, then the head and the log-sum-exp run on tiles of ``head_rows`` positions x 8,192
+  vocabulary entries, with a running max across the vocabulary, and only the target's logit is
+  taken. Full fp32 logits for thousands of positions (262K vocab x 8K positions = 8 GB) never exist.
 """
 
 from __future__ import annotations
@@ -69,36 +70,77 @@ def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _sliced_nll(
-    model, hidden: torch.Tensor, targets: torch.Tensor, head_rows: int, low: torch.Tensor | None = None
+    model,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head_rows: int,
+    low: torch.Tensor | None = None,
+    vocab_block: int | None = None,
 ) -> torch.Tensor:
-    """``logsumexp(logits) - logit[target]`` per row, ``head_rows`` rows of logits at a time.
+    """``logsumexp(logits) - logit[target]`` per row, over tiles of ``head_rows`` positions x
+    ``vocab_block`` vocabulary entries, with a running-max log-sum-exp across the vocabulary.
 
-    ``low`` is an optional low-precision copy of the head's weight (bf16 on a CPU with AMX, where
-    the head matmul is ~4x faster). Then only the normaliser comes from low-precision logits; the
-    target logit is an exact fp32 dot product with the target's row of the head.
+    Why tiles: a slice of all positions times the whole vocabulary is either small in positions
+    (then the matmul re-reads the whole head for every few rows: memory-bound) or big in memory
+    (1,024 positions x 262K vocab = 1 GB of fp32). A tile of 1,024 x 8,192 is 32 MB, reads each
+    head row once per 1,024 positions, and its exp and sum run while it is still in cache. The
+    two tile buffers (the matmul's output and its fp32 copy, one tensor when the head is fp32) are
+    allocated once and reused, and the log-sum-exp runs in place: on CPU a fresh tensor per
+    operation costs its page faults every time. Measured on Gemma's 262K vocabulary (bf16, AMX):
+    0.66 ms per position against 2.2 ms for per-slice ``logsumexp`` over 128 x 262K.
+
+    The target logit is one fp32 dot product of the position's hidden state with its target's
+    row of the head (the head's own weights, even when ``low`` is given). ``low`` is an optional
+    low-precision copy of the head's weight (bf16 on a CPU with AMX, where the head matmul is ~4x
+    faster): then only the normaliser comes from low-precision logits.
     """
     head = model.get_output_embeddings()
-    out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
-    for i in range(0, len(targets), head_rows):
-        h, t = hidden[i : i + head_rows], targets[i : i + head_rows]
-        if low is None:
-            logits = lm_head_logits(model, h)
-            target_logit = logits.gather(1, t[:, None]).squeeze(1)
-        else:
-            logits = h.to(low.dtype) @ low.T
+    weight = head.weight if low is None else low
+    n, vocab = len(targets), weight.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    if n == 0:
+        return out
+    rows = min(head_rows, n)
+    cols = min(vocab_block or DEFAULT_VOCAB_BLOCK, vocab)
+    logits_buf = torch.empty(rows, cols, dtype=weight.dtype, device=hidden.device)
+    work_buf = (
+        logits_buf if weight.dtype == torch.float32 else torch.empty_like(logits_buf, dtype=torch.float32)
+    )
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    for i in range(0, n, rows):
+        h, t = hidden[i : i + rows], targets[i : i + rows]
+        h_low = h.to(weight.dtype)
+        top = torch.full((len(h), 1), -torch.inf, device=hidden.device)
+        total = torch.zeros(len(h), 1, device=hidden.device)
+        for j in range(0, vocab, cols):
+            block = weight[j : j + cols]
+            logits, work = logits_buf[: len(h), : len(block)], work_buf[: len(h), : len(block)]
+            torch.matmul(h_low, block.T, out=logits)
             if head.bias is not None:
-                logits = logits + head.bias.to(low.dtype)
-            logits = _softcap(model, logits.float())
-            target_logit = _softcap(model, (h.float() * head.weight[t].float()).sum(-1))
-            if head.bias is not None:
-                target_logit = target_logit + head.bias[t].float()
-        out[i : i + head_rows] = torch.logsumexp(logits, dim=-1) - target_logit
+                logits.add_(head.bias[j : j + cols].to(weight.dtype))
+            if work is not logits:
+                work.copy_(logits)
+            if cap:  # Gemma-style soft-capping is part of the model's distribution (as in _softcap)
+                work.div_(cap).tanh_().mul_(cap)
+            new_top = torch.maximum(top, work.amax(dim=-1, keepdim=True))
+            total.mul_((top - new_top).exp_()).add_(work.sub_(new_top).exp_().sum(dim=-1, keepdim=True))
+            top = new_top
+        target_logit = (h.float() * head.weight[t].float()).sum(-1)
+        if head.bias is not None:
+            target_logit = target_logit + head.bias[t].float()
+        out[i : i + len(h)] = (total.log_() + top).squeeze(1) - _softcap(model, target_logit)
     return out
 
 
-def default_head_rows(vocab_size: int, budget_bytes: int = 128 * 2**20) -> int:
-    """Positions per LM-head slice so that one fp32 logits slice stays under ``budget_bytes``."""
-    return max(1, budget_bytes // (4 * vocab_size))
+# Head tiles (see _sliced_nll): positions x vocabulary entries, 32 MB of fp32 logits per tile.
+DEFAULT_HEAD_ROWS = 1024
+DEFAULT_VOCAB_BLOCK = 8192
+
+
+def default_head_rows(vocab_size: int) -> int:
+    """Positions per LM-head tile. Tiles are ``vocab_block`` wide, so this no longer depends on
+    the vocabulary; kept as a function so callers can size by model."""
+    return DEFAULT_HEAD_ROWS
 
 
 # Tokens of the very start of a sequence that stay in a trimmed KV cache. LLMs park attention on

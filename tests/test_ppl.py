@@ -488,6 +488,37 @@ def test_bf16_head_keeps_target_exact_and_normaliser_close(tiny_lm, long_ids):
     assert 0.0 < np.nanmax(np.abs(exact - fast)) < 0.05  # bf16 normaliser: close, not identical
 
 
+@pytest.mark.parametrize(("rows", "cols"), [(1, 50), (5, 7), (64, 16)])
+def test_sliced_head_equals_a_full_log_softmax_with_bias_and_softcap(rows, cols):
+    """The head tiles (positions x vocabulary blocks, running-max log-sum-exp, reused buffers) give
+    the plain ``-log_softmax(logits)[target]``, also with a head bias and Gemma-style soft-capping,
+    and on last tiles narrower or shorter than the rest."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from metachunk.scoring import _sliced_nll
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden, targets = torch.randn(23, 16) * 4, torch.randint(0, 50, (23,))
+    for cap in (None, 3.0):
+        model = SimpleNamespace(
+            get_output_embeddings=lambda: head, config=SimpleNamespace(final_logit_softcapping=cap)
+        )
+        with torch.inference_mode():
+            logits = head(hidden)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            expected = -torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+            got = _sliced_nll(model, hidden, targets, rows, vocab_block=cols)
+            low = _sliced_nll(model, hidden, targets, rows, head.weight.to(torch.bfloat16), vocab_block=cols)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        assert (
+            0 < float((low - expected).abs().max()) < 0.5
+        )  # bf16 normaliser (logits of ~10), exact target logit
+
+
 def test_kv_trim_blocks_stitch_exactly_before_any_trimming(tiny_lm, long_ids):
     """Blocks of 32 against a cache that is not trimmed yet must equal one full pass: this checks
     positions, the causal mask across the cache and the prediction of each block's first token."""
