@@ -35,7 +35,8 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/ppl_speed.py
+	$(PY) bench/ppl_speed.py --methods loop,engine,engine-bf16,loop-bf16,plain
+	$(PY) bench/ppl_speed.py --model gemma3-270m --corpus crud --docs 50 --methods plain,engine,engine-bf16
 	$(PY) bench/ppl_memory.py
 	$(PY) bench/msp_speed.py
 	$(PY) bench/distill_throughput.py
