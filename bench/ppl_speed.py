@@ -55,21 +55,22 @@ def load_docs(corpus: str, n: int) -> list[str]:
     return ["\n\n".join(p) for p in chapters.values()]
 
 
-def rss_mb() -> float:
+def status_mb(field: str) -> float | None:
+    """A memory line of /proc/self/status in MB (VmRSS: now; VmHWM: peak since start or reset)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    return float("nan")
+    return None
+
+
+def rss_mb() -> float:
+    return status_mb("VmRSS") or float("nan")
 
 
 def peak_rss_mb() -> float:
-    """VmHWM: the peak RSS since the process started or since the last reset (see worker)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The peak RSS since the process started or since the last reset (see worker)."""
+    return status_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def plain_nll(model, ids: list[int]) -> np.ndarray:

@@ -137,12 +137,6 @@ DEFAULT_HEAD_ROWS = 1024
 DEFAULT_VOCAB_BLOCK = 8192
 
 
-def default_head_rows(vocab_size: int) -> int:
-    """Positions per LM-head tile. Tiles are ``vocab_block`` wide, so this no longer depends on
-    the vocabulary; kept as a function so callers can size by model."""
-    return DEFAULT_HEAD_ROWS
-
-
 # Tokens of the very start of a sequence that stay in a trimmed KV cache. LLMs park attention on
 # the first tokens ("attention sinks", StreamingLLM); dropping them from the cache wrecks every
 # later prediction (measured on SmolLM2: mean |NLL error| 1.05 nats without them, 0.32 with 4).
@@ -251,7 +245,7 @@ def token_nll(
     device = next(model.parameters()).device
     if allow_padding is None:
         allow_padding = device.type == "cuda"
-    head_rows = head_rows or default_head_rows(model.config.get_text_config().vocab_size)
+    head_rows = head_rows or DEFAULT_HEAD_ROWS
     decoder = model.get_decoder()
     weight = model.get_output_embeddings().weight
     low = weight.to(head_dtype) if head_dtype not in (None, weight.dtype) else None  # converted once per call
@@ -376,7 +370,7 @@ def continuation_nll(
     if not prefix:
         raise ValueError("continuation_nll needs a non-empty prefix (its last position predicts token 0)")
     device = next(model.parameters()).device
-    head_rows = head_rows or default_head_rows(model.config.get_text_config().vocab_size)
+    head_rows = head_rows or DEFAULT_HEAD_ROWS
     decoder = model.get_decoder()
     results = [np.zeros(len(c), dtype=np.float32) for c in continuations]
     order = sorted((i for i, c in enumerate(continuations) if len(c)), key=lambda i: -len(continuations[i]))
