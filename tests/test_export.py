@@ -209,6 +209,42 @@ def test_lora_adapter_is_merged_and_matches_the_peft_model(sft_dataset, tiny_mod
         _export(tiny_model_dir, tmp_path / "x", merge_lora=True)
 
 
+def test_sharded_checkpoint_exports_to_shards_that_reload_exactly(sft_dataset, tiny_model_dir, tmp_path):  # noqa: F811
+    """A 3B checkpoint comes as model-0000K-of-0000N.safetensors + index, and a 3B export (12 GB in
+    fp32) is split the same way (--max-shard-size, 5GB by default). Both directions, on the tiny
+    model cut into ~200 KB files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = _train(sft_dataset, tiny_model_dir, tmp_path / "run")
+    trained = AutoModelForCausalLM.from_pretrained(run, use_safetensors=True).state_dict()
+    (run / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, use_safetensors=True).save_pretrained(
+        tmp_path / "base"
+    )  # a model whose weights differ, to write the shards from the trained ones below
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", use_safetensors=True)
+    model.load_state_dict(trained)
+    model.save_pretrained(run, max_shard_size="300KB")
+    assert len(list(run.glob("model-*.safetensors"))) > 1 and (run / "model.safetensors.index.json").is_file()
+
+    out = tmp_path / "export"
+    with pytest.raises(ValueError, match="max_shard_size"):
+        ExportConfig(checkpoint=run, out=out, max_shard_size="lots")
+    result = _export(run, out, max_shard_size="200KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    held = {p.name: sum(1 for f in index["weight_map"].values() if f == p.name) for p in shards}
+    # every file keeps under the limit (plus its header), unless it is one tensor bigger than the limit
+    assert all(p.stat().st_size < 200_000 + 4_096 or held[p.name] == 1 for p in shards), held
+    assert result.files == len(list(out.iterdir()))
+    _no_pickles(out)
+    exported = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True).state_dict()
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(w, exported[k]) for k, w in trained.items())
+
+
 def test_pickled_weights_are_refused_naming_the_file(tiny_model_dir, tmp_path, monkeypatch, capsys):
     import torch
 

@@ -28,7 +28,7 @@ The flow, top to bottom (:func:`export`):
    own ``get_fp32_state_dict_from_zero_checkpoint`` into the model built from ``config.json``
    (the fp32 master weights).
 3. **Write a temp folder next to --out**: the weights with ``save_pretrained(safe_serialization=
-   True)`` and ``config.json`` (``use_cache`` back on: training turns the KV cache off), the
+   True)``, split into ``--max-shard-size`` files with an index when bigger, and ``config.json`` (``use_cache`` back on: training turns the KV cache off), the
    tokenizer with its chat template (checked to survive the round trip), the checkpoint's
    ``generation_config.json`` (else the base model's, else one derived from the tokenizer's
    eos/pad tokens), ``loss.png`` (copied, or plotted from a ``checkpoint-N``'s own log),
@@ -123,6 +123,11 @@ class ExportConfig:
         "weights dtype of the export: auto (as loaded: the checkpoint's; fp32 masters from ZeRO shards)",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
+    max_shard_size: str = option(
+        "5GB",
+        "largest safetensors file of the export; a bigger model is split into model-0000K-of-0000N files "
+        "with an index (the Hub's usual size; Qwen2.5-3B in fp32 is ~12 GB)",
+    )
     overwrite: bool = option(
         False,
         "replace an existing --out folder that is not an earlier export (an earlier export is replaced "
@@ -151,6 +156,10 @@ class ExportConfig:
             if getattr(self, name) is None:
                 raise ValueError(f"field {name!r} is required (--{name})")
         self.checkpoint, self.out = Path(self.checkpoint), Path(self.out)
+        if not re.fullmatch(r"\d+[KMG]i?B", str(self.max_shard_size)):
+            raise ValueError(
+                f"field 'max_shard_size' must be a size like '5GB' or '500MiB', got {self.max_shard_size!r}"
+            )
         for name in ("push", "base_model_id", "dataset_id"):
             value = getattr(self, name)
             if value is not None and value.count("/") != 1:
@@ -518,7 +527,7 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.export-", dir=cfg.out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=cfg.max_shard_size)
         tokenizer.save_pretrained(tmp)
         if AutoTokenizer.from_pretrained(tmp).chat_template != tokenizer.chat_template:
             raise RuntimeError("the chat template did not survive tokenizer.save_pretrained")
