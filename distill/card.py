@@ -47,7 +47,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from metachunk.artifacts import AtomicWriter, InputError
@@ -121,6 +121,68 @@ def card_path(path: str | Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+LEAKAGE_METHOD = (
+    "document id match, then MinHash LSH over character 5-gram shingles verified by exact Jaccard"
+)
+
+
+def prompt_entries(
+    students: Sequence[tuple[str, object]], teacher_prompts: Mapping[tuple[str, str], str]
+) -> list[dict]:
+    """The card's prompts: each student prompt the rows were rendered with (``(name, Prompt)``), then
+    each teacher prompt the distilled records name, ``{(name.lang, sha256): stage}``. A teacher
+    prompt whose sha256 is not this checkout's version is listed without a text, not with the wrong one."""
+    from distill.prompts import load_prompt
+
+    def text(prompt) -> str:
+        return f"<<<system>>>\n{prompt.system}\n<<<user>>>\n{prompt.user}"
+
+    entries = [{"name": name, "sha256": p.sha256, "text": text(p), "role": "student"} for name, p in students]
+    for (name, sha), stage in sorted(teacher_prompts.items()):
+        current = load_prompt(stage, name.rsplit(".", 1)[1])
+        shown = (
+            text(current)
+            if current.sha256 == sha
+            else "(a different version than this checkout's; see its sha256)"
+        )
+        entries.append({"name": name, "sha256": sha, "text": shown, "role": "teacher"})
+    return entries
+
+
+def length_stats(values: Sequence[int]) -> dict:
+    """min, mean, p50, p95 and max of token lengths (zeros for an empty set)."""
+    if not values:
+        return {"min": 0, "mean": 0.0, "p50": 0, "p95": 0, "max": 0}
+    ordered = sorted(values)
+
+    def pick(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"min": ordered[0], "mean": round(sum(ordered) / len(ordered), 1), "p50": pick(0.5),
+            "p95": pick(0.95), "max": ordered[-1]}  # fmt: skip
+
+
+def token_lengths_entry(
+    tokenizer: str, max_tokens: int, prompts: Sequence[int], completions: Sequence[int]
+) -> dict:
+    return {
+        "tokenizer": tokenizer,
+        "max_tokens": max_tokens,
+        "prompt": length_stats(prompts),
+        "completion": length_stats(completions),
+        "histogram": "token_lengths.png",
+    }
+
+
+def build_entry(command: str, seed: int, seconds: float, rows: int) -> dict:
+    return {
+        "command": command,
+        "seed": seed,
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(rows / seconds, 1) if seconds > 0 else 0.0,
+    }
 
 
 def size_category(n: int) -> str:

@@ -99,7 +99,7 @@ from chunking.moc import (
 )
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
-from distill.card import card_path
+from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
 from distill.pipelines import Pending, StageFailed, StageRunner
 from distill.prompts import load_prompt
 from distill.store import AnswerStore
@@ -1121,27 +1121,9 @@ def _finish_target(cfg: BuildSftConfig, target: _Target, common: dict, seconds: 
 
 
 def _card_stats(cfg: BuildSftConfig, target: _Target, common: dict, seconds: float) -> dict:
-    from distill.sft import _prompt_text, _stats
-
     role = common["role"]
     langs = target.langs or common["record_langs"]
-    prompts = []
-    for lang in sorted(langs) or ["en"]:
-        student = load_moc_prompt(role, lang)
-        prompts.append(
-            {
-                "name": f"moc_{role}.{lang}",
-                "sha256": student.sha256,
-                "text": _prompt_text(student),
-                "role": "student",
-            }
-        )
-    for (name, sha), stage in sorted(common["teacher_prompts"].items()):
-        current = load_prompt(stage, name.rsplit(".", 1)[1])
-        text = (
-            _prompt_text(current) if current.sha256 == sha else "(a different version than this checkout's)"
-        )
-        prompts.append({"name": name, "sha256": sha, "text": text, "role": "teacher"})
+    students = [(f"moc_{role}.{lang}", load_moc_prompt(role, lang)) for lang in sorted(langs) or ["en"]]
     rows = {s: w.rows for s, w in target.writers.items()}
     total = sum(rows.values())
     documents_path = common["documents_path"]
@@ -1189,28 +1171,19 @@ def _card_stats(cfg: BuildSftConfig, target: _Target, common: dict, seconds: flo
         "teachers": [
             {"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(common["teachers"].items())
         ],
-        "prompts": prompts,
+        "prompts": prompt_entries(students, common["teacher_prompts"]),
         "filters": filters,
-        "token_lengths": {
-            "tokenizer": cfg.tokenizer,
-            "max_tokens": cfg.max_tokens,
-            "prompt": _stats(target.prompt_lengths),
-            "completion": _stats(target.completion_lengths),
-            "histogram": "token_lengths.png",
-        },
+        "token_lengths": token_lengths_entry(
+            cfg.tokenizer, cfg.max_tokens, target.prompt_lengths, target.completion_lengths
+        ),
         "leakage": {
-            "method": "document id match, then MinHash LSH over character 5-gram shingles verified by exact Jaccard",
+            "method": LEAKAGE_METHOD,
             "threshold": cfg.near_dup_threshold,
             "test_documents": len(common["test_ids"]),
             "rows_checked": target.inputs - filters["failed_or_empty"] - filters["unrecoverable"],
             "contaminated": filters["contaminated"],
         },
         "teacher_usage": {**common["usage"], "cost_usd": round(common["usage"]["cost_usd"], 6)},
-        "build": {
-            "command": command,
-            "seed": cfg.seed,
-            "seconds": round(seconds, 2),
-            "rows_per_s": round(total / seconds, 1) if seconds > 0 else 0.0,
-        },
+        "build": build_entry(command, cfg.seed, seconds, total),
         "limitations": limitations,
     }

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunking.students import load_student_prompt, student_messages
-from distill.card import card_path
+from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
 from distill.prompts import load_prompt
 from metachunk import config
 from metachunk.artifacts import InputError, read_documents, write_json
@@ -232,23 +232,6 @@ class ShardWriter:
             path.replace(target)
             final.append(target)
         return final
-
-
-def _stats(values: list[int]) -> dict:
-    if not values:
-        return {"min": 0, "mean": 0.0, "p50": 0, "p95": 0, "max": 0}
-    ordered = sorted(values)
-
-    def pick(q):
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {
-        "min": ordered[0],
-        "mean": round(sum(ordered) / len(ordered), 1),
-        "p50": pick(0.5),
-        "p95": pick(0.95),
-        "max": ordered[-1],
-    }
 
 
 # --------------------------------------------------------------------------------------- build
@@ -449,26 +432,10 @@ def _drop_reason(
 
 def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropped, langs, teachers,
                 teacher_prompts, prompt_lengths, completion_lengths, usage, test_ids, seconds) -> dict:  # fmt: skip
-    prompts = []
-    for lang in sorted(langs) or ["en"]:
-        student = load_prompt(f"student_{cfg.task}", lang)
-        prompts.append(
-            {
-                "name": f"student_{cfg.task}.{lang}",
-                "sha256": student.sha256,
-                "text": _prompt_text(student),
-                "role": "student",
-            }
-        )
-    for (name, sha), stage in sorted(teacher_prompts.items()):
-        lang = name.rsplit(".", 1)[1]
-        current = load_prompt(stage, lang)
-        text = (
-            _prompt_text(current)
-            if current.sha256 == sha
-            else "(a different version than this checkout's; see its sha256)"
-        )
-        prompts.append({"name": name, "sha256": sha, "text": text, "role": "teacher"})
+    students = [
+        (f"student_{cfg.task}.{lang}", load_prompt(f"student_{cfg.task}", lang))
+        for lang in sorted(langs) or ["en"]
+    ]
     total_rows = sum(rows.values())
     teacher_models = sorted({m for models in teachers.values() for m in models})
     return {
@@ -488,17 +455,13 @@ def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropp
             f"documents {card_path(documents_path)}",
         },
         "teachers": [{"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(teachers.items())],
-        "prompts": prompts,
+        "prompts": prompt_entries(students, teacher_prompts),
         "filters": {name: dropped.get(name, 0) for name in FILTERS},
-        "token_lengths": {
-            "tokenizer": cfg.tokenizer,
-            "max_tokens": cfg.max_tokens,
-            "prompt": _stats(prompt_lengths),
-            "completion": _stats(completion_lengths),
-            "histogram": "token_lengths.png",
-        },
+        "token_lengths": token_lengths_entry(
+            cfg.tokenizer, cfg.max_tokens, prompt_lengths, completion_lengths
+        ),
         "leakage": {
-            "method": "document id match, then MinHash LSH over character 5-gram shingles verified by exact Jaccard",
+            "method": LEAKAGE_METHOD,
             "threshold": cfg.near_dup_threshold,
             "test_documents": len(test_ids),
             "rows_checked": n_records
@@ -508,18 +471,14 @@ def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropp
             "contaminated": dropped.get("contaminated", 0),
         },
         "teacher_usage": {**usage, "cost_usd": round(usage["cost_usd"], 6)},
-        "build": {
-            "command": f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}",
-            "seed": cfg.seed,
-            "seconds": round(seconds, 2),
-            "rows_per_s": round(total_rows / seconds, 1) if seconds > 0 else 0.0,
-        },
+        "build": build_entry(
+            f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}",
+            cfg.seed,
+            seconds,
+            total_rows,
+        ),
         "limitations": _limitations(cfg, teacher_models, total_rows, len(test_ids)),
     }
-
-
-def _prompt_text(prompt) -> str:
-    return f"<<<system>>>\n{prompt.system}\n<<<user>>>\n{prompt.user}"
 
 
 def _limitations(cfg, teacher_models, total_rows, n_test) -> list[str]:
