@@ -64,7 +64,12 @@ row's square: 4 rows flattened (padding_free) are ~2.5x the attention of the pad
 (padding), the unpadded batch of 1 does not (plain causal: the kernel skips the upper triangle), so on
 CPU batch 1 with gradient accumulation (``recipes/train/cpu_smoke.yaml``) is the fastest and leanest.
 The varlen flash-attention kernels (GPU, ``attn_implementation: flash_attention_2``) skip the masked
-blocks: that is where packing pays (``bench/train_mfu_gpu.py``; not measured here, no GPU).
+blocks: that is where packing pays (``bench/train_mfu_gpu.py``; not measured here, no GPU). On CPU,
+``flex_attention``, whose block mask would skip them too, runs forward but has no backward in PyTorch
+2.13 ("FlexAttention does not support backward on CPU"), so the training config refuses it with
+``use_cpu``. Even with a kernel that skipped every masked block, removing the padding of these rows
+could buy about the 1.16x computed-token ratio plus the padded batch's dense-mask attention, which
+``unpadded`` (1.22x) already shows.
 
     python bench/train_throughput.py                        # ~3.5 minutes on 1 core
     python bench/train_throughput.py --rows 12 --modes padded,packed

@@ -134,3 +134,6 @@ def test_wrong_packing_configs_fail_before_any_model_loads(tmp_path, capsys):
     # use_cpu, and liger-kernel is not installed
     status, err = _run(base + ["--use_liger_kernel", "true"], capsys)
     assert status == 2 and "field 'use_liger_kernel' needs a CUDA GPU" in err
+    # flex_attention would keep the rows apart, but PyTorch has no backward for it on CPU
+    status, err = _run(base + ["--packing", "true", "--attn_implementation", "flex_attention"], capsys)
+    assert status == 2 and "flex_attention has no backward on CPU" in err

@@ -36,8 +36,8 @@ class ModelDataArguments:
     attn_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "attention kernel: sdpa (the default), eager, flex_attention, flash_attention_2 (GPU, "
-            "flash-attn installed); packing / padding_free need one of these"
+            "help": "attention kernel: sdpa (the default), eager, flex_attention (GPU: no backward on CPU), "
+            "flash_attention_2 (GPU, flash-attn installed); packing / padding_free need one of these"
         },
     )
     max_train_rows: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
@@ -95,6 +95,12 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
             "field 'completion_only_loss' must stay on: the loss is on the completion only (Eq. 3)"
         )
     check_packing(model_args.attn_implementation, sft_args)
+    if model_args.attn_implementation == "flex_attention" and sft_args.use_cpu:
+        # it would load and run the first forward, then fail in backward (torch 2.13)
+        raise ValueError(
+            "field 'attn_implementation': flex_attention has no backward on CPU in PyTorch; use sdpa (or eager) "
+            "with use_cpu"
+        )
     if sft_args.use_liger_kernel:
         from transformers.utils import is_liger_kernel_available
 
