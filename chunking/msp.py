@@ -24,11 +24,15 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from chunking.types import Sentence
+
+# torch is imported where used: `metachunk --help` must not pay for it.
+if TYPE_CHECKING:
+    import torch
 
 PROMPT_VARIANTS = ("table6", "table7")
 _SENTINEL = "\x00MSP_PAIR\x00"
@@ -133,50 +137,57 @@ class MarginScorer:
         return self._encode(body + self.tail)
 
     def _margins_from_logits(self, logits: torch.Tensor) -> np.ndarray:
+        import torch
+
         probs = torch.softmax(logits.float(), dim=-1)
         return (probs[:, self.keep_id] - probs[:, self.split_id]).cpu().numpy().astype(np.float64)
 
-    @torch.inference_mode()
     def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int = 8) -> np.ndarray:
         """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches."""
+        import torch
+
         from metachunk.scoring import lm_head_logits
 
-        if not pairs:
-            return np.zeros(0)
-        decoder = self.model.get_decoder()
-        if self._prefix_cache is None:
-            ids = torch.as_tensor([self.prefix_ids], device=self.device)
-            self._prefix_cache = decoder(input_ids=ids, use_cache=True).cache
-        n_prefix = len(self.prefix_ids)
-        suffixes = [self.pair_ids(a, b) for a, b in pairs]
-        out = np.empty(len(pairs))
-        for idx in length_batches([len(s) for s in suffixes], batch_size):  # similar lengths share a batch
-            longest = max(len(suffixes[i]) for i in idx)
-            ids = torch.zeros(len(idx), longest, dtype=torch.long)
-            mask = torch.zeros(len(idx), n_prefix + longest, dtype=torch.long)
-            mask[:, :n_prefix] = 1
-            for r, i in enumerate(idx):  # right padding: real tokens keep their positions
-                ids[r, : len(suffixes[i])] = torch.as_tensor(suffixes[i])
-                mask[r, n_prefix : n_prefix + len(suffixes[i])] = 1
-            cache = copy.deepcopy(self._prefix_cache)
-            cache.batch_repeat_interleave(len(idx))
-            hidden = decoder(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state
-            last = torch.as_tensor([len(suffixes[i]) - 1 for i in idx], device=self.device)
-            logits = lm_head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])
-            out[idx] = self._margins_from_logits(logits)
-        return out
+        with torch.inference_mode():
+            if not pairs:
+                return np.zeros(0)
+            decoder = self.model.get_decoder()
+            if self._prefix_cache is None:
+                ids = torch.as_tensor([self.prefix_ids], device=self.device)
+                self._prefix_cache = decoder(input_ids=ids, use_cache=True).cache
+            n_prefix = len(self.prefix_ids)
+            suffixes = [self.pair_ids(a, b) for a, b in pairs]
+            out = np.empty(len(pairs))
+            # similar lengths share a batch
+            for idx in length_batches([len(s) for s in suffixes], batch_size):
+                longest = max(len(suffixes[i]) for i in idx)
+                ids = torch.zeros(len(idx), longest, dtype=torch.long)
+                mask = torch.zeros(len(idx), n_prefix + longest, dtype=torch.long)
+                mask[:, :n_prefix] = 1
+                for r, i in enumerate(idx):  # right padding: real tokens keep their positions
+                    ids[r, : len(suffixes[i])] = torch.as_tensor(suffixes[i])
+                    mask[r, n_prefix : n_prefix + len(suffixes[i])] = 1
+                cache = copy.deepcopy(self._prefix_cache)
+                cache.batch_repeat_interleave(len(idx))
+                hidden = decoder(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    cache=cache,
+                    use_cache=True,
+                ).last_hidden_state
+                last = torch.as_tensor([len(suffixes[i]) - 1 for i in idx], device=self.device)
+                logits = lm_head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])
+                out[idx] = self._margins_from_logits(logits)
+            return out
 
-    @torch.inference_mode()
     def margin_single(self, sentence1: str, sentence2: str) -> float:
         """One full forward pass for one pair, no cache reuse: the reference for ``margins``."""
-        ids = torch.as_tensor([self.prefix_ids + self.pair_ids(sentence1, sentence2)], device=self.device)
-        logits = self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
-        return float(self._margins_from_logits(logits)[0])
+        import torch
+
+        with torch.inference_mode():
+            ids = torch.as_tensor([self.prefix_ids + self.pair_ids(sentence1, sentence2)], device=self.device)
+            logits = self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+            return float(self._margins_from_logits(logits)[0])
 
 
 class Threshold:

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
 from chunking.merge import add_sentence_overlap, merge_chunks
 from chunking.moc import PLACEHOLDERS
@@ -325,6 +323,8 @@ class Chunker:
         out = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
 
         if cfg.method == "ppl":
+            import torch  # imported here: `metachunk --help` must not pay for it
+
             head_dtype = None if cfg.head_dtype == "auto" else getattr(torch, cfg.head_dtype)
             scores = score_documents(
                 self.model,

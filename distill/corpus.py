@@ -56,9 +56,9 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from datasketch import MinHash, MinHashLSH
 
 from metachunk import config
 from metachunk.artifacts import (
@@ -71,6 +71,10 @@ from metachunk.artifacts import (
     write_json,
 )
 from metachunk.config import option
+
+# datasketch (which imports scipy) is imported where used: `metachunk --help` must not pay for it.
+if TYPE_CHECKING:
+    from datasketch import MinHash
 
 STATUSES = ("matched", "ambiguous", "unmatched")
 DEFAULT_MATCH_THRESHOLD = 0.7
@@ -128,6 +132,8 @@ class NearDuplicateIndex:
     """
 
     def __init__(self, threshold: float = 0.8, num_perm: int = 128, shingle: int = 5, seed: int = 1):
+        from datasketch import MinHashLSH
+
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         if num_perm < 2:
@@ -146,6 +152,8 @@ class NearDuplicateIndex:
         return frozenset(char_ngrams(_WHITESPACE.sub("", text), self.shingle))
 
     def _minhash(self, shingles: Iterable[str]) -> MinHash:
+        from datasketch import MinHash
+
         m = MinHash(num_perm=self.num_perm, seed=self.seed)
         m.update_batch([s.encode("utf-8") for s in shingles])
         return m

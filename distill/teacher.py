@@ -34,13 +34,15 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-
-import aiohttp
-import httpx2
-import openai
+from typing import TYPE_CHECKING
 
 from distill.store import AnswerStore, StoredAnswer
 from metachunk.config import option
+
+# openai, httpx2 and aiohttp are imported where used: `metachunk --help` must not pay for them.
+if TYPE_CHECKING:
+    import httpx2
+    import openai
 
 
 @dataclass
@@ -283,6 +285,9 @@ class Endpoint:
     concurrency cap, token buckets and the shared 429 pause."""
 
     def __init__(self, cfg: TeacherConfig):
+        import httpx2
+        import openai
+
         self.cfg = cfg
         key = "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
         if cfg.api_key_env:
@@ -323,6 +328,8 @@ class Endpoint:
             self.pause_until = max(self.pause_until, time.monotonic() + delay)
 
     async def post(self, payload: dict, key: str, estimated_tokens: int) -> httpx2.Response:
+        import httpx2
+
         if self.requests:
             await self.requests.take(1)
         if self.tokens:
@@ -436,6 +443,8 @@ class Teacher:
     async def _send(self, payload: dict, key: str, estimated_tokens: int) -> StoredAnswer:
         """One request to a stored row. Transport retries happen inside the openai client; a 200
         whose body is not a chat completion is retried here with the same backoff."""
+        import openai
+
         model = self.cfg.model
         for attempt in range(self.cfg.max_retries + 1):
             try:
@@ -467,6 +476,9 @@ class Teacher:
 def _transport_reason(error: openai.APIConnectionError) -> str:
     """``timeout`` or ``connection``. The aiohttp transport reports every failed connection (refused,
     reset, closed early) as a connect timeout; the aiohttp error underneath tells them apart."""
+    import aiohttp
+    import openai
+
     cause = error.__cause__.__cause__ if error.__cause__ is not None else None
     if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError):
         return "connection"
