@@ -156,10 +156,14 @@ class ExportConfig:
             if getattr(self, name) is None:
                 raise ValueError(f"field {name!r} is required (--{name})")
         self.checkpoint, self.out = Path(self.checkpoint), Path(self.out)
-        if not re.fullmatch(r"\d+[KMG]i?B", str(self.max_shard_size)):
+        from transformers.utils.hub import convert_file_size_to_int  # what save_pretrained parses it with
+
+        try:
+            convert_file_size_to_int(self.max_shard_size)
+        except ValueError:
             raise ValueError(
                 f"field 'max_shard_size' must be a size like '5GB' or '500MiB', got {self.max_shard_size!r}"
-            )
+            ) from None
         for name in ("push", "base_model_id", "dataset_id"):
             value = getattr(self, name)
             if value is not None and value.count("/") != 1:
