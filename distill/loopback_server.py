@@ -39,13 +39,23 @@ Two deterministic ways to script them:
 2. ``--random-faults '{"429": 0.05, "500": 0.02}'`` with ``--seed``: every chat arrival draws
    from one ``random.Random(seed)`` and gets a fault with those probabilities (markers win).
 
-Kinds: ``429`` (with ``Retry-After``), ``500``, ``503`` (JSON error bodies; these three are
+Kinds: ``401``, ``429`` (with ``Retry-After``), ``500``, ``503`` (JSON error bodies; these four are
 answered at once, without the latency), ``hang`` (answers normally after ``--hang-seconds``; a
 client that gives up is no problem), ``malformed`` (200 with a truncated JSON body), ``empty``
 (content ""), ``length`` (half the content, ``finish_reason`` "length"), ``think`` (content
 prefixed by ``<think>I reason about it.</think>``) and ``reasoning`` (an extra
 ``reasoning_content`` field in the message). ``by_outcome`` counts each kind by name, ``ok``
 for normal answers and ``400`` for unreadable requests.
+
+Billing
+-------
+``--billing`` sets the ``usage`` each answer reports, so that budget tests can meet every kind of
+endpoint: ``quarter`` (the default: a token per 4 bytes of the request body), ``byte`` (a token per
+UTF-8 byte of the message contents: what byte-level BPE can cost at worst), ``low`` (a token per
+16 bytes of the contents: less than any estimate) and ``none`` (no ``usage`` field at all).
+
+``--echo-auth`` makes a careless server: every error body, and every answer's content, quotes the
+request's ``Authorization`` header (a secret-redaction test).
 
 Use
 ---
@@ -84,7 +94,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-FAULT_KINDS = ("429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning")
+FAULT_KINDS = ("401", "429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning")
 THINK_TEXT = "I reason about it."
 
 _MARKER_PREFIX = b"[[fault:"
@@ -104,13 +114,15 @@ _REASONS = {
     500: "Internal Server Error",
     501: "Not Implemented",
     503: "Service Unavailable",
+    401: "Unauthorized",
 }
+BILLING = ("quarter", "byte", "low", "none")
 
 _CHAT_TEMPLATE = (
     '{"id":"chatcmpl-loopback-%d","object":"chat.completion","created":%d,"model":%s,'
-    '"choices":[{"index":0,"message":{"role":"assistant","content":%s%s},"finish_reason":"%s"}],'
-    '"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}'
+    '"choices":[{"index":0,"message":{"role":"assistant","content":%s%s},"finish_reason":"%s"}]%s}'
 )
+_USAGE_TEMPLATE = ',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
 _REASONING_FIELD = ',"reasoning_content":' + json.dumps(THINK_TEXT)
 _MALFORMED_BODY = b'{"id": "x", "choices": ['
 
@@ -120,6 +132,7 @@ def _error_body(message: str, kind: str) -> bytes:
 
 
 _ERROR_BODIES = {
+    "401": _error_body("invalid api key", "authentication_error"),
     "429": _error_body("rate limited", "rate_limit_error"),
     "500": _error_body("internal server error", "server_error"),
     "503": _error_body("service unavailable", "server_error"),
@@ -291,7 +304,13 @@ class LoopbackServer:
         replies: Mapping[str, str] | None = None,
         retry_after: float = 1.0,
         hang_seconds: float = 3600.0,
+        billing: str = "quarter",
+        echo_auth: bool = False,
     ):
+        if billing not in BILLING:
+            raise ValueError(f"unknown billing {billing!r}; expected one of {', '.join(BILLING)}")
+        self.billing = billing
+        self.echo_auth = echo_auth
         self.host = host
         self._requested_port = port
         self.latency = float(latency)
@@ -401,16 +420,18 @@ class LoopbackServer:
                     fault = kind
                     break
         self._count(fault or "ok")
+        auth = headers.get("authorization", "") if self.echo_auth else ""
 
-        if fault == "429":
-            extra = f"Retry-After: {retry_after:g}\r\n"
-            connection.send(_response(429, _ERROR_BODIES["429"], keep_alive, extra), keep_alive)
-            return
-        if fault == "500" or fault == "503":
-            connection.send(_response(int(fault), _ERROR_BODIES[fault], keep_alive), keep_alive)
+        if fault in ("401", "429", "500", "503"):
+            body = _ERROR_BODIES[fault]
+            if auth:
+                body = _error_body(f"request refused; it had Authorization: {auth}", "server_error")
+            extra = f"Retry-After: {retry_after:g}\r\n" if fault == "429" else ""
+            connection.send(_response(int(fault), body, keep_alive, extra), keep_alive)
             return
         if fault == "malformed":
-            connection.send_later(self.latency, _response(200, _MALFORMED_BODY, keep_alive), keep_alive)
+            body = _MALFORMED_BODY + (f' "Authorization: {auth}"'.encode() if auth else b"")
+            connection.send_later(self.latency, _response(200, body, keep_alive), keep_alive)
             return
 
         content = None
@@ -423,6 +444,8 @@ class LoopbackServer:
                     break
         if content is None:
             content = "answer " + key[:12]
+        if auth:
+            content += f" (you sent {auth})"
         finish_reason = "stop"
         reasoning = ""
         if fault == "empty":
@@ -436,8 +459,17 @@ class LoopbackServer:
             reasoning = _REASONING_FIELD
 
         model = payload.get("model", "loopback")
-        prompt_tokens = max(1, len(body) // 4)
-        completion_tokens = max(1, len(content) // 4)
+        usage = ""
+        if self.billing != "none":
+            if self.billing == "quarter":
+                prompt_tokens, completion_tokens = max(1, len(body) // 4), max(1, len(content) // 4)
+            else:
+                if text is None:
+                    text = _joined_content(messages)
+                per = 1 if self.billing == "byte" else 16
+                prompt_tokens = max(1, len(text.encode("utf-8")) // per)
+                completion_tokens = max(1, len(content.encode("utf-8")) // per)
+            usage = _USAGE_TEMPLATE % (prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
         data = _CHAT_TEMPLATE % (
             next(self._ids),
             time.time(),
@@ -445,9 +477,7 @@ class LoopbackServer:
             json.dumps(content),
             reasoning,
             finish_reason,
-            prompt_tokens,
-            completion_tokens,
-            prompt_tokens + completion_tokens,
+            usage,
         )
         delay = self.hang_seconds if fault == "hang" else self.latency
         connection.send_later(delay, _response(200, data.encode(), keep_alive), keep_alive)
@@ -483,9 +513,12 @@ def _options_to_args(
     replies: Mapping[str, str] | None,
     retry_after: float,
     hang_seconds: float,
+    billing: str = "quarter",
+    echo_auth: bool = False,
 ) -> list[str]:
     args = ["--latency", repr(float(latency)), "--seed", str(seed)]
     args += ["--retry-after", repr(float(retry_after)), "--hang-seconds", repr(float(hang_seconds))]
+    args += ["--billing", billing] + (["--echo-auth"] if echo_auth else [])
     if random_faults:
         args += ["--random-faults", json.dumps(dict(random_faults))]
     if replies:
@@ -502,6 +535,8 @@ def serve_in_subprocess(
     replies: Mapping[str, str] | None = None,
     retry_after: float = 1.0,
     hang_seconds: float = 3600.0,
+    billing: str = "quarter",
+    echo_auth: bool = False,
     startup_timeout: float = 30.0,
 ) -> Iterator[ServerHandle]:
     """Run ``python -m distill.loopback_server`` in a subprocess and yield its ``ServerHandle``.
@@ -524,7 +559,9 @@ def serve_in_subprocess(
             "--port-file",
             str(port_file),
         ]
-        command += _options_to_args(latency, random_faults, seed, replies, retry_after, hang_seconds)
+        command += _options_to_args(
+            latency, random_faults, seed, replies, retry_after, hang_seconds, billing, echo_auth
+        )
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 command,
@@ -577,6 +614,8 @@ async def _serve(args: argparse.Namespace) -> None:
         replies=json.loads(args.replies) if args.replies else None,
         retry_after=args.retry_after,
         hang_seconds=args.hang_seconds,
+        billing=args.billing,
+        echo_auth=args.echo_auth,
     )
     await server.start()
     stop = asyncio.Event()
@@ -602,6 +641,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replies", help='JSON {"regex": "reply", ...}; the first match is the content')
     parser.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds of 429 faults")
     parser.add_argument("--hang-seconds", type=float, default=3600.0, help="how long a hang fault waits")
+    parser.add_argument("--billing", choices=BILLING, default="quarter", help="the usage each answer reports")
+    parser.add_argument("--echo-auth", action="store_true", help="quote the Authorization header back")
     args = parser.parse_args(argv)
     # Fail on bad options before binding, so a parent waiting for the port file sees the error.
     try:

@@ -102,8 +102,9 @@ from chunking.types import Sentence
 from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
 from distill.pipelines import Pending, StageFailed, StageRunner
 from distill.prompts import load_prompt
+from distill.run import exit_status, gather_or_stop
 from distill.store import AnswerStore
-from distill.teacher import Price, TeacherPool, estimate_tokens
+from distill.teacher import EndpointUnreachable, Price, TeacherPool, estimate_tokens
 from metachunk import config
 from metachunk.artifacts import (
     SCHEMA_VERSION,
@@ -111,6 +112,7 @@ from metachunk.artifacts import (
     InputError,
     jsonl_line,
     read_documents,
+    replace_dir,
     write_json,
 )
 
@@ -561,6 +563,9 @@ class MocResult:
     stopped: str = ""
     tokenizer: str = ""
     texts: list[str] = field(default_factory=list)
+    paid: float = 0.0  # billed to this run's requests
+    spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
+    unreachable: str = ""  # the one line saying which endpoint could not be reached
 
 
 def read_moc_documents(cfg: DistillConfig) -> list[tuple[str, str, str]]:
@@ -607,26 +612,24 @@ async def _drive(
 
     async def worker() -> None:
         for i, (doc_id, text, lang) in queue:  # one shared iterator: each document goes to one worker
-            if pool.budget.exhausted:
-                return
+            # No early return at the budget: each later job still asks, and the stages whose
+            # reservation does not fit end pending, so the run sends everything that fits the cap.
             records[i] = await chunk_document(DocPlan.build(doc_id, text, lang, counter), runner, cfg)
             bar.update(1)
 
     # A document's windows are sequential: one request in flight per document.
     slots = sum(e.cfg.concurrency for e in pool.endpoints.values()) or 64
     workers = [asyncio.ensure_future(worker()) for _ in range(min(len(docs), slots) or 1)]
+    unreachable = ""
     try:
-        await asyncio.gather(*workers)
-    except BaseException:
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        raise
+        await gather_or_stop(workers)
+    except EndpointUnreachable as e:  # stop sending; what was answered is kept and written
+        unreachable = str(e)
     finally:
         bar.close()
         await pool.close()
-    stopped = "budget" if pool.budget.exhausted else ""
-    # Documents never started because the budget ran out: replay them against the store.
+    stopped = "unreachable" if unreachable else "budget" if pool.budget.exhausted else ""
+    # Documents never started (or cut short) because the run stopped: replay them against the store.
     replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
     replay_runner = StageRunner(replay.stages, cfg.parse_retries)
     for i, record in enumerate(records):
@@ -634,9 +637,10 @@ async def _drive(
             doc_id, text, lang = docs[i]
             records[i] = await chunk_document(DocPlan.build(doc_id, text, lang, counter), replay_runner, cfg)
             if records[i]["status"] == "pending":
-                records[i]["reason"] = "budget"
+                records[i]["reason"] = stopped
     cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
-    return MocResult(records, time.perf_counter() - started, pool.sent, cached, stopped)
+    return MocResult(records, time.perf_counter() - started, pool.sent, cached, stopped,
+                     paid=pool.budget.paid, spent=pool.store.spent(), unreachable=unreachable)  # fmt: skip
 
 
 def summarize(records: Sequence[dict]) -> dict:
@@ -814,14 +818,9 @@ def main(cfg: DistillConfig, action: str) -> int:
     result = run_moc(cfg)
     summary = write_records(cfg, result)
     print(summary_line(cfg, result, summary), file=sys.stderr)
-    if result.stopped == "budget":
-        print(
-            f"metachunk: stopped before exceeding --max-cost {cfg.max_cost}; every answer is stored. "
-            "Rerun with a higher --max-cost to continue.",
-            file=sys.stderr,
-        )
-        return 3
-    return 0
+    return exit_status(
+        cfg, result.records, result.stopped, result.paid, result.spent, result.unreachable, "documents"
+    )
 
 
 # ------------------------------------------------------------------------------------- SFT sets
@@ -1077,9 +1076,7 @@ def build_moc_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         for label, target in targets.items():
             all_stats[label] = _finish_target(cfg, target, common, time.perf_counter() - started)
         for target in targets.values():  # replace previous builds only once every new one is complete
-            if target.out.exists():
-                shutil.rmtree(target.out)
-            target.staging.replace(target.out)
+            replace_dir(target.staging, target.out)
     finally:
         for target in targets.values():
             if target.staging.exists():

@@ -27,7 +27,7 @@ from chunking.students import (  # the students' context, shared with the chunke
 from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, rewrite, summary
 from distill.prompts import load_prompt
 from distill.store import AnswerStore
-from distill.teacher import Price, TeacherConfig, TeacherPool
+from distill.teacher import EndpointUnreachable, Price, TeacherConfig, TeacherPool
 from metachunk import config
 from metachunk.artifacts import (
     SCHEMA_VERSION,
@@ -56,7 +56,9 @@ class DistillConfig:
         None, "run directory: TASK.jsonl (one record per chunk), TASK.meta.json, answers.sqlite"
     )
     cache: Path | None = option(
-        None, "answer store (SQLite, append-only); default OUT/answers.sqlite. Safe to share between runs"
+        None,
+        "answer store (SQLite, append-only); default OUT/answers.sqlite. Safe to share between runs, "
+        "also running at once: a request another process is sending is waited for, never paid twice",
     )
     teachers: dict[str, TeacherConfig] | None = option(
         None,
@@ -79,7 +81,14 @@ class DistillConfig:
     parse_retries: int = option(2, "ask again this many times when an answer is empty or unparseable")
     limit: int | None = option(None, "only the first N chunks (moc: documents)")
     max_cost: float | None = option(
-        None, "stop cleanly before total spend (all runs on this store) passes USD"
+        None,
+        "stop cleanly before the total spend on this answer store passes USD: every run, past and "
+        "running at once in other processes, counts (exit status 3)",
+    )
+    max_failure_rate: float = option(
+        0.25,
+        "exit with status 4 when more than this share of the records failed (a run where every record "
+        "failed always does); the failed records are still written, and a rerun retries transport failures",
     )
     dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
     progress: bool = option(True, "show a progress bar")
@@ -118,6 +127,8 @@ class DistillConfig:
             raise ValueError("window_tokens must be >= 16; sample_chars, head_chars, tail_chars >= 1")
         if not 0 <= self.max_edit_ratio < 1:
             raise ValueError("'max_edit_ratio' must be in [0, 1)")
+        if not 0 <= self.max_failure_rate <= 1:
+            raise ValueError("'max_failure_rate' must be in [0, 1]")
         missing = [s for s in TASK_STAGES[self.task] if s not in self.teachers]
         if missing:
             raise ValueError(f"field 'teachers' lacks a block for stage(s) {', '.join(missing)}")
@@ -157,16 +168,47 @@ def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
             if doc_id not in docs:
                 raise InputError(path, f"document {doc_id!r} is not in {cfg.documents}", number)
             text = docs[doc_id]
-            lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
-            selected = record.get("selected", range(len(chunks)))
-            for i in selected:
-                c = chunks[i]
+            # Every chunk is checked, not only the selected ones: related context reads them all.
+            if not isinstance(chunks, list):
+                raise InputError(path, "'chunks' must be a list of {text, start, end} objects", number)
+            for i, c in enumerate(chunks):
+                if not isinstance(c, dict):
+                    raise InputError(
+                        path, f"chunks[{i}] must be an object with 'text', 'start', 'end'", number
+                    )
+                for key in ("text", "start", "end"):
+                    if key not in c:
+                        raise InputError(path, f"chunks[{i}]: missing field {key!r}", number)
+                if not isinstance(c["text"], str):
+                    raise InputError(path, f"chunks[{i}]: 'text' must be a string", number)
+                for key in ("start", "end"):
+                    if isinstance(c[key], bool) or not isinstance(c[key], int):
+                        raise InputError(
+                            path, f"chunks[{i}]: {key!r} must be an integer, got {c[key]!r}", number
+                        )
+                if not 0 <= c["start"] <= c["end"] <= len(text):
+                    raise InputError(
+                        path,
+                        f"chunks[{i}]: {c['start']}:{c['end']} is outside the document (0:{len(text)})",
+                        number,
+                    )
                 if text[c["start"] : c["end"]] != c["text"]:
                     raise InputError(
                         path,
                         f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}",
                         number,
                     )
+            lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
+            selected = record.get("selected", list(range(len(chunks))))
+            if not isinstance(selected, list):
+                raise InputError(path, "'selected' must be a list of chunk indices", number)
+            for i in selected:
+                # A negative index would silently pick a chunk from the end; a bool is not an index.
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(chunks):
+                    valid = f"0-{len(chunks) - 1}" if chunks else "the record has no chunks"
+                    raise InputError(path, f"'selected': {i!r} is not a chunk index ({valid})", number)
+            for i in selected:
+                c = chunks[i]
                 left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
                 jobs.append(
                     ChunkJob(
@@ -222,8 +264,12 @@ class RunResult:
     seconds: float
     sent: int
     cached: int
-    stopped: str = ""  # why the run stopped early: "budget", or "" when it went through
+    stopped: str = ""  # why the run stopped early: "budget", "unreachable", or "" when it went through
     jobs: list[ChunkJob] = field(default_factory=list)
+    paid: float = 0.0  # billed to this run's requests
+    spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
+    waited: int = 0  # answers another process on the store was paying for when this run wanted them
+    unreachable: str = ""  # the one line saying which endpoint could not be reached
 
 
 async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, progress: bool) -> RunResult:
@@ -241,14 +287,13 @@ async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, pr
         total=len(jobs), unit="chunk", desc=f"distill {cfg.task}", disable=not progress, dynamic_ncols=True
     )
     shown = [0.0]
-    spent_before = pool.budget.spent
 
     def show() -> None:
         now = time.perf_counter()
         if now - shown[0] < 0.5 and bar.n < bar.total:
             return
         shown[0] = now
-        spent = pool.budget.spent - spent_before
+        spent = pool.budget.paid
         tokens = sum(t.tokens_used for t in pool.stages.values())
         bar.set_postfix_str(
             f"{pool.sent / max(now - started, 1e-9):.1f} req/s, {tokens:,} tok, ${spent:.4f}", refresh=False
@@ -256,8 +301,8 @@ async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, pr
 
     async def worker() -> None:
         for i, job in queue:  # one shared iterator: each job is taken by exactly one worker
-            if pool.budget.exhausted:
-                return
+            # No early return at the budget: each later job still asks, and the stages whose
+            # reservation does not fit end pending, so the run sends everything that fits the cap.
             records[i] = await work(job)
             bar.update(1)
             show()
@@ -265,6 +310,31 @@ async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, pr
     # Chains are sequential, so keep about two chunks per request slot in flight.
     slots = sum(e.cfg.concurrency for e in pool.endpoints.values()) or 64
     workers = [asyncio.ensure_future(worker()) for _ in range(min(len(jobs), 2 * slots) or 1)]
+    unreachable = ""
+    try:
+        await gather_or_stop(workers)
+    except EndpointUnreachable as e:  # stop sending; what was answered is kept and written
+        unreachable = str(e)
+    finally:
+        bar.close()
+        await pool.close()
+    stopped = "unreachable" if unreachable else "budget" if pool.budget.exhausted else ""
+    # Chunks never started (or cut short) because the run stopped: replay them against the store,
+    # sending nothing, so that the records still show every answer the store holds for them.
+    unstarted = [i for i, record in enumerate(records) if record is None]
+    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
+    for i in unstarted:
+        records[i] = await work(jobs[i], StageRunner(replay.stages, cfg.parse_retries))
+        if records[i]["status"] == "pending":
+            records[i]["reason"] = stopped
+    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
+    return RunResult(records, time.perf_counter() - started, pool.sent, cached, stopped, jobs,
+                     paid=pool.budget.paid, spent=pool.store.spent(), waited=pool.waited,
+                     unreachable=unreachable)  # fmt: skip
+
+
+async def gather_or_stop(workers: list[asyncio.Future]) -> None:
+    """Wait for every worker; on the first error (or cancellation) cancel the rest, then raise it."""
     try:
         await asyncio.gather(*workers)
     except BaseException:
@@ -272,20 +342,6 @@ async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, pr
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
         raise
-    finally:
-        bar.close()
-        await pool.close()
-    stopped = "budget" if pool.budget.exhausted else ""
-    # Chunks never started because the budget ran out: replay them against the store, sending
-    # nothing, so that the records still show every answer the store holds for them.
-    unstarted = [i for i, record in enumerate(records) if record is None]
-    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
-    for i in unstarted:
-        records[i] = await work(jobs[i], StageRunner(replay.stages, cfg.parse_retries))
-        if records[i]["status"] == "pending":
-            records[i]["reason"] = "budget"
-    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
-    return RunResult(records, time.perf_counter() - started, pool.sent, cached, stopped, jobs)
 
 
 def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
@@ -312,6 +368,9 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
         seconds=round(result.seconds, 2),
         requests_sent=result.sent,
         answers_from_store=result.cached,
+        answers_waited_for=result.waited,
+        paid=round(result.paid, 6),
+        store_spent=round(result.spent, 6),
         stopped=result.stopped,
     )
     prompts = {
@@ -325,6 +384,46 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
          "prompt_sha256": prompts, "summary": summary},
     )  # fmt: skip
     return summary
+
+
+# `metachunk distill` exit statuses (also in its --help).
+EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_BUDGET, EXIT_FAILURES = 0, 1, 2, 3, 4
+EXIT_CODES_HELP = """exit status:
+  0  every record was written and the failure rate is at most --max-failure-rate
+  1  an unexpected error or an OS error (disk full, permission denied)
+  2  a bad config or input file (the message names the file, line and field), or a refused key
+  3  the budget: stopped before the store's spend would pass --max-cost; rerun with a higher cap
+  4  failures: every record failed, more than --max-failure-rate of them did, or the endpoint
+     could not be reached; the records are written and a rerun retries the transport failures"""
+
+
+def exit_status(cfg, records: list[dict], stopped: str, paid: float, spent: float, unreachable: str = "",
+                unit: str = "records", file=None) -> int:  # fmt: skip
+    """Print why a run did not go through, if it did not, and return its exit status."""
+    file = file or sys.stderr
+    if stopped == "unreachable":
+        print(f"metachunk: {unreachable}", file=file)
+        return EXIT_FAILURES
+    if stopped == "budget":
+        print(
+            f"metachunk: stopped at the budget: the store's spend is ${spent:.4f} against --max-cost "
+            f"{cfg.max_cost} (this run paid ${paid:.4f}); every answer is stored. Rerun with a higher "
+            "--max-cost to continue.",
+            file=file,
+        )
+        return EXIT_BUDGET
+    failed = sum(1 for r in records if r["status"] == "failed")
+    if records and (failed == len(records) or failed / len(records) > cfg.max_failure_rate):
+        reasons = Counter(r["reason"] or "unknown" for r in records if r["status"] == "failed")
+        print(
+            f"metachunk: {failed} of {len(records)} {unit} failed ("
+            + ", ".join(f"{k} {v}" for k, v in reasons.most_common())
+            + f"), more than --max-failure-rate {cfg.max_failure_rate}; they are recorded, and a rerun "
+            "retries the transport failures",
+            file=file,
+        )
+        return EXIT_FAILURES
+    return EXIT_OK
 
 
 def summarize(records: list[dict]) -> dict:

@@ -2,15 +2,36 @@
 
 SQLite in WAL mode with ``synchronous=NORMAL``: each answer is one committed INSERT, which reaches
 the OS before the call returns, so a ``kill -9`` loses at most the requests still in flight (they
-were never answered). Rows are never updated or deleted. A key can have several rows (a transport
-error, then a success on a later run); the newest successful row wins, else the newest error.
+were never answered). Answer rows are never updated or deleted. A key can have several rows (a
+transport error, then a success on a later run); the newest successful row wins, else the newest
+error.
 
-What is stored is the raw HTTP response body, not our reading of it: changing the parsing code
-re-reads the same bytes on the next run and sends nothing.
+What is stored is the raw HTTP response body (secrets redacted), not our reading of it: changing
+the parsing code re-reads the same bytes on the next run and sends nothing.
+
+**Several processes may share one store** (a rewrite job and a summary job, or a rerun while the
+first run still goes), and none pays for a request another one is paying for:
+
+- Before a request is sent, its key is *claimed*: a ``claims`` row with the owner (host, pid and a
+  random tag), a lease and the request's reserved worst-case cost, written in the same
+  ``BEGIN IMMEDIATE`` transaction that checks for an answer and for a live claim. SQLite's write
+  lock makes check-and-claim atomic across processes.
+- A process that wants a key someone else holds waits for the answer. It takes the claim over only
+  when the owner is dead: the owner's pid is gone (same host), or its lease was not renewed in
+  time (:meth:`AnswerStore.renew_claims` runs every few seconds in the owner).
+- The answer row and the claim's release are one transaction.
+- The budget is shared the same way: :meth:`claim` refuses a reservation when the cost of every
+  row in the store plus every live claim's reservation (all processes) would pass the cap.
+
+Calibration: per endpoint, the largest ratio of billed prompt tokens to prompt bytes seen so far
+(``calibration`` table). The teacher client uses it to make its reservations upper bounds.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -23,14 +44,29 @@ CREATE TABLE IF NOT EXISTS answers (
     model TEXT NOT NULL,
     status TEXT NOT NULL,             -- 'ok' (the server answered 200 with a completion) or 'error'
     reason TEXT NOT NULL DEFAULT '',  -- for errors: timeout, connection, http_429, http_500, malformed_response
-    raw TEXT NOT NULL,                -- the response body as received, or the error message
+    raw TEXT NOT NULL,                -- the response body as received (secrets redacted), or the error message
     prompt_tokens INTEGER NOT NULL DEFAULT 0,
     completion_tokens INTEGER NOT NULL DEFAULT 0,
     cost REAL NOT NULL DEFAULT 0,
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS answers_key ON answers (key);
+CREATE TABLE IF NOT EXISTS claims (
+    key TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,              -- host:pid:tag of the process sending the request
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    expires REAL NOT NULL,            -- wall-clock time; the owner renews it while it runs
+    reserved REAL NOT NULL DEFAULT 0  -- the request's worst-case cost, counted by every budget
+);
+CREATE TABLE IF NOT EXISTS calibration (
+    endpoint TEXT PRIMARY KEY,        -- model @ URL
+    tokens_per_byte REAL NOT NULL,    -- the largest billed prompt tokens / prompt bytes seen
+    updated REAL NOT NULL
+);
 """
+
+LEASE_SECONDS = 30.0  # a claim not renewed for this long belongs to a dead process
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,33 +79,63 @@ class StoredAnswer:
     prompt_tokens: int
     completion_tokens: int
     cost: float
+    usage_estimated: bool = False  # the server sent no usage: the tokens are our (upper) estimate
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
 
-class AnswerStore:
-    """One SQLite file, used from one event loop.
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What :meth:`AnswerStore.claim` found: ``claimed`` (send it), ``answered`` (read it),
+    ``busy`` (another live process is sending it: wait) or ``over_budget`` (do not send)."""
 
-    Opening reads only ``key -> (row id, ok)`` into memory; ``get`` then fetches one row by id, so
-    a store of 100K long answers does not have to fit in memory.
+    outcome: str
+    owner: str = ""
+
+
+class AnswerStore:
+    """One SQLite file, used from one event loop in each of any number of processes.
+
+    Opening reads only ``key -> (row id, ok)`` into memory, then follows the rows other processes
+    append; ``get`` fetches one row by id, so a store of 100K long answers need not fit in memory.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, lease_seconds: float = LEASE_SECONDS):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, isolation_level=None)  # autocommit: one INSERT = one txn
+        self.lease_seconds = lease_seconds
+        # autocommit: one INSERT = one transaction; a busy writer is waited for, not an error
+        self._db = sqlite3.connect(self.path, isolation_level=None, timeout=60.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(answers)")}
+        if "usage_estimated" not in columns:  # stores written before answers without usage were counted
+            try:
+                self._db.execute("ALTER TABLE answers ADD COLUMN usage_estimated INTEGER NOT NULL DEFAULT 0")
+            except sqlite3.OperationalError:  # another process added it first
+                pass
+        self.host = socket.gethostname()
+        self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._heartbeat = None  # the asyncio task renewing this process's leases
         self._latest: dict[str, tuple[int, bool]] = {}
-        self.total_cost = 0.0
-        for rowid, key, status, cost in self._db.execute(
-            "SELECT id, key, status, cost FROM answers ORDER BY id"
-        ):
+        self._seen = 0  # the highest answer row id read into memory
+        self.total_cost = 0.0  # every answer row in the file, whichever process wrote it
+        self._refresh()
+
+    # -- following the file
+
+    def _refresh(self) -> None:
+        """Read the rows appended since the last look (by this process or any other)."""
+        rows = self._db.execute(
+            "SELECT id, key, status, cost FROM answers WHERE id > ? ORDER BY id", (self._seen,)
+        ).fetchall()
+        for rowid, key, status, cost in rows:
             self._remember(key, rowid, status == "ok")
             self.total_cost += cost
+            self._seen = rowid
 
     def _remember(self, key: str, rowid: int, ok: bool) -> None:
         # Rows arrive in id order: a later success replaces anything, a later error only an error.
@@ -77,38 +143,166 @@ class AnswerStore:
         if previous is None or ok or not previous[1]:
             self._latest[key] = (rowid, ok)
 
+    # -- answers
+
     def get(self, key: str) -> StoredAnswer | None:
         found = self._latest.get(key)
         if found is None:
             return None
         row = self._db.execute(
-            "SELECT key, model, status, reason, raw, prompt_tokens, completion_tokens, cost FROM answers WHERE id = ?",
+            "SELECT key, model, status, reason, raw, prompt_tokens, completion_tokens, cost, usage_estimated"
+            " FROM answers WHERE id = ?",
             (found[0],),
         ).fetchone()
-        return StoredAnswer(*row)
+        return StoredAnswer(*row[:8], usage_estimated=bool(row[8]))
 
     def has_answer(self, key: str) -> bool:
         found = self._latest.get(key)
         return found is not None and found[1]
 
-    def put(self, answer: StoredAnswer) -> None:
-        cursor = self._db.execute(
-            "INSERT INTO answers (key, model, status, reason, raw, prompt_tokens, completion_tokens, cost, created)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                answer.key,
-                answer.model,
-                answer.status,
-                answer.reason,
-                answer.raw,
-                answer.prompt_tokens,
-                answer.completion_tokens,
-                answer.cost,
-                time.time(),
-            ),
+    def put(self, answer: StoredAnswer, calibration: tuple[str, float] | None = None) -> None:
+        """Append ``answer`` and release this process's claim on its key, in one transaction;
+        ``calibration`` ``(endpoint, tokens_per_byte)`` raises that endpoint's ratio if higher."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute(
+                "INSERT INTO answers (key, model, status, reason, raw, prompt_tokens, completion_tokens, cost,"
+                " created, usage_estimated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    answer.key,
+                    answer.model,
+                    answer.status,
+                    answer.reason,
+                    answer.raw,
+                    answer.prompt_tokens,
+                    answer.completion_tokens,
+                    answer.cost,
+                    time.time(),
+                    int(answer.usage_estimated),
+                ),
+            )
+            self._db.execute("DELETE FROM claims WHERE key = ? AND owner = ?", (answer.key, self.owner))
+            if calibration is not None:
+                self._db.execute(
+                    "INSERT INTO calibration (endpoint, tokens_per_byte, updated) VALUES (?, ?, ?)"
+                    " ON CONFLICT (endpoint) DO UPDATE SET tokens_per_byte = excluded.tokens_per_byte,"
+                    " updated = excluded.updated WHERE excluded.tokens_per_byte > tokens_per_byte",
+                    (*calibration, time.time()),
+                )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._refresh()
+
+    # -- claims: one payer per request across processes, one budget across processes
+
+    def claim(self, key: str, reserve: float = 0.0, limit: float | None = None) -> Claim:
+        """Claim ``key`` for sending, reserving ``reserve`` USD against ``limit`` (the cap on the
+        whole store's spend, all processes). Cheap when the answer is already here or the key is
+        busy: the write lock is taken only when the key looks free."""
+        self._refresh()
+        if self.has_answer(key):
+            return Claim("answered")
+        held = self._db.execute(
+            "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
+        ).fetchone()
+        if held is not None and held[0] != self.owner and self._alive(*held[1:]):
+            return Claim("busy", held[0])
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._refresh()  # under the write lock: nobody can answer or claim it now
+            if self.has_answer(key):
+                self._db.execute("COMMIT")
+                return Claim("answered")
+            held = self._db.execute(
+                "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
+            ).fetchone()
+            if held is not None and held[0] != self.owner and self._alive(*held[1:]):
+                self._db.execute("COMMIT")
+                return Claim("busy", held[0])
+            if limit is not None and self.total_cost + self._reserved(excluding=key) + reserve > limit:
+                self._db.execute("COMMIT")
+                return Claim("over_budget")
+            self._db.execute(
+                "INSERT OR REPLACE INTO claims (key, owner, host, pid, expires, reserved) VALUES (?, ?, ?, ?, ?, ?)",
+                (key, self.owner, self.host, os.getpid(), time.time() + self.lease_seconds, reserve),
+            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return Claim("claimed", self.owner)
+
+    def start_heartbeat(self) -> None:
+        """Renew this process's leases every third of a lease from the running event loop, for as
+        long as the loop runs; a no-op when a heartbeat already runs there."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        task = self._heartbeat
+        if task is not None and not task.done() and task.get_loop() is loop:
+            return
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(self.lease_seconds / 3)
+                self.renew_claims()
+
+        self._heartbeat = loop.create_task(beat())
+
+    def release(self, key: str) -> None:
+        """Give up this process's claim without an answer (the request was cancelled)."""
+        self._db.execute("DELETE FROM claims WHERE key = ? AND owner = ?", (key, self.owner))
+
+    def renew_claims(self) -> None:
+        """Push this process's leases forward; the owner calls it every few seconds."""
+        self._db.execute(
+            "UPDATE claims SET expires = ? WHERE owner = ?", (time.time() + self.lease_seconds, self.owner)
         )
-        self._remember(answer.key, cursor.lastrowid, answer.ok)
-        self.total_cost += answer.cost
+
+    def _alive(self, host: str, pid: int, expires: float) -> bool:
+        if expires < time.time():
+            return False
+        if host == self.host:  # a dead owner on this machine is known at once, not after its lease
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+        return True
+
+    def _reserved(self, excluding: str = "") -> float:
+        """The reservations of every live claim, this process's and others'."""
+        rows = self._db.execute("SELECT key, host, pid, expires, reserved FROM claims").fetchall()
+        return sum(
+            r for k, host, pid, expires, r in rows if k != excluding and self._alive(host, pid, expires)
+        )
+
+    def claims_in_flight(self) -> int:
+        """Live claims of every process: requests being sent right now."""
+        rows = self._db.execute("SELECT host, pid, expires FROM claims").fetchall()
+        return sum(1 for row in rows if self._alive(*row))
+
+    def claims_held(self) -> int:
+        """Claims (in-flight requests) this process holds: 0 once every request has settled."""
+        return self._db.execute("SELECT COUNT(*) FROM claims WHERE owner = ?", (self.owner,)).fetchone()[0]
+
+    def spent(self) -> float:
+        """Cost of every answer in the store, all processes, as of now."""
+        self._refresh()
+        return self.total_cost
+
+    # -- calibration
+
+    def tokens_per_byte(self, endpoint: str) -> float | None:
+        row = self._db.execute(
+            "SELECT tokens_per_byte FROM calibration WHERE endpoint = ?", (endpoint,)
+        ).fetchone()
+        return row[0] if row else None
+
+    # -- reports
 
     def totals(self) -> dict[str, dict]:
         """Per model: answered and error rows, tokens and cost over every row ever written."""
@@ -130,4 +324,7 @@ class AnswerStore:
         return len(self._latest)
 
     def close(self) -> None:
+        if self._heartbeat is not None and not self._heartbeat.get_loop().is_closed():
+            self._heartbeat.cancel()
+        self._db.execute("DELETE FROM claims WHERE owner = ?", (self.owner,))
         self._db.close()

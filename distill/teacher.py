@@ -7,16 +7,27 @@ The request path, in order:
 1. The request's content hash (model, messages, generation params, prompt-template hash, attempt
    number) is looked up in the :class:`~distill.store.AnswerStore`. An answered request is never
    sent again; a request that only ever failed in transport is sent again.
-2. The budget reserves the request's worst-case cost (estimated prompt tokens + ``max_tokens``)
-   and refuses, cleanly, once ``--max-cost`` would be exceeded.
+2. The key is claimed in the store, and in the same transaction the request's worst-case cost is
+   reserved against ``--max-cost`` (the spend and reservations of every process on the store). A
+   key another live process is sending is waited for, not sent; a reservation that does not fit
+   stops the run cleanly. The worst case is the prompt at the endpoint's calibrated tokens per
+   byte (1 token per byte, an upper bound for byte-level BPE, until the endpoint has billed an
+   answer), or the teacher's ``tokenizer`` count, plus ``max_tokens``.
 3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
 4. ``openai.AsyncOpenAI`` sends it, over openai's aiohttp transport (httpx2's own connection
    pool costs about 1 ms of CPU per request at 64 connections). The client's machinery does the
    retrying: exponential backoff with jitter on 408/409/429/5xx, timeouts and connection errors,
    honouring ``Retry-After``. An httpx event hook adds what it lacks: after any 429, every request
    to that endpoint (new ones and retries) waits out the ``Retry-After`` pause.
-5. The raw response body is stored as received, then read. We ask the client for the raw HTTP
-   response: no pydantic model is built per answer, and the bytes we parse are the bytes we keep.
+5. The raw response body is stored as received (API keys redacted), then read, and the claim is
+   released in the same transaction. We ask the client for the raw HTTP response: no pydantic
+   model is built per answer, and the bytes we parse are the bytes we keep. An answer without
+   ``usage`` is counted at the same upper-bound estimate and marked ``usage_estimated``.
+
+The overshoot bound: a run stops before a reservation passes the cap, and reservations are upper
+bounds once the endpoint is calibrated, so the spend passes the cap by at most what the requests
+in flight when the cap is reached were billed above their reservations: never more than one
+concurrency window of requests.
 
 ``finish_reason == "length"`` is not success: the request is repeated with twice the
 ``max_tokens`` up to ``max_tokens_limit`` (each size is its own cached request), else it ends as
@@ -30,6 +41,7 @@ import asyncio
 import email.utils
 import hashlib
 import json
+import math
 import os
 import random
 import time
@@ -38,6 +50,7 @@ from typing import TYPE_CHECKING
 
 from distill.store import AnswerStore, StoredAnswer
 from metachunk.config import option
+from metachunk.redaction import redact, register_secret, safe_url
 
 # openai, httpx2 and aiohttp are imported where used: `metachunk --help` must not pay for them.
 if TYPE_CHECKING:
@@ -78,13 +91,23 @@ class TeacherConfig:
     tpm: float | None = option(None, "tokens (prompt + completion) per minute; unset: no limit")
     timeout: float = option(600.0, "seconds before one HTTP attempt is abandoned")
     max_retries: int = option(5, "retries per request on 429, 5xx, timeouts and connection errors")
+    max_connection_errors: int = option(
+        8,
+        "stop the run after this many requests in a row failed to connect (each after its retries): "
+        "the endpoint is down or the URL is wrong",
+    )
+    tokenizer: str | None = option(
+        None,
+        "the teacher's tokenizer (preset or local HF dir): count prompt tokens with it for budget "
+        "reservations and answers without usage; unset: calibrate from the tokens the endpoint bills",
+    )
 
     def __post_init__(self):
         if not self.model:
             raise ValueError("'model' is required")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"'base_url' must be an http(s) URL, got {self.base_url!r}")
-        for name in ("max_tokens", "concurrency"):
+        for name in ("max_tokens", "concurrency", "max_connection_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name!r} must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < self.max_tokens:
@@ -130,9 +153,21 @@ class FatalTeacherError(Exception):
 
 
 def estimate_tokens(text: str) -> int:
-    """A deliberately high estimate (UTF-8 bytes / 3): ~4 bytes per English token and ~3 bytes per
-    Chinese character put real counts 25-40% below it, so budget reservations err on the safe side."""
+    """A length estimate (UTF-8 bytes / 3) for sizing windows and dry-run tables: ~4 bytes per
+    English token and ~3 bytes per Chinese character put real counts 25-40% below it. It is not
+    an upper bound (byte-level BPE can spend a token per byte): budget reservations use
+    :func:`prompt_bytes` and the endpoint's calibration instead."""
     return len(text.encode("utf-8")) // 3 + 1
+
+
+# Tokens counted for each message's chat-template markers (role, separators) and for the
+# assistant turn's header, on top of the contents: templates add 3-5 per message.
+TEMPLATE_TOKENS = 8
+
+
+def prompt_bytes(messages: list[dict]) -> int:
+    """The UTF-8 bytes of a prompt's contents: what prompt tokens are calibrated against."""
+    return sum(len(m["content"].encode("utf-8")) for m in messages)
 
 
 def split_reasoning(content: str, reasoning_content: str | None) -> tuple[str, str]:
@@ -169,6 +204,7 @@ class Answer:
     cached: bool = False
     params: dict = field(default_factory=dict)
     estimate: tuple[int, int] = (0, 0)  # (prompt, completion) tokens, for pending answers
+    usage_estimated: bool = False  # the server sent no usage: the tokens are our upper estimate
     # Usage of every request behind this answer (shorter tries cut at max_tokens included).
     spent: tuple[int, int, float] = (0, 0, 0.0)
 
@@ -189,6 +225,7 @@ class Answer:
             cost=row.cost,
             cached=cached,
             params=params,
+            usage_estimated=row.usage_estimated,
         )
         if row.ok:
             answer._read_body()
@@ -214,6 +251,8 @@ class Answer:
             "cached": self.cached,
             "request_key": self.key,
         }
+        if self.usage_estimated:
+            record["usage_estimated"] = True
         if self.status == "pending":
             record["estimate"] = {"prompt_tokens": self.estimate[0], "completion_tokens": self.estimate[1]}
         else:
@@ -224,18 +263,23 @@ class Answer:
         return record
 
 
-def _read_usage(raw: str) -> tuple[int, int, bool]:
-    """(prompt, completion, well-formed) from a 200 body; a body that is not a chat completion is
+def _read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
+    """``(prompt, completion, answer text, well-formed)`` from a 200 body; the token counts are
+    None when the server sent no usage. A body that is not a chat completion is
     ``malformed_response`` (retried like a transport error)."""
     try:
         body = json.loads(raw)
         choice = body["choices"][0]
-        if not isinstance(choice.get("message"), dict):
-            return 0, 0, False
-        usage = body.get("usage") or {}
-        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), True
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            return None, None, "", False
+        text = (message.get("content") or "") + (message.get("reasoning_content") or "")
+        usage = body.get("usage")
+        if not isinstance(usage, dict) or usage.get("prompt_tokens") is None:
+            return None, None, text, True
+        return int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0), text, True
     except (ValueError, KeyError, IndexError, TypeError):
-        return 0, 0, False
+        return None, None, "", False
 
 
 class TokenBucket:
@@ -296,6 +340,9 @@ class Endpoint:
                 raise FatalTeacherError(
                     f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set"
                 )
+            register_secret(key)  # from here on, redact() masks it in everything written or printed
+        self.url = safe_url(cfg.endpoint_url())  # what messages and the calibration table name
+        self.connection_errors = 0  # requests in a row that could not connect (after their retries)
         self.pause_until = 0.0  # monotonic time before which no request may leave (after a 429)
         # The aiohttp transport keeps the httpx2 client in front (its event hooks, and openai's retries,
         # work unchanged) but replaces httpcore2's pool, which scans every pooled connection on each
@@ -316,6 +363,15 @@ class Endpoint:
         self.requests = TokenBucket(cfg.rpm) if cfg.rpm else None
         self.tokens = TokenBucket(cfg.tpm) if cfg.tpm else None
         self.sent = 0
+
+    def note_connection(self, failed: bool) -> None:
+        """Count connection failures in a row; past ``max_connection_errors`` the run stops."""
+        self.connection_errors = self.connection_errors + 1 if failed else 0
+        if self.connection_errors >= self.cfg.max_connection_errors:
+            raise EndpointUnreachable(
+                f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
+                f"({self.connection_errors} requests in a row failed to connect); is the server running?"
+            )
 
     async def _wait_out_pause(self, request) -> None:
         while (delay := self.pause_until - time.monotonic()) > 0:
@@ -348,22 +404,28 @@ class Endpoint:
 
 
 class Budget:
-    """Cumulative spend over the whole answer store, so a raised ``--max-cost`` resumes where
-    the lower one stopped. Each request reserves its worst case until its real cost is known."""
+    """The cap on the spend of every run on one answer store, all processes together.
 
-    def __init__(self, limit: float | None, spent: float):
-        self.limit, self.spent, self.reserved = limit, spent, 0.0
+    The reservations themselves live in the store (:meth:`AnswerStore.claim`), so that two jobs
+    sharing a store share the cap; this object holds the limit, whether it was reached, and what
+    this process paid."""
+
+    def __init__(self, limit: float | None, store: AnswerStore):
+        self.limit, self.store = limit, store
         self.exhausted = False
+        self.paid = 0.0  # billed to this process's requests (settled answers)
 
-    def reserve(self, amount: float) -> None:
-        if self.limit is not None and self.spent + self.reserved + amount > self.limit:
-            self.exhausted = True
-            raise BudgetExceeded
-        self.reserved += amount
+    @property
+    def spent(self) -> float:
+        """Every answer in the store, whichever process paid for it."""
+        return self.store.spent()
 
-    def settle(self, reserved: float, actual: float) -> None:
-        self.reserved -= reserved
-        self.spent += actual
+
+class EndpointUnreachable(FatalTeacherError):
+    """Every recent request failed to connect: the server is down or the URL is wrong."""
+
+
+WAIT_POLL_SECONDS = 0.2  # how often a request another process is sending is looked for
 
 
 class Teacher:
@@ -383,7 +445,10 @@ class Teacher:
             self.wire_model = str(resolve(cfg.model))
         self.offline = endpoint is None  # dry run / status: answer from the store or say "pending"
         self.cached = 0  # answers served from the store
+        self.waited = 0  # answers another process was paying for when this one wanted them
         self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
+        self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_url())}" if endpoint else ""
+        self._tokenizer = None
 
     def request(
         self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int
@@ -394,6 +459,28 @@ class Teacher:
         if self.wire_model != self.cfg.model:
             payload["model"] = self.wire_model
         return payload, digest.hexdigest()
+
+    # -- token counts for reservations and for answers without usage
+
+    def _tokens_per_byte(self) -> float:
+        """The endpoint's largest billed prompt tokens per byte so far; 1.0 before any answer."""
+        return max(self.store.tokens_per_byte(self.calibration_key) or 0.0, 0.0) or 1.0
+
+    def count_tokens(self, text: str, messages: list[dict] | None = None) -> int:
+        """Tokens of ``messages`` (a prompt) or ``text`` (an answer): the teacher's tokenizer when
+        the recipe names one, else the calibrated bytes estimate, an upper bound in practice."""
+        if self.cfg.tokenizer:
+            if self._tokenizer is None:
+                from metachunk.models import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.cfg.tokenizer)
+            if messages is None:
+                return len(self._tokenizer.encode(text, add_special_tokens=False))
+            body = sum(len(self._tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+            return body + TEMPLATE_TOKENS * (len(messages) + 1)
+        if messages is None:
+            return math.ceil(len(text.encode("utf-8")) * self._tokens_per_byte())
+        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte()) + TEMPLATE_TOKENS * (len(messages) + 1)
 
     async def complete(self, messages: list[dict], prompt_sha: str, attempt: int = 0) -> Answer:
         """Answer ``messages``; ``attempt`` > 0 asks again for a fresh answer (the previous one
@@ -421,56 +508,103 @@ class Teacher:
         if self.store.has_answer(key):
             self.cached += 1
             return Answer.from_stored(self.store.get(key), params, cached=True)
-        prompt_estimate = sum(estimate_tokens(m["content"]) + 4 for m in messages)
         if self.offline:
+            prompt_estimate = sum(estimate_tokens(m["content"]) + 4 for m in messages)
             stored = self.store.get(key)  # only a transport error, if anything: the next run retries it
             if stored is not None:
                 return Answer.from_stored(stored, params, cached=False)
             return Answer(
                 key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
             )
+        prompt_estimate = self.count_tokens("", messages)
         worst_case = self.price.cost(prompt_estimate, max_tokens)
-        self.budget.reserve(worst_case)
-        row = None
+        self.store.start_heartbeat()
+        waited = False
+        while True:  # claim the key, with its reservation, or wait for whoever is sending it
+            claim = self.store.claim(key, worst_case, self.budget.limit)
+            if claim.outcome == "claimed":
+                break
+            if claim.outcome == "answered":
+                self.cached += 1
+                self.waited += waited
+                return Answer.from_stored(self.store.get(key), params, cached=True)
+            if claim.outcome == "over_budget":
+                # Requests in flight usually settle below their reservation: only a refusal with
+                # nothing in flight (in any process) is final, so that a rerun under the same cap
+                # finds nothing more that fits.
+                if self.store.claims_in_flight() == 0:
+                    self.budget.exhausted = True
+                    raise BudgetExceeded
+            else:  # busy: another process is sending this very request
+                waited = True
+            await asyncio.sleep(WAIT_POLL_SECONDS)
         try:
-            row = await self._send(payload, key, prompt_estimate + max_tokens)
-        finally:  # also when cancelled: the reservation must not outlive the request
-            self.budget.settle(worst_case, row.cost if row else 0.0)
-        self.store.put(row)
+            row = await self._send(payload, key, messages, prompt_estimate, max_tokens)
+        except BaseException:  # cancelled, or the endpoint is gone: the reservation must not outlive it
+            self.store.release(key)
+            raise
+        calibration = None
+        if row.ok and not row.usage_estimated:
+            calibration = (self.calibration_key, row.prompt_tokens / max(1, prompt_bytes(messages)))
+        self.store.put(row, calibration)
+        self.budget.paid += row.cost
         self.tokens_used += row.prompt_tokens + row.completion_tokens
         return Answer.from_stored(row, params, cached=False)
 
-    async def _send(self, payload: dict, key: str, estimated_tokens: int) -> StoredAnswer:
-        """One request to a stored row. Transport retries happen inside the openai client; a 200
-        whose body is not a chat completion is retried here with the same backoff."""
+    async def _send(
+        self, payload: dict, key: str, messages: list[dict], prompt_estimate: int, max_tokens: int
+    ) -> StoredAnswer:
+        """One request to a stored row, secrets redacted. Transport retries happen inside the openai
+        client; a 200 whose body is not a chat completion is retried here with the same backoff."""
         import openai
 
         model = self.cfg.model
+        estimated_tokens = prompt_estimate + max_tokens
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 response = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
-                return StoredAnswer(key, model, "error", _transport_reason(e), str(e), 0, 0, 0.0)
+                reason = _transport_reason(e)
+                self.endpoint.note_connection(reason == "connection")
+                return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, 0.0)
             except openai.APIStatusError as e:
+                self.endpoint.note_connection(False)
                 if e.status_code in (401, 403, 404):
                     raise FatalTeacherError(
-                        f"teacher {model!r} at {self.cfg.endpoint_url()}: HTTP {e.status_code}: {_short(e.message)}"
+                        redact(
+                            f"teacher {model!r} at {self.endpoint.url}: HTTP {e.status_code}: {_short(e.message)}"
+                        )
                     ) from None
                 return StoredAnswer(
-                    key, model, "error", f"http_{e.status_code}", _short(e.message), 0, 0, 0.0
+                    key, model, "error", f"http_{e.status_code}", redact(_short(e.message)), 0, 0, 0.0
                 )
-            raw = response.text
-            prompt_tokens, completion_tokens, well_formed = _read_usage(raw)
+            self.endpoint.note_connection(False)
+            raw = redact(response.text, headers=False)
+            prompt_tokens, completion_tokens, text, well_formed = _read_usage(raw)
             if well_formed:
+                estimated = prompt_tokens is None
+                if estimated:  # counted, never free: the same upper estimate the reservation used
+                    prompt_tokens = prompt_estimate
+                    completion_tokens = min(max_tokens, self.count_tokens(text))
                 if self.endpoint.tokens:  # replace the estimate by the real usage
                     self.endpoint.tokens.give_back(
                         max(0, estimated_tokens - prompt_tokens - completion_tokens)
                     )
                 cost = self.price.cost(prompt_tokens, completion_tokens)
-                return StoredAnswer(key, model, "ok", "", raw, prompt_tokens, completion_tokens, cost)
+                return StoredAnswer(
+                    key,
+                    model,
+                    "ok",
+                    "",
+                    raw,
+                    prompt_tokens,
+                    completion_tokens,
+                    cost,
+                    usage_estimated=estimated,
+                )
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
-        return StoredAnswer(key, model, "error", "malformed_response", _short(raw), 0, 0, 0.0)
+        return StoredAnswer(key, model, "error", "malformed_response", redact(_short(raw)), 0, 0, 0.0)
 
 
 def _transport_reason(error: openai.APIConnectionError) -> str:
@@ -501,7 +635,7 @@ class TeacherPool:
         offline: bool = False,
     ):
         self.store = store
-        self.budget = Budget(max_cost, store.total_cost)
+        self.budget = Budget(max_cost, store)
         self.endpoints: dict[tuple[str, str], Endpoint] = {}
         self.stages: dict[str, Teacher] = {}
         for stage, cfg in teachers.items():
@@ -519,6 +653,11 @@ class TeacherPool:
     @property
     def sent(self) -> int:
         return sum(e.sent for e in self.endpoints.values())
+
+    @property
+    def waited(self) -> int:
+        """Answers this run waited for because another process on the store was paying for them."""
+        return sum(t.waited for t in self.stages.values())
 
     async def close(self) -> None:
         for endpoint in self.endpoints.values():

@@ -246,7 +246,6 @@ class LumberChunker:
             self.store.close()
             raise
         self.teacher = self.pool[STAGE]
-        self.spent_before = self.pool.budget.spent
         self.langs: set[str] = set()
         self.kinds: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
@@ -281,7 +280,8 @@ class LumberChunker:
             raise InputError(
                 self.store_path,
                 f"stopped before the spend recorded here passes --lumber-max-cost {self.cfg.lumber_max_cost} "
-                f"(${self.pool.budget.spent:.4f} so far); every answer is stored: rerun with a higher limit",
+                f"(${self.pool.budget.spent:.4f} spent on this store, ${self.pool.budget.paid:.4f} by this run); "
+                "every answer is stored: rerun with a higher limit",
             ) from None
         finally:
             self.seconds += time.perf_counter() - started
@@ -355,7 +355,7 @@ class LumberChunker:
             self._shown = now
             self.bar.set_postfix_str(
                 f"{self.pool.sent / max(now - self._started, 1e-9):.1f} req/s, {self.teacher.cached} cached, "
-                f"{sum(self.fallbacks.values())} fallbacks, ${self.pool.budget.spent - self.spent_before:.4f}",
+                f"{sum(self.fallbacks.values())} fallbacks, ${self.pool.budget.paid:.4f}",
                 refresh=False,
             )
 
@@ -395,7 +395,7 @@ class LumberChunker:
             "completion_tokens": self.completion_tokens,
             "cost": round(self.cost, 6),
             "tokens_paid": self.teacher.tokens_used,
-            "cost_paid": round(self.pool.budget.spent - self.spent_before, 6),
+            "cost_paid": round(self.pool.budget.paid, 6),
             "seconds": round(self.seconds, 2),
         }
 

@@ -1,6 +1,9 @@
 """The distillation engine's pure parts: answer parsing, prompts, the store, budget, config."""
 
 import string
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -8,7 +11,7 @@ from distill.pipelines import NOTHING_MISSING, STAGES, Item, format_items, parse
 from distill.prompts import LANGS, load_prompt
 from distill.run import DistillConfig, window
 from distill.store import AnswerStore, StoredAnswer
-from distill.teacher import Budget, BudgetExceeded, Price, TeacherConfig, estimate_tokens, split_reasoning
+from distill.teacher import Price, TeacherConfig, estimate_tokens, split_reasoning
 from metachunk.artifacts import InputError
 from metachunk.config import load_yaml
 
@@ -123,14 +126,39 @@ def test_store_is_append_only_and_a_success_wins(tmp_path):
 # ----------------------------------------------------------------------------------------- budget
 
 
-def test_budget_reserves_worst_case_and_refuses_past_the_limit():
-    budget = Budget(limit=1.0, spent=0.25)
-    budget.reserve(0.5)
-    with pytest.raises(BudgetExceeded):
-        budget.reserve(0.5)
-    assert budget.exhausted
-    budget.settle(0.5, 0.1)
-    assert budget.spent == pytest.approx(0.35) and budget.reserved == 0
+def test_claims_reserve_worst_case_and_refuse_past_the_limit(tmp_path):
+    store = AnswerStore(tmp_path / "a.sqlite")
+    store.put(StoredAnswer("paid", "m", "ok", "", "{}", 1, 1, 0.25))
+    assert store.claim("a", reserve=0.5, limit=1.0).outcome == "claimed"
+    assert store.claim("b", reserve=0.5, limit=1.0).outcome == "over_budget"  # 0.25 + 0.5 + 0.5 > 1
+    assert store.claim("paid", reserve=0.5, limit=1.0).outcome == "answered"
+    store.put(StoredAnswer("a", "m", "ok", "", "{}", 1, 1, 0.1))  # settles: the reservation is gone
+    assert store.claims_held() == 0 and store.spent() == pytest.approx(0.35)
+    assert store.claim("b", reserve=0.5, limit=1.0).outcome == "claimed"
+    store.close()
+
+
+def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp_path):
+    first, second = AnswerStore(tmp_path / "a.sqlite"), AnswerStore(tmp_path / "a.sqlite")
+    assert first.claim("k", reserve=0.5, limit=1.0).outcome == "claimed"
+    assert second.claim("k").outcome == "busy"  # the owner is alive: wait for its answer
+    # the other process's reservation counts against this one's cap
+    assert second.claim("other", reserve=0.6, limit=1.0).outcome == "over_budget"
+    first.put(StoredAnswer("k", "m", "ok", "", "{}", 1, 1, 0.5))
+    assert second.claim("k").outcome == "answered" and second.get("k").cost == 0.5
+    # A dead owner (a pid that no longer runs) loses its claim at once; an expired lease too.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    first._db.execute(
+        "INSERT INTO claims VALUES ('d', 'gone', ?, ?, ?, 0.4)",
+        (first.host, int(dead.stdout), time.time() + 60),
+    )
+    first._db.execute("INSERT INTO claims VALUES ('e', 'far', 'elsewhere', 1, ?, 0.4)", (time.time() - 1,))
+    assert second.claim("d", reserve=0.1, limit=1.0).outcome == "claimed"
+    assert second.claim("e", reserve=0.1, limit=1.0).outcome == "claimed"
+    first.close()
+    second.close()
 
 
 def test_price_and_token_estimate():
