@@ -106,7 +106,12 @@ class TeacherConfig:
         if not self.model:
             raise ValueError("'model' is required")
         if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"'base_url' must be an http(s) URL, got {self.base_url!r}")
+            raise ValueError(f"'base_url' must be an http(s) URL, got {safe_url(self.base_url)!r}")
+        if "@" in self.base_url.split("/")[2]:
+            raise ValueError(
+                "'base_url' holds credentials (user:key@host): name the key's environment variable in "
+                "'api_key_env' instead, so that it never reaches a file"
+            )
         for name in ("max_tokens", "concurrency", "max_connection_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name!r} must be >= 1")
@@ -365,8 +370,11 @@ class Endpoint:
         self.sent = 0
 
     def note_connection(self, failed: bool) -> None:
-        """Count connection failures in a row; past ``max_connection_errors`` the run stops."""
+        """Count requests in a row that failed to connect (any answer resets the count)."""
         self.connection_errors = self.connection_errors + 1 if failed else 0
+
+    def check_reachable(self) -> None:
+        """Past ``max_connection_errors`` failed connections in a row, stop the run."""
         if self.connection_errors >= self.cfg.max_connection_errors:
             raise EndpointUnreachable(
                 f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
@@ -547,6 +555,7 @@ class Teacher:
         if row.ok and not row.usage_estimated:
             calibration = (self.calibration_key, row.prompt_tokens / max(1, prompt_bytes(messages)))
         self.store.put(row, calibration)
+        self.endpoint.check_reachable()  # after the put: the failure is recorded for the rerun
         self.budget.paid += row.cost
         self.tokens_used += row.prompt_tokens + row.completion_tokens
         return Answer.from_stored(row, params, cached=False)

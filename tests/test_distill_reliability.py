@@ -144,6 +144,7 @@ def make_job(
 ) -> Job:
     """Documents made of the given chunks (joined by spaces), their chunks file and a recipe with
     the same teacher block for every stage of ``task``."""
+    root.mkdir(parents=True, exist_ok=True)
     documents, chunks = root / "documents.jsonl", root / "chunks.jsonl"
     with documents.open("w", encoding="utf-8") as d, chunks.open("w", encoding="utf-8") as c:
         for doc_id, texts in docs.items():
@@ -685,3 +686,220 @@ def test_summary_pipeline_against_the_loopback_server(tmp_path):
         assert [record["stages"][s]["status"] for s in SUMMARY] == ["ok"] * 3
         fuse = record["stages"]["summary_fuse"]
         assert record["output"] == fuse["text"] == "answer " + fuse["request_key"][:12]
+
+
+# --------------------------------------------------------------------------------------------
+# 8. The budget holds whatever the server bills; a rerun under the same cap sends nothing
+# --------------------------------------------------------------------------------------------
+
+# $10 per 1M tokens each way: a ~1.5 KB prompt billed a token per byte costs ~$0.015.
+BILLED_PRICES = {"loopback": {"input": 10.0, "output": 10.0}}
+BILLED_CONCURRENCY = 4
+
+
+@pytest.mark.parametrize("billing, cap", [("byte", 0.1), ("none", 0.1), ("low", 0.04)])
+def test_budget_holds_whatever_the_server_bills(tmp_path, capsys, billing, cap):
+    """``byte``: a token per prompt byte (more than the old bytes/3 estimate); ``none``: no usage
+    at all; ``low``: a token per 16 bytes (far below any estimate)."""
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(16)})
+    with serve_in_subprocess(latency=0.02, replies=REPLIES, billing=billing) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            docs,
+            teacher={"concurrency": BILLED_CONCURRENCY},
+            prices=BILLED_PRICES,
+            max_cost=cap,
+        )
+        code = job.main("rewrite")
+        err = capsys.readouterr().err
+        first = server.stats()["requests"]
+        again = job.main("rewrite")
+        second = server.stats()["requests"]
+
+    rows = job.query("SELECT cost, usage_estimated, prompt_tokens, completion_tokens FROM answers")
+    spent = sum(cost for cost, *_ in rows)
+    # The stated bound: what the requests in flight when the cap was reached were billed.
+    in_flight_bound = BILLED_CONCURRENCY * max(cost for cost, *_ in rows)
+    assert code == 3 and again == 3, err
+    assert 0 < spent <= cap + in_flight_bound
+    # Reservations are upper bounds from the first request on (1 token per byte until the
+    # endpoint is calibrated), so in fact nothing passes the cap at all.
+    assert spent <= cap
+    assert f"the store's spend is ${spent:.4f} against --max-cost {cap}" in err
+    assert second == first  # the rerun under the same cap found nothing more that fits
+    assert all(cost > 0 and p > 0 and c > 0 for cost, _, p, c in rows)  # never $0, never 0 tokens
+    estimated = {bool(e) for _, e, *_ in rows}
+    assert estimated == ({True} if billing == "none" else {False})
+    if billing == "none":
+        entries = [e for r in job.records() for e in r["stages"].values() if e["status"] == "ok"]
+        assert entries and all(e["usage_estimated"] for e in entries)
+    else:  # the endpoint's largest billed tokens per prompt byte is kept in the store
+        ((ratio,),) = job.query("SELECT tokens_per_byte FROM calibration")
+        assert ratio == pytest.approx(1.0 if billing == "byte" else 1 / 16, rel=0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Two runs sharing one answer store never pay twice, and share the cap
+# --------------------------------------------------------------------------------------------
+
+
+def start_cli(job: Job, *flags: str, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "metachunk.cli", "distill", job.task, "--config", str(job.recipe), *flags],
+            cwd=REPO,
+            env=cli_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
+
+
+def test_two_runs_sharing_a_store_never_pay_twice(tmp_path):
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(24)})
+    with serve_in_subprocess(latency=0.05, replies=REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 4}, prices=BILLED_PRICES)
+        store = str(tmp_path / "shared.sqlite")
+        runs = [
+            start_cli(job, "--cache", store, "--out", str(tmp_path / f"run{n}"), log=tmp_path / f"{n}.log")
+            for n in (1, 2)
+        ]
+        codes = [p.wait(timeout=120) for p in runs]
+        stats = server.stats()
+    logs = [(tmp_path / f"{n}.log").read_text() for n in (1, 2)]
+    assert codes == [0, 0], logs
+    assert set(stats["by_key"].values()) == {1}  # every request body reached the server once
+    assert stats["requests"] == 24 * len(REWRITE)
+    for n in (1, 2):
+        records = [json.loads(line) for line in (tmp_path / f"run{n}" / "rewrite.jsonl").open()]
+        assert len(records) == 24 and all(r["status"] == "ok" and r["output"] for r in records)
+    waited = [json.loads((tmp_path / f"run{n}" / "rewrite.meta.json").read_text())["summary"] for n in (1, 2)]
+    assert sum(s["requests_sent"] for s in waited) == stats["requests"]  # each paid only its own share
+    db = sqlite3.connect(store)
+    assert db.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0  # every claim was released
+    db.close()
+
+
+def test_two_runs_sharing_a_store_share_one_cap(tmp_path):
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(24)})
+    cap = 0.05
+    with serve_in_subprocess(latency=0.05, replies=REPLIES, billing="byte") as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 4}, prices=BILLED_PRICES)
+        store = str(tmp_path / "shared.sqlite")
+        flags = ("--cache", store, "--max-cost", str(cap))
+        runs = [
+            start_cli(job, *flags, "--out", str(tmp_path / f"run{n}"), log=tmp_path / f"{n}.log")
+            for n in (1, 2)
+        ]
+        codes = [p.wait(timeout=120) for p in runs]
+        stats = server.stats()
+    assert codes == [3, 3], [(tmp_path / f"{n}.log").read_text() for n in (1, 2)]
+    assert set(stats["by_key"].values()) == {1}
+    db = sqlite3.connect(store)
+    spent, most = db.execute("SELECT SUM(cost), MAX(cost) FROM answers").fetchone()
+    db.close()
+    assert 0 < spent <= cap + 2 * 4 * most  # the cap plus what both runs had in flight
+    assert spent <= cap  # in fact: the reservations are upper bounds and shared
+
+
+# --------------------------------------------------------------------------------------------
+# 10. Exit codes a script can trust
+# --------------------------------------------------------------------------------------------
+
+
+def test_failure_rate_sets_the_exit_status_and_a_rerun_retries_transport_failures(tmp_path):
+    chunks = {f"c{i}": chunk_text(i) for i in range(4)} | {"bad": chunk_text(9, "[[fault:500]]")}
+    with serve_in_subprocess(latency=0.0, replies=REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, one_chunk_per_doc(chunks), teacher={"max_retries": 0})
+        assert job.main("rewrite") == 0  # 1 of 5 failed: within the default 0.25
+        first = server.stats()["by_outcome"]["500"]
+        assert job.main("rewrite", "--max-failure-rate", "0.1") == 4
+        assert server.stats()["by_outcome"]["500"] == first + 1  # the transport failure was sent again
+        assert {r["status"] for r in job.records()} == {"ok", "failed"}  # and recorded, not dropped
+        all_bad = make_job(
+            tmp_path / "all", server.base_url, one_chunk_per_doc({"bad": chunk_text(9, "[[fault:500]]")}),
+            teacher={"max_retries": 0},
+        )  # fmt: skip
+        assert all_bad.main("rewrite", "--max-failure-rate", "1") == 4  # every record failed
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_endpoint_stops_the_run_early_with_one_line(tmp_path):
+    port = closed_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(40)})
+    teacher = {"max_retries": 1, "concurrency": 4, "max_connection_errors": 6, "api_key_env": KEY_ENV}
+    job = make_job(tmp_path, url, docs, teacher=teacher)
+    started = time.monotonic()
+    done = job.cli("rewrite", timeout=120, env=cli_env(**{KEY_ENV: SECRET}))
+    seconds = time.monotonic() - started
+    assert done.returncode == 4, done.stderr
+    assert "Traceback" not in done.stderr and SECRET not in done.stderr + done.stdout
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("metachunk:")]
+    assert f"cannot connect to {url}" in line
+    records = job.records()  # written, every one failed in transport or never sent
+    assert len(records) == 40 and {r["status"] for r in records} <= {"failed", "pending"}
+    errors = job.query("SELECT COUNT(*) FROM answers WHERE reason = 'connection'")[0][0]
+    assert 6 <= errors <= 6 + 4  # the bound, plus the requests already in flight
+    assert seconds < 60
+
+
+def test_distill_help_lists_the_exit_codes():
+    done = subprocess.run(
+        [sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--help"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0
+    for code in ("0 ", "1 ", "2 ", "3 ", "4 "):
+        assert f"\n  {code}" in done.stdout
+    assert "--max-failure-rate" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# 11. No secret in any file, ever: a server that echoes the key back
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_server_echoing_the_key_never_gets_it_into_a_file_or_a_log(tmp_path):
+    chunks = {
+        "normal": chunk_text(0),
+        "error_500": chunk_text(1, "[[fault:500]]"),
+        "rate_limited": chunk_text(2, "[[fault:429@0.1*1]]"),
+        "malformed": chunk_text(3, "[[fault:malformed]]"),
+    }
+    env = cli_env(**{KEY_ENV: SECRET})
+    with serve_in_subprocess(latency=0.0, replies=REPLIES, echo_auth=True) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            one_chunk_per_doc(chunks),
+            teacher={"api_key_env": KEY_ENV, "max_retries": 1},
+            prices={"loopback": {"input": 1.0, "output": 2.0}},
+            progress=True,
+        )
+        done = job.cli("rewrite", env=env)
+        refused = make_job(
+            tmp_path / "refused", server.base_url, one_chunk_per_doc({"x": chunk_text(5, "[[fault:401]]")}),
+            teacher={"api_key_env": KEY_ENV, "max_retries": 0},
+        )  # fmt: skip
+        unauthorized = refused.cli("rewrite", env=env)
+    # The echo spoils the refinement JSON too: every record fails (status 4), with its answers kept.
+    assert done.returncode == 4, done.stderr
+    assert unauthorized.returncode == 2 and "HTTP 401" in unauthorized.stderr
+    assert "Bearer [REDACTED]" in unauthorized.stderr  # the echoed header, masked
+    # The echo did reach us (so the scan below is not vacuous), masked before it was written.
+    raw = job.query("SELECT raw FROM answers")
+    assert any("[REDACTED]" in r for (r,) in raw if "Bearer" in r)
+    assert any("(you sent Bearer [REDACTED])" in (e.get("raw") or "")
+               for r in job.records() for e in r["stages"].values())  # fmt: skip
+    leaks = [p for p in sorted(tmp_path.rglob("*")) if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaks == []
+    for captured in (done, unauthorized):
+        assert SECRET not in captured.stdout and SECRET not in captured.stderr
