@@ -274,16 +274,22 @@ class AnswerStore:
         return True
 
     def _reserved(self, excluding: str = "") -> float:
-        """The reservations of every live claim, this process's and others'."""
-        rows = self._db.execute("SELECT key, host, pid, expires, reserved FROM claims").fetchall()
-        return sum(
-            r for k, host, pid, expires, r in rows if k != excluding and self._alive(host, pid, expires)
-        )
+        """The reservations of every unexpired claim, this process's and others'. A dead owner's
+        count until :meth:`claims_in_flight` clears them: erring high, and one query per request
+        instead of a liveness check per claim."""
+        (total,) = self._db.execute(
+            "SELECT COALESCE(SUM(reserved), 0) FROM claims WHERE expires >= ? AND key != ?",
+            (time.time(), excluding),
+        ).fetchone()
+        return total
 
     def claims_in_flight(self) -> int:
-        """Live claims of every process: requests being sent right now."""
-        rows = self._db.execute("SELECT host, pid, expires FROM claims").fetchall()
-        return sum(1 for row in rows if self._alive(*row))
+        """Live claims of every process (requests being sent right now), after clearing the claims
+        of dead owners, whose reservations would otherwise hold the budget until their leases end."""
+        rows = self._db.execute("SELECT key, owner, host, pid, expires FROM claims").fetchall()
+        dead = [(key, owner) for key, owner, *held in rows if not self._alive(*held)]
+        self._db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", dead)
+        return len(rows) - len(dead)
 
     def claims_held(self) -> int:
         """Claims (in-flight requests) this process holds: 0 once every request has settled."""

@@ -527,7 +527,7 @@ class Teacher:
         prompt_estimate = self.count_tokens("", messages)
         worst_case = self.price.cost(prompt_estimate, max_tokens)
         self.store.start_heartbeat()
-        waited = False
+        waited = refused = False
         while True:  # claim the key, with its reservation, or wait for whoever is sending it
             claim = self.store.claim(key, worst_case, self.budget.limit)
             if claim.outcome == "claimed":
@@ -539,10 +539,14 @@ class Teacher:
             if claim.outcome == "over_budget":
                 # Requests in flight usually settle below their reservation: only a refusal with
                 # nothing in flight (in any process) is final, so that a rerun under the same cap
-                # finds nothing more that fits.
+                # finds nothing more that fits. It is asked once more after dead owners' claims
+                # are cleared.
                 if self.store.claims_in_flight() == 0:
-                    self.budget.exhausted = True
-                    raise BudgetExceeded
+                    if refused:
+                        self.budget.exhausted = True
+                        raise BudgetExceeded
+                    refused = True
+                    continue
             else:  # busy: another process is sending this very request
                 waited = True
             await asyncio.sleep(WAIT_POLL_SECONDS)

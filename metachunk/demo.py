@@ -122,7 +122,10 @@ def stage_distill(inputs: dict[str, Path]) -> list[dict]:
         for task in ("rewrite", "summary"):
             argv = ["distill", task, "--config", str(path)]
             print(f"\n== demo: metachunk {' '.join(argv)}", flush=True)
-            if metachunk(argv) != 0:
+            code = metachunk(argv)
+            # Status 4: too many records failed. With a 135M teacher that is expected (it rarely
+            # writes the refinement JSON); the records are written and the later stages cope.
+            if code not in (0, 4):
                 sys.exit(f"demo: stage 'distill {task}' failed")
             meta = json.loads((OUT / "distill" / f"{task}.meta.json").read_text(encoding="utf-8"))
             summary = meta["summary"]
@@ -270,7 +273,8 @@ def stage_moc(inputs: dict[str, Path]) -> list[dict]:
                                            "stop": ["\n\nThe segmented text chunks are"], "timeout": 300, "max_retries": 1}  # fmt: skip
         path = OUT / "distill" / "moc.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-        rows += _run_steps([("distill moc smollm2", ["distill", "moc", "--config", str(path)])])
+        # Status 4 (most documents failed) is this tiny teacher's normal day; the records are written.
+        rows += _run_steps([("distill moc smollm2", ["distill", "moc", "--config", str(path)])], allowed=(0, 4))
     meta = json.loads((OUT / "distill" / "moc" / "moc.meta.json").read_text(encoding="utf-8"))
     summary = meta["summary"]
     rows[-1]["note"] = (f"{summary['requests_sent']} requests sent, {summary['answers_from_store']} from the store; "
@@ -336,14 +340,14 @@ def stage_moc(inputs: dict[str, Path]) -> list[dict]:
     return rows
 
 
-def _run_steps(steps: list[tuple[str, list[str]]]) -> list[dict]:
+def _run_steps(steps: list[tuple[str, list[str]]], allowed: tuple[int, ...] = (0,)) -> list[dict]:
     import time
 
     rows = []
     for name, argv in steps:
         print(f"\n== demo: metachunk {' '.join(argv)}", flush=True)
         started = time.perf_counter()
-        if metachunk(argv) != 0:
+        if metachunk(argv) not in allowed:
             sys.exit(f"demo: stage '{name}' failed")
         rows.append({"run": name, "documents": "-", "chunks": "-", "mean_chunk_chars": "-",
                      "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip

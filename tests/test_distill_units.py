@@ -263,3 +263,28 @@ def test_related_context_is_the_most_similar_other_chunks_in_document_order(tmp_
     assert harbour.context == pieces[2] + "\n…\n" + pieces[4]  # the two other harbour chunks, in order
     assert portrait.context.startswith(pieces[3]) or pieces[3] in portrait.context
     assert pieces[1] not in portrait.context  # never the chunk itself
+
+
+def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teachers_tokenizer(
+    tmp_path, tiny_model_dir
+):
+    from transformers import AutoTokenizer
+
+    from distill.teacher import TEMPLATE_TOKENS, Budget, Teacher
+
+    store = AnswerStore(tmp_path / "a.sqlite")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Emma 爱 Knightley"}]
+    overhead = TEMPLATE_TOKENS * 3
+    plain = Teacher(TeacherConfig(model="m"), None, store, Price(), Budget(None, store))
+    size = len("Be brief.Emma 爱 Knightley".encode())
+    assert plain.count_tokens("", messages) == size + overhead  # uncalibrated: 1 token per byte
+    store.put(StoredAnswer("k", "m", "ok", "", "{}", 1, 1, 0.0), calibration=("", 0.25))
+    store.put(StoredAnswer("k2", "m", "ok", "", "{}", 1, 1, 0.0), calibration=("", 0.2))  # lower: kept max
+    assert store.tokens_per_byte("") == 0.25
+    assert plain.count_tokens("", messages) == -(-size // 4) + overhead
+    counted = Teacher(TeacherConfig(model="m", tokenizer=str(tiny_model_dir)), None, store, Price(),
+                      Budget(None, store))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    body = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+    assert counted.count_tokens("", messages) == body + overhead
+    store.close()
