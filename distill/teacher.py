@@ -488,7 +488,8 @@ class Teacher:
             return body + TEMPLATE_TOKENS * (len(messages) + 1)
         if messages is None:
             return math.ceil(len(text.encode("utf-8")) * self._tokens_per_byte())
-        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte()) + TEMPLATE_TOKENS * (len(messages) + 1)
+        template = TEMPLATE_TOKENS * (len(messages) + 1)
+        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte()) + template
 
     async def complete(self, messages: list[dict], prompt_sha: str, attempt: int = 0) -> Answer:
         """Answer ``messages``; ``attempt`` > 0 asks again for a fresh answer (the previous one

@@ -274,7 +274,9 @@ def stage_moc(inputs: dict[str, Path]) -> list[dict]:
         path = OUT / "distill" / "moc.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
         # Status 4 (most documents failed) is this tiny teacher's normal day; the records are written.
-        rows += _run_steps([("distill moc smollm2", ["distill", "moc", "--config", str(path)])], allowed=(0, 4))
+        rows += _run_steps(
+            [("distill moc smollm2", ["distill", "moc", "--config", str(path)])], allowed=(0, 4)
+        )
     meta = json.loads((OUT / "distill" / "moc" / "moc.meta.json").read_text(encoding="utf-8"))
     summary = meta["summary"]
     rows[-1]["note"] = (f"{summary['requests_sent']} requests sent, {summary['answers_from_store']} from the store; "
