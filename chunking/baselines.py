@@ -7,16 +7,19 @@
   sentence windows drift apart, like LlamaIndex's ``SemanticSplitterNodeParser``.
 
 Each returns chunks that tile the document: their texts concatenate to ``doc``, none is empty
-and ``chunk.text == doc[chunk.start:chunk.end]``. An empty or whitespace-only document gives
-``[]``. Sentences come from :func:`chunking.sentences.split_sentences` and must tile ``doc``.
+and ``chunk.text == doc[chunk.start:chunk.end]``. Only the empty document gives ``[]``; a
+whitespace-only one is one chunk (nothing is dropped). Sentences come from
+:func:`chunking.sentences.split_sentences` and must tile ``doc``.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import regex
 
 from chunking.merge import merge_chunks
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
@@ -24,16 +27,22 @@ from chunking.types import Chunk, Sentence, chunks_from_boundaries
 Embedder = Callable[[list[str]], np.ndarray]
 
 _WORD_AND_SPACE = re.compile(r"\S+\s*")
+# One user-perceived character (extended grapheme cluster, UAX #29): "e" + combining acute, a ZWJ
+# emoji family, "\r\n". The stdlib re has no \X.
+_GRAPHEME = regex.compile(r"\X")
 
 
 def fixed_chunks(doc: str, target_len: int, unit: str = "char") -> list[Chunk]:
     """Cut ``doc`` every ``target_len`` characters or words, ignoring sentences.
 
-    ``unit="char"``: every chunk holds exactly ``target_len`` code points, the last one possibly
-    fewer. ``unit="word"``: every chunk holds ``target_len`` whitespace-separated words and ends
-    after the whitespace that follows its last word (leading whitespace of ``doc`` goes to the
-    first chunk). Tokens are not supported: a token cut can fall inside a character's bytes or a
-    word, and the paper's "Original" baseline counts characters or words.
+    ``unit="char"``: every chunk holds exactly ``target_len`` characters, the last one possibly
+    fewer, where a character is a grapheme cluster (what a reader sees as one: a letter with its
+    combining marks, a ZWJ emoji sequence); for ordinary text that is one code point. ``unit="word"``:
+    every chunk holds ``target_len`` whitespace-separated words and ends after the whitespace that
+    follows its last word (leading whitespace of ``doc`` goes to the first chunk), or just past it
+    when a combining mark clings to that whitespace. No cut falls inside a grapheme cluster. Tokens
+    are not supported: a token cut can fall inside a character's bytes or a word, and the paper's
+    "Original" baseline counts characters or words.
     """
     if target_len < 1:
         raise ValueError(f"target_len must be >= 1, got {target_len}")
@@ -41,13 +50,20 @@ def fixed_chunks(doc: str, target_len: int, unit: str = "char") -> list[Chunk]:
         raise ValueError('fixed_chunks does not support unit "token"; use "char" or "word"')
     if unit not in ("char", "word"):
         raise ValueError(f"unknown length unit {unit!r} for fixed_chunks; use char|word")
-    if not doc.strip():
+    if not doc:
         return []
+    graphemes = [m.end() for m in _GRAPHEME.finditer(doc)]  # the end of every grapheme cluster
     if unit == "char":
-        return [Chunk.span(doc, s, min(s + target_len, len(doc))) for s in range(0, len(doc), target_len)]
-
-    # Each match is one word plus the whitespace after it; a chunk ends after every L-th match.
-    ends = [m.end() for k, m in enumerate(_WORD_AND_SPACE.finditer(doc), 1) if k % target_len == 0]
+        ends = graphemes[target_len - 1 :: target_len]
+    else:
+        # Each match is one word plus the whitespace after it; a chunk ends after every L-th match,
+        # moved on to the end of the grapheme cluster it falls in (if it falls inside one).
+        ends = [
+            graphemes[bisect.bisect_left(graphemes, m.end())]
+            for k, m in enumerate(_WORD_AND_SPACE.finditer(doc), 1)
+            if k % target_len == 0
+        ]
+        ends = sorted(set(ends))  # two cuts moved to the same cluster end make one
     if not ends or ends[-1] != len(doc):
         ends.append(len(doc))
     starts = [0, *ends[:-1]]
@@ -56,7 +72,7 @@ def fixed_chunks(doc: str, target_len: int, unit: str = "char") -> list[Chunk]:
 
 def _sentence_spans(doc: str, sentences: Sequence[Sentence]) -> list[Chunk]:
     """One chunk per sentence, after checking that the sentences tile ``doc``."""
-    if not doc.strip():
+    if not doc:
         return []
     if not sentences:
         raise ValueError("no sentences for a non-empty document")

@@ -600,8 +600,9 @@ class MocChunker:
         self, texts: Sequence[str], langs: Sequence[str], sentences: Sequence[Sequence[Sentence]]
     ) -> list[list[tuple[int, int]]]:
         """Chunks ``(start, end)`` tiling each document, the documents processed in lockstep."""
+        # A whitespace-only document has nothing to route or recover: it is one chunk, asked of no model.
         docs = [
-            _Doc(t, lang, [s.end for s in sents], sents, pos=0 if sents else len(t))
+            _Doc(t, lang, [s.end for s in sents], sents, pos=0 if sents and t.strip() else len(t))
             for t, lang, sents in zip(texts, langs, sentences)
         ]
         half = self.s.window_chars // 2
@@ -630,7 +631,7 @@ class MocChunker:
                 else:
                     d.chunks.extend(spans)
                     d.pos = w.end
-        return [d.chunks for d in docs]  # a blank document (no sentences) has no chunks
+        return [d.chunks or tile(len(d.text), [0]) for d in docs]  # only "" has no chunk
 
     def manifest(self) -> dict:
         """What the run's ``.meta.json`` records about the MoC run."""

@@ -4,6 +4,8 @@
 the first starts at 0, each ends where the next starts, the last ends at ``len(text)``, and no
 sentence is whitespace-only. Whitespace between two sentences is trailing whitespace of the one
 before it; only the document's leading whitespace belongs to the sentence after it (the first).
+The one exception: a document of nothing but whitespace is a single (whitespace) sentence, so that
+every chunker built on these sentences keeps it; only the empty string has no sentence.
 
 How boundaries are found:
 
@@ -119,8 +121,8 @@ def split_sentences(text: str, lang: str = "auto", max_chars: int = 1500) -> lis
     if max_chars < 1:
         raise ValueError(f"max_chars must be at least 1; got {max_chars}")
     first = _NON_WS_RE.search(text)
-    if first is None:
-        return []
+    if first is None:  # "" or whitespace only: nothing to split, but nothing may be dropped either
+        return [Sentence(0, len(text))] if text else []
 
     cuts: list[int] = []
     for para in _PARAGRAPH_RE.finditer(text):

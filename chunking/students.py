@@ -407,6 +407,9 @@ class ChunkStudents:
             return [[] for _ in docs]
         geometry = [[(c.start, c.end) for c in d.chunks] for d in docs]
         spans = [chunk_context_spans(d.text, g, self.context, self._embed) for d, g in zip(docs, geometry)]
+        # A whitespace-only chunk (a blank document's) has nothing to rewrite or summarise: its
+        # field is "" and no model is asked, rather than letting a model invent text for it.
+        blank = [not c.text.strip() for c in chunks]
         for task, student in self.students.items():
             prompts = []
             for d, g, s in zip(docs, geometry, spans):
@@ -414,9 +417,14 @@ class ChunkStudents:
                 if g:
                     prompt = load_student_prompt(task, d.lang)
                     self.prompt_sha256[f"{prompt.name}.{prompt.lang}"] = prompt.sha256
-            budgets = [student.max_new_tokens(c.text) for c in chunks]
-            for extra, answer in zip(fields, student.generate(prompts, budgets, self.bar.update)):
-                extra[FIELDS[task]] = answer
+            asked = [i for i, b in enumerate(blank) if not b]
+            budgets = [student.max_new_tokens(chunks[i].text) for i in asked]
+            answers = student.generate([prompts[i] for i in asked], budgets, self.bar.update)
+            self.bar.update(len(chunks) - len(asked))
+            for extra in fields:
+                extra[FIELDS[task]] = ""
+            for i, answer in zip(asked, answers):
+                fields[i][FIELDS[task]] = answer
         out, k = [], 0
         for d in docs:
             out.append(fields[k : k + len(d.chunks)])

@@ -4,8 +4,8 @@
 [...] for preliminary segmentation. Subsequently, we strategically sample text chunks of varying
 lengths from each document." Here:
 
-1. Documents of at least ``min_doc_chars`` characters are drawn from the training pool with a
-   seeded RNG (``n_docs``, capped by what the pool has), and kept in pool order.
+1. Documents of at least ``min_doc_chars`` characters, not all whitespace, are drawn from the
+   training pool with a seeded RNG (``n_docs``, capped by what the pool has), and kept in pool order.
 2. They are PPL-chunked by the chunking engine (any preset or local model dir).
 3. Each document contributes ``chunks_per_doc`` chunks. Chunk lengths are stratified: the
    buckets (``bucket_edges``, in characters) take turns, in a seeded order, so that across the
@@ -99,7 +99,12 @@ def sample(cfg: SampleConfig) -> dict:
     from chunking.pipeline import ChunkConfig, Chunker
 
     started = time.perf_counter()
-    long_docs = [(d.id, d.text) for d in read_documents(cfg.pool) if len(d.text) >= cfg.min_doc_chars]
+    # A whitespace-only document is one blank chunk, nothing a teacher could rewrite: never drawn.
+    long_docs = [
+        (d.id, d.text)
+        for d in read_documents(cfg.pool)
+        if len(d.text) >= cfg.min_doc_chars and not d.text.isspace()
+    ]
     pool_size = len(long_docs)
     rng = random.Random(cfg.seed)
     picked = sorted(rng.sample(range(pool_size), min(cfg.n_docs, pool_size)))

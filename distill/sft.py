@@ -45,7 +45,7 @@ from chunking.students import load_student_prompt, student_messages
 from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
 from distill.prompts import load_prompt
 from metachunk import config
-from metachunk.artifacts import InputError, read_documents, write_json
+from metachunk.artifacts import InputError, read_documents, replace_dir, write_json
 from metachunk.config import option
 
 FILTERS = (
@@ -404,9 +404,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                             teacher_prompts, prompt_lengths, completion_lengths, usage, test_ids, seconds)  # fmt: skip
         write_json(staging / "build_report.json", stats)
         write_dataset_card(staging, stats, features(), cards_dir=Path(cfg.cards_dir))
-        if out.exists():  # replace the previous build only now that the new one is complete
-            shutil.rmtree(out)
-        staging.replace(out)
+        replace_dir(staging, out)  # the previous build is replaced only now that the new one is complete
     finally:
         if staging.exists():
             shutil.rmtree(staging)

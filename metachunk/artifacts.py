@@ -1,14 +1,22 @@
-"""Artifact I/O: reading documents with precise errors, writing JSONL atomically.
+"""Artifact I/O: reading documents with precise errors, writing files and folders atomically.
 
 Every artifact is a file a person can open. Readers name the file, line and field they could not
 parse; writers go through a temp file and a rename, so a crash never leaves a half-written file
-in place of a good one.
+in place of a good one:
+
+* :class:`AtomicWriter` - one file, through a temp file beside it and :func:`os.replace`.
+* :class:`OutputPair` - an output and its ``.meta.json`` manifest, which must describe each other:
+  both are written in full to temp files first, so running out of space (or any error) leaves the
+  previous pair untouched; only then are they renamed in (see :meth:`OutputPair.commit`).
+* :func:`replace_dir` - a finished folder (dataset, exported model) swapped in for the previous one.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +41,13 @@ class Document:
 
 def read_documents(path: str | Path) -> Iterator[Document]:
     """Documents from a ``.jsonl`` file (``text``, optional ``id``; a missing id becomes the line
-    number) or from a ``.txt`` file holding one document (its id is the file stem)."""
+    number) or from a ``.txt`` file holding one document (its id is the file stem).
+
+    Ids must be unique (an explicit ``"id": 3`` and a line 3 without an id collide), and ``id`` and
+    ``text`` must be valid Unicode: JSON can spell half a UTF-16 surrogate pair (``"\\ud800"``),
+    which no UTF-8 writer or tokenizer accepts later. Both are ``file:line`` errors here, so a
+    command fails before it loads a model. Only the ids are kept (id -> line), not the texts.
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")
@@ -45,6 +59,7 @@ def read_documents(path: str | Path) -> Iterator[Document]:
         return
     if path.suffix != ".jsonl":
         raise InputError(path, "input must be a .jsonl file (one JSON object per line) or a .txt file")
+    first_seen: dict[str, int] = {}
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
@@ -65,8 +80,27 @@ def read_documents(path: str | Path) -> Iterator[Document]:
                 raise InputError(
                     path, f"field 'text' must be a string, got {type(record['text']).__name__}", number
                 )
-            doc_id = record.get("id", number)
-            yield Document(str(doc_id), record["text"])
+            doc_id = str(record.get("id", number))
+            for field, value in (("id", doc_id), ("text", record["text"])):
+                _check_unicode(path, number, field, value)
+            if doc_id in first_seen:
+                raise InputError(
+                    path, f"duplicate id {doc_id!r}: first seen at line {first_seen[doc_id]}", number
+                )
+            first_seen[doc_id] = number
+            yield Document(doc_id, record["text"])
+
+
+def _check_unicode(path: Path, line: int, field: str, value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # the only str that cannot be UTF-8: a lone surrogate
+        raise InputError(
+            path,
+            f"field {field!r} holds a lone surrogate \\u{ord(value[e.start]):04x} at character {e.start} "
+            "(half a UTF-16 pair, not text)",
+            line,
+        ) from None
 
 
 class AtomicWriter:
@@ -79,16 +113,13 @@ class AtomicWriter:
         self.path = Path(path)
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self.file = os.fdopen(fd, "w", encoding="utf-8")
+        self.file, self._tmp = _temp_file(self.path)
         return self.file
 
     def __exit__(self, exc_type, exc, tb):
         try:
             if exc_type is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
+                _close_durably(self.file, self.path)
             self.file.close()
             if exc_type is None:
                 os.replace(self._tmp, self.path)
@@ -96,6 +127,105 @@ class AtomicWriter:
             if os.path.exists(self._tmp):
                 os.unlink(self._tmp)
         return False
+
+
+def _temp_file(path: Path):
+    """``(text file, temp path)``: a new temp file beside ``path`` (same directory, so a rename
+    into place never crosses file systems)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    return os.fdopen(fd, "w", encoding="utf-8"), tmp
+
+
+def _close_durably(file, path: Path) -> None:
+    """Flush, fsync and close: a full disk shows up here, before anything is renamed. The error
+    names ``path`` (fsync's own error names no file)."""
+    try:
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+class OutputPair:
+    """An output file and its manifest ``OUTPUT.meta.json``, replaced together or not at all.
+
+    ::
+
+        with OutputPair(path) as pair:
+            pair.file.write(...)  # a temp file beside ``path``
+            pair.commit(manifest)
+
+    :meth:`commit` writes the manifest to a temp file too and syncs both, so a full disk or any
+    other error up to then leaves the previous output and manifest exactly as they were. Then,
+    with everything on disk, three steps that need no space: remove the previous manifest, rename
+    the new output in, rename the new manifest in. A crash between them can leave an output with
+    no manifest, never an output beside another run's manifest: a manifest always describes the
+    output next to it, and an output without one is unfinished (rerun the command). Leaving the
+    block without :meth:`commit` (an error, Ctrl-C) removes the temp files.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest_path = self.path.with_suffix(".meta.json")
+
+    def __enter__(self) -> OutputPair:
+        self._temps: list[str] = []
+        self.file, tmp = _temp_file(self.path)
+        self._temps.append(tmp)
+        return self
+
+    def commit(self, manifest: dict) -> None:
+        _close_durably(self.file, self.path)
+        meta, meta_tmp = _temp_file(self.manifest_path)
+        self._temps.append(meta_tmp)
+        with meta:
+            json.dump(manifest, meta, ensure_ascii=False, indent=2)
+            meta.write("\n")
+            _close_durably(meta, self.manifest_path)
+        output_tmp = self._temps[0]
+        if self.manifest_path.exists():
+            os.unlink(self.manifest_path)
+        os.replace(output_tmp, self.path)
+        os.replace(meta_tmp, self.manifest_path)
+
+    def __exit__(self, exc_type, exc, tb):
+        self.file.close()
+        for tmp in self._temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return False
+
+
+def replace_dir(staging: str | Path, final: str | Path) -> None:
+    """Put the finished folder ``staging`` at ``final``, replacing a previous ``final``.
+
+    ``staging`` must be a sibling of ``final`` (same file system). POSIX ``rename`` cannot swap
+    two folders in one step (Linux's ``renameat2(RENAME_EXCHANGE)`` can, but not on every file
+    system), so: (1) the previous ``final`` is renamed aside to ``.NAME.old-PID``, (2) ``staging``
+    is renamed to ``final``, (3) the old folder is deleted. If (2) fails, the old folder is renamed
+    back. ``final`` is therefore always either the whole old folder, the whole new one, or - after
+    a crash between (1) and (2) - absent with the whole old one at ``.NAME.old-PID`` (rename it back
+    to keep it). Leftover ``.NAME.old-*`` folders are removed by the next successful call.
+    """
+    staging, final = Path(staging), Path(final)
+    trash = final.parent / f".{final.name}.old-{os.getpid()}"
+    if trash.exists():  # left by a crashed run that had our pid
+        shutil.rmtree(trash)
+    moved_aside = final.exists()
+    if moved_aside:
+        os.rename(final, trash)
+    try:
+        os.rename(staging, final)
+    except BaseException:
+        if moved_aside:
+            os.rename(trash, final)
+        raise
+    for leftover in final.parent.glob(f".{glob.escape(final.name)}.old-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def write_json(path: str | Path, obj) -> None:

@@ -14,14 +14,7 @@ from itertools import islice
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import (
-    SCHEMA_VERSION,
-    AtomicWriter,
-    InputError,
-    jsonl_line,
-    read_documents,
-    write_json,
-)
+from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, read_documents
 from metachunk.models import ModelNotFoundError
 
 
@@ -41,6 +34,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     cfg = config.from_namespace(ChunkConfig, args)
     if cfg.input is None or cfg.output is None:
         raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
+    if Path(cfg.output).resolve() == Path(cfg.input).resolve():  # it would be replaced by its own chunks
+        raise InputError(cfg.output, "-o is the input file; write the chunks to another file")
     # Validate the whole input before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the second pass streams.
     n_docs = n_chars = 0
@@ -59,54 +54,56 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - started
     n_chunks = chunk_chars = n_written = 0
     group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
-    with (
-        AtomicWriter(cfg.output) as out,
-        tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
-             disable=cfg.method == "lumber") as bar,
-        contextlib.closing(chunker) if cfg.method == "lumber" else contextlib.nullcontext(),
-    ):  # fmt: skip
-        for docs in _batched(read_documents(cfg.input), group):
-            chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
-            added = students.apply(chunked) if students else [[] for _ in chunked]
-            for doc, fields in zip(chunked, added):
-                record = doc.to_json(cfg.method, cfg.emit_sentences)
-                for chunk, extra in zip(record["chunks"], fields):  # "rewritten", "summary"
-                    chunk.update(extra)
-                out.write(jsonl_line({"schema_version": SCHEMA_VERSION, **record}))
-                n_chunks += len(doc.chunks)
-                chunk_chars += sum(len(c.text) for c in doc.chunks)
-                if cfg.plot and doc.sentences:
-                    # The input position keeps names unique when two ids sanitise to the same string.
-                    safe_id = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in doc.id)[:80]
-                    png = Path(cfg.plot) / f"{n_written:05d}_{safe_id}.png"
-                    plot_profile(png, doc, cfg.method, cfg.effective_threshold)
-                n_written += 1
-            bar.update(len(docs))
-    if students:
-        students.close()
-    seconds = time.perf_counter() - started
-    summary = {
-        "documents": n_docs,
-        "chunks": n_chunks,
-        "mean_chunk_chars": round(chunk_chars / n_chunks, 1) if n_chunks else 0.0,
-        "seconds": round(seconds, 2),
-        "model_load_seconds": round(load_s, 2),
-    }
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "command": "chunk",
-        "config": config.to_dict(cfg),
-        "threshold": cfg.effective_threshold,
-        "prompt_sha256": chunker.prompt_sha256,
-        "summary": summary,
-    }
-    if students:  # which rewriter / summarizer (path), prompt versions, context and decoding settings
-        manifest["students"] = students.manifest()
-    if getattr(chunker, "moc", None) is not None:  # router/experts, retries, PPL fallbacks, recovery counts
-        manifest["moc"] = chunker.moc.manifest()
-    if cfg.method == "lumber":  # teacher, answer store, windows, requests sent / cached, fallbacks, cost
-        manifest["lumber"] = chunker.manifest()
-    write_json(Path(cfg.output).with_suffix(".meta.json"), manifest)
+    # The output and OUTPUT.meta.json are replaced together or not at all (see OutputPair).
+    with OutputPair(cfg.output) as pair:
+        with (
+            tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
+                 disable=cfg.method == "lumber") as bar,
+            contextlib.closing(chunker) if cfg.method == "lumber" else contextlib.nullcontext(),
+        ):  # fmt: skip
+            for docs in _batched(read_documents(cfg.input), group):
+                chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
+                added = students.apply(chunked) if students else [[] for _ in chunked]
+                for doc, fields in zip(chunked, added):
+                    record = doc.to_json(cfg.method, cfg.emit_sentences)
+                    for chunk, extra in zip(record["chunks"], fields):  # "rewritten", "summary"
+                        chunk.update(extra)
+                    pair.file.write(jsonl_line({"schema_version": SCHEMA_VERSION, **record}))
+                    n_chunks += len(doc.chunks)
+                    chunk_chars += sum(len(c.text) for c in doc.chunks)
+                    if cfg.plot and doc.text.strip():  # a blank document has nothing to plot
+                        # The input position keeps names unique when two ids sanitise to the same string.
+                        safe_id = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in doc.id)[:80]
+                        png = Path(cfg.plot) / f"{n_written:05d}_{safe_id}.png"
+                        plot_profile(png, doc, cfg.method, cfg.effective_threshold)
+                    n_written += 1
+                bar.update(len(docs))
+        if students:
+            students.close()
+        seconds = time.perf_counter() - started
+        summary = {
+            "documents": n_docs,
+            "chunks": n_chunks,
+            "mean_chunk_chars": round(chunk_chars / n_chunks, 1) if n_chunks else 0.0,
+            "seconds": round(seconds, 2),
+            "model_load_seconds": round(load_s, 2),
+        }
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "command": "chunk",
+            "config": config.to_dict(cfg),
+            "threshold": cfg.effective_threshold,
+            "prompt_sha256": chunker.prompt_sha256,
+            "summary": summary,
+        }
+        if students:  # which rewriter / summarizer (path), prompt versions, context and decoding settings
+            manifest["students"] = students.manifest()
+        # moc: router/experts, retries, PPL fallbacks, recovery counts
+        if getattr(chunker, "moc", None) is not None:
+            manifest["moc"] = chunker.moc.manifest()
+        if cfg.method == "lumber":  # teacher, answer store, windows, requests sent / cached, fallbacks, cost
+            manifest["lumber"] = chunker.manifest()
+        pair.commit(manifest)
     print(
         f"{cfg.output}: {n_docs} documents, {n_chunks} chunks, mean {summary['mean_chunk_chars']} chars/chunk, "
         f"{seconds:.1f}s",
@@ -369,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, ModelNotFoundError) as e:
         print(f"metachunk: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, no permission: one line in the system's words, with the path
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"metachunk: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except Exception as e:
         from distill.teacher import FatalTeacherError
 

@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from metachunk.artifacts import replace_dir
+
 # Run-time code never talks to the Hub; a missing local file must fail, not download. Only an
 # explicit `metachunk data push` lifts this, and only when the user did not set it themselves.
 OFFLINE_BY_DEFAULT = "HF_HUB_OFFLINE" not in os.environ
@@ -122,9 +124,7 @@ def fetch(name: str, force: bool = False) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -129,6 +129,18 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
     assert set(json.loads(alone.with_suffix(".meta.json").read_text())["students"]) == {"summary"}
 
 
+def test_a_blank_chunk_is_kept_and_not_sent_to_the_students(tmp_path, capsys, student):
+    blank = " \n\t \n"
+    src = write_jsonl(tmp_path / "d.jsonl", [{"id": "blank", "text": blank}, {"id": "en", "text": EN}])
+    out = tmp_path / "chunks.jsonl"
+    rc, err = chunk(capsys, src, "-o", out, *BASELINE, "--rewrite", student, "--summarize", student)
+    assert rc == 0, err
+    first, second = read_jsonl(out)
+    # The whitespace is a chunk (nothing dropped); there is nothing to rewrite or summarise in it.
+    assert first["chunks"] == [{"text": blank, "start": 0, "end": len(blank), "rewritten": "", "summary": ""}]
+    assert all(c["rewritten"] and c["summary"] for c in second["chunks"])
+
+
 def test_rewrite_budget_flag(tmp_path, capsys, student, docs_file):
     out = tmp_path / "chunks.jsonl"
     rc, err = chunk(

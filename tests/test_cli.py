@@ -44,8 +44,8 @@ def run(capsys, *argv) -> tuple[int, str]:
 
 def assert_tiles(record: dict, text: str) -> None:
     chunks = record["chunks"]
-    if not text.strip():
-        assert chunks == []
+    if not text:
+        assert chunks == []  # only the empty document has no chunk
         return
     assert "".join(c["text"] for c in chunks) == text
     for c in chunks:
@@ -227,7 +227,7 @@ def test_semantic_method_minilm(tmp_path, capsys, tiny):
 # --------------------------------------------------------------------------------------------
 
 
-GOOD = b'{"id": "a", "text": "Fine. Really fine."}\n'
+GOOD = b'{"text": "Fine. Really fine."}\n'  # no id: each line's id is its line number
 
 BAD_INPUTS = {
     "invalid-json": ("bad.jsonl", GOOD * 3 + b'{"text": oops}\n' + GOOD, ["bad.jsonl:4", "invalid JSON"]),
@@ -244,6 +244,21 @@ BAD_INPUTS = {
     ),
     "text-null": ("bad.jsonl", b'{"text": null}\n', ["bad.jsonl:1", "'text' must be a string"]),
     "not-an-object": ("bad.jsonl", GOOD + b'["text", "x"]\n', ["bad.jsonl:2", "JSON object"]),
+    "lone-surrogate": (
+        "bad.jsonl",
+        GOOD + b'{"text": "half a pair: \\ud800."}\n',
+        ["bad.jsonl:2", "field 'text' holds a lone surrogate \\ud800 at character 13"],
+    ),
+    "duplicate-id": (
+        "bad.jsonl",
+        GOOD + b'{"id": "x", "text": "a"}\n' + GOOD + b'{"id": "x", "text": "b"}\n',
+        ["bad.jsonl:4", "duplicate id 'x': first seen at line 2"],
+    ),
+    "explicit-id-is-a-line-number": (
+        "bad.jsonl",
+        b'{"id": 3, "text": "a"}\n' + GOOD + GOOD,
+        ["bad.jsonl:3", "duplicate id '3': first seen at line 1"],
+    ),
     "invalid-utf8": ("bad.jsonl", GOOD + b'{"text": "caf\xe9 \xff"}\n', ["bad.jsonl:2", "UTF-8"]),
     "invalid-utf8-txt": ("bad.txt", b"Hello \xff\xfe world.", ["bad.txt", "UTF-8"]),
     "wrong-extension": ("bad.csv", b"id,text\n1,hello\n", ["bad.csv", ".jsonl"]),
@@ -377,20 +392,24 @@ def test_empty_documents(tmp_path, capsys, tiny, method, extra):
     for r, text in zip(records, texts):
         if text.strip():
             assert r["chunks"]
+        elif text:  # whitespace only: kept, as one sentence and one chunk (nothing is dropped)
+            assert [(x["start"], x["end"]) for x in r["sentences"]] == [(0, len(text))]
+            assert [c["text"] for c in r["chunks"]] == [text]
         else:
             assert r["chunks"] == [] and r["sentences"] == []
     if "--overlap" not in extra:
-        assert_tiles(records[1], EN)
-        assert_tiles(records[3], ZH)
+        for r, text in zip(records, texts):
+            assert_tiles(r, text)
 
     # a file of nothing but empty documents, and an empty file
     for content in (['{"text": ""}\n', '{"text": "  "}\n'], []):
         write_jsonl(src, content)
         rc, err = run(capsys, *argv)
         assert rc == 0, err
-        assert [r["chunks"] for r in read_jsonl(out)] == [[]] * len(content)
+        assert [[c["text"] for c in r["chunks"]] for r in read_jsonl(out)] == [[], ["  "]][: len(content)]
         manifest = json.loads((tmp_path / "o.meta.json").read_text(encoding="utf-8"))
-        assert manifest["summary"]["documents"] == len(content) and manifest["summary"]["chunks"] == 0
+        assert manifest["summary"]["documents"] == len(content)
+        assert manifest["summary"]["chunks"] == len(content) // 2
 
 
 # --------------------------------------------------------------------------------------------

@@ -379,9 +379,10 @@ def test_build_sft_moc_router_and_expert(distilled, tiny_model_dir, tmp_path):
     assert "MoC granularity router" in card and "moc_router.en" in card and "moc_chunk.en" in card
 
 
-def test_build_sft_moc_filters(tmp_path, tiny_model_dir):
+def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     """Each filter drops its planted sample: unrecoverable, contaminated, exact and near duplicates,
-    too long; a failed record counts as failed_or_empty."""
+    too long; a failed record counts as failed_or_empty. A rebuild that cannot swap its dataset in
+    keeps the previous one whole."""
     from distill.moc import SFT_FILTERS
     from distill.sft import BuildSftConfig, build_sft
 
@@ -427,6 +428,32 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir):
     card = (tmp_path / "ro" / "README.md").read_text(encoding="utf-8")
     assert "`unrecoverable`" in card and "differs from" not in card
     assert sum(router["rows"].values()) == 6 and router["input_records"] == 11
+
+    import errno
+    import os
+
+    def files() -> dict:
+        return {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "ro").rglob("*") if p.is_file()}
+
+    built = files()
+    failed = []
+
+    def failing(real):  # the first move of a new build into place fails, as on a full or broken disk
+        def move(src, dst, *args, **kwargs):
+            if Path(dst) == tmp_path / "ro" and not failed:
+                failed.append(src)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            real(src, dst, *args, **kwargs)
+
+        return move
+
+    monkeypatch.setattr(os, "rename", failing(os.rename))
+    monkeypatch.setattr(os, "replace", failing(os.replace))
+    with pytest.raises(OSError):
+        build_sft(BuildSftConfig(task="moc-router", out=tmp_path / "ro", **common), progress=False)
+    monkeypatch.undo()
+    assert files() == built
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ro.")]  # no staging or trash left
 
 
 def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_model_dir, tmp_path):

@@ -39,9 +39,10 @@ def split(text: str) -> list[Sentence]:
     where sentences end; the real corpora go through split_sentences. Sentences tile the text, the whitespace after a sentence belongs to it, and every sentence
     holds some non-whitespace: a cut falls after a run of terminators and the whitespace behind
     it, so each piece starts at 0 or with a non-space, and ends with a terminator or the text.
+    A whitespace-only text is one (whitespace) sentence; only "" has none.
     """
     if not text.strip():
-        return []
+        return [Sentence(0, len(text))] if text else []
     cuts = sorted({m.end() for m in re.finditer(r"[.。！?]+\s*", text)} | {len(text)})
     starts = [0, *cuts[:-1]]
     sentences = [Sentence(a, b) for a, b in zip(starts, cuts) if b > a]
@@ -261,10 +262,9 @@ def test_overlap_rejects_boundary_inside_sentence():
 @given(doc=docs, L=lengths)
 def test_fixed_chars(doc, L):
     chunks = fixed_chunks(doc, L, "char")
-    if not doc.strip():
-        assert chunks == []
+    assert_tiles(doc, chunks)  # whitespace too: only "" has no chunk
+    if not doc:
         return
-    assert_tiles(doc, chunks)
     assert all(len(c.text) == L for c in chunks[:-1])
     assert 1 <= len(chunks[-1].text) <= L
 
@@ -273,10 +273,10 @@ def test_fixed_chars(doc, L):
 @given(doc=docs, L=lengths)
 def test_fixed_words(doc, L):
     chunks = fixed_chunks(doc, L, "word")
-    if not doc.strip():
-        assert chunks == []
-        return
     assert_tiles(doc, chunks)
+    if not doc.strip():  # no word: one whitespace chunk, or none for ""
+        assert len(chunks) == (1 if doc else 0)
+        return
     assert all(len(c.text.split()) == L for c in chunks[:-1])
     assert 1 <= len(chunks[-1].text.split()) <= L
     for left, right in zip(chunks, chunks[1:]):
@@ -298,7 +298,8 @@ def test_fixed_real_corpora():
 def test_fixed_rejects_tokens():
     with pytest.raises(ValueError, match="token"):
         fixed_chunks("some text", 10, "token")
-    assert fixed_chunks(" \n\u3000 ", 3) == []
+    assert fixed_chunks(" \n\u3000 ", 3) == [Chunk(" \n\u3000", 0, 3), Chunk(" ", 3, 4)]  # nothing dropped
+    assert fixed_chunks("", 3) == []
 
 
 # --- sentence_chunks ---------------------------------------------------------------------------
@@ -309,9 +310,6 @@ def test_fixed_rejects_tokens():
 def test_sentence_chunks_generated(doc, L, unit):
     sentences = split(doc)
     chunks = sentence_chunks(doc, sentences, L, unit)
-    if not doc.strip():
-        assert chunks == []
-        return
     meta = [Chunk.span(doc, s.start, s.end) for s in sentences]
     assert_merged(doc, meta, chunks, L, lambda t: text_length(t, unit))
 
@@ -326,7 +324,10 @@ def test_sentence_chunks_need_tiling_sentences():
     doc = "One. Two."
     with pytest.raises(ValueError, match="whole document"):
         sentence_chunks(doc, [Sentence(0, 5)], 10, "char")
-    assert sentence_chunks("  ", [], 10, "char") == []
+    with pytest.raises(ValueError, match="no sentences"):
+        sentence_chunks("  ", [], 10, "char")
+    assert sentence_chunks("  ", [Sentence(0, 2)], 10, "char") == [Chunk("  ", 0, 2)]
+    assert sentence_chunks("", [], 10, "char") == []
 
 
 # --- semantic_chunks ---------------------------------------------------------------------------

@@ -370,7 +370,8 @@ def test_invalid_json_is_retried_with_more_randomness(moc, monkeypatch):
 def test_blank_documents(moc):
     texts = ["", "   \n", "Just one."]
     out = reset(moc).chunk_documents(texts, ["en"] * 3, [split_sentences(t, "en") for t in texts])
-    assert out[0] == [] and out[1] == [] and out[2] == [(0, 9)]
+    assert out[0] == [] and out[1] == [(0, 4)] and out[2] == [(0, 9)]  # whitespace is kept, as one chunk
+    assert moc.manifest()["windows"] == 1  # only the real document was sent to the models
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -407,8 +407,8 @@ def chunk_ppl(tiny_model_dir: Path, corpus):
 
 
 def _assert_tiles(d):
-    if not d.text.strip():
-        assert d.chunks == []  # nothing to retrieve in an empty or whitespace-only document
+    if not d.text:
+        assert d.chunks == []  # only the empty document has no chunk
         return
     assert "".join(c.text for c in d.chunks) == d.text
     for c in d.chunks:
@@ -424,8 +424,10 @@ def test_chunker_ppl_tiles_corpus(chunk_ppl, corpus):
     n_boundaries = 0
     for d in out:
         _assert_tiles(d)
-        if not d.text.strip():
-            assert d.chunks == [] and d.sentences == []
+        if not d.text.strip():  # "" has nothing; whitespace is one sentence, one chunk: nothing dropped
+            expected = [Sentence(0, len(d.text))] if d.text else []
+            assert [(s.start, s.end) for s in d.sentences] == [(s.start, s.end) for s in expected]
+            assert len(d.chunks) == len(expected) and d.boundaries == []
             continue
         assert len(d.sentences) > 1
         for s in d.sentences:

@@ -33,7 +33,7 @@ The flow, top to bottom (:func:`export`):
    ``generation_config.json`` (else the base model's, else one derived from the tokenizer's
    eos/pad tokens), ``loss.png`` (copied, or plotted from a ``checkpoint-N``'s own log),
    ``eval_results.json`` when the checkpoint has one, and ``README.md``, the model card.
-4. **Swap it into place** (:func:`replace_dir`): a previous export at ``--out`` (any other
+4. **Swap it into place** (:func:`metachunk.artifacts.replace_dir`): a previous export at ``--out`` (any other
    folder only with ``--overwrite``) is renamed aside, the new folder renamed in, the old one deleted. An
    interrupted export leaves ``--out`` as it was; only a hidden ``.NAME.export-*`` temp folder
    can remain next to it.
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, replace_dir
 from metachunk.config import option
 from train.sft import RUN_FACTS
 
@@ -497,22 +497,6 @@ def _publishable_modes(folder: Path, files: list[Path]) -> None:
     folder.chmod(0o777 & ~umask)
     for path in files:
         path.chmod(0o666 & ~umask)
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out``. A previous ``out`` is renamed aside first, restored if
-    the second rename fails, and deleted only once the new folder is in place."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    shutil.rmtree(old)
 
 
 def export(cfg: ExportConfig, progress=None) -> ExportResult:

@@ -1,0 +1,457 @@
+"""Hostile inputs (issue 14, section 5): nothing is dropped, nothing is half-written, no traceback.
+
+* every non-empty document gets chunks that tile it, whitespace-only ones included, with every
+  chunking path; only the empty string gets none;
+* ``fixed`` chunks never cut inside a grapheme cluster;
+* lone surrogates, duplicate ids and bad chunk files are ``file:line`` errors (exit 2);
+* ``metachunk chunk`` replaces its output and manifest together or not at all; an OS error is one
+  line and exit 1; ``-o`` equal to the input is refused;
+* directory outputs (datasets, exports) are swapped in by one helper that never loses the old one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunking.baselines import fixed_chunks, semantic_chunks, sentence_chunks
+from chunking.pipeline import ChunkConfig, Chunker
+from chunking.sentences import split_sentences
+from chunking.types import Chunk, Sentence, chunks_from_boundaries
+from metachunk import artifacts
+from metachunk.artifacts import InputError, read_documents
+from metachunk.cli import main
+
+BLANKS = [" ", " " * 12, "   \n\t \n", "\u3000\n", "\n\n\n", "\r\n"]
+EN = "Emma was clever and rich. She had lived nearly twenty-one years!\n\nMr. Knightley came in."
+
+
+def assert_tiles(text: str, chunks) -> None:
+    """Chunks are contiguous, start at 0, end at len(text), and each is the exact slice."""
+    if not text:
+        assert chunks == []
+        return
+    assert chunks, f"no chunks for a non-empty document {text!r}"
+    assert chunks[0].start == 0 and chunks[-1].end == len(text)
+    for left, right in zip(chunks, chunks[1:]):
+        assert left.end == right.start
+    for c in chunks:
+        assert c.end > c.start and c.text == text[c.start : c.end]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def chunk_cli(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["chunk", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+def assert_one_line_error(rc: int, err: str, expected_rc: int, *pieces: str) -> None:
+    assert rc == expected_rc, err
+    assert "Traceback" not in err and err.count("metachunk: error: ") == 1, err
+    line = err.strip().splitlines()[-1]  # after any progress bar
+    assert line.startswith("metachunk: error: "), err
+    for piece in pieces:
+        assert piece in line, (piece, err)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Whitespace-only documents are chunks too
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", BLANKS)
+def test_a_whitespace_document_is_one_sentence(text):
+    assert split_sentences(text) == [Sentence(0, len(text))]
+    assert split_sentences("") == []
+
+
+@pytest.mark.parametrize("text", [*BLANKS, ""])
+def test_every_baseline_tiles_a_whitespace_document(text):
+    sentences = split_sentences(text)
+    assert_tiles(text, fixed_chunks(text, 5, "char"))
+    assert_tiles(text, fixed_chunks(text, 2, "word"))
+    assert_tiles(text, sentence_chunks(text, sentences, 10, "char"))
+    assert_tiles(text, sentence_chunks(text, sentences, 3, "word"))
+    assert_tiles(text, chunks_from_boundaries(text, sentences, []))
+
+    def embed(texts):
+        raise AssertionError("nothing to compare in a one-sentence document")
+
+    assert_tiles(text, semantic_chunks(text, sentences, embed)[0])
+
+
+@pytest.mark.parametrize(
+    ("method", "extra"),
+    [
+        ("ppl", {}),
+        ("ppl", {"target_len": 20}),
+        ("msp", {}),
+        ("msp", {"msp_mode": "accumulated"}),
+        ("fixed", {"target_len": 4}),
+        ("fixed", {"target_len": 1, "len_unit": "word"}),
+        ("sentence", {"target_len": 10}),
+    ],
+)
+def test_chunker_tiles_whitespace_documents(tiny_model_dir, method, extra):
+    texts = ["", EN, *BLANKS]
+    cfg = ChunkConfig(method=method, model=str(tiny_model_dir), device="cpu", **extra)
+    out = Chunker(cfg).chunk([str(i) for i in range(len(texts))], texts)
+    for text, doc in zip(texts, out):
+        assert_tiles(text, doc.chunks)
+
+
+def test_lumber_units_cover_a_whitespace_document():
+    from eval.lumber import make_units
+
+    for text in BLANKS:
+        units, _ = make_units(text, split_sentences(text), 550)
+        assert [(u.start, u.end) for u in units] == [(0, len(text))]  # one unit: no teacher call
+
+
+def test_cli_keeps_the_whitespace_of_a_blank_document(tmp_path, capsys):
+    texts = [" " * 12, EN, "\t\n", ""]
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    out = tmp_path / "o.jsonl"
+    rc, err = chunk_cli(capsys, src, "-o", out, "--method", "fixed", "--target-len", "5")
+    assert rc == 0, err
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    for text, record in zip(texts, records):
+        assert "".join(c["text"] for c in record["chunks"]) == text  # 12 spaces are 12 spaces
+        assert_tiles(text, [Chunk(c["text"], c["start"], c["end"]) for c in record["chunks"]])
+    manifest = json.loads((tmp_path / "o.meta.json").read_text(encoding="utf-8"))
+    assert manifest["summary"]["chunks"] == sum(len(r["chunks"]) for r in records)
+
+
+def test_data_sample_chunks_tile_every_drawn_document(tmp_path, tiny_model_dir):
+    from distill.sample import SampleConfig, sample
+
+    texts = [" " * 400, EN * 4, "\n" * 350, EN * 5]
+    pool = write_jsonl(tmp_path / "pool.jsonl", [{"id": f"d{i}", "text": t} for i, t in enumerate(texts)])
+    sample(SampleConfig(pool=pool, out=tmp_path / "s", n_docs=10, min_doc_chars=300, model=str(tiny_model_dir),
+                        device="cpu", progress=False))  # fmt: skip
+    docs = {d.id: d.text for d in read_documents(tmp_path / "s" / "documents.jsonl")}
+    for line in (tmp_path / "s" / "chunks.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        text = docs[record["id"]]
+        assert_tiles(text, [Chunk(c["text"], c["start"], c["end"]) for c in record["chunks"]])
+        for i in record["selected"]:  # a teacher is never asked to rewrite whitespace
+            assert record["chunks"][i]["text"].strip()
+
+
+# Any text: code points of every kind, plus the whitespace and combining marks that trip splitters.
+HOSTILE = st.lists(
+    st.one_of(
+        st.characters(codec="utf-8"),
+        st.sampled_from([" ", "\n", "\r\n", "\t", "\u3000", "\u2029", "\u0301", "\u200d", "👩", "。", ". "]),
+    ),
+    max_size=80,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=HOSTILE, n=st.integers(1, 12), cut_every=st.integers(1, 4))
+def test_chunks_tile_any_text(text, n, cut_every):
+    sentences = split_sentences(text, max_chars=max(n, 2))
+    assert_tiles(text, fixed_chunks(text, n, "char"))
+    assert_tiles(text, fixed_chunks(text, n, "word"))
+    assert_tiles(text, sentence_chunks(text, sentences, n, "char"))
+    assert_tiles(text, sentence_chunks(text, sentences, n, "word"))
+    assert_tiles(text, chunks_from_boundaries(text, sentences, range(0, len(sentences), cut_every)))
+    for method, unit in (("fixed", "char"), ("fixed", "word"), ("sentence", "char")):
+        (doc,) = Chunker(ChunkConfig(method=method, target_len=n, len_unit=unit)).chunk(["x"], [text])
+        assert_tiles(text, doc.chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. fixed chunking never cuts inside a grapheme cluster
+# --------------------------------------------------------------------------------------------
+
+FAMILY = "👩\u200d👩\u200d👧\u200d👦"  # one grapheme cluster, seven code points
+
+
+def grapheme_bounds(text: str) -> set[int]:
+    return {0, *(m.end() for m in regex.finditer(r"\X", text))}
+
+
+def test_fixed_chunks_keep_emoji_sequences_and_combining_marks_whole():
+    text = FAMILY * 3 + "e\u0301" * 5 + "x"
+    chunks = fixed_chunks(text, 2, "char")
+    assert [c.text for c in chunks] == [FAMILY * 2, FAMILY + "e\u0301", "e\u0301" * 2, "e\u0301" * 2, "x"]
+    assert_tiles(text, chunks)
+    # A combining mark after a space belongs to the space: the word cut moves past it.
+    text = "a \u0301b c"
+    chunks = fixed_chunks(text, 1, "word")
+    assert_tiles(text, chunks)
+    assert {c.end for c in chunks} <= grapheme_bounds(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=HOSTILE, n=st.integers(1, 8), unit=st.sampled_from(["char", "word"]))
+def test_fixed_cuts_fall_on_grapheme_boundaries(text, n, unit):
+    chunks = fixed_chunks(text, n, unit)
+    assert_tiles(text, chunks)
+    assert {c.end for c in chunks} <= grapheme_bounds(text)
+    if unit == "char":  # n clusters per chunk, the last possibly fewer
+        sizes = [len(regex.findall(r"\X", c.text)) for c in chunks]
+        assert all(s == n for s in sizes[:-1]) and (not sizes or 1 <= sizes[-1] <= n)
+
+
+# --------------------------------------------------------------------------------------------
+# 2, 3. Lone surrogates and duplicate ids: file:line, before any model loads
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_lone_surrogate_is_a_file_line_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "half \\ud800 a pair"}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"d\.jsonl:2: field 'text' .*surrogate.*character 5"):
+        list(read_documents(path))
+    path.write_text('{"id": "x\\udfff", "text": "fine"}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"d\.jsonl:1: field 'id' .*surrogate"):
+        list(read_documents(path))
+    path.write_text('{"text": "a pair is fine: \\ud83d\\ude00"}\n', encoding="utf-8")
+    assert [d.text for d in read_documents(path)] == ["a pair is fine: 😀"]
+
+
+def test_duplicate_ids_are_refused_with_both_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"id": "a", "text": "x"}\n\n{"id": "a", "text": "y"}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"d\.jsonl:3: duplicate id 'a': first seen at line 1"):
+        list(read_documents(path))
+    # A line without an id is its line number, which may collide with an explicit id.
+    path.write_text('{"id": 3, "text": "x"}\n{"text": "y"}\n{"text": "z"}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"d\.jsonl:3: duplicate id '3': first seen at line 1"):
+        list(read_documents(path))
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"text": "ok"}\n{"text": "bad \\udc80"}\n', ["d.jsonl:2", "surrogate"]),
+        (
+            '{"id": "a", "text": "ok"}\n{"id": "a", "text": "again"}\n',
+            ["d.jsonl:2", "duplicate id 'a'", "line 1"],
+        ),
+    ],
+)
+def test_cli_refuses_them_before_loading_a_model(tmp_path, capsys, content, expected):
+    src = tmp_path / "d.jsonl"
+    src.write_text(content, encoding="utf-8")
+    # No such model: the input error must come first.
+    rc, err = chunk_cli(capsys, src, "-o", tmp_path / "o.jsonl", "--model", str(tmp_path / "no-model"))
+    assert_one_line_error(rc, err, 2, *expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Output and manifest together; OS errors are one line
+# --------------------------------------------------------------------------------------------
+
+
+def _old_pair(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    src = write_jsonl(tmp_path / "in" / "d.jsonl", [{"text": EN}, {"text": "Second one."}])
+    out = tmp_path / "out" / "chunks.jsonl"
+    out.parent.mkdir()
+    out.write_text("OLD OUTPUT\n", encoding="utf-8")
+    out.with_suffix(".meta.json").write_text('{"old": true}\n', encoding="utf-8")
+    return src, out, snapshot(out.parent)
+
+
+def test_enospc_writing_the_manifest_keeps_the_old_pair(tmp_path, capsys, monkeypatch):
+    src, out, before = _old_pair(tmp_path)
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if ".meta.json" in os.readlink(f"/proc/self/fd/{fd}"):  # the new manifest's (temp) file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    rc, err = chunk_cli(capsys, src, "-o", out, "--method", "fixed", "--target-len", "9")
+    assert_one_line_error(rc, err, 1, f"{out.with_suffix('.meta.json')}: No space left on device")
+    assert snapshot(out.parent) == before  # the old output beside its own manifest, no temp files
+
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    rc, err = chunk_cli(capsys, src, "-o", out, "--method", "fixed", "--target-len", "9")
+    assert rc == 0, err
+    assert sorted(snapshot(out.parent)) == ["chunks.jsonl", "chunks.meta.json"]
+    assert json.loads(out.with_suffix(".meta.json").read_text())["summary"]["documents"] == 2
+
+
+def test_permission_denied_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    src, out, before = _old_pair(tmp_path)
+
+    def mkstemp(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    rc, err = chunk_cli(capsys, src, "-o", out, "--method", "fixed", "--target-len", "9")
+    assert_one_line_error(rc, err, 1, "Permission denied", str(out.parent))
+    assert snapshot(out.parent) == before
+
+
+def test_output_under_a_file_is_an_os_error(tmp_path, capsys):
+    src, _, _ = _old_pair(tmp_path)
+    rc, err = chunk_cli(capsys, src, "-o", src / "o.jsonl", "--method", "fixed", "--target-len", "9")
+    assert_one_line_error(rc, err, 1, str(src))
+
+
+def test_output_equal_to_the_input_is_refused(tmp_path, capsys):
+    src, _, _ = _old_pair(tmp_path)
+    original = src.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(src)
+    for out in (src, src.parent / ".." / "in" / src.name, link):
+        rc, err = chunk_cli(capsys, src, "-o", out, "--method", "fixed", "--target-len", "9")
+        assert_one_line_error(rc, err, 2, "is the input")
+    assert src.read_bytes() == original and sorted(p.name for p in src.parent.iterdir()) == ["d.jsonl"]
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Bad chunk files for `metachunk distill`
+# --------------------------------------------------------------------------------------------
+
+DOC = "First chunk here. Second chunk here."
+CHUNKS = [
+    {"text": "First chunk here. ", "start": 0, "end": 18},
+    {"text": "Second chunk here.", "start": 18, "end": 36},
+]
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        ({"id": "d", "chunks": CHUNKS, "selected": [0, 2]}, "'selected': 2 is not a chunk index (0-1)"),
+        ({"id": "d", "chunks": CHUNKS, "selected": [-1]}, "'selected': -1 is not a chunk index (0-1)"),
+        ({"id": "d", "chunks": CHUNKS, "selected": "0"}, "'selected' must be a list of chunk indices"),
+        ({"id": "d", "chunks": CHUNKS, "selected": [True]}, "'selected': True is not a chunk index"),
+        ({"id": "d", "chunks": [{"text": "First", "end": 5}]}, "chunks[0]: missing field 'start'"),
+        ({"id": "d", "chunks": [{"text": "First", "start": "0", "end": 5}]}, "chunks[0]: 'start' must be"),
+        (
+            {"id": "d", "chunks": [{"text": "x", "start": 30, "end": 99}]},
+            "chunks[0]: 30:99 is outside the document",
+        ),
+        ({"id": "d", "chunks": [{"text": 5, "start": 0, "end": 5}]}, "chunks[0]: 'text' must be a string"),
+        ({"id": "d", "chunks": ["First"]}, "chunks[0] must be an object"),
+        ({"id": "d", "chunks": {"0": CHUNKS[0]}}, "'chunks' must be a list"),
+    ],
+)
+def test_bad_chunk_files_are_file_line_errors(tmp_path, capsys, record, expected):
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"id": "d", "text": DOC}])
+    chunks = write_jsonl(tmp_path / "chunks.jsonl", [{"id": "d", "chunks": CHUNKS}, record])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"task: summary\nchunks: {chunks}\ndocuments: {docs}\nout: {tmp_path / 'run'}\n"
+        "teachers:\n  summary_global: &t {model: m}\n  summary_local: *t\n  summary_fuse: *t\n",
+        encoding="utf-8",
+    )
+    capsys.readouterr()
+    rc = main(["distill", "summary", "--config", str(recipe), "--dry-run"])
+    err = capsys.readouterr().err
+    assert_one_line_error(rc, err, 2, f"{chunks}:2", expected)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Directory outputs are swapped in, never deleted first
+# --------------------------------------------------------------------------------------------
+
+
+def _dir(path: Path, content: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "f.txt").write_text(content)
+    return path
+
+
+def test_replace_dir_swaps_and_cleans_up(tmp_path):
+    out = tmp_path / "ds"
+    artifacts.replace_dir(_dir(tmp_path / ".ds.new1", "one"), out)  # no previous one
+    assert (out / "f.txt").read_text() == "one"
+    artifacts.replace_dir(_dir(tmp_path / ".ds.new2", "two"), out)
+    assert (out / "f.txt").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no staging, no trash left
+
+
+def test_replace_dir_keeps_the_old_dir_when_the_swap_fails(tmp_path, monkeypatch):
+    out = _dir(tmp_path / "ds", "old")
+    staging = _dir(tmp_path / ".ds.new", "new")
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if Path(src) == staging:
+            raise OSError(errno.EIO, "I/O error")
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="I/O error"):
+        artifacts.replace_dir(staging, out)
+    assert (out / "f.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ds.new", "ds"]
+
+
+def test_replace_dir_recovers_after_a_crash_mid_swap(tmp_path):
+    # A crash after the old dir was moved aside and before the new one arrived: the old one is
+    # whole under its trash name, and the next swap puts a new dir in place and removes the trash.
+    _dir(tmp_path / ".ds.old-12345", "old")
+    artifacts.replace_dir(_dir(tmp_path / ".ds.new", "new"), tmp_path / "ds")
+    assert (tmp_path / "ds" / "f.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_build_sft_keeps_the_old_dataset_when_the_swap_fails(tmp_path, tiny_model_dir, monkeypatch):
+    from distill.sft import BuildSftConfig, build_sft
+
+    doc = "Emma was clever and rich. She had lived nearly twenty-one years in the world."
+    chunk = "She had lived nearly twenty-one years in the world."
+    stage = {"status": "ok", "teacher": "t", "prompt_sha256": "ab" * 32, "usage": {}, "cost": 0.0}
+    start = doc.index(chunk)
+    record = {"schema_version": 1, "task": "rewrite", "doc_id": "d", "chunk_index": 1, "start": start,
+              "end": start + len(chunk), "text": chunk, "lang": "en", "context_spans": [[0, len(doc)]],
+              "status": "ok", "reason": "", "output": "Emma " + chunk.lower(),
+              "stages": {"reflection": stage, "refinement": stage, "completion": stage}}  # fmt: skip
+    write_jsonl(tmp_path / "docs.jsonl", [{"id": "d", "text": doc}])
+    write_jsonl(tmp_path / "rewrite.jsonl", [record])
+    out = _dir(tmp_path / "ds", "the previous build")
+    cfg = BuildSftConfig(task="rewrite", distilled=tmp_path / "rewrite.jsonl", out=out, documents=tmp_path / "docs.jsonl",
+                         cards_dir=tmp_path / "cards", tokenizer=str(tiny_model_dir))  # fmt: skip
+    real_rename, real_replace = os.rename, os.replace
+
+    into_place = []
+
+    def failing(real):
+        def move(src, dst, *args, **kwargs):
+            if Path(dst) == out and not into_place:  # the first move into place: the new build's
+                into_place.append(src)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(src, dst, *args, **kwargs)
+
+        return move
+
+    monkeypatch.setattr(os, "rename", failing(real_rename))
+    monkeypatch.setattr(os, "replace", failing(real_replace))
+    with pytest.raises(OSError):
+        build_sft(cfg, progress=False)
+    assert (out / "f.txt").read_text() == "the previous build"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cards", "docs.jsonl", "ds", "rewrite.jsonl"]
+    monkeypatch.undo()
+    build_sft(cfg, progress=False)
+    assert (out / "README.md").is_file() and not (out / "f.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cards", "docs.jsonl", "ds", "rewrite.jsonl"]
