@@ -108,8 +108,8 @@ from distill.teacher import EndpointUnreachable, Price, TeacherPool, estimate_to
 from metachunk import config
 from metachunk.artifacts import (
     SCHEMA_VERSION,
-    AtomicWriter,
     InputError,
+    OutputPair,
     jsonl_line,
     read_documents,
     replace_dir,
@@ -698,30 +698,30 @@ def summarize(records: Sequence[dict]) -> dict:
 
 def write_records(cfg: DistillConfig, result: MocResult) -> dict:
     """``OUT/moc.jsonl`` (one record per document) and ``OUT/moc.meta.json``; returns the summary."""
-    out = Path(cfg.out)
-    with AtomicWriter(out / f"{TASK}.jsonl") as f:
-        for record in result.records:
-            f.write(jsonl_line(record))
     summary = summarize(result.records)
     summary.update(
         seconds=round(result.seconds, 2),
         requests_sent=result.sent,
         answers_from_store=result.cached,
+        paid=round(result.paid, 6),
+        store_spent=round(result.spent, 6),
         stopped=result.stopped,
     )
     langs = sorted({r["lang"] for r in result.records})
-    write_json(
-        out / f"{TASK}.meta.json",
-        {
-            "schema_version": SCHEMA_VERSION,
-            "command": "distill moc",
-            "config": config.to_dict(cfg),
-            "tokenizer": result.tokenizer,
-            "separator": SEPARATOR,
-            "prompt_sha256": {f"{STAGE}.{lang}": load_prompt(STAGE, lang).sha256 for lang in langs},
-            "summary": summary,
-        },
-    )
+    with OutputPair(Path(cfg.out) / f"{TASK}.jsonl") as pair:  # records and manifest, replaced together
+        for record in result.records:
+            pair.file.write(jsonl_line(record))
+        pair.commit(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "command": "distill moc",
+                "config": config.to_dict(cfg),
+                "tokenizer": result.tokenizer,
+                "separator": SEPARATOR,
+                "prompt_sha256": {f"{STAGE}.{lang}": load_prompt(STAGE, lang).sha256 for lang in langs},
+                "summary": summary,
+            }
+        )
     return summary
 
 

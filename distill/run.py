@@ -29,14 +29,7 @@ from distill.prompts import load_prompt
 from distill.store import AnswerStore
 from distill.teacher import EndpointUnreachable, Price, TeacherConfig, TeacherPool
 from metachunk import config
-from metachunk.artifacts import (
-    SCHEMA_VERSION,
-    AtomicWriter,
-    InputError,
-    jsonl_line,
-    read_documents,
-    write_json,
-)
+from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, read_documents
 from metachunk.config import option
 
 # Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
@@ -359,10 +352,7 @@ def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
 
 
 def write_records(cfg: DistillConfig, result: RunResult) -> dict:
-    out = Path(cfg.out)
-    with AtomicWriter(out / f"{cfg.task}.jsonl") as f:
-        for record in result.records:
-            f.write(jsonl_line(record))
+    """``OUT/TASK.jsonl`` and ``OUT/TASK.meta.json``, replaced together; returns the summary."""
     summary = summarize(result.records)
     summary.update(
         seconds=round(result.seconds, 2),
@@ -378,11 +368,11 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
         for stage in STAGES[cfg.task]
         for lang in sorted({r["lang"] for r in result.records})
     }
-    write_json(
-        out / f"{cfg.task}.meta.json",
-        {"schema_version": SCHEMA_VERSION, "command": f"distill {cfg.task}", "config": config.to_dict(cfg),
-         "prompt_sha256": prompts, "summary": summary},
-    )  # fmt: skip
+    with OutputPair(Path(cfg.out) / f"{cfg.task}.jsonl") as pair:
+        for record in result.records:
+            pair.file.write(jsonl_line(record))
+        pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {cfg.task}",
+                     "config": config.to_dict(cfg), "prompt_sha256": prompts, "summary": summary})  # fmt: skip
     return summary
 
 

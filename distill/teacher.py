@@ -525,11 +525,13 @@ class Teacher:
             return Answer(
                 key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
             )
-        prompt_estimate = self.count_tokens("", messages)
-        worst_case = self.price.cost(prompt_estimate, max_tokens)
         self.store.start_heartbeat()
         waited = refused = False
         while True:  # claim the key, with its reservation, or wait for whoever is sending it
+            # Estimated anew on each try: an answer that settled meanwhile may have calibrated the
+            # endpoint, and a stale 1-token-per-byte reservation would be refused for nothing.
+            prompt_estimate = self.count_tokens("", messages)
+            worst_case = self.price.cost(prompt_estimate, max_tokens)
             claim = self.store.claim(key, worst_case, self.budget.limit)
             if claim.outcome == "claimed":
                 break

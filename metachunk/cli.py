@@ -16,6 +16,7 @@ from pathlib import Path
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, read_documents
 from metachunk.models import ModelNotFoundError
+from metachunk.redaction import redact
 
 
 def _batched(iterable, n):
@@ -149,7 +150,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from distill.run import DistillConfig, print_estimate, print_status, run, write_records
+    from distill.run import DistillConfig, exit_status, print_estimate, print_status, run, write_records
 
     if args.action != "status" and getattr(args, "task", None) is None:
         args.task = args.action  # `distill rewrite` needs no `task:` line in its recipe
@@ -167,19 +168,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
     result = run(cfg)
     summary = write_records(cfg, result)
     outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+    waited = f" ({result.waited} waited for another run on the store)" if result.waited else ""
     print(
         f"{cfg.out}/{cfg.task}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests sent, "
-        f"{result.cached} answers from the store; ${summary['cost']:.4f}; {result.seconds:.1f}s",
+        f"{result.cached} answers from the store{waited}; ${result.paid:.4f} paid by this run, "
+        f"${summary['cost']:.4f} in the records; {result.seconds:.1f}s",
         file=sys.stderr,
     )
-    if result.stopped == "budget":
-        print(
-            f"metachunk: stopped before exceeding --max-cost {cfg.max_cost}; every answer is stored. "
-            "Rerun with a higher --max-cost to continue.",
-            file=sys.stderr,
-        )
-        return 3
-    return 0
+    return exit_status(
+        cfg, result.records, result.stopped, result.paid, result.spent, result.unreachable, "chunks"
+    )
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -284,9 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     models.set_defaults(handler=cmd_models)
 
-    from distill.run import DistillConfig
+    from distill.run import EXIT_CODES_HELP, DistillConfig
 
-    distill = sub.add_parser("distill", help="ask teacher LLMs for training targets (cached, resumable)")
+    distill = sub.add_parser(
+        "distill",
+        help="ask teacher LLMs for training targets (cached, resumable)",
+        description="Ask teacher LLMs for training targets: cached per request, resumable, under a budget.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     tasks = distill.add_subparsers(dest="action", required=True)
     for action, about in (
         ("rewrite", "missing reflection -> refinement -> completion, per chunk"),
@@ -294,7 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("moc", "chunk raw documents with the teacher (MoC Table 6) -> router/expert samples, per document"),
         ("status", "done / failed / pending per stage, tokens and cost, from the answer store"),
     ):
-        task = tasks.add_parser(action, help=about, description=about)
+        task = tasks.add_parser(
+            action, help=about, description=about, epilog=EXIT_CODES_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )  # fmt: skip
         config.add_arguments(task, DistillConfig)
     distill.set_defaults(handler=cmd_distill)
 
@@ -364,19 +371,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (InputError, ModelNotFoundError) as e:
-        print(f"metachunk: error: {e}", file=sys.stderr)
+        print(redact(f"metachunk: error: {e}"), file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, no permission: one line in the system's words, with the path
         where = f"{e.filename}: " if e.filename else ""
-        print(f"metachunk: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)
         return 1
     except Exception as e:
-        from distill.teacher import FatalTeacherError
+        from distill.teacher import EndpointUnreachable, FatalTeacherError
 
+        if isinstance(e, EndpointUnreachable):
+            print(redact(f"metachunk: error: {e}"), file=sys.stderr)
+            return 4
         if isinstance(e, FatalTeacherError):
-            print(f"metachunk: error: {e}", file=sys.stderr)
+            print(redact(f"metachunk: error: {e}"), file=sys.stderr)
             return 2
-        raise
+        # A bug: the traceback is for us, but it must not carry a key out (an exception may quote
+        # a request or a response).
+        import traceback
+
+        print(redact("".join(traceback.format_exception(e))), file=sys.stderr, end="")
+        return 1
     except KeyboardInterrupt:
         print("metachunk: interrupted; no output file was replaced", file=sys.stderr)
         return 130
