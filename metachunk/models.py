@@ -146,6 +146,19 @@ def resolve(name_or_dir: str) -> Path:
     )
 
 
+def load_tokenizer(name_or_dir: str):
+    """The tokenizer of a preset, of a model dir, or of a dir holding only tokenizer files (a
+    teacher's tokenizer, downloaded without its weights)."""
+    from transformers import AutoTokenizer
+
+    path = Path(name_or_dir).expanduser()
+    if name_or_dir not in PRESETS and (
+        (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    ):
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(resolve(name_or_dir))
+
+
 def default_device() -> str:
     import torch
 
