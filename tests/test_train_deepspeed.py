@@ -98,10 +98,11 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     Both runs seed the sampler alike (``--seed 0 --data_seed 0``) and the distributed sampler hands
     rank r the r-th row of each global batch, so every step sees the same two rows. The recipe's
     warm-up makes step 1's learning rate 0, so steps 1 and 2 are losses of the initial weights and
-    step 3 follows one AdamW step. Measured: the two runs differ by <= 9.2e-5 relative (the same
-    gap shows up with a 1-process ZeRO-3 run, so it comes from DeepSpeed's fp32 path, not from the
-    2-rank reduction); rel 1e-3 leaves a 10x margin. About 30 s on 2 cores; the very first run
-    on a machine JIT-compiles DeepSpeed's shm comm op into ~/.cache/torch_extensions (~85 s then).
+    step 3 follows one AdamW step. The recipe is float32 all through (bf16: false): measured, the two
+    runs differ by <= 6.5e-8 relative; rel 1e-5 leaves a 150x margin and would catch bf16, which
+    TRL's SFTConfig turns on when a recipe leaves it unset (9.6e-5 relative then, and bf16 weights
+    saved). About 30 s on 2 cores; the very first run on a machine JIT-compiles DeepSpeed's shm comm
+    op into ~/.cache/torch_extensions (~85 s then).
     """
     common = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
               "--max_steps", "3", "--max_length", "4096", "--seed", "0", "--data_seed", "0"]  # fmt: skip
@@ -122,9 +123,14 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
 
     zero3, single = _losses(ds_out), _losses(one_out)
     assert len(zero3) == len(single) == 3
-    assert zero3 == pytest.approx(single, rel=1e-3)
+    assert zero3 == pytest.approx(single, rel=1e-5)
 
+    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ds_out, use_safetensors=True)  # 16-bit gathered weights
-    assert all(p.numel() > 0 for p in model.parameters())
+    # the gathered weights (stage3_gather_16bit_weights_on_model_save): float32, as trained
+    model = AutoModelForCausalLM.from_pretrained(ds_out, use_safetensors=True, dtype="auto")
+    assert all(p.numel() > 0 and p.dtype == torch.float32 for p in model.parameters())
+    precision = json.loads((ds_out / "metachunk_run.json").read_text())["precision"]
+    assert precision == {"dtype": "float32", "bf16": False, "fp16": False, "autocast": None, "bf16_given": True,
+                         "saved_dtype": "float32"}  # fmt: skip

@@ -106,8 +106,9 @@ def test_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys)
     from datasets import load_dataset
 
     n_rows = load_dataset(str(sft_dataset), split="train").num_rows
-    assert facts["rows"] == n_rows and facts["global_steps"] == 2  # rows, not packed sequences
-    assert f"{n_rows} rows packed into " in err
+    over = facts["rows_over_max_length"]["train"]  # the ~3,000-word row: dropped, where bfd would cut it
+    assert over == 1 and facts["rows"] == n_rows - over and facts["global_steps"] == 2  # rows, not sequences
+    assert f"{n_rows - over} rows packed into " in err
 
 
 def test_padding_free_without_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811

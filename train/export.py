@@ -697,6 +697,7 @@ def _data_section(run: Run, cfg: ExportConfig) -> str:
     name = report.get("name") or NOT_RECORDED
     split_rows = report.get("rows") or {}
     teachers = sorted({t.get("model") for t in report.get("teachers") or [] if t.get("model")})
+    over = (run.facts.get("rows_over_max_length") or {}).get("train")
     lines = [
         f"- Dataset: [{name}](https://huggingface.co/datasets/{cfg.dataset_id})"
         if cfg.dataset_id
@@ -706,8 +707,9 @@ def _data_section(run: Run, cfg: ExportConfig) -> str:
         "- Rows: " + (", ".join(f"{s} {n:,}" for s, n in split_rows.items()) if split_rows else NOT_RECORDED),
         f"- Language: {', '.join(report['language']) if report.get('language') else NOT_RECORDED}",
         f"- Teacher models: {', '.join(teachers) if teachers else NOT_RECORDED}",
-        f"- Rows used in training: {_value(run.facts.get('rows'))}; "
-        f"{_value(run.facts.get('tokens'))} tokens, of which {_value(run.facts.get('completion_tokens'))} "
+        f"- Rows used in training: {_value(run.facts.get('rows'))}"
+        + (f" ({over:,} more dropped: longer than max_length)" if over else "")
+        + f"; {_value(run.facts.get('tokens'))} tokens, of which {_value(run.facts.get('completion_tokens'))} "
         "completion tokens carry the loss",
     ]
     text = "## Training data\n\n" + "\n".join(lines)
@@ -741,10 +743,22 @@ def _recipe_section(run: Run) -> str:
     model_args = facts.get("model_args") or {}
     rows += [
         ["dtype", model_args.get("dtype", NOT_RECORDED)],
+        ["precision", _precision(facts.get("precision"))],
         ["world_size (processes)", _value(facts.get("world_size"))],
         ["global batch (rows per optimizer step)", _value(facts.get("global_batch"))],
     ]
     return text + "\n\n" + _table(["hyperparameter", "value"], rows)
+
+
+def _precision(precision: dict | None) -> str:
+    """What the run computed in, as ``train.sft`` recorded it: "float32 weights, no mixed precision"."""
+    if not precision:
+        return NOT_RECORDED
+    autocast = precision.get("autocast")
+    text = f"{precision.get('dtype')} weights, {autocast + ' mixed' if autocast else 'no mixed'} precision"
+    if precision.get("saved_dtype") not in (None, precision.get("dtype")):
+        text += f", trained and saved in {precision['saved_dtype']}"  # DeepSpeed's bf16 / fp16 engine
+    return text
 
 
 def _results_section(run: Run, export_facts: dict) -> str:

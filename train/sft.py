@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,92 @@ def parse_args(argv: list[str] | None = None):
 
     from train.distributed import check_deepspeed_flag
 
-    check_deepspeed_flag(sys.argv[1:] if argv is None else argv)  # SFTConfig reads the JSON as it is built
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
+    check_deepspeed_flag(argv)  # SFTConfig reads the JSON as it is built
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
     check(model_args, sft_args)
+    dtype = weights_dtype(model_args)
+    if sft_args.bf16 and not bf16_given(recipe, argv) and dtype != "bfloat16":
+        # TRL's SFTConfig turns an unset bf16 into True: bf16 autocast over float32 weights, and under
+        # DeepSpeed bf16 weights trained and saved. Unset, it follows the weights instead. SFTConfig
+        # derives its mixed precision (and DeepSpeed's) as it is built, hence a second parse, not a setattr.
+        model_args, sft_args = parser.parse_args_and_config(argv + ["--bf16", "false"])
+    check_precision(dtype, model_args, sft_args)
     return model_args, sft_args
+
+
+def read_recipe(argv: list[str]) -> dict:
+    """The ``--config`` YAML (``{}`` without one), read the way TrlParser reads it, as a one-line error."""
+    import yaml
+
+    if "--config" not in argv:
+        return {}
+    i = argv.index("--config")
+    if i + 1 == len(argv):
+        raise ValueError("--config needs a recipe file (recipes/train/*.yaml)")
+    path = Path(argv[i + 1])
+    try:
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        raise ValueError(f"--config {path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(recipe, dict):
+        raise ValueError(f"--config {path}: not a YAML mapping of field: value")
+    return recipe
+
+
+def bf16_given(recipe: dict, argv: list[str]) -> bool:
+    """Whether the recipe or a flag sets bf16 (SFTConfig cannot tell: it turns None into True)."""
+    return recipe.get("bf16") is not None or any(a == "--bf16" or a.startswith("--bf16=") for a in argv)
+
+
+def weights_dtype(model_args: ModelDataArguments) -> str | None:
+    """The dtype the weights load in: ``dtype``, or for ``auto`` the checkpoint's ``config.json``
+    (None when it does not say). Resolves the model only for ``auto``."""
+    if model_args.dtype != "auto":
+        return model_args.dtype
+    from metachunk.models import resolve
+
+    config = json.loads((resolve(model_args.model) / "config.json").read_text(encoding="utf-8"))
+    return config.get("dtype") or config.get("torch_dtype")
+
+
+def check_precision(dtype: str | None, model_args: ModelDataArguments, sft_args) -> None:
+    """The weights' dtype and the mixed precision must agree: bf16 autocast over float16 weights (or fp16
+    over bfloat16) is a contradiction, and so is any autocast over float32 weights on CPU, where it buys
+    nothing and changes every number (under DeepSpeed, the weights are trained and saved in 16 bits)."""
+    from train.distributed import on_cpu
+
+    autocast = autocast_of(sft_args)
+    if autocast is None or dtype is None:
+        return
+    # what asked for it: the field, or accelerate's environment (`accelerate launch --mixed_precision`)
+    source = f"{autocast}: true" if getattr(sft_args, autocast) else f"ACCELERATE_MIXED_PRECISION={autocast}"
+    named = f"{dtype} (auto: the checkpoint's)" if model_args.dtype == "auto" else dtype
+    if dtype in ("bfloat16", "float16") and {"bfloat16": "bf16", "float16": "fp16"}[dtype] != autocast:
+        raise ValueError(
+            f"field 'dtype' is {named} but {source} asks for {autocast} mixed precision: 16-bit weights take "
+            "the mixed precision of their own type (bfloat16: bf16), or none"
+        )
+    if dtype == "float32" and on_cpu(sft_args):
+        raise ValueError(
+            f"field 'dtype' is {named} but {source} asks for {autocast} mixed precision on CPU: "
+            f"set {autocast}: false (--{autocast} false) to train in float32, or dtype: bfloat16 with bf16: true"
+        )
+
+
+def autocast_of(sft_args) -> str | None:
+    """The mixed precision the Trainer hands to accelerate: "bf16", "fp16" or None. Besides bf16 / fp16 it
+    takes ``ACCELERATE_MIXED_PRECISION`` when neither is set."""
+    mixed = getattr(sft_args, "mixed_precision", "no")
+    return mixed if mixed in ("bf16", "fp16") else None
 
 
 def check(model_args: ModelDataArguments, sft_args) -> None:
@@ -101,6 +183,7 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
             "field 'attn_implementation': flex_attention has no backward on CPU in PyTorch; use sdpa (or eager) "
             "with use_cpu"
         )
+    check_report_to(sft_args.report_to)
     if sft_args.use_liger_kernel:
         from transformers.utils import is_liger_kernel_available
 
@@ -109,6 +192,28 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
                 "field 'use_liger_kernel' needs a CUDA GPU and `pip install liger-kernel` (Triton kernels); "
                 "not available here"
             )
+
+
+def check_report_to(report_to: list[str]) -> None:
+    """Names the Trainer knows, and installed (it would fail only after the model loads)."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    unknown = [name for name in report_to if name not in INTEGRATION_TO_CALLBACK]
+    if unknown:
+        raise ValueError(
+            f"field 'report_to': unknown {', '.join(map(repr, unknown))}; use none, all or any of "
+            + ", ".join(INTEGRATION_TO_CALLBACK)
+        )
+    available = get_available_reporting_integrations()
+    # azure_ml (hidden when mlflow is installed) and flyte are not in transformers' availability list
+    missing = [name for name in report_to if name not in available and name not in ("azure_ml", "flyte")]
+    if missing:
+        raise ValueError(
+            f"field 'report_to': {', '.join(missing)} is not installed (pip install it, or drop it)"
+        )
 
 
 def padding_free(sft_args) -> bool:
@@ -156,6 +261,101 @@ def resume_point(sft_args) -> str | None:
     if not Path(wanted).is_dir():
         raise ValueError(f"field 'resume_from_checkpoint': {wanted} is not a checkpoint dir")
     return str(wanted)
+
+
+def load_rows(model_args: ModelDataArguments, sft_args):
+    """``(model_dir, tokenizer, train_set, eval_set, over)``, everything checked before the model loads: the model
+    exists, its tokenizer has a chat template, and the rows fit ``max_length`` (``over``: how many did not, per
+    split; they are dropped)."""
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    from metachunk.models import resolve
+
+    model_dir = str(resolve(model_args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendering = chat_template_tokenizer(tokenizer, sft_args, model_dir)
+    data = load_dataset(model_args.dataset)
+    keep = ["prompt", "completion"]  # the metadata columns stay in the dataset, not in the batches
+    train_set = data["train"].select_columns(keep)
+    if model_args.max_train_rows:
+        train_set = train_set.select(range(min(model_args.max_train_rows, len(train_set))))
+    eval_set = data["validation"].select_columns(keep) if "validation" in data else None
+    if eval_set is not None and len(eval_set) == 0:
+        eval_set = None
+
+    n_train, n_eval = len(train_set), len(eval_set) if eval_set is not None else 0
+    train_set, over_train = fit_max_length(train_set, rendering, sft_args)
+    eval_set, over_eval = fit_max_length(eval_set, rendering, sft_args)
+    limit = f"fits in {sft_args.max_length} tokens (prompt + completion)"
+    if over_train == n_train > 0:
+        raise ValueError(f"field 'max_length': none of the {n_train} training rows {limit}: raise max_length")
+    if over_eval == n_eval > 0:
+        if sft_args.eval_strategy != "no":
+            raise ValueError(
+                f"field 'max_length': none of the {n_eval} validation rows {limit}: raise max_length, or pass "
+                "--eval_strategy no"
+            )
+        eval_set = None
+    # once, from rank 0 of a launcher (the process group does not exist yet)
+    if (over_train or over_eval) and os.environ.get("RANK", "0") == "0":
+        print(f"train: dropped {over_train} of {n_train} training rows and {over_eval} of {n_eval} validation rows "
+              f"longer than max_length ({sft_args.max_length} tokens), which TRL would cut and train on",
+              file=sys.stderr)  # fmt: skip
+    return model_dir, tokenizer, train_set, eval_set, {"train": over_train, "validation": over_eval}
+
+
+def chat_template_tokenizer(tokenizer, sft_args, model_dir: str):
+    """The tokenizer as TRL will render the rows (chat messages) with it: ``chat_template_path`` applied, on a
+    copy (TRL applies it to the real one, and to the model, once the model has loaded). ValueError without a
+    chat template."""
+    path = sft_args.chat_template_path
+    if path:
+        import copy
+
+        tokenizer = copy.deepcopy(tokenizer)
+        if Path(path).is_file() and path.endswith((".jinja", ".j2")):
+            tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
+        else:  # TRL's clone_chat_template: the template and the added tokens of another tokenizer
+            from transformers import AutoTokenizer
+
+            source = AutoTokenizer.from_pretrained(path)
+            tokenizer.chat_template = source.get_chat_template()
+            tokenizer.add_tokens(
+                [t for t in source.added_tokens_decoder.values() if t.content not in tokenizer.vocab]
+            )
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the tokenizer of {model_dir} has no chat template, and the rows are chat messages: train an "
+            "instruct model, or set chat_template_path (a .jinja file, or a tokenizer to copy the template from)"
+        )
+    return tokenizer
+
+
+def fit_max_length(rows, tokenizer, sft_args):
+    """``(the rows that fit max_length, how many did not)``. TRL cuts a longer row at ``max_length`` (with
+    truncation_mode keep_start the end of the completion; bfd packing cuts it too) and trains on the rest,
+    silently; it is dropped here instead. The length is TRL's: the chat template over prompt + completion."""
+    if (
+        rows is None
+        or sft_args.max_length is None
+        or (sft_args.packing and sft_args.packing_strategy == "bfd_split")
+    ):
+        return rows, 0  # no limit, or bfd_split, which splits a long row into pieces instead of cutting it
+    lengths = rows.map(
+        _row_length,
+        fn_kwargs={"tokenizer": tokenizer},
+        remove_columns=rows.column_names,
+        num_proc=sft_args.dataset_num_proc,
+        desc="Measuring rows against max_length",
+    )["n_tokens"]
+    keep = [i for i, n in enumerate(lengths) if n <= sft_args.max_length]
+    return rows.select(keep), len(rows) - len(keep)
+
+
+def _row_length(row: dict, tokenizer) -> dict:
+    ids = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)
+    return {"n_tokens": len(ids["input_ids"])}
 
 
 def effective_batch_size(sft_args) -> int:
@@ -239,39 +439,31 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         model_args, sft_args = parse_args(argv)
+        # what TRL would find only after the model has loaded, or not at all (max_length)
+        model_dir, tokenizer, train_set, eval_set, over = load_rows(model_args, sft_args)
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
         return 2
 
     import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from metachunk.models import resolve
     from train.distributed import prepare_distributed
 
-    model_dir = str(resolve(model_args.model))
-    data = load_dataset(model_args.dataset)
-    keep = ["prompt", "completion"]  # the metadata columns stay in the dataset, not in the batches
-    train_set = data["train"].select_columns(keep)
-    if model_args.max_train_rows:
-        train_set = train_set.select(range(min(model_args.max_train_rows, len(train_set))))
-    eval_set = data["validation"].select_columns(keep) if "validation" in data else None
-    if eval_set is not None and len(eval_set) == 0:
-        eval_set = None
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     prepare_distributed(sft_args)  # DeepSpeed on CPU: gloo group first, so ZeRO-3 partitions at load
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, use_safetensors=True, attn_implementation=model_args.attn_implementation
     )
     impl = model.config._attn_implementation  # what transformers picked when none was asked for
+    loaded = str(model.dtype).removeprefix("torch.")
     try:
         check_packing(impl, sft_args)
+        check_precision(loaded, model_args, sft_args)  # again: config.json may not have said (dtype auto)
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
         return 2
@@ -314,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         fit = (
             f"{rows} rows packed into {len(trainer.train_dataset)} sequences of <= {sft_args.max_length} tokens"
             if packed
-            else f"{rows} of {len(train_set)} rows fit max_length"
+            else f"{rows} of {len(train_set) + over['train']} rows fit max_length"
         )
         print(
             f"train: {fit}, {tokens:,} tokens ({completion:,} completion tokens carry the loss); "
@@ -331,8 +523,14 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(sft_args.output_dir)
         plot_losses(trainer.state.log_history, out / "loss.png")
         write_json_atomic(out / "train_log.json", trainer.state.log_history)
+        # the weights as trained and saved: DeepSpeed's bf16 / fp16 engine casts them
+        saved = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+        precision = {"dtype": loaded, "bf16": sft_args.bf16, "fp16": sft_args.fp16,
+                     "autocast": autocast_of(sft_args), "bf16_given": bf16_given(read_recipe(argv), argv),
+                     "saved_dtype": saved}  # fmt: skip
         facts = run_facts(model_args, sft_args, model_dir, trainer, rows=rows, tokens=tokens,
-                          completion_tokens=completion, global_batch=batch, argv=sys.argv[1:] if argv is None else argv)  # fmt: skip
+                          completion_tokens=completion, global_batch=batch, rows_over_max_length=over,
+                          precision=precision, argv=argv)  # fmt: skip
         write_json_atomic(out / RUN_FACTS, facts)
         print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "
               f"wrote {out}", file=sys.stderr)  # fmt: skip

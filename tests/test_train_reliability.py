@@ -1,0 +1,258 @@
+"""train.sft: no silent precision change, max_length checked against the data, bad input refused before the model loads.
+
+Every refusal is one line on stderr and exit status 2, found before any weights load (``no_model_load``).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_sft import planted  # noqa: F401  (the fixture: planted distilled records)
+from test_train import RECIPE, sft_dataset  # noqa: F401  (the fixture: a build-sft dataset, tiny tokenizer)
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_RECIPES = sorted((ROOT / "recipes" / "train").glob("*.yaml"))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """The test fails if train.sft gets as far as loading the model's weights."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", staticmethod(refuse))
+
+
+def _cli(argv, capsys):
+    """``metachunk train ARGV``: (exit status, stderr)."""
+    from metachunk.cli import main
+
+    status = main(["train", *argv])
+    return status, capsys.readouterr().err
+
+
+def _one_line_error(err: str, text: str) -> None:
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("train: ")]
+    assert len(errors) == 1 and text in errors[0], err
+
+
+def _recipe_without(tmp_path, *keys) -> Path:
+    recipe = yaml.safe_load(RECIPE.read_text())
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in recipe.items() if k not in keys}))
+    return path
+
+
+def _facts(out: Path) -> dict:
+    return json.loads((out / "metachunk_run.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize("recipe", TRAIN_RECIPES, ids=lambda p: p.name)
+def test_every_train_recipe_sets_its_precision(recipe):
+    config = yaml.safe_load(recipe.read_text())
+    assert {"dtype", "bf16", "fp16"} <= config.keys(), "the recipe leaves its precision to a default"
+    assert not (config["bf16"] and config["fp16"])
+    if config["dtype"] == "float32":
+        assert config["bf16"] is False and config["fp16"] is False  # float32 means float32, no autocast
+
+
+def test_cpu_smoke_trains_and_saves_float32_and_records_it(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+            "--output_dir", str(out), "--max_steps", "1", "--max_length", "4096", "--eval_strategy", "no"]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 0, err[-2000:]
+    assert _facts(out)["precision"] == {"dtype": "float32", "bf16": False, "fp16": False, "autocast": None,
+                                        "bf16_given": True, "saved_dtype": "float32"}  # fmt: skip
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}
+
+
+def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):
+    from train.sft import parse_args
+
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    recipe = _recipe_without(tmp_path, "bf16", "fp16")
+    base = ["--config", str(recipe), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model", str(tiny_model_dir)]  # fmt: skip
+    # TRL's SFTConfig alone would make it bf16 autocast over float32 weights
+    _, sft_args = parse_args(base + ["--dtype", "float32"])
+    assert (sft_args.bf16, sft_args.fp16, sft_args.mixed_precision) == (False, False, "no")
+    _, sft_args = parse_args(base + ["--dtype", "auto"])  # the checkpoint's: float32 in config.json
+    assert (sft_args.bf16, sft_args.mixed_precision) == (False, "no")
+    _, sft_args = parse_args(base + ["--dtype", "bfloat16"])  # bf16 weights: bf16 mixed precision
+    assert (sft_args.bf16, sft_args.mixed_precision) == (True, "bf16")
+    _, sft_args = parse_args(base + ["--dtype", "bfloat16", "--bf16", "false"])  # given: kept
+    assert sft_args.bf16 is False
+
+
+@pytest.mark.parametrize(
+    "flags, text",
+    [
+        (["--bf16", "true"], "field 'dtype' is float32 but bf16: true asks for bf16 mixed precision on CPU"),
+        (["--bf16", "false", "--fp16", "true"], "field 'dtype' is float32 but fp16: true asks for fp16"),
+        (["--dtype", "float16", "--bf16", "true"], "field 'dtype' is float16 but bf16: true"),
+        (
+            ["--dtype", "bfloat16", "--bf16", "false", "--fp16", "true"],
+            "field 'dtype' is bfloat16 but fp16: true",
+        ),
+        (["--dtype", "auto", "--bf16", "true"], "field 'dtype' is float32 (auto: the checkpoint's) but bf16"),
+    ],
+)
+def test_contradicting_precision_is_refused_before_the_model_loads(
+    tmp_path, tiny_model_dir, capsys, no_model_load, flags, text
+):
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    base = ["--config", str(RECIPE), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model", str(tiny_model_dir)]  # fmt: skip
+    status, err = _cli(base + flags, capsys)
+    assert status == 2
+    _one_line_error(err, text)
+
+
+def test_accelerates_mixed_precision_counts_too(tmp_path, tiny_model_dir, capsys, no_model_load, monkeypatch):
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    # what `accelerate launch --mixed_precision bf16` sets
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    argv = ["--config", str(RECIPE), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model", str(tiny_model_dir)]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 2
+    _one_line_error(err, "ACCELERATE_MIXED_PRECISION=bf16 asks for bf16 mixed precision on CPU")
+
+
+# ------------------------------------------------------------------------------------------ max_length
+
+
+def _lengths(dataset: Path, split: str, model_dir: Path) -> list[tuple[int, int]]:
+    """(prompt + completion tokens, completion tokens) of each row, the way TRL tokenizes it."""
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for row in load_dataset(str(dataset), split=split):
+        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=True)
+        full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], return_dict=True)
+        n_prompt, n_full = len(prompt["input_ids"]), len(full["input_ids"])
+        assert full["input_ids"][:n_prompt] == prompt["input_ids"][:n_prompt]
+        out.append((n_full, n_full - n_prompt))
+    return out
+
+
+def test_rows_longer_than_max_length_are_dropped_not_cut(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    max_length = 1024
+    train = _lengths(sft_dataset, "train", tiny_model_dir)
+    validation = _lengths(sft_dataset, "validation", tiny_model_dir)
+    over = sum(n > max_length for n, _ in train)
+    assert 0 < over < len(train)  # the ~3,000-word row does not fit, the others do
+    out = tmp_path / "run"
+    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+            "--output_dir", str(out), "--max_steps", "1", "--max_length", str(max_length), "--eval_strategy", "no"]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 0, err[-2000:]
+    assert f"dropped {over} of {len(train)} training rows" in err
+    assert f"{len(train) - over} of {len(train)} rows fit max_length" in err
+    facts = _facts(out)
+    assert facts["rows"] == len(train) - over
+    assert facts["rows_over_max_length"] == {
+        "train": over,
+        "validation": sum(n > max_length for n, _ in validation),
+    }
+    # every completion token of the rows kept carries the loss: none was cut
+    assert facts["completion_tokens"] == sum(c for n, c in train if n <= max_length)
+
+    from train.export import ExportConfig, export  # the model card says both
+
+    export(ExportConfig(checkpoint=out, out=tmp_path / "exported"), progress=lambda msg: None)
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert (
+        f"- Rows used in training: {len(train) - over} ({over} more dropped: longer than max_length);" in card
+    )
+    assert "| precision | float32 weights, no mixed precision |" in card
+
+
+def test_no_row_within_max_length_is_refused_before_the_model_loads(
+    sft_dataset,  # noqa: F811
+    tiny_model_dir,
+    tmp_path,
+    capsys,
+    no_model_load,
+):
+    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+            "--output_dir", str(tmp_path / "o"), "--max_length", "64"]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 2
+    _one_line_error(err, "field 'max_length': none of the 11 training rows fits in 64 tokens")
+
+
+# ------------------------------------------------------------------------------------ one-line errors
+
+
+def _no_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "base-model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize(
+    "case", ["unknown model", "invalid YAML", "missing config", "no chat template", "report_to"]
+)
+def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load, case):  # noqa: F811
+    config, model, extra = RECIPE, str(tiny_model_dir), []
+    if case == "unknown model":
+        model, text = "no-such-model", "unknown model 'no-such-model'"
+    elif case == "invalid YAML":
+        config = tmp_path / "broken.yaml"
+        config.write_text("model: [smollm2\nlearning_rate: 1e-5\n")
+        text = f"--config {config}: not valid YAML"
+    elif case == "missing config":
+        config, text = tmp_path / "nope.yaml", f"--config {tmp_path / 'nope.yaml'}: no such file"
+    elif case == "no chat template":
+        model = str(_no_chat_template(tiny_model_dir, tmp_path))
+        text = f"the tokenizer of {model} has no chat template"
+    else:
+        extra, text = ["--report_to", "tensorbored"], "field 'report_to': unknown 'tensorbored'"
+    argv = ["--config", str(config), "--model", model, "--dataset", str(sft_dataset),
+            "--output_dir", str(tmp_path / "o"), *extra]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 2
+    _one_line_error(err, text)
+
+
+def test_a_chat_template_path_serves_a_base_model(sft_dataset, tiny_model_dir, tmp_path, no_model_load):  # noqa: F811
+    from train.sft import main
+
+    model = _no_chat_template(tiny_model_dir, tmp_path)
+    argv = ["--config", str(RECIPE), "--model", str(model), "--dataset", str(sft_dataset),
+            "--output_dir", str(tmp_path / "o"), "--chat_template_path", str(tiny_model_dir / "chat_template.jinja")]  # fmt: skip
+    with pytest.raises(AssertionError, match="the model was loaded"):  # every check before it passed
+        main(argv)
+
+
+def test_python_m_train_bad_input_has_no_traceback(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [smollm2\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for argv in (["--config", str(tmp_path / "nope.yaml")], ["--config", str(broken)]):
+        done = subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        _one_line_error(done.stderr, "train: invalid config: --config ")
