@@ -6,14 +6,14 @@ limit), sustain >= 0.85 of the ideal rate (in flight / latency) at 64 requests i
 side by side in the same run. Also report the resume cost: the time for a rerun to skip 10,000
 answered requests.
 
-What is compared, against one loopback server (``distill.loopback_server``, its own process):
+What is compared, against one loopback server (``tests/support/loopback_server.py``, its own process):
 
 * **bare**: ``openai.AsyncOpenAI`` (default ``max_retries``), a plain ``asyncio.Semaphore(64)``,
   ``await client.chat.completions.create(model=..., messages=..., max_tokens=...)``.
-* **ours**: a :class:`~distill.teacher.TeacherPool` with one stage, ``concurrency=64``, no
-  rpm/tpm limit and no price, over a fresh :class:`~distill.store.AnswerStore` in a temp dir
+* **ours**: a :class:`~metachunk.teacher.TeacherPool` with one stage, ``concurrency=64``, no
+  rpm/tpm limit and no price, over a fresh :class:`~metachunk.store.AnswerStore` in a temp dir
   (every answer is committed to SQLite before ``complete()`` returns). Its HTTP transport is
-  openai's aiohttp one (``openai.DefaultAioHttpClient``), which ``distill.teacher`` always uses.
+  openai's aiohttp one (``openai.DefaultAioHttpClient``), which ``metachunk.teacher`` always uses.
 * **ours+limits**: the same with rpm/tpm limits set far too high to bind, a price table and a
   ``max_cost`` that is never reached: token buckets, budget reservations and cost accounting all
   run on every request.
@@ -61,6 +61,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # support.loopback_server: test and bench infrastructure
 
 MODEL = "teacher-model"
 VARIANTS = ("bare", "ours", "ours+limits")
@@ -92,7 +93,7 @@ def make_messages(i: int, size: int) -> list[dict]:
 
 
 def teacher_config(args, with_limits: bool):
-    from distill.teacher import TeacherConfig
+    from metachunk.teacher import TeacherConfig
 
     limits = {"rpm": 1e9, "tpm": 1e12} if with_limits else {}
     return TeacherConfig(
@@ -127,8 +128,8 @@ async def run_bare(args, warmup: list, measured: list) -> dict:
 
 
 async def run_ours(args, warmup: list, measured: list, with_limits: bool) -> dict:
-    from distill.store import AnswerStore
-    from distill.teacher import Price, TeacherPool
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import Price, TeacherPool
 
     with tempfile.TemporaryDirectory(prefix="distill_throughput_") as tmp:
         store = AnswerStore(Path(tmp) / "answers.sqlite")
@@ -153,8 +154,8 @@ async def run_ours(args, warmup: list, measured: list, with_limits: bool) -> dic
 
 async def run_fill(args, messages: list) -> dict:
     """Answer every request into the store at ``args.store`` (the first run, before the rerun)."""
-    from distill.store import AnswerStore
-    from distill.teacher import TeacherPool
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherPool
 
     store = AnswerStore(args.store)
     pool = TeacherPool({"stage": teacher_config(args, False)}, {}, store)
@@ -170,8 +171,8 @@ async def run_fill(args, messages: list) -> dict:
 
 async def run_resume(args, messages: list) -> dict:
     """A rerun: open the store anew and ask for every request again; all must come from the store."""
-    from distill.store import AnswerStore
-    from distill.teacher import TeacherPool
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherPool
 
     t0 = time.perf_counter()
     store = AnswerStore(args.store)
@@ -242,7 +243,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from distill.loopback_server import serve_in_subprocess
+    from support.loopback_server import serve_in_subprocess
 
     variants = args.variants.split(",")
     ideal = args.in_flight / args.latency

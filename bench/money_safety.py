@@ -2,7 +2,7 @@
 same cap, and two runs started together on one answer store.
 
 Each scenario runs the real CLI (``python -m metachunk.cli distill rewrite``) in subprocesses
-against the loopback server (``distill.loopback_server``, ``--billing``) on real texts: the first
+against the loopback server (``tests/support/loopback_server.py``, ``--billing``) on real texts: the first
 Emma paragraphs and the first CRUD news articles (cut to 600 characters), one chunk per document.
 Prices are $10 per 1M tokens each way; the cap is ``--cap`` (default $0.10).
 
@@ -35,8 +35,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # support.loopback_server: test and bench infrastructure
 
-from distill.loopback_server import serve_in_subprocess  # noqa: E402
+from support.loopback_server import serve_in_subprocess  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 PRICES = {"loopback": {"input": 10.0, "output": 10.0}}

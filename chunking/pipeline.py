@@ -166,7 +166,7 @@ class ChunkConfig:
     )
     teachers: dict[str, dict] | None = option(
         None,
-        "lumber: teacher blocks by name, as in a distill recipe (the fields of distill.teacher.TeacherConfig); "
+        "lumber: teacher blocks by name, as in a distill recipe (the fields of metachunk.teacher.TeacherConfig); "
         "the block named by --lumber-teacher finds the content shifts. Recipe only",
     )
     prices: dict[str, dict] | None = option(

@@ -103,8 +103,6 @@ from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries,
 from distill.pipelines import Pending, StageFailed, StageRunner
 from distill.prompts import load_prompt
 from distill.run import exit_status, gather_or_stop
-from distill.store import AnswerStore
-from distill.teacher import EndpointUnreachable, Price, TeacherPool, estimate_tokens
 from metachunk import config
 from metachunk.artifacts import (
     SCHEMA_VERSION,
@@ -115,6 +113,8 @@ from metachunk.artifacts import (
     replace_dir,
     write_json,
 )
+from metachunk.store import AnswerStore
+from metachunk.teacher import EndpointUnreachable, Price, TeacherPool, estimate_tokens
 
 if TYPE_CHECKING:
     from distill.run import DistillConfig

@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 
 from distill.prompts import load_prompt
-from distill.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 from metachunk.artifacts import SCHEMA_VERSION
+from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
 STAGES = {
     "rewrite": ("reflection", "refinement", "completion"),

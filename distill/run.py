@@ -26,11 +26,11 @@ from chunking.students import (  # the students' context, shared with the chunke
 )
 from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, rewrite, summary
 from distill.prompts import load_prompt
-from distill.store import AnswerStore
-from distill.teacher import EndpointUnreachable, Price, TeacherConfig, TeacherPool
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, read_documents
 from metachunk.config import option
+from metachunk.store import AnswerStore
+from metachunk.teacher import EndpointUnreachable, Price, TeacherConfig, TeacherPool
 
 # Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
 TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}

@@ -5,7 +5,7 @@ with ``{context}`` and ``{question}``); its sha256 is recorded in the run's metr
 every answer. The context lists the passages best first, numbered ``[1]``, ``[2]``, ...
 
 * **Endpoint** (``--generator BASE_URL:MODEL``): every request goes through the teacher client
-  (:mod:`distill.teacher`: retries, rate limits, budget) and its answer store (``answers.sqlite``):
+  (:mod:`metachunk.teacher`: retries, rate limits, budget) and its answer store (``answers.sqlite``):
   an answered request is never sent again, so a rerun pays nothing. An answer cut at
   ``max_tokens`` (``finish_reason == "length"``) keeps its text and is marked ``length``.
 * **Local** (``--generator-model PRESET_OR_DIR``): transformers ``generate`` on the chat template
@@ -80,7 +80,7 @@ class Generated:
 
 
 class EndpointGenerator:
-    """Answers through :class:`distill.teacher.Teacher`, cached in an :class:`AnswerStore`."""
+    """Answers through :class:`metachunk.teacher.Teacher`, cached in an :class:`AnswerStore`."""
 
     def __init__(
         self, teacher_cfg, store_path: Path, max_cost: float | None = None, extra: dict | None = None
@@ -93,7 +93,7 @@ class EndpointGenerator:
     def generate(
         self, prompts: Sequence[list[dict]], prompt_sha: str, progress: bool = True
     ) -> list[Generated]:
-        from distill.store import AnswerStore
+        from metachunk.store import AnswerStore
 
         store = AnswerStore(self.store_path)
         try:
@@ -104,7 +104,7 @@ class EndpointGenerator:
     async def _run(self, store, prompts, prompt_sha, progress) -> list[Generated]:
         from tqdm import tqdm
 
-        from distill.teacher import BudgetExceeded, TeacherPool
+        from metachunk.teacher import BudgetExceeded, TeacherPool
 
         pool = TeacherPool({"generator": self.cfg}, {}, store, self.max_cost)
         teacher = pool["generator"]

@@ -23,7 +23,7 @@ start the next window at that unit. Here:
   sentence end, and holds about the token budget) and the next window starts after it. Each
   fallback is counted by reason in the run's ``.meta.json``.
 * **The teacher** is the block named ``--lumber-teacher`` (default ``lumber``) of a ``teachers:``
-  mapping, written as in a distill recipe (:class:`distill.teacher.TeacherConfig`: any
+  mapping, written as in a distill recipe (:class:`metachunk.teacher.TeacherConfig`: any
   OpenAI-compatible endpoint, or the local ``metachunk teacher serve`` with ``serve_preset``),
   either inline in the chunk recipe or read from ``--teacher-config`` (a distill recipe works; its
   other keys are ignored; inline blocks win). ``prices:`` gives the cost per model. Requests go
@@ -55,11 +55,11 @@ from chunking.pipeline import ChunkConfig, ChunkedDocument
 from chunking.sentences import detect_lang, split_sentences
 from chunking.students import Prompt, check_lang, parse_prompt
 from chunking.types import Sentence, chunks_from_boundaries
-from distill.store import AnswerStore
-from distill.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
 from metachunk import config
 from metachunk.artifacts import InputError
 from metachunk.config import option
+from metachunk.store import AnswerStore
+from metachunk.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
 
 PROMPT_NAME = "lumber"
 STAGE = "lumber"  # the stage name inside this run's TeacherPool

@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distill.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
 from eval.index import INDEX_TEXTS
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
 from metachunk.config import option
+from metachunk.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
 
 DEFAULT_PPL_RERANKER = {"en": "smollm2", "zh": "gemma3-270m"}
 

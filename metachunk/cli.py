@@ -242,7 +242,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_teacher(args: argparse.Namespace) -> int:
-    from distill.local_teacher import LocalTeacher
+    from metachunk.local_teacher import LocalTeacher
 
     teacher = LocalTeacher(args.model, port=args.port)
     print(
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)
         return 1
     except Exception as e:
-        from distill.teacher import EndpointUnreachable, FatalTeacherError
+        from metachunk.teacher import EndpointUnreachable, FatalTeacherError
 
         if isinstance(e, EndpointUnreachable):
             print(redact(f"metachunk: error: {e}"), file=sys.stderr)

@@ -105,7 +105,7 @@ def stage_distill(inputs: dict[str, Path]) -> list[dict]:
 
     import yaml
 
-    from distill.local_teacher import LocalTeacher
+    from metachunk.local_teacher import LocalTeacher
 
     recipe = yaml.safe_load((ROOT / "recipes" / "distill" / "local.yaml").read_text(encoding="utf-8"))
     recipe.update(chunks=str(OUT / "data" / "sample" / "chunks.jsonl"),
@@ -242,7 +242,7 @@ def stage_moc(inputs: dict[str, Path]) -> list[dict]:
 
     import yaml
 
-    from distill.local_teacher import LocalTeacher
+    from metachunk.local_teacher import LocalTeacher
 
     texts = OUT / "inputs" / "moc_texts.jsonl"
     with (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:

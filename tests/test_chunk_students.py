@@ -171,7 +171,7 @@ def test_inference_prompt_is_the_sft_rows_prompt(tmp_path, capsys, monkeypatch, 
     from distill.pipelines import STAGES, new_record
     from distill.run import DistillConfig, read_jobs
     from distill.sft import BuildSftConfig, build_sft
-    from distill.teacher import TeacherConfig
+    from metachunk.teacher import TeacherConfig
 
     limit = 150  # shorter than the documents: the context is a window around each chunk
     docs = write_jsonl(tmp_path / "docs.jsonl", [r for r in read_jsonl(docs_file) if r["id"] == doc_id])

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def local_teacher():
-    from distill.local_teacher import LocalTeacher
+    from metachunk.local_teacher import LocalTeacher
     from metachunk.models import ModelNotFoundError
 
     try:

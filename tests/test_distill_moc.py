@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from support.loopback_server import serve_in_subprocess
 
 from chunking.moc import expert_messages, granularity_label, recover_chunks, router_messages
 from chunking.sentences import split_sentences
-from distill.loopback_server import serve_in_subprocess
 from distill.moc import (
     SEPARATOR,
     DocPlan,

@@ -6,7 +6,7 @@ budget stops at the cap and resumes when it is raised; the API key never reaches
 ``--dry-run`` sends nothing; a parser change re-reads stored answers and sends only the requests
 whose prompts changed.
 
-Fault markers (``[[fault:KIND]]``, see ``distill.loopback_server``) ride inside the chunk texts, so
+Fault markers (``[[fault:KIND]]``, see ``support.loopback_server``) ride inside the chunk texts, so
 the server sees them in every prompt that quotes the chunk. A chunk with a marker is its own
 document, so its marker does not leak into the context of other chunks.
 """
@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.loopback_server import THINK_TEXT, serve_in_subprocess
 
 import distill.pipelines
-from distill.loopback_server import THINK_TEXT, serve_in_subprocess
 from distill.pipelines import STAGES
 from distill.run import DistillConfig, run, write_records
-from distill.teacher import Endpoint, TeacherConfig
 from metachunk import config
 from metachunk.cli import main as cli_main
+from metachunk.teacher import Endpoint, TeacherConfig
 
 REPO = Path(__file__).resolve().parents[1]
 REWRITE, SUMMARY = STAGES["rewrite"], STAGES["summary"]

@@ -10,10 +10,10 @@ import pytest
 from distill.pipelines import NOTHING_MISSING, STAGES, Item, format_items, parse_items
 from distill.prompts import LANGS, load_prompt
 from distill.run import DistillConfig, window
-from distill.store import AnswerStore, StoredAnswer
-from distill.teacher import Price, TeacherConfig, estimate_tokens, split_reasoning
 from metachunk.artifacts import InputError
 from metachunk.config import load_yaml
+from metachunk.store import AnswerStore, StoredAnswer
+from metachunk.teacher import Price, TeacherConfig, estimate_tokens, split_reasoning
 
 PLACEHOLDERS = {
     "reflection": {"context", "chunk"},
@@ -270,7 +270,7 @@ def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teache
 ):
     from transformers import AutoTokenizer
 
-    from distill.teacher import TEMPLATE_TOKENS, Budget, Teacher
+    from metachunk.teacher import TEMPLATE_TOKENS, Budget, Teacher
 
     store = AnswerStore(tmp_path / "a.sqlite")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Emma 爱 Knightley"}]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.loopback_server import serve_in_subprocess
 
 from chunking.pipeline import ChunkConfig
 from chunking.sentences import split_sentences
-from distill.loopback_server import serve_in_subprocess
 from eval.lumber import (
     LumberChunker,
     estimate_tokens,
@@ -370,7 +370,7 @@ def test_teacher_from_a_distill_recipe_and_config_errors(server, tmp_path, capsy
 
 @pytest.mark.integration
 def test_against_the_local_smollm2_teacher(shared_data, tmp_path):
-    from distill.local_teacher import LocalTeacher
+    from metachunk.local_teacher import LocalTeacher
     from metachunk.models import ModelNotFoundError
 
     try:

@@ -602,7 +602,7 @@ def test_ppl_rerank_moves_the_answer_up(planted_embedder, tmp_path, monkeypatch)
 
 def test_endpoint_generator_answers_once(planted, planted_embedder, qa_scores, tmp_path):
     """Through the teacher client to the loopback server; the rerun is answered from answers.sqlite."""
-    from distill.loopback_server import serve_in_subprocess
+    from support.loopback_server import serve_in_subprocess
 
     chunks, questions = planted
     replies = {r"Question: Which apple": "the apple one", r"Question: Which cherry": "a cherry"}

@@ -13,8 +13,7 @@ import uuid
 
 import openai
 import pytest
-
-from distill.loopback_server import LoopbackServer, serve_in_subprocess
+from support.loopback_server import LoopbackServer, serve_in_subprocess
 
 REPLIES = {r"capital of France": "Paris", r"capital": "some capital", r"^\s*$": "nothing"}
 

@@ -43,7 +43,7 @@ def test_sample_is_deterministic_and_feeds_distill(tiny_model_dir, shared_data, 
     # The output is distill's input: offsets check out against documents.jsonl.
     from distill.pipelines import STAGES
     from distill.run import DistillConfig, read_jobs
-    from distill.teacher import TeacherConfig
+    from metachunk.teacher import TeacherConfig
 
     jobs = read_jobs(DistillConfig(task="rewrite", chunks=tmp_path / "a" / "chunks.jsonl",
                                    documents=tmp_path / "a" / "documents.jsonl", out=tmp_path / "d",

@@ -5,7 +5,7 @@ same ``base_url`` + ``model`` share one :class:`Endpoint` (HTTP client, concurre
 
 The request path, in order:
 1. The request's content hash (model, messages, generation params, prompt-template hash, attempt
-   number) is looked up in the :class:`~distill.store.AnswerStore`. An answered request is never
+   number) is looked up in the :class:`~metachunk.store.AnswerStore`. An answered request is never
    sent again; a request that only ever failed in transport is sent again.
 2. The key is claimed in the store, and in the same transaction the request's worst-case cost is
    reserved against ``--max-cost`` (the spend and reservations of every process on the store). A
@@ -48,9 +48,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from distill.store import AnswerStore, StoredAnswer
 from metachunk.config import option
 from metachunk.redaction import redact, register_secret, safe_url
+from metachunk.store import AnswerStore, StoredAnswer
 
 # openai, httpx2 and aiohttp are imported where used: `metachunk --help` must not pay for them.
 if TYPE_CHECKING:

@@ -61,7 +61,7 @@ Use
 ---
 Command line (writes the bound port to ``--port-file`` atomically once listening)::
 
-    python -m distill.loopback_server --port 0 --port-file PATH [--latency 0.2] \\
+    python tests/support/loopback_server.py --port 0 --port-file PATH [--latency 0.2] \\
         [--random-faults JSON] [--seed 0] [--replies JSON] [--retry-after 1] [--hang-seconds 3600]
 
 In process: ``server = LoopbackServer(latency=0.2); await server.start(); server.port; await
@@ -539,21 +539,18 @@ def serve_in_subprocess(
     echo_auth: bool = False,
     startup_timeout: float = 30.0,
 ) -> Iterator[ServerHandle]:
-    """Run ``python -m distill.loopback_server`` in a subprocess and yield its ``ServerHandle``.
+    """Run this file (standard library only) in a subprocess and yield its ``ServerHandle``.
 
     Waits for the port file (``startup_timeout`` seconds); raises RuntimeError with the server's
     output if it dies first. On exit sends SIGTERM, then kills after 5 s.
     """
-    repo_root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = repo_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    here = Path(__file__).resolve()
     with tempfile.TemporaryDirectory(prefix="loopback-server-") as tmp:
         port_file = Path(tmp) / "port"
         log_path = Path(tmp) / "server.log"
         command = [
             sys.executable,
-            "-m",
-            "distill.loopback_server",
+            str(here),
             "--port",
             "0",
             "--port-file",
@@ -565,8 +562,7 @@ def serve_in_subprocess(
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 command,
-                cwd=repo_root,
-                env=env,
+                cwd=here.parent,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
