@@ -45,8 +45,9 @@ import math
 import os
 import random
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from metachunk.config import option
 from metachunk.redaction import redact, register_secret, safe_url
@@ -56,6 +57,9 @@ from metachunk.store import AnswerStore, StoredAnswer
 if TYPE_CHECKING:
     import httpx2
     import openai
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -639,8 +643,19 @@ def _short(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+@dataclass
+class MapResult:
+    """What :meth:`TeacherPool.map` returns."""
+
+    results: list  # fn(item) for each item, in input order; None for an item that never finished
+    stopped: str = ""  # why the run stopped early: "budget", "unreachable", or "" when it went through
+    unreachable: str = ""  # stopped at an unreachable endpoint: the one line naming it
+    seconds: float = 0.0
+
+
 class TeacherPool:
-    """Builds one :class:`Teacher` per stage, sharing endpoints and the budget."""
+    """Builds one :class:`Teacher` per stage, sharing endpoints and the budget; :meth:`map` runs a
+    function over many items with a pool of workers, the one worker loop every caller uses."""
 
     def __init__(
         self,
@@ -674,6 +689,76 @@ class TeacherPool:
     def waited(self) -> int:
         """Answers this run waited for because another process on the store was paying for them."""
         return sum(t.waited for t in self.stages.values())
+
+    @property
+    def slots(self) -> int:
+        """Requests this pool may have in flight: its endpoints' concurrency (64 offline)."""
+        return sum(e.cfg.concurrency for e in self.endpoints.values()) or 64
+
+    async def map(
+        self,
+        items: Sequence[T],
+        fn: Callable[[T], Awaitable[R]],
+        *,
+        workers: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        progress: bool = True,
+        postfix: bool = True,
+        close: bool = True,
+    ) -> MapResult:
+        """``await fn(item)`` for every item, ``workers`` (default :attr:`slots`) at a time, with a
+        progress bar (rate and ETA; ``postfix``: requests per second, tokens and dollars paid).
+
+        Each item is taken by exactly one worker, in input order, so a run sends its requests in the
+        same order every time. The budget does not stop the loop: every later item still asks, and
+        the requests whose reservation does not fit end ``BudgetExceeded`` inside ``fn`` (which
+        records them as pending, or raises to stop), so the run sends everything that fits the cap.
+        An unreachable endpoint stops it: the other workers are cancelled and what finished is kept.
+        Any other error (or a KeyboardInterrupt) cancels every worker and is raised. ``close``: the
+        pool's HTTP clients are closed at the end (pass False to map again over the same pool)."""
+        from tqdm import tqdm
+
+        results: list[R | None] = [None] * len(items)
+        queue = iter(enumerate(items))
+        started = shown = time.perf_counter()
+        bar = tqdm(total=len(items), unit=unit, desc=desc, disable=not progress, dynamic_ncols=True)
+
+        def show() -> None:  # at most twice a second, and at the end
+            nonlocal shown
+            now = time.perf_counter()
+            if now - shown < 0.5 and bar.n < bar.total:
+                return
+            shown = now
+            tokens = sum(t.tokens_used for t in self.stages.values())
+            rate = self.sent / max(now - started, 1e-9)
+            bar.set_postfix_str(f"{rate:.1f} req/s, {tokens:,} tok, ${self.budget.paid:.4f}", refresh=False)
+
+        async def worker() -> None:
+            for i, item in queue:  # one shared iterator: each item is taken by exactly one worker
+                results[i] = await fn(item)
+                bar.update(1)
+                if postfix:
+                    show()
+
+        tasks = [asyncio.ensure_future(worker()) for _ in range(min(len(items), workers or self.slots) or 1)]
+        unreachable = ""
+        try:
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:  # the first error (or a cancellation) cancels the rest
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        except EndpointUnreachable as e:  # stop sending; what was answered is kept
+            unreachable = str(e)
+        finally:
+            bar.close()
+            if close:
+                await self.close()
+        stopped = "unreachable" if unreachable else "budget" if self.budget.exhausted else ""
+        return MapResult(results, stopped, unreachable, time.perf_counter() - started)
 
     async def close(self) -> None:
         for endpoint in self.endpoints.values():
