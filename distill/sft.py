@@ -1,7 +1,7 @@
 """``metachunk data build-sft rewrite|summary``: distilled records -> a prompt–completion dataset.
 
 (``moc-router`` / ``moc-expert``, the MoC router's and experts' sets from ``distill moc`` records,
-are built by :func:`distill.moc.build_moc_sft`, with the same shards, split, decontamination and card.)
+are built by :func:`distill.sft_moc.build_moc_sft`, with the same shards, split, decontamination and card.)
 
 The student does not learn the teacher's three stages. It learns to go from chunk plus context
 straight to the final answer (Meta-Chunking §3.2, trained with the loss of Eq. 3 on the
@@ -255,7 +255,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     from metachunk.models import resolve
 
     if cfg.task.startswith("moc-"):
-        from distill.moc import build_moc_sft
+        from distill.sft_moc import build_moc_sft
 
         return build_moc_sft(cfg, progress)
     started = time.perf_counter()

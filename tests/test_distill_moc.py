@@ -383,8 +383,8 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     """Each filter drops its planted sample: unrecoverable, contaminated, exact and near duplicates,
     too long; a failed record counts as failed_or_empty. A rebuild that cannot swap its dataset in
     keeps the previous one whole."""
-    from distill.moc import SFT_FILTERS
     from distill.sft import BuildSftConfig, build_sft
+    from distill.sft_moc import SFT_FILTERS
 
     cfg = SimpleNamespace(sample_chars=10_000, head_chars=10, tail_chars=10, placeholder="[MASK]")
 
