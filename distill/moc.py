@@ -2,12 +2,13 @@
 
 ``metachunk distill moc --config recipes/distill/moc.yaml`` asks a GPT-4o-class teacher to chunk
 documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``:
-chunks separated by ``\\n—\\n``), through the same teacher client, answer store, limits, budget and
-resume as ``distill rewrite|summary``: the store is the source of truth, ``OUT/moc.jsonl`` is
-rebuilt from it by every run, and a rerun (or a run after a crash) sends only the requests that
-never got an answer. ``metachunk data build-sft moc-router|moc-expert`` turns the records into the
-router's and the experts' SFT sets (:func:`distill.sft_moc.build_moc_sft`), with the prompts of
-:mod:`chunking.moc` (the ones ``chunk --method moc`` sends at inference).
+chunks separated by ``\\n—\\n``), through the same driver (:mod:`distill.run`, :class:`MocTask`),
+teacher client, answer store, limits, budget and resume as ``distill rewrite|summary``: the store
+is the source of truth, ``OUT/moc.jsonl`` is rebuilt from it by every run, and a rerun (or a run
+after a crash) sends only the requests that never got an answer. ``metachunk data build-sft
+moc-router|moc-expert`` turns the records into the router's and the experts' SFT sets
+(:mod:`distill.sft_rows`), with the prompts of :mod:`chunking.moc` (the ones
+``chunk --method moc`` sends at inference).
 
 **Windows.** A document is sent in windows of at most ``window_tokens`` (1024) tokens of the
 ``tokenizer`` (a preset or local HF dir; the teacher's own tokenizer is not needed, only a
@@ -73,42 +74,25 @@ fallbacks, labels, samples).
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import math
 import re
-import sys
-import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from chunking.align import locate
-from chunking.moc import (
-    ROUTER_LABELS,
-    granularity_label,
-    recover_spans,
-)
+from chunking.moc import ROUTER_LABELS, granularity_label, recover_spans
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
 from distill.pipelines import Pending, StageFailed, StageRunner
 from distill.prompts import load_prompt
-from distill.run import exit_status, gather_or_stop
-from metachunk import config
-from metachunk.artifacts import (
-    SCHEMA_VERSION,
-    InputError,
-    OutputPair,
-    jsonl_line,
-    read_documents,
-)
-from metachunk.store import AnswerStore
-from metachunk.teacher import EndpointUnreachable, Price, TeacherPool, estimate_tokens
+from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
+from metachunk.teacher import estimate_tokens, is_transport_failure
 
 if TYPE_CHECKING:
-    from distill.run import DistillConfig
+    from distill.run import DistillConfig, RunResult
 
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
@@ -410,11 +394,6 @@ def finish_record(record: dict, text: str, cfg: DistillConfig) -> dict:
 # ------------------------------------------------------------------------------------- one document
 
 
-def is_transport_failure(reason: str) -> bool:
-    """No answer was paid for: the next run sends the request again."""
-    return reason in ("timeout", "connection", "malformed_response") or reason.startswith("http_")
-
-
 def new_record(plan: DocPlan, cfg: DistillConfig) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
@@ -457,7 +436,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig)
         }
         record["windows"].append(window)
         body = text[pos:end]
-        holder: dict = {"stages": {}}
+        entry: dict = {}  # the window's teacher answer (a stage entry)
         truncated = False
 
         def parse(answer: str, body=body) -> Cleaned | None:
@@ -465,13 +444,12 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig)
             return cleaned if cleaned.located else None
 
         try:
-            cleaned = await runner.ask(holder, STAGE, plan.lang, parse=parse, text=body)
+            cleaned = await runner.ask_into(entry, STAGE, plan.lang, parse=parse, text=body)
         except Pending as e:
-            window.update(status="pending", reason=e.reason, answer=holder["stages"].get(STAGE))
+            window.update(status="pending", reason=e.reason, answer=entry)
             record.update(status="pending", reason=e.reason)
             break
         except StageFailed as e:
-            entry = holder["stages"].get(STAGE) or {}
             window.update(status="failed", reason=e.reason, answer=entry)
             if is_transport_failure(e.reason):
                 record.update(status="failed", reason=e.reason)
@@ -486,7 +464,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig)
                 window.update(fallback=True, returned=len(pieces), flagged=flagged)
                 pos = after = end
                 continue
-        window["answer"] = holder["stages"][STAGE]
+        window["answer"] = entry
         pos, after, widen = settle(window, cleaned, body, pos, end, len(text), truncated, can_widen, record)
     return finish_record(record, text, cfg)
 
@@ -541,96 +519,98 @@ def settle(
     return nxt, end, False
 
 
-# ------------------------------------------------------------------------------------- the run
+# ------------------------------------------------------------------------------------- the task
 
 
-@dataclass
-class MocResult:
-    records: list[dict]
-    seconds: float
-    sent: int
-    cached: int
-    stopped: str = ""
-    tokenizer: str = ""
-    texts: list[str] = field(default_factory=list)
-    paid: float = 0.0  # billed to this run's requests
-    spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
-    unreachable: str = ""  # the one line saying which endpoint could not be reached
+class MocDocument(NamedTuple):
+    id: str
+    text: str
+    lang: str
 
 
-def read_moc_documents(cfg: DistillConfig) -> list[tuple[str, str, str]]:
-    """``(id, text, lang)`` of the documents to chunk (the first ``limit``); ids must be unique."""
+def read_moc_documents(cfg: DistillConfig) -> list[MocDocument]:
+    """The documents to chunk (the first ``limit``); ids must be unique."""
     docs, seen = [], set()
     for doc in read_documents(cfg.documents):
         if doc.id in seen:
             raise InputError(cfg.documents, f"document id {doc.id!r} appears twice")
         seen.add(doc.id)
         lang = detect_lang(doc.text) if cfg.lang == "auto" else cfg.lang
-        docs.append((doc.id, doc.text, lang))
+        docs.append(MocDocument(doc.id, doc.text, lang))
         if cfg.limit is not None and len(docs) >= cfg.limit:
             break
     return docs
 
 
-def run_moc(cfg: DistillConfig, offline: bool = False) -> MocResult:
-    """Chunk every document with the teacher (or, offline, replay the store); returns the records."""
-    docs = read_moc_documents(cfg)
-    for lang in {lang for _, _, lang in docs}:  # fail on a broken prompt file before anything is sent
-        load_prompt(STAGE, lang)
-    counter = TokenCounter(cfg.tokenizer)
-    store = AnswerStore(cfg.cache)
-    try:
-        pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
-        result = asyncio.run(_drive(cfg, docs, counter, pool, cfg.progress and not offline))
-    finally:
-        store.close()
-    result.tokenizer = str(counter.path)
-    result.texts = [text for _, text, _ in docs]
-    return result
+class MocTask:
+    """``distill moc`` as the driver (:mod:`distill.run`) runs it: one record per document. A
+    document's windows are sequential, so the driver keeps one document in flight per request slot."""
 
+    name = TASK
+    stages = (STAGE,)
+    unit = "document"
+    workers_per_slot = 1
 
-async def _drive(
-    cfg: DistillConfig, docs, counter: TokenCounter, pool: TeacherPool, progress: bool
-) -> MocResult:
-    from tqdm import tqdm
+    def __init__(self, cfg: DistillConfig):
+        self.cfg = cfg
+        self.counter: TokenCounter | None = None  # loaded with the documents
 
-    runner = StageRunner(pool.stages, cfg.parse_retries)
-    records: list[dict | None] = [None] * len(docs)
-    queue = iter(enumerate(docs))
-    started = time.perf_counter()
-    bar = tqdm(total=len(docs), unit="doc", desc="distill moc", disable=not progress, dynamic_ncols=True)
+    def read(self) -> list[MocDocument]:
+        docs = read_moc_documents(self.cfg)
+        self.counter = TokenCounter(self.cfg.tokenizer)
+        return docs
 
-    async def worker() -> None:
-        for i, (doc_id, text, lang) in queue:  # one shared iterator: each document goes to one worker
-            # No early return at the budget: each later job still asks, and the stages whose
-            # reservation does not fit end pending, so the run sends everything that fits the cap.
-            records[i] = await chunk_document(DocPlan.build(doc_id, text, lang, counter), runner, cfg)
-            bar.update(1)
+    async def work(self, doc: MocDocument, runner: StageRunner) -> dict:
+        return await chunk_document(DocPlan.build(doc.id, doc.text, doc.lang, self.counter), runner, self.cfg)
 
-    # A document's windows are sequential: one request in flight per document.
-    slots = sum(e.cfg.concurrency for e in pool.endpoints.values()) or 64
-    workers = [asyncio.ensure_future(worker()) for _ in range(min(len(docs), slots) or 1)]
-    unreachable = ""
-    try:
-        await gather_or_stop(workers)
-    except EndpointUnreachable as e:  # stop sending; what was answered is kept and written
-        unreachable = str(e)
-    finally:
-        bar.close()
-        await pool.close()
-    stopped = "unreachable" if unreachable else "budget" if pool.budget.exhausted else ""
-    # Documents never started (or cut short) because the run stopped: replay them against the store.
-    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
-    replay_runner = StageRunner(replay.stages, cfg.parse_retries)
-    for i, record in enumerate(records):
-        if record is None:
-            doc_id, text, lang = docs[i]
-            records[i] = await chunk_document(DocPlan.build(doc_id, text, lang, counter), replay_runner, cfg)
-            if records[i]["status"] == "pending":
-                records[i]["reason"] = stopped
-    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
-    return MocResult(records, time.perf_counter() - started, pool.sent, cached, stopped,
-                     paid=pool.budget.paid, spent=pool.store.spent(), unreachable=unreachable)  # fmt: skip
+    def summarize(self, records: list[dict]) -> dict:
+        return summarize(records)
+
+    def manifest(self) -> dict:
+        return {"tokenizer": str(self.counter.path), "separator": SEPARATOR}
+
+    def summary_line(self, result: RunResult, summary: dict) -> str:
+        outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+        chunks, labels = summary["chunks"], summary["labels"]
+        return (
+            f"{self.cfg.out}/{TASK}.jsonl: {summary['documents']} documents ({outcome}); {summary['windows']['total']} "
+            f"windows, {summary['fallbacks']} fallbacks; chunks {chunks['accepted']} accepted "
+            f"({chunks['accepted_with_edits']} with edits), {chunks['flagged']} flagged; labels "
+            f"{' '.join(f'{k}:{v}' for k, v in labels.items())}; {summary['samples']['total']} samples; "
+            f"{result.sent} requests sent, {result.cached} answers from the store; "
+            f"{summary['prompt_tokens'] + summary['completion_tokens']:,} tokens, ${summary['cost']:.4f}; "
+            f"{result.seconds:.1f}s"
+        )
+
+    def status(self, records: list[dict]) -> list[str]:
+        s = summarize(records)
+        outcome = ", ".join(f"{k} {v}" for k, v in sorted(s["outcome"].items()))
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items()))
+        windows = ", ".join(f"{k} {v}" for k, v in sorted(s["windows"].items()) if k != "total")
+        chunks = s["chunks"]
+        return [
+            f"moc: {s['documents']} documents  {outcome}" + (f"  (failed: {reasons})" if reasons else ""),
+            f"  windows {s['windows']['total']}: {windows}; fallbacks {s['fallbacks']}, widened "
+            f"{s['widened_windows']}, forced edges {s['forced_edges']}, over budget {s['over_budget_windows']}",
+            f"  chunks: returned {chunks['returned']}, accepted {chunks['accepted']} ({chunks['accepted_with_edits']} "
+            f"with edits), flagged {chunks['flagged']}; gaps {s['gaps']['count']} ({s['gaps']['chars']} chars)",
+            f"  labels {' '.join(f'{k}:{v}' for k, v in s['labels'].items())}; samples {s['samples']['total']} "
+            f"({s['samples']['unrecoverable']} unrecoverable)",
+            f"  tokens {s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion; ${s['cost']:.4f}",
+        ]
+
+    def entries(self, record: dict) -> list[tuple[str, dict]]:
+        return [(STAGE, w["answer"]) for w in record["windows"] if w.get("answer")]
+
+    def pending_calls(self, record: dict, doc: MocDocument) -> list[tuple[str, int, int, int]]:
+        """The document's text after its last window's start, in windows of ``window_tokens`` (a
+        quarter re-sent as chunk buffer), each answered at worst with ``max_tokens``."""
+        instructions = estimate_tokens(load_prompt(STAGE, record["lang"]).user) + 8
+        pos = record["windows"][-1]["start"] if record["windows"] else 0
+        remaining = estimate_tokens(doc.text[pos:])
+        n = max(1, math.ceil(remaining / (0.75 * self.cfg.window_tokens)))
+        prompt = math.ceil(remaining / 0.75) + n * instructions
+        return [(STAGE, n, prompt, n * self.cfg.teachers[STAGE].max_tokens)]
 
 
 def summarize(records: Sequence[dict]) -> dict:
@@ -684,130 +664,3 @@ def summarize(records: Sequence[dict]) -> dict:
         "completion_tokens": spend["completion_tokens"],
         "cost": round(spend["cost"], 6),
     }
-
-
-def write_records(cfg: DistillConfig, result: MocResult) -> dict:
-    """``OUT/moc.jsonl`` (one record per document) and ``OUT/moc.meta.json``; returns the summary."""
-    summary = summarize(result.records)
-    summary.update(
-        seconds=round(result.seconds, 2),
-        requests_sent=result.sent,
-        answers_from_store=result.cached,
-        paid=round(result.paid, 6),
-        store_spent=round(result.spent, 6),
-        stopped=result.stopped,
-    )
-    langs = sorted({r["lang"] for r in result.records})
-    with OutputPair(Path(cfg.out) / f"{TASK}.jsonl") as pair:  # records and manifest, replaced together
-        for record in result.records:
-            pair.file.write(jsonl_line(record))
-        pair.commit(
-            {
-                "schema_version": SCHEMA_VERSION,
-                "command": "distill moc",
-                "config": config.to_dict(cfg),
-                "tokenizer": result.tokenizer,
-                "separator": SEPARATOR,
-                "prompt_sha256": {f"{STAGE}.{lang}": load_prompt(STAGE, lang).sha256 for lang in langs},
-                "summary": summary,
-            }
-        )
-    return summary
-
-
-def summary_line(cfg: DistillConfig, result: MocResult, summary: dict) -> str:
-    outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
-    chunks, labels = summary["chunks"], summary["labels"]
-    return (
-        f"{cfg.out}/{TASK}.jsonl: {summary['documents']} documents ({outcome}); {summary['windows']['total']} "
-        f"windows, {summary['fallbacks']} fallbacks; chunks {chunks['accepted']} accepted "
-        f"({chunks['accepted_with_edits']} with edits), {chunks['flagged']} flagged; labels "
-        f"{' '.join(f'{k}:{v}' for k, v in labels.items())}; {summary['samples']['total']} samples; "
-        f"{result.sent} requests sent, {result.cached} answers from the store; "
-        f"{summary['prompt_tokens'] + summary['completion_tokens']:,} tokens, ${summary['cost']:.4f}; "
-        f"{result.seconds:.1f}s"
-    )
-
-
-def print_status(cfg: DistillConfig, result: MocResult, file=None) -> None:
-    file = file or sys.stdout
-    s = summarize(result.records)
-    outcome = ", ".join(f"{k} {v}" for k, v in sorted(s["outcome"].items()))
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items()))
-    windows = ", ".join(f"{k} {v}" for k, v in sorted(s["windows"].items()) if k != "total")
-    chunks = s["chunks"]
-    print(
-        f"moc: {s['documents']} documents  {outcome}" + (f"  (failed: {reasons})" if reasons else ""),
-        file=file,
-    )
-    print(
-        f"  windows {s['windows']['total']}: {windows}; fallbacks {s['fallbacks']}, widened "
-        f"{s['widened_windows']}, forced edges {s['forced_edges']}, over budget {s['over_budget_windows']}",
-        file=file,
-    )
-    print(
-        f"  chunks: returned {chunks['returned']}, accepted {chunks['accepted']} ({chunks['accepted_with_edits']} "
-        f"with edits), flagged {chunks['flagged']}; gaps {s['gaps']['count']} ({s['gaps']['chars']} chars)",
-        file=file,
-    )
-    print(
-        f"  labels {' '.join(f'{k}:{v}' for k, v in s['labels'].items())}; samples {s['samples']['total']} "
-        f"({s['samples']['unrecoverable']} unrecoverable)",
-        file=file,
-    )
-    print(
-        f"  tokens {s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion; ${s['cost']:.4f}",
-        file=file,
-    )
-
-
-def print_estimate(cfg: DistillConfig, result: MocResult, file=None) -> dict:
-    """Dry run: requests still to send for unfinished documents, estimated from their remaining
-    text (windows of ``window_tokens``, a quarter re-sent as chunk buffer), at worst ``max_tokens``
-    per answer."""
-    file = file or sys.stdout
-    teacher = cfg.teachers[STAGE]
-    instructions = {lang: estimate_tokens(load_prompt(STAGE, lang).user) + 8 for lang in ("zh", "en")}
-    docs = calls = prompt = completion = cached = 0
-    for record, text in zip(result.records, result.texts):
-        cached += sum(1 for w in record["windows"] if (w.get("answer") or {}).get("cached"))
-        if record["status"] == "ok" or (
-            record["status"] == "failed" and not is_transport_failure(record["reason"])
-        ):
-            continue
-        pos = record["windows"][-1]["start"] if record["windows"] else 0
-        remaining = estimate_tokens(text[pos:])
-        n = max(1, math.ceil(remaining / (0.75 * cfg.window_tokens)))
-        docs += 1
-        calls += n
-        prompt += math.ceil(remaining / 0.75) + n * instructions[record["lang"]]
-        completion += n * teacher.max_tokens
-    cost = cfg.prices.get(teacher.model, Price()).cost(prompt, completion)
-    print(f"dry run: {len(result.records)} documents, {docs} unfinished, nothing sent", file=file)
-    header = f"{'stage':<10} {'model':<28} {'calls':>7} {'cached':>7} {'prompt tok':>11} {'max compl tok':>14} {'max cost $':>11}"
-    print(header + "\n" + "-" * len(header), file=file)
-    print(
-        f"{STAGE:<10} {teacher.model[-28:]:<28} {calls:>7} {cached:>7} {prompt:>11,} {completion:>14,} {cost:>11.4f}",
-        file=file,
-    )
-    return {
-        "calls": calls,
-        "cached": cached,
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "cost": cost,
-    }
-
-
-def main(cfg: DistillConfig, action: str) -> int:
-    """``metachunk distill moc`` / ``distill status`` / ``--dry-run`` for a moc recipe."""
-    if action == "status" or cfg.dry_run:
-        result = run_moc(cfg, offline=True)
-        print_status(cfg, result) if action == "status" else print_estimate(cfg, result)
-        return 0
-    result = run_moc(cfg)
-    summary = write_records(cfg, result)
-    print(summary_line(cfg, result, summary), file=sys.stderr)
-    return exit_status(
-        cfg, result.records, result.stopped, result.paid, result.spent, result.unreachable, "documents"
-    )

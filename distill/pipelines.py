@@ -9,6 +9,10 @@ and reads what the teacher client returns, which on a rerun comes from the answe
 a parser re-reads stored answers and sends nothing. A stage whose answer is empty or cannot be
 parsed is asked again (``attempt`` + 1, a new cached request) up to ``parse_retries`` times,
 then the record fails with that stage's raw text kept.
+
+:class:`ChunkTask` is both pipelines as the driver (:mod:`distill.run`) runs them: the chunks
+file read and checked against its documents (:func:`read_jobs`, with each chunk's context), the
+work per chunk, and the summary, status and dry-run rows of the records.
 """
 
 from __future__ import annotations
@@ -16,11 +20,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from chunking.students import CONTEXT_SEPARATOR, related_chunks, window_span
 from distill.prompts import load_prompt
-from metachunk.artifacts import SCHEMA_VERSION
+from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
+
+if TYPE_CHECKING:
+    from distill.run import DistillConfig, RunResult
 
 STAGES = {
     "rewrite": ("reflection", "refinement", "completion"),
@@ -109,16 +120,22 @@ def format_items(items: list[Item], lang: str) -> str:
 
 class StageRunner:
     """Asks one stage's teacher, retrying empty or unparseable answers, and records every
-    attempt's answer under the stage's name."""
+    attempt's answer in the stage's entry."""
 
     def __init__(self, teachers: dict[str, Teacher], parse_retries: int):
         self.teachers, self.parse_retries = teachers, parse_retries
 
     async def ask(self, record: dict, stage: str, lang: str, parse=None, **values: str):
-        """The parsed value (the clean text when ``parse`` is None). Raises Pending/StageFailed."""
+        """The parsed value (the clean text when ``parse`` is None), recorded in the record's entry
+        for the stage, ``record["stages"][stage]``. Raises Pending/StageFailed."""
+        entry = record["stages"][stage] = {}
+        return await self.ask_into(entry, stage, lang, parse, **values)
+
+    async def ask_into(self, entry: dict, stage: str, lang: str, parse=None, **values: str):
+        """:meth:`ask`, recording into ``entry`` (MoC keeps one entry per window of a record)."""
         prompt = load_prompt(stage, lang)
         messages = prompt.messages(**values)
-        entry = record["stages"][stage] = {"prompt_sha256": prompt.sha256, "attempts": 0}
+        entry.update(prompt_sha256=prompt.sha256, attempts=0)
         for attempt in range(self.parse_retries + 1):
             try:
                 answer = await self.teachers[stage].complete(messages, prompt.sha256, attempt)
@@ -254,3 +271,220 @@ def estimate_pending(
             prompt = body + sum(teachers[s].max_tokens for s in stages[: stages.index(stage)])
         calls.append((stage, prompt, teachers[stage].max_tokens))
     return calls
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
+    """Chunks to distil, checked against their documents; the context of each is built here."""
+    from chunking.sentences import detect_lang
+
+    docs = {d.id: d.text for d in read_documents(cfg.documents)}
+    jobs, related = [], []
+    path = Path(cfg.chunks)
+    if not path.is_file():
+        raise InputError(path, "no such file")
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                doc_id, chunks = str(record["id"]), record["chunks"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InputError(
+                    path, f"expected a chunks record with 'id' and 'chunks' ({e})", number
+                ) from None
+            if doc_id not in docs:
+                raise InputError(path, f"document {doc_id!r} is not in {cfg.documents}", number)
+            text = docs[doc_id]
+            # Every chunk is checked, not only the selected ones: related context reads them all.
+            if not isinstance(chunks, list):
+                raise InputError(path, "'chunks' must be a list of {text, start, end} objects", number)
+            for i, c in enumerate(chunks):
+                if not isinstance(c, dict):
+                    raise InputError(
+                        path, f"chunks[{i}] must be an object with 'text', 'start', 'end'", number
+                    )
+                for key in ("text", "start", "end"):
+                    if key not in c:
+                        raise InputError(path, f"chunks[{i}]: missing field {key!r}", number)
+                if not isinstance(c["text"], str):
+                    raise InputError(path, f"chunks[{i}]: 'text' must be a string", number)
+                for key in ("start", "end"):
+                    if isinstance(c[key], bool) or not isinstance(c[key], int):
+                        raise InputError(
+                            path, f"chunks[{i}]: {key!r} must be an integer, got {c[key]!r}", number
+                        )
+                if not 0 <= c["start"] <= c["end"] <= len(text):
+                    raise InputError(
+                        path,
+                        f"chunks[{i}]: {c['start']}:{c['end']} is outside the document (0:{len(text)})",
+                        number,
+                    )
+                if text[c["start"] : c["end"]] != c["text"]:
+                    raise InputError(
+                        path,
+                        f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}",
+                        number,
+                    )
+            lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
+            selected = record.get("selected", list(range(len(chunks))))
+            if not isinstance(selected, list):
+                raise InputError(path, "'selected' must be a list of chunk indices", number)
+            for i in selected:
+                # A negative index would silently pick a chunk from the end; a bool is not an index.
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(chunks):
+                    valid = f"0-{len(chunks) - 1}" if chunks else "the record has no chunks"
+                    raise InputError(path, f"'selected': {i!r} is not a chunk index ({valid})", number)
+            for i in selected:
+                c = chunks[i]
+                left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
+                jobs.append(
+                    ChunkJob(
+                        doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),)
+                    )
+                )
+                related.append(chunks)
+                if cfg.limit is not None and len(jobs) >= cfg.limit:
+                    break
+            if cfg.limit is not None and len(jobs) >= cfg.limit:
+                break
+    if cfg.context == "related":
+        jobs = with_related_context(jobs, related, cfg)
+    return jobs
+
+
+def with_related_context(
+    jobs: list[ChunkJob], all_chunks: list[list[dict]], cfg: DistillConfig
+) -> list[ChunkJob]:
+    """Long documents (Meta-Chunking §3.2.1 preprocessing): the context of a chunk is its
+    ``context_top_k`` most similar chunks of the same document, in document order."""
+    from metachunk.models import load_sentence_embedder
+
+    embedder = load_sentence_embedder(cfg.embedder)
+    by_doc: dict[str, list[dict]] = {}
+    for job, chunks in zip(jobs, all_chunks):
+        by_doc.setdefault(job.doc_id, chunks)
+    vectors = {
+        doc_id: embedder.encode([c["text"] for c in chunks], normalize_embeddings=True, convert_to_numpy=True)
+        for doc_id, chunks in by_doc.items()
+    }
+    out = []
+    for job in jobs:
+        chunks, vecs = by_doc[job.doc_id], vectors[job.doc_id]
+        top = related_chunks(vecs, job.index, cfg.context_top_k)
+        context = CONTEXT_SEPARATOR.join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
+        spans = tuple((chunks[i]["start"], chunks[i]["end"]) for i in top)
+        out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context, spans))
+    return out
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per-record outcome counts and, per stage, done / failed by reason / pending plus usage."""
+    outcome = Counter(r["status"] for r in records)
+    reasons = Counter(f"{r.get('stage', '')}:{r['reason']}" for r in records if r["status"] == "failed")
+    stages: dict[str, dict] = defaultdict(
+        lambda: {
+            "done": 0,
+            "failed": Counter(),
+            "pending": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cost": 0.0,
+        }
+    )
+    for r in records:
+        for name, entry in r["stages"].items():
+            row = stages[name]
+            if entry["status"] == "ok":
+                row["done"] += 1
+            elif entry["status"] == "pending":
+                row["pending"] += 1
+            else:
+                row["failed"][entry["reason"] or "unknown"] += 1
+            spent = entry.get("spent") or {**entry["usage"], "cost": entry["cost"]}
+            row["prompt_tokens"] += spent["prompt_tokens"]
+            row["completion_tokens"] += spent["completion_tokens"]
+            row["cost"] += spent["cost"]
+    return {
+        "chunks": len(records),
+        "outcome": dict(outcome),
+        "failed_by_stage_reason": dict(reasons),
+        "stages": {
+            k: {**v, "failed": dict(v["failed"]), "cost": round(v["cost"], 6)} for k, v in stages.items()
+        },
+        "cost": round(sum(v["cost"] for v in stages.values()), 6),
+    }
+
+
+# ------------------------------------------------------------------------------------- the task
+
+
+class ChunkTask:
+    """``distill rewrite|summary`` as the driver (:mod:`distill.run`) runs it: one record per chunk
+    of a chunks file. A chunk's stages are a chain, one request at a time, so the driver keeps two
+    chunks in flight per request slot."""
+
+    unit = "chunk"
+    workers_per_slot = 2
+
+    def __init__(self, cfg: DistillConfig):
+        self.cfg, self.name, self.stages = cfg, cfg.task, STAGES[cfg.task]
+
+    def read(self) -> list[ChunkJob]:
+        return read_jobs(self.cfg)
+
+    async def work(self, job: ChunkJob, runner: StageRunner) -> dict:
+        if self.name == "rewrite":
+            return await rewrite(job, runner, self.cfg.threshold)
+        return await summary(job, runner)
+
+    def summarize(self, records: list[dict]) -> dict:
+        return summarize(records)
+
+    def manifest(self) -> dict:
+        return {}
+
+    def summary_line(self, result: RunResult, summary: dict) -> str:
+        outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+        waited = f" ({result.waited} waited for another run on the store)" if result.waited else ""
+        return (
+            f"{self.cfg.out}/{self.name}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests "
+            f"sent, {result.cached} answers from the store{waited}; ${result.paid:.4f} paid by this run, "
+            f"${summary['cost']:.4f} in the records; {result.seconds:.1f}s"
+        )
+
+    def status(self, records: list[dict]) -> list[str]:
+        s = summarize(records)
+        outcome = ", ".join(f"{k} {v}" for k, v in sorted(s["outcome"].items()))
+        header = f"{'stage':<16} {'done':>6} {'failed':>7} {'pending':>8} {'prompt tok':>11} {'compl tok':>10} {'cost $':>10}  failed by reason"
+        lines = [f"{self.name}: {s['chunks']} chunks  {outcome}", header, "-" * len(header)]
+        for stage in self.stages:
+            row = s["stages"].get(
+                stage,
+                {
+                    "done": 0,
+                    "failed": {},
+                    "pending": 0,
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                    "cost": 0.0,
+                },
+            )
+            failed = sum(row["failed"].values())
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["failed"].items()))
+            lines.append(f"{stage:<16} {row['done']:>6} {failed:>7} {row['pending']:>8} {row['prompt_tokens']:>11,} "
+                         f"{row['completion_tokens']:>10,} {row['cost']:>10.4f}  {reasons}")  # fmt: skip
+        not_started = sum(1 for r in records if r["status"] == "pending" and not r["stages"])
+        if not_started:
+            lines.append(f"{not_started} chunks not started")
+        return lines
+
+    def entries(self, record: dict) -> list[tuple[str, dict]]:
+        return list(record["stages"].items())
+
+    def pending_calls(self, record: dict, job: ChunkJob) -> list[tuple[str, int, int, int]]:
+        calls = estimate_pending(record, job, self.cfg.teachers)
+        return [(stage, 1, prompt, completion) for stage, prompt, completion in calls]

@@ -1,36 +1,38 @@
-"""``metachunk distill rewrite|summary|status``: read chunks, ask the teachers, write records.
+"""``metachunk distill rewrite|summary|moc|status``: one driver for every teacher pipeline.
+
+A task (:class:`Task`) supplies how to read its items, the work per item, and the summary,
+status and dry-run rows of its records: rewrite and summary (:class:`distill.pipelines.ChunkTask`,
+one record per chunk) and moc (:class:`distill.moc.MocTask`, one record per document). The driver
+does the rest the same way for each: check the prompt files, run the work over the items with the
+teacher pool's workers (:meth:`metachunk.teacher.TeacherPool.map`), replay against the store the
+items a stop (budget, unreachable endpoint) left unstarted, write the records and the manifest,
+and choose the exit status.
 
 The answer store is the source of truth; ``OUT/TASK.jsonl`` is a view of it, rebuilt in full by
 every run (answered requests come from the store, so a rerun after a crash or a parser change
 costs nothing but the requests that never got an answer). ``--dry-run`` and ``status`` replay the
 pipeline against the store without a network client: whatever is answered is read, and the first
-unanswered request of each chunk is counted, with the calls after it estimated.
+unanswered request of each item is counted, with the calls after it estimated.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
-from chunking.students import (  # the students' context, shared with the chunker's inference
-    CONTEXT_SEPARATOR,
-    context_from_spans,  # noqa: F401  (re-exported)
-    related_chunks,
-    window_span,
-)
-from distill.pipelines import STAGES, ChunkJob, StageRunner, estimate_pending, rewrite, summary
+from distill.pipelines import STAGES, ChunkTask, StageRunner
 from distill.prompts import load_prompt
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, read_documents
+from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
 from metachunk.config import option
 from metachunk.store import AnswerStore
-from metachunk.teacher import EndpointUnreachable, Price, TeacherConfig, TeacherPool
+from metachunk.teacher import Price, TeacherConfig, TeacherPool, is_transport_failure
 
 # Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
 TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}
@@ -135,117 +137,49 @@ class DistillConfig:
             self.cache = Path(self.out) / "answers.sqlite"
 
 
-# ---------------------------------------------------------------------------------------- inputs
+# ---------------------------------------------------------------------------------------- tasks
 
 
-def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
-    """Chunks to distil, checked against their documents; the context of each is built here."""
-    from chunking.sentences import detect_lang
+class Task(Protocol):
+    """One teacher pipeline, as the driver runs it: :class:`distill.pipelines.ChunkTask` (rewrite,
+    summary) and :class:`distill.moc.MocTask`."""
 
-    docs = {d.id: d.text for d in read_documents(cfg.documents)}
-    jobs, related = [], []
-    path = Path(cfg.chunks)
-    if not path.is_file():
-        raise InputError(path, "no such file")
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                doc_id, chunks = str(record["id"]), record["chunks"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(
-                    path, f"expected a chunks record with 'id' and 'chunks' ({e})", number
-                ) from None
-            if doc_id not in docs:
-                raise InputError(path, f"document {doc_id!r} is not in {cfg.documents}", number)
-            text = docs[doc_id]
-            # Every chunk is checked, not only the selected ones: related context reads them all.
-            if not isinstance(chunks, list):
-                raise InputError(path, "'chunks' must be a list of {text, start, end} objects", number)
-            for i, c in enumerate(chunks):
-                if not isinstance(c, dict):
-                    raise InputError(
-                        path, f"chunks[{i}] must be an object with 'text', 'start', 'end'", number
-                    )
-                for key in ("text", "start", "end"):
-                    if key not in c:
-                        raise InputError(path, f"chunks[{i}]: missing field {key!r}", number)
-                if not isinstance(c["text"], str):
-                    raise InputError(path, f"chunks[{i}]: 'text' must be a string", number)
-                for key in ("start", "end"):
-                    if isinstance(c[key], bool) or not isinstance(c[key], int):
-                        raise InputError(
-                            path, f"chunks[{i}]: {key!r} must be an integer, got {c[key]!r}", number
-                        )
-                if not 0 <= c["start"] <= c["end"] <= len(text):
-                    raise InputError(
-                        path,
-                        f"chunks[{i}]: {c['start']}:{c['end']} is outside the document (0:{len(text)})",
-                        number,
-                    )
-                if text[c["start"] : c["end"]] != c["text"]:
-                    raise InputError(
-                        path,
-                        f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}",
-                        number,
-                    )
-            lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
-            selected = record.get("selected", list(range(len(chunks))))
-            if not isinstance(selected, list):
-                raise InputError(path, "'selected' must be a list of chunk indices", number)
-            for i in selected:
-                # A negative index would silently pick a chunk from the end; a bool is not an index.
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(chunks):
-                    valid = f"0-{len(chunks) - 1}" if chunks else "the record has no chunks"
-                    raise InputError(path, f"'selected': {i!r} is not a chunk index ({valid})", number)
-            for i in selected:
-                c = chunks[i]
-                left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
-                jobs.append(
-                    ChunkJob(
-                        doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),)
-                    )
-                )
-                related.append(chunks)
-                if cfg.limit is not None and len(jobs) >= cfg.limit:
-                    break
-            if cfg.limit is not None and len(jobs) >= cfg.limit:
-                break
-    if cfg.context == "related":
-        jobs = with_related_context(jobs, related, cfg)
-    return jobs
+    name: str  # the task: `distill NAME` writes OUT/NAME.jsonl and OUT/NAME.meta.json
+    stages: tuple[str, ...]  # its teacher stages, each with a prompt file per language
+    unit: str  # what one item, and its record, is: "chunk", "document"
+    workers_per_slot: int  # items in flight per request slot of the endpoints
+
+    def read(self) -> list:
+        """The items, checked (each has a ``lang``); a bad input raises InputError."""
+
+    async def work(self, item, runner: StageRunner) -> dict:
+        """The item's record. A stage the budget refused, or (offline) not answered yet, leaves it pending."""
+
+    def summarize(self, records: list[dict]) -> dict:
+        """The records' counts: the manifest's ``summary``, before the run's own numbers."""
+
+    def manifest(self) -> dict:
+        """What the manifest holds besides the config, the prompt hashes and the summary."""
+
+    def summary_line(self, result: RunResult, summary: dict) -> str:
+        """The line printed after a run."""
+
+    def status(self, records: list[dict]) -> list[str]:
+        """``distill status``: the lines printed."""
+
+    def entries(self, record: dict) -> list[tuple[str, dict]]:
+        """``(stage, stage entry)`` for every request the record holds an answer (or error) for."""
+
+    def pending_calls(self, record: dict, item) -> list[tuple[str, int, int, int]]:
+        """Dry run: ``(stage, calls, prompt tokens, completion tokens)`` the record still needs, at worst."""
 
 
-def window(text: str, start: int, end: int, limit: int) -> str:
-    left, right = window_span(len(text), start, end, limit)
-    return text[left:right]
+def make_task(cfg: DistillConfig) -> Task:
+    if cfg.task == "moc":  # windows + chunk buffer + edit-distance cleaning (distill/moc.py)
+        from distill.moc import MocTask
 
-
-def with_related_context(
-    jobs: list[ChunkJob], all_chunks: list[list[dict]], cfg: DistillConfig
-) -> list[ChunkJob]:
-    """Long documents (Meta-Chunking §3.2.1 preprocessing): the context of a chunk is its
-    ``context_top_k`` most similar chunks of the same document, in document order."""
-    from metachunk.models import load_sentence_embedder
-
-    embedder = load_sentence_embedder(cfg.embedder)
-    by_doc: dict[str, list[dict]] = {}
-    for job, chunks in zip(jobs, all_chunks):
-        by_doc.setdefault(job.doc_id, chunks)
-    vectors = {
-        doc_id: embedder.encode([c["text"] for c in chunks], normalize_embeddings=True, convert_to_numpy=True)
-        for doc_id, chunks in by_doc.items()
-    }
-    out = []
-    for job in jobs:
-        chunks, vecs = by_doc[job.doc_id], vectors[job.doc_id]
-        top = related_chunks(vecs, job.index, cfg.context_top_k)
-        context = CONTEXT_SEPARATOR.join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
-        spans = tuple((chunks[i]["start"], chunks[i]["end"]) for i in top)
-        out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context, spans))
-    return out
+        return MocTask(cfg)
+    return ChunkTask(cfg)
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -253,107 +187,64 @@ def with_related_context(
 
 @dataclass
 class RunResult:
+    task: Task
     records: list[dict]
+    items: list  # what the records were made from (chunk jobs, documents), in the same order
     seconds: float
     sent: int
     cached: int
+    waited: int = 0  # answers another process on the store was paying for when this run wanted them
     stopped: str = ""  # why the run stopped early: "budget", "unreachable", or "" when it went through
-    jobs: list[ChunkJob] = field(default_factory=list)
+    unreachable: str = ""  # the one line saying which endpoint could not be reached
     paid: float = 0.0  # billed to this run's requests
     spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
-    waited: int = 0  # answers another process on the store was paying for when this run wanted them
-    unreachable: str = ""  # the one line saying which endpoint could not be reached
-
-
-async def _drive(cfg: DistillConfig, jobs: list[ChunkJob], pool: TeacherPool, progress: bool) -> RunResult:
-    from tqdm import tqdm
-
-    runner = StageRunner(pool.stages, cfg.parse_retries)
-    if cfg.task == "rewrite":
-        work = lambda job, runner=runner: rewrite(job, runner, cfg.threshold)  # noqa: E731
-    else:
-        work = lambda job, runner=runner: summary(job, runner)  # noqa: E731
-    records: list[dict | None] = [None] * len(jobs)
-    queue = iter(enumerate(jobs))
-    started = time.perf_counter()
-    bar = tqdm(
-        total=len(jobs), unit="chunk", desc=f"distill {cfg.task}", disable=not progress, dynamic_ncols=True
-    )
-    shown = [0.0]
-
-    def show() -> None:
-        now = time.perf_counter()
-        if now - shown[0] < 0.5 and bar.n < bar.total:
-            return
-        shown[0] = now
-        spent = pool.budget.paid
-        tokens = sum(t.tokens_used for t in pool.stages.values())
-        bar.set_postfix_str(
-            f"{pool.sent / max(now - started, 1e-9):.1f} req/s, {tokens:,} tok, ${spent:.4f}", refresh=False
-        )
-
-    async def worker() -> None:
-        for i, job in queue:  # one shared iterator: each job is taken by exactly one worker
-            # No early return at the budget: each later job still asks, and the stages whose
-            # reservation does not fit end pending, so the run sends everything that fits the cap.
-            records[i] = await work(job)
-            bar.update(1)
-            show()
-
-    # Chains are sequential, so keep about two chunks per request slot in flight.
-    slots = sum(e.cfg.concurrency for e in pool.endpoints.values()) or 64
-    workers = [asyncio.ensure_future(worker()) for _ in range(min(len(jobs), 2 * slots) or 1)]
-    unreachable = ""
-    try:
-        await gather_or_stop(workers)
-    except EndpointUnreachable as e:  # stop sending; what was answered is kept and written
-        unreachable = str(e)
-    finally:
-        bar.close()
-        await pool.close()
-    stopped = "unreachable" if unreachable else "budget" if pool.budget.exhausted else ""
-    # Chunks never started (or cut short) because the run stopped: replay them against the store,
-    # sending nothing, so that the records still show every answer the store holds for them.
-    unstarted = [i for i, record in enumerate(records) if record is None]
-    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
-    for i in unstarted:
-        records[i] = await work(jobs[i], StageRunner(replay.stages, cfg.parse_retries))
-        if records[i]["status"] == "pending":
-            records[i]["reason"] = stopped
-    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
-    return RunResult(records, time.perf_counter() - started, pool.sent, cached, stopped, jobs,
-                     paid=pool.budget.paid, spent=pool.store.spent(), waited=pool.waited,
-                     unreachable=unreachable)  # fmt: skip
-
-
-async def gather_or_stop(workers: list[asyncio.Future]) -> None:
-    """Wait for every worker; on the first error (or cancellation) cancel the rest, then raise it."""
-    try:
-        await asyncio.gather(*workers)
-    except BaseException:
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        raise
 
 
 def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
-    """Run (or, offline, replay) the pipeline over every chunk; returns the records."""
-    jobs = read_jobs(cfg)
-    for stage in STAGES[cfg.task]:  # fail on a broken prompt file before anything is sent
-        for lang in {j.lang for j in jobs}:
+    """Run (or, offline, replay) the task's pipeline over every item; returns the records."""
+    task = make_task(cfg)
+    items = task.read()
+    for stage in task.stages:  # fail on a broken prompt file before anything is sent
+        for lang in {item.lang for item in items}:
             load_prompt(stage, lang)
     store = AnswerStore(cfg.cache)
     try:
         pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
-        return asyncio.run(_drive(cfg, jobs, pool, cfg.progress and not offline))
+        return asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline))
     finally:
         store.close()
 
 
+async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, progress: bool) -> RunResult:
+    started = time.perf_counter()
+    runner = StageRunner(pool.stages, cfg.parse_retries)
+    done = await pool.map(
+        items,
+        lambda item: task.work(item, runner),
+        workers=task.workers_per_slot * pool.slots,
+        desc=f"distill {task.name}",
+        unit=task.unit,
+        progress=progress,
+    )
+    # Items never started (or cut short) because the run stopped: replay them against the store,
+    # sending nothing, so that the records still show every answer the store holds for them.
+    records = done.results
+    replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
+    replay_runner = StageRunner(replay.stages, cfg.parse_retries)
+    for i, record in enumerate(records):
+        if record is None:
+            records[i] = await task.work(items[i], replay_runner)
+            if records[i]["status"] == "pending":
+                records[i]["reason"] = done.stopped
+    cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
+    return RunResult(task, records, items, time.perf_counter() - started, pool.sent, cached, pool.waited,
+                     done.stopped, done.unreachable, pool.budget.paid, pool.store.spent())  # fmt: skip
+
+
 def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     """``OUT/TASK.jsonl`` and ``OUT/TASK.meta.json``, replaced together; returns the summary."""
-    summary = summarize(result.records)
+    task = result.task
+    summary = task.summarize(result.records)
     summary.update(
         seconds=round(result.seconds, 2),
         requests_sent=result.sent,
@@ -365,15 +256,27 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     )
     prompts = {
         f"{stage}.{lang}": load_prompt(stage, lang).sha256
-        for stage in STAGES[cfg.task]
+        for stage in task.stages
         for lang in sorted({r["lang"] for r in result.records})
     }
-    with OutputPair(Path(cfg.out) / f"{cfg.task}.jsonl") as pair:
+    with OutputPair(Path(cfg.out) / f"{task.name}.jsonl") as pair:
         for record in result.records:
             pair.file.write(jsonl_line(record))
-        pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {cfg.task}",
-                     "config": config.to_dict(cfg), "prompt_sha256": prompts, "summary": summary})  # fmt: skip
+        pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {task.name}", "config": config.to_dict(cfg),
+                     **task.manifest(), "prompt_sha256": prompts, "summary": summary})  # fmt: skip
     return summary
+
+
+def main(cfg: DistillConfig, action: str) -> int:
+    """``metachunk distill TASK`` / ``distill status`` / ``--dry-run``, for every task."""
+    if action == "status" or cfg.dry_run:
+        result = run(cfg, offline=True)
+        print_status(result) if action == "status" else print_estimate(cfg, result)
+        return EXIT_OK
+    result = run(cfg)
+    summary = write_records(cfg, result)
+    print(result.task.summary_line(result, summary), file=sys.stderr)
+    return exit_status(cfg, result)
 
 
 # `metachunk distill` exit statuses (also in its --help).
@@ -387,17 +290,17 @@ EXIT_CODES_HELP = """exit status:
      could not be reached; the records are written and a rerun retries the transport failures"""
 
 
-def exit_status(cfg, records: list[dict], stopped: str, paid: float, spent: float, unreachable: str = "",
-                unit: str = "records", file=None) -> int:  # fmt: skip
+def exit_status(cfg: DistillConfig, result: RunResult, file=None) -> int:
     """Print why a run did not go through, if it did not, and return its exit status."""
     file = file or sys.stderr
-    if stopped == "unreachable":
-        print(f"metachunk: {unreachable}", file=file)
+    records = result.records
+    if result.stopped == "unreachable":
+        print(f"metachunk: {result.unreachable}", file=file)
         return EXIT_FAILURES
-    if stopped == "budget":
+    if result.stopped == "budget":
         print(
-            f"metachunk: stopped at the budget: the store's spend is ${spent:.4f} against --max-cost "
-            f"{cfg.max_cost} (this run paid ${paid:.4f}); every answer is stored. Rerun with a higher "
+            f"metachunk: stopped at the budget: the store's spend is ${result.spent:.4f} against --max-cost "
+            f"{cfg.max_cost} (this run paid ${result.paid:.4f}); every answer is stored. Rerun with a higher "
             "--max-cost to continue.",
             file=file,
         )
@@ -406,7 +309,7 @@ def exit_status(cfg, records: list[dict], stopped: str, paid: float, spent: floa
     if records and (failed == len(records) or failed / len(records) > cfg.max_failure_rate):
         reasons = Counter(r["reason"] or "unknown" for r in records if r["status"] == "failed")
         print(
-            f"metachunk: {failed} of {len(records)} {unit} failed ("
+            f"metachunk: {failed} of {len(records)} {result.task.unit}s failed ("
             + ", ".join(f"{k} {v}" for k, v in reasons.most_common())
             + f"), more than --max-failure-rate {cfg.max_failure_rate}; they are recorded, and a rerun "
             "retries the transport failures",
@@ -416,99 +319,39 @@ def exit_status(cfg, records: list[dict], stopped: str, paid: float, spent: floa
     return EXIT_OK
 
 
-def summarize(records: list[dict]) -> dict:
-    """Per-record outcome counts and, per stage, done / failed by reason / pending plus usage."""
-    outcome = Counter(r["status"] for r in records)
-    reasons = Counter(f"{r.get('stage', '')}:{r['reason']}" for r in records if r["status"] == "failed")
-    stages: dict[str, dict] = defaultdict(
-        lambda: {
-            "done": 0,
-            "failed": Counter(),
-            "pending": 0,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "cost": 0.0,
-        }
-    )
-    for r in records:
-        for name, entry in r["stages"].items():
-            row = stages[name]
-            if entry["status"] == "ok":
-                row["done"] += 1
-            elif entry["status"] == "pending":
-                row["pending"] += 1
-            else:
-                row["failed"][entry["reason"] or "unknown"] += 1
-            spent = entry.get("spent") or {**entry["usage"], "cost": entry["cost"]}
-            row["prompt_tokens"] += spent["prompt_tokens"]
-            row["completion_tokens"] += spent["completion_tokens"]
-            row["cost"] += spent["cost"]
-    return {
-        "chunks": len(records),
-        "outcome": dict(outcome),
-        "failed_by_stage_reason": dict(reasons),
-        "stages": {
-            k: {**v, "failed": dict(v["failed"]), "cost": round(v["cost"], 6)} for k, v in stages.items()
-        },
-        "cost": round(sum(v["cost"] for v in stages.values()), 6),
-    }
-
-
 # ------------------------------------------------------------------------------------- reports
 
 
-def is_retryable(record: dict) -> bool:
-    """Failed in transport (no answer was paid for): the next run sends the request again."""
-    reason = record["reason"]
-    return record["status"] == "failed" and (
-        reason in ("timeout", "connection", "malformed_response") or reason.startswith("http_")
-    )
-
-
-def print_status(cfg: DistillConfig, result: RunResult, file=None) -> None:
-    file = file or sys.stdout
-    summary = summarize(result.records)
-    print(
-        f"{cfg.task}: {summary['chunks']} chunks  "
-        + ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items())),
-        file=file,
-    )
-    header = f"{'stage':<16} {'done':>6} {'failed':>7} {'pending':>8} {'prompt tok':>11} {'compl tok':>10} {'cost $':>10}  failed by reason"
-    print(header + "\n" + "-" * len(header), file=file)
-    for stage in STAGES[cfg.task]:
-        row = summary["stages"].get(
-            stage,
-            {"done": 0, "failed": {}, "pending": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0},
-        )
-        failed = sum(row["failed"].values())
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["failed"].items()))
-        print(f"{stage:<16} {row['done']:>6} {failed:>7} {row['pending']:>8} {row['prompt_tokens']:>11,} "
-              f"{row['completion_tokens']:>10,} {row['cost']:>10.4f}  {reasons}", file=file)  # fmt: skip
-    not_started = sum(1 for r in result.records if r["status"] == "pending" and not r["stages"])
-    if not_started:
-        print(f"{not_started} chunks not started", file=file)
+def print_status(result: RunResult, file=None) -> None:
+    print("\n".join(result.task.status(result.records)), file=file or sys.stdout)
 
 
 def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
     """Dry run: calls still to send, with their estimated tokens and worst-case cost."""
     file = file or sys.stdout
+    task = result.task
     calls: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for record, job in zip(result.records, result.jobs):
-        if record["status"] != "pending" and not is_retryable(record):
+    cached = Counter()
+    unfinished = 0
+    for record, item in zip(result.records, result.items):
+        for stage, entry in task.entries(record):
+            cached[stage] += entry.get("cached", False)
+        # Pending, or failed in transport (the next run sends it again): still to send.
+        if record["status"] != "pending" and not (
+            record["status"] == "failed" and is_transport_failure(record["reason"])
+        ):
             continue
-        for stage, prompt, completion in estimate_pending(record, job, cfg.teachers):
+        unfinished += 1
+        for stage, n, prompt, completion in task.pending_calls(record, item):
             row = calls[stage]
-            row[0] += 1
+            row[0] += n
             row[1] += prompt
             row[2] += completion
     total = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
     header = f"{'stage':<16} {'model':<28} {'calls':>7} {'cached':>7} {'prompt tok':>11} {'max compl tok':>14} {'max cost $':>11}"
-    print(f"dry run: {len(result.records)} chunks, nothing sent\n{header}\n{'-' * len(header)}", file=file)
-    cached = Counter()
-    for record in result.records:
-        for stage, entry in record["stages"].items():
-            cached[stage] += entry.get("cached", False)
-    for stage in STAGES[cfg.task]:
+    print(f"dry run: {len(result.records)} {task.unit}s, {unfinished} unfinished, nothing sent", file=file)
+    print(f"{header}\n{'-' * len(header)}", file=file)
+    for stage in task.stages:
         n, prompt, completion = calls[stage]
         teacher = cfg.teachers[stage]
         cost = cfg.prices.get(teacher.model, Price()).cost(prompt, completion)

@@ -102,55 +102,39 @@ class EndpointGenerator:
             store.close()
 
     async def _run(self, store, prompts, prompt_sha, progress) -> list[Generated]:
-        from tqdm import tqdm
-
-        from metachunk.teacher import BudgetExceeded, TeacherPool
+        from metachunk.teacher import BudgetExceeded, EndpointUnreachable, TeacherPool
 
         pool = TeacherPool({"generator": self.cfg}, {}, store, self.max_cost)
         teacher = pool["generator"]
         teacher.params.update(self.extra)  # part of the payload and of the cache key
-        out: list[Generated | None] = [None] * len(prompts)
-        queue = iter(enumerate(prompts))
-        bar = tqdm(total=len(prompts), unit="q", desc="generate", disable=not progress, dynamic_ncols=True)
 
-        async def worker():
-            for i, messages in queue:
-                if pool.budget.exhausted:
-                    return
-                try:
-                    answer = await teacher.complete(messages, prompt_sha)
-                except BudgetExceeded:
-                    return
-                # an answer cut at max_tokens keeps its text, as a local model's would
-                cut = answer.reason == "length"
-                out[i] = Generated(
-                    answer.text,
-                    "ok" if answer.ok or cut else "failed",
-                    answer.reason,
-                    answer.prompt_tokens,
-                    answer.completion_tokens,
-                    answer.cached,
-                    answer.finish_reason,
-                )
-                bar.update(1)
+        async def ask(messages: list[dict]) -> Generated | None:
+            if pool.budget.exhausted:  # the budget ends the run: every later question stays pending
+                return None
+            try:
+                answer = await teacher.complete(messages, prompt_sha)
+            except BudgetExceeded:
+                return None
+            # an answer cut at max_tokens keeps its text, as a local model's would
+            cut = answer.reason == "length"
+            return Generated(
+                answer.text,
+                "ok" if answer.ok or cut else "failed",
+                answer.reason,
+                answer.prompt_tokens,
+                answer.completion_tokens,
+                answer.cached,
+                answer.finish_reason,
+            )
 
-        workers = [
-            asyncio.ensure_future(worker())
-            for _ in range(max(1, min(len(prompts), 2 * self.cfg.concurrency)))
-        ]
-        try:
-            await asyncio.gather(*workers)
-        except BaseException:
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-            raise
-        finally:
-            bar.close()
-            await pool.close()
+        done = await pool.map(
+            prompts, ask, workers=2 * self.cfg.concurrency, desc="generate", unit="q", progress=progress
+        )
+        if done.stopped == "unreachable":  # no answers to evaluate: an error, as any other teacher error
+            raise EndpointUnreachable(done.unreachable)
         self.sent, self.cached, self.tokens = pool.sent, teacher.cached, teacher.tokens_used
-        self.stopped = "budget" if pool.budget.exhausted else ""
-        return [g or Generated("", "pending", "budget") for g in out]
+        self.stopped = done.stopped
+        return [g or Generated("", "pending", "budget") for g in done.results]
 
 
 # ------------------------------------------------------------------------------------ local

@@ -150,34 +150,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from distill.run import DistillConfig, exit_status, print_estimate, print_status, run, write_records
+    from distill.run import DistillConfig, main
 
     if args.action != "status" and getattr(args, "task", None) is None:
         args.task = args.action  # `distill rewrite` needs no `task:` line in its recipe
     cfg = config.from_namespace(DistillConfig, args)
     if args.action != "status" and cfg.task != args.action:
         raise InputError(args.config, f"this recipe is for 'distill {cfg.task}', not 'distill {args.action}'")
-    if cfg.task == "moc":  # windows + chunk buffer + edit-distance cleaning (distill/moc.py)
-        from distill.moc import main as moc_main
-
-        return moc_main(cfg, args.action)
-    if args.action == "status" or cfg.dry_run:
-        result = run(cfg, offline=True)
-        print_status(cfg, result) if args.action == "status" else print_estimate(cfg, result)
-        return 0
-    result = run(cfg)
-    summary = write_records(cfg, result)
-    outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
-    waited = f" ({result.waited} waited for another run on the store)" if result.waited else ""
-    print(
-        f"{cfg.out}/{cfg.task}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests sent, "
-        f"{result.cached} answers from the store{waited}; ${result.paid:.4f} paid by this run, "
-        f"${summary['cost']:.4f} in the records; {result.seconds:.1f}s",
-        file=sys.stderr,
-    )
-    return exit_status(
-        cfg, result.records, result.stopped, result.paid, result.spent, result.unreachable, "chunks"
-    )
+    return main(cfg, args.action)
 
 
 def cmd_data(args: argparse.Namespace) -> int:

@@ -193,6 +193,12 @@ def split_reasoning(content: str, reasoning_content: str | None) -> tuple[str, s
     return content.strip(), reasoning
 
 
+def is_transport_failure(reason: str) -> bool:
+    """A failed answer's ``reason`` says no answer was paid for (timeout, connection, HTTP error,
+    malformed body): the store keeps only the error, and the next run sends the request again."""
+    return reason in ("timeout", "connection", "malformed_response") or reason.startswith("http_")
+
+
 @dataclass
 class Answer:
     """What a stage gets back. ``status``: ok, failed (``reason`` says why) or pending (not sent:

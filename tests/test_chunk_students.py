@@ -168,8 +168,8 @@ def test_inference_prompt_is_the_sft_rows_prompt(tmp_path, capsys, monkeypatch, 
     from datasets import load_dataset
 
     from chunking.students import Student
-    from distill.pipelines import STAGES, new_record
-    from distill.run import DistillConfig, read_jobs
+    from distill.pipelines import STAGES, new_record, read_jobs
+    from distill.run import DistillConfig
     from distill.sft import BuildSftConfig, build_sft
     from metachunk.teacher import TeacherConfig
 

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from chunking.students import window_span
 from distill.pipelines import NOTHING_MISSING, STAGES, Item, format_items, parse_items
 from distill.prompts import LANGS, load_prompt
-from distill.run import DistillConfig, window
+from distill.run import DistillConfig
 from metachunk.artifacts import InputError
 from metachunk.config import load_yaml
 from metachunk.store import AnswerStore, StoredAnswer
@@ -212,6 +213,11 @@ def test_teacher_config_validates():
 
 def test_window_is_the_whole_text_or_centred_on_the_chunk():
     text = "".join(str(i % 10) for i in range(100))
+
+    def window(text: str, start: int, end: int, limit: int) -> str:
+        left, right = window_span(len(text), start, end, limit)
+        return text[left:right]
+
     assert window(text, 10, 20, 200) == text
     cut = window(text, 50, 60, 30)
     assert len(cut) == 30 and text[50:60] in cut
@@ -225,7 +231,7 @@ def test_window_is_the_whole_text_or_centred_on_the_chunk():
 def test_related_context_is_the_most_similar_other_chunks_in_document_order(tmp_path):
     import json
 
-    from distill.run import read_jobs
+    from distill.pipelines import read_jobs
     from metachunk.models import ModelNotFoundError, resolve
 
     try:

@@ -41,8 +41,8 @@ def test_sample_is_deterministic_and_feeds_distill(tiny_model_dir, shared_data, 
     assert (tmp_path / "a" / "chunks.jsonl").read_bytes() != (tmp_path / "c" / "chunks.jsonl").read_bytes()
 
     # The output is distill's input: offsets check out against documents.jsonl.
-    from distill.pipelines import STAGES
-    from distill.run import DistillConfig, read_jobs
+    from distill.pipelines import STAGES, read_jobs
+    from distill.run import DistillConfig
     from metachunk.teacher import TeacherConfig
 
     jobs = read_jobs(DistillConfig(task="rewrite", chunks=tmp_path / "a" / "chunks.jsonl",
