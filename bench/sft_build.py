@@ -81,7 +81,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MIB = 2**20
-# Characters of distill.sft's refusal / preface / stage-markup patterns: left out of the alphabet,
+# Characters of distill.sft_rows's refusal / preface / stage-markup patterns: left out of the alphabet,
 # so that a random text never matches one of them (a dropped row would change the row count).
 FILTER_CHARS = set("抱歉对不起作为一个人工智能我无法能以下是好的改写后摘要缺失补充")
 OUTPUT_PREFIX = "据报道，"
@@ -258,7 +258,7 @@ def child(args: argparse.Namespace) -> None:
     # Verification, after the measurements (loading the dataset costs memory of its own).
     from datasets import load_dataset
 
-    from distill.sft import features
+    from distill.sft_rows import features
 
     ds = load_dataset(str(cfg.out), cache_dir=str(tmp / "hf_cache"))
     loaded = {split: ds[split].num_rows for split in ds}

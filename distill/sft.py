@@ -1,31 +1,24 @@
-"""``metachunk data build-sft rewrite|summary``: distilled records -> a prompt–completion dataset.
+"""``metachunk data build-sft TASK``: distilled records -> a prompt–completion dataset, streamed.
 
-(``moc-router`` / ``moc-expert``, the MoC router's and experts' sets from ``distill moc`` records,
-are built by :func:`distill.sft_moc.build_moc_sft`, with the same shards, split, decontamination and card.)
+One builder for every task (rewrite, summary, moc-router, moc-expert). What differs per task is
+its row maker (:mod:`distill.sft_rows`): how a record reads, which rows it gives and the task's
+own filters, the row's prompt and metadata columns, and the task's lines of the card. Everything
+else is here, once: the distill run's meta file and the documents, the contamination check
+against the test documents, exact and near duplicates, the student chat-template length filter,
+the train/validation split, the parquet shards in a staging dir swapped into place, and the
+card's numbers (teacher usage, token lengths, filters, leakage).
 
-The student does not learn the teacher's three stages. It learns to go from chunk plus context
-straight to the final answer (Meta-Chunking §3.2, trained with the loss of Eq. 3 on the
-completion), with one versioned student instruction per task and language
-(``chunking/prompts/student_{task}.{lang}.txt``). Its context is the one the teacher saw, rebuilt
-from the record's ``context_spans``. The prompt is built by :func:`chunking.students.student_messages`,
-the function ``metachunk chunk --rewrite/--summarize`` builds the inference prompt with.
+Rows are TRL's conversational prompt–completion format. Train and validation are split by
+document (a seeded hash of the doc id), never by chunk or sample.
 
-Rows are TRL's conversational prompt–completion format: ``prompt`` = [system, user] messages,
-``completion`` = [assistant] message, plus metadata (doc id, chunk offsets, teacher models, prompt
-hashes, source record). Train and validation are split by document (a seeded hash of the doc
-id), never by chunk.
+Filters run in this order; a row is counted by the first one that drops it:
 
-Filters run in this order; a record is counted by the first one that drops it:
-
-1. ``failed_or_empty``: the record did not end ok / complete_as_is, or its output is empty.
-2. ``refusal_or_off_format``: a refusal, a preface ("Here is…"), leaked stage markup (``<think>``,
-   "missing:", JSON items), or a "summary" that is not a short summary.
-3. ``lost_content`` (rewrite): under ``min_overlap`` of the chunk's words (en) or character
-   bigrams (zh) survive in the rewrite.
-4. ``contaminated``: the document is a test document or a near-duplicate of one (MinHash).
-5. ``exact_duplicate`` / ``near_duplicate``: the same chunk text and target again, or a chunk
-   that is a near-duplicate of one already kept.
-6. ``too_long``: prompt + completion over ``max_tokens`` in the student's chat template.
+1. the task's own (the row maker's): ``failed_or_empty``, ``refusal_or_off_format``,
+   ``lost_content`` (rewrite, summary); ``failed_or_empty``, ``unrecoverable`` (MoC).
+2. ``contaminated``: the document is a test document or a near-duplicate of one (MinHash).
+3. ``exact_duplicate`` / ``near_duplicate``: the same text and target again, or a text that is
+   a near-duplicate of one already kept (the chunk; MoC: the sample), within one dataset.
+4. ``too_long``: prompt + completion over ``max_tokens`` in the student's chat template.
 
 Records stream through: only the documents, the near-duplicate index and the token lengths are
 held in memory, never the model outputs. Rows go to parquet shards as they pass.
@@ -35,32 +28,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from chunking.students import load_student_prompt, student_messages
 from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
-from distill.prompts import load_prompt
+from distill.sft_rows import ROW_MAKERS, Row
 from metachunk import config
 from metachunk.artifacts import InputError, read_documents, replace_dir, write_json
 from metachunk.config import option
 
-FILTERS = (
-    "failed_or_empty",
-    "refusal_or_off_format",
-    "lost_content",
-    "contaminated",
-    "exact_duplicate",
-    "near_duplicate",
-    "too_long",
-)
-TEACHER_STAGES = {
-    "rewrite": ("reflection", "refinement", "completion"),
-    "summary": ("summary_global", "summary_local", "summary_fuse"),
-}
+SPLITS = ("train", "validation")
 
 
 @dataclass
@@ -116,39 +96,7 @@ class BuildSftConfig:
             self.name = f"metachunk-{self.task}-{Path(self.out).name}"
 
 
-# ------------------------------------------------------------------------------------ filters
-
-_REFUSAL = re.compile(
-    r"(?i)\b(i'?m sorry|i am sorry|i cannot|i can'?t|as an ai|i am unable|i'?m unable)\b"
-    r"|抱歉|对不起|作为(一个)?(AI|人工智能)|我无法|我不能"
-)
-_PREFACE = re.compile(
-    r"(?i)^\s*(here is|here's|here are|sure[,!.]|certainly[,!.]|below is|the rewritten|rewritten (text|chunk)"
-    r"|summary:|以下是|好的[，,]|改写后|摘要[:：])"
-)
-_STAGE_MARKUP = re.compile(r"(?i)<think>|</think>|\bmissing:|\bsupplement:|\"score\"\s*:|缺失：|补充：")
-_SENTENCE_END = re.compile(r"[.!?。！？]+(?=\s|$)")
-
-
-def off_format(task: str, output: str, chunk: str) -> bool:
-    if _REFUSAL.search(output) or _PREFACE.search(output) or _STAGE_MARKUP.search(output):
-        return True
-    if task == "summary":  # one enhanced sentence: short, not a second copy of the chunk
-        return len(_SENTENCE_END.findall(output.strip())) > 3 or len(output) > max(2 * len(chunk), 400)
-    return False
-
-
-def _grams(text: str, lang: str) -> set[str]:
-    if lang == "zh":
-        chars = [c for c in text if c.isalnum()]
-        return {a + b for a, b in zip(chars, chars[1:])}
-    return set(re.findall(r"\w+", text.lower()))
-
-
-def content_kept(chunk: str, rewrite: str, lang: str) -> float:
-    """Share of the chunk's words (en) or character bigrams (zh) present in the rewrite."""
-    source = _grams(chunk, lang)
-    return len(source & _grams(rewrite, lang)) / len(source) if source else 1.0
+# ------------------------------------------------------------------------------------- split
 
 
 def in_validation(doc_id: str, seed: int, fraction: float) -> bool:
@@ -157,27 +105,6 @@ def in_validation(doc_id: str, seed: int, fraction: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------- writing
-
-
-def features():
-    from datasets import Features, List, Value
-
-    message = {"role": Value("string"), "content": Value("string")}
-    return Features(
-        {
-            "prompt": List(message),
-            "completion": List(message),
-            "doc_id": Value("string"),
-            "chunk_index": Value("int64"),
-            "start": Value("int64"),
-            "end": Value("int64"),
-            "lang": Value("string"),
-            "teachers": Value("string"),  # JSON {stage: model}
-            "prompt_sha256": Value("string"),  # the student instruction's version
-            "teacher_prompt_sha256": Value("string"),  # JSON {stage: sha256}
-            "source_record": Value("string"),  # FILE:LINE of the distilled record
-        }
-    )
 
 
 class ShardWriter:
@@ -237,38 +164,78 @@ class ShardWriter:
 # --------------------------------------------------------------------------------------- build
 
 
+@dataclass
+class Target:
+    """One dataset being built: OUT (key None), or OUT-k for the expert set of label k."""
+
+    key: int | None
+    out: Path
+    name: str
+    staging: Path  # renamed into place at the end
+    writers: dict
+    near: object  # NearDuplicateIndex of the texts kept
+    dropped: Counter = field(default_factory=Counter)
+    inputs: int = 0  # rows offered to it, dropped or kept
+    seen: set = field(default_factory=set)  # exact hashes of the rows kept
+    prompt_lengths: list = field(default_factory=list)
+    completion_lengths: list = field(default_factory=list)
+    langs: Counter = field(default_factory=Counter)  # of the rows kept
+    labels: Counter = field(default_factory=Counter)
+    docs_by_split: dict = field(default_factory=lambda: {s: set() for s in SPLITS})
+
+
+@dataclass
+class Inputs:
+    """What every dataset of one build read: the records, the documents, the test documents."""
+
+    meta: dict
+    documents_path: str | Path
+    test_ids: set
+    n_records: int = 0
+    record_langs: Counter = field(default_factory=Counter)  # of every record read
+    teachers: dict = field(default_factory=dict)  # stage -> models
+    teacher_prompts: dict = field(default_factory=dict)  # (prompt name, sha256) -> stage
+    usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0})
+
+
 def _distill_meta(cfg: BuildSftConfig) -> dict:
     meta_path = Path(cfg.distilled).with_suffix(".meta.json")
     return json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
 
 
 def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
-    """Stream the records into the dataset dir; returns the stats (also in the card)."""
+    """Stream the records into the dataset dir(s); returns the stats (also in the card).
+
+    moc-expert builds one dataset per label: the stats are then ``{"name", "task", "datasets":
+    {k: stats}, "outputs": [(dir, name)]}``."""
     import shutil
     import tempfile
 
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from distill.card import plot_token_lengths, write_dataset_card
     from distill.corpus import NearDuplicateIndex
     from metachunk.models import resolve
 
-    if cfg.task.startswith("moc-"):
-        from distill.sft_moc import build_moc_sft
-
-        return build_moc_sft(cfg, progress)
     started = time.perf_counter()
     distilled = Path(cfg.distilled)
     if not distilled.is_file():
         raise InputError(distilled, "no such file")
+    maker = ROW_MAKERS[cfg.task](cfg)
     meta = _distill_meta(cfg)
-    run_config = meta.get("config", {})
-    documents_path = cfg.documents or run_config.get("documents")
+    maker.start(meta)
+    documents_path = cfg.documents or meta.get("config", {}).get("documents")
     if documents_path is None:
-        raise InputError(distilled, "no documents: pass --documents (no TASK.meta.json next to the records)")
-    max_context = cfg.max_context_chars or run_config.get("max_context_chars") or 8000
+        raise InputError(
+            distilled, f"no documents: pass --documents (no {maker.meta_name} next to the records)"
+        )
     docs = {d.id: d.text for d in read_documents(documents_path)}
+
+    def document(doc_id: str, line_no: int) -> str:
+        text = docs.get(doc_id)
+        if text is None:
+            raise InputError(distilled, f"document {doc_id!r} is not in {documents_path}", line_no)
+        return text
 
     test_ids: set[str] = set()
     test_index = NearDuplicateIndex(threshold=cfg.near_dup_threshold)
@@ -276,28 +243,21 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         for d in read_documents(cfg.test_documents):
             test_ids.add(d.id)
             test_index.add(d.id, d.text)
-    contaminated_docs: dict[str, bool] = {}
+    contaminated: dict[str, bool] = {}
+    inputs = Inputs(meta, documents_path, test_ids)
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(cfg.tokenizer)))
-    schema = features().arrow_schema
+    schema = maker.features().arrow_schema
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed into place at the end
-    (staging / "data").mkdir()
-    writers = {s: ShardWriter(staging / "data", s, schema, cfg.shard_rows) for s in ("train", "validation")}
-
-    dropped: Counter = Counter()
-    seen_exact: set[str] = set()
-    chunk_index = NearDuplicateIndex(threshold=cfg.near_dup_threshold)
-    prompt_lengths: list[int] = []
-    completion_lengths: list[int] = []
-    teachers: dict[str, set[str]] = {}
-    teacher_prompts: dict[tuple[str, str], str] = {}
-    langs: Counter = Counter()  # of the rows kept
-    record_langs: Counter = Counter()  # of every record read
-    docs_by_split: dict[str, set[str]] = {"train": set(), "validation": set()}
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
-    n_records = 0
+    targets: dict[int | None, Target] = {}
+    for key in maker.targets():
+        where = out if key is None else out.with_name(f"{out.name}-{key}")
+        staging = Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=out.parent))
+        (staging / "data").mkdir()
+        writers = {s: ShardWriter(staging / "data", s, schema, cfg.shard_rows) for s in SPLITS}
+        name = cfg.name if key is None else f"{cfg.name}-{key}"
+        targets[key] = Target(key, where, name, staging, writers, NearDuplicateIndex(cfg.near_dup_threshold))
     try:
         with (
             distilled.open(encoding="utf-8") as f,
@@ -308,107 +268,109 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                     continue
                 try:
                     record = json.loads(line)
-                    doc_id, chunk, output = record["doc_id"], record["text"], record.get("output") or ""
-                    lang, status, stages = record["lang"], record["status"], record["stages"]
+                    rec = maker.read(record)
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise InputError(
-                        distilled, f"not a distill record ({type(e).__name__}: {e})", line_no
+                        distilled, f"not a {maker.kind} record ({type(e).__name__}: {e})", line_no
                     ) from None
-                if record.get("task", cfg.task) != cfg.task:
+                if maker.wrong_task(record):
                     raise InputError(
-                        distilled, f"field 'task' is {record.get('task')!r}, not {cfg.task!r}", line_no
+                        distilled,
+                        f"field 'task' is {record.get('task')!r}, not {maker.record_task!r}",
+                        line_no,
                     )
-                n_records += 1
-                record_langs[lang] += 1
+                inputs.n_records += 1
+                inputs.record_langs[rec.lang] += 1
                 bar.update(1)
-                for stage, entry in stages.items():
-                    if entry.get("teacher"):
-                        teachers.setdefault(stage, set()).add(entry["teacher"])
-                    if entry.get("prompt_sha256"):
-                        teacher_prompts[(f"{stage}.{lang}", entry["prompt_sha256"])] = stage
-                    spent = entry.get("spent") or {**entry.get("usage", {}), "cost": entry.get("cost", 0.0)}
-                    usage["prompt_tokens"] += spent.get("prompt_tokens", 0)
-                    usage["completion_tokens"] += spent.get("completion_tokens", 0)
-                    usage["cost_usd"] += spent.get("cost", 0.0)
+                _add_usage(inputs, maker.entries(rec), rec.lang)
 
-                reason = _drop_reason(cfg, record, chunk, output, lang, status)
-                if reason is None:
-                    if doc_id not in contaminated_docs:
-                        text = docs.get(doc_id)
-                        if text is None:
-                            raise InputError(
-                                distilled, f"document {doc_id!r} is not in {documents_path}", line_no
-                            )
-                        contaminated_docs[doc_id] = doc_id in test_ids or bool(test_index.query(text))
-                    if contaminated_docs[doc_id]:
-                        reason = "contaminated"
-                if reason is None:
-                    exact = hashlib.sha256(
-                        json.dumps([chunk, output], ensure_ascii=False).encode()
-                    ).hexdigest()
-                    if exact in seen_exact:
-                        reason = "exact_duplicate"
-                    elif chunk_index.query(chunk):
-                        reason = "near_duplicate"
-                    else:
-                        seen_exact.add(exact)
-                        chunk_index.add(exact, chunk)
-                if reason is not None:
-                    dropped[reason] += 1
-                    continue
-
-                student = load_student_prompt(cfg.task, lang)
-                # The one prompt builder: the chunker's --rewrite/--summarize sends exactly this.
-                prompt = student_messages(
-                    cfg.task, lang, docs[doc_id], chunk, record.get("context_spans"), max_context
-                )
-                completion = [{"role": "assistant", "content": output}]
-                prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)
-                n_prompt, n_full = len(_ids(prompt_ids)), len(_ids(full_ids))
-                if n_full > cfg.max_tokens:
-                    dropped["too_long"] += 1
-                    continue
-                prompt_lengths.append(n_prompt)
-                completion_lengths.append(n_full - n_prompt)
-                split = "validation" if in_validation(doc_id, cfg.seed, cfg.validation_fraction) else "train"
-                docs_by_split[split].add(doc_id)
-                langs[lang] += 1
-                writers[split].add(
-                    {
-                        "prompt": prompt,
-                        "completion": completion,
-                        "doc_id": doc_id,
-                        "chunk_index": record.get("chunk_index", -1),
-                        "start": record["start"],
-                        "end": record["end"],
-                        "lang": lang,
-                        "teachers": json.dumps(
-                            {s: e.get("teacher") for s, e in stages.items()}, ensure_ascii=False
-                        ),
-                        "prompt_sha256": student.sha256,
-                        "teacher_prompt_sha256": json.dumps(
-                            {s: e.get("prompt_sha256") for s, e in stages.items()}
-                        ),
-                        "source_record": f"{distilled.name}:{line_no}",
-                    }
-                )
-        for writer in writers.values():
-            writer.close()
-        seconds = time.perf_counter() - started
-        rows = {s: w.rows for s, w in writers.items()}
-        plot_token_lengths(
-            staging / "token_lengths.png", prompt_lengths, completion_lengths, cfg.tokenizer, cfg.max_tokens
-        )
-        stats = _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropped, langs or record_langs, teachers,
-                            teacher_prompts, prompt_lengths, completion_lengths, usage, test_ids, seconds)  # fmt: skip
-        write_json(staging / "build_report.json", stats)
-        write_dataset_card(staging, stats, features(), cards_dir=Path(cfg.cards_dir))
-        replace_dir(staging, out)  # the previous build is replaced only now that the new one is complete
+                for row in maker.rows(rec, partial(document, line_no=line_no)):
+                    target = targets[row.target]
+                    target.inputs += 1
+                    reason = row.reason
+                    if reason is None:
+                        if row.doc_id not in contaminated:
+                            text = document(row.doc_id, line_no)
+                            contaminated[row.doc_id] = row.doc_id in test_ids or bool(test_index.query(text))
+                        if contaminated[row.doc_id]:
+                            reason = "contaminated"
+                    if reason is None:
+                        reason = _duplicate(target, row)
+                    if reason is not None:
+                        target.dropped[reason] += 1
+                        continue
+                    columns = row.columns()
+                    prompt = columns["prompt"]
+                    completion = [{"role": "assistant", "content": row.answer}]
+                    prompt_ids = tokenizer.apply_chat_template(
+                        prompt, add_generation_prompt=True, tokenize=True
+                    )
+                    full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)
+                    n_prompt, n_full = len(_ids(prompt_ids)), len(_ids(full_ids))
+                    if n_full > cfg.max_tokens:
+                        target.dropped["too_long"] += 1
+                        continue
+                    target.prompt_lengths.append(n_prompt)
+                    target.completion_lengths.append(n_full - n_prompt)
+                    split = (
+                        "validation"
+                        if in_validation(row.doc_id, cfg.seed, cfg.validation_fraction)
+                        else "train"
+                    )
+                    target.docs_by_split[split].add(row.doc_id)
+                    target.langs[row.lang] += 1
+                    target.labels[row.label] += 1
+                    target.writers[split].add(
+                        {
+                            **columns,
+                            "completion": completion,
+                            "doc_id": row.doc_id,
+                            "source_record": f"{distilled.name}:{line_no}",
+                        }
+                    )
+        all_stats = {}
+        for key, target in targets.items():
+            all_stats[key] = _finish(cfg, maker, target, inputs, time.perf_counter() - started)
+        for target in targets.values():  # replace previous builds only once every new one is complete
+            replace_dir(target.staging, target.out)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return stats
+        for target in targets.values():
+            if target.staging.exists():
+                shutil.rmtree(target.staging)
+    if list(targets) == [None]:
+        return all_stats[None]
+    return {
+        "name": cfg.name,
+        "task": cfg.task,
+        "datasets": {str(k): s for k, s in all_stats.items()},
+        "outputs": [(str(t.out), t.name) for t in targets.values()],
+    }
+
+
+def _add_usage(inputs: Inputs, entries, lang: str) -> None:
+    """The teacher models, prompt versions and spend of one record's stage entries."""
+    for stage, entry in entries:
+        if entry.get("teacher"):
+            inputs.teachers.setdefault(stage, set()).add(entry["teacher"])
+        if entry.get("prompt_sha256"):
+            inputs.teacher_prompts[(f"{stage}.{lang}", entry["prompt_sha256"])] = stage
+        spent = entry.get("spent") or {**entry.get("usage", {}), "cost": entry.get("cost", 0.0)}
+        inputs.usage["prompt_tokens"] += spent.get("prompt_tokens", 0)
+        inputs.usage["completion_tokens"] += spent.get("completion_tokens", 0)
+        inputs.usage["cost_usd"] += spent.get("cost", 0.0)
+
+
+def _duplicate(target: Target, row: Row) -> str | None:
+    """exact_duplicate / near_duplicate of a row already kept in this dataset, else None (and the row
+    is remembered)."""
+    exact = hashlib.sha256(json.dumps([row.text, row.answer], ensure_ascii=False).encode()).hexdigest()
+    if exact in target.seen:
+        return "exact_duplicate"
+    if target.near.query(row.text):
+        return "near_duplicate"
+    target.seen.add(exact)
+    target.near.add(exact, row.text)
+    return None
 
 
 def _ids(encoded) -> list[int]:
@@ -416,83 +378,70 @@ def _ids(encoded) -> list[int]:
     return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
 
 
-def _drop_reason(
-    cfg: BuildSftConfig, record: dict, chunk: str, output: str, lang: str, status: str
-) -> str | None:
-    if status not in ("ok", "complete_as_is") or not output.strip():
-        return "failed_or_empty"
-    if status == "ok" and off_format(cfg.task, output, chunk):
-        return "refusal_or_off_format"
-    if cfg.task == "rewrite" and content_kept(chunk, output, lang) < cfg.min_overlap:
-        return "lost_content"
-    return None
+def _finish(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seconds: float) -> dict:
+    """Close the shards, then the histogram, build_report.json and the card, in the staging dir."""
+    # Looked up at call time (bench/sft_build.py wraps it to mark the end of the record loop).
+    from distill.card import plot_token_lengths, write_dataset_card
+
+    for writer in target.writers.values():
+        writer.close()
+    plot_token_lengths(
+        target.staging / "token_lengths.png",
+        target.prompt_lengths,
+        target.completion_lengths,
+        cfg.tokenizer,
+        cfg.max_tokens,
+    )
+    stats = _card_stats(cfg, maker, target, inputs, seconds)
+    write_json(target.staging / "build_report.json", stats)
+    write_dataset_card(target.staging, stats, maker.features(), cards_dir=Path(cfg.cards_dir))
+    return stats
 
 
-def _card_stats(cfg, meta, documents_path, n_records, rows, docs_by_split, dropped, langs, teachers,
-                teacher_prompts, prompt_lengths, completion_lengths, usage, test_ids, seconds) -> dict:  # fmt: skip
-    students = [
-        (f"student_{cfg.task}.{lang}", load_prompt(f"student_{cfg.task}", lang))
-        for lang in sorted(langs) or ["en"]
-    ]
-    total_rows = sum(rows.values())
-    teacher_models = sorted({m for models in teachers.values() for m in models})
+def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seconds: float) -> dict:
+    langs = sorted(target.langs or inputs.record_langs) or ["en"]
+    rows = {s: w.rows for s, w in target.writers.items()}
+    total = sum(rows.values())
+    filters = {name: target.dropped.get(name, 0) for name in maker.filters}
+    documents_path = inputs.documents_path
+    command = f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}"
     return {
-        "name": cfg.name,
+        "name": target.name,
         "task": cfg.task,
-        "pretty_name": cfg.name,
+        "pretty_name": target.name,
         "license": cfg.license,
-        "language": sorted(langs) or ["en"],
+        "language": langs,
         "demo": cfg.demo,
         "rows": rows,
-        "documents": {s: len(d) for s, d in docs_by_split.items()},
-        "input_records": n_records,
+        "documents": {s: len(d) for s, d in target.docs_by_split.items()},
+        "input_records": target.inputs,
+        **maker.card_labels(target.key, target.labels),
         "source": {
             "corpus": Path(str(documents_path)).name,
             "path": card_path(documents_path),
-            "provenance": f"distilled records {Path(cfg.distilled).name} ({meta.get('command', 'metachunk distill')}), "
-            f"documents {card_path(documents_path)}",
+            "provenance": f"distilled records {Path(cfg.distilled).name} "
+            f"({inputs.meta.get('command', maker.distill_command)}), "
+            f"documents {card_path(documents_path)}{maker.provenance_note}",
         },
-        "teachers": [{"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(teachers.items())],
-        "prompts": prompt_entries(students, teacher_prompts),
-        "filters": {name: dropped.get(name, 0) for name in FILTERS},
+        "teachers": [{"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(inputs.teachers.items())],
+        "prompts": prompt_entries(maker.students(langs), inputs.teacher_prompts),
+        "filters": filters,
         "token_lengths": token_lengths_entry(
-            cfg.tokenizer, cfg.max_tokens, prompt_lengths, completion_lengths
+            cfg.tokenizer, cfg.max_tokens, target.prompt_lengths, target.completion_lengths
         ),
         "leakage": {
             "method": LEAKAGE_METHOD,
             "threshold": cfg.near_dup_threshold,
-            "test_documents": len(test_ids),
-            "rows_checked": n_records
-            - dropped.get("failed_or_empty", 0)
-            - dropped.get("refusal_or_off_format", 0)
-            - dropped.get("lost_content", 0),
-            "contaminated": dropped.get("contaminated", 0),
+            "test_documents": len(inputs.test_ids),
+            "rows_checked": target.inputs - sum(filters[name] for name in maker.own_filters),
+            "contaminated": filters["contaminated"],
         },
-        "teacher_usage": {**usage, "cost_usd": round(usage["cost_usd"], 6)},
-        "build": build_entry(
-            f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}",
-            cfg.seed,
-            seconds,
-            total_rows,
+        "teacher_usage": {**inputs.usage, "cost_usd": round(inputs.usage["cost_usd"], 6)},
+        "build": build_entry(command + maker.command_args(target.key), cfg.seed, seconds, total),
+        "limitations": maker.limitations(
+            target.key, target.labels, total, inputs.n_records, len(inputs.test_ids), inputs.teachers
         ),
-        "limitations": _limitations(cfg, teacher_models, total_rows, len(test_ids)),
     }
-
-
-def _limitations(cfg, teacher_models, total_rows, n_test) -> list[str]:
-    notes = [
-        "Targets are teacher outputs filtered by heuristics (refusals, prefaces, content overlap, length); "
-        "they are not human-checked.",
-    ]
-    if total_rows < 20_000:
-        notes.append(f"{total_rows} rows: the paper trains on 20,000 per component.")
-    if n_test == 0:
-        notes.append("No test documents were given, so no decontamination was done.")
-    if any(m in ("smollm2", "gemma3-270m") or "models/" in m for m in teacher_models):
-        notes.append(
-            "Distilled from a small local teacher (SmolLM2-135M); only the pipeline is demonstrated."
-        )
-    return notes
 
 
 def print_stats(stats: dict, file=None) -> None:

@@ -384,7 +384,7 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     too long; a failed record counts as failed_or_empty. A rebuild that cannot swap its dataset in
     keeps the previous one whole."""
     from distill.sft import BuildSftConfig, build_sft
-    from distill.sft_moc import SFT_FILTERS
+    from distill.sft_rows import MOC_FILTERS
 
     cfg = SimpleNamespace(sample_chars=10_000, head_chars=10, tail_chars=10, placeholder="[MASK]")
 
@@ -416,13 +416,13 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     for stats in expert["datasets"].values():
         filters.update(stats["filters"])
     assert (
-        set(SFT_FILTERS) <= set(filters) and filters["lost_content"] == filters["refusal_or_off_format"] == 0
+        set(MOC_FILTERS) <= set(filters) and filters["lost_content"] == filters["refusal_or_off_format"] == 0
     )
-    assert {k: filters[k] for k in SFT_FILTERS} == {"failed_or_empty": 0, "unrecoverable": 1, "contaminated": 1,
+    assert {k: filters[k] for k in MOC_FILTERS} == {"failed_or_empty": 0, "unrecoverable": 1, "contaminated": 1,
                                                      "exact_duplicate": 1, "near_duplicate": 1, "too_long": 1}  # fmt: skip
     assert {Path(o).name for o, _ in expert["outputs"]} == {f"ex-{k}" for k in range(4)}
     router = build_sft(BuildSftConfig(task="moc-router", out=tmp_path / "ro", **common), progress=False)
-    assert {k: router["filters"][k] for k in SFT_FILTERS} == {"failed_or_empty": 1, "unrecoverable": 0, "contaminated": 1,
+    assert {k: router["filters"][k] for k in MOC_FILTERS} == {"failed_or_empty": 1, "unrecoverable": 0, "contaminated": 1,
                                                              "exact_duplicate": 1, "near_duplicate": 1, "too_long": 1}  # fmt: skip
     # The card's filter table adds up: input records - rows removed = rows kept (no "differs" note).
     card = (tmp_path / "ro" / "README.md").read_text(encoding="utf-8")

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from distill.sample import SampleConfig, choose_chunks, sample
-from distill.sft import FILTERS, BuildSftConfig, build_sft, content_kept, features, in_validation, off_format
+from distill.sft import BuildSftConfig, build_sft, in_validation
+from distill.sft_rows import FILTERS, content_kept, features, off_format
 
 # ------------------------------------------------------------------------------------- sampling
 
