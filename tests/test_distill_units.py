@@ -211,6 +211,45 @@ def test_teacher_config_validates():
         TeacherConfig("m", max_tokens=100, max_tokens_limit=50)
 
 
+def test_pool_map_keeps_input_order_and_stops_at_an_unreachable_endpoint(tmp_path):
+    import asyncio
+
+    from metachunk.teacher import EndpointUnreachable, TeacherPool
+
+    store = AnswerStore(tmp_path / "answers.sqlite")
+    taken = []
+
+    async def work(i: int) -> int:
+        taken.append(i)
+        await asyncio.sleep(0.002 * (i % 3))  # items finish out of order
+        if i == 5:
+            raise EndpointUnreachable("teacher 'm': cannot connect")
+        return 10 * i
+
+    def pool():
+        return TeacherPool({"stage": TeacherConfig("m", concurrency=2)}, {}, store)
+
+    done = asyncio.run(pool().map(range(8), work, workers=3, progress=False))
+    assert done.stopped == "unreachable" and done.unreachable == "teacher 'm': cannot connect"
+    finished = [i for i, r in enumerate(done.results) if r is not None]
+    assert 5 not in finished and all(done.results[i] == 10 * i for i in finished) and 0 in finished
+    assert taken == sorted(set(taken))  # taken in input order, each by one worker
+
+    taken.clear()
+    done = asyncio.run(pool().map(list(range(5)), work, progress=False))  # 2 workers: the concurrency
+    assert done.results == [0, 10, 20, 30, 40] and done.stopped == "" and taken == [0, 1, 2, 3, 4]
+
+    async def broken(i: int) -> int:
+        if i == 2:
+            raise ValueError("a bug")
+        await asyncio.sleep(1)
+        return i
+
+    with pytest.raises(ValueError, match="a bug"):  # any other error cancels the rest and is raised
+        asyncio.run(asyncio.wait_for(pool().map(range(6), broken, workers=6, progress=False), 0.5))
+    store.close()
+
+
 def test_window_is_the_whole_text_or_centred_on_the_chunk():
     text = "".join(str(i % 10) for i in range(100))
 
