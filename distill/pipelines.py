@@ -217,9 +217,14 @@ async def summary(job: ChunkJob, runner: StageRunner) -> dict:
         global_task = runner.ask(record, "summary_global", job.lang, context=job.context, chunk=job.text)
         local_task = runner.ask(record, "summary_local", job.lang, chunk=job.text)
         results = await asyncio.gather(global_task, local_task, return_exceptions=True)
-        for result in results:  # report the first stage's problem; both answers are recorded
-            if isinstance(result, BaseException):
-                raise result
+        # Both answers are recorded; the record reports the first stage's problem, but an error that
+        # is no stage outcome (an unreachable endpoint) stops the run whichever stage met it.
+        problems = sorted(
+            (r for r in results if isinstance(r, BaseException)),
+            key=lambda e: isinstance(e, (Pending, StageFailed)),
+        )
+        if problems:
+            raise problems[0]
         global_summary, local_summary = results
         fused = await runner.ask(
             record,

@@ -851,6 +851,20 @@ def test_an_unreachable_endpoint_stops_the_run_early_with_one_line(tmp_path):
     assert seconds < 60
 
 
+def test_summary_stops_at_an_unreachable_endpoint_whichever_stage_meets_it(tmp_path):
+    """Summary asks two stages at once: the one that finds the endpoint unreachable stops the run
+    even when the other stage failed first (its record is not written half-asked)."""
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(12)})
+    teacher = {"max_retries": 0, "concurrency": 3, "max_connection_errors": 2}
+    job = make_job(tmp_path, url, docs, task="summary", teacher=teacher)
+    done = job.cli("summary", timeout=120)
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    records = job.records()
+    assert len(records) == 12 and {r["status"] for r in records} <= {"failed", "pending"}
+    assert all("status" in entry for r in records for entry in r["stages"].values())
+
+
 def test_distill_help_lists_the_exit_codes():
     done = subprocess.run(
         [sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--help"],
