@@ -50,6 +50,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from metachunk import markdown
 from metachunk.artifacts import AtomicWriter, InputError
 
 NOT_MEASURED = "not measured"
@@ -214,22 +215,11 @@ def _num(value, fmt: str = "") -> str:
     return str(value)
 
 
-def _cell(value) -> str:
-    """Text that fits in one Markdown table cell."""
-    return " ".join(str(value).split()).replace("|", "\\|")
-
-
 def _fenced(text: str, lang: str = "text") -> str:
     """A fenced block that the text cannot close: the fence is longer than any backtick run in it."""
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _yaml_header(stats: dict, features) -> str:
@@ -287,7 +277,7 @@ def _summary(stats: dict) -> str:
         "`start`, `end` (where the chunk lies in its document), `teachers` (JSON), `prompt_sha256` "
         "(the student prompt template, see below) and `source_record`.",
         "",
-        _table(
+        markdown.table(
             ["split", "rows", "documents"],
             [[s, _num(rows.get(s)), _num(documents.get(s))] for s in _splits(stats) or list(rows)],
         ),
@@ -330,7 +320,7 @@ def _source(stats: dict) -> str:
 def _teachers(stats: dict) -> str:
     teachers = stats.get("teachers")
     body = (
-        _table(
+        markdown.table(
             ["stage", "model"],
             [[t.get("stage", NOT_MEASURED), t.get("model", NOT_MEASURED)] for t in teachers],
         )
@@ -366,7 +356,7 @@ def _prompts(stats: dict) -> str:
 def _filters(stats: dict) -> str:
     filters = stats.get("filters") or {}
     names = list(FILTERS) + sorted(k for k in filters if k not in FILTERS)
-    table = _table(
+    table = markdown.table(
         ["filter", "removes", "rows removed"],
         [[f"`{k}`", FILTERS.get(k) or TASK_FILTERS.get(k, ""), _num(filters.get(k))] for k in names],
     )
@@ -405,7 +395,7 @@ def _token_lengths(stats: dict) -> str:
             f"Tokenizer: {'`' + lengths['tokenizer'] + '`' if lengths.get('tokenizer') else NOT_MEASURED}. "
             f"Token limit (`max_tokens`): {_num(lengths.get('max_tokens'))}.",
             "",
-            _table([""] + keys, [row("prompt"), row("completion")]),
+            markdown.table([""] + keys, [row("prompt"), row("completion")]),
             "",
             f"![Prompt and completion token lengths]({histogram})"
             if histogram

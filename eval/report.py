@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from metachunk import markdown
 from metachunk.artifacts import AtomicWriter
 
 SCHEMA_VERSION = 1
@@ -55,9 +56,5 @@ def format_value(value) -> str:
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    def cell(x) -> str:
-        return str(x).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
-    return "\n".join(lines)
+    """The reports' table: cells keep their own spacing (run labels, model names)."""
+    return markdown.table(header, rows, cell=markdown.report_cell)

@@ -228,9 +228,10 @@ def replace_dir(staging: str | Path, final: str | Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def write_json(path: str | Path, obj) -> None:
+def write_json(path: str | Path, obj, default=None) -> None:
+    """``obj`` as indented JSON, atomically; ``default`` as in :func:`json.dump` (e.g. ``str``)."""
     with AtomicWriter(path) as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2)
+        json.dump(obj, f, ensure_ascii=False, indent=2, default=default)
         f.write("\n")
 
 

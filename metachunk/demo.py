@@ -1,8 +1,9 @@
 """``make demo``: the main job end to end on the bundled sample, with the embedded defaults.
 
 Local small models, no API keys, no GPU. Each stage is an ordinary ``metachunk`` command, so what
-the demo runs is exactly what a user runs with ``--config recipes/...`` and real models. Later
-stages (distillation, datasets, training, evaluation) append themselves to ``STAGES``.
+the demo runs is exactly what a user runs with ``--config recipes/...`` and real models. The stages
+are the ``stage_*`` functions below, run in the order of ``STAGES`` (chunk, prepare, distill, sft, train,
+moc, eval).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def stage_train(inputs: dict[str, Path]) -> list[dict]:
     role = "--rewrite" if task == "rewrite" else "--summarize"
     runs = [
         (f"train {task} smollm2", ["train", "--config", str(ROOT / "recipes" / "train" / "cpu_smoke.yaml"),
-                                   "--model", "smollm2", "--dataset", str(OUT / "sft" / task),
+                                   "--model_name_or_path", "smollm2", "--dataset_name", str(OUT / "sft" / task),
                                    "--output_dir", str(run), "--max_length", "4096"]),
         (f"export {task}", ["export", "--checkpoint", str(run), "--out", str(export)]),
         (f"chunk {role} export", ["chunk", str(two_chunks), "-o", str(OUT / "chunks" / f"students_{task}.jsonl"),
@@ -297,7 +298,7 @@ def stage_moc(inputs: dict[str, Path]) -> list[dict]:
 
     def train(name: str, dataset: Path) -> list:
         return [(f"train {name}", ["train", "--config", str(ROOT / "recipes" / "train" / "cpu_smoke.yaml"),
-                                   "--model", "smollm2", "--dataset", str(dataset), "--output_dir",
+                                   "--model_name_or_path", "smollm2", "--dataset_name", str(dataset), "--output_dir",
                                    str(OUT / "train" / name), "--max_steps", "2", "--eval_strategy", "no"])]  # fmt: skip
 
     # What the students are: trained on the distilled sets where they have rows; where a set is

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: an offline tiny Qwen2 model, the path to the real corpora, a fake Hub."""
+"""Shared pytest fixtures: an offline tiny Qwen2 model, the path to the real corpora, a fake Hub; and those of
+``support/fixtures.py``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+# planted distilled records, the SFT dataset built from them (session-scoped)
+pytest_plugins = ["support.fixtures"]
 
 
 @pytest.fixture(scope="session")

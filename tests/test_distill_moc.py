@@ -474,7 +474,7 @@ def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_mo
     trained = {}
     for name, dataset in (("router", tmp_path / "router"), ("expert", tmp_path / f"expert-{label}")):
         out = tmp_path / "runs" / name
-        argv = ["--config", str(recipe), "--model", str(tiny_model_dir), "--dataset", str(dataset),
+        argv = ["--config", str(recipe), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(dataset),
                 "--output_dir", str(out), "--max_steps", "2", "--eval_strategy", "no", "--max_length", "4096"]  # fmt: skip
         assert train_main(argv) == 0
         facts = json.loads((out / "metachunk_run.json").read_text())

@@ -10,14 +10,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_sft import planted  # noqa: F401  (the fixture: planted distilled records)
-from test_train import sft_dataset  # noqa: F401
+from support.fixtures import free_port
 
 from metachunk.artifacts import InputError
 from train.export import ExportConfig, export
@@ -29,10 +27,10 @@ REPO = "someone/metachunk-rewriter-tiny"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
-def _train(sft_dataset, tiny_model_dir, out: Path, *extra: str) -> Path:  # noqa: F811
+def _train(sft_dataset, tiny_model_dir, out: Path, *extra: str) -> Path:
     from train.sft import main
 
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "2", "--max_length", "4096", *extra]  # fmt: skip
     assert main(argv) == 0
     return out
@@ -62,7 +60,7 @@ def _no_pickles(folder: Path) -> None:
 
 
 def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
-    sft_dataset,  # noqa: F811
+    sft_dataset,
     tiny_model_dir,
     tmp_path,
     capsys,
@@ -178,7 +176,7 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
         _export(run, run.parent, overwrite=True)
 
 
-def test_lora_adapter_is_merged_and_matches_the_peft_model(sft_dataset, tiny_model_dir, tmp_path):  # noqa: F811
+def test_lora_adapter_is_merged_and_matches_the_peft_model(sft_dataset, tiny_model_dir, tmp_path):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -209,7 +207,7 @@ def test_lora_adapter_is_merged_and_matches_the_peft_model(sft_dataset, tiny_mod
         _export(tiny_model_dir, tmp_path / "x", merge_lora=True)
 
 
-def test_sharded_checkpoint_exports_to_shards_that_reload_exactly(sft_dataset, tiny_model_dir, tmp_path):  # noqa: F811
+def test_sharded_checkpoint_exports_to_shards_that_reload_exactly(sft_dataset, tiny_model_dir, tmp_path):
     """A 3B checkpoint comes as model-0000K-of-0000N.safetensors + index, and a 3B export (12 GB in
     fp32) is split the same way (--max-shard-size, 5GB by default). Both directions, on the tiny
     model cut into ~200 KB files."""
@@ -331,17 +329,11 @@ def test_push_uploads_the_exported_folder(fake_hub, tiny_model_dir, tmp_path, mo
     assert TOKEN.encode() not in b"".join(sent.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(
     __import__("importlib.util").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
 )
 def test_zero3_checkpoint_exports_gathered_weights_or_consolidates_shards(
-    sft_dataset,  # noqa: F811
+    sft_dataset,
     tiny_model_dir,
     tmp_path,
     monkeypatch,
@@ -355,8 +347,8 @@ def test_zero3_checkpoint_exports_gathered_weights_or_consolidates_shards(
     run = tmp_path / "zero3"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
-           "--module", "train", "--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset",
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           "--module", "train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
            str(sft_dataset), "--max_steps", "2", "--max_length", "4096", "--output_dir", str(run),
            "--per_device_train_batch_size", "1", "--deepspeed", str(ROOT / "recipes" / "deepspeed" / "zero3.json"),
            "--ddp_backend", "gloo", "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no"]  # fmt: skip

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from chunking.pipeline import ChunkConfig
 from metachunk.config import load_yaml
@@ -10,10 +11,36 @@ from metachunk.config import load_yaml
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "chunk").glob("*.yaml"))
 
 
+BLOCK_KEYS = {  # the flat keys of ChunkConfig's blocks that have no block prefix
+    "lumber": ("teachers", "prices", "teacher_config"),
+    "moc": ("router", "experts"),
+    "students": ("rewrite", "summarize", "rewrite_max_new_tokens", "summary_max_new_tokens"),
+}
+PREFIXES = {"lumber": "lumber_", "moc": "moc_", "students": "student_"}
+
+
+def nested_form(recipe: dict) -> dict:
+    """A chunk recipe with the flat keys of the per-method blocks written as nested blocks."""
+    out = {}
+    for key, value in recipe.items():
+        block = next((b for b, p in PREFIXES.items() if key.startswith(p) or key in BLOCK_KEYS[b]), None)
+        if block is None:
+            out[key] = value
+        else:
+            out.setdefault(block, {})[
+                key if key in BLOCK_KEYS[block] else key.removeprefix(PREFIXES[block])
+            ] = value
+    return out
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_chunk_recipe_is_valid(recipe):
+def test_chunk_recipe_is_valid(recipe, tmp_path):
     cfg = ChunkConfig(**load_yaml(ChunkConfig, recipe))
     assert cfg.input is not None and cfg.output is not None
+    # The recipes use the flat keys (lumber_tokens, teachers, ...); the nested blocks say the same.
+    path = tmp_path / "nested.yaml"
+    path.write_text(yaml.safe_dump(nested_form(yaml.safe_load(recipe.read_text(encoding="utf-8")))))
+    assert ChunkConfig(**load_yaml(ChunkConfig, path)) == cfg
 
 
 def test_there_are_recipes():
@@ -58,7 +85,8 @@ def test_there_are_data_recipes():
     assert {p.stem.split("_")[0] for p in DATA_RECIPES} == {"prepare", "sample", "build"}
 
 
-TRAIN_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "train").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_RECIPES = sorted((ROOT / "recipes" / "train").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", TRAIN_RECIPES, ids=lambda p: p.name)
@@ -72,13 +100,48 @@ def test_train_recipe_parses_with_trls_parser(recipe):
 
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(["--config", str(recipe), "--bf16", "false"])
-    assert sft_args.completion_only_loss is not False and model_args.model
+    assert sft_args.completion_only_loss is not False and model_args.model_name_or_path
     if sft_args.deepspeed:
         validate_deepspeed_config(sft_args.deepspeed)
     if "qwen2.5" in recipe.name:  # the paper's hyperparameters (MoC Appendix A.6)
         assert (sft_args.per_device_train_batch_size, sft_args.gradient_accumulation_steps) == (3, 16)
         assert (sft_args.learning_rate, sft_args.num_train_epochs, sft_args.warmup_steps) == (1e-5, 3, 0.1)
         assert sft_args.lr_scheduler_type == "cosine"
+
+
+@pytest.mark.parametrize("recipe", TRAIN_RECIPES, ids=lambda p: p.name)
+def test_train_recipe_is_read_by_trl_sft(recipe, monkeypatch):
+    """`trl sft --config RECIPE` reads the same file: its own parser (ScriptArguments, SFTConfig, ModelConfig,
+    DatasetMixtureConfig) knows every key, and reads the model, the dataset and its split as ours does. A key
+    it did not know would go to `accelerate launch`, which refuses it (parse only: nothing trains)."""
+    from trl import SFTConfig, TrlParser
+    from trl.scripts.sft import make_parser
+
+    from train.sft import ModelDataArguments
+
+    monkeypatch.chdir(ROOT)  # the recipes name recipes/deepspeed/*.json relative to the checkout
+    argv = ["--config", str(recipe), "--bf16", "false"]  # bf16: as above
+    script_args, _, model_config, _, unknown, _ = make_parser().parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    assert unknown == []
+    ours, _ = TrlParser((ModelDataArguments, SFTConfig)).parse_args_and_config(argv)
+    assert model_config.model_name_or_path == ours.model_name_or_path
+    assert script_args.dataset_name == ours.dataset_name
+    assert script_args.dataset_test_split == ours.dataset_test_split == "validation"  # build-sft's split
+    assert model_config.dtype == ours.dtype
+
+
+@pytest.mark.parametrize("old", ["model", "dataset"])
+def test_the_old_train_field_names_say_the_new_ones(old, tmp_path, capsys):
+    from train.sft import main
+
+    new = {"model": "model_name_or_path", "dataset": "dataset_name"}[old]
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(TRAIN_RECIPES[0].read_text().replace(f"{new}:", f"{old}:"))
+    for argv in (["--config", str(recipe)], ["--config", str(TRAIN_RECIPES[0]), f"--{old}", "x"]):
+        assert main(argv) == 2
+        assert f"field '{old}' is now '{new}'" in capsys.readouterr().err
 
 
 def test_there_are_train_recipes():

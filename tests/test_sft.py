@@ -1,9 +1,9 @@
 """Sampling for distillation and the SFT set builder: filters, splits, features, chat rendering."""
 
-import json
 import random
 
 import pytest
+from support.fixtures import sentence  # the planted records' sentences (the `planted` fixture)
 
 from distill.sample import SampleConfig, choose_chunks, sample
 from distill.sft import BuildSftConfig, build_sft, in_validation
@@ -86,57 +86,6 @@ def test_validation_split_is_by_document_and_seeded():
 
 
 # ------------------------------------------------------------------------------------- builder
-
-WORDS = (
-    "river meadow lantern harvest village market orchard bridge chapel letter carriage garden winter "
-    "candle parcel ribbon shilling sermon pony basket ladder kettle window blanket journey cottage "
-    "bonnet fiddle vicar miller baker"
-).split()
-
-
-def sentence(seed: int, n: int = 20) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
-
-
-def _record(doc_id, doc, chunk, output, status="ok"):
-    stage = {"status": "ok", "teacher": "teacher-model", "prompt_sha256": "ab" * 32,
-             "usage": {"prompt_tokens": 10, "completion_tokens": 5}, "cost": 0.001}  # fmt: skip
-    start = doc.index(chunk)
-    return {"schema_version": 1, "task": "rewrite", "doc_id": doc_id, "chunk_index": 1, "start": start,
-            "end": start + len(chunk), "text": chunk, "lang": "en", "context_spans": [[0, len(doc)]],
-            "status": status, "reason": "", "output": output,
-            "stages": {"reflection": dict(stage), "refinement": dict(stage), "completion": dict(stage)}}  # fmt: skip
-
-
-@pytest.fixture
-def planted(tmp_path):
-    """Twelve good rewrites on twelve documents, plus one planted bad record per filter."""
-    docs, records = {}, []
-    for i in range(15):
-        docs[f"d{i}"] = " ".join(sentence(3 * i + k) for k in range(3))
-    for i in range(12):
-        chunk = sentence(3 * i + 1)
-        records.append(_record(f"d{i}", docs[f"d{i}"], chunk, f"In the letter of document {i}, {chunk}"))
-    held_out = " ".join(sentence(500 + k) for k in range(3))
-    docs["test-copy"] = held_out  # the held-out test document again, under another id
-    near_chunk = sentence(1) + " Bridge."  # document 0's chunk with one more word
-    docs["d13"] = sentence(99) + " " + near_chunk
-    records += [
-        _record("d12", docs["d12"], sentence(37), "", status="failed"),  # failed_or_empty
-        _record("d12", docs["d12"], sentence(37), "I'm sorry, but as an AI I cannot rewrite this."),
-        _record("d12", docs["d12"], sentence(37), "A short unrelated phrase."),  # lost_content
-        _record("test-copy", held_out, sentence(501), "Rewritten: " + sentence(501)),  # contaminated
-        dict(records[0]),  # exact_duplicate
-        _record("d13", docs["d13"], near_chunk, "Near: " + near_chunk),  # near_duplicate
-        _record("d14", docs["d14"], sentence(43), sentence(43) + " very" * 3000),  # too_long
-    ]
-    (tmp_path / "docs.jsonl").write_text(
-        "".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items())
-    )
-    (tmp_path / "test_docs.jsonl").write_text(json.dumps({"id": "held-out", "text": held_out}) + "\n")
-    (tmp_path / "rewrite.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return tmp_path
 
 
 def test_every_filter_catches_its_planted_record(planted, tiny_model_dir):

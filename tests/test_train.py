@@ -1,36 +1,23 @@
 """SFT with TRL on CPU: config errors, completion-only label masking, a short real run."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from test_sft import planted  # noqa: F401  (the fixture: planted distilled records)
-
-from distill.sft import BuildSftConfig, build_sft
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
-
-
-@pytest.fixture
-def sft_dataset(planted, tiny_model_dir):  # noqa: F811
-    out = planted / "ds"
-    build_sft(
-        BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=out, documents=planted / "docs.jsonl",
-                       cards_dir=planted / "cards", tokenizer=str(tiny_model_dir), max_tokens=100_000,
-                       validation_fraction=0.25),
-        progress=False,
-    )  # fmt: skip
-    return out
 
 
 def test_invalid_configs_fail_before_any_model_loads(tmp_path, capsys):
     from train.sft import main
 
-    bad_dtype = ["--config", str(RECIPE), "--dataset", str(tmp_path), "--dtype", "float8"]
+    bad_dtype = ["--config", str(RECIPE), "--dataset_name", str(tmp_path), "--dtype", "float8"]
     assert main(bad_dtype + ["--output_dir", str(tmp_path / "o")]) == 2
     assert "field 'dtype'" in capsys.readouterr().err
     assert (
-        main(["--config", str(RECIPE), "--dataset", str(tmp_path), "--output_dir", str(tmp_path / "o")]) == 2
+        main(["--config", str(RECIPE), "--dataset_name", str(tmp_path), "--output_dir", str(tmp_path / "o")])
+        == 2
     )
     assert "has no data/ dir" in capsys.readouterr().err
     assert (
@@ -42,10 +29,11 @@ def test_invalid_configs_fail_before_any_model_loads(tmp_path, capsys):
 def test_evaluation_without_validation_rows_is_a_config_error(sft_dataset, tmp_path, capsys):
     from train.sft import main
 
+    sft_dataset = Path(shutil.copytree(sft_dataset, tmp_path / "ds"))  # the fixture is shared: edit a copy
     report = sft_dataset / "build_report.json"
     stats = json.loads(report.read_text())
     report.write_text(json.dumps({**stats, "rows": {**stats["rows"], "validation": 0}}))
-    argv = ["--config", str(RECIPE), "--dataset", str(sft_dataset), "--output_dir", str(tmp_path / "o")]
+    argv = ["--config", str(RECIPE), "--dataset_name", str(sft_dataset), "--output_dir", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "field 'eval_strategy' is 'steps'" in capsys.readouterr().err
 
@@ -81,7 +69,7 @@ def test_cpu_smoke_recipe_trains_saves_and_plots(sft_dataset, tiny_model_dir, tm
     from train.sft import main
 
     out = tmp_path / "run"
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "3", "--max_length", "4096"]  # fmt: skip
     assert main(argv) == 0
     log = json.loads((out / "train_log.json").read_text())
@@ -102,7 +90,7 @@ def test_cpu_smoke_recipe_trains_saves_and_plots(sft_dataset, tiny_model_dir, tm
 def test_metachunk_train_is_python_m_train(tmp_path, capsys):
     from metachunk.cli import main
 
-    assert main(["train", "--config", str(RECIPE), "--dataset", str(tmp_path)]) == 2
+    assert main(["train", "--config", str(RECIPE), "--dataset_name", str(tmp_path)]) == 2
     assert "has no data/ dir" in capsys.readouterr().err
 
 
@@ -114,7 +102,7 @@ def test_lora_trains_merges_and_reloads(sft_dataset, tiny_model_dir, tmp_path):
     from train.sft import main
 
     out = tmp_path / "lora"
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "2", "--max_length", "4096", "--use_peft", "true",
             "--lora_r", "4", "--learning_rate", "1e-2"]  # fmt: skip
     assert main(argv) == 0
@@ -142,8 +130,8 @@ def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_
     steps = 30
 
     def argv(out):
-        return [sys.executable, "-m", "train", "--config", str(RECIPE), "--model", str(tiny_model_dir),
-                "--dataset", str(sft_dataset), "--output_dir", str(out), "--max_steps", str(steps),
+        return [sys.executable, "-m", "train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir),
+                "--dataset_name", str(sft_dataset), "--output_dir", str(out), "--max_steps", str(steps),
                 "--max_length", "4096", "--save_strategy", "steps", "--save_steps", "2"]  # fmt: skip
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

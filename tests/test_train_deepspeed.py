@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_sft import planted  # noqa: F401  (the fixture: planted distilled records)
-from test_train import sft_dataset  # noqa: F401
+from support.fixtures import free_port
 
 from train.distributed import validate_deepspeed_config
 
@@ -59,11 +58,11 @@ def test_bad_deepspeed_configs_name_file_and_key(tmp_path, change, key):
     assert str(path) in str(e.value) and key in str(e.value)
 
 
-def test_sft_config_check_rejects_a_bad_deepspeed_config(tmp_path, sft_dataset, capsys):  # noqa: F811
+def test_sft_config_check_rejects_a_bad_deepspeed_config(tmp_path, sft_dataset, capsys):
     from train.sft import main
 
     bad = _write(tmp_path, {"zero_optimization": {"stage": 3}, "train_batch_size": "auto"}, "bad_ds.json")
-    argv = ["--config", str(RECIPE), "--dataset", str(sft_dataset), "--output_dir", str(tmp_path / "o"),
+    argv = ["--config", str(RECIPE), "--dataset_name", str(sft_dataset), "--output_dir", str(tmp_path / "o"),
             "--deepspeed", str(bad)]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -92,7 +91,7 @@ def _losses(out: Path) -> list[float]:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
-def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, tmp_path):  # noqa: F811
+def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, tmp_path):
     """ZeRO-3 on 2 CPU ranks x 1 row = 1 plain process x 2 rows: same global batch, same losses.
 
     Both runs seed the sampler alike (``--seed 0 --data_seed 0``) and the distributed sampler hands
@@ -104,12 +103,12 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     saved). About 30 s on 2 cores; the very first run on a machine JIT-compiles DeepSpeed's shm comm
     op into ~/.cache/torch_extensions (~85 s then).
     """
-    common = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    common = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
               "--max_steps", "3", "--max_length", "4096", "--seed", "0", "--data_seed", "0"]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     ds_out = tmp_path / "zero3"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29531", "--module", "train", *common,
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "train", *common,
            "--output_dir", str(ds_out), "--per_device_train_batch_size", "1",
            "--deepspeed", str(DS / "zero3.json"), "--ddp_backend", "gloo"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -10,8 +10,7 @@ import json
 import math
 
 import pytest
-from test_sft import planted  # noqa: F401  (the fixture: planted distilled records)
-from test_train import RECIPE, sft_dataset  # noqa: F401  (the fixture: a build-sft dataset, tiny tokenizer)
+from test_train import RECIPE
 
 
 def _trainer(rows, model_dir, out, attn, **config):
@@ -38,7 +37,7 @@ def _completion_log_probs(trainer, batch):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_padding_free_and_packed_batches_give_the_padded_losses(sft_dataset, tiny_model_dir, tmp_path, attn):  # noqa: F811
+def test_padding_free_and_packed_batches_give_the_padded_losses(sft_dataset, tiny_model_dir, tmp_path, attn):
     import torch
     from datasets import load_dataset
 
@@ -87,9 +86,9 @@ def _run(argv, capsys):
     return status, capsys.readouterr().err
 
 
-def test_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811
+def test_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "packed"
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "2", "--max_length", "1024", "--packing", "true",
             "--per_device_train_batch_size", "2", "--eval_steps", "1"]  # fmt: skip
     status, err = _run(argv, capsys)
@@ -111,9 +110,9 @@ def test_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys)
     assert f"{n_rows - over} rows packed into " in err
 
 
-def test_padding_free_without_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811
+def test_padding_free_without_packing_trains_two_steps(sft_dataset, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "flat"
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "2", "--max_length", "None", "--padding_free", "true",
             "--per_device_train_batch_size", "3", "--eval_strategy", "no"]  # fmt: skip
     status, err = _run(argv, capsys)
@@ -125,8 +124,8 @@ def test_padding_free_without_packing_trains_two_steps(sft_dataset, tiny_model_d
 def test_wrong_packing_configs_fail_before_any_model_loads(tmp_path, capsys):
     (tmp_path / "ds" / "data").mkdir(parents=True)
     # the model is never loaded: the config fails first
-    base = ["--config", str(RECIPE), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
-            "--model", str(tmp_path / "no-such-model")]  # fmt: skip
+    base = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tmp_path / "no-such-model")]  # fmt: skip
     # the recipe's max_length (1024) would not be enforced
     status, err = _run(base + ["--padding_free", "true"], capsys)
     assert status == 2 and "set max_length: null" in err

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_sft import planted  # noqa: F401  (the fixture: planted distilled records)
-from test_train import RECIPE, sft_dataset  # noqa: F401  (the fixture: a build-sft dataset, tiny tokenizer)
+from test_train import RECIPE
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_RECIPES = sorted((ROOT / "recipes" / "train").glob("*.yaml"))
@@ -67,11 +66,11 @@ def test_every_train_recipe_sets_its_precision(recipe):
         assert config["bf16"] is False and config["fp16"] is False  # float32 means float32, no autocast
 
 
-def test_cpu_smoke_trains_and_saves_float32_and_records_it(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811
+def test_cpu_smoke_trains_and_saves_float32_and_records_it(sft_dataset, tiny_model_dir, tmp_path, capsys):
     from safetensors import safe_open
 
     out = tmp_path / "run"
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "1", "--max_length", "4096", "--eval_strategy", "no"]  # fmt: skip
     status, err = _cli(argv, capsys)
     assert status == 0, err[-2000:]
@@ -86,8 +85,8 @@ def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):
 
     (tmp_path / "ds" / "data").mkdir(parents=True)
     recipe = _recipe_without(tmp_path, "bf16", "fp16")
-    base = ["--config", str(recipe), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
-            "--model", str(tiny_model_dir)]  # fmt: skip
+    base = ["--config", str(recipe), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
     # TRL's SFTConfig alone would make it bf16 autocast over float32 weights
     _, sft_args = parse_args(base + ["--dtype", "float32"])
     assert (sft_args.bf16, sft_args.fp16, sft_args.mixed_precision) == (False, False, "no")
@@ -116,8 +115,8 @@ def test_contradicting_precision_is_refused_before_the_model_loads(
     tmp_path, tiny_model_dir, capsys, no_model_load, flags, text
 ):
     (tmp_path / "ds" / "data").mkdir(parents=True)
-    base = ["--config", str(RECIPE), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
-            "--model", str(tiny_model_dir)]  # fmt: skip
+    base = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
     status, err = _cli(base + flags, capsys)
     assert status == 2
     _one_line_error(err, text)
@@ -127,8 +126,8 @@ def test_accelerates_mixed_precision_counts_too(tmp_path, tiny_model_dir, capsys
     (tmp_path / "ds" / "data").mkdir(parents=True)
     # what `accelerate launch --mixed_precision bf16` sets
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    argv = ["--config", str(RECIPE), "--dataset", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
-            "--model", str(tiny_model_dir)]  # fmt: skip
+    argv = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
     status, err = _cli(argv, capsys)
     assert status == 2
     _one_line_error(err, "ACCELERATE_MIXED_PRECISION=bf16 asks for bf16 mixed precision on CPU")
@@ -153,14 +152,14 @@ def _lengths(dataset: Path, split: str, model_dir: Path) -> list[tuple[int, int]
     return out
 
 
-def test_rows_longer_than_max_length_are_dropped_not_cut(sft_dataset, tiny_model_dir, tmp_path, capsys):  # noqa: F811
+def test_rows_longer_than_max_length_are_dropped_not_cut(sft_dataset, tiny_model_dir, tmp_path, capsys):
     max_length = 1024
     train = _lengths(sft_dataset, "train", tiny_model_dir)
     validation = _lengths(sft_dataset, "validation", tiny_model_dir)
     over = sum(n > max_length for n, _ in train)
     assert 0 < over < len(train)  # the ~3,000-word row does not fit, the others do
     out = tmp_path / "run"
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "1", "--max_length", str(max_length), "--eval_strategy", "no"]  # fmt: skip
     status, err = _cli(argv, capsys)
     assert status == 0, err[-2000:]
@@ -186,13 +185,13 @@ def test_rows_longer_than_max_length_are_dropped_not_cut(sft_dataset, tiny_model
 
 
 def test_no_row_within_max_length_is_refused_before_the_model_loads(
-    sft_dataset,  # noqa: F811
+    sft_dataset,
     tiny_model_dir,
     tmp_path,
     capsys,
     no_model_load,
 ):
-    argv = ["--config", str(RECIPE), "--model", str(tiny_model_dir), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(tmp_path / "o"), "--max_length", "64"]  # fmt: skip
     status, err = _cli(argv, capsys)
     assert status == 2
@@ -215,7 +214,7 @@ def _no_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "case", ["unknown model", "invalid YAML", "missing config", "no chat template", "report_to"]
 )
-def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load, case):  # noqa: F811
+def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load, case):
     config, model, extra = RECIPE, str(tiny_model_dir), []
     if case == "unknown model":
         model, text = "no-such-model", "unknown model 'no-such-model'"
@@ -230,18 +229,18 @@ def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path,
         text = f"the tokenizer of {model} has no chat template"
     else:
         extra, text = ["--report_to", "tensorbored"], "field 'report_to': unknown 'tensorbored'"
-    argv = ["--config", str(config), "--model", model, "--dataset", str(sft_dataset),
+    argv = ["--config", str(config), "--model_name_or_path", model, "--dataset_name", str(sft_dataset),
             "--output_dir", str(tmp_path / "o"), *extra]  # fmt: skip
     status, err = _cli(argv, capsys)
     assert status == 2
     _one_line_error(err, text)
 
 
-def test_a_chat_template_path_serves_a_base_model(sft_dataset, tiny_model_dir, tmp_path, no_model_load):  # noqa: F811
+def test_a_chat_template_path_serves_a_base_model(sft_dataset, tiny_model_dir, tmp_path, no_model_load):
     from train.sft import main
 
     model = _no_chat_template(tiny_model_dir, tmp_path)
-    argv = ["--config", str(RECIPE), "--model", str(model), "--dataset", str(sft_dataset),
+    argv = ["--config", str(RECIPE), "--model_name_or_path", str(model), "--dataset_name", str(sft_dataset),
             "--output_dir", str(tmp_path / "o"), "--chat_template_path", str(tiny_model_dir / "chat_template.jinja")]  # fmt: skip
     with pytest.raises(AssertionError, match="the model was loaded"):  # every check before it passed
         main(argv)

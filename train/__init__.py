@@ -1,1 +1,2 @@
-"""Supervised fine-tuning of the student models (built in a later issue)."""
+"""Training the students: SFT with TRL (``sft.py``; ``python -m train`` = ``metachunk train``), DeepSpeed and
+launchers (``distributed.py``), and export to a Hugging Face model folder (``export.py``) with its card (``card.py``)."""

@@ -6,7 +6,9 @@ save, plot the loss. ``python -m train --config recipes/train/cpu_smoke.yaml [--
 The config is TRL's own: :class:`ModelDataArguments` (what to train, on what) plus TRL's
 ``SFTConfig`` (how), read by TRL's ``TrlParser`` from the recipe YAML with command-line flags on
 top, every field with its help text (``--help``). TRL users know these flags; a recipe is the
-same file ``trl sft`` would read, plus our model and dataset fields.
+same file ``trl sft`` reads: the model and dataset fields carry TRL's names (``model_name_or_path``,
+``dataset_name``, ``dataset_test_split``; ``tests/test_recipes.py`` parses every recipe with
+``trl sft``'s own parser).
 
 The loss is Eq. 3 of Meta-Chunking: cross-entropy on the completion tokens only. The rows are
 conversational prompt–completion pairs (``metachunk data build-sft``), so TRL renders them with
@@ -26,9 +28,20 @@ from pathlib import Path
 
 @dataclass
 class ModelDataArguments:
-    model: str = field(metadata={"help": "base model: a preset name (smollm2, ...) or a local HF model dir"})
-    dataset: str = field(
+    # model_name_or_path, dataset_name and dataset_test_split are the names of TRL's ModelConfig and
+    # ScriptArguments, so that `trl sft --config` reads the same recipe
+    model_name_or_path: str = field(
+        metadata={"help": "base model: a preset name (smollm2, ...) or a local HF model dir"}
+    )
+    dataset_name: str = field(
         metadata={"help": "dataset dir written by `metachunk data build-sft` (parquet + card)"}
+    )
+    dataset_test_split: str = field(
+        default="validation",
+        metadata={
+            "help": "the split evaluated during training; build-sft writes 'validation' (`trl sft` defaults "
+            "to 'test', so every recipe names it)"
+        },
     )
     dtype: str = field(
         default="auto",
@@ -62,6 +75,7 @@ def parse_args(argv: list[str] | None = None):
 
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
+    check_renamed(recipe, argv)
     check_deepspeed_flag(argv)  # SFTConfig reads the JSON as it is built
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
@@ -101,6 +115,17 @@ def read_recipe(argv: list[str]) -> dict:
     return recipe
 
 
+RENAMED = {"model": "model_name_or_path", "dataset": "dataset_name"}  # the old names: TRL's now
+
+
+def check_renamed(recipe: dict, argv: list[str]) -> None:
+    """An old field name, in the recipe or as a flag, is an error that names the new one (argparse alone
+    would call ``--model`` ambiguous, and TrlParser a recipe's ``model:`` unknown)."""
+    for old, new in RENAMED.items():
+        if old in recipe or any(a == f"--{old}" or a.startswith(f"--{old}=") for a in argv):
+            raise ValueError(f"field {old!r} is now {new!r}, TRL's name (`trl sft` reads the same recipes)")
+
+
 def bf16_given(recipe: dict, argv: list[str]) -> bool:
     """Whether the recipe or a flag sets bf16 (SFTConfig cannot tell: it turns None into True)."""
     return recipe.get("bf16") is not None or any(a == "--bf16" or a.startswith("--bf16=") for a in argv)
@@ -113,7 +138,7 @@ def weights_dtype(model_args: ModelDataArguments) -> str | None:
         return model_args.dtype
     from metachunk.models import resolve
 
-    config = json.loads((resolve(model_args.model) / "config.json").read_text(encoding="utf-8"))
+    config = json.loads((resolve(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
     return config.get("dtype") or config.get("torch_dtype")
 
 
@@ -154,21 +179,20 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
         raise ValueError(
             f"field 'dtype' must be auto, float32, bfloat16 or float16, got {model_args.dtype!r}"
         )
-    if not (Path(model_args.dataset) / "data").is_dir():
+    if not (Path(model_args.dataset_name) / "data").is_dir():
         raise ValueError(
-            f"field 'dataset': {model_args.dataset} has no data/ dir (run `metachunk data build-sft`)"
+            f"field 'dataset_name': {model_args.dataset_name} has no data/ dir (run `metachunk data build-sft`)"
         )
-    report = Path(model_args.dataset) / "build_report.json"
+    report = Path(model_args.dataset_name) / "build_report.json"
     if report.is_file() and sft_args.eval_strategy != "no":
         rows = json.loads(report.read_text(encoding="utf-8")).get("rows", {})
-        if rows.get("validation") == 0:
+        if rows.get(model_args.dataset_test_split) == 0:
             raise ValueError(
-                f"field 'eval_strategy' is '{sft_args.eval_strategy.value}' but {model_args.dataset} has no "
+                f"field 'eval_strategy' is '{sft_args.eval_strategy.value}' but {model_args.dataset_name} has no "
                 "validation rows: rebuild it with a validation_fraction, or pass --eval_strategy no"
             )
     if model_args.use_peft and not 0 < model_args.lora_r:
         raise ValueError(f"field 'lora_r' must be >= 1, got {model_args.lora_r}")
-    resume_point(sft_args)  # a missing checkpoint is a config error, found before the model loads
     from train.distributed import check_deepspeed  # --deepspeed JSON, or accelerate's DeepSpeed config
 
     check_deepspeed(sft_args)
@@ -176,7 +200,10 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
         raise ValueError(
             "field 'completion_only_loss' must stay on: the loss is on the completion only (Eq. 3)"
         )
-    check_packing(model_args.attn_implementation, sft_args)
+    check_packing(sft_args)
+    # an attention asked for is checked now; the one transformers picks, once the model has loaded
+    if model_args.attn_implementation is not None:
+        check_attention(model_args.attn_implementation, sft_args)
     if model_args.attn_implementation == "flex_attention" and sft_args.use_cpu:
         # it would load and run the first forward, then fail in backward (torch 2.13)
         raise ValueError(
@@ -223,23 +250,20 @@ def padding_free(sft_args) -> bool:
     )
 
 
-def check_packing(attn_implementation: str | None, sft_args) -> None:
-    """Padding-free batches are one flattened row per micro-batch, the rows told apart only by ``position_ids``
-    restarting at 0. transformers 5 turns that into a block-diagonal causal mask for sdpa, eager and flex_attention
-    (``masking_utils.find_packed_sequence_indices``); the flash-attention kernels take the boundaries (``cu_seq_lens``)
-    from TRL's collator. Any other attention would let the rows attend to each other, silently."""
+def check_packing(sft_args) -> None:
     if sft_args.padding_free and not sft_args.packing and sft_args.max_length is not None:
         raise ValueError(
             "field 'padding_free' without packing does not truncate rows to max_length: set max_length: null "
             "(--max_length None), or use --packing true (bfd, which truncates each row at max_length)"
         )
-    impl = attn_implementation
-    if (
-        padding_free(sft_args)
-        and impl is not None
-        and impl not in ("sdpa", "eager", "flex_attention")
-        and "flash" not in impl
-    ):
+
+
+def check_attention(impl: str, sft_args) -> None:
+    """Padding-free batches are one flattened row per micro-batch, the rows told apart only by ``position_ids``
+    restarting at 0. transformers 5 turns that into a block-diagonal causal mask for sdpa, eager and flex_attention
+    (``masking_utils.find_packed_sequence_indices``); the flash-attention kernels take the boundaries (``cu_seq_lens``)
+    from TRL's collator. Any other attention would let the rows attend to each other, silently."""
+    if padding_free(sft_args) and impl not in ("sdpa", "eager", "flex_attention") and "flash" not in impl:
         raise ValueError(
             f"field 'attn_implementation': {impl!r} cannot keep the rows of a packed / padding-free batch apart; "
             "use sdpa, eager, flex_attention or flash_attention_2"
@@ -272,15 +296,16 @@ def load_rows(model_args: ModelDataArguments, sft_args):
 
     from metachunk.models import resolve
 
-    model_dir = str(resolve(model_args.model))
+    model_dir = str(resolve(model_args.model_name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rendering = chat_template_tokenizer(tokenizer, sft_args, model_dir)
-    data = load_dataset(model_args.dataset)
+    data = load_dataset(model_args.dataset_name)
     keep = ["prompt", "completion"]  # the metadata columns stay in the dataset, not in the batches
     train_set = data["train"].select_columns(keep)
     if model_args.max_train_rows:
         train_set = train_set.select(range(min(model_args.max_train_rows, len(train_set))))
-    eval_set = data["validation"].select_columns(keep) if "validation" in data else None
+    split = model_args.dataset_test_split
+    eval_set = data[split].select_columns(keep) if split in data else None
     if eval_set is not None and len(eval_set) == 0:
         eval_set = None
 
@@ -406,14 +431,14 @@ def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
     history = trainer.state.log_history
     train_losses = [e["loss"] for e in history if "loss" in e]
     eval_losses = [e["eval_loss"] for e in history if "eval_loss" in e]
-    build_report = Path(model_args.dataset) / "build_report.json"
+    build_report = Path(model_args.dataset_name) / "build_report.json"
     hyper = ("learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
              "gradient_accumulation_steps", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_length",
              "bf16", "packing", "packing_strategy", "padding_free", "seed", "deepspeed", "completion_only_loss")  # fmt: skip
     return {
-        "base_model": model_args.model,
+        "base_model": model_args.model_name_or_path,
         "base_model_dir": str(model_dir),
-        "dataset": str(Path(model_args.dataset).resolve()),
+        "dataset": str(Path(model_args.dataset_name).resolve()),
         "dataset_report": json.loads(build_report.read_text(encoding="utf-8"))
         if build_report.is_file()
         else None,
@@ -431,17 +456,11 @@ def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
     }
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    from metachunk.artifacts import AtomicWriter
-
-    with AtomicWriter(path) as f:
-        f.write(json.dumps(obj, ensure_ascii=False, indent=1, default=str) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         model_args, sft_args = parse_args(argv)
+        resume = resume_point(sft_args)  # no such checkpoint is a config error, before the model loads
         # what TRL would find only after the model has loaded, or not at all (max_length)
         model_dir, tokenizer, train_set, eval_set, over = load_rows(model_args, sft_args)
     except ValueError as e:
@@ -452,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
+    from metachunk.artifacts import write_json
     from train.distributed import prepare_distributed
 
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
@@ -462,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     impl = model.config._attn_implementation  # what transformers picked when none was asked for
     loaded = str(model.dtype).removeprefix("torch.")
     try:
-        check_packing(impl, sft_args)
+        if model_args.attn_implementation is None:  # the one transformers picked (a named one is checked)
+            check_attention(impl, sft_args)
         check_precision(loaded, model_args, sft_args)  # again: config.json may not have said (dtype auto)
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
@@ -513,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
             f"effective global batch {batch} {'packed sequences' if packed else 'rows'}; {steps} optimizer steps",
             file=sys.stderr,
         )
-    resume = resume_point(sft_args)
     if resume and trainer.is_world_process_zero():
         state = json.loads((Path(resume) / "trainer_state.json").read_text(encoding="utf-8"))
         print(f"train: resuming from {resume} at step {state['global_step']}", file=sys.stderr)
@@ -522,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_world_process_zero():
         out = Path(sft_args.output_dir)
         plot_losses(trainer.state.log_history, out / "loss.png")
-        write_json_atomic(out / "train_log.json", trainer.state.log_history)
+        write_json(out / "train_log.json", trainer.state.log_history, default=str)
         # the weights as trained and saved: DeepSpeed's bf16 / fp16 engine casts them
         saved = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         precision = {"dtype": loaded, "bf16": sft_args.bf16, "fp16": sft_args.fp16,
@@ -531,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = run_facts(model_args, sft_args, model_dir, trainer, rows=rows, tokens=tokens,
                           completion_tokens=completion, global_batch=batch, rows_over_max_length=over,
                           precision=precision, argv=argv)  # fmt: skip
-        write_json_atomic(out / RUN_FACTS, facts)
+        write_json(out / RUN_FACTS, facts, default=str)
         print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "
               f"wrote {out}", file=sys.stderr)  # fmt: skip
     return 0
