@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter, namedtuple
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -50,26 +50,12 @@ from distill.moc import TASK as MOC_TASK
 from distill.prompts import load_prompt
 from metachunk.artifacts import InputError
 
-# The filter table of a card, in its order; the task's own filters come first, then the shared
-# builder's (contaminated, exact_duplicate, near_duplicate, too_long).
-FILTERS = (
-    "failed_or_empty",
-    "refusal_or_off_format",
-    "lost_content",
-    "contaminated",
-    "exact_duplicate",
-    "near_duplicate",
-    "too_long",
-)
+# The shared builder's filters (distill.sft), run after the task's own.
+SHARED_FILTERS = ("contaminated", "exact_duplicate", "near_duplicate", "too_long")
+# rewrite / summary: the task's own filters, then the shared ones (the card's table, in order).
+FILTERS = ("failed_or_empty", "refusal_or_off_format", "lost_content", *SHARED_FILTERS)
 # MoC's filters. Its cards list every filter of FILTERS (0 where it cannot fire), then unrecoverable.
-MOC_FILTERS = (
-    "failed_or_empty",
-    "unrecoverable",
-    "contaminated",
-    "exact_duplicate",
-    "near_duplicate",
-    "too_long",
-)
+MOC_FILTERS = ("failed_or_empty", "unrecoverable", *SHARED_FILTERS)
 
 
 @dataclass
@@ -92,9 +78,14 @@ class Row:
 
 
 class RowMaker:
-    """What the builder asks of a task. A subclass sets the class attributes and overrides
-    ``features``, ``read``, ``entries``, ``rows``, ``students`` and ``limitations``; the rest has
-    defaults (one dataset, no run settings, no labels on the card)."""
+    """What the builder asks of a task. A subclass sets the class attributes and has:
+
+    ``features()`` (the dataset's columns); ``read(record)`` (the record's fields, with ``.lang``;
+    KeyError / TypeError: not a record of this kind); ``entries(rec)`` (``(stage, entry)`` of every
+    teacher answer, for usage and prompt versions); ``rows(rec, document)`` (its candidate
+    :class:`Row` s; ``document(doc_id)`` is the text, an input error when missing);
+    ``students(langs)`` (``(name, Prompt)`` of the prompts the rows use) and ``limitations(...)``
+    for the card. The methods below are the defaults: one dataset, no run settings, no labels."""
 
     kind = ""  # the error for an unreadable line: "not a {kind} record"
     meta_name = ""  # the distill run's meta file, named in the "no documents" error
@@ -108,48 +99,17 @@ class RowMaker:
         """The datasets built: None is OUT; k is OUT-k (card NAME-k)."""
         return [None]
 
-    def features(self):
-        raise NotImplementedError
-
     def start(self, meta: dict) -> None:
         """Read what the distill run recorded (``TASK.meta.json``, ``{}`` if none)."""
 
-    def read(self, record: dict):
-        """The record's fields (KeyError / TypeError: not a record of this kind); has ``.lang``."""
-        raise NotImplementedError
-
     def wrong_task(self, record: dict) -> bool:
         return record.get("task") != self.record_task
-
-    def entries(self, rec) -> Iterable[tuple[str, dict]]:
-        """``(stage, entry)`` of every teacher answer in the record, for usage and prompt versions."""
-        raise NotImplementedError
-
-    def rows(self, rec, document: Callable[[str], str]) -> Iterator[Row]:
-        """The record's candidate rows; ``document(doc_id)`` is the document's text (an input error
-        if the documents do not have it)."""
-        raise NotImplementedError
-
-    def students(self, langs: list[str]) -> list:
-        """``(name, Prompt)`` of the student prompts the rows use, for the card."""
-        raise NotImplementedError
 
     def command_args(self, target: int | None) -> str:
         return ""
 
     def card_labels(self, target: int | None, labels: Counter) -> dict:
         return {}
-
-    def limitations(
-        self,
-        target: int | None,
-        labels: Counter,
-        total_rows: int,
-        n_records: int,
-        n_test: int,
-        teachers: dict,
-    ) -> list[str]:
-        raise NotImplementedError
 
 
 # -------------------------------------------------------------------------------- rewrite, summary
@@ -188,6 +148,13 @@ def content_kept(chunk: str, rewrite: str, lang: str) -> float:
 
 
 def features():
+    """The columns of rewrite / summary rows."""
+    return _features("chunk_index", {})
+
+
+def _features(index: str, columns: dict):
+    """prompt, completion, doc_id, the row's index and span, the task's columns, then the versions
+    and the source record."""
     from datasets import Features, List, Value
 
     message = {"role": Value("string"), "content": Value("string")}
@@ -196,27 +163,21 @@ def features():
             "prompt": List(message),
             "completion": List(message),
             "doc_id": Value("string"),
-            "chunk_index": Value("int64"),
-            "start": Value("int64"),
+            index: Value("int64"),  # the chunk's / sample's position in its document
+            "start": Value("int64"),  # the chunk's / sample's span in its document
             "end": Value("int64"),
             "lang": Value("string"),
+            **columns,
             "teachers": Value("string"),  # JSON {stage: model}
-            "prompt_sha256": Value("string"),  # the student instruction's version
+            "prompt_sha256": Value("string"),  # the student prompt's version
             "teacher_prompt_sha256": Value("string"),  # JSON {stage: sha256}
             "source_record": Value("string"),  # FILE:LINE of the distilled record
         }
     )
 
 
-@dataclass
-class TextRecord:
-    doc_id: str
-    chunk: str
-    output: str
-    lang: str
-    status: str
-    stages: dict
-    record: dict
+# The fields of a rewrite / summary record that the rows use (read, and checked, by TextRows.read).
+TextRecord = namedtuple("TextRecord", "doc_id chunk output lang status stages record")
 
 
 class TextRows(RowMaker):
@@ -313,39 +274,22 @@ class TextRows(RowMaker):
 
 
 def moc_features():
-    from datasets import Features, List, Value
+    """The columns of moc-router / moc-expert rows."""
+    from datasets import Value
 
-    message = {"role": Value("string"), "content": Value("string")}
-    return Features(
+    return _features(
+        "sample_index",
         {
-            "prompt": List(message),
-            "completion": List(message),
-            "doc_id": Value("string"),
-            "sample_index": Value("int64"),
-            "start": Value("int64"),  # the sample's span in its document
-            "end": Value("int64"),
-            "lang": Value("string"),
             "label": Value("int64"),  # granularity 0..3 of the document
             "mean_chunk_chars": Value("float64"),  # of the sample's chunks
             "chunks": Value("int64"),
             "placeholder": Value("string"),
-            "teachers": Value("string"),  # JSON {stage: model}
-            "prompt_sha256": Value("string"),  # the router / expert prompt's version
-            "teacher_prompt_sha256": Value("string"),  # JSON {stage: sha256}
-            "source_record": Value("string"),  # FILE:LINE of the distilled record
-        }
+        },
     )
 
 
-@dataclass
-class MocRecord:
-    doc_id: str
-    lang: str
-    status: str
-    windows: list
-    samples: list
-    label: int | None
-    record: dict
+# The fields of a moc record that the rows use (read, and checked, by MocRows.read).
+MocRecord = namedtuple("MocRecord", "doc_id lang status windows samples label record")
 
 
 class MocRows(RowMaker):
