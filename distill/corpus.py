@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +70,7 @@ from metachunk.artifacts import (
     write_json,
 )
 from metachunk.config import option
+from metachunk.crud import informative, normalize  # shared with eval: how CRUD's QA pairs are read
 
 # datasketch (which imports scipy) is imported where used: `metachunk --help` must not pay for it.
 if TYPE_CHECKING:
@@ -83,19 +83,10 @@ DEFAULT_MARGIN = 0.1
 KEY_WEIGHT_CAP = 10  # characters: a key string longer than this counts no more than this
 FUZZY_FLOOR = 0.5  # bigram containment at or below this earns no credit
 KEY_SHARE = 0.8  # of the confidence; the answers give the rest
-# Answers that carry no fact to look for in an article.
-NON_INFORMATIVE = frozenset(
-    {"是", "否", "是的", "不是", "有", "没有", "无", "对", "不对", "不确定", "未知", "不知道", "未提及"}
-)
 
 _SENTENCE_END = re.compile(r"[。！？；!?;\n]+")
 _WHITESPACE = re.compile(r"\s+")
 _PUNCTUATION = re.compile(r"[\W_]+")
-
-
-def normalize(text: str) -> str:
-    """The form all matching compares: NFKC (full-width -> half-width), lower case, no whitespace."""
-    return _WHITESPACE.sub("", unicodedata.normalize("NFKC", text)).lower()
 
 
 def char_ngrams(text: str, n: int) -> set[str]:
@@ -300,12 +291,6 @@ def _needles(strings: Iterable[str]) -> list[_Needle]:
         _Needle(s, n, frozenset(char_ngrams(_PUNCTUATION.sub("", n), 2)), _numbers(n))
         for n, s in seen.items()
     ]
-
-
-def informative(answer: str) -> bool:
-    """Whether an answer states a fact worth looking for (not 无法推断, 是的, a single character...)."""
-    a = normalize(answer)
-    return len(_PUNCTUATION.sub("", a)) >= 2 and a not in NON_INFORMATIVE and "无法" not in a
 
 
 def _credit(needle: _Needle, article: _Article) -> tuple[float, float, int]:

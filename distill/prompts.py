@@ -1,9 +1,5 @@
-"""Teacher prompts: versioned template files next to the stage that uses them.
-
-``prompts/{name}.{lang}.txt`` holds a ``<<<system>>>`` part and a ``<<<user>>>`` part, filled
-with ``str.format``. The sha256 of the file is the prompt's version: it is part of every
-request's cache key and is recorded on every output record, so editing a prompt re-asks the
-teacher for exactly the requests that prompt builds, and every answer says which text produced it.
+"""The teacher prompts of the distill pipelines: ``distill/prompts/{name}.{lang}.txt``, in the one
+prompt-file format (:mod:`metachunk.prompts`; the file's sha256 is the prompt's version).
 
 The students' instructions (``student_rewrite``, ``student_summary``) live with the chunker that
 runs the trained students (``chunking/prompts/``, :mod:`chunking.students`); ``load_prompt``
@@ -12,18 +8,16 @@ finds them there too, so the SFT rows and inference share one prompt.
 
 from __future__ import annotations
 
-from functools import cache
-from importlib.resources import files
-
-from chunking.students import LANGS, Prompt, check_lang, load_student_prompt, parse_prompt
+from chunking.students import load_student_prompt
+from metachunk.prompts import LANGS, Prompt, check_lang, load_prompt_file
 
 __all__ = ["LANGS", "Prompt", "load_prompt"]
 
 
-@cache
 def load_prompt(name: str, lang: str) -> Prompt:
+    """The prompt of distill stage ``name`` (``reflection``, ``moc_chunk``, ...) or of a student
+    (``student_rewrite``, ``student_summary``)."""
     check_lang(lang)
     if name.startswith("student_"):
         return load_student_prompt(name.removeprefix("student_"), lang)
-    resource = files("distill") / "prompts" / f"{name}.{lang}.txt"
-    return parse_prompt(name, lang, resource.read_bytes(), resource)
+    return load_prompt_file("distill", name, lang)

@@ -10,7 +10,8 @@ every answer. The context lists the passages best first, numbered ``[1]``, ``[2]
   ``max_tokens`` (``finish_reason == "length"``) keeps its text and is marked ``length``.
 * **Local** (``--generator-model PRESET_OR_DIR``): transformers ``generate`` on the chat template
   (or, for a base model without one, the system and user parts joined by a blank line), prompts of
-  similar length batched and padded on the left, sampling with the run's settings from one seed.
+  similar length batched and padded on the left (:func:`metachunk.generation.generate_batched`),
+  sampling with the run's settings from one seed.
 
 Default sampling is the paper's (§4.3): top_p 0.9, top_k 5, temperature 0.1, 1280 new tokens. The
 OpenAI API has no ``top_k``; it is sent to an endpoint only when ``--endpoint-top-k`` is set
@@ -23,20 +24,16 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
-from importlib.resources import files
 from pathlib import Path
 
-from chunking.students import Prompt, check_lang, parse_prompt
+from metachunk.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
+from metachunk.prompts import Prompt, load_prompt_file
 
 PROMPT_NAME = "rag_answer"
 
 
-@cache
 def load_rag_prompt(lang: str) -> Prompt:
-    check_lang(lang)
-    resource = files("eval") / "prompts" / f"{PROMPT_NAME}.{lang}.txt"
-    return parse_prompt(PROMPT_NAME, lang, resource.read_bytes(), resource)
+    return load_prompt_file("eval", PROMPT_NAME, lang)
 
 
 def format_context(passages: Sequence[str]) -> str:
@@ -165,9 +162,7 @@ class LocalGenerator:
         self.model, self.tokenizer = load_causal_lm(model, device=device, dtype=dtype)
         self.load_seconds = time.perf_counter() - started
         tok = self.tokenizer
-        tok.padding_side = "left"
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
+        prepare_tokenizer(tok)
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample = temperature > 0
         config.temperature = temperature if temperature > 0 else None
@@ -177,16 +172,14 @@ class LocalGenerator:
         if config.pad_token_id is None:
             config.pad_token_id = tok.pad_token_id
         self.generation = config
-        eos = config.eos_token_id if config.eos_token_id is not None else tok.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.stop_ids = stop_token_ids(config, tok)
         self.batch_size, self.seed = batch_size, seed
         self.seconds = 0.0
 
     def encode(self, messages: list[dict]) -> list[int]:
         tok = self.tokenizer
         if tok.chat_template:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return tok(text, add_special_tokens=False)["input_ids"]
+            return chat_prompt_ids(tok, messages)
         text = "\n\n".join(m["content"] for m in messages) + "\n"
         return tok(text, add_special_tokens=True)["input_ids"]
 
@@ -195,34 +188,14 @@ class LocalGenerator:
         from tqdm import tqdm
 
         started = time.perf_counter()
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.seed)  # once per run: the batches draw from one stream
         ids = [self.encode(p) for p in prompts]
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        out: list[Generated | None] = [None] * len(ids)
         with tqdm(total=len(ids), unit="q", desc="generate", disable=not progress, dynamic_ncols=True) as bar:
-            for first in range(0, len(order), self.batch_size):
-                batch = order[first : first + self.batch_size]
-                padded = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
-                input_ids = padded["input_ids"].to(self.model.device)
-                with torch.inference_mode():
-                    generated = self.model.generate(
-                        input_ids=input_ids,
-                        attention_mask=padded["attention_mask"].to(self.model.device),
-                        generation_config=self.generation,
-                    )
-                for row, i in zip(generated[:, input_ids.shape[1] :].tolist(), batch):
-                    stop = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
-                    new = row if stop is None else row[:stop]
-                    text = self.tokenizer.decode(new, skip_special_tokens=True).strip()
-                    out[i] = Generated(
-                        text,
-                        "ok",
-                        "" if stop is not None else "length",
-                        len(ids[i]),
-                        len(new),
-                        False,
-                        "stop" if stop is not None else "length",
-                    )
-                bar.update(len(batch))
+            done = generate_batched(self.model, self.tokenizer, ids, self.generation, self.batch_size,
+                                    stop_ids=self.stop_ids, on_batch=bar.update)  # fmt: skip
         self.seconds += time.perf_counter() - started
-        return out
+        return [
+            Generated(g.text, "ok", "" if g.stopped else "length", len(p), g.new_tokens, False,
+                      "stop" if g.stopped else "length")
+            for g, p in zip(done, ids)
+        ]  # fmt: skip

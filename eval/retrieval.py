@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.artifacts import InputError
+from metachunk.crud import informative
 
 FORMATS = ("gutenqa", "crud")
 QUOTES = frozenset("'\"‘’“”„‟‚‛«»「」『』`´")  # dropped by the normaliser
@@ -180,8 +181,6 @@ def load_gutenqa(path: Path) -> list[Question]:
 
 def crud_needle_levels(question: str, answer: str, key_info: Sequence[str]) -> list[list[str]]:
     """The evidence strings of one CRUD question, by priority (see the module docstring)."""
-    from distill.corpus import informative
-
     keys = [k for k in dict.fromkeys(key_info) if normalize(k)]
     a, q = normalize(answer), normalize(question)
     levels = []

@@ -1,0 +1,66 @@
+"""The prompt-file format: versioned chat templates that live next to the stage that uses them.
+
+``PACKAGE/prompts/{name}.{lang}.txt`` holds a ``<<<system>>>`` line, the system part, a
+``<<<user>>>`` line and the user part, filled with ``str.format``. The sha256 of the file's bytes
+is the prompt's version: it is part of every teacher request's cache key and is recorded on every
+output record and run manifest, so editing a prompt re-asks exactly the requests it builds, and
+every answer says which text produced it.
+
+Each stage keeps its own files and a small loader that knows its names: the teacher prompts
+(``distill/prompts/``, :func:`distill.prompts.load_prompt`), the students' and MoC's prompts
+(``chunking/prompts/``, :func:`chunking.students.load_student_prompt`,
+:func:`chunking.moc.load_moc_prompt`), LumberChunker's (:func:`chunking.lumber.load_lumber_prompt`)
+and the RAG answer prompt (``eval/prompts/``, :func:`eval.generate.load_rag_prompt`). MSP's
+Table 6/7 prompts are plain completion text, not chat, and keep their own reader
+(:func:`chunking.msp.load_msp_prompt`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+
+LANGS = ("zh", "en")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A versioned prompt file: a ``<<<system>>>`` part and a ``<<<user>>>`` part filled with
+    ``str.format``; ``sha256`` is the file's hash."""
+
+    name: str
+    lang: str
+    system: str
+    user: str
+    sha256: str
+
+    def messages(self, **values: str) -> list[dict]:
+        return [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": self.user.format(**values)},
+        ]
+
+
+def check_lang(lang: str) -> None:
+    if lang not in LANGS:
+        raise ValueError(f"no prompts for language {lang!r}; have {', '.join(LANGS)}")
+
+
+def parse_prompt(name: str, lang: str, data: bytes, where) -> Prompt:
+    """The prompt in ``data`` (a file's bytes; ``where`` names it in errors)."""
+    text = data.decode("utf-8")
+    head, sep, user = text.partition("\n<<<user>>>\n")
+    if not head.startswith("<<<system>>>\n") or not sep:
+        raise ValueError(f"{where}: expected a '<<<system>>>' line first and one '<<<user>>>' line")
+    system = head[len("<<<system>>>\n") :].strip()
+    return Prompt(name, lang, system, user.strip(), hashlib.sha256(data).hexdigest())
+
+
+@cache
+def load_prompt_file(package: str, name: str, lang: str) -> Prompt:
+    """``{package}/prompts/{name}.{lang}.txt``, read once per process."""
+    check_lang(lang)
+    resource = files(package) / "prompts" / f"{name}.{lang}.txt"
+    return parse_prompt(name, lang, resource.read_bytes(), resource)
