@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from chunking.msp import MarginScorer, load_prompt
+    from chunking.msp import MarginScorer, load_msp_prompt
     from metachunk.models import default_device, load_causal_lm
 
     if args.threads:
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = build_pairs(args.lang, args.pairs)
     model, tokenizer = load_causal_lm(model_name, device=device, dtype=args.dtype)
-    scorer = MarginScorer(model, tokenizer, load_prompt(args.prompt, args.lang))
+    scorer = MarginScorer(model, tokenizer, load_msp_prompt(args.prompt, args.lang))
     n_prefix = len(scorer.prefix_ids)
     suffix_lens = [len(scorer.pair_ids(a, b)) for a, b in pairs]
     mean_suffix = statistics.mean(suffix_lens)

@@ -72,7 +72,6 @@ def locate(
     lo = start
     while True:
         hi = min(len(source), start + width)
-        window_end = hi
         # Exact fast path. Searching [lo, hi) for an exact hit; overlap with the previous
         # window by m so a hit straddling the old edge is seen.
         i = source.find(fragment, max(start, lo - m), hi)
@@ -81,7 +80,7 @@ def locate(
         if budget > 0:
             # Fuzzy: the region [lo - overlap, hi) so that matches straddling windows are seen.
             r0 = max(start, lo - (m + budget))
-            hit = _fuzzy(fragment, source, r0, window_end, budget)
+            hit = _fuzzy(fragment, source, r0, hi, budget)
             if hit is not None:
                 return hit
         if hi >= len(source):

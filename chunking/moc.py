@@ -5,7 +5,7 @@ against the text as exact spans.
 ``metachunk chunk --method moc --router DIR --experts DIR0,DIR1,DIR2,DIR3``
 
 * **Prompts** (one home, shared with training): ``chunking/prompts/moc_router.{lang}.txt`` and
-  ``moc_expert.{lang}.txt`` in the ``<<<system>>>/<<<user>>>`` format of the students' prompts
+  ``moc_expert.{lang}.txt`` in the ``<<<system>>>/<<<user>>>`` format of :mod:`metachunk.prompts`
   (their sha256 is their version). :func:`router_messages` and :func:`expert_messages` build the
   chat messages; ``data build-sft moc-router`` / ``moc-expert`` build training rows with the same
   functions, so the prompt at inference is the training prompt byte for byte.
@@ -46,13 +46,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
-from importlib.resources import files
 from pathlib import Path
 
 from chunking.align import locate
-from chunking.students import Prompt, check_lang, parse_prompt, student_dir
+from chunking.students import student_dir
 from chunking.types import Sentence
+from metachunk.generation import (
+    chat_prompt_ids,
+    generate_batched,
+    padded_batches,
+    prepare_tokenizer,
+    stop_token_ids,
+)
+from metachunk.prompts import Prompt, load_prompt_file
 
 # The paper's eight placeholders for the omitted middle of a chunk (§3.2.3, Table 2); [MASK] is
 # the one its experiments use.
@@ -73,14 +79,11 @@ MIN_TYPO_CHARS = 8  # anchors at least this long may always have one edit
 # ------------------------------------------------------------------------------------- prompts
 
 
-@cache
 def load_moc_prompt(role: str, lang: str) -> Prompt:
     """``moc_router`` / ``moc_expert`` prompt file of ``lang`` (zh, en)."""
     if role not in ("router", "expert"):
         raise ValueError(f"unknown MoC prompt {role!r}; have router, expert")
-    check_lang(lang)
-    resource = files("chunking") / "prompts" / f"moc_{role}.{lang}.txt"
-    return parse_prompt(f"moc_{role}", lang, resource.read_bytes(), resource)
+    return load_prompt_file("chunking", f"moc_{role}", lang)
 
 
 def router_messages(text: str, lang: str) -> list[dict]:
@@ -291,9 +294,11 @@ def recover_chunks(
 # ------------------------------------------------------------------------------------- windows
 
 
-def window_end(sentences: Sequence[Sentence], ends: Sequence[int], start: int, after: int, limit: int) -> int:
-    """End of the window beginning at ``start``: the last sentence end within ``limit`` characters
-    of ``start``, but past ``after`` (the previous window's end, so every window brings new text);
+def char_window_end(
+    sentences: Sequence[Sentence], ends: Sequence[int], start: int, after: int, limit: int
+) -> int:
+    """End (a character offset) of the window beginning at ``start``: the last sentence end within
+    ``limit`` characters of ``start``, but past ``after`` (the previous window's end, so every window brings new text);
     the first sentence end past ``after`` when none fits. ``ends``: the sentences' ends, sorted."""
     first = bisect.bisect_right(ends, max(start, after))
     if first >= len(ends):
@@ -391,29 +396,11 @@ class _LM:
         tok = self.tokenizer
         if not tok.chat_template:
             raise ModelNotFoundError(f"{path} has no chat template; MoC models are trained on chat messages")
-        tok.padding_side = "left"
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if eos is not None else tok.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        prepare_tokenizer(tok)
+        self.stop_ids = stop_token_ids(self.model.generation_config, tok)
 
     def encode(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def batches(self, prompts: Sequence[list[dict]], batch_size: int):
-        """(indices, input_ids, attention_mask) per batch, longest prompts first, padded left."""
-        ids = [self.encode(p) for p in prompts]
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        for first in range(0, len(order), batch_size):
-            batch = order[first : first + batch_size]
-            padded = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
-            yield (
-                batch,
-                padded["input_ids"].to(self.model.device),
-                padded["attention_mask"].to(self.model.device),
-            )
+        return chat_prompt_ids(self.tokenizer, messages)
 
 
 class MocChunker:
@@ -444,21 +431,22 @@ class MocChunker:
 
     @classmethod
     def from_config(cls, cfg) -> MocChunker:
-        """The MoC chunker a :class:`~chunking.pipeline.ChunkConfig` asks for."""
-        if not cfg.router or not cfg.experts:
+        """The MoC chunker a :class:`~chunking.pipeline.ChunkConfig` asks for (its ``moc:`` block)."""
+        moc = cfg.moc
+        if not moc.router or not moc.experts:
             raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
         return cls(
             MocSettings(
-                router=cfg.router,
-                experts=parse_experts(cfg.experts),
-                placeholder=cfg.moc_placeholder,
-                window_chars=cfg.moc_window_chars,
-                temperature=cfg.moc_temperature,
-                top_p=cfg.moc_top_p,
-                retries=cfg.moc_retries,
-                max_new_tokens=cfg.moc_max_new_tokens,
-                max_ratio=cfg.moc_max_ratio,
-                fallback_model=cfg.moc_fallback_model,
+                router=moc.router,
+                experts=parse_experts(moc.experts),
+                placeholder=moc.placeholder,
+                window_chars=moc.window_chars,
+                temperature=moc.temperature,
+                top_p=moc.top_p,
+                retries=moc.retries,
+                max_new_tokens=moc.max_new_tokens,
+                max_ratio=moc.max_ratio,
+                fallback_model=moc.fallback_model,
                 fallback_threshold=cfg.effective_threshold,
                 max_context=cfg.max_context,
                 batch_size=cfg.batch_size,
@@ -487,8 +475,8 @@ class MocChunker:
         labels = [0] * len(texts)
         for lang in set(langs):
             self._note_prompt("router", lang)
-        prompts = [router_messages(t, lang) for t, lang in zip(texts, langs)]
-        for batch, input_ids, mask in lm.batches(prompts, self.s.batch_size):
+        ids = [lm.encode(router_messages(t, lang)) for t, lang in zip(texts, langs)]
+        for batch, input_ids, mask in padded_batches(lm.tokenizer, ids, self.s.batch_size, lm.model.device):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real positions
             with torch.inference_mode():
                 logits = lm.model(
@@ -507,9 +495,7 @@ class MocChunker:
         return min(1.0, self.s.temperature + step), min(1.0, self.s.top_p + step)
 
     def generate(self, lm: _LM, prompts: Sequence[list[dict]], attempt: int) -> list[str]:
-        """One sampled answer per prompt (new text only)."""
-        import torch
-
+        """One sampled answer per prompt (new text only); every batch is seeded with ``seed + attempt``."""
         temperature, top_p = self.sampling(attempt)
         config = copy.deepcopy(lm.model.generation_config)
         config.do_sample = True
@@ -521,16 +507,11 @@ class MocChunker:
         config.num_beams = 1
         if config.pad_token_id is None:
             config.pad_token_id = lm.tokenizer.pad_token_id
-        answers = [""] * len(prompts)
-        for batch, input_ids, mask in lm.batches(prompts, self.s.batch_size):
-            torch.manual_seed(self.s.seed + attempt)
-            with torch.inference_mode():
-                out = lm.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-            for row, i in zip(out[:, input_ids.shape[1] :].tolist(), batch):
-                stop = next((k for k, t in enumerate(row) if t in lm.stop_ids), len(row))
-                self.new_tokens += stop
-                answers[i] = lm.tokenizer.decode(row[:stop], skip_special_tokens=True).strip()
-        return answers
+        ids = [lm.encode(p) for p in prompts]
+        out = generate_batched(lm.model, lm.tokenizer, ids, config, self.s.batch_size,
+                               stop_ids=lm.stop_ids, seed=self.s.seed + attempt)  # fmt: skip
+        self.new_tokens += sum(g.new_tokens for g in out)
+        return [g.text for g in out]
 
     def expert_chunks(self, windows: Sequence[_Window]) -> None:
         """Fill ``spans`` of each window (with its ``label`` set) from its expert; windows whose
@@ -609,7 +590,7 @@ class MocChunker:
         while active := [d for d in docs if not d.done]:
             windows = []
             for d in active:
-                end = window_end(d.sentences, d.ends, d.pos, d.prev_end, self.s.window_chars)
+                end = char_window_end(d.sentences, d.ends, d.pos, d.prev_end, self.s.window_chars)
                 windows.append(_Window(d, d.pos, end))
             self.windows += len(windows)
             for w, label in zip(
@@ -674,3 +655,10 @@ class MocChunker:
             "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
             "load_seconds": {str(p): round(lm.load_seconds, 2) for p, lm in self._models.items()},
         }
+
+    def summary_line(self) -> str:
+        m = self.manifest()
+        return (
+            f"  moc: {m['windows']} windows, routes {m['routes']}, {m['retried']} retries, "
+            f"{m['fallback']['windows']} PPL fallbacks, {m['recovery']['skipped']} elements skipped"
+        )

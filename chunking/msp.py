@@ -84,7 +84,9 @@ class MspPrompt:
         return f"msp_{self.variant}.{self.lang}"
 
 
-def load_prompt(variant: str = "table6", lang: str = "en") -> MspPrompt:
+def load_msp_prompt(variant: str = "table6", lang: str = "en") -> MspPrompt:
+    """The Table 6 or Table 7 prompt: plain completion text (no chat parts), cut before the pair
+    lines; its sha256 (of the text) is its version."""
     if variant not in PROMPT_VARIANTS:
         raise ValueError(f"unknown MSP prompt {variant!r}; choose one of {', '.join(PROMPT_VARIANTS)}")
     if lang not in ("zh", "en"):

@@ -1,7 +1,14 @@
 """One entry point for every chunking method: config in, chunked documents out.
 
 ``metachunk chunk`` and every later stage that needs chunks (dataset sampling, evaluation) go
-through :class:`Chunker`, so each method is configured, loaded and run the same way everywhere.
+through :class:`Chunker`, so each method is configured, loaded and run the same way everywhere:
+ppl, msp, fixed, sentence, semantic, moc (:mod:`chunking.moc`) and lumber (:mod:`chunking.lumber`,
+which asks a teacher through :mod:`metachunk.teacher`).
+
+:class:`ChunkConfig` holds the settings every method shares, plus one block per concern that
+needs more: ``students:`` (--rewrite/--summarize), ``moc:`` and ``lumber:``. A block's fields also
+work flat, as the recipe keys and flags they always had (``--router``, ``--moc-window-chars``,
+``lumber_tokens:``; :func:`metachunk.config.block`), and a run's manifest records them flat.
 """
 
 from __future__ import annotations
@@ -13,15 +20,139 @@ from pathlib import Path
 from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
 from chunking.merge import add_sentence_overlap, merge_chunks
 from chunking.moc import PLACEHOLDERS
-from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_prompt, msp_decisions
+from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_msp_prompt, msp_decisions
 from chunking.ppl import ppl_boundaries, score_documents
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
-from metachunk.config import check_choices, option
+from metachunk.config import block, check_choices, option
 
-# lumber (LumberChunker, an LLM-prompted baseline) runs in eval/lumber.py: it needs the teacher client.
 METHODS = ("ppl", "msp", "fixed", "sentence", "semantic", "moc", "lumber")
 LM_METHODS = ("ppl", "msp")
+
+
+@dataclass
+class StudentOptions:
+    """``students:`` (flat: ``--rewrite``, ``--summarize``, ``--student-*``): trained students that
+    add fields to every chunk (:mod:`chunking.students`)."""
+
+    rewrite: str | None = option(
+        None,
+        "rewriter (local HF dir, e.g. from `metachunk export`, or a preset): add 'rewritten', the chunk "
+        "rewritten to stand on its own, to every chunk",
+        flat="rewrite",
+    )
+    summarize: str | None = option(
+        None,
+        "summarizer (local HF dir or preset): add 'summary', one sentence on the chunk from the "
+        "document's perspective, to every chunk",
+        flat="summarize",
+    )
+    context: str = option(
+        "document",
+        "--rewrite/--summarize: context given with each chunk, as in the distill run the students "
+        "learnt from: the document around the chunk, or its --student-top-k most similar chunks (--embedder)",
+        choices=["document", "related"],
+    )
+    context_chars: int = option(
+        8000, "--rewrite/--summarize: longest context in characters (distill's max_context_chars)"
+    )
+    top_k: int = option(
+        4, "--student-context related: how many of the document's other chunks (distill's context_top_k)"
+    )
+    rewrite_max_new_tokens: int | None = option(
+        None,
+        "--rewrite: most new tokens per chunk; default 1.5 x the chunk's tokens + 32, at most 1024",
+        flat="rewrite_max_new_tokens",
+    )
+    summary_max_new_tokens: int = option(
+        256, "--summarize: most new tokens per chunk", flat="summary_max_new_tokens"
+    )
+    sample: bool = option(
+        False,
+        "--rewrite/--summarize: decode with the models' own generation_config (sampling if it says so) "
+        "instead of greedy",
+    )
+
+
+@dataclass
+class MocOptions:
+    """``moc:`` (flat: ``--router``, ``--experts``, ``--moc-*``): Mixture-of-Chunkers inference
+    (:mod:`chunking.moc`)."""
+
+    router: str | None = option(
+        None,
+        "moc: the router (local HF dir with safetensors, chat model answering one label 0-3)",
+        flat="router",
+    )
+    experts: str | None = option(
+        None,
+        "moc: the four chunking experts, comma-separated, for granularity labels 0,1,2,3 (mean chunk "
+        "length <=120, <=150, <=180, >180 chars); the same dir may repeat",
+        flat="experts",
+    )
+    placeholder: str = option(
+        "[MASK]",
+        "moc: the placeholder between head and tail in the experts' answers (as they were trained)",
+        choices=list(PLACEHOLDERS),
+    )
+    window_chars: int = option(
+        1024, "moc: characters per window sent to router and expert (cut at sentence ends)"
+    )
+    temperature: float = option(0.1, "moc: experts' sampling temperature")
+    top_p: float = option(0.1, "moc: experts' nucleus sampling top-p")
+    retries: int = option(
+        2,
+        "moc: retries of a window whose answer is no JSON list or matches nothing (each adds 0.4 to "
+        "temperature and top-p); then the window falls back to PPL chunking",
+    )
+    max_new_tokens: int = option(512, "moc: most new tokens of an expert's answer")
+    max_ratio: float = option(
+        0.1, "moc: most edits, as a share of its length, for a head or tail found by edit distance"
+    )
+    fallback_model: str | None = option(
+        None, "moc: model for the PPL fallback (threshold --threshold, default 0.5); default the router"
+    )
+
+
+@dataclass
+class LumberOptions:
+    """``lumber:`` (flat: ``teachers:``, ``prices:``, ``--teacher-config``, ``--lumber-*``):
+    LumberChunker's teacher, window budget and answer store (:mod:`chunking.lumber`)."""
+
+    teachers: dict[str, dict] | None = option(
+        None,
+        "lumber: teacher blocks by name, as in a distill recipe (the fields of metachunk.teacher.TeacherConfig); "
+        "the block named by --lumber-teacher finds the content shifts. Recipe only",
+        flat="teachers",
+    )
+    prices: dict[str, dict] | None = option(
+        None,
+        "lumber: USD per 1M tokens by model name, {input, output}, as in a distill recipe. Recipe only",
+        flat="prices",
+    )
+    teacher_config: Path | None = option(
+        None,
+        "lumber: take 'teachers:' and 'prices:' from this YAML too (e.g. a distill recipe; its other keys "
+        "are ignored); blocks in this recipe win",
+        flat="teacher_config",
+    )
+    teacher: str = option("lumber", "lumber: name of the teacher block that finds the content shifts")
+    tokens: int = option(
+        550,
+        "lumber: token budget of one window of numbered paragraphs (or sentences) shown to the teacher; "
+        "the paper's 550, estimated as 1.2 tokens per word and 1 per CJK character",
+    )
+    retries: int = option(
+        0, "lumber: ask again this many times when an answer names no usable ID, then cut by fallback"
+    )
+    cache: Path | None = option(
+        None,
+        "lumber: answer store (SQLite, append-only; safe to share with distill runs), so a rerun pays "
+        "nothing; default answers.sqlite next to the output",
+    )
+    max_cost: float | None = option(
+        None, "lumber: stop before the total spend recorded in the answer store passes USD"
+    )
 
 
 @dataclass
@@ -103,96 +234,16 @@ class ChunkConfig:
         "exact fp32, only the normaliser is approximate), auto = the model's dtype",
         choices=["auto", "float32", "bfloat16"],
     )
-    rewrite: str | None = option(
-        None,
-        "rewriter (local HF dir, e.g. from `metachunk export`, or a preset): add 'rewritten', the chunk "
-        "rewritten to stand on its own, to every chunk",
+    students: StudentOptions = block(
+        StudentOptions,
+        "the trained students applied to every chunk (chunking/students.py)",
+        prefix="student_",
     )
-    summarize: str | None = option(
-        None,
-        "summarizer (local HF dir or preset): add 'summary', one sentence on the chunk from the "
-        "document's perspective, to every chunk",
-    )
-    student_context: str = option(
-        "document",
-        "--rewrite/--summarize: context given with each chunk, as in the distill run the students "
-        "learnt from: the document around the chunk, or its --student-top-k most similar chunks (--embedder)",
-        choices=["document", "related"],
-    )
-    student_context_chars: int = option(
-        8000, "--rewrite/--summarize: longest context in characters (distill's max_context_chars)"
-    )
-    student_top_k: int = option(
-        4, "--student-context related: how many of the document's other chunks (distill's context_top_k)"
-    )
-    rewrite_max_new_tokens: int | None = option(
-        None, "--rewrite: most new tokens per chunk; default 1.5 x the chunk's tokens + 32, at most 1024"
-    )
-    summary_max_new_tokens: int = option(256, "--summarize: most new tokens per chunk")
-    student_sample: bool = option(
-        False,
-        "--rewrite/--summarize: decode with the models' own generation_config (sampling if it says so) "
-        "instead of greedy",
-    )
-    router: str | None = option(
-        None, "moc: the router (local HF dir with safetensors, chat model answering one label 0-3)"
-    )
-    experts: str | None = option(
-        None,
-        "moc: the four chunking experts, comma-separated, for granularity labels 0,1,2,3 (mean chunk "
-        "length <=120, <=150, <=180, >180 chars); the same dir may repeat",
-    )
-    moc_placeholder: str = option(
-        "[MASK]",
-        "moc: the placeholder between head and tail in the experts' answers (as they were trained)",
-        choices=list(PLACEHOLDERS),
-    )
-    moc_window_chars: int = option(
-        1024, "moc: characters per window sent to router and expert (cut at sentence ends)"
-    )
-    moc_temperature: float = option(0.1, "moc: experts' sampling temperature")
-    moc_top_p: float = option(0.1, "moc: experts' nucleus sampling top-p")
-    moc_retries: int = option(
-        2,
-        "moc: retries of a window whose answer is no JSON list or matches nothing (each adds 0.4 to "
-        "temperature and top-p); then the window falls back to PPL chunking",
-    )
-    moc_max_new_tokens: int = option(512, "moc: most new tokens of an expert's answer")
-    moc_max_ratio: float = option(
-        0.1, "moc: most edits, as a share of its length, for a head or tail found by edit distance"
-    )
-    moc_fallback_model: str | None = option(
-        None, "moc: model for the PPL fallback (threshold --threshold, default 0.5); default the router"
-    )
-    teachers: dict[str, dict] | None = option(
-        None,
-        "lumber: teacher blocks by name, as in a distill recipe (the fields of metachunk.teacher.TeacherConfig); "
-        "the block named by --lumber-teacher finds the content shifts. Recipe only",
-    )
-    prices: dict[str, dict] | None = option(
-        None, "lumber: USD per 1M tokens by model name, {input, output}, as in a distill recipe. Recipe only"
-    )
-    teacher_config: Path | None = option(
-        None,
-        "lumber: take 'teachers:' and 'prices:' from this YAML too (e.g. a distill recipe; its other keys "
-        "are ignored); blocks in this recipe win",
-    )
-    lumber_teacher: str = option("lumber", "lumber: name of the teacher block that finds the content shifts")
-    lumber_tokens: int = option(
-        550,
-        "lumber: token budget of one window of numbered paragraphs (or sentences) shown to the teacher; "
-        "the paper's 550, estimated as 1.2 tokens per word and 1 per CJK character",
-    )
-    lumber_retries: int = option(
-        0, "lumber: ask again this many times when an answer names no usable ID, then cut by fallback"
-    )
-    lumber_cache: Path | None = option(
-        None,
-        "lumber: answer store (SQLite, append-only; safe to share with distill runs), so a rerun pays "
-        "nothing; default answers.sqlite next to the output",
-    )
-    lumber_max_cost: float | None = option(
-        None, "lumber: stop before the total spend recorded in the answer store passes USD"
+    moc: MocOptions = block(MocOptions, "--method moc: router and experts (chunking/moc.py)", prefix="moc_")
+    lumber: LumberOptions = block(
+        LumberOptions,
+        "--method lumber: the teacher that finds the cuts (chunking/lumber.py)",
+        prefix="lumber_",
     )
 
     def __post_init__(self):
@@ -205,16 +256,21 @@ class ChunkConfig:
             )
         if self.method == "fixed" and self.len_unit == "token":
             raise ValueError("--method fixed counts characters or words, not tokens")
-        for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window",
-                     "student_context_chars", "student_top_k", "rewrite_max_new_tokens",
-                     "summary_max_new_tokens", "lumber_tokens"):  # fmt: skip
-            value = getattr(self, name)
+        st, moc, lumber = self.students, self.moc, self.lumber
+        sizes = {
+            name: getattr(self, name)
+            for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window")
+        }
+        sizes.update(student_context_chars=st.context_chars, student_top_k=st.top_k,
+                     rewrite_max_new_tokens=st.rewrite_max_new_tokens,
+                     summary_max_new_tokens=st.summary_max_new_tokens, lumber_tokens=lumber.tokens)  # fmt: skip
+        for name, value in sizes.items():
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_context < 16:
             raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
         if self.method == "lumber":
-            if not (self.teachers or self.teacher_config):
+            if not (lumber.teachers or lumber.teacher_config):
                 raise ValueError(
                     "--method lumber needs a teacher: a 'teachers:' block in the recipe or --teacher-config YAML"
                 )
@@ -222,18 +278,18 @@ class ChunkConfig:
                 raise ValueError(
                     "--method lumber takes its cuts from the teacher; --target-len does not apply"
                 )
-            if self.lumber_retries < 0:
-                raise ValueError(f"--lumber-retries must be >= 0, got {self.lumber_retries}")
+            if lumber.retries < 0:
+                raise ValueError(f"--lumber-retries must be >= 0, got {lumber.retries}")
         if self.method == "moc":
-            if not (self.router and self.experts):
+            if not (moc.router and moc.experts):
                 raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
-            if len([e for e in self.experts.split(",") if e.strip()]) != 4:
+            if len([e for e in moc.experts.split(",") if e.strip()]) != 4:
                 raise ValueError("--experts takes 4 model dirs separated by commas (granularity 0,1,2,3)")
-            if self.moc_window_chars < 64 or self.moc_retries < 0 or self.moc_max_new_tokens < 1:
+            if moc.window_chars < 64 or moc.retries < 0 or moc.max_new_tokens < 1:
                 raise ValueError(
                     "--moc-window-chars must be >= 64, --moc-retries >= 0, --moc-max-new-tokens >= 1"
                 )
-            if not (self.moc_temperature > 0 and 0 < self.moc_top_p <= 1 and 0 <= self.moc_max_ratio < 1):
+            if not (moc.temperature > 0 and 0 < moc.top_p <= 1 and 0 <= moc.max_ratio < 1):
                 raise ValueError(
                     "--moc-temperature must be > 0, --moc-top-p in (0, 1], --moc-max-ratio in [0, 1)"
                 )
@@ -272,24 +328,33 @@ def _with_scores(sentences: Sequence[Sentence], scores: Sequence[float | None]) 
 
 
 class Chunker:
-    """Loads what the configured method needs once, then chunks batches of documents."""
+    """Loads what the configured method needs once, then chunks batches of documents.
 
-    def __init__(self, cfg: ChunkConfig):
-        if cfg.method == "lumber":  # it needs the teacher client, which chunking/ may not import
-            raise ValueError("method 'lumber' is eval.lumber.LumberChunker (metachunk chunk --method lumber)")
+    Every method is run the same way: :meth:`chunk` each batch, :meth:`close` at the end, then
+    :attr:`prompt_sha256`, :meth:`manifest` (the method's part of the run's ``.meta.json``) and
+    :meth:`summary_lines` (for the terminal). A method that shows its own progress bar
+    (:attr:`own_progress`: lumber, in characters with the teacher's requests and cost) takes the
+    run's size as ``total_chars``; the caller then shows none.
+    """
+
+    def __init__(self, cfg: ChunkConfig, *, total_chars: int | None = None, progress: bool = True):
         self.cfg = cfg
         self.model = self.tokenizer = self._embed = None
         self._scorers: dict[str, MarginScorer] = {}
-        self.moc = None
+        self.moc = self.lumber = None
         if cfg.method == "moc":
             from chunking.moc import MocChunker
 
             self.moc = MocChunker.from_config(cfg)
+        if cfg.method == "lumber":  # the teacher's cuts; its store and pool stay open until close()
+            from chunking.lumber import LumberChunker
+
+            self.lumber = LumberChunker(cfg, total_chars=total_chars, progress=progress)
         if cfg.method in LM_METHODS:
             from metachunk.models import load_causal_lm
 
             self.model, self.tokenizer = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
-        elif cfg.len_unit == "token":
+        elif cfg.len_unit == "token" and cfg.method != "lumber":  # lumber estimates its own tokens
             from transformers import AutoTokenizer
 
             from metachunk.models import resolve
@@ -299,16 +364,39 @@ class Chunker:
             self._embed = minilm_embedder(cfg.embedder, device=cfg.device)
 
     @property
+    def own_progress(self) -> bool:
+        return self.lumber is not None
+
+    @property
     def prompt_sha256(self) -> dict[str, str]:
         shas = {s.prompt.name: s.prompt.sha256 for s in self._scorers.values()}
-        if self.moc is not None:
-            shas.update(self.moc.prompt_sha256)
+        for method in (self.moc, self.lumber):
+            if method is not None:
+                shas.update(method.prompt_sha256)
         return shas
+
+    def manifest(self) -> dict:
+        """The method's own block of the run's ``.meta.json``: ``moc`` (router/experts, retries, PPL
+        fallbacks, recovery counts) or ``lumber`` (teacher, answer store, windows, requests sent /
+        from the store, fallbacks, cost); nothing for the other methods."""
+        if self.moc is not None:
+            return {"moc": self.moc.manifest()}
+        if self.lumber is not None:
+            return {"lumber": self.lumber.manifest()}
+        return {}
+
+    def summary_lines(self) -> list[str]:
+        return [m.summary_line() for m in (self.moc, self.lumber) if m is not None]
+
+    def close(self) -> None:
+        """Releases what outlives a batch (lumber: the teacher pool, the answer store, its bar)."""
+        if self.lumber is not None:
+            self.lumber.close()
 
     def _scorer(self, lang: str) -> MarginScorer:
         if lang not in self._scorers:
             self._scorers[lang] = MarginScorer(
-                self.model, self.tokenizer, load_prompt(self.cfg.msp_prompt, lang)
+                self.model, self.tokenizer, load_msp_prompt(self.cfg.msp_prompt, lang)
             )
         return self._scorers[lang]
 
@@ -360,6 +448,9 @@ class Chunker:
                 d.chunks = [Chunk.span(d.text, a, b) for a, b in spans]
                 index_by_end = {s.end: i for i, s in enumerate(d.sentences)}
                 d.boundaries = [index_by_end[c.end] for c in d.chunks[:-1] if c.end in index_by_end]
+        elif cfg.method == "lumber":
+            for d, boundaries in zip(out, self.lumber.chunk_documents(texts, langs, sentences)):
+                d.boundaries = boundaries
         elif cfg.method == "semantic":
             for d in out:
                 chunks, distances = semantic_chunks(d.text, d.sentences, self._embed, percentile=theta)

@@ -18,25 +18,25 @@ rows and the chunker build it with the same functions:
 :func:`student_messages`; the chunker calls the same ones with the same settings (the defaults
 are distill's), so the prompt at inference is the training prompt, byte for byte.
 
-Generation (:class:`Student`): the model's chat template with the generation prompt, prompts of
-similar length batched and padded on the left, the model's own ``generation_config`` with
-``do_sample=False`` on top (greedy, reproducible) unless sampling is asked for; only the new
-tokens are decoded. Weights load from safetensors only.
+Generation (:class:`Student`, with :func:`metachunk.generation.generate_batched`): the model's
+chat template with the generation prompt, prompts of similar length batched and padded on the
+left, the model's own ``generation_config`` with ``do_sample=False`` on top (greedy,
+reproducible) unless sampling is asked for; only the new tokens are decoded. Weights load from
+safetensors only.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
-from importlib.resources import files
 from pathlib import Path
 
-LANGS = ("zh", "en")
+from metachunk.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
+from metachunk.prompts import Prompt, load_prompt_file
+
 FIELDS = {"rewrite": "rewritten", "summary": "summary"}  # task -> the field it adds to each chunk
 CONTEXT_MODES = ("document", "related")
 CONTEXT_SEPARATOR = "\n…\n"  # between the related chunks of a context
@@ -49,45 +49,10 @@ REWRITE_BUDGET = "1.5 x chunk tokens + 32, at most 1024"
 # ------------------------------------------------------------------------------------- prompts
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """A versioned prompt file: a ``<<<system>>>`` part and a ``<<<user>>>`` part filled with
-    ``str.format``; ``sha256`` is the file's hash (the same format serves the teacher prompts)."""
-
-    name: str
-    lang: str
-    system: str
-    user: str
-    sha256: str
-
-    def messages(self, **values: str) -> list[dict]:
-        return [
-            {"role": "system", "content": self.system},
-            {"role": "user", "content": self.user.format(**values)},
-        ]
-
-
-def check_lang(lang: str) -> None:
-    if lang not in LANGS:
-        raise ValueError(f"no prompts for language {lang!r}; have {', '.join(LANGS)}")
-
-
-def parse_prompt(name: str, lang: str, data: bytes, where) -> Prompt:
-    text = data.decode("utf-8")
-    head, sep, user = text.partition("\n<<<user>>>\n")
-    if not head.startswith("<<<system>>>\n") or not sep:
-        raise ValueError(f"{where}: expected a '<<<system>>>' line first and one '<<<user>>>' line")
-    system = head[len("<<<system>>>\n") :].strip()
-    return Prompt(name, lang, system, user.strip(), hashlib.sha256(data).hexdigest())
-
-
-@cache
 def load_student_prompt(task: str, lang: str) -> Prompt:
     if task not in FIELDS:
         raise ValueError(f"unknown student task {task!r}; have {', '.join(FIELDS)}")
-    check_lang(lang)
-    resource = files("chunking") / "prompts" / f"student_{task}.{lang}.txt"
-    return parse_prompt(f"student_{task}", lang, resource.read_bytes(), resource)
+    return load_prompt_file("chunking", f"student_{task}", lang)
 
 
 # ------------------------------------------------------------------------------------- context
@@ -238,14 +203,11 @@ class Student:
                 f"{model!r} has no chat template; a student is trained on chat messages "
                 "(`metachunk export` keeps the template)"
             )
-        tok.padding_side = "left"
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
+        prepare_tokenizer(tok)
         self.generation = greedy(self.model.generation_config, sample)
         if self.generation.pad_token_id is None:
             self.generation.pad_token_id = tok.pad_token_id
-        eos = self.generation.eos_token_id if self.generation.eos_token_id is not None else tok.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.stop_ids = stop_token_ids(self.generation, tok)
         self.fixed_max_new_tokens = max_new_tokens or (SUMMARY_MAX_NEW_TOKENS if task == "summary" else None)
         self.new_tokens = self.prompts_done = 0
         self.seconds = 0.0
@@ -260,8 +222,7 @@ class Student:
 
     def encode(self, messages: list[dict]) -> list[int]:
         """Token ids of the prompt as the student saw it in training: chat template + generation prompt."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(
         self,
@@ -269,40 +230,18 @@ class Student:
         budgets: Sequence[int],
         on_batch: Callable[[int], object] | None = None,
     ) -> list[str]:
-        """One answer per prompt (new text only, stripped), in the order given.
-
-        Prompts are batched longest first (little padding; memory trouble shows in the first batch);
-        a batch generates up to its largest budget and each answer is cut to its own budget, so
-        an answer does not depend on its batch neighbours.
-        """
-        import torch
-
+        """One answer per prompt (new text only, stripped), in the order given
+        (:func:`metachunk.generation.generate_batched`: a batch generates up to its largest budget
+        and each answer is cut to its own budget, so an answer does not depend on its batch
+        neighbours)."""
         started = time.perf_counter()
         ids = [self.encode(p) for p in prompts]
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        answers = [""] * len(ids)
-        for first in range(0, len(order), self.batch_size):
-            batch = order[first : first + self.batch_size]
-            padded = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
-            input_ids = padded["input_ids"].to(self.model.device)
-            config = copy.deepcopy(self.generation)
-            config.max_new_tokens = max(budgets[i] for i in batch)
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=padded["attention_mask"].to(self.model.device),
-                    generation_config=config,
-                )
-            for row, i in zip(out[:, input_ids.shape[1] :].tolist(), batch):  # the echoed prompt cut off
-                new = row[: budgets[i]]
-                stop = next((k for k, t in enumerate(new) if t in self.stop_ids), len(new))
-                self.new_tokens += stop
-                answers[i] = self.tokenizer.decode(new[:stop], skip_special_tokens=True).strip()
-            self.prompts_done += len(batch)
-            if on_batch is not None:
-                on_batch(len(batch))
+        out = generate_batched(self.model, self.tokenizer, ids, self.generation, self.batch_size,
+                               stop_ids=self.stop_ids, budgets=budgets, on_batch=on_batch)  # fmt: skip
+        self.new_tokens += sum(g.new_tokens for g in out)
+        self.prompts_done += len(out)
         self.seconds += time.perf_counter() - started
-        return answers
+        return [g.text for g in out]
 
     def generation_settings(self) -> dict:
         settings = {k: v for k, v in self.generation.to_diff_dict().items() if k != "transformers_version"}
@@ -372,21 +311,23 @@ class ChunkStudents:
     def from_config(
         cls, cfg, expected_docs: int | None = None, progress: bool = True
     ) -> ChunkStudents | None:
-        """The students a :class:`~chunking.pipeline.ChunkConfig` asks for, or None."""
+        """The students a :class:`~chunking.pipeline.ChunkConfig` asks for (its ``students:``
+        block), or None."""
+        st = cfg.students
         models = {
-            task: model for task, model in (("rewrite", cfg.rewrite), ("summary", cfg.summarize)) if model
+            task: model for task, model in (("rewrite", st.rewrite), ("summary", st.summarize)) if model
         }
         if not models:
             return None
         return cls(
             models,
-            context=ContextSpec(cfg.student_context, cfg.student_context_chars, cfg.student_top_k),
+            context=ContextSpec(st.context, st.context_chars, st.top_k),
             embedder=cfg.embedder,
             device=cfg.device,
             dtype=cfg.dtype,
             batch_size=cfg.batch_size,
-            max_new_tokens={"rewrite": cfg.rewrite_max_new_tokens, "summary": cfg.summary_max_new_tokens},
-            sample=cfg.student_sample,
+            max_new_tokens={"rewrite": st.rewrite_max_new_tokens, "summary": st.summary_max_new_tokens},
+            sample=st.sample,
             expected_docs=expected_docs,
             progress=progress,
         )

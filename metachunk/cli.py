@@ -46,12 +46,7 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     # --rewrite/--summarize: the student model dirs are checked before any model loads.
     students = ChunkStudents.from_config(cfg, expected_docs=n_docs)
-    if cfg.method == "lumber":  # it needs the teacher client (distill/), so it lives in eval/
-        from eval.lumber import LumberChunker
-
-        chunker = LumberChunker(cfg, total_chars=n_chars)  # its own progress bar, in characters
-    else:
-        chunker = Chunker(cfg)
+    chunker = Chunker(cfg, total_chars=n_chars)
     load_s = time.perf_counter() - started
     n_chunks = chunk_chars = n_written = 0
     group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
@@ -59,8 +54,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     with OutputPair(cfg.output) as pair:
         with (
             tqdm(total=n_docs, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
-                 disable=cfg.method == "lumber") as bar,
-            contextlib.closing(chunker) if cfg.method == "lumber" else contextlib.nullcontext(),
+                 disable=chunker.own_progress) as bar,
+            contextlib.closing(chunker),
         ):  # fmt: skip
             for docs in _batched(read_documents(cfg.input), group):
                 chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
@@ -99,26 +94,15 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         }
         if students:  # which rewriter / summarizer (path), prompt versions, context and decoding settings
             manifest["students"] = students.manifest()
-        # moc: router/experts, retries, PPL fallbacks, recovery counts
-        if getattr(chunker, "moc", None) is not None:
-            manifest["moc"] = chunker.moc.manifest()
-        if cfg.method == "lumber":  # teacher, answer store, windows, requests sent / cached, fallbacks, cost
-            manifest["lumber"] = chunker.manifest()
+        manifest.update(chunker.manifest())  # the method's own block: moc, lumber
         pair.commit(manifest)
     print(
         f"{cfg.output}: {n_docs} documents, {n_chunks} chunks, mean {summary['mean_chunk_chars']} chars/chunk, "
         f"{seconds:.1f}s",
         file=sys.stderr,
     )
-    if "moc" in manifest:
-        moc = manifest["moc"]
-        print(
-            f"  moc: {moc['windows']} windows, routes {moc['routes']}, {moc['retried']} retries, "
-            f"{moc['fallback']['windows']} PPL fallbacks, {moc['recovery']['skipped']} elements skipped",
-            file=sys.stderr,
-        )
-    if cfg.method == "lumber":
-        print(chunker.summary_line(), file=sys.stderr)
+    for line in chunker.summary_lines():
+        print(line, file=sys.stderr)
     for task, run in manifest.get("students", {}).items():
         print(
             f"  {task} ({run['model']}): '{run['field']}' on {run['chunks']} chunks, {run['new_tokens']} new "

@@ -10,6 +10,14 @@ field takes a mapping of names to ``D`` mappings (e.g. one teacher block per dis
 A ``list[T]`` field takes a YAML list; a list of scalars also gets a flag taking one or more
 values (``--models a b``), or is positional with ``positional=True``. Nested fields and lists of
 mappings have no CLI flag; errors name the dotted key (``teachers.reflection.model``).
+
+A *flat block* (:func:`block`) is a nested dataclass whose fields also work flat: each field
+``name`` of the block is a top-level key and a flag spelled ``prefix + name`` (or the field's
+own ``flat`` name in its metadata). ``moc: MocOptions = block(MocOptions, "...", prefix="moc_")``
+takes ``moc: {window_chars: 512}`` or ``moc_window_chars: 512`` in YAML (a key given both ways
+is an error) and ``--moc-window-chars 512`` on the command line; a field declared with
+``flat="router"`` is ``router:`` / ``--router``. Errors, ``choices`` checks and :func:`to_dict`
+name a flat key by its flat spelling, so a run's manifest lists every setting as its flag does.
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ from metachunk.artifacts import InputError
 def option(default, help: str, **extra):
     """A dataclass field with CLI/YAML metadata: ``option(0.5, "what it does", choices=[...])``."""
     return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+def block(cls, help: str, prefix: str):
+    """A nested dataclass field whose fields are also top-level keys and flags, ``prefix + name``
+    (see the module docstring); its default is ``cls()``."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help, "prefix": prefix})
 
 
 def _base_type(tp):
@@ -58,45 +72,70 @@ def _is_nested(kind) -> bool:
     return dataclasses.is_dataclass(kind) or typing.get_origin(kind) in (dict, list)
 
 
+def _flat_fields(cls) -> dict[str, tuple[str, dataclasses.Field, type]]:
+    """``{flat name: (block field, the block's field, its type)}`` over the flat blocks of ``cls``."""
+    kinds = _field_types(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if "prefix" not in f.metadata:
+            continue
+        inner_kinds = _field_types(kinds[f.name])
+        for inner in dataclasses.fields(kinds[f.name]):
+            name = inner.metadata.get("flat", f.metadata["prefix"] + inner.name)
+            if name in kinds or name in out:
+                raise TypeError(f"{cls.__name__}: flat name {name!r} of {f.name}.{inner.name} is taken")
+            out[name] = (f.name, inner, inner_kinds[inner.name])
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
     parser.add_argument(
         "--config", type=Path, default=argparse.SUPPRESS, help="YAML recipe with field values"
     )
     kinds = _field_types(cls)
+    flat = _flat_fields(cls)
     for f in dataclasses.fields(cls):
-        meta, kind = f.metadata, kinds[f.name]
-        if _is_nested(kind):
-            continue  # set in the recipe YAML only
-        helptext = meta.get("help", "")
-        if f.default is not dataclasses.MISSING and f.default is not None:
-            helptext += f" (default: {f.default})"
-        item = _scalar_list(kind)
-        nargs = {"nargs": "+"} if item else {}
-        kind = item or kind
-        if meta.get("positional"):
-            # default=None, not SUPPRESS: argparse runs a string default of an absent optional
-            # positional through ``type`` (Path("==SUPPRESS==")), which would override the recipe.
-            # from_namespace drops None values instead.
-            parser.add_argument(
-                f.name,
-                type=kind,
-                help=helptext,
-                nargs=("*" if item else "?") if f.default is not dataclasses.MISSING else nargs.get("nargs"),
-                default=None,
-            )
-            continue
-        names = [meta.get("flag", "--" + f.name.replace("_", "-"))]
-        if "short" in meta:
-            names.insert(0, meta["short"])
-        kwargs = {"dest": f.name, "help": helptext, "default": argparse.SUPPRESS, **nargs}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = kind
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
-        parser.add_argument(*names, **kwargs)
+        if "prefix" in f.metadata:  # a flat block: its fields' flags, in place
+            for name, (block_name, inner, kind) in flat.items():
+                if block_name == f.name and not _is_nested(kind):
+                    _add_flag(parser, name, inner, kind)
+        elif not _is_nested(kinds[f.name]):  # nested fields are set in the recipe YAML only
+            _add_flag(parser, f.name, f, kinds[f.name])
+
+
+def _add_flag(parser: argparse.ArgumentParser, name: str, f: dataclasses.Field, kind) -> None:
+    """The flag (or positional) of field ``f``, stored under ``name``."""
+    meta = f.metadata
+    helptext = meta.get("help", "")
+    if f.default is not dataclasses.MISSING and f.default is not None:
+        helptext += f" (default: {f.default})"
+    item = _scalar_list(kind)
+    nargs = {"nargs": "+"} if item else {}
+    kind = item or kind
+    if meta.get("positional"):
+        # default=None, not SUPPRESS: argparse runs a string default of an absent optional
+        # positional through ``type`` (Path("==SUPPRESS==")), which would override the recipe.
+        # from_namespace drops None values instead.
+        parser.add_argument(
+            name,
+            type=kind,
+            help=helptext,
+            nargs=("*" if item else "?") if f.default is not dataclasses.MISSING else nargs.get("nargs"),
+            default=None,
+        )
+        return
+    names = [meta.get("flag", "--" + name.replace("_", "-"))]
+    if "short" in meta:
+        names.insert(0, meta["short"])
+    kwargs = {"dest": name, "help": helptext, "default": argparse.SUPPRESS, **nargs}
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = kind
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+    parser.add_argument(*names, **kwargs)
 
 
 def _coerce(value, kind, where: Path, key: str):
@@ -115,7 +154,7 @@ def _coerce(value, kind, where: Path, key: str):
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise InputError(where, f"field {key!r} must be a mapping of {kind.__name__} fields")
-        fields = _fields_from_mapping(kind, value, where, prefix=f"{key}.")  # raises InputError itself
+        fields = fields_from_mapping(kind, value, where, prefix=f"{key}.")  # raises InputError itself
         try:
             return kind(**fields)
         except (TypeError, ValueError) as e:
@@ -140,25 +179,52 @@ def load_yaml(cls, path: Path) -> dict:
         raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
     if not isinstance(data, dict):
         raise InputError(path, "a recipe must be a mapping of field names to values")
-    return _fields_from_mapping(cls, data, path)
+    return fields_from_mapping(cls, data, path)
 
 
-def _fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
+def fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
+    """The fields of ``cls`` in ``data`` (a recipe mapping), checked and typed (``path`` names the
+    file in errors); flat keys of a flat block are gathered into the block."""
     kinds = _field_types(cls)
-    unknown = sorted(set(data) - set(kinds))
+    flat = _flat_fields(cls)
+    unknown = sorted(set(data) - set(kinds) - set(flat))
     if unknown:
         names = ", ".join(repr(prefix + k) for k in unknown)
-        raise InputError(path, f"unknown field(s) {names}; known: {', '.join(kinds)}")
-    return {k: _coerce(v, kinds[k], path, prefix + k) for k, v in data.items()}
+        known = [n for k in kinds for n in [k, *(f for f, (b, _, _) in flat.items() if b == k)]]
+        raise InputError(path, f"unknown field(s) {names}; known: {', '.join(known)}")
+    nested = {k: v for k, v in data.items() if k not in flat}
+    for name, (block_name, inner, kind) in flat.items():
+        if name not in data:
+            continue
+        block_data = nested.get(block_name)
+        block_data = nested[block_name] = {} if block_data is None else block_data
+        if not isinstance(block_data, dict):
+            continue  # `moc: 3`: the block's own error below
+        if inner.name in block_data:
+            raise InputError(
+                path, f"{prefix}{name!r} and {prefix}{block_name}.{inner.name} are the same field"
+            )
+        # typed under its flat name, so that errors name the key as it is written
+        nested[block_name] = {**block_data, inner.name: _coerce(data[name], kind, path, prefix + name)}
+    out = {k: _coerce(v, kinds[k], path, prefix + k) for k, v in nested.items()}
+    for block_name in {b for b, _, _ in flat.values()}:
+        if block_name in out and out[block_name] is None:  # an empty `moc:`: the block's defaults
+            out[block_name] = kinds[block_name]()
+    return out
 
 
 def check_choices(cfg) -> None:
     """Call from ``__post_init__``: every field with ``choices`` holds one of them, however the
-    config was built (flags, YAML or Python)."""
-    for f in dataclasses.fields(cfg):
-        value, allowed = getattr(cfg, f.name), f.metadata.get("choices")
+    config was built (flags, YAML or Python); the fields of flat blocks too, by their flat names."""
+    checks = [
+        (f, getattr(cfg, f.name), f.name) for f in dataclasses.fields(cfg) if "prefix" not in f.metadata
+    ]
+    for name, (block_name, inner, _) in _flat_fields(type(cfg)).items():
+        checks.append((inner, getattr(getattr(cfg, block_name), inner.name), name))
+    for f, value, name in checks:
+        allowed = f.metadata.get("choices")
         if allowed and value is not None and value not in allowed:
-            raise ValueError(f"field {f.name!r} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+            raise ValueError(f"field {name!r} must be one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
 def from_namespace(cls, ns: argparse.Namespace):
@@ -167,7 +233,14 @@ def from_namespace(cls, ns: argparse.Namespace):
     config_path = values.pop("config", None)
     merged = load_yaml(cls, config_path) if config_path else {}
     # None / [] = not given (an absent optional positional): the recipe's value stands
-    merged.update({k: v for k, v in values.items() if k in _field_types(cls) and v is not None and v != []})
+    given = {k: v for k, v in values.items() if v is not None and v != []}
+    kinds = _field_types(cls)
+    merged.update({k: v for k, v in given.items() if k in kinds})
+    for name, (block_name, inner, _) in _flat_fields(cls).items():  # a flat block's flags
+        if name in given:
+            merged[block_name] = dataclasses.replace(
+                merged.get(block_name) or kinds[block_name](), **{inner.name: given[name]}
+            )
     try:
         return cls(**merged)
     except (TypeError, ValueError) as e:  # a required field is missing, or __post_init__ rejected a value
@@ -175,6 +248,9 @@ def from_namespace(cls, ns: argparse.Namespace):
 
 
 def to_dict(cfg) -> dict:
+    """The config as plain data (paths as strings); a flat block's fields in place, under their
+    flat names (a manifest lists each setting as its flag spells it, and reads back as a recipe)."""
+
     def plain(v):
         if isinstance(v, Path):
             return str(v)
@@ -182,4 +258,14 @@ def to_dict(cfg) -> dict:
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return {k: plain(v) for k, v in dataclasses.asdict(cfg).items()}
+    values = dataclasses.asdict(cfg)
+    flat = _flat_fields(type(cfg))
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if "prefix" in f.metadata:
+            out.update(
+                (n, plain(values[f.name][inner.name])) for n, (b, inner, _) in flat.items() if b == f.name
+            )
+        else:
+            out[f.name] = plain(values[f.name])
+    return out

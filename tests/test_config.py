@@ -1,4 +1,4 @@
-"""The config loader: lists of scalars from flags, positionals and YAML."""
+"""The config loader: lists of scalars from flags, positionals and YAML; flat blocks."""
 
 import argparse
 from dataclasses import dataclass
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from metachunk.artifacts import InputError
-from metachunk.config import add_arguments, from_namespace, option
+from metachunk.config import add_arguments, block, check_choices, from_namespace, option, to_dict
 
 
 @dataclass
@@ -40,3 +40,69 @@ def test_a_list_field_given_a_scalar_in_yaml_names_the_key(tmp_path):
     recipe.write_text("models: smollm2\n")
     with pytest.raises(InputError, match="field 'models' must be a list"):
         _parse(["--config", str(recipe)])
+
+
+# ------------------------------------------------------------------------ flat blocks
+
+
+@dataclass
+class Moc:
+    router: str | None = option(None, "router dir", flat="router")
+    window_chars: int = option(1024, "window")
+    placeholder: str = option("[MASK]", "placeholder", choices=["[MASK]", "<omitted>"])
+
+
+@dataclass
+class Chunky:
+    method: str = option("ppl", "method")
+    moc: Moc = block(Moc, "moc options", prefix="moc_")
+
+    def __post_init__(self):
+        check_choices(self)
+
+
+def _chunky(argv: list[str]) -> Chunky:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Chunky)
+    return from_namespace(Chunky, parser.parse_args(argv))
+
+
+def test_a_flat_block_takes_nested_yaml_flat_yaml_and_flat_flags(tmp_path):
+    nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
+    nested.write_text("method: moc\nmoc:\n  router: r\n  window_chars: 300\n")
+    flat.write_text("method: moc\nrouter: r\nmoc_window_chars: 300\n")
+    want = Chunky("moc", Moc(router="r", window_chars=300))
+    assert _chunky(["--config", str(nested)]) == _chunky(["--config", str(flat)]) == want
+    assert _chunky(["--method", "moc", "--router", "r", "--moc-window-chars", "300"]) == want
+    # flags override the recipe, field by field
+    assert _chunky(["--config", str(nested), "--moc-placeholder", "<omitted>"]).moc == Moc(
+        "r", 300, "<omitted>"
+    )
+    assert _chunky([]) == Chunky() and Chunky().moc == Moc()
+    (tmp_path / "empty.yaml").write_text("moc:\n")
+    assert _chunky(["--config", str(tmp_path / "empty.yaml")]) == Chunky()
+    # the manifest form: flat, in place, under the flags' names (and it reads back)
+    assert to_dict(want) == {
+        "method": "moc",
+        "router": "r",
+        "moc_window_chars": 300,
+        "moc_placeholder": "[MASK]",
+    }
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "match"),
+    [
+        ("moc_window_chars: big\n", "field 'moc_window_chars' must be int"),
+        ("moc:\n  window_chars: big\n", "field 'moc.window_chars' must be int"),
+        ("moc_placeholder: '<x>'\n", "field 'moc_placeholder' must be one of"),
+        ("moc_window_chars: 3\nmoc:\n  window_chars: 4\n", "'moc_window_chars' and moc.window_chars"),
+        ("moc:\n  window: 3\n", "unknown field.*'moc.window'"),
+        ("moc_window: 3\n", "unknown field.*'moc_window'; known: method, moc, router, moc_window_chars"),
+    ],
+)
+def test_flat_block_errors_name_the_key_as_written(tmp_path, yaml_text, match):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml_text)
+    with pytest.raises(InputError, match=match):
+        _chunky(["--config", str(recipe)])

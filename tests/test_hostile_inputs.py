@@ -118,7 +118,7 @@ def test_chunker_tiles_whitespace_documents(tiny_model_dir, method, extra):
 
 
 def test_lumber_units_cover_a_whitespace_document():
-    from eval.lumber import make_units
+    from chunking.lumber import make_units
 
     for text in BLANKS:
         units, _ = make_units(text, split_sentences(text), 550)

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chunking import msp
-from chunking.msp import MarginScorer, Threshold, load_prompt, msp_decisions
+from chunking.msp import MarginScorer, Threshold, load_msp_prompt, msp_decisions
 from chunking.sentences import split_sentences
 from chunking.types import Sentence
 
@@ -200,7 +200,7 @@ def test_threshold_object():
 @pytest.mark.parametrize("variant", ["table6", "table7"])
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_load_prompt(variant, lang):
-    prompt = load_prompt(variant, lang)
+    prompt = load_msp_prompt(variant, lang)
     raw = files("chunking").joinpath("prompts", f"msp_{variant}.{lang}.txt").read_bytes()
     text = raw.decode("utf-8")
     assert prompt.variant == variant and prompt.lang == lang
@@ -213,17 +213,17 @@ def test_load_prompt(variant, lang):
     assert filled.index("<<S1>>") < filled.index("<<S2>>") and "{" not in filled
     assert "1" in prompt.instruction and "2" in prompt.instruction  # the two answers are described
     assert prompt.sha256 == hashlib.sha256(raw).hexdigest()
-    assert load_prompt(variant, lang) == prompt  # stable
+    assert load_msp_prompt(variant, lang) == prompt  # stable
 
 
 def test_load_prompt_variants_differ_and_errors():
-    shas = {load_prompt(v, lang).sha256 for v in ("table6", "table7") for lang in ("en", "zh")}
+    shas = {load_msp_prompt(v, lang).sha256 for v in ("table6", "table7") for lang in ("en", "zh")}
     assert len(shas) == 4
-    assert load_prompt() == load_prompt("table6", "en")
+    assert load_msp_prompt() == load_msp_prompt("table6", "en")
     with pytest.raises(ValueError, match="table8"):
-        load_prompt("table8", "en")
+        load_msp_prompt("table8", "en")
     with pytest.raises(ValueError, match="fr"):
-        load_prompt("table6", "fr")
+        load_msp_prompt("table6", "fr")
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def tiny_lm(tiny_model_dir: Path):
 @pytest.fixture(scope="module")
 def scorers(tiny_lm):
     model, tok = tiny_lm
-    return {lang: MarginScorer(model, tok, load_prompt("table6", lang)) for lang in ("en", "zh")}
+    return {lang: MarginScorer(model, tok, load_msp_prompt("table6", lang)) for lang in ("en", "zh")}
 
 
 def test_scorer_answer_tokens_and_prefix(scorers, tiny_lm):
@@ -384,7 +384,7 @@ def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
     monkeypatch.setattr(metachunk.models, "load_causal_lm", lambda *a, **k: (model, tok))
     sents = split_sentences(emma_15, "en")
     assert len(sents) == 15
-    reference = MarginScorer(model, tok, load_prompt("table6", "en"))
+    reference = MarginScorer(model, tok, load_msp_prompt("table6", "en"))
     texts = [emma_15[s.start : s.end].strip() for s in sents]
     single = [reference.margin_single(a, b) for a, b in zip(texts, texts[1:])]
     theta = float(np.median(single))  # a θ with decisions both ways
@@ -395,7 +395,7 @@ def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
         )
         chunker = Chunker(cfg)
         (d,) = chunker.chunk(["emma"], [emma_15])
-        assert chunker.prompt_sha256 == {"msp_table6.en": load_prompt("table6", "en").sha256}
+        assert chunker.prompt_sha256 == {"msp_table6.en": load_msp_prompt("table6", "en").sha256}
         assert d.lang == "en" and len(d.sentences) == 15
         assert "".join(c.text for c in d.chunks) == emma_15
         assert all(c.text == emma_15[c.start : c.end] and c.text for c in d.chunks)

@@ -17,19 +17,18 @@ import pytest
 import yaml
 from support.loopback_server import serve_in_subprocess
 
-from chunking.pipeline import ChunkConfig
-from chunking.sentences import split_sentences
-from eval.lumber import (
-    LumberChunker,
-    estimate_tokens,
+from chunking.lumber import (
     judge,
+    last_unit_in_window,
     load_lumber_prompt,
+    lumber_token_estimate,
     make_units,
     parse_answer,
     resolve_teacher,
     unit_line,
-    window_end,
 )
+from chunking.pipeline import ChunkConfig, Chunker, LumberOptions
+from chunking.sentences import split_sentences
 from metachunk.cli import main as metachunk
 from metachunk.config import load_yaml
 
@@ -123,25 +122,23 @@ def teacher_block(server) -> dict:
 PRICES = {"loopback-teacher": {"input": 1.0, "output": 2.0}}
 
 
-def make_cfg(server, tmp_path: Path, **overrides) -> ChunkConfig:
-    values = dict(
+def make_cfg(server, tmp_path: Path, **lumber) -> ChunkConfig:
+    return ChunkConfig(
         input=tmp_path / "docs.jsonl",
         output=tmp_path / "chunks.jsonl",
         method="lumber",
-        teachers={"lumber": teacher_block(server)},
-        prices=PRICES,
+        lumber=LumberOptions(teachers={"lumber": teacher_block(server)}, prices=PRICES, **lumber),
     )
-    values.update(overrides)
-    return ChunkConfig(**values)
 
 
 def run_lumber(cfg: ChunkConfig, docs: dict[str, str]):
-    chunker = LumberChunker(cfg, progress=False)
+    chunker = Chunker(cfg, progress=False)
+    assert chunker.own_progress
     try:
         out = chunker.chunk(list(docs), list(docs.values()))
     finally:
         chunker.close()
-    return out, chunker.manifest()
+    return out, chunker.manifest()["lumber"]
 
 
 def assert_tiles(text: str, chunks) -> None:
@@ -178,11 +175,13 @@ def test_units_paragraphs_sentences_and_oversized_paragraphs():
 
 
 def test_token_estimate_window_and_answer_parsing():
-    assert estimate_tokens("ID 0: Quartz stones sit on the shelf.") == 10  # 8 words x 1.2
-    assert estimate_tokens("ID 1: 春天来了。") == 4 + round(1.2 * 3)  # 4 CJK characters; "ID", "1:", "。"
-    assert window_end([10] * 9, 0, 30) == 2 and window_end([10] * 9, 6, 30) == 8
-    assert window_end([10] * 9, 7, 1000) == 8
-    assert window_end([900, 900, 900], 0, 550) == 1  # at least two units, even over the budget
+    assert lumber_token_estimate("ID 0: Quartz stones sit on the shelf.") == 10  # 8 words x 1.2
+    assert lumber_token_estimate("ID 1: 春天来了。") == 4 + round(
+        1.2 * 3
+    )  # 4 CJK characters; "ID", "1:", "。"
+    assert last_unit_in_window([10] * 9, 0, 30) == 2 and last_unit_in_window([10] * 9, 6, 30) == 8
+    assert last_unit_in_window([10] * 9, 7, 1000) == 8
+    assert last_unit_in_window([900, 900, 900], 0, 550) == 1  # at least two units, even over the budget
     assert unit_line("a\n b  c", make_units("a\n b  c", split_sentences("a\n b  c"), 9)[0][0], 7).startswith(
         "ID 7: a"
     )
@@ -214,7 +213,7 @@ def test_token_estimate_window_and_answer_parsing():
 def test_lumber_recipes_name_a_valid_teacher(recipe):
     cfg = ChunkConfig(**load_yaml(ChunkConfig, recipe))
     assert cfg.method == "lumber"
-    _, teacher, prices = resolve_teacher(cfg)
+    _, teacher, prices = resolve_teacher(cfg.lumber)
     assert teacher.model and (teacher.api_key_env is None or teacher.api_key_env.isupper())
     assert all(teacher.model == name for name in prices)
 
@@ -243,7 +242,7 @@ def test_cuts_land_where_the_answers_say_en_and_zh(server, tmp_path):
 
 
 def test_unusable_answers_fall_back_at_the_window_end_and_are_counted(server, tmp_path):
-    cfg = make_cfg(server, tmp_path, lumber_tokens=30)
+    cfg = make_cfg(server, tmp_path, tokens=30)
     (doc,), meta = run_lumber(cfg, {"f": FALLBACK_DOC})
     starts = unit_starts(FALLBACK_DOC, 30)
     assert len(starts) == 9
@@ -253,7 +252,7 @@ def test_unusable_answers_fall_back_at_the_window_end_and_are_counted(server, tm
     assert meta["windows"] == 3 and meta["retries"] == 0
 
     # --lumber-retries 1: each window is asked once more (a new request), then falls back the same way.
-    cfg = make_cfg(server, tmp_path, lumber_tokens=30, lumber_retries=1)
+    cfg = make_cfg(server, tmp_path, tokens=30, retries=1)
     (again,), meta = run_lumber(cfg, {"f": FALLBACK_DOC})
     assert again.chunks == doc.chunks
     assert meta["requests"] == 6 and meta["retries"] == 3 and meta["requests_sent"] == 3

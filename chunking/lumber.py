@@ -12,8 +12,8 @@ start the next window at that unit. Here:
   of the tiled sentences, so every cut is a sentence boundary and the chunks tile the document:
   ``chunk.text == doc[chunk.start:chunk.end]``, whitespace included. In the prompt each unit is
   one line, its whitespace collapsed; IDs count units from 0 over the whole document.
-* **Tokens** are estimated, not counted with a tokenizer: 1.2 per whitespace-separated word (the
-  paper's rule) plus 1 per CJK character. A window holds at least two units, even when that
+* **Tokens** are estimated, not counted with a tokenizer (:func:`lumber_token_estimate`): 1.2 per
+  whitespace-separated word (the paper's rule) plus 1 per CJK character. A window holds at least two units, even when that
   passes the budget (a single unit over it, e.g. a very long Chinese sentence).
 * **The answer** is read as the number after ``Answer:`` / ``答案：`` (with or without ``ID``), else
   after the first ``ID``, else a bare number. It must name a unit after the window's first and
@@ -30,11 +30,14 @@ start the next window at that unit. Here:
   through the teacher client with its retries, rate limits and budget (``--lumber-max-cost``), and
   every answer is kept in the answer store (``--lumber-cache``, default ``answers.sqlite`` next to
   the output), keyed by the request and the prompt file's sha256: a rerun sends nothing.
-* **The prompt** is ``eval/prompts/lumber.{en,zh}.txt``, the paper's instruction with the window
-  after ``Document:``; its sha256 goes into the run's ``.meta.json``.
+* **The prompt** is ``chunking/prompts/lumber.{en,zh}.txt`` (:mod:`metachunk.prompts`), the paper's
+  instruction with the window after ``Document:``; its sha256 goes into the run's ``.meta.json``.
 
-Documents are chunked concurrently (each one's windows in order); the progress bar counts
-characters, with the request rate, answers from the store, fallbacks and cost.
+It runs behind :class:`chunking.pipeline.Chunker` like every method, which splits the sentences
+and builds the chunks from the boundaries found here. Documents are chunked concurrently (each
+one's windows in order) by the teacher pool's workers (:meth:`metachunk.teacher.TeacherPool.map`);
+the progress bar counts characters, with the request rate, answers from the store, fallbacks and
+cost.
 """
 
 from __future__ import annotations
@@ -45,31 +48,28 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
-from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from chunking.pipeline import ChunkConfig, ChunkedDocument
-from chunking.sentences import detect_lang, split_sentences
-from chunking.students import Prompt, check_lang, parse_prompt
-from chunking.types import Sentence, chunks_from_boundaries
+from chunking.types import Sentence
 from metachunk import config
 from metachunk.artifacts import InputError
 from metachunk.config import option
+from metachunk.prompts import Prompt, load_prompt_file
 from metachunk.store import AnswerStore
-from metachunk.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
+from metachunk.teacher import BudgetExceeded, EndpointUnreachable, Price, TeacherConfig, TeacherPool
+
+if TYPE_CHECKING:
+    from chunking.pipeline import ChunkConfig, LumberOptions
 
 PROMPT_NAME = "lumber"
 STAGE = "lumber"  # the stage name inside this run's TeacherPool
 
 
-@cache
 def load_lumber_prompt(lang: str) -> Prompt:
-    check_lang(lang)
-    resource = files("eval") / "prompts" / f"{PROMPT_NAME}.{lang}.txt"
-    return parse_prompt(PROMPT_NAME, lang, resource.read_bytes(), resource)
+    return load_prompt_file("chunking", PROMPT_NAME, lang)
 
 
 # ---------------------------------------------------------------------------------- units & windows
@@ -78,9 +78,11 @@ _CJK_RE = re.compile("[\u3007\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\
 _LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 
 
-def estimate_tokens(text: str) -> int:
-    """1.2 tokens per whitespace-separated word (LumberChunker's ``count_words``), plus 1 per CJK
-    character (each counted apart from the words around it)."""
+def lumber_token_estimate(text: str) -> int:
+    """LumberChunker's token count, which ``--lumber-tokens`` budgets: 1.2 tokens per
+    whitespace-separated word (the paper's ``count_words``), plus 1 per CJK character (each counted
+    apart from the words around it). Not the teacher client's :func:`metachunk.teacher.estimate_tokens`
+    (bytes / 3, for budget tables)."""
     cjk = len(_CJK_RE.findall(text))
     return cjk + round(1.2 * len(_CJK_RE.sub(" ", text).split()))
 
@@ -122,7 +124,7 @@ def make_units(text: str, sentences: Sequence[Sentence], budget: int) -> tuple[l
         return [unit(i, i + 1) for i in range(len(sentences))], "sentence"
     units = []
     for a, b in paragraphs:
-        if b - a > 1 and estimate_tokens(text[sentences[a].start : sentences[b - 1].end]) > budget:
+        if b - a > 1 and lumber_token_estimate(text[sentences[a].start : sentences[b - 1].end]) > budget:
             units.extend(unit(i, i + 1) for i in range(a, b))
         else:
             units.append(unit(a, b))
@@ -133,9 +135,9 @@ def unit_line(text: str, unit: Unit, number: int) -> str:
     return f"ID {number}: {' '.join(text[unit.start : unit.end].split())}"
 
 
-def window_end(costs: Sequence[int], first: int, budget: int) -> int:
-    """Index of the window's last unit: as many units from ``first`` as fit in ``budget`` tokens,
-    and at least two (when the document has them)."""
+def last_unit_in_window(costs: Sequence[int], first: int, budget: int) -> int:
+    """Index of the window's last unit: as many units from ``first`` as fit in ``budget`` tokens
+    (``costs``: each unit's), and at least two (when the document has them)."""
     last, total = first, costs[first]
     while last + 1 < len(costs) and total + costs[last + 1] <= budget:
         last += 1
@@ -179,14 +181,15 @@ class TeacherBlocks:
     prices: dict[str, Price] | None = option(None, "USD per 1M prompt/completion tokens, by model name")
 
 
-def resolve_teacher(cfg: ChunkConfig) -> tuple[str, TeacherConfig, dict[str, Price]]:
-    """``(where, teacher, prices)``: the block ``cfg.lumber_teacher`` of ``--teacher-config`` and the
-    recipe's own ``teachers:`` (which win), checked with the one config loader."""
+def resolve_teacher(opts: LumberOptions) -> tuple[str, TeacherConfig, dict[str, Price]]:
+    """``(where, teacher, prices)``: the block ``opts.teacher`` (``--lumber-teacher``) of
+    ``--teacher-config`` and of the recipe's own ``teachers:`` (which win), checked with the one
+    config loader."""
     teachers: dict[str, TeacherConfig] = {}
     prices: dict[str, Price] = {}
     sources = []
-    if cfg.teacher_config is not None:
-        path = Path(cfg.teacher_config)
+    if opts.teacher_config is not None:
+        path = Path(opts.teacher_config)
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except FileNotFoundError:
@@ -196,29 +199,29 @@ def resolve_teacher(cfg: ChunkConfig) -> tuple[str, TeacherConfig, dict[str, Pri
         if not isinstance(data, dict):
             raise InputError(path, "expected a mapping with a 'teachers:' block")
         sources.append((path, {k: data[k] for k in ("teachers", "prices") if data.get(k) is not None}))
-    inline = {k: v for k, v in (("teachers", cfg.teachers), ("prices", cfg.prices)) if v}
+    inline = {k: v for k, v in (("teachers", opts.teachers), ("prices", opts.prices)) if v}
     if inline:
         sources.append(("chunk recipe", inline))
     for where, data in sources:
-        loaded = config._fields_from_mapping(TeacherBlocks, data, where)
+        loaded = config.fields_from_mapping(TeacherBlocks, data, where)
         teachers.update(loaded.get("teachers") or {})
         prices.update(loaded.get("prices") or {})
     where = " + ".join(str(w) for w, _ in sources) or "chunk recipe"
-    if cfg.lumber_teacher not in teachers:
+    if opts.teacher not in teachers:
         have = ", ".join(sorted(teachers)) or "none"
         raise InputError(
             where,
-            f"no teacher block {cfg.lumber_teacher!r} under 'teachers:' (have: {have}); "
+            f"no teacher block {opts.teacher!r} under 'teachers:' (have: {have}); "
             "add one or pick one with --lumber-teacher",
         )
-    return where, teachers[cfg.lumber_teacher], prices
+    return where, teachers[opts.teacher], prices
 
 
 # ---------------------------------------------------------------------------------------- chunker
 
 
 class LumberChunker:
-    """``chunk(ids, texts)`` like :class:`chunking.pipeline.Chunker`, asking the teacher for cuts.
+    """The teacher's cuts for :class:`chunking.pipeline.Chunker` (``--method lumber``).
 
     One event loop (an :class:`asyncio.Runner`), one teacher pool and one answer store serve every
     batch of the run; :meth:`close` releases them. :meth:`manifest` is the run's ``lumber`` block.
@@ -227,12 +230,12 @@ class LumberChunker:
     def __init__(self, cfg: ChunkConfig, total_chars: int | None = None, progress: bool = True):
         from tqdm import tqdm
 
-        self.cfg = cfg
-        self.where, self.teacher_cfg, self.prices = resolve_teacher(cfg)
+        self.opts = opts = cfg.lumber
+        self.where, self.teacher_cfg, self.prices = resolve_teacher(opts)
         for lang in ("en", "zh"):  # a broken prompt file fails before anything is sent
             load_lumber_prompt(lang)
-        if cfg.lumber_cache is not None:
-            self.store_path = Path(cfg.lumber_cache)
+        if opts.cache is not None:
+            self.store_path = Path(opts.cache)
         elif cfg.output is not None:
             self.store_path = Path(cfg.output).parent / "answers.sqlite"
         else:
@@ -240,7 +243,7 @@ class LumberChunker:
         self.store = AnswerStore(self.store_path)
         self._runner: asyncio.Runner | None = asyncio.Runner()
         try:
-            self.pool = TeacherPool({STAGE: self.teacher_cfg}, self.prices, self.store, cfg.lumber_max_cost)
+            self.pool = TeacherPool({STAGE: self.teacher_cfg}, self.prices, self.store, opts.max_cost)
         except BaseException:
             self._runner.close()
             self.store.close()
@@ -270,44 +273,43 @@ class LumberChunker:
 
     # -- running
 
-    def chunk(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
+    def chunk_documents(
+        self, texts: Sequence[str], langs: Sequence[str], sentences: Sequence[Sequence[Sentence]]
+    ) -> list[list[int]]:
+        """Per document, the sentence indices where a chunk ends (the teacher's cuts)."""
         if self._runner is None:
             raise RuntimeError("LumberChunker is closed")
         started = time.perf_counter()
         try:
-            return self._runner.run(self._chunk_all(ids, texts))
+            done = self._runner.run(
+                self.pool.map(
+                    list(zip(texts, langs, sentences)), self._chunk_one, progress=False, close=False
+                )
+            )
         except BudgetExceeded:
             raise InputError(
                 self.store_path,
-                f"stopped before the spend recorded here passes --lumber-max-cost {self.cfg.lumber_max_cost} "
+                f"stopped before the spend recorded here passes --lumber-max-cost {self.opts.max_cost} "
                 f"(${self.pool.budget.spent:.4f} spent on this store, ${self.pool.budget.paid:.4f} by this run); "
                 "every answer is stored: rerun with a higher limit",
             ) from None
         finally:
             self.seconds += time.perf_counter() - started
+        if done.stopped == "unreachable":  # nothing to chunk with: an error, as any other teacher error
+            raise EndpointUnreachable(done.unreachable)
+        return done.results
 
-    async def _chunk_all(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
-        tasks = [asyncio.ensure_future(self._chunk_one(i, t)) for i, t in zip(ids, texts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-    async def _chunk_one(self, doc_id: str, text: str) -> ChunkedDocument:
-        cfg = self.cfg
-        lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
+    async def _chunk_one(self, doc: tuple[str, str, Sequence[Sentence]]) -> list[int]:
+        text, lang, sentences = doc
         prompt = load_lumber_prompt(lang)
         self.langs.add(lang)
-        sentences = split_sentences(text, cfg.lang, max_chars=cfg.max_sentence_chars)
-        units, kind = make_units(text, sentences, cfg.lumber_tokens)
+        budget = self.opts.tokens
+        units, kind = make_units(text, sentences, budget)
         lines = [unit_line(text, u, k) for k, u in enumerate(units)]
-        costs = [estimate_tokens(line) for line in lines]
+        costs = [lumber_token_estimate(line) for line in lines]
         starts, first, done = [], 0, 0  # units that start a chunk; current window start; chars done
         while len(units) - first > 1:
-            last = window_end(costs, first, cfg.lumber_tokens)
+            last = last_unit_in_window(costs, first, budget)
             cut = await self._ask(prompt, lines, first, last)
             reached = units[cut].start if cut < len(units) else len(text)
             self._advance(reached - done)
@@ -321,16 +323,14 @@ class LumberChunker:
         self.units += len(units)
         if units:
             self.kinds[kind] += 1
-        boundaries = [units[k].first - 1 for k in starts]  # sentence indices that end a chunk
-        chunks = chunks_from_boundaries(text, sentences, boundaries)
-        return ChunkedDocument(doc_id, text, lang, chunks, sentences, boundaries)
+        return [units[k].first - 1 for k in starts]  # sentence indices that end a chunk
 
     async def _ask(self, prompt: Prompt, lines: Sequence[str], first: int, last: int) -> int:
         """The unit the next chunk starts at: the teacher's answer, else the fallback ``last + 1``."""
         messages = prompt.messages(document="\n".join(lines[first : last + 1]))
         self.windows += 1
         verdict = "no_id"
-        for attempt in range(self.cfg.lumber_retries + 1):
+        for attempt in range(self.opts.retries + 1):
             answer = await self.teacher.complete(messages, prompt.sha256, attempt)
             self.requests += 1
             self.retries += attempt > 0
@@ -376,12 +376,12 @@ class LumberChunker:
         teacher = {k: v for k, v in config.to_dict(self.teacher_cfg).items() if v is not None}
         return {
             "method": "LumberChunker (Duarte et al. 2024)",
-            "teacher_block": self.cfg.lumber_teacher,
+            "teacher_block": self.opts.teacher,
             "teacher_from": self.where,
             "teacher": teacher,
             "answer_store": str(self.store_path),
-            "token_budget": self.cfg.lumber_tokens,
-            "retries_allowed": self.cfg.lumber_retries,
+            "token_budget": self.opts.tokens,
+            "retries_allowed": self.opts.retries,
             "documents": self.documents,
             "documents_by_unit": dict(self.kinds),
             "units": self.units,
