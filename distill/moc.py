@@ -92,7 +92,7 @@ from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
 
 if TYPE_CHECKING:
-    from distill.run import DistillConfig, RunResult
+    from distill.run import DistillConfig, MocOptions, RunResult
 
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
@@ -350,7 +350,7 @@ def _mean(chunks: Sequence[tuple[int, int]]) -> float:
     return round(sum(e - s for s, e in chunks) / len(chunks), 2) if chunks else 0.0
 
 
-def finish_record(record: dict, text: str, cfg: DistillConfig) -> dict:
+def finish_record(record: dict, text: str, opts: MocOptions) -> dict:
     """Gaps, counts, label and samples of a document whose windows are done."""
     chunks = [(c["start"], c["end"]) for c in record["chunks"]]
     record["gaps"] = gaps_of(text, chunks)
@@ -372,11 +372,11 @@ def finish_record(record: dict, text: str, cfg: DistillConfig) -> dict:
         return record
     record["mean_chunk_chars"] = _mean(chunks)
     record["label"] = granularity_label(record["mean_chunk_chars"])
-    for group in pack_samples(text, chunks, cfg.sample_chars):
+    for group in pack_samples(text, chunks, opts.sample_chars):
         start, end = group[0][0], group[-1][1]
         relative = [(s - start, e - start) for s, e in group]
         elements, recoverable = expert_target(
-            text[start:end], relative, cfg.head_chars, cfg.tail_chars, cfg.placeholder
+            text[start:end], relative, opts.head_chars, opts.tail_chars, opts.placeholder
         )
         record["samples"].append(
             {
@@ -394,7 +394,7 @@ def finish_record(record: dict, text: str, cfg: DistillConfig) -> dict:
 # ------------------------------------------------------------------------------------- one document
 
 
-def new_record(plan: DocPlan, cfg: DistillConfig) -> dict:
+def new_record(plan: DocPlan, opts: MocOptions) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "task": TASK,
@@ -409,22 +409,22 @@ def new_record(plan: DocPlan, cfg: DistillConfig) -> dict:
         "counts": {},
         "mean_chunk_chars": None,
         "label": None,
-        "placeholder": cfg.placeholder,
-        "head_chars": cfg.head_chars,
-        "tail_chars": cfg.tail_chars,
+        "placeholder": opts.placeholder,
+        "head_chars": opts.head_chars,
+        "tail_chars": opts.tail_chars,
         "samples": [],
     }
 
 
-async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig) -> dict:
+async def chunk_document(plan: DocPlan, runner: StageRunner, opts: MocOptions) -> dict:
     """Window by window through the document; returns its record."""
     text = plan.text
-    record = new_record(plan, cfg)
+    record = new_record(plan, opts)
     pos = after = 0
     widen = False  # ask the same window again without the paragraph preference
     while pos < len(text) and text[pos:].strip():
-        end, tokens, over = window_end(plan, pos, after, cfg.window_tokens, paragraphs=not widen)
-        can_widen = not widen and window_end(plan, pos, after, cfg.window_tokens, paragraphs=False)[0] > end
+        end, tokens, over = window_end(plan, pos, after, opts.window_tokens, paragraphs=not widen)
+        can_widen = not widen and window_end(plan, pos, after, opts.window_tokens, paragraphs=False)[0] > end
         widen = False
         window = {
             "start": pos,
@@ -440,7 +440,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig)
         truncated = False
 
         def parse(answer: str, body=body) -> Cleaned | None:
-            cleaned = clean_window(body, split_answer(answer), cfg.max_edit_ratio)
+            cleaned = clean_window(body, split_answer(answer), opts.max_edit_ratio)
             return cleaned if cleaned.located else None
 
         try:
@@ -466,7 +466,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, cfg: DistillConfig)
                 continue
         window["answer"] = entry
         pos, after, widen = settle(window, cleaned, body, pos, end, len(text), truncated, can_widen, record)
-    return finish_record(record, text, cfg)
+    return finish_record(record, text, opts)
 
 
 def settle(
@@ -557,11 +557,12 @@ class MocTask:
 
     def read(self) -> list[MocDocument]:
         docs = read_moc_documents(self.cfg)
-        self.counter = TokenCounter(self.cfg.tokenizer)
+        self.counter = TokenCounter(self.cfg.moc.tokenizer)
         return docs
 
     async def work(self, doc: MocDocument, runner: StageRunner) -> dict:
-        return await chunk_document(DocPlan.build(doc.id, doc.text, doc.lang, self.counter), runner, self.cfg)
+        plan = DocPlan.build(doc.id, doc.text, doc.lang, self.counter)
+        return await chunk_document(plan, runner, self.cfg.moc)
 
     def summarize(self, records: list[dict]) -> dict:
         return summarize(records)
@@ -608,7 +609,7 @@ class MocTask:
         instructions = estimate_tokens(load_prompt(STAGE, record["lang"]).user) + 8
         pos = record["windows"][-1]["start"] if record["windows"] else 0
         remaining = estimate_tokens(doc.text[pos:])
-        n = max(1, math.ceil(remaining / (0.75 * self.cfg.window_tokens)))
+        n = max(1, math.ceil(remaining / (0.75 * self.cfg.moc.window_tokens)))
         prompt = math.ceil(remaining / 0.75) + n * instructions
         return [(STAGE, n, prompt, n * self.cfg.teachers[STAGE].max_tokens)]
 

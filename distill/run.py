@@ -39,6 +39,31 @@ TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}
 
 
 @dataclass
+class MocOptions:
+    """``distill moc``'s own options (distill/moc.py, MoC §3.2.1 and Appendix A.3). A block of
+    :class:`DistillConfig` whose keys and flags stay flat: ``window_tokens: 512`` or
+    ``moc: {window_tokens: 512}`` in a recipe, ``--window-tokens 512`` on the command line."""
+
+    tokenizer: str = option(
+        "gemma3-270m", "moc: tokenizer (preset or local HF dir) that measures windows in tokens"
+    )
+    window_tokens: int = option(
+        1024, "moc: longest window of text per teacher request, cut at a paragraph or sentence end"
+    )
+    max_edit_ratio: float = option(
+        0.1, "moc: a returned chunk further than this share of its length (edits) from the text is flagged"
+    )
+    sample_chars: int = option(1024, "moc: router/expert samples of about this many characters, whole chunks")
+    placeholder: str = option(
+        DEFAULT_PLACEHOLDER,
+        "moc: what stands for a chunk's middle in expert targets",
+        choices=list(PLACEHOLDERS),
+    )
+    head_chars: int = option(10, "moc: characters of a chunk's start kept in its expert target")
+    tail_chars: int = option(10, "moc: characters of a chunk's end kept in its expert target")
+
+
+@dataclass
 class DistillConfig:
     task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary", "moc"])
     chunks: Path = option(
@@ -87,24 +112,9 @@ class DistillConfig:
     )
     dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
     progress: bool = option(True, "show a progress bar")
-    # MoC dataset distillation (distill/moc.py, MoC §3.2.1 and Appendix A.3)
-    tokenizer: str = option(
-        "gemma3-270m", "moc: tokenizer (preset or local HF dir) that measures windows in tokens"
+    moc: MocOptions = config.block(
+        MocOptions, "moc: windows, cleaning and samples (flat keys and flags: window_tokens, ...)", prefix=""
     )
-    window_tokens: int = option(
-        1024, "moc: longest window of text per teacher request, cut at a paragraph or sentence end"
-    )
-    max_edit_ratio: float = option(
-        0.1, "moc: a returned chunk further than this share of its length (edits) from the text is flagged"
-    )
-    sample_chars: int = option(1024, "moc: router/expert samples of about this many characters, whole chunks")
-    placeholder: str = option(
-        DEFAULT_PLACEHOLDER,
-        "moc: what stands for a chunk's middle in expert targets",
-        choices=list(PLACEHOLDERS),
-    )
-    head_chars: int = option(10, "moc: characters of a chunk's start kept in its expert target")
-    tail_chars: int = option(10, "moc: characters of a chunk's end kept in its expert target")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -116,11 +126,12 @@ class DistillConfig:
         for name in required:
             if getattr(self, name) is None:
                 raise ValueError(f"field {name!r} is required")
+        moc = self.moc
         if self.task == "moc" and (
-            self.window_tokens < 16 or self.sample_chars < 1 or min(self.head_chars, self.tail_chars) < 1
+            moc.window_tokens < 16 or moc.sample_chars < 1 or min(moc.head_chars, moc.tail_chars) < 1
         ):
             raise ValueError("window_tokens must be >= 16; sample_chars, head_chars, tail_chars >= 1")
-        if not 0 <= self.max_edit_ratio < 1:
+        if not 0 <= moc.max_edit_ratio < 1:
             raise ValueError("'max_edit_ratio' must be in [0, 1)")
         if not 0 <= self.max_failure_rate <= 1:
             raise ValueError("'max_failure_rate' must be in [0, 1]")
