@@ -1,0 +1,175 @@
+"""The import rules of docs/ARCHITECTURE.md, checked by parsing every module's imports (``ast``).
+
+- No cycle between the top-level packages, and none between the modules of one package.
+- ``chunking/`` imports only ``metachunk/``; ``eval/`` and ``train/`` import no ``distill/``.
+- ``metachunk/`` (the shared core) imports no stage package, except its two composition roots,
+  the CLI and the demo, which import stages inside their functions.
+- No module imports another module's ``_private`` name.
+
+Imports under ``if TYPE_CHECKING:`` are for annotations only and are not counted; imports inside
+functions are (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("metachunk", "chunking", "distill", "train", "eval")
+COMPOSITION_ROOTS = {"metachunk.cli", "metachunk.demo"}  # they compose the stages; nothing imports them
+ALLOWED = {  # package -> the packages it may import (besides itself)
+    "metachunk": set(),
+    "chunking": {"metachunk"},
+    "distill": {"metachunk", "chunking"},
+    "train": {"metachunk"},
+    "eval": {"metachunk", "chunking"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(path: Path, name: str) -> list[tuple[str, list[str], int]]:
+    """``(imported module, names taken from it, line)`` for every import outside TYPE_CHECKING."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking_only(child):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, [], child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: resolve against this module's package
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                found.append((base, [alias.name for alias in child.names], child.lineno))
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def project_edges() -> dict[str, set[tuple[str, int]]]:
+    """module -> {(project module it imports, line)}; ``from pkg import mod`` counts as ``pkg.mod``."""
+    known = modules()
+    edges: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    for name, path in known.items():
+        for target, names, line in imports(path, name):
+            if target.split(".")[0] not in PACKAGES:
+                continue
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in known]
+            for module in submodules or [target]:
+                if module in known and module != name:
+                    edges[name].add((module, line))
+    return edges
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := walk(node)):
+            return cycle
+    return None
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_package_imports_only_what_it_may():
+    wrong = []
+    for module, targets in sorted(project_edges().items()):
+        if module in COMPOSITION_ROOTS:
+            continue
+        for target, line in sorted(targets):
+            source, dest = package_of(module), package_of(target)
+            if dest != source and dest not in ALLOWED[source]:
+                wrong.append(f"{modules()[module].relative_to(REPO)}:{line}: {module} imports {target}")
+    assert wrong == []
+
+
+def test_no_import_cycle_between_packages_or_within_one():
+    edges = project_edges()
+    between: dict[str, set[str]] = defaultdict(set)
+    for module, targets in edges.items():
+        if module in COMPOSITION_ROOTS:
+            continue
+        for target, _ in targets:
+            if package_of(target) != package_of(module):
+                between[package_of(module)].add(package_of(target))
+    assert find_cycle(between) is None
+    for package in PACKAGES:
+        within = {
+            m: {t for t, _ in targets if package_of(t) == package}
+            for m, targets in edges.items()
+            if package_of(m) == package
+        }
+        assert find_cycle(within) is None, package
+
+
+def test_no_module_imports_another_modules_private_names():
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        for target, names, line in imports(path, name):
+            if target.split(".")[0] not in PACKAGES or target == name:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            wrong += [f"{path.relative_to(REPO)}:{line}: {target}.{n}" for n in private]
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from distill.run import x\n", [("distill.run", ["x"], 1)]),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import eval.qa\n",
+            [("typing", ["TYPE_CHECKING"], 1)],
+        ),
+        ("def f():\n    from . import store\n", [("metachunk", ["store"], 2)]),
+    ],
+)
+def test_the_import_reader(tmp_path, source, expected):
+    path = tmp_path / "mod.py"
+    path.write_text(source, encoding="utf-8")
+    assert imports(path, "metachunk.mod") == expected
