@@ -86,7 +86,7 @@ from chunking.align import locate
 from chunking.moc import ROUTER_LABELS, granularity_label, recover_spans
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
-from distill.pipelines import Pending, StageFailed, StageRunner
+from distill.pipelines import Pending, StageFailed, StageRunner, tally
 from distill.prompts import load_prompt
 from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
@@ -571,7 +571,7 @@ class MocTask:
         return {"tokenizer": str(self.counter.path), "separator": SEPARATOR}
 
     def summary_line(self, result: RunResult, summary: dict) -> str:
-        outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+        outcome = tally(summary["outcome"])
         chunks, labels = summary["chunks"], summary["labels"]
         return (
             f"{self.cfg.out}/{TASK}.jsonl: {summary['documents']} documents ({outcome}); {summary['windows']['total']} "
@@ -585,9 +585,8 @@ class MocTask:
 
     def status(self, records: list[dict]) -> list[str]:
         s = summarize(records)
-        outcome = ", ".join(f"{k} {v}" for k, v in sorted(s["outcome"].items()))
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items()))
-        windows = ", ".join(f"{k} {v}" for k, v in sorted(s["windows"].items()) if k != "total")
+        outcome, reasons = tally(s["outcome"]), tally(s["failed_by_reason"])
+        windows = tally(s["windows"], skip=("total",))
         chunks = s["chunks"]
         return [
             f"moc: {s['documents']} documents  {outcome}" + (f"  (failed: {reasons})" if reasons else ""),

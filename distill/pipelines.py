@@ -427,6 +427,11 @@ def summarize(records: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------- the task
 
 
+def tally(counts: dict, skip: tuple[str, ...] = ()) -> str:
+    """``"failed 2, ok 7"``: a count per key, in key order, for the one-line reports."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in skip)
+
+
 class ChunkTask:
     """``distill rewrite|summary`` as the driver (:mod:`distill.run`) runs it: one record per chunk
     of a chunks file. A chunk's stages are a chain, one request at a time, so the driver keeps two
@@ -453,7 +458,7 @@ class ChunkTask:
         return {}
 
     def summary_line(self, result: RunResult, summary: dict) -> str:
-        outcome = ", ".join(f"{k} {v}" for k, v in sorted(summary["outcome"].items()))
+        outcome = tally(summary["outcome"])
         waited = f" ({result.waited} waited for another run on the store)" if result.waited else ""
         return (
             f"{self.cfg.out}/{self.name}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests "
@@ -463,7 +468,7 @@ class ChunkTask:
 
     def status(self, records: list[dict]) -> list[str]:
         s = summarize(records)
-        outcome = ", ".join(f"{k} {v}" for k, v in sorted(s["outcome"].items()))
+        outcome = tally(s["outcome"])
         header = f"{'stage':<16} {'done':>6} {'failed':>7} {'pending':>8} {'prompt tok':>11} {'compl tok':>10} {'cost $':>10}  failed by reason"
         lines = [f"{self.name}: {s['chunks']} chunks  {outcome}", header, "-" * len(header)]
         for stage in self.stages:
@@ -479,7 +484,7 @@ class ChunkTask:
                 },
             )
             failed = sum(row["failed"].values())
-            reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["failed"].items()))
+            reasons = tally(row["failed"])
             lines.append(f"{stage:<16} {row['done']:>6} {failed:>7} {row['pending']:>8} {row['prompt_tokens']:>11,} "
                          f"{row['completion_tokens']:>10,} {row['cost']:>10.4f}  {reasons}")  # fmt: skip
         not_started = sum(1 for r in records if r["status"] == "pending" and not r["stages"])
