@@ -97,7 +97,6 @@ if TYPE_CHECKING:
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
 SEPARATOR = "\n—\n"  # what the Table 6 prompt asks the teacher to put between chunks
-MOC_SFT_TASKS = ("moc-router", "moc-expert")
 ANCHOR_SCALES = (1, 2, 4)  # head/tail lengths tried, in multiples of head_chars/tail_chars
 WORD_SNAP = 20  # an anchor is widened by at most this many characters to end on a word edge
 
