@@ -1,13 +1,15 @@
 """MoC dataset distillation (MoC §3.2.1, Appendix A.3): a teacher chunks raw text, we keep offsets.
 
 ``metachunk distill moc --config recipes/distill/moc.yaml`` asks a GPT-4o-class teacher to chunk
-documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``:
-chunks separated by ``\\n—\\n``), through the same driver (:mod:`distill.run`, :class:`MocTask`),
-teacher client, answer store, limits, budget and resume as ``distill rewrite|summary``: the store
-is the source of truth, ``OUT/moc.jsonl`` is rebuilt from it by every run, and a rerun (or a run
-after a crash) sends only the requests that never got an answer. ``metachunk data build-sft
-moc-router|moc-expert`` turns the records into the router's and the experts' SFT sets
-(:mod:`distill.sft_rows`), with the prompts of :mod:`chunking.moc` (the ones
+documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``,
+asking here for JSON, ``{"chunks": [...]}``, of ``moc_chunk.schema.json``, so that an endpoint
+that takes a schema decodes under it; an answer in Table 6's own form, chunks separated by
+``\\n—\\n``, is still read: :func:`answer_chunks`), through the same driver (:mod:`distill.run`,
+:class:`MocTask`), teacher client, answer store, limits, budget and resume as
+``distill rewrite|summary``: the store is the source of truth, ``OUT/moc.jsonl`` is rebuilt from it
+by every run, and a rerun (or a run after a crash) sends only the requests that never got an answer.
+``metachunk data build-sft moc-router|moc-expert`` turns the records into the router's and the
+experts' SFT sets (:mod:`distill.sft_rows`), with the prompts of :mod:`chunking.moc` (the ones
 ``chunk --method moc`` sends at inference).
 
 **Windows.** A document is sent in windows of at most ``window_tokens`` (1024) tokens of the
@@ -53,8 +55,9 @@ Record (one per document, ``OUT/moc.jsonl``)::
     {"schema_version": 1, "task": "moc", "doc_id", "lang", "chars",
      "status": "ok" | "pending" | "failed", "reason",     # failed: transport reason or "no_chunks"
      "windows": [{"start", "end", "tokens", "over_budget", "status": "ok"|"failed"|"pending", "reason",
-                  "answer": {stage entry: teacher, params, prompt_sha256, request_key, cached, usage,
-                             cost, spent, attempts, raw, text, finish_reason},
+                  "answer": {stage entry: teacher, params, prompt_sha256, schema_sha256, request_key,
+                             cached, usage, cost, spent, attempts, raw, text, finish_reason,
+                             json_outcomes: ["valid" | "repaired" | "unparseable", one per answer]},
                   "returned", "accepted": [[start, end, distance]], "carried": [start, end] | null,
                   "flagged": [{"index", "text", "near": [start, end, score]}], "forced_edge", "widened",
                   "fallback", "truncated"}],
@@ -67,14 +70,15 @@ Record (one per document, ``OUT/moc.jsonl``)::
      "samples": [{"start", "end", "chunks": [[start, end]], "mean_chunk_chars", "elements": [str],
                   "recoverable"}]}
 
-``OUT/moc.meta.json`` holds the config, the prompt hashes, the tokenizer and the run's counts
-(requests sent, answers from the store, tokens, cost, chunks returned / accepted / flagged,
-fallbacks, labels, samples).
+``OUT/moc.meta.json`` holds the config, the prompt and schema hashes, the tokenizer and the run's
+counts (requests sent, answers from the store, tokens, cost, chunks returned / accepted / flagged,
+fallbacks, labels, samples, answers valid by the schema / repaired / unparseable).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import re
 from collections import Counter
@@ -86,7 +90,7 @@ from chunking.align import locate
 from chunking.moc import ROUTER_LABELS, granularity_label, recover_spans
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
-from distill.pipelines import Pending, StageFailed, StageRunner, tally
+from distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
 from distill.prompts import load_prompt
 from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
@@ -96,7 +100,7 @@ if TYPE_CHECKING:
 
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
-SEPARATOR = "\n—\n"  # what the Table 6 prompt asks the teacher to put between chunks
+SEPARATOR = "\n—\n"  # what the paper's Table 6 prompt puts between chunks (read as a fallback)
 ANCHOR_SCALES = (1, 2, 4)  # head/tail lengths tried, in multiples of head_chars/tail_chars
 WORD_SNAP = 20  # an anchor is widened by at most this many characters to end on a word edge
 
@@ -107,6 +111,20 @@ _SEPARATOR_LINE = re.compile(r"[ \t]*[—–―-]{1,6}[ \t]*")
 # The separator written out literally (`\n—\n` with backslashes), as some models echo it.
 _LITERAL_SEPARATOR = re.compile(r"\\n[ \t]*([—–―-]{1,6})[ \t]*\\n")
 _ECHO = re.compile(r"^\s*(the segmented text chunks are|分割后的文本块为)\s*[:：]?\s*", re.IGNORECASE)
+
+
+def answer_chunks(answer: str) -> list[str]:
+    """The chunks of a teacher answer: the ``"chunks"`` strings of its JSON object (or a bare JSON
+    list of strings), else the pieces between separator lines (:func:`split_answer`)."""
+    try:
+        data = json.loads(answer.strip().removeprefix("```json").removeprefix("```").removesuffix("```"))
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        data = data.get("chunks")
+    if isinstance(data, list) and all(isinstance(piece, str) for piece in data):
+        return [piece.strip() for piece in data if piece.strip()]
+    return split_answer(answer)
 
 
 def split_answer(answer: str) -> list[str]:
@@ -439,7 +457,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, opts: MocOptions) -
         truncated = False
 
         def parse(answer: str, body=body) -> Cleaned | None:
-            cleaned = clean_window(body, split_answer(answer), opts.max_edit_ratio)
+            cleaned = clean_window(body, answer_chunks(answer), opts.max_edit_ratio)
             return cleaned if cleaned.located else None
 
         try:
@@ -458,7 +476,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, opts: MocOptions) -
                 cleaned = parse(entry["text"])
                 truncated = cleaned is not None
             if cleaned is None:  # fallback: skip the window, its text stays uncovered
-                pieces = split_answer(entry.get("text") or "")
+                pieces = answer_chunks(entry.get("text") or "")
                 flagged = [{"index": k, "text": p, "near": _near(p, body, pos)} for k, p in enumerate(pieces)]
                 window.update(fallback=True, returned=len(pieces), flagged=flagged)
                 pos = after = end
@@ -579,7 +597,8 @@ class MocTask:
             f"{' '.join(f'{k}:{v}' for k, v in labels.items())}; {summary['samples']['total']} samples; "
             f"{result.sent} requests sent, {result.cached} answers from the store; "
             f"{summary['prompt_tokens'] + summary['completion_tokens']:,} tokens, ${summary['cost']:.4f}; "
-            f"{result.seconds:.1f}s"
+            + (f"{json_line(summary['json_answers'])}; " if summary["json_answers"] else "")
+            + f"{result.seconds:.1f}s"
         )
 
     def status(self, records: list[dict]) -> list[str]:
@@ -596,6 +615,7 @@ class MocTask:
             f"  labels {' '.join(f'{k}:{v}' for k, v in s['labels'].items())}; samples {s['samples']['total']} "
             f"({s['samples']['unrecoverable']} unrecoverable)",
             f"  tokens {s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion; ${s['cost']:.4f}",
+            f"  answers: {json_line(s['json_answers']) or 'none read'}",
         ]
 
     def entries(self, record: dict) -> list[tuple[str, dict]]:
@@ -662,4 +682,7 @@ def summarize(records: Sequence[dict]) -> dict:
         "prompt_tokens": spend["prompt_tokens"],
         "completion_tokens": spend["completion_tokens"],
         "cost": round(spend["cost"], 6),
+        "json_answers": json_answers(
+            (STAGE, w["answer"]) for r in records for w in r["windows"] if w.get("answer")
+        ),
     }

@@ -8,7 +8,10 @@ Each function takes a :class:`ChunkJob` and returns the chunk's output record. P
 and reads what the teacher client returns, which on a rerun comes from the answer store: editing
 a parser re-reads stored answers and sends nothing. A stage whose answer is empty or cannot be
 parsed is asked again (``attempt`` + 1, a new cached request) up to ``parse_retries`` times,
-then the record fails with that stage's raw text kept.
+then the record fails with that stage's raw text kept. A stage whose answer is JSON
+(``refinement``) has an answer schema beside its prompts: its requests carry it as the teacher's
+``structured_output`` says, and each answer is read against it (:func:`metachunk.structured.read_json`:
+valid by the schema, repaired, or unparseable, counted per stage in the summary and the status table).
 
 :class:`ChunkTask` is both pipelines as the driver (:mod:`distill.run`) runs them: the chunks
 file read and checked against its documents (:func:`read_jobs`, with each chunk's context), the
@@ -26,8 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from chunking.students import CONTEXT_SEPARATOR, related_chunks, window_span
-from distill.prompts import load_prompt
+from distill.prompts import load_prompt, load_schema
 from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
+from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
 if TYPE_CHECKING:
@@ -78,19 +82,17 @@ _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 
 
 def parse_items(text: str) -> list[Item] | None:
-    """Refinement's JSON array of ``{missing, supplement, score}``; None when it is not one.
+    """Refinement's ``{"items": [{missing, supplement, score}, ...]}``; None when it is not one.
 
-    Tolerates a code fence and prose around the array. Elements missing a field or with a score
-    that is not a number are dropped; an array with elements but none usable is off-format.
+    The stage's lenient reader (its schema, ``refinement.schema.json``, is checked first): tolerates
+    a code fence and prose around the JSON, and a bare array (the prompt's shape before the answer
+    became an object). Elements missing a field or with a score that is not a number are dropped;
+    an array with elements but none usable is off-format.
     """
     text = _FENCE.sub("", text.strip())
-    first, last = text.find("["), text.rfind("]")
-    if first < 0 or last < first:
-        return None
-    try:
-        data = json.loads(text[first : last + 1])
-    except json.JSONDecodeError:
-        return None
+    data = _outer_json(text)
+    if isinstance(data, dict):
+        data = data.get("items")
     if not isinstance(data, list):
         return None
     items = []
@@ -107,6 +109,24 @@ def parse_items(text: str) -> list[Item] | None:
     if data and not items:
         return None
     return items
+
+
+def _outer_json(text: str):
+    """The JSON value ``text`` holds: all of it, else from its first bracket to the last matching
+    one (``{…}`` or ``[…]``, whichever opens first); None when there is none."""
+    starts = [i for i in (text.find("{"), text.find("[")) if i >= 0]
+    candidates = [text]
+    if starts:
+        first = min(starts)
+        last = text.rfind("}" if text[first] == "{" else "]")
+        if last > first:
+            candidates.append(text[first : last + 1])
+    for candidate in candidates:
+        try:
+            return json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+    return None
 
 
 def format_items(items: list[Item], lang: str) -> str:
@@ -133,12 +153,14 @@ class StageRunner:
 
     async def ask_into(self, entry: dict, stage: str, lang: str, parse=None, **values: str):
         """:meth:`ask`, recording into ``entry`` (MoC keeps one entry per window of a record)."""
-        prompt = load_prompt(stage, lang)
+        prompt, schema, teacher = load_prompt(stage, lang), load_schema(stage), self.teachers[stage]
         messages = prompt.messages(**values)
         entry.update(prompt_sha256=prompt.sha256, attempts=0)
+        if schema is not None:
+            entry.update(schema_sha256=schema.sha256, json_outcomes=[])  # one outcome per answer read
         for attempt in range(self.parse_retries + 1):
             try:
-                answer = await self.teachers[stage].complete(messages, prompt.sha256, attempt)
+                answer = await teacher.complete(messages, prompt.sha256, attempt, schema)
             except BudgetExceeded:  # the entry must still read as a stage entry (status, usage, cost)
                 entry.setdefault("usage", {"prompt_tokens": 0, "completion_tokens": 0})
                 entry.setdefault("cost", 0.0)
@@ -157,10 +179,17 @@ class StageRunner:
                 raise StageFailed(stage, answer.reason)
             if not answer.text.strip():
                 entry["reason"] = "empty"
+                if schema is not None:
+                    entry["json_outcomes"].append("unparseable")
                 continue
             if parse is None:
                 return answer.text
-            value = parse(answer.text)
+            if schema is None:
+                value = parse(answer.text)
+            else:
+                repair = teacher.cfg.structured_output == "none"  # nothing asked of the endpoint
+                value, outcome = read_json(answer.text, schema, parse, repair)
+                entry["json_outcomes"].append(outcome)
             if value is not None:
                 return value
             entry["reason"] = "unparseable"
@@ -386,8 +415,28 @@ def with_related_context(
     return out
 
 
+def json_answers(entries) -> dict[str, dict[str, int]]:
+    """``{stage: {"valid": n, "repaired": n, "unparseable": n}}`` over ``(stage, entry)`` pairs: the
+    answers of each JSON stage by outcome (every answer read, parse retries included)."""
+    counts: dict[str, dict[str, int]] = {}
+    for stage, entry in entries:
+        if "json_outcomes" in entry:
+            row = counts.setdefault(stage, dict.fromkeys(OUTCOMES, 0))
+            for outcome in entry["json_outcomes"]:
+                row[outcome] += 1
+    return counts
+
+
+def json_line(counts: dict[str, dict[str, int]]) -> str:
+    """``"refinement JSON: valid 3, repaired 1, unparseable 0"``, one clause per JSON stage."""
+    return "; ".join(
+        f"{stage} JSON: " + ", ".join(f"{k} {row[k]}" for k in OUTCOMES) for stage, row in counts.items()
+    )
+
+
 def summarize(records: list[dict]) -> dict:
-    """Per-record outcome counts and, per stage, done / failed by reason / pending plus usage."""
+    """Per-record outcome counts and, per stage, done / failed by reason / pending plus usage
+    (and, for a JSON stage, its answers by outcome: ``json_answers``)."""
     outcome = Counter(r["status"] for r in records)
     reasons = Counter(f"{r.get('stage', '')}:{r['reason']}" for r in records if r["status"] == "failed")
     stages: dict[str, dict] = defaultdict(
@@ -421,6 +470,7 @@ def summarize(records: list[dict]) -> dict:
             k: {**v, "failed": dict(v["failed"]), "cost": round(v["cost"], 6)} for k, v in stages.items()
         },
         "cost": round(sum(v["cost"] for v in stages.values()), 6),
+        "json_answers": json_answers((name, entry) for r in records for name, entry in r["stages"].items()),
     }
 
 
@@ -460,16 +510,18 @@ class ChunkTask:
     def summary_line(self, result: RunResult, summary: dict) -> str:
         outcome = tally(summary["outcome"])
         waited = f" ({result.waited} waited for another run on the store)" if result.waited else ""
+        answers = f"; {json_line(summary['json_answers'])}" if summary["json_answers"] else ""
         return (
             f"{self.cfg.out}/{self.name}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests "
             f"sent, {result.cached} answers from the store{waited}; ${result.paid:.4f} paid by this run, "
-            f"${summary['cost']:.4f} in the records; {result.seconds:.1f}s"
+            f"${summary['cost']:.4f} in the records{answers}; {result.seconds:.1f}s"
         )
 
     def status(self, records: list[dict]) -> list[str]:
         s = summarize(records)
         outcome = tally(s["outcome"])
-        header = f"{'stage':<16} {'done':>6} {'failed':>7} {'pending':>8} {'prompt tok':>11} {'compl tok':>10} {'cost $':>10}  failed by reason"
+        # valid / repaired / unparsed: a JSON stage's answers by outcome ("-" for a stage answering text)
+        header = f"{'stage':<16} {'done':>6} {'failed':>7} {'pending':>8} {'prompt tok':>11} {'compl tok':>10} {'cost $':>10} {'valid':>6} {'repaired':>8} {'unparsed':>8}  failed by reason"
         lines = [f"{self.name}: {s['chunks']} chunks  {outcome}", header, "-" * len(header)]
         for stage in self.stages:
             row = s["stages"].get(
@@ -485,8 +537,14 @@ class ChunkTask:
             )
             failed = sum(row["failed"].values())
             reasons = tally(row["failed"])
+            if load_schema(stage) is None:
+                valid = repaired = unparsed = "-"
+            else:
+                answers = s["json_answers"].get(stage, {})
+                valid, repaired, unparsed = (str(answers.get(k, 0)) for k in OUTCOMES)
             lines.append(f"{stage:<16} {row['done']:>6} {failed:>7} {row['pending']:>8} {row['prompt_tokens']:>11,} "
-                         f"{row['completion_tokens']:>10,} {row['cost']:>10.4f}  {reasons}")  # fmt: skip
+                         f"{row['completion_tokens']:>10,} {row['cost']:>10.4f} {valid:>6} {repaired:>8} "
+                         f"{unparsed:>8}  {reasons}")  # fmt: skip
         not_started = sum(1 for r in records if r["status"] == "pending" and not r["stages"])
         if not_started:
             lines.append(f"{not_started} chunks not started")

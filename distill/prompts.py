@@ -1,5 +1,7 @@
 """The teacher prompts of the distill pipelines: ``distill/prompts/{name}.{lang}.txt``, in the one
-prompt-file format (:mod:`metachunk.prompts`; the file's sha256 is the prompt's version).
+prompt-file format (:mod:`metachunk.prompts`; the file's sha256 is the prompt's version). A stage
+whose answer is JSON (``refinement``, ``moc_chunk``) has its answer schema beside its prompts,
+``distill/prompts/{name}.schema.json`` (:func:`load_schema`).
 
 The students' instructions (``student_rewrite``, ``student_summary``) live with the chunker that
 runs the trained students (``chunking/prompts/``, :mod:`chunking.students`); ``load_prompt``
@@ -9,9 +11,9 @@ finds them there too, so the SFT rows and inference share one prompt.
 from __future__ import annotations
 
 from chunking.students import load_student_prompt
-from metachunk.prompts import LANGS, Prompt, check_lang, load_prompt_file
+from metachunk.prompts import LANGS, Prompt, Schema, check_lang, load_prompt_file, load_schema_file
 
-__all__ = ["LANGS", "Prompt", "load_prompt"]
+__all__ = ["LANGS", "Prompt", "Schema", "load_prompt", "load_schema"]
 
 
 def load_prompt(name: str, lang: str) -> Prompt:
@@ -21,3 +23,8 @@ def load_prompt(name: str, lang: str) -> Prompt:
     if name.startswith("student_"):
         return load_student_prompt(name.removeprefix("student_"), lang)
     return load_prompt_file("distill", name, lang)
+
+
+def load_schema(name: str) -> Schema | None:
+    """The answer schema of distill stage ``name``; None for a stage whose answer is text."""
+    return load_schema_file("distill", name)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
 from distill.pipelines import STAGES, ChunkTask, StageRunner
-from distill.prompts import load_prompt
+from distill.prompts import load_prompt, load_schema
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
 from metachunk.config import option
@@ -215,7 +215,8 @@ def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
     """Run (or, offline, replay) the task's pipeline over every item; returns the records."""
     task = make_task(cfg)
     items = task.read()
-    for stage in task.stages:  # fail on a broken prompt file before anything is sent
+    for stage in task.stages:  # fail on a broken prompt or schema file before anything is sent
+        load_schema(stage)
         for lang in {item.lang for item in items}:
             load_prompt(stage, lang)
     store = AnswerStore(cfg.cache)
@@ -270,11 +271,14 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
         for stage in task.stages
         for lang in sorted({r["lang"] for r in result.records})
     }
+    # The answer schemas of the JSON stages (one per stage, for every language).
+    schemas = {stage: schema.sha256 for stage in task.stages if (schema := load_schema(stage)) is not None}
     with OutputPair(Path(cfg.out) / f"{task.name}.jsonl") as pair:
         for record in result.records:
             pair.file.write(jsonl_line(record))
         pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {task.name}", "config": config.to_dict(cfg),
-                     **task.manifest(), "prompt_sha256": prompts, "summary": summary})  # fmt: skip
+                     **task.manifest(), "prompt_sha256": prompts, "schema_sha256": schemas,
+                     "summary": summary})  # fmt: skip
     return summary
 
 

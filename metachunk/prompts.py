@@ -13,12 +13,18 @@ Each stage keeps its own files and a small loader that knows its names: the teac
 and the RAG answer prompt (``eval/prompts/``, :func:`eval.generate.load_rag_prompt`). MSP's
 Table 6/7 prompts are plain completion text, not chat, and keep their own reader
 (:func:`chunking.msp.load_msp_prompt`).
+
+A stage whose answer must be JSON also has ``PACKAGE/prompts/{name}.schema.json``, the JSON Schema
+of its answer (one per stage, for every language), versioned the same way: its sha256 is recorded
+on every stage entry and run manifest, and joins a request's cache key when the request sends the
+schema to the endpoint (:class:`metachunk.teacher.TeacherConfig` ``structured_output``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from functools import cache
 from importlib.resources import files
 
@@ -64,3 +70,37 @@ def load_prompt_file(package: str, name: str, lang: str) -> Prompt:
     check_lang(lang)
     resource = files(package) / "prompts" / f"{name}.{lang}.txt"
     return parse_prompt(name, lang, resource.read_bytes(), resource)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A stage's answer schema file; ``sha256`` is the file's hash, ``data`` the JSON Schema."""
+
+    name: str
+    data: dict = field(compare=False, repr=False)
+    sha256: str
+
+
+def parse_schema(name: str, data: bytes, where) -> Schema:
+    """The JSON Schema in ``data`` (a file's bytes), checked against its draft's metaschema."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    try:
+        schema = json.loads(data)
+        validator_for(schema).check_schema(schema)
+    except (ValueError, SchemaError) as e:
+        raise ValueError(f"{where}: not a JSON Schema ({str(e).splitlines()[0]})") from None
+    # OpenAI's strict json_schema mode and every json_object mode answer with an object.
+    if schema.get("type") != "object":
+        raise ValueError(f'{where}: the answer schema must have an object at its root ("type": "object")')
+    return Schema(name, schema, hashlib.sha256(data).hexdigest())
+
+
+@cache
+def load_schema_file(package: str, name: str) -> Schema | None:
+    """``{package}/prompts/{name}.schema.json``, read once per process; None: the stage's answer is text."""
+    resource = files(package) / "prompts" / f"{name}.schema.json"
+    if not resource.is_file():
+        return None
+    return parse_schema(name, resource.read_bytes(), resource)

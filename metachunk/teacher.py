@@ -29,6 +29,17 @@ bounds once the endpoint is calibrated, so the spend passes the cap by at most w
 in flight when the cap is reached were billed above their reservations: never more than one
 concurrency window of requests.
 
+**Structured outputs.** A stage whose answer must be JSON passes its answer schema
+(:class:`~metachunk.prompts.Schema`) with the request, and the teacher's ``structured_output`` says
+how its endpoint takes it (:func:`response_format`): ``json_schema`` (OpenAI's
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict": true}}``, which vLLM and
+SGLang decode under too), ``json_object_schema`` (llama.cpp's server: ``{"type": "json_object",
+"schema"}``), ``json_object`` (any JSON object) or ``none`` (nothing is sent: the stage reads and
+repairs the answer, :mod:`metachunk.structured`). The ``response_format`` is part of the payload,
+so of the cache key; the schema's sha256 joins the key too when the request sends the schema. A
+request with no ``response_format`` (a stage answering text, or ``none``) is keyed exactly as
+before structured outputs existed, so the answers a store holds for it are found again.
+
 ``finish_reason == "length"`` is not success: the request is repeated with twice the
 ``max_tokens`` up to ``max_tokens_limit`` (each size is its own cached request), else it ends as
 failed with reason ``length``. Reasoning teachers: the raw content is kept, ``<think>…</think>``
@@ -49,7 +60,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from metachunk import config
 from metachunk.config import option
+from metachunk.prompts import Schema
 from metachunk.redaction import redact, register_secret, safe_url
 from metachunk.store import AnswerStore, StoredAnswer
 
@@ -60,6 +73,25 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+# How an endpoint is asked for a JSON answer; the first two send the stage's schema.
+STRUCTURED_OUTPUTS = ("json_schema", "json_object_schema", "json_object", "none")
+SENDS_SCHEMA = ("json_schema", "json_object_schema")
+
+
+def response_format(mode: str, schema: Schema | None) -> dict | None:
+    """The ``response_format`` a request for an answer of ``schema`` carries under ``mode``; None:
+    send none (``none``, or a stage whose answer is text)."""
+    if schema is None or mode == "none":
+        return None
+    if mode == "json_object":
+        return {"type": "json_object"}
+    if mode == "json_object_schema":  # llama.cpp's server (and llama-cpp-python's) form
+        return {"type": "json_object", "schema": schema.data}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": schema.name, "schema": schema.data, "strict": True},
+    }
 
 
 @dataclass
@@ -105,8 +137,17 @@ class TeacherConfig:
         "the teacher's tokenizer (preset or local HF dir): count prompt tokens with it for budget "
         "reservations and answers without usage; unset: calibrate from the tokens the endpoint bills",
     )
+    structured_output: str = option(
+        "none",
+        "how this endpoint takes the answer schema of a JSON stage (refinement, moc_chunk): json_schema "
+        "(OpenAI's response_format, which vLLM and SGLang also decode under), json_object_schema "
+        "(llama.cpp's server: json_object with the schema), json_object (any JSON object, schema not "
+        "sent), none (send nothing; the answer's JSON is repaired). Stages whose answer is text send nothing",
+        choices=list(STRUCTURED_OUTPUTS),
+    )
 
     def __post_init__(self):
+        config.check_choices(self)
         if not self.model:
             raise ValueError("'model' is required")
         if not self.base_url.startswith(("http://", "https://")):
@@ -469,10 +510,22 @@ class Teacher:
         self._tokenizer = None
 
     def request(
-        self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int
+        self,
+        messages: list[dict],
+        prompt_sha: str,
+        attempt: int,
+        max_tokens: int,
+        schema: Schema | None = None,
     ) -> tuple[dict, str]:
+        """The request's body and its cache key. Without a ``response_format`` both are what they
+        were before structured outputs, so the answers stored for them are found again."""
         payload = {"model": self.cfg.model, "messages": messages, "max_tokens": max_tokens, **self.params}
         keyed = {"request": payload, "prompt_sha256": prompt_sha, "attempt": attempt}
+        fmt = response_format(self.cfg.structured_output, schema)
+        if fmt is not None:
+            payload["response_format"] = fmt
+            if self.cfg.structured_output in SENDS_SCHEMA:
+                keyed["schema_sha256"] = schema.sha256
         digest = hashlib.sha256(json.dumps(keyed, ensure_ascii=False, sort_keys=True).encode("utf-8"))
         if self.wire_model != self.cfg.model:
             payload["model"] = self.wire_model
@@ -501,13 +554,16 @@ class Teacher:
         template = TEMPLATE_TOKENS * (len(messages) + 1)
         return math.ceil(prompt_bytes(messages) * self._tokens_per_byte()) + template
 
-    async def complete(self, messages: list[dict], prompt_sha: str, attempt: int = 0) -> Answer:
+    async def complete(
+        self, messages: list[dict], prompt_sha: str, attempt: int = 0, schema: Schema | None = None
+    ) -> Answer:
         """Answer ``messages``; ``attempt`` > 0 asks again for a fresh answer (the previous one
-        could not be parsed), which is a different cached request."""
+        could not be parsed), which is a different cached request. ``schema``: the answer must be
+        JSON of this schema, asked for as ``structured_output`` says."""
         max_tokens = self.cfg.max_tokens
         spent = (0, 0, 0.0)
         while True:
-            answer = await self._once(messages, prompt_sha, attempt, max_tokens)
+            answer = await self._once(messages, prompt_sha, attempt, max_tokens, schema)
             spent = (
                 spent[0] + answer.prompt_tokens,
                 spent[1] + answer.completion_tokens,
@@ -521,9 +577,13 @@ class Teacher:
                 answer.status, answer.reason = "failed", "length"
             return answer
 
-    async def _once(self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int) -> Answer:
-        payload, key = self.request(messages, prompt_sha, attempt, max_tokens)
+    async def _once(
+        self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int, schema: Schema | None
+    ) -> Answer:
+        payload, key = self.request(messages, prompt_sha, attempt, max_tokens, schema)
         params = {**self.params, "max_tokens": max_tokens, "attempt": attempt}
+        if "response_format" in payload:
+            params["structured_output"] = self.cfg.structured_output
         if self.store.has_answer(key):
             self.cached += 1
             return Answer.from_stored(self.store.get(key), params, cached=True)

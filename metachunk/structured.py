@@ -1,0 +1,64 @@
+"""Reading a JSON stage's answer: valid by its schema, repaired, or unparseable.
+
+A stage whose answer must be JSON (its schema: :class:`metachunk.prompts.Schema`) reads each answer
+here, and every answer gets one of three outcomes, counted per stage in the run's summary:
+
+* ``valid``: the answer is JSON (all of it, nothing around it) and the schema's validator
+  (``jsonschema``) accepts it. Decoding under the schema should give only these, but the answer is
+  validated anyway: grammars do not enforce every keyword (llama.cpp's ignored an integer ``minimum``).
+* ``repaired``: it is not, yet the fallback got a value from it: the maintained ``json-repair``
+  library when the endpoint was asked for nothing (``structured_output: none``), then the stage's
+  own lenient reader (a code fence, prose around the JSON, elements missing a field dropped).
+* ``unparseable``: neither got anything; the stage asks again (``parse_retries``).
+
+The stage's reader (``parse``) takes text and returns its value or None, so that the same reader
+serves every outcome; a ``valid`` answer whose value the reader still refuses (MoC: no chunk found
+in the text) keeps its outcome, and the stage treats it as it treats any refused answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TypeVar
+
+from metachunk.prompts import Schema
+
+T = TypeVar("T")
+OUTCOMES = ("valid", "repaired", "unparseable")
+
+_validators: dict[str, object] = {}  # by schema sha256: a validator is built once per process
+
+
+def is_valid(data, schema: Schema) -> bool:
+    """Whether ``data`` (decoded JSON) is an instance of ``schema``."""
+    validator = _validators.get(schema.sha256)
+    if validator is None:
+        from jsonschema.validators import validator_for
+
+        validator = _validators[schema.sha256] = validator_for(schema.data)(schema.data)
+    return validator.is_valid(data)
+
+
+def read_json(
+    text: str, schema: Schema, parse: Callable[[str], T | None], repair: bool
+) -> tuple[T | None, str]:
+    """``(value, outcome)`` of an answer ``text``: ``parse``'s value (None when nothing could be read)
+    and one of :data:`OUTCOMES`. ``repair``: try ``json-repair`` before the stage's own reader."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        pass
+    else:
+        if is_valid(data, schema):
+            return parse(text), "valid"
+    value = None
+    if repair:
+        import json_repair
+
+        repaired = json_repair.loads(text)  # "" when it finds no JSON at all
+        if isinstance(repaired, (dict, list)) and repaired:
+            value = parse(json.dumps(repaired, ensure_ascii=False))
+    if value is None:
+        value = parse(text)
+    return value, "repaired" if value is not None else "unparseable"
