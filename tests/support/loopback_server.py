@@ -17,9 +17,16 @@ Endpoints
 ``GET /v1/models``, ``GET /health``
     Fixed answers.
 ``GET /stats``
-    ``{"requests": n, "by_key": {key: n}, "by_outcome": {"ok": n, "429": n, ...}}`` over chat
-    requests. The request key is the ``X-Request-Key`` header if present, else the sha256 hex of
-    the raw body. Counting happens on arrival, before latency and faults.
+    ``{"requests": n, "by_key": {key: n}, "by_outcome": {"ok": n, "429": n, ...},
+    "response_format": {key: the last response_format that key's request carried}}`` over chat
+    requests (``response_format`` only once a request carried one, and only those keys). The
+    request key is the ``X-Request-Key`` header if present, else the sha256 hex of the raw body.
+    Counting happens on arrival, before latency and faults.
+
+A ``response_format`` is checked as OpenAI-compatible servers check it: its ``type`` is ``text``,
+``json_object`` (an optional ``schema`` object, llama.cpp's form) or ``json_schema`` (with a
+``json_schema`` object holding a ``name`` string and a ``schema`` object); anything else is
+answered 400 (counted ``400``). It does not change the answer: replies stay scripted.
 
 The ``/v1`` prefix is optional on the two API paths. Anything else gets a 404 JSON error.
 
@@ -163,6 +170,26 @@ def _joined_content(messages: list) -> str:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     pieces.append(part["text"])
     return "\n".join(pieces)
+
+
+def _check_response_format(fmt) -> None:
+    """Raise ValueError unless ``fmt`` is a response_format an OpenAI-compatible server takes."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not (
+            isinstance(spec, dict)
+            and isinstance(spec.get("name"), str)
+            and isinstance(spec.get("schema"), dict)
+        ):
+            raise ValueError(
+                "response_format json_schema needs a json_schema object with 'name' and 'schema'"
+            )
+    elif kind == "json_object":
+        if not isinstance(fmt.get("schema", {}), dict):
+            raise ValueError("response_format json_object: 'schema' must be an object")
+    elif kind != "text":
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _parse_random_faults(random_faults: Mapping[str, float] | None) -> list[tuple[float, str]]:
@@ -327,6 +354,7 @@ class LoopbackServer:
         self.requests = 0
         self.by_key: dict[str, int] = {}
         self.by_outcome: dict[str, int] = {}
+        self.response_formats: dict[str, object] = {}
         self._models_body = json.dumps(
             {"object": "list", "data": [{"id": "loopback", "object": "model"}]}
         ).encode()
@@ -354,7 +382,10 @@ class LoopbackServer:
         self._server = None
 
     def stats(self) -> dict:
-        return {"requests": self.requests, "by_key": dict(self.by_key), "by_outcome": dict(self.by_outcome)}
+        stats = {"requests": self.requests, "by_key": dict(self.by_key), "by_outcome": dict(self.by_outcome)}
+        if self.response_formats:  # only once a request carried one: the plain stats keep their shape
+            stats["response_format"] = dict(self.response_formats)
+        return stats
 
     def _handle(
         self, connection: _Connection, method: str, target: str, headers: dict, body: bytes, keep_alive: bool
@@ -394,6 +425,9 @@ class LoopbackServer:
             if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
                 raise ValueError("expected a JSON object with a 'messages' list")
             messages = payload["messages"]
+            if "response_format" in payload:
+                self.response_formats[key] = payload["response_format"]
+                _check_response_format(payload["response_format"])
         except (ValueError, RecursionError) as e:
             self._count("400")
             message = f"invalid request: {e}"
