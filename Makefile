@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/ppl_memory.py
 	$(PY) bench/msp_speed.py
 	$(PY) bench/distill_throughput.py
+	$(PY) bench/money_safety.py
 	$(PY) bench/sft_build.py
 	$(PY) bench/train_throughput.py
 
