@@ -2,10 +2,9 @@
 
 ``metachunk distill moc --config recipes/distill/moc.yaml`` asks a GPT-4o-class teacher to chunk
 documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``,
-asking here for JSON, ``{"chunks": [...]}``, of ``moc_chunk.schema.json``, so that an endpoint
-that takes a schema decodes under it; an answer in Table 6's own form, chunks separated by
-``\\n—\\n``, is still read: :func:`answer_chunks`), through the same driver (:mod:`distill.run`,
-:class:`MocTask`), teacher client, answer store, limits, budget and resume as
+chunks separated by ``\\n—\\n``; an endpoint that takes a schema decodes under
+``moc_chunk.schema.json``, ``{"chunks": [...]}``, and :func:`answer_chunks` reads both), through
+the same driver (:mod:`distill.run`, :class:`MocTask`), teacher client, answer store, limits, budget and resume as
 ``distill rewrite|summary``: the store is the source of truth, ``OUT/moc.jsonl`` is rebuilt from it
 by every run, and a rerun (or a run after a crash) sends only the requests that never got an answer.
 ``metachunk data build-sft moc-router|moc-expert`` turns the records into the router's and the
