@@ -14,11 +14,22 @@ against the text as exact spans.
   The label is the argmax of the logits of the four label tokens at the first generated position
   (:func:`router_label`); nothing is generated.
 * **Experts**: causal LMs fine-tuned to answer a JSON list of ``head{placeholder}tail`` strings,
-  decoded with sampling at temperature 0.1, top-p 0.1 (the paper's low-randomness setting). An
-  answer that is not a JSON list of strings, or of which no element can be found in the text, is
-  retried (each retry adds 0.4 to temperature and top-p, capped at 1); after the last retry the
-  window is chunked by PPL chunking (:mod:`chunking.ppl`) with the router's model or
-  ``--moc-fallback-model`` and counted in the run's ``.meta.json``.
+  decoded with sampling at temperature 0.1, top-p 0.1 (the paper's low-randomness setting).
+* **Constrained decoding** (``--moc-constrained``, the default; :class:`ExpertGrammar`): the experts
+  decode under their answer schema, ``chunking/prompts/moc_expert.schema.json`` (a JSON array of
+  strings, at least one; sha256-versioned like the prompts), with at most one item per sentence of
+  the window, compiled for each expert's tokenizer by xgrammar and applied as a logits processor
+  before temperature and top-p. The array is written as the experts are trained to write it
+  (``json.dumps``: ``", "`` between items, no other whitespace); no stop token may come before the
+  closing ``]`` and only a stop token after it, so an answer that stops always parses. An answer
+  that ``--moc-max-new-tokens`` cuts before its ``]`` is *truncated*. ``--no-moc-constrained``
+  decodes freely and reads the outermost ``[...]`` of the answer (:func:`parse_expert_answer`).
+* **Failures and fallback**: an answer cut by the token budget before it parses (``truncated``),
+  one that ends but is no JSON list of strings (``invalid_json``; none under the grammar), and one
+  of which no element can be found in the text (``unrecovered``) are counted by cause and retried
+  (each retry adds 0.4 to temperature and top-p, capped at 1); after the last retry the window is
+  chunked by PPL chunking (:mod:`chunking.ppl`) with the router's model or
+  ``--moc-fallback-model``, counted in the run's ``.meta.json`` with the cause of its last failure.
 * **Recovery** (§3.2.4, :func:`recover_spans`): each element is split at the placeholder and
   ``re.escape(head) + ".*?" + re.escape(tail)`` (DOTALL, shortest) is searched in the text after
   the previous match. When that fails, head and tail are found by edit distance
@@ -46,19 +57,21 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from chunking.align import locate
 from chunking.students import student_dir
 from chunking.types import Sentence
 from metachunk.generation import (
+    Generation,
     chat_prompt_ids,
     generate_batched,
     padded_batches,
     prepare_tokenizer,
     stop_token_ids,
 )
-from metachunk.prompts import Prompt, load_prompt_file
+from metachunk.prompts import Prompt, Schema, load_prompt_file, load_schema_file
 
 # The paper's eight placeholders for the omitted middle of a chunk (§3.2.3, Table 2); [MASK] is
 # the one its experiments use.
@@ -75,6 +88,8 @@ DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_RATIO = 0.1
 RETRY_STEP = 0.4  # added to temperature and top-p on each retry
 MIN_TYPO_CHARS = 8  # anchors at least this long may always have one edit
+GRAMMAR_LIBRARY = "xgrammar"  # the constrained decoding of the experts' answers (ExpertGrammar)
+FAILURES = ("invalid_json", "truncated", "unrecovered")  # why an expert's answer gave no chunks
 
 # ------------------------------------------------------------------------------------- prompts
 
@@ -98,6 +113,21 @@ def expert_messages(text: str, lang: str, placeholder: str = DEFAULT_PLACEHOLDER
     (:func:`format_elements`)."""
     check_placeholder(placeholder)
     return load_moc_prompt("expert", lang).messages(text=text, placeholder=placeholder)
+
+
+def load_moc_schema() -> Schema:
+    """``chunking/prompts/moc_expert.schema.json``: the JSON Schema of an expert's answer (a JSON
+    array of strings, at least one); its sha256 is its version, as a prompt's."""
+    return load_schema_file("chunking", "moc_expert", object_root=False)
+
+
+def expert_schema(max_items: int | None = None) -> dict:
+    """The schema an expert decodes under: the file's, with ``maxItems`` when given (at least its
+    ``minItems``)."""
+    schema = dict(load_moc_schema().data)
+    if max_items is not None:
+        schema["maxItems"] = max(max_items, schema.get("minItems", 0))
+    return schema
 
 
 def check_placeholder(placeholder: str) -> None:
@@ -174,6 +204,87 @@ def split_element(element: str, placeholder: str = DEFAULT_PLACEHOLDER) -> tuple
         return element.strip(), ""
     tail = rest.rpartition(placeholder)[2]  # a repeated placeholder: the tail follows the last
     return head.strip(), tail.strip()
+
+
+# ------------------------------------------------------------------------------------- grammar
+
+
+def grammar_library():
+    """(the xgrammar module, its installed version); a clear error when it is missing."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from metachunk.models import ModelNotFoundError
+
+    try:
+        import xgrammar
+
+        return xgrammar, version(GRAMMAR_LIBRARY)
+    except (ImportError, PackageNotFoundError):
+        raise ModelNotFoundError(
+            "--moc-constrained (the default) decodes the experts under their answer schema with "
+            "xgrammar, which is not installed: pip install xgrammar==0.2.9 (in metachunk's "
+            "dependencies), or run with --no-moc-constrained"
+        ) from None
+
+
+@cache
+def _timed_processor_class():
+    """xgrammar's transformers logits processor, timing its calls into its :class:`ExpertGrammar`."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    class TimedLogitsProcessor(LogitsProcessor):
+        def __init__(self, compiled, grammar: ExpertGrammar):
+            super().__init__(compiled)
+            self.grammar = grammar
+
+        def __call__(self, input_ids, scores):
+            started = time.perf_counter()
+            scores = super().__call__(input_ids, scores)
+            g = self.grammar
+            g.mask_seconds += time.perf_counter() - started
+            g.mask_steps += 1
+            g.mask_rows += input_ids.shape[0]
+            return scores
+
+    return TimedLogitsProcessor
+
+
+class ExpertGrammar:
+    """The expert answer schema compiled for one model's tokenizer (xgrammar), and the logits
+    processor that holds a batch of answers to it.
+
+    Every row of a batch has its own grammar: the schema with ``maxItems`` = the sentences of its
+    window (compiled once per count). The array is written as :func:`format_elements` writes it,
+    the form the experts are trained on (``", "`` between items, no other whitespace, so no token is
+    spent on layout). The model's stop tokens are the grammar's: none is allowed before the closing
+    ``]``, and only they after it, so generation ends cleanly once the array closes.
+    """
+
+    def __init__(self, model, tokenizer, stop_ids: set[int]):
+        xgr, self.version = grammar_library()
+        started = time.perf_counter()
+        vocab_size = model.get_output_embeddings().weight.shape[0]  # the logits' width (may pad the vocab)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: dict[int, object] = {}
+        self.compile_seconds = time.perf_counter() - started
+        self.mask_seconds = 0.0
+        self.mask_steps = self.mask_rows = 0  # processor calls (decoding steps), rows masked over them
+
+    def compiled(self, max_items: int):
+        if max_items not in self._compiled:
+            started = time.perf_counter()
+            schema = json.dumps(expert_schema(max_items))
+            self._compiled[max_items] = self._compiler.compile_json_schema(schema, any_whitespace=False)
+            self.compile_seconds += time.perf_counter() - started
+        return self._compiled[max_items]
+
+    def processor(self, max_items: Sequence[int]):
+        """A logits processor for one ``generate`` call whose row ``i`` may answer at most
+        ``max_items[i]`` items (xgrammar's processor serves one call: make one per call)."""
+        return _timed_processor_class()([self.compiled(n) for n in max_items], self)
 
 
 # ------------------------------------------------------------------------------------- recovery
@@ -330,10 +441,17 @@ class _Window:
     label: int = -1
     elements: list[str] | None = None
     spans: list[tuple[int, int]] | None = None  # chunks, window coordinates
+    failure: str | None = None  # why the last answer gave no chunks (one of FAILURES)
 
     @property
     def text(self) -> str:
         return self.doc.text[self.start : self.end]
+
+    @property
+    def sentences(self) -> int:
+        """How many of the document's sentences end inside the window (at least 1)."""
+        ends = self.doc.ends
+        return max(1, bisect.bisect_right(ends, self.end) - bisect.bisect_right(ends, self.start))
 
 
 # ------------------------------------------------------------------------------------- chunker
@@ -357,6 +475,7 @@ class MocSettings:
     device: str | None = None
     dtype: str = "auto"
     seed: int = 0
+    constrained: bool = True  # decode the experts under their answer schema (ExpertGrammar)
 
     def __post_init__(self):
         check_placeholder(self.placeholder)
@@ -415,6 +534,8 @@ class MocChunker:
             student_dir(settings.fallback_model).resolve() if settings.fallback_model else self.router_path
         )
         self._models: dict[Path, _LM] = {}
+        self._grammars: dict[Path, ExpertGrammar] = {}
+        self.grammar_version = grammar_library()[1] if settings.constrained else None  # before any load
         self.router = self._lm(self.router_path)
         self.label_ids = label_token_ids(self.router.tokenizer)
         self.reset_stats()
@@ -424,7 +545,10 @@ class MocChunker:
         self.routes = Counter()
         self.recovery = RecoveryStats()
         self.windows = self.attempts = self.retried = self.invalid_json = self.unrecovered = 0
-        self.fallback_windows = self.carried = 0
+        self.truncated = self.fallback_windows = self.carried = 0
+        self.fallback_causes = Counter()
+        for g in self._grammars.values():
+            g.mask_seconds, g.mask_steps, g.mask_rows = 0.0, 0, 0
         self.new_tokens = 0
         self.seconds = {"router": 0.0, "experts": 0.0, "fallback": 0.0, "recovery": 0.0}
         self.prompt_sha256: dict[str, str] = {}
@@ -452,6 +576,7 @@ class MocChunker:
                 batch_size=cfg.batch_size,
                 device=cfg.device,
                 dtype=cfg.dtype,
+                constrained=moc.constrained,
             )
         )
 
@@ -459,6 +584,11 @@ class MocChunker:
         if path not in self._models:
             self._models[path] = _LM(path, self.s.device, self.s.dtype)
         return self._models[path]
+
+    def _grammar(self, lm: _LM) -> ExpertGrammar:
+        if lm.path not in self._grammars:
+            self._grammars[lm.path] = ExpertGrammar(lm.model, lm.tokenizer, lm.stop_ids)
+        return self._grammars[lm.path]
 
     def _note_prompt(self, role: str, lang: str) -> None:
         p = load_moc_prompt(role, lang)
@@ -494,8 +624,12 @@ class MocChunker:
         step = RETRY_STEP * attempt
         return min(1.0, self.s.temperature + step), min(1.0, self.s.top_p + step)
 
-    def generate(self, lm: _LM, prompts: Sequence[list[dict]], attempt: int) -> list[str]:
-        """One sampled answer per prompt (new text only); every batch is seeded with ``seed + attempt``."""
+    def generate(
+        self, lm: _LM, prompts: Sequence[list[dict]], attempt: int, max_items: Sequence[int] | None = None
+    ) -> list[Generation]:
+        """One sampled answer per prompt (new text only); every batch is seeded with ``seed + attempt``.
+        Constrained (``settings.constrained``): each answer decodes under the expert schema, answer
+        ``i`` with at most ``max_items[i]`` items (None: no bound)."""
         temperature, top_p = self.sampling(attempt)
         config = copy.deepcopy(lm.model.generation_config)
         config.do_sample = True
@@ -508,10 +642,19 @@ class MocChunker:
         if config.pad_token_id is None:
             config.pad_token_id = lm.tokenizer.pad_token_id
         ids = [lm.encode(p) for p in prompts]
+        processors = None
+        if self.s.constrained:
+            grammar = self._grammar(lm)
+            bounds = list(max_items) if max_items is not None else [None] * len(prompts)
+
+            def processors(batch: list[int]) -> list:
+                return [grammar.processor([bounds[i] for i in batch])]
+
         out = generate_batched(lm.model, lm.tokenizer, ids, config, self.s.batch_size,
-                               stop_ids=lm.stop_ids, seed=self.s.seed + attempt)  # fmt: skip
+                               stop_ids=lm.stop_ids, seed=self.s.seed + attempt,
+                               logits_processor=processors)  # fmt: skip
         self.new_tokens += sum(g.new_tokens for g in out)
-        return [g.text for g in out]
+        return out
 
     def expert_chunks(self, windows: Sequence[_Window]) -> None:
         """Fill ``spans`` of each window (with its ``label`` set) from its expert; windows whose
@@ -531,25 +674,30 @@ class MocChunker:
                 for lang in {w.doc.lang for w in pending}:
                     self._note_prompt("expert", lang)
                 started = time.perf_counter()
-                answers = self.generate(
-                    lm, [expert_messages(w.text, w.doc.lang, self.s.placeholder) for w in pending], attempt
-                )
+                prompts = [expert_messages(w.text, w.doc.lang, self.s.placeholder) for w in pending]
+                answers = self.generate(lm, prompts, attempt, [w.sentences for w in pending])
                 self.seconds["experts"] += time.perf_counter() - started
                 started = time.perf_counter()
                 still = []
                 for w, answer in zip(pending, answers):
-                    elements = parse_expert_answer(answer)
+                    elements = parse_expert_answer(answer.text)
                     if elements is None:
-                        self.invalid_json += 1
+                        # the budget cut it before it parsed, or it ended as no JSON list of strings
+                        w.failure = "invalid_json" if answer.stopped else "truncated"
+                        if answer.stopped:
+                            self.invalid_json += 1
+                        else:
+                            self.truncated += 1
                         still.append(w)
                         continue
                     spans, stats = recover_spans(w.text, elements, self.s.placeholder, self.s.max_ratio)
                     self.recovery.add(stats)
                     if not spans:
+                        w.failure = "unrecovered"
                         self.unrecovered += 1
                         still.append(w)
                         continue
-                    w.elements = elements
+                    w.elements, w.failure = elements, None
                     w.spans = tile(len(w.text), [a for a, _ in spans])
                 self.seconds["recovery"] += time.perf_counter() - started
                 pending = still
@@ -573,6 +721,7 @@ class MocChunker:
             chunks = chunks_from_boundaries(t, sents, ppl_boundaries(ppl, self.s.fallback_threshold))
             w.spans = [(c.start, c.end) for c in chunks] or tile(len(t), [0])
         self.fallback_windows += len(windows)
+        self.fallback_causes.update(w.failure for w in windows)
         self.seconds["fallback"] += time.perf_counter() - started
 
     # ---------------------------------------------------------------------------------- documents
@@ -625,6 +774,8 @@ class MocChunker:
                 for k, (e, p) in enumerate(zip(self.s.experts, self.expert_paths))
             ],
             "prompt_sha256": dict(sorted(self.prompt_sha256.items())),
+            "schema_sha256": {"moc_expert": load_moc_schema().sha256},
+            "constrained": self.constrained_manifest(),
             "placeholder": self.s.placeholder,
             "window_chars": self.s.window_chars,
             "generation": {
@@ -642,6 +793,7 @@ class MocChunker:
                 "model": self.s.fallback_model or self.s.router,
                 "threshold": self.s.fallback_threshold,
                 "windows": self.fallback_windows,
+                "causes": {k: self.fallback_causes.get(k, 0) for k in FAILURES},  # each one's last failure
             },
             "windows": self.windows,
             "carried_over": self.carried,
@@ -649,6 +801,7 @@ class MocChunker:
             "expert_attempts": self.attempts,
             "retried": self.retried,
             "invalid_json": self.invalid_json,
+            "truncated_answers": self.truncated,
             "unrecovered_answers": self.unrecovered,
             "recovery": self.recovery.to_json(),
             "new_tokens": self.new_tokens,
@@ -656,9 +809,32 @@ class MocChunker:
             "load_seconds": {str(p): round(lm.load_seconds, 2) for p, lm in self._models.items()},
         }
 
+    def constrained_manifest(self) -> dict:
+        """The ``constrained`` block of the manifest: on or off, the library, what the grammar
+        allows, and what it cost (compiling; masking the logits, over decoding steps and rows)."""
+        if not self.s.constrained:
+            return {"enabled": False, "library": None, "version": None}
+        grammars = list(self._grammars.values())
+        return {
+            "enabled": True,
+            "library": GRAMMAR_LIBRARY,
+            "version": self.grammar_version,
+            "schema": "chunking/prompts/moc_expert.schema.json",
+            "max_items": "sentences in the window",
+            "whitespace": "as json.dumps: ', ' between items, none elsewhere",
+            "compile_seconds": round(sum(g.compile_seconds for g in grammars), 3),
+            "mask_seconds": round(sum(g.mask_seconds for g in grammars), 3),
+            "mask_steps": sum(g.mask_steps for g in grammars),
+            "mask_rows": sum(g.mask_rows for g in grammars),
+        }
+
     def summary_line(self) -> str:
         m = self.manifest()
+        c = m["constrained"]
+        decoding = f"constrained by {c['library']} {c['version']}" if c["enabled"] else "unconstrained"
         return (
-            f"  moc: {m['windows']} windows, routes {m['routes']}, {m['retried']} retries, "
-            f"{m['fallback']['windows']} PPL fallbacks, {m['recovery']['skipped']} elements skipped"
+            f"  moc: {m['windows']} windows, routes {m['routes']}, {decoding}, {m['retried']} retries, "
+            f"{m['fallback']['windows']} PPL fallbacks; failed answers: {m['invalid_json']} invalid JSON, "
+            f"{m['truncated_answers']} truncated, {m['unrecovered_answers']} unrecovered; "
+            f"{m['recovery']['skipped']} elements skipped"
         )

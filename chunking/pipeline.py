@@ -102,10 +102,18 @@ class MocOptions:
     top_p: float = option(0.1, "moc: experts' nucleus sampling top-p")
     retries: int = option(
         2,
-        "moc: retries of a window whose answer is no JSON list or matches nothing (each adds 0.4 to "
-        "temperature and top-p); then the window falls back to PPL chunking",
+        "moc: retries of a window whose answer is cut by --moc-max-new-tokens, is no JSON list or "
+        "matches nothing (each adds 0.4 to temperature and top-p); then the window falls back to PPL chunking",
     )
-    max_new_tokens: int = option(512, "moc: most new tokens of an expert's answer")
+    max_new_tokens: int = option(
+        512, "moc: most new tokens of an expert's answer (an answer cut by it counts as truncated)"
+    )
+    constrained: bool = option(
+        True,
+        "moc: decode the experts under their answer schema (chunking/prompts/moc_expert.schema.json, "
+        "a JSON list of strings, at most one per sentence of the window) with xgrammar, so every answer "
+        "that ends parses; --no-moc-constrained: free decoding, the answer's outermost [...] parsed",
+    )
     max_ratio: float = option(
         0.1, "moc: most edits, as a share of its length, for a head or tail found by edit distance"
     )

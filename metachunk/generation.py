@@ -69,6 +69,7 @@ def generate_batched(
     budgets: Sequence[int] | None = None,
     seed: int | None = None,
     on_batch: Callable[[int], object] | None = None,
+    logits_processor: Callable[[list[int]], list] | None = None,
 ) -> list[Generation]:
     """One :class:`Generation` per prompt of ``ids``, in the order given.
 
@@ -76,6 +77,9 @@ def generate_batched(
     and each row is cut to its own (else ``generation_config.max_new_tokens`` holds for all).
     ``seed``: ``torch.manual_seed(seed)`` before every batch (sampling that does not depend on the
     batches before; leave None to seed once yourself). ``on_batch(n)`` after each batch of ``n``.
+    ``logits_processor(indices)``: the logits processors of one batch (the indices of its prompts in
+    ``ids``, in batch order), made anew for every ``generate`` call (a grammar's matchers hold the
+    state of one call's rows); they run before the sampling warpers (temperature, top-p).
     """
     import torch
 
@@ -87,8 +91,15 @@ def generate_batched(
             config.max_new_tokens = max(budgets[i] for i in batch)
         if seed is not None:
             torch.manual_seed(seed)
+        extra = {}
+        if logits_processor is not None:
+            from transformers import LogitsProcessorList
+
+            extra["logits_processor"] = LogitsProcessorList(logits_processor(batch))
         with torch.inference_mode():
-            generated = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=mask, generation_config=config, **extra
+            )
         for row, i in zip(generated[:, input_ids.shape[1] :].tolist(), batch):  # the echoed prompt cut off
             new = row if budgets is None else row[: budgets[i]]
             stop = next((k for k, t in enumerate(new) if t in stop_ids), None)

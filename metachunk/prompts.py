@@ -18,6 +18,9 @@ A stage whose answer must be JSON also has ``PACKAGE/prompts/{name}.schema.json`
 of its answer (one per stage, for every language), versioned the same way: its sha256 is recorded
 on every stage entry and run manifest, and joins a request's cache key when the request sends the
 schema to the endpoint (:class:`metachunk.teacher.TeacherConfig` ``structured_output``).
+A teacher's answer schema has an object at its root (what OpenAI's strict mode and every
+``json_object`` mode answer with); a schema that constrains a local model's decoding (the MoC
+experts' ``chunking/prompts/moc_expert.schema.json``, :mod:`chunking.moc`) may have any root.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ class Schema:
     sha256: str
 
 
-def parse_schema(name: str, data: bytes, where) -> Schema:
-    """The JSON Schema in ``data`` (a file's bytes), checked against its draft's metaschema."""
+def parse_schema(name: str, data: bytes, where, object_root: bool = True) -> Schema:
+    """The JSON Schema in ``data`` (a file's bytes), checked against its draft's metaschema;
+    ``object_root``: it must describe an object (a teacher endpoint's answer)."""
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
 
@@ -92,15 +96,15 @@ def parse_schema(name: str, data: bytes, where) -> Schema:
     except (ValueError, SchemaError) as e:
         raise ValueError(f"{where}: not a JSON Schema ({str(e).splitlines()[0]})") from None
     # OpenAI's strict json_schema mode and every json_object mode answer with an object.
-    if schema.get("type") != "object":
+    if object_root and schema.get("type") != "object":
         raise ValueError(f'{where}: the answer schema must have an object at its root ("type": "object")')
     return Schema(name, schema, hashlib.sha256(data).hexdigest())
 
 
 @cache
-def load_schema_file(package: str, name: str) -> Schema | None:
+def load_schema_file(package: str, name: str, object_root: bool = True) -> Schema | None:
     """``{package}/prompts/{name}.schema.json``, read once per process; None: the stage's answer is text."""
     resource = files(package) / "prompts" / f"{name}.schema.json"
     if not resource.is_file():
         return None
-    return parse_schema(name, resource.read_bytes(), resource)
+    return parse_schema(name, resource.read_bytes(), resource, object_root)

@@ -32,6 +32,7 @@ from chunking.moc import (
 )
 from chunking.sentences import split_sentences
 from metachunk.cli import main
+from metachunk.generation import Generation
 
 EN = (
     "The committee met on Tuesday (in the old hall) to discuss the budget. It lasted three hours. "
@@ -280,8 +281,10 @@ def test_recovered_chunks_always_tile(cuts, n, noise, junk):
 
 @pytest.fixture(scope="module")
 def moc(tiny_model_dir):
+    """Free decoding (--no-moc-constrained); the grammar's tests are in test_moc_constrained.py."""
     d = str(tiny_model_dir)
-    return MocChunker(MocSettings(d, (d, d, d, d), max_new_tokens=8, window_chars=200, retries=1))
+    settings = MocSettings(d, (d, d, d, d), max_new_tokens=8, window_chars=200, retries=1, constrained=False)
+    return MocChunker(settings)
 
 
 def reset(moc):
@@ -294,7 +297,8 @@ def long_doc(k: int = 12) -> str:
 
 
 def test_gibberish_expert_falls_back_to_ppl(moc):
-    """The tiny model writes no JSON: every window is retried, then PPL-chunked, and counted."""
+    """Decoding freely, the tiny model writes no JSON: every window is retried, then PPL-chunked,
+    and counted by cause (its 8-token answers never end: truncated)."""
     texts = [long_doc(), ZH, "One sentence only."]
     langs = ["en", "zh", "en"]
     out = moc.chunk_documents(texts, langs, [split_sentences(t, lang) for t, lang in zip(texts, langs)])
@@ -304,7 +308,10 @@ def test_gibberish_expert_falls_back_to_ppl(moc):
     assert m["windows"] > 3  # the long document takes several windows
     assert m["fallback"]["windows"] == m["windows"]
     assert m["expert_attempts"] == 2 * m["windows"] and m["retried"] == m["windows"]
-    assert m["invalid_json"] + m["unrecovered_answers"] == 2 * m["windows"]
+    assert m["invalid_json"] + m["truncated_answers"] + m["unrecovered_answers"] == 2 * m["windows"]
+    assert m["truncated_answers"] > 0
+    assert sum(m["fallback"]["causes"].values()) == m["windows"]
+    assert m["constrained"] == {"enabled": False, "library": None, "version": None}
     assert sum(m["routes"].values()) == m["windows"]
     assert set(m["prompt_sha256"]) == {"moc_router.en", "moc_router.zh", "moc_expert.en", "moc_expert.zh"}
     assert m["generation"]["temperature"] == 0.1 and m["generation"]["top_p"] == 0.1
@@ -316,7 +323,7 @@ def fake_expert(pairs_per_chunk: int = 2, bad_attempts: int = 0, typo: bool = Fa
     window (invalid JSON on the first `bad_attempts` attempts)."""
     calls = []
 
-    def generate(lm, prompts, attempt):
+    def generate(lm, prompts, attempt, max_items=None):
         calls.append((len(prompts), attempt))
         answers = []
         for p in prompts:
@@ -332,7 +339,7 @@ def fake_expert(pairs_per_chunk: int = 2, bad_attempts: int = 0, typo: bool = Fa
                 head = piece[:10].replace("e", "3", 1) if typo else piece[:10]
                 items.append(head + "[MASK]" + piece[-8:])
             answers.append(json.dumps(items))
-        return answers
+        return [Generation(a, len(a), stopped=True) for a in answers]
 
     return generate, calls
 

@@ -1,0 +1,215 @@
+"""Constrained decoding of the MoC experts (chunking/moc.py, --moc-constrained): the answer schema
+file, xgrammar's logits processor on a random tiny model (every answer that ends parses, an answer
+the budget cuts is truncated, never invalid JSON), the free-decoding path of --no-moc-constrained,
+and what the run's manifest records."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from importlib.metadata import version
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+
+import chunking.moc as moc_module
+from chunking.moc import (
+    FAILURES,
+    MocChunker,
+    MocSettings,
+    expert_messages,
+    expert_schema,
+    load_moc_schema,
+    parse_expert_answer,
+)
+from chunking.sentences import split_sentences
+from metachunk.cli import main
+from metachunk.models import ModelNotFoundError
+from metachunk.prompts import parse_schema
+
+ZH = "今天上午，市政府召开新闻发布会。会议介绍了今年的城市建设计划。市民对此反应积极。"
+
+
+def long_doc(k: int = 12) -> str:
+    return " ".join(f"Sentence number {i} talks about topic {i // 3} in some detail." for i in range(k))
+
+
+TEXTS = [long_doc(), ZH, "One sentence only."]
+LANGS = ["en", "zh", "en"]
+
+
+def chunker(model_dir, **kw) -> MocChunker:
+    d = str(model_dir)
+    kw = {"max_new_tokens": 64, "window_chars": 200, "retries": 0, **kw}
+    return MocChunker(MocSettings(d, (d, d, d, d), **kw))
+
+
+def run(moc: MocChunker, texts=TEXTS, langs=LANGS) -> dict:
+    sentences = [split_sentences(t, lang) for t, lang in zip(texts, langs)]
+    out = moc.chunk_documents(texts, langs, sentences)
+    for spans, text in zip(out, texts):
+        assert "".join(text[a:b] for a, b in spans) == text
+    return moc.manifest()
+
+
+def test_schema_file_is_versioned_beside_the_prompts():
+    schema = load_moc_schema()
+    raw = (files("chunking") / "prompts" / "moc_expert.schema.json").read_bytes()
+    assert schema.sha256 == hashlib.sha256(raw).hexdigest()
+    assert schema.data["type"] == "array" and schema.data["items"] == {"type": "string"}
+    assert schema.data["minItems"] == 1
+    bounded = expert_schema(3)
+    assert bounded["maxItems"] == 3 and "maxItems" not in load_moc_schema().data
+    assert expert_schema(0)["maxItems"] == 1  # never below minItems
+    with pytest.raises(ValueError, match="object at its root"):  # a teacher's schema still must be an object
+        parse_schema("moc_expert", raw, "moc_expert.schema.json")
+
+
+def test_constrained_answers_always_parse(tiny_model_dir):
+    """A random tiny model, held to the schema: every answer ends with the array's `]` and then a
+    stop token, parses as a JSON list of strings written as json.dumps writes it, and has at most
+    one item per sentence of its window. Its items quote nothing of the text: every failure is a
+    recovery failure, none is invalid JSON or truncated."""
+    moc = chunker(tiny_model_dir)
+    m = run(moc)
+    assert m["windows"] >= 5
+    assert m["invalid_json"] == 0 and m["truncated_answers"] == 0
+    assert m["unrecovered_answers"] == m["windows"] == m["expert_attempts"]
+    assert m["fallback"]["windows"] == m["windows"]
+    assert m["fallback"]["causes"] == {"invalid_json": 0, "truncated": 0, "unrecovered": m["windows"]}
+    c = m["constrained"]
+    assert c["enabled"] and c["library"] == "xgrammar" and c["version"] == version("xgrammar")
+    assert c["mask_steps"] > 0 and c["mask_rows"] >= c["mask_steps"] and c["mask_seconds"] > 0
+    assert m["schema_sha256"] == {"moc_expert": load_moc_schema().sha256}
+
+    lm = moc._lm(moc.expert_paths[0])
+    bounds = [3, 2, 1]
+    answers = moc.generate(lm, [expert_messages(t, lang) for t, lang in zip(TEXTS, LANGS)], 0, bounds)
+    for answer, bound in zip(answers, bounds):
+        assert answer.stopped and answer.new_tokens < 64  # the stop token came right after `]`
+        value = json.loads(answer.text)
+        assert isinstance(value, list) and 1 <= len(value) <= bound
+        assert all(isinstance(x, str) for x in value)
+        assert answer.text == json.dumps(value, ensure_ascii=False)  # the form the experts are trained on
+        assert parse_expert_answer(answer.text) == value
+
+
+@pytest.mark.parametrize("temperature", [0.1, 0.7, 1.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_invalid_json_at_any_temperature(tiny_model_dir, temperature, seed):
+    """Sampling hotter, the random model writes long strings the budget cuts: those are truncated
+    (length failures); an answer that stops always parses."""
+    moc = chunker(tiny_model_dir, max_new_tokens=24, temperature=temperature, top_p=1.0, seed=seed)
+    lm = moc._lm(moc.expert_paths[0])
+    answers = moc.generate(lm, [expert_messages(t, lang) for t, lang in zip(TEXTS, LANGS)], 0, [4, 3, 1])
+    for answer in answers:
+        assert answer.text.startswith("[")
+        if answer.stopped:
+            assert parse_expert_answer(answer.text) is not None
+        else:
+            assert answer.new_tokens == 24
+    m = run(moc)
+    assert m["invalid_json"] == 0
+    assert m["truncated_answers"] + m["unrecovered_answers"] == m["expert_attempts"]
+
+
+def test_budget_cut_is_truncated_not_invalid_json(tiny_model_dir):
+    """Three tokens are too few to close any array: every answer is truncated, retried, and the
+    fallbacks say why."""
+    moc = chunker(tiny_model_dir, max_new_tokens=3, retries=1)
+    m = run(moc)
+    assert m["truncated_answers"] == m["expert_attempts"] == 2 * m["windows"]
+    assert m["invalid_json"] == 0 and m["unrecovered_answers"] == 0 and m["retried"] == m["windows"]
+    assert m["fallback"]["causes"] == {"invalid_json": 0, "truncated": m["windows"], "unrecovered": 0}
+    assert set(m["fallback"]["causes"]) == set(FAILURES)
+    assert "truncated" in moc.summary_line() and "constrained by xgrammar" in moc.summary_line()
+
+
+def test_no_moc_constrained_decodes_freely(tiny_model_dir, monkeypatch):
+    """--no-moc-constrained: no logits processor, no xgrammar needed; the old lenient parse."""
+    seen = []
+    real = moc_module.generate_batched
+
+    def spy(*args, **kw):
+        seen.append(kw.get("logits_processor"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(moc_module, "generate_batched", spy)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` fails
+    moc = chunker(tiny_model_dir, constrained=False, max_new_tokens=8)
+    m = run(moc)
+    assert seen and all(p is None for p in seen)
+    assert m["constrained"] == {"enabled": False, "library": None, "version": None}
+    assert m["truncated_answers"] + m["invalid_json"] + m["unrecovered_answers"] == m["expert_attempts"]
+    assert "unconstrained" in moc.summary_line()
+    with pytest.raises(ModelNotFoundError, match="--no-moc-constrained"):
+        chunker(tiny_model_dir)
+
+
+def test_constrained_generate_gets_one_processor_per_batch(tiny_model_dir, monkeypatch):
+    seen = []
+    real = moc_module.generate_batched
+
+    def spy(*args, **kw):
+        make = kw["logits_processor"]
+
+        def record(batch):
+            processors = make(batch)
+            seen.append((list(batch), processors))
+            return processors
+
+        return real(*args, **{**kw, "logits_processor": record})
+
+    monkeypatch.setattr(moc_module, "generate_batched", spy)
+    moc = chunker(tiny_model_dir, batch_size=2)
+    lm = moc._lm(moc.expert_paths[0])
+    moc.generate(lm, [expert_messages(t, lang) for t, lang in zip(TEXTS, LANGS)], 0, [4, 3, 1])
+    assert sorted(i for batch, _ in seen for i in batch) == [0, 1, 2]
+    assert len(seen) == 2 and all(len(p) == 1 for _, p in seen)
+    processors = [p[0] for _, p in seen]
+    assert len({id(p) for p in processors}) == 2  # a fresh processor (fresh matchers) per generate call
+    for batch, (p,) in seen:
+        assert len(p.compiled_grammars) == len(batch)
+
+
+@pytest.mark.parametrize("flag", [None, "--moc-constrained", "--no-moc-constrained"])
+def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
+    d = str(tiny_model_dir)
+    src = tmp_path / "docs.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(TEXTS)
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "moc.jsonl"
+    argv = [
+        "chunk",
+        str(src),
+        "-o",
+        str(out),
+        "--method",
+        "moc",
+        "--router",
+        d,
+        "--experts",
+        ",".join([d] * 4),
+    ]
+    argv += ["--moc-max-new-tokens", "32", "--moc-retries", "0", "--moc-window-chars", "200"]
+    rc = main([*argv, *([flag] if flag else [])])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    on = flag != "--no-moc-constrained"
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ["".join(c["text"] for c in r["chunks"]) for r in records] == TEXTS
+    meta = json.loads(Path(str(out).replace(".jsonl", ".meta.json")).read_text())
+    assert meta["config"]["moc_constrained"] is on
+    c = meta["moc"]["constrained"]
+    assert c["enabled"] is on
+    assert (c["library"], c["version"]) == (("xgrammar", version("xgrammar")) if on else (None, None))
+    assert meta["moc"]["schema_sha256"]["moc_expert"] == load_moc_schema().sha256
+    if on:
+        assert meta["moc"]["invalid_json"] == 0
+    assert ("constrained by xgrammar" if on else "unconstrained") in err
