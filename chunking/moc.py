@@ -90,6 +90,12 @@ RETRY_STEP = 0.4  # added to temperature and top-p on each retry
 MIN_TYPO_CHARS = 8  # anchors at least this long may always have one edit
 GRAMMAR_LIBRARY = "xgrammar"  # the constrained decoding of the experts' answers (ExpertGrammar)
 FAILURES = ("invalid_json", "truncated", "unrecovered")  # why an expert's answer gave no chunks
+# --moc-anchored (anchored_grammar): the anchors as distill/moc.py writes the experts' targets
+# (head_chars = tail_chars = 10 in recipes/distill/moc.yaml, widened to whole ASCII words by at most
+# WORD_SNAP characters; doubled, then quadrupled, where they do not recover).
+DEFAULT_ANCHOR_CHARS = 10
+ANCHOR_SCALES = (1, 2, 4)
+WORD_SNAP = 20
 
 # ------------------------------------------------------------------------------------- prompts
 
@@ -269,7 +275,9 @@ class ExpertGrammar:
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: dict[int, object] = {}
+        self._anchored: dict[str, object] = {}  # --moc-anchored: by grammar text
         self.compile_seconds = time.perf_counter() - started
+        self.anchored_compile_seconds = 0.0
         self.mask_seconds = 0.0
         self.mask_steps = self.mask_rows = 0  # processor calls (decoding steps), rows masked over them
 
@@ -281,10 +289,144 @@ class ExpertGrammar:
             self.compile_seconds += time.perf_counter() - started
         return self._compiled[max_items]
 
-    def processor(self, max_items: Sequence[int]):
+    def compiled_ebnf(self, grammar: str):
+        """An EBNF grammar (:func:`anchored_grammar`) compiled, once per grammar text."""
+        if grammar not in self._anchored:
+            started = time.perf_counter()
+            self._anchored[grammar] = self._compiler.compile_grammar(grammar)
+            seconds = time.perf_counter() - started
+            self.compile_seconds += seconds
+            self.anchored_compile_seconds += seconds
+        return self._anchored[grammar]
+
+    @property
+    def anchored_grammars(self) -> int:
+        return len(self._anchored)
+
+    def processor(self, max_items: Sequence[int], grammars: Sequence[str | None] | None = None):
         """A logits processor for one ``generate`` call whose row ``i`` may answer at most
-        ``max_items[i]`` items (xgrammar's processor serves one call: make one per call)."""
-        return _timed_processor_class()([self.compiled(n) for n in max_items], self)
+        ``max_items[i]`` items, or, where ``grammars[i]`` is given, what that EBNF grammar allows
+        (xgrammar's processor serves one call: make one per call)."""
+        grammars = grammars or [None] * len(max_items)
+        compiled = [
+            self.compiled(n) if g is None else self.compiled_ebnf(g) for n, g in zip(max_items, grammars)
+        ]
+        return _timed_processor_class()(compiled, self)
+
+
+# ------------------------------------------------------------------------------------- anchored
+
+
+def _word(c: str) -> bool:
+    return c.isascii() and c.isalnum()
+
+
+def _snap_right(text: str, k: int) -> int:
+    """Move a cut at ``k`` right to the end of the ASCII word it splits (at most WORD_SNAP)."""
+    limit = min(len(text), k + WORD_SNAP)
+    while 0 < k < limit and _word(text[k - 1]) and _word(text[k]):
+        k += 1
+    return k
+
+
+def _snap_left(text: str, k: int) -> int:
+    limit = max(0, k - WORD_SNAP)
+    while limit < k < len(text) and _word(text[k - 1]) and _word(text[k]):
+        k -= 1
+    return k
+
+
+def anchor_head(text: str, chars: int) -> str:
+    """The head of a chunk ``text`` as the experts' targets write it (distill.moc.element): its first
+    ``chars`` characters, widened to the end of a word, without surrounding whitespace."""
+    text = text.strip()
+    return text[: _snap_right(text, chars)].rstrip()
+
+
+def anchor_tail(text: str, chars: int) -> str:
+    """The tail of a chunk ``text``: its last ``chars`` characters, widened to a word's start."""
+    text = text.strip()
+    return text[_snap_left(text, len(text) - chars) :].lstrip()
+
+
+def ebnf_literal(s: str) -> str:
+    """``s`` as it is written inside a JSON string (json.dumps, non-ASCII kept), as an EBNF string
+    literal (backslashes and double quotes escaped again)."""
+    body = json.dumps(s, ensure_ascii=False)[1:-1]
+    return '"' + body.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def window_segments(text: str, ends: Sequence[int]) -> list[tuple[int, int]]:
+    """The sentences of a window ``text`` as spans tiling it: cut at ``ends`` (sentence ends in
+    window coordinates); a whitespace-only piece joins the sentence before it (or after it, first)."""
+    edges = [0, *sorted({e for e in ends if 0 < e < len(text)}), len(text)]
+    segments: list[list[int]] = []
+    for a, b in zip(edges, edges[1:]):
+        if segments and not text[a:b].strip():
+            segments[-1][1] = b
+        elif segments and not text[segments[-1][0] : segments[-1][1]].strip():
+            segments[-1][1] = b  # a whitespace-only first piece
+        else:
+            segments.append([a, b])
+    return [(a, b) for a, b in segments]
+
+
+def anchored_grammar(
+    text: str,
+    segments: Sequence[tuple[int, int]],
+    placeholder: str = DEFAULT_PLACEHOLDER,
+    chars: int = DEFAULT_ANCHOR_CHARS,
+) -> str:
+    """The EBNF grammar (xgrammar) of the answers an expert may give for a window ``text`` whose
+    sentences are ``segments`` (spans tiling it, :func:`window_segments`), for ``--moc-anchored``.
+
+    An answer is a JSON array written as :func:`format_elements` writes it (``", "`` between items)
+    of one element per chunk, the chunks being runs of whole sentences that cover the window in
+    order: sentences ``i..j`` are written as the experts' targets write a chunk (distill.moc.element):
+    ``head(i) + placeholder + tail(j)``, or the chunk quoted whole when it is at most
+    ``2 * chars`` characters. The head of sentence ``i`` is its first ``chars`` characters (widened
+    to a word's end), doubled then quadrupled until its first occurrence after the window's first
+    character is sentence ``i``'s start, so :func:`recover_spans` finds every element exactly where
+    its chunk starts; the tail is the last ``chars`` characters of sentence ``j`` (to a word's
+    start). The expert chooses only the tails: where its chunks end. At most one element per
+    sentence, as ``maxItems`` in the schema mode.
+    """
+    n = len(segments)
+    if n == 0:
+        raise ValueError("a window needs at least one sentence")
+    starts = [a + len(text[a:b]) - len(text[a:b].lstrip()) for a, b in segments]
+    ends = [b - (len(text[a:b]) - len(text[a:b].rstrip())) for a, b in segments]
+    heads = []
+    for i in range(n):
+        rest = text[starts[i] :]
+        for scale in ANCHOR_SCALES:
+            head = anchor_head(rest, chars * scale)
+            if i == 0 or text.find(head, 1) == starts[i]:
+                break
+        heads.append(head)
+    tails = [anchor_tail(text[: ends[j]], chars) for j in range(n)]
+    mask = ebnf_literal(placeholder)
+    rules = ['root ::= "[" e0']
+    for j in range(n):
+        rules.append(f'r{j} ::= "\\", " e{j + 1}' if j < n - 1 else f'r{j} ::= "\\"]"')
+        tail = f"{ebnf_literal(tails[j])} r{j}"
+        rules.append(f"t{j} ::= {tail} | t{j + 1}" if j < n - 1 else f"t{j} ::= {tail}")
+    for i in range(n):
+        options = []
+        masked_from = None  # the first sentence j where the chunk i..j is longer than head + tail
+        for j in range(i, n):
+            whole = text[starts[i] : ends[j]]
+            if len(whole) > 2 * chars:
+                masked_from = j
+                break
+            if i == 0 or text.find(whole, 1) == starts[i]:  # quoted whole: recovered at its start
+                options.append(f"{ebnf_literal(whole)} r{j}")
+        if masked_from is not None:
+            options.append(f"{ebnf_literal(heads[i])} {mask} t{masked_from}")
+        if not options:  # a short duplicate sentence: anchored anyway (recovered at its first copy)
+            options.append(f"{ebnf_literal(heads[i])} {mask} t{i}")
+        rules.append(f'e{i} ::= "\\"" ({" | ".join(options)})')
+    return "\n".join(rules) + "\n"
 
 
 # ------------------------------------------------------------------------------------- recovery
@@ -447,6 +589,12 @@ class _Window:
     def text(self) -> str:
         return self.doc.text[self.start : self.end]
 
+    def segments(self) -> list[tuple[int, int]]:
+        """The window's sentences as spans tiling its text (window coordinates)."""
+        return window_segments(
+            self.text, [e - self.start for e in self.doc.ends if self.start < e < self.end]
+        )
+
     @property
     def sentences(self) -> int:
         """How many of the document's sentences end inside the window (at least 1)."""
@@ -476,6 +624,8 @@ class MocSettings:
     dtype: str = "auto"
     seed: int = 0
     constrained: bool = True  # decode the experts under their answer schema (ExpertGrammar)
+    anchored: bool = False  # constrained to the window's own sentences (anchored_grammar)
+    anchor_chars: int = DEFAULT_ANCHOR_CHARS
 
     def __post_init__(self):
         check_placeholder(self.placeholder)
@@ -487,6 +637,13 @@ class MocSettings:
             raise ValueError("retries must be >= 0, window_chars >= 64, max_new_tokens >= 1")
         if not (0 < self.temperature and 0 < self.top_p <= 1):
             raise ValueError("temperature must be > 0 and top_p in (0, 1]")
+        if self.anchored and not self.constrained:
+            raise ValueError(
+                "anchored decoding (--moc-anchored) is a grammar: it needs constrained decoding "
+                "(--moc-constrained); drop --no-moc-constrained or --moc-anchored"
+            )
+        if self.anchor_chars < 1:
+            raise ValueError("anchor_chars must be >= 1")
 
 
 def parse_experts(value: str | Sequence[str]) -> tuple[str, str, str, str]:
@@ -577,6 +734,8 @@ class MocChunker:
                 device=cfg.device,
                 dtype=cfg.dtype,
                 constrained=moc.constrained,
+                anchored=moc.anchored,
+                anchor_chars=moc.anchor_chars,
             )
         )
 
@@ -625,11 +784,17 @@ class MocChunker:
         return min(1.0, self.s.temperature + step), min(1.0, self.s.top_p + step)
 
     def generate(
-        self, lm: _LM, prompts: Sequence[list[dict]], attempt: int, max_items: Sequence[int] | None = None
+        self,
+        lm: _LM,
+        prompts: Sequence[list[dict]],
+        attempt: int,
+        max_items: Sequence[int] | None = None,
+        grammars: Sequence[str] | None = None,
     ) -> list[Generation]:
         """One sampled answer per prompt (new text only); every batch is seeded with ``seed + attempt``.
         Constrained (``settings.constrained``): each answer decodes under the expert schema, answer
-        ``i`` with at most ``max_items[i]`` items (None: no bound)."""
+        ``i`` with at most ``max_items[i]`` items (None: no bound), or under the EBNF grammar
+        ``grammars[i]`` when given (``--moc-anchored``, :func:`anchored_grammar`)."""
         temperature, top_p = self.sampling(attempt)
         config = copy.deepcopy(lm.model.generation_config)
         config.do_sample = True
@@ -646,9 +811,10 @@ class MocChunker:
         if self.s.constrained:
             grammar = self._grammar(lm)
             bounds = list(max_items) if max_items is not None else [None] * len(prompts)
+            rows = list(grammars) if grammars is not None else [None] * len(prompts)
 
             def processors(batch: list[int]) -> list:
-                return [grammar.processor([bounds[i] for i in batch])]
+                return [grammar.processor([bounds[i] for i in batch], [rows[i] for i in batch])]
 
         out = generate_batched(lm.model, lm.tokenizer, ids, config, self.s.batch_size,
                                stop_ids=lm.stop_ids, seed=self.s.seed + attempt,
@@ -675,7 +841,9 @@ class MocChunker:
                     self._note_prompt("expert", lang)
                 started = time.perf_counter()
                 prompts = [expert_messages(w.text, w.doc.lang, self.s.placeholder) for w in pending]
-                answers = self.generate(lm, prompts, attempt, [w.sentences for w in pending])
+                # --moc-anchored: each window's own grammar (passed only then: fakes in tests take 4 args)
+                anchored = {"grammars": [self.window_grammar(w) for w in pending]} if self.s.anchored else {}
+                answers = self.generate(lm, prompts, attempt, [w.sentences for w in pending], **anchored)
                 self.seconds["experts"] += time.perf_counter() - started
                 started = time.perf_counter()
                 still = []
@@ -701,6 +869,10 @@ class MocChunker:
                     w.spans = tile(len(w.text), [a for a, _ in spans])
                 self.seconds["recovery"] += time.perf_counter() - started
                 pending = still
+
+    def window_grammar(self, w: _Window) -> str:
+        """``--moc-anchored``: the grammar of the window's answers (its own sentences' anchors)."""
+        return anchored_grammar(w.text, w.segments(), self.s.placeholder, self.s.anchor_chars)
 
     def ppl_chunks(self, windows: Sequence[_Window]) -> None:
         """PPL chunking of each window (the fallback), with the fallback model."""
@@ -813,12 +985,24 @@ class MocChunker:
         """The ``constrained`` block of the manifest: on or off, the library, what the grammar
         allows, and what it cost (compiling; masking the logits, over decoding steps and rows)."""
         if not self.s.constrained:
-            return {"enabled": False, "library": None, "version": None}
+            return {"enabled": False, "library": None, "version": None, "anchored": False}
         grammars = list(self._grammars.values())
+        anchored = {}
+        if self.s.anchored:
+            anchored = {
+                "anchors": "each element: a sentence's head, the placeholder, a later sentence's tail "
+                "(or a short chunk whole); elements cover the window's sentences in order",
+                "anchor_chars": self.s.anchor_chars,
+                "anchor_scales": list(ANCHOR_SCALES),
+                "grammars_compiled": sum(g.anchored_grammars for g in grammars),
+                "anchored_compile_seconds": round(sum(g.anchored_compile_seconds for g in grammars), 3),
+            }
         return {
             "enabled": True,
             "library": GRAMMAR_LIBRARY,
             "version": self.grammar_version,
+            "anchored": self.s.anchored,
+            **anchored,
             "schema": "chunking/prompts/moc_expert.schema.json",
             "max_items": "sentences in the window",
             "whitespace": "as json.dumps: ', ' between items, none elsewhere",
@@ -832,6 +1016,8 @@ class MocChunker:
         m = self.manifest()
         c = m["constrained"]
         decoding = f"constrained by {c['library']} {c['version']}" if c["enabled"] else "unconstrained"
+        if c["anchored"]:
+            decoding += " (anchored to the windows' sentences)"
         return (
             f"  moc: {m['windows']} windows, routes {m['routes']}, {decoding}, {m['retried']} retries, "
             f"{m['fallback']['windows']} PPL fallbacks; failed answers: {m['invalid_json']} invalid JSON, "

@@ -114,6 +114,18 @@ class MocOptions:
         "a JSON list of strings, at most one per sentence of the window) with xgrammar, so every answer "
         "that ends parses; --no-moc-constrained: free decoding, the answer's outermost [...] parsed",
     )
+    anchored: bool = option(
+        False,
+        "moc (needs --moc-constrained): decode each expert under a grammar built from its window's "
+        "sentences, so every element is a sentence's start (head), the placeholder and a later "
+        "sentence's end (tail) as in the text, the elements cover the window in order, and the "
+        "expert only chooses where to cut; every answer that ends recovers exactly",
+    )
+    anchor_chars: int = option(
+        10,
+        "moc --moc-anchored: characters of a chunk's start and end in the anchors (widened to whole "
+        "words; doubled, then quadrupled, where a head is not unique), as distill's moc head_chars/tail_chars",
+    )
     max_ratio: float = option(
         0.1, "moc: most edits, as a share of its length, for a head or tail found by edit distance"
     )
@@ -297,6 +309,13 @@ class ChunkConfig:
                 raise ValueError(
                     "--moc-window-chars must be >= 64, --moc-retries >= 0, --moc-max-new-tokens >= 1"
                 )
+            if moc.anchored and not moc.constrained:
+                raise ValueError(
+                    "--moc-anchored decodes under a grammar: it needs --moc-constrained "
+                    "(drop --no-moc-constrained, or drop --moc-anchored)"
+                )
+            if moc.anchor_chars < 1:
+                raise ValueError(f"--moc-anchor-chars must be >= 1, got {moc.anchor_chars}")
             if not (moc.temperature > 0 and 0 < moc.top_p <= 1 and 0 <= moc.max_ratio < 1):
                 raise ValueError(
                     "--moc-temperature must be > 0, --moc-top-p in (0, 1], --moc-max-ratio in [0, 1)"

@@ -141,7 +141,7 @@ def test_no_moc_constrained_decodes_freely(tiny_model_dir, monkeypatch):
     moc = chunker(tiny_model_dir, constrained=False, max_new_tokens=8)
     m = run(moc)
     assert seen and all(p is None for p in seen)
-    assert m["constrained"] == {"enabled": False, "library": None, "version": None}
+    assert m["constrained"] == {"enabled": False, "library": None, "version": None, "anchored": False}
     assert m["truncated_answers"] + m["invalid_json"] + m["unrecovered_answers"] == m["expert_attempts"]
     assert "unconstrained" in moc.summary_line()
     with pytest.raises(ModelNotFoundError, match="--no-moc-constrained"):
@@ -213,3 +213,139 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
     if on:
         assert meta["moc"]["invalid_json"] == 0
     assert ("constrained by xgrammar" if on else "unconstrained") in err
+
+
+# ------------------------------------------------------------------------------------- anchored
+
+
+def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
+    """The anchored grammar of a window is the set of its sentence-level partitions, each chunk
+    written as distill.moc.element writes the experts' targets; every such answer recovers exactly
+    at its chunks' starts. Escaping: quotes, backslashes, newlines and non-ASCII text."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from chunking.moc import anchored_grammar, recover_spans, window_segments
+    from distill.moc import element
+
+    text = (
+        'He said "stop\\here" now, twice over.\nThen a second sentence follows it closely. '
+        "Short one. 今天上午，市政府召开新闻发布会。Another sentence number four comes last here."
+    )
+    sents = split_sentences(text, "en")
+    segments = window_segments(text, [s.end for s in sents])
+    assert len(segments) >= 4 and "".join(text[a:b] for a, b in segments) == text
+    grammar = anchored_grammar(text, segments)
+    n = len(segments)
+    for cuts in ([0], [0, 1], [0, 2], list(range(n)), [0, n - 1]):
+        chunks = [(segments[c][0], segments[d - 1][1]) for c, d in zip(cuts, [*cuts[1:], n])]
+        elements = [element(text[a:b], 10, 10, "[MASK]") for a, b in chunks]
+        answer = json.dumps(elements, ensure_ascii=False)
+        assert accepts(grammar, answer), answer
+        spans, stats = recover_spans(text, elements)
+        assert stats.exact == len(elements) and stats.fuzzy == stats.skipped == 0
+        assert [a for a, _ in spans] == [a + len(text[a:b]) - len(text[a:b].lstrip()) for a, b in chunks]
+    full = json.dumps([element(text, 10, 10, "[MASK]")], ensure_ascii=False)
+    assert accepts(grammar, full)
+    assert not accepts(grammar, full.replace("[MASK]", " [MASK]"))
+    assert not accepts(grammar, json.dumps([text], ensure_ascii=False))  # a verbatim copy: refused
+    assert not accepts(grammar, '["He said[MASK]closely."]')  # does not cover the window
+
+
+def test_anchored_heads_grow_until_recovery_is_unambiguous():
+    """Every sentence of long_doc starts "Sentence number": the heads are doubled until the first
+    occurrence of each is its own sentence, so recovery never lands on an earlier sentence."""
+    from chunking.moc import anchored_grammar, window_segments
+
+    text = long_doc(6)
+    segments = window_segments(text, [s.end for s in split_sentences(text, "en")])
+    grammar = anchored_grammar(text, segments)
+    assert '"Sentence number 3 talks"' in grammar or '"Sentence number 3 talks about"' in grammar
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_anchored_answers_recover_exactly(tiny_model_dir, seed):
+    """--moc-anchored on a random tiny model: every answer is made of the windows' own anchors, so
+    none is invalid JSON or unrecovered, every element recovers exactly, and the windows take the
+    expert path; chunks tile the documents."""
+    texts = [long_doc(), ZH, "One sentence only.", long_doc(5) + ' "Quoted \\ text," she said.']
+    langs = ["en", "zh", "en", "en"]
+    moc = chunker(tiny_model_dir, anchored=True, max_new_tokens=256, seed=seed, temperature=1.0, top_p=1.0)
+    sentences = [split_sentences(t, lang) for t, lang in zip(texts, langs)]
+    out = moc.chunk_documents(texts, langs, sentences)
+    for spans, text in zip(out, texts):
+        assert "".join(text[a:b] for a, b in spans) == text
+        assert all(b > a for a, b in spans)
+    m = moc.manifest()
+    assert m["windows"] >= 6
+    assert m["invalid_json"] == 0 and m["unrecovered_answers"] == 0 and m["truncated_answers"] == 0
+    assert m["fallback"]["windows"] == 0 < m["windows"]
+    r = m["recovery"]
+    assert r["elements"] > 0 and r["exact"] == r["elements"] and r["fuzzy"] == r["skipped"] == 0
+    c = m["constrained"]
+    assert c["enabled"] and c["anchored"] is True and c["anchor_chars"] == 10
+    assert 0 < c["grammars_compiled"] <= m["expert_attempts"]
+    assert c["anchored_compile_seconds"] > 0 and c["compile_seconds"] >= c["anchored_compile_seconds"]
+    assert "anchored" in moc.summary_line()
+
+
+def test_anchored_tiny_budget_is_truncated_only(tiny_model_dir):
+    moc = chunker(tiny_model_dir, anchored=True, max_new_tokens=3)
+    m = run(moc)
+    assert m["truncated_answers"] == m["expert_attempts"] == m["fallback"]["windows"] == m["windows"]
+    assert m["invalid_json"] == m["unrecovered_answers"] == 0
+
+
+def test_anchored_needs_constrained(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match="--moc-constrained"):
+        chunker(tiny_model_dir, anchored=True, constrained=False)
+    d = str(tiny_model_dir)
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"id": "0", "text": TEXTS[0]}) + "\n", encoding="utf-8")
+    argv = ["chunk", str(src), "-o", str(tmp_path / "o.jsonl"), "--method", "moc", "--router", d]
+    rc = main([*argv, "--experts", ",".join([d] * 4), "--moc-anchored", "--no-moc-constrained"])
+    assert rc != 0 and "--moc-constrained" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_cli_records_anchored(tmp_path, tiny_model_dir, capsys):
+    d = str(tiny_model_dir)
+    src = tmp_path / "docs.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(TEXTS)
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "moc.jsonl"
+    argv = [
+        "chunk",
+        str(src),
+        "-o",
+        str(out),
+        "--method",
+        "moc",
+        "--router",
+        d,
+        "--experts",
+        ",".join([d] * 4),
+    ]
+    argv += [
+        "--moc-max-new-tokens",
+        "128",
+        "--moc-retries",
+        "0",
+        "--moc-window-chars",
+        "200",
+        "--moc-anchored",
+    ]
+    assert main(argv) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for r, text in zip(records, TEXTS):
+        assert all(c["text"] == text[c["start"] : c["end"]] for c in r["chunks"])
+        assert "".join(c["text"] for c in r["chunks"]) == text
+    meta = json.loads(Path(str(out).replace(".jsonl", ".meta.json")).read_text())
+    assert meta["config"]["moc_anchored"] is True
+    c = meta["moc"]["constrained"]
+    assert c["anchored"] is True and c["grammars_compiled"] > 0 and "anchored_compile_seconds" in c
+    assert meta["moc"]["fallback"]["windows"] < meta["moc"]["windows"]
+    assert meta["moc"]["unrecovered_answers"] == meta["moc"]["invalid_json"] == 0

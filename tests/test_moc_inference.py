@@ -311,7 +311,7 @@ def test_gibberish_expert_falls_back_to_ppl(moc):
     assert m["invalid_json"] + m["truncated_answers"] + m["unrecovered_answers"] == 2 * m["windows"]
     assert m["truncated_answers"] > 0
     assert sum(m["fallback"]["causes"].values()) == m["windows"]
-    assert m["constrained"] == {"enabled": False, "library": None, "version": None}
+    assert m["constrained"] == {"enabled": False, "library": None, "version": None, "anchored": False}
     assert sum(m["routes"].values()) == m["windows"]
     assert set(m["prompt_sha256"]) == {"moc_router.en", "moc_router.zh", "moc_expert.en", "moc_expert.zh"}
     assert m["generation"]["temperature"] == 0.1 and m["generation"]["top_p"] == 0.1
