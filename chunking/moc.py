@@ -336,8 +336,23 @@ def _snap_left(text: str, k: int) -> int:
     return k
 
 
+def expert_element(
+    chunk: str, head_chars: int, tail_chars: int, placeholder: str = DEFAULT_PLACEHOLDER
+) -> str:
+    """The expert's rule for one chunk: its first ``head_chars`` and last ``tail_chars`` characters
+    (widened to whole ASCII words) around the placeholder; a short chunk is quoted whole. The one
+    form both the experts' training targets (distill/moc.py) and anchored decoding write."""
+    text = chunk.strip()
+    if len(text) <= head_chars + tail_chars:
+        return text
+    head_end, tail_start = _snap_right(text, head_chars), _snap_left(text, len(text) - tail_chars)
+    if head_end >= tail_start:
+        return text
+    return text[:head_end].rstrip() + placeholder + text[tail_start:].lstrip()
+
+
 def anchor_head(text: str, chars: int) -> str:
-    """The head of a chunk ``text`` as the experts' targets write it (distill.moc.element): its first
+    """The head of a chunk ``text`` as the experts' targets write it (:func:`expert_element`): its first
     ``chars`` characters, widened to the end of a word, without surrounding whitespace."""
     text = text.strip()
     return text[: _snap_right(text, chars)].rstrip()
@@ -382,7 +397,7 @@ def anchored_grammar(
 
     An answer is a JSON array written as :func:`format_elements` writes it (``", "`` between items)
     of one element per chunk, the chunks being runs of whole sentences that cover the window in
-    order: sentences ``i..j`` are written as the experts' targets write a chunk (distill.moc.element):
+    order: sentences ``i..j`` are written as the experts' targets write a chunk (:func:`expert_element`):
     ``head(i) + placeholder + tail(j)``, or the chunk quoted whole when it is at most
     ``2 * chars`` characters. The head of sentence ``i`` is its first ``chars`` characters (widened
     to a word's end), doubled then quadrupled until its first occurrence after the window's first

@@ -86,7 +86,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from chunking.align import locate
-from chunking.moc import ROUTER_LABELS, granularity_label, recover_spans
+from chunking.moc import ROUTER_LABELS, expert_element, granularity_label, recover_spans
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
 from distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
@@ -101,7 +101,6 @@ TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
 SEPARATOR = "\n—\n"  # what the paper's Table 6 prompt puts between chunks (read as a fallback)
 ANCHOR_SCALES = (1, 2, 4)  # head/tail lengths tried, in multiples of head_chars/tail_chars
-WORD_SNAP = 20  # an anchor is widened by at most this many characters to end on a word edge
 
 # ------------------------------------------------------------------------------------- answers
 
@@ -273,37 +272,6 @@ def _near(piece: str, window: str, offset: int) -> list:
 # ------------------------------------------------------------------------------------- samples
 
 
-def _snap_right(text: str, k: int) -> int:
-    """Move a cut at ``k`` right to the end of the ASCII word it splits (at most WORD_SNAP)."""
-    limit = min(len(text), k + WORD_SNAP)
-    while 0 < k < limit and _word(text[k - 1]) and _word(text[k]):
-        k += 1
-    return k
-
-
-def _snap_left(text: str, k: int) -> int:
-    limit = max(0, k - WORD_SNAP)
-    while limit < k < len(text) and _word(text[k - 1]) and _word(text[k]):
-        k -= 1
-    return k
-
-
-def _word(c: str) -> bool:
-    return c.isascii() and c.isalnum()
-
-
-def element(chunk: str, head_chars: int, tail_chars: int, placeholder: str) -> str:
-    """The expert's rule for one chunk: its first ``head_chars`` and last ``tail_chars`` characters
-    (widened to whole ASCII words) around the placeholder; a short chunk is quoted whole."""
-    text = chunk.strip()
-    if len(text) <= head_chars + tail_chars:
-        return text
-    head_end, tail_start = _snap_right(text, head_chars), _snap_left(text, len(text) - tail_chars)
-    if head_end >= tail_start:
-        return text
-    return text[:head_end].rstrip() + placeholder + text[tail_start:].lstrip()
-
-
 def expert_target(
     text: str, chunks: Sequence[tuple[int, int]], head_chars: int, tail_chars: int, placeholder: str
 ) -> tuple[list[str], bool]:
@@ -313,7 +281,7 @@ def expert_target(
     first = None
     for scale in ANCHOR_SCALES:
         elements = [
-            element(text[s:e], head_chars * scale, tail_chars * scale, placeholder) for s, e in chunks
+            expert_element(text[s:e], head_chars * scale, tail_chars * scale, placeholder) for s, e in chunks
         ]
         first = first or elements
         spans, stats = recover_spans(text, elements, placeholder, max_ratio=0.0)

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from support.loopback_server import serve_in_subprocess
 
+from chunking.moc import expert_element as element
 from chunking.moc import expert_messages, granularity_label, recover_chunks, router_messages
 from chunking.sentences import split_sentences
 from distill.moc import (
@@ -27,7 +28,6 @@ from distill.moc import (
     DocPlan,
     TokenCounter,
     clean_window,
-    element,
     expert_target,
     finish_record,
     gaps_of,

@@ -220,12 +220,12 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
 
 def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
     """The anchored grammar of a window is the set of its sentence-level partitions, each chunk
-    written as distill.moc.element writes the experts' targets; every such answer recovers exactly
+    written as chunking.moc.expert_element writes the experts' targets; every such answer recovers exactly
     at its chunks' starts. Escaping: quotes, backslashes, newlines and non-ASCII text."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     from chunking.moc import anchored_grammar, recover_spans, window_segments
-    from distill.moc import element
+    from chunking.moc import expert_element as element
 
     text = (
         'He said "stop\\here" now, twice over.\nThen a second sentence follows it closely. '
