@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/msp_speed.py
 	$(PY) bench/distill_throughput.py
 	$(PY) bench/money_safety.py
+	$(PY) bench/local_teacher.py
 	$(PY) bench/sft_build.py
 	$(PY) bench/train_throughput.py
 
