@@ -9,6 +9,7 @@ import json
 
 import pytest
 import yaml
+from support.fixtures import write_emma_chunks
 
 from metachunk.cli import main as metachunk
 
@@ -28,26 +29,8 @@ def local_teacher():
         yield teacher
 
 
-def _emma_inputs(shared_data, tmp_path, n_chunks=2):
-    """The first paragraphs of Emma as one document, chunked by paragraph (offsets exact)."""
-    paragraphs = []
-    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
-        for line, _ in zip(f, range(6)):
-            paragraphs.append(json.loads(line)["text"])
-    text = "\n\n".join(paragraphs)
-    chunks, start = [], 0
-    for p in paragraphs[:n_chunks]:
-        start = text.index(p, start)
-        chunks.append({"text": p, "start": start, "end": start + len(p)})
-        start += len(p)
-    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "emma", "text": text}) + "\n", encoding="utf-8")
-    (tmp_path / "chunks.jsonl").write_text(
-        json.dumps({"id": "emma", "chunks": chunks}) + "\n", encoding="utf-8"
-    )
-
-
 def test_both_pipelines_against_smollm2(local_teacher, shared_data, tmp_path):
-    _emma_inputs(shared_data, tmp_path)
+    write_emma_chunks(shared_data, tmp_path, n_chunks=2)
     block = {
         "model": "smollm2",
         "serve_preset": True,
@@ -95,7 +78,7 @@ def test_both_pipelines_against_smollm2(local_teacher, shared_data, tmp_path):
 def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, shared_data, tmp_path):
     """`metachunk eval qa` end to end: real MiniLM retrieval from an embedded Milvus index, the
     local teacher answering through the teacher client, every metric scored; a rerun pays nothing."""
-    _emma_inputs(shared_data, tmp_path, n_chunks=6)
+    write_emma_chunks(shared_data, tmp_path, n_chunks=6)
     questions = tmp_path / "questions.jsonl"
     with (shared_data / "gutenqa-emma" / "questions.jsonl").open(encoding="utf-8") as f:
         questions.write_text(

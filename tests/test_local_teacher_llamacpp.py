@@ -11,6 +11,7 @@ import json
 
 import pytest
 import yaml
+from support.fixtures import write_emma_chunks
 
 from metachunk.cli import main as metachunk
 from metachunk.local_teacher import LocalTeacher, llama_cpp_available, pick_backend
@@ -40,29 +41,11 @@ def test_the_backend_serves_the_gguf_as_it_ships(llama_teacher):
     assert llama_teacher.structured_output == "json_object_schema"
 
 
-def _emma(shared_data, tmp_path, n_chunks):
-    paragraphs = []
-    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
-        for line, _ in zip(f, range(8)):
-            paragraphs.append(json.loads(line)["text"])
-    paragraphs = [p for p in paragraphs if len(p) > 150][: n_chunks + 1]
-    text = "\n\n".join(paragraphs)
-    chunks, start = [], 0
-    for p in paragraphs[:n_chunks]:
-        start = text.index(p, start)
-        chunks.append({"text": p, "start": start, "end": start + len(p)})
-        start += len(p)
-    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "emma", "text": text}) + "\n", encoding="utf-8")
-    (tmp_path / "chunks.jsonl").write_text(
-        json.dumps({"id": "emma", "chunks": chunks}) + "\n", encoding="utf-8"
-    )
-
-
 def test_refinement_under_the_schema_always_parses(llama_teacher, shared_data, tmp_path):
     """distill rewrite with the refinement schema sent as llama.cpp takes it: every refinement
     answer is JSON with an ``items`` list (none unparseable, none repaired from prose), and the
     rewrite reaches the completion stage for the chunks whose items pass the threshold."""
-    _emma(shared_data, tmp_path, n_chunks=3)
+    write_emma_chunks(shared_data, tmp_path, n_chunks=3, min_chars=150, n_paragraphs=4)
     block = {"model": "smollm2", "base_url": llama_teacher.base_url, "temperature": 0.0, "max_tokens": 96,
              "max_tokens_limit": 192, "concurrency": 1, "timeout": 300, "max_retries": 1, "stop": ["\n\n"]}  # fmt: skip
     teachers = {

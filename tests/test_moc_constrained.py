@@ -174,8 +174,8 @@ def test_constrained_generate_gets_one_processor_per_batch(tiny_model_dir, monke
         assert len(p.compiled_grammars) == len(batch)
 
 
-@pytest.mark.parametrize("flag", [None, "--moc-constrained", "--no-moc-constrained"])
-def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
+def _moc_argv(tmp_path, tiny_model_dir) -> tuple[str, Path, list[str]]:
+    """(model dir, output path, `metachunk chunk --method moc` argv) over TEXTS, written to tmp_path."""
     d = str(tiny_model_dir)
     src = tmp_path / "docs.jsonl"
     src.write_text(
@@ -185,18 +185,16 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
         encoding="utf-8",
     )
     out = tmp_path / "moc.jsonl"
-    argv = [
-        "chunk",
-        str(src),
-        "-o",
-        str(out),
-        "--method",
-        "moc",
-        "--router",
+    return (
         d,
-        "--experts",
-        ",".join([d] * 4),
-    ]
+        out,
+        ["chunk", str(src), "-o", str(out), "--method", "moc", "--router", d, "--experts", ",".join([d] * 4)],
+    )
+
+
+@pytest.mark.parametrize("flag", [None, "--moc-constrained", "--no-moc-constrained"])
+def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
+    d, out, argv = _moc_argv(tmp_path, tiny_model_dir)
     argv += ["--moc-max-new-tokens", "32", "--moc-retries", "0", "--moc-window-chars", "200"]
     rc = main([*argv, *([flag] if flag else [])])
     err = capsys.readouterr().err
@@ -308,27 +306,7 @@ def test_anchored_needs_constrained(tiny_model_dir, tmp_path, capsys):
 
 
 def test_cli_records_anchored(tmp_path, tiny_model_dir, capsys):
-    d = str(tiny_model_dir)
-    src = tmp_path / "docs.jsonl"
-    src.write_text(
-        "".join(
-            json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(TEXTS)
-        ),
-        encoding="utf-8",
-    )
-    out = tmp_path / "moc.jsonl"
-    argv = [
-        "chunk",
-        str(src),
-        "-o",
-        str(out),
-        "--method",
-        "moc",
-        "--router",
-        d,
-        "--experts",
-        ",".join([d] * 4),
-    ]
+    d, out, argv = _moc_argv(tmp_path, tiny_model_dir)
     argv += [
         "--moc-max-new-tokens",
         "128",

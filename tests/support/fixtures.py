@@ -92,3 +92,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_emma_chunks(
+    shared_data: Path, folder: Path, n_chunks: int, min_chars: int = 0, n_paragraphs: int = 6
+) -> None:
+    """``docs.jsonl`` (Emma's first ``n_paragraphs`` paragraphs of at least ``min_chars`` characters,
+    among the first 8, as one document) and ``chunks.jsonl`` (its first ``n_chunks`` paragraphs as
+    chunks, offsets exact) in ``folder``."""
+    paragraphs = []
+    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+        for line, _ in zip(f, range(8)):
+            paragraphs.append(json.loads(line)["text"])
+    paragraphs = [p for p in paragraphs if len(p) >= min_chars][:n_paragraphs]
+    text = "\n\n".join(paragraphs)
+    chunks, start = [], 0
+    for p in paragraphs[:n_chunks]:
+        start = text.index(p, start)
+        chunks.append({"text": p, "start": start, "end": start + len(p)})
+        start += len(p)
+    (folder / "docs.jsonl").write_text(json.dumps({"id": "emma", "text": text}) + "\n", encoding="utf-8")
+    (folder / "chunks.jsonl").write_text(
+        json.dumps({"id": "emma", "chunks": chunks}) + "\n", encoding="utf-8"
+    )
