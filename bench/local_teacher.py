@@ -78,7 +78,7 @@ async def send(teacher: LocalTeacher, requests: list[tuple[str, dict]], max_toke
     return result.results, time.perf_counter() - started
 
 
-def measure(backend: str, requests: list[tuple[str, dict]], args, tmp: Path) -> tuple[dict, list]:
+def measure(backend: str, requests: list[tuple[str, dict]], args, tmp: Path) -> dict:
     schema = load_schema("refinement")
     print(f"\n== {backend}: starting the server", flush=True)
     started = time.perf_counter()
@@ -112,7 +112,7 @@ def measure(backend: str, requests: list[tuple[str, dict]], args, tmp: Path) -> 
         "schema_valid_share": round(sum(valid) / len(valid), 3),
     }
     print(json.dumps(row), flush=True)
-    return row, answers
+    return row
 
 
 def main() -> None:
@@ -139,10 +139,7 @@ def main() -> None:
         requests = reflections + [
             ("refinement", {**job, "reflection": a.text or "NONE"}) for job, a in zip(jobs, answers)
         ]
-        rows = []
-        for backend in ("llama.cpp", "transformers"):
-            row, _ = measure(backend, requests, args, tmp)
-            rows.append(row)
+        rows = [measure(backend, requests, args, tmp) for backend in ("llama.cpp", "transformers")]
     fast, slow = rows
     ratio = fast["completion_tokens_per_s"] / max(slow["completion_tokens_per_s"], 1e-9)
     report = {
