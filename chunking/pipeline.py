@@ -178,9 +178,55 @@ class LumberOptions:
 @dataclass
 class ChunkConfig:
     input: Path = option(
-        None, "a .jsonl file (lines with 'text' and optional 'id') or a .txt file", positional=True
+        None,
+        "the corpus: .jsonl (lines with 'text' and optional 'id'), .jsonl.gz, .parquet, a .txt file (one "
+        "document), a folder of such shards, or a folder written by datasets' save_to_disk",
+        positional=True,
     )
-    output: Path = option(None, "output .jsonl, one line per document", short="-o")
+    output: Path = option(
+        None,
+        "FILE.jsonl: one line per document, written at the end; DIR (anything else): a dataset folder of "
+        "shards (train-00000-of-000NN.jsonl) and manifest.json, written shard by shard and resumed on rerun",
+        short="-o",
+    )
+    input_format: str = option(
+        "auto",
+        "how to read the input: by file suffix (auto), or 'lines': one document per line of plain text, "
+        "id FILE:LINE (how the raw CRUD corpus ships)",
+        choices=["auto", "jsonl", "lines", "parquet", "datasets", "txt"],
+    )
+    text_field: str = option("text", "the input's field (column) holding the document text")
+    id_field: str = option("id", "the input's field holding the document id; without one, the line number")
+    output_format: str = option(
+        "jsonl",
+        "-o DIR: shard format; both load with datasets.load_dataset(FORMAT, data_dir=DIR)",
+        choices=["jsonl", "parquet"],
+    )
+    shards: int | None = option(
+        None,
+        "-o DIR: number of shards, fixed up front; shard i holds a contiguous range of input positions, "
+        "whatever the workers; default one per 256 documents",
+    )
+    workers: int | None = option(
+        None,
+        "-o DIR: worker processes, each with its own model; default one per visible GPU on GPU, 1 on CPU",
+    )
+    threads_per_worker: int | None = option(
+        None, "-o DIR: torch threads per worker (and the CPUs a Ray actor asks for); default torch's"
+    )
+    engine: str = option(
+        "local",
+        "-o DIR: local (worker processes on this machine; under torchrun each rank takes shards i with "
+        "i %% world_size == rank) or ray (a Ray Data map_batches stage over an actor pool; pip install "
+        "'metachunk[ray]')",
+        choices=["local", "ray"],
+    )
+    ray_address: str | None = option(
+        None, "--engine ray: the cluster to join (ray.init(address=...)); default a local Ray"
+    )
+    overwrite: bool = option(
+        False, "-o DIR: start again when DIR holds another run's shards (changed config, model or input)"
+    )
     method: str = option("ppl", "chunking method", choices=METHODS)
     model: str = option(
         "smollm2",
@@ -268,6 +314,10 @@ class ChunkConfig:
 
     def __post_init__(self):
         check_choices(self)
+        for name in ("shards", "workers", "threads_per_worker"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.method in ("fixed", "sentence") and not self.target_len:
             raise ValueError(f"--method {self.method} needs --target-len")
         if self.overlap and self.method not in LM_METHODS:

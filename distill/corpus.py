@@ -66,11 +66,11 @@ from metachunk.artifacts import (
     Document,
     InputError,
     jsonl_line,
-    read_documents,
     write_json,
 )
 from metachunk.config import option
 from metachunk.crud import informative, normalize  # shared with eval: how CRUD's QA pairs are read
+from metachunk.sources import read_documents
 
 # datasketch (which imports scipy) is imported where used: `metachunk --help` must not pay for it.
 if TYPE_CHECKING:

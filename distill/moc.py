@@ -91,7 +91,8 @@ from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Sentence
 from distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
 from distill.prompts import load_prompt
-from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
+from metachunk.artifacts import SCHEMA_VERSION, InputError
+from metachunk.sources import read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
 
 if TYPE_CHECKING:

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from chunking.students import CONTEXT_SEPARATOR, related_chunks, window_span
 from distill.prompts import load_prompt, load_schema
-from metachunk.artifacts import SCHEMA_VERSION, InputError, read_documents
+from metachunk.artifacts import SCHEMA_VERSION, InputError
+from metachunk.sources import read_documents
 from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, read_documents, write_json
+from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, write_json
 from metachunk.config import option
+from metachunk.sources import read_documents
 
 
 @dataclass

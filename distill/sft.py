@@ -37,8 +37,9 @@ from pathlib import Path
 from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
 from distill.sft_rows import ROW_MAKERS, Row
 from metachunk import config
-from metachunk.artifacts import InputError, read_documents, replace_dir, write_json
+from metachunk.artifacts import InputError, replace_dir, write_json
 from metachunk.config import option
+from metachunk.sources import read_documents
 
 SPLITS = ("train", "validation")
 

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,59 +38,9 @@ class Document:
     text: str
 
 
-def read_documents(path: str | Path) -> Iterator[Document]:
-    """Documents from a ``.jsonl`` file (``text``, optional ``id``; a missing id becomes the line
-    number) or from a ``.txt`` file holding one document (its id is the file stem).
-
-    Ids must be unique (an explicit ``"id": 3`` and a line 3 without an id collide), and ``id`` and
-    ``text`` must be valid Unicode: JSON can spell half a UTF-16 surrogate pair (``"\\ud800"``),
-    which no UTF-8 writer or tokenizer accepts later. Both are ``file:line`` errors here, so a
-    command fails before it loads a model. Only the ids are kept (id -> line), not the texts.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "no such file")
-    if path.suffix == ".txt":
-        try:
-            yield Document(path.stem, path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
-        return
-    if path.suffix != ".jsonl":
-        raise InputError(path, "input must be a .jsonl file (one JSON object per line) or a .txt file")
-    first_seen: dict[str, int] = {}
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
-            if not isinstance(record, dict):
-                raise InputError(path, "expected a JSON object with a 'text' field", number)
-            if "text" not in record:
-                raise InputError(path, "missing field 'text'", number)
-            if not isinstance(record["text"], str):
-                raise InputError(
-                    path, f"field 'text' must be a string, got {type(record['text']).__name__}", number
-                )
-            doc_id = str(record.get("id", number))
-            for field, value in (("id", doc_id), ("text", record["text"])):
-                _check_unicode(path, number, field, value)
-            if doc_id in first_seen:
-                raise InputError(
-                    path, f"duplicate id {doc_id!r}: first seen at line {first_seen[doc_id]}", number
-                )
-            first_seen[doc_id] = number
-            yield Document(doc_id, record["text"])
-
-
-def _check_unicode(path: Path, line: int, field: str, value: str) -> None:
+def check_unicode(path: Path, line: int, field: str, value: str) -> None:
+    """JSON can spell half a UTF-16 surrogate pair (``"\\ud800"``), which no UTF-8 writer or
+    tokenizer accepts later: a ``file:line`` error here instead."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:  # the only str that cannot be UTF-8: a lone surrogate
@@ -226,6 +175,21 @@ def replace_dir(staging: str | Path, final: str | Path) -> None:
         raise
     for leftover in final.parent.glob(f".{glob.escape(final.name)}.old-*"):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """``data`` at ``path``, through a synced temp file beside it and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            _close_durably(f, path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def write_json(path: str | Path, obj, default=None) -> None:

@@ -14,9 +14,10 @@ from itertools import islice
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, read_documents
+from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line
 from metachunk.models import ModelNotFoundError
 from metachunk.redaction import redact
+from metachunk.sources import DocumentSource
 
 
 def _batched(iterable, n):
@@ -37,10 +38,16 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
     if Path(cfg.output).resolve() == Path(cfg.input).resolve():  # it would be replaced by its own chunks
         raise InputError(cfg.output, "-o is the input file; write the chunks to another file")
+    from chunking.shards import is_dataset_dir, run_sharded
+
+    if is_dataset_dir(cfg.output):  # a dataset folder, shard by shard, resumable, data-parallel
+        run_sharded(cfg)
+        return 0
+    source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
     # Validate the whole input before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the second pass streams.
     n_docs = n_chars = 0
-    for doc in read_documents(cfg.input):
+    for doc in source:
         n_docs, n_chars = n_docs + 1, n_chars + len(doc.text)
 
     started = time.perf_counter()
@@ -57,7 +64,7 @@ def cmd_chunk(args: argparse.Namespace) -> int:
                  disable=chunker.own_progress) as bar,
             contextlib.closing(chunker),
         ):  # fmt: skip
-            for docs in _batched(read_documents(cfg.input), group):
+            for docs in _batched(source.documents(), group):
                 chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
                 added = students.apply(chunked) if students else [[] for _ in chunked]
                 for doc, fields in zip(chunked, added):

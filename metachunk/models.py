@@ -8,6 +8,7 @@ Wherever a preset name is accepted, a local HF model directory is accepted too.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -151,6 +152,23 @@ def resolve(name_or_dir: str) -> Path:
     raise ModelNotFoundError(
         f"unknown model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}) and not a local model directory"
     )
+
+
+def fingerprint(name_or_dir: str) -> dict:
+    """What identifies a model's outputs, cheaply: the sha256 of its config files and the names
+    and sizes of its weight files (hashing gigabytes of weights on every run would cost more than
+    the check is worth). A preset is named too."""
+    path = resolve(name_or_dir)
+    digest = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if not p.is_file():
+            continue
+        rel = p.relative_to(path).as_posix()
+        if p.suffix == ".json" or p.name in ("tokenizer.model", "merges.txt", "vocab.txt"):
+            digest.update(rel.encode() + b"\0" + p.read_bytes())
+        elif p.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            digest.update(f"{rel}\0{p.stat().st_size}".encode())
+    return {"name": name_or_dir if name_or_dir in PRESETS else str(path), "sha256": digest.hexdigest()}
 
 
 def load_tokenizer(name_or_dir: str):

@@ -304,8 +304,10 @@ def test_nonexistent_input(tmp_path, capsys, tiny):
     missing = tmp_path / "nope" / "missing.jsonl"
     rc, err = run(capsys, missing, "-o", out, "--model", tiny)
     _assert_clean_failure(rc, err, out, before, [str(missing), "no such file"])
-    rc, err = run(capsys, tmp_path, "-o", out, "--model", tiny)  # a directory is not a file either
-    _assert_clean_failure(rc, err, out, before, [str(tmp_path), "no such file"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, err = run(capsys, empty, "-o", out, "--model", tiny)  # a folder is read as shards: it has none
+    _assert_clean_failure(rc, err, out, before, [str(empty), "a folder with no input shards"])
 
 
 @pytest.mark.parametrize("model", ["no-such-model", "{tmp}/empty-dir", "{tmp}/absent/dir"])

@@ -26,8 +26,9 @@ from chunking.pipeline import ChunkConfig, Chunker
 from chunking.sentences import split_sentences
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
 from metachunk import artifacts
-from metachunk.artifacts import InputError, read_documents
+from metachunk.artifacts import InputError
 from metachunk.cli import main
+from metachunk.sources import read_documents
 
 BLANKS = [" ", " " * 12, "   \n\t \n", "\u3000\n", "\n\n\n", "\r\n"]
 EN = "Emma was clever and rich. She had lived nearly twenty-one years!\n\nMr. Knightley came in."

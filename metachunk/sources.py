@@ -1,0 +1,322 @@
+"""Document sources: the corpora users have, read as a stream of :class:`Document`.
+
+One :class:`DocumentSource` covers every input layout the toolkit accepts:
+
+* ``.jsonl`` and ``.jsonl.gz`` (one JSON object per line, ``text`` and optional ``id``);
+* ``.parquet`` (read with pyarrow, one row group at a time);
+* a ``datasets`` folder (``Dataset.save_to_disk``; memory-mapped Arrow);
+* ``--input-format lines``: one document per line of plain text, as the raw CRUD corpus ships
+  (``data/80000_docs/documents_dup_part_*``); a document's id is ``FILE:LINE``;
+* a ``.txt`` file: one document, its id the file stem;
+* a folder of any of these shards (sorted by path; hidden files skipped).
+
+``text_field`` and ``id_field`` name the columns for corpora that do not call them ``text`` and
+``id``. A record without an id is named by its line (or row) number; in a folder of shards, by
+``FILE:LINE`` so that two shards never collide.
+
+:meth:`DocumentSource.scan` reads everything once, in order and in bounded memory, and checks it:
+invalid UTF-8 or JSON, a missing or non-string text, a lone surrogate, a duplicate id, each a
+``file:line`` :class:`~metachunk.artifacts.InputError` before any model loads. It returns a
+:class:`SourceIndex`: the count, the characters, the content hash of the input bytes and, every
+``every`` documents, where that document starts (a byte offset, or a record number where a file
+cannot seek: gzip, parquet, Arrow). :meth:`DocumentSource.documents` then streams any range of
+positions from the nearest checkpoint, so a shard of a 20K-document corpus is read without
+reading the 19K documents before it. Only the ids are held (for the duplicate check), never the
+texts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+from metachunk.artifacts import Document, InputError, check_unicode
+
+FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
+SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+CHECKPOINT_EVERY = 256  # documents between two recorded read positions
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: Path
+    kind: str  # jsonl | jsonl.gz | lines | parquet | datasets | txt
+    name: str  # how ids and errors name it: relative to the source folder, or the file name
+
+
+@dataclass
+class SourceIndex:
+    """What one scan learnt: enough to read any range of positions again without rescanning."""
+
+    documents: int = 0
+    chars: int = 0
+    sha256: str = ""
+    # (position, file number, byte offset, records before): see DocumentSource._records
+    checkpoints: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"documents": self.documents, "chars": self.chars, "sha256": self.sha256,
+                "checkpoints": self.checkpoints}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: dict) -> SourceIndex:
+        return cls(obj["documents"], obj["chars"], obj["sha256"], [tuple(c) for c in obj["checkpoints"]])
+
+
+def _kind(path: Path, input_format: str) -> str | None:
+    name = path.name
+    if input_format == "lines":
+        return "lines"
+    if name.endswith(".jsonl.gz"):
+        return "jsonl.gz"
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".txt") and input_format in ("auto", "txt"):
+        return "txt"
+    return None
+
+
+class DocumentSource:
+    """A corpus on disk, as documents in a fixed order (see the module docstring)."""
+
+    def __init__(self, path: str | Path, input_format: str = "auto", text_field: str = "text",
+                 id_field: str = "id"):  # fmt: skip
+        if input_format not in FORMATS:
+            raise InputError(path, f"unknown input format {input_format!r}; one of {', '.join(FORMATS)}")
+        self.path, self.input_format = Path(path), input_format
+        self.text_field, self.id_field = text_field, id_field
+        self.files = self._files()
+
+    def _files(self) -> list[SourceFile]:
+        path = self.path
+        if not path.exists():
+            raise InputError(path, "no such file or directory")
+        if path.is_dir():
+            if (path / "dataset_dict.json").is_file():
+                splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+                raise InputError(
+                    path, f"a datasets DatasetDict; point at one split's folder ({', '.join(splits)})"
+                )
+            if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+                return [SourceFile(path, "datasets", path.name)]
+            if self.input_format == "datasets":
+                raise InputError(path, "not a folder written by datasets' save_to_disk (no state.json)")
+            files = []
+            for p in sorted(path.rglob("*")):
+                rel = p.relative_to(path)
+                if not p.is_file() or any(part.startswith(".") for part in rel.parts):
+                    continue
+                kind = _kind(p, self.input_format)
+                if kind and kind != "txt":
+                    files.append(SourceFile(p, kind, rel.as_posix()))
+            if not files:
+                wanted = "plain-text files" if self.input_format == "lines" else ", ".join(SHARD_SUFFIXES)
+                raise InputError(path, f"a folder with no input shards ({wanted})")
+            return files
+        kind = _kind(path, self.input_format)
+        if kind is None or (self.input_format not in ("auto", kind)):
+            raise InputError(
+                path,
+                "input must be .jsonl, .jsonl.gz, .parquet, .txt, a folder of shards or a datasets folder "
+                "(or --input-format lines for one document per line of plain text)",
+            )
+        return [SourceFile(path, kind, path.name)]
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def _default_id(self, file: SourceFile, number: int) -> str:
+        # One file: the line number, as ever. Several: FILE:LINE, unique across the shards.
+        return f"{file.name}:{number}" if len(self.files) > 1 or file.kind == "lines" else str(number)
+
+    def _records(self, k: int, cursor: int = 0, before: int = 0) -> Iterator[tuple[int, int, Document]]:
+        """``(cursor, before, document)`` for file ``k``, validated, from the document that
+        ``(cursor, before)`` names: a byte offset and the lines before it in a plain file; the
+        lines (gzip) or rows (parquet, Arrow) before it otherwise. Each document comes with its own
+        pair, which :meth:`documents` resumes from."""
+        file = self.files[k]
+        if file.kind in ("jsonl", "jsonl.gz", "lines"):
+            yield from self._text_records(file, cursor, before)
+        elif file.kind == "parquet":
+            yield from self._parquet_records(file, before)
+        elif file.kind == "datasets":
+            yield from self._datasets_records(file, before)
+        else:  # txt: one document
+            try:
+                yield 0, 0, Document(file.path.stem, file.path.read_bytes().decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise InputError(file.path, f"invalid UTF-8 at byte {e.start}") from None
+
+    def _text_records(self, file: SourceFile, cursor: int, lines_before: int
+                      ) -> Iterator[tuple[int, int, Document]]:  # fmt: skip
+        gz = file.kind == "jsonl.gz"
+        with (gzip.open if gz else open)(file.path, "rb") as f:
+            # A plain file seeks to its cursor (a byte offset); gzip cannot, so it reads past
+            # ``lines_before`` lines instead.
+            offset, number = (cursor, lines_before) if not gz else (0, 0)
+            if not gz and cursor:
+                f.seek(cursor)
+            for raw in f:
+                start = offset
+                offset += len(raw)
+                number += 1
+                if gz and number <= lines_before:
+                    continue
+                doc = self._parse_line(file, raw, number)
+                if doc is not None:
+                    yield (0 if gz else start), number - 1, doc
+
+    def _parse_line(self, file: SourceFile, raw: bytes, number: int) -> Document | None:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(file.path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
+        if not line.strip():
+            return None
+        if file.kind == "lines":
+            text = line.rstrip("\r\n")
+            check_unicode(file.path, number, "text", text)
+            return Document(self._default_id(file, number), text)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(file.path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+        if not isinstance(record, dict):
+            raise InputError(file.path, f"expected a JSON object with a {self.text_field!r} field", number)
+        return self._document(file, record, number)
+
+    def _document(self, file: SourceFile, record: dict, number: int) -> Document:
+        tf, idf = self.text_field, self.id_field
+        if tf not in record:
+            raise InputError(file.path, f"missing field {tf!r}" + _fields_hint(record, tf), number)
+        text = record[tf]
+        if not isinstance(text, str):
+            raise InputError(file.path, f"field {tf!r} must be a string, got {type(text).__name__}", number)
+        raw_id = record.get(idf)
+        doc_id = self._default_id(file, number) if raw_id is None else str(raw_id)
+        check_unicode(file.path, number, idf, doc_id)
+        check_unicode(file.path, number, tf, text)
+        return Document(doc_id, text)
+
+    def _parquet_records(self, file: SourceFile, cursor: int) -> Iterator[tuple[int, int, Document]]:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(file.path)
+        names = pf.schema_arrow.names
+        if self.text_field not in names:
+            raise InputError(file.path, f"no column {self.text_field!r} (columns: {', '.join(names)})")
+        columns = [c for c in (self.text_field, self.id_field) if c in names]
+        # Skip whole row groups before the cursor, then rows within the first one read.
+        row, groups = 0, []
+        for g in range(pf.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if row + n > cursor:
+                groups.append(g)
+            else:
+                row += n
+        if not groups:
+            return
+        for batch in pf.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
+            for record in batch.to_pylist():
+                if row >= cursor:
+                    yield 0, row, self._document(file, record, row + 1)
+                row += 1
+
+    def _datasets_records(self, file: SourceFile, cursor: int) -> Iterator[tuple[int, int, Document]]:
+        import datasets
+
+        ds = datasets.load_from_disk(str(file.path))
+        if self.text_field not in ds.column_names:
+            raise InputError(
+                file.path, f"no column {self.text_field!r} (columns: {', '.join(ds.column_names)})"
+            )
+        columns = [c for c in (self.text_field, self.id_field) if c in ds.column_names]
+        ds = ds.select_columns(columns)
+        for first in range(cursor, len(ds), 1024):
+            batch = ds[first : first + 1024]
+            for j in range(len(batch[self.text_field])):
+                row = first + j
+                yield 0, row, self._document(file, {c: batch[c][j] for c in columns}, row + 1)
+
+    # ---- the two public passes -----------------------------------------------------------------
+
+    def checked(self) -> Iterator[tuple[int, int, int, Document]]:
+        """Every document in order, with its file number and read position, every check applied
+        (duplicate ids too: only the ids are held)."""
+        first_seen: dict[str, str] = {}
+        for k, file in enumerate(self.files):
+            for cursor, before, doc in self._records(k):
+                number = before + 1
+                if doc.id in first_seen:
+                    raise InputError(
+                        file.path, f"duplicate id {doc.id!r}: first seen at {first_seen[doc.id]}", number
+                    )
+                first_seen[doc.id] = f"{file.name}:{number}" if len(self.files) > 1 else f"line {number}"
+                yield k, cursor, before, doc
+
+    def scan(self, every: int = CHECKPOINT_EVERY) -> SourceIndex:
+        """Read and check everything once; see the module docstring."""
+        index = SourceIndex()
+        for k, cursor, before, doc in self.checked():
+            if index.documents % every == 0:
+                index.checkpoints.append((index.documents, k, cursor, before))
+            index.documents += 1
+            index.chars += len(doc.text)
+        digest = hashlib.sha256()
+        for file in self.files:
+            _hash_file(digest, file)
+        index.sha256 = digest.hexdigest()
+        return index
+
+    def documents(self, start: int = 0, stop: int | None = None, index: SourceIndex | None = None
+                  ) -> Iterator[Document]:  # fmt: skip
+        """The documents at positions ``start`` to ``stop`` (input order), read from the nearest
+        checkpoint of ``index`` before ``start`` (from the beginning without one)."""
+        position, k, cursor, before = 0, 0, 0, 0
+        if index is not None and index.checkpoints:
+            for cp in index.checkpoints:
+                if cp[0] > start:
+                    break
+                position, k, cursor, before = cp
+        docs = self._from(k, cursor, before)
+        yield from islice(docs, start - position, None if stop is None else stop - position)
+
+    def _from(self, k: int, cursor: int, before: int) -> Iterator[Document]:
+        for j in range(k, len(self.files)):
+            for _, _, doc in self._records(j, *((cursor, before) if j == k else (0, 0))):
+                yield doc
+
+    def __iter__(self) -> Iterator[Document]:
+        return (doc for *_, doc in self.checked())
+
+    def describe(self) -> dict:
+        """How the manifest names this input (no texts)."""
+        return {"path": str(self.path), "format": self.input_format, "files": len(self.files),
+                "text_field": self.text_field, "id_field": self.id_field}  # fmt: skip
+
+
+def read_documents(path: str | Path, input_format: str = "auto", text_field: str = "text",
+                   id_field: str = "id") -> Iterator[Document]:  # fmt: skip
+    """The documents of any input :class:`DocumentSource` reads, streamed and checked."""
+    return iter(DocumentSource(path, input_format, text_field, id_field))
+
+
+def _hash_file(digest, file: SourceFile) -> None:
+    """The input's bytes (a folder's files in order), so a changed input is a changed hash."""
+    paths = sorted(p for p in file.path.rglob("*") if p.is_file()) if file.path.is_dir() else [file.path]
+    for p in paths:
+        digest.update(str(p.relative_to(file.path) if file.path.is_dir() else file.name).encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(block)
+
+
+def _fields_hint(record: dict, wanted: str) -> str:
+    names = [str(k) for k in record][:8]
+    return f" (the record has: {', '.join(names)}; choose one with --text-field)" if names else ""
