@@ -216,7 +216,7 @@ class DocumentSource:
         row, groups = 0, []
         for g in range(pf.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
-            if row + n > cursor:
+            if groups or row + n > cursor:
                 groups.append(g)
             else:
                 row += n

@@ -1,0 +1,310 @@
+"""Corpus-scale chunking: every input layout, the sharded dataset folder, resume after kill -9,
+refusal of a changed run, and the same bytes from 1 worker, 2 workers, 2 torchrun ranks and 2 Ray
+actors (``chunking/shards.py``, ``metachunk/sources.py``)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metachunk.artifacts import InputError
+from metachunk.cli import main
+from metachunk.sources import DocumentSource
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def emma(shared_data) -> list[dict]:
+    """60 real Emma paragraphs as {id, text}."""
+    rows = []
+    with open(shared_data / "gutenqa-emma" / "paragraphs.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            rows.append({"id": f"emma-{row['paragraph']}", "text": row["text"]})
+            if len(rows) == 60:
+                break
+    return rows
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("train-*"))}
+
+
+def chunk(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["chunk", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+
+def test_every_input_layout_reads_the_same_documents(tmp_path, emma):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"doc": r["id"], "body": r["text"]} for r in emma]  # not called id and text
+    write_jsonl(tmp_path / "one.jsonl", rows)
+    with gzip.open(tmp_path / "one.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "one.parquet", row_group_size=7)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    shards = tmp_path / "shards"
+    write_jsonl(shards / "a.jsonl", rows[:25])
+    pq.write_table(pa.Table.from_pylist(rows[25:]), shards / "b.parquet")
+    (shards / ".hidden.jsonl").write_text("not json\n")  # hidden files are skipped
+    texts = [r["text"] for r in emma]
+    for path in ("one.jsonl", "one.jsonl.gz", "one.parquet", "hf", "shards"):
+        source = DocumentSource(tmp_path / path, text_field="body", id_field="doc")
+        docs = list(source)
+        assert [d.text for d in docs] == texts, path
+        assert [d.id for d in docs] == [r["id"] for r in emma], path
+
+    lines = tmp_path / "raw" / "documents_dup_part_1_part_1"  # the raw CRUD layout: no suffix
+    lines.parent.mkdir()
+    lines.write_text("first article\n\nsecond article\n", encoding="utf-8")
+    docs = list(DocumentSource(lines.parent, input_format="lines"))
+    assert [(d.id, d.text) for d in docs] == [
+        ("documents_dup_part_1_part_1:1", "first article"),
+        ("documents_dup_part_1_part_1:3", "second article"),
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(start=st.integers(0, 60), length=st.integers(0, 60))
+def test_any_range_reads_from_its_checkpoint(tmp_path_factory, emma, start, length):
+    folder = tmp_path_factory.mktemp("ranges")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(folder / "a.jsonl", emma[:20])
+    with gzip.open(folder / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in emma[20:40])
+    pq.write_table(pa.Table.from_pylist(emma[40:]), folder / "c.parquet", row_group_size=3)
+    source = DocumentSource(folder)
+    index = source.scan(every=3)  # many checkpoints: most ranges start between two
+    assert index.documents == 60
+    stop = min(60, start + length)
+    assert [d.text for d in source.documents(start, stop, index)] == [r["text"] for r in emma[start:stop]]
+
+
+@pytest.mark.parametrize(
+    "name, content, fmt, expected",
+    [
+        (
+            "bad.jsonl",
+            b'{"text": "a"}\n{"body": "b"}\n',
+            "auto",
+            ["bad.jsonl:2", "missing field 'text'", "body"],
+        ),
+        ("dup", b"", "auto", ["b.jsonl:1", "duplicate id 'x'", "a.jsonl:1"]),
+        ("raw.txt", b"fine\n\xff\xfe broken\n", "lines", ["raw.txt:2", "invalid UTF-8"]),
+        ("t.parquet", None, "auto", ["t.parquet", "no column 'text'", "body"]),
+    ],
+)
+def test_bad_input_is_a_file_line_error_before_any_model_loads(
+    tmp_path, capsys, name, content, fmt, expected
+):
+    path = tmp_path / name
+    if name == "dup":
+        write_jsonl(path / "a.jsonl", [{"id": "x", "text": "one"}])
+        write_jsonl(path / "b.jsonl", [{"id": "x", "text": "two"}])
+    elif content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist([{"body": "b"}]), path)
+    else:
+        path.write_bytes(content)
+    rc, err = chunk(capsys, path, "-o", tmp_path / "out", "--input-format", fmt, "--model", "no-such-model")
+    assert rc == 2, err
+    assert "Traceback" not in err
+    for piece in expected:
+        assert piece in err, (piece, err)
+    assert not (tmp_path / "out").exists()  # nothing written, no model resolved
+
+
+# ---- the sharded folder -------------------------------------------------------------------------
+
+
+def test_folder_loads_with_datasets_and_chunks_tile_their_documents(tmp_path, capsys, emma, tiny_model_dir):
+    import datasets
+
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    texts = {r["id"]: r["text"] for r in emma}
+    for fmt in ("jsonl", "parquet"):
+        out = tmp_path / f"out_{fmt}"
+        rc, err = chunk(capsys, src, "-o", out, "--model", tiny_model_dir, "--shards", 5, "--output-format", fmt,
+                        "--emit-sentences")  # fmt: skip
+        assert rc == 0, err
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["complete"] and manifest["shards"]["count"] == 5
+        assert sorted(manifest["shards"]["done"]) == [f"{i:05d}" for i in range(5)]
+        assert manifest["summary"]["documents"] == 60
+        ds = datasets.load_dataset({"jsonl": "json"}.get(fmt, fmt), data_dir=str(out), split="train")
+        assert ds["id"] == [r["id"] for r in emma]  # shards in name order are the input in order
+        for row in ds:
+            doc = texts[row["id"]]
+            assert "".join(c["text"] for c in row["chunks"]) == doc
+            for c in row["chunks"]:
+                assert c["text"] == doc[c["start"] : c["end"]]
+        # contiguous ranges: shard i holds positions floor(i*n/N) .. floor((i+1)*n/N)-1
+        assert [e["documents"] for e in manifest["shards"]["done"].values()] == [12] * 5
+
+
+def test_one_and_two_workers_write_the_same_bytes(tmp_path, capsys, emma, tiny_model_dir):
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    outs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        rc, err = chunk(capsys, src, "-o", out, "--model", tiny_model_dir, "--shards", 4, "--workers", workers,
+                        "--threads-per-worker", 1, "--emit-sentences")  # fmt: skip
+        assert rc == 0, err
+        outs[workers] = shard_bytes(out)
+        assert json.loads((out / "manifest.json").read_text())["run"]["workers"] == workers
+    assert len(outs[1]) == 4 and outs[1] == outs[2]
+
+
+def _manifest_without_run(folder: Path) -> dict:
+    m = json.loads((folder / "manifest.json").read_text())
+    m.pop("run")
+    return m
+
+
+def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, emma, tiny_model_dir):
+    docs = [{"id": f"{r['id']}-{k}", "text": r["text"]} for k in range(8) for r in emma]  # 480
+    src = write_jsonl(tmp_path / "emma.jsonl", docs)
+    argv = [sys.executable, "-m", "metachunk.cli", "chunk", str(src), "--model", str(tiny_model_dir),
+            "--shards", "16", "--batch-size", "1", "--emit-sentences"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole"
+    subprocess.run([*argv, "-o", str(whole)], check=True, env=env, capture_output=True)
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*argv, "-o", str(out)], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # kill -9 once a few shards are in, before the end
+        try:
+            done = json.loads((out / "manifest.json").read_text())["shards"]["done"]
+        except (OSError, ValueError):
+            done = {}
+        if len(done) >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    killed = json.loads((out / "manifest.json").read_text())
+    assert proc.returncode == -signal.SIGKILL and not killed["complete"], "the run ended before the kill"
+    n_done = len(killed["shards"]["done"])
+
+    resumed = subprocess.run([*argv, "-o", str(out)], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming: {n_done} of 16 shards done" in resumed.stderr
+    run = json.loads((out / "manifest.json").read_text())["run"]
+    assert run["attempts"] == 2 and run["shards_skipped"] == n_done
+    assert run["documents_chunked"] == 480 - 30 * n_done  # only the shards not done: 30 documents each
+    assert shard_bytes(out) == shard_bytes(whole)
+    assert _manifest_without_run(out) == _manifest_without_run(whole)
+    assert not list(out.glob(".*.tmp"))  # the killed run's temp file is gone
+
+
+def test_a_changed_config_or_input_is_refused_unless_overwrite(tmp_path, capsys, emma):
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    out = tmp_path / "out"
+    base = [src, "-o", out, "--method", "sentence", "--target-len", 80, "--shards", 3]
+    assert chunk(capsys, *base)[0] == 0
+    first = shard_bytes(out)
+    rc, err = chunk(capsys, *base)  # the same command again: every shard is done, nothing rewritten
+    assert rc == 0 and "resuming: 3 of 3 shards done, 0 to chunk" in err
+    rc, err = chunk(capsys, *base[:-2], "--target-len", 120)
+    assert rc == 2 and "changed: config" in err and "--overwrite" in err
+    write_jsonl(src, emma[:-1])
+    rc, err = chunk(capsys, *base)
+    assert rc == 2 and "changed: input" in err
+    assert shard_bytes(out) == first  # a refusal touches nothing
+    rc, err = chunk(capsys, *base, "--overwrite")
+    assert rc == 0, err
+    assert json.loads((out / "manifest.json").read_text())["summary"]["documents"] == 59
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    rc, err = chunk(capsys, src, "-o", tmp_path / "mine", "--method", "sentence", "--target-len", 80)
+    assert rc == 2 and "holds no manifest.json" in err
+
+
+def test_a_folder_takes_only_methods_that_shard(tmp_path, capsys, emma):
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    rc, err = chunk(capsys, src, "-o", tmp_path / "out", "--method", "sentence", "--target-len", 80,
+                    "--rewrite", "x")  # fmt: skip
+    assert rc == 2 and "-o FILE.jsonl" in err
+
+
+def test_torchrun_ranks_split_the_shards_and_write_the_same_bytes(tmp_path, capsys, emma, tiny_model_dir):
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    args = [str(src), "--model", str(tiny_model_dir), "--shards", "5", "--emit-sentences"]
+    assert chunk(capsys, *args, "-o", tmp_path / "local")[0] == 0
+    ranks = tmp_path / "ranks"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "metachunk.cli", "chunk",
+         *args, "-o", str(ranks)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(rank 0 of 2)" in proc.stderr and "(rank 1 of 2)" in proc.stderr
+    assert shard_bytes(ranks) == shard_bytes(tmp_path / "local")
+    manifest = json.loads((ranks / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["run"]["engine"] == "torchrun (2 ranks)"
+
+
+def test_ray_actors_write_the_same_bytes_as_the_local_engine(tmp_path, capsys, emma, tiny_model_dir):
+    ray = pytest.importorskip("ray")
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    args = [src, "--model", tiny_model_dir, "--shards", 4, "--threads-per-worker", 1, "--emit-sentences"]
+    assert chunk(capsys, *args, "-o", tmp_path / "local")[0] == 0
+    # Half of it first, then the rest on Ray: only the shards not done are submitted.
+    half = tmp_path / "ray"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rc, err = chunk(capsys, *args, "-o", half, "--engine", "ray", "--workers", 2)
+        assert rc == 0, err
+        assert shard_bytes(half) == shard_bytes(tmp_path / "local")
+        manifest = json.loads((half / "manifest.json").read_text())
+        assert manifest["run"]["engine"] == "ray" and manifest["complete"]
+        manifest["shards"]["done"].pop("00003")
+        (half / "manifest.json").write_text(json.dumps(manifest))
+        rc, err = chunk(capsys, *args, "-o", half, "--engine", "ray", "--workers", 2)
+        assert rc == 0 and "resuming: 3 of 4 shards done, 1 to chunk" in err, err
+        assert shard_bytes(half) == shard_bytes(tmp_path / "local")
+    finally:
+        ray.shutdown()
+
+
+def test_read_chunk_records_refuses_an_unfinished_folder(tmp_path, capsys, emma):
+    from chunking.shards import read_chunk_records
+
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    out = tmp_path / "out"
+    assert chunk(capsys, src, "-o", out, "--method", "sentence", "--target-len", 80, "--shards", 3)[0] == 0
+    assert [r["id"] for r in read_chunk_records(out)] == [r["id"] for r in emma]
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="not complete"):
+        list(read_chunk_records(out))
