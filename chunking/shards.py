@@ -163,7 +163,7 @@ class ShardedOutput:
                 self.manifest_path, f"invalid JSON ({e.msg}); use --overwrite to start again"
             ) from None
 
-    def open(self, head: dict, overwrite: bool) -> set[int]:
+    def open(self, head: dict, overwrite: bool, restart_if_changed: bool = False) -> set[int]:
         """Start or resume: returns the shards already done. ``head`` is the manifest's fixed part
         (config, fingerprints, input, shards plan); a different fingerprint is refused."""
         with self.lock:
@@ -175,6 +175,7 @@ class ShardedOutput:
                         "(use --overwrite to replace its shards, or another -o)"
                     )  # fmt: skip
             if previous is not None and previous.get("fingerprint") != head["fingerprint"]:
+                overwrite = overwrite or restart_if_changed
                 if not overwrite:
                     changed = [k for k, v in head["fingerprint_of"].items()
                                if previous.get("fingerprint_of", {}).get(k) != v]  # fmt: skip
@@ -478,8 +479,11 @@ def distributed_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def run_sharded(cfg) -> dict:
-    """``metachunk chunk INPUT -o DIR/``: scan, plan, resume, run the engine, finish."""
+def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """``metachunk chunk INPUT -o DIR/``: scan, plan, resume, run the engine, finish.
+
+    ``restart_if_changed``: a folder another run wrote is started again instead of refused (for a
+    stage's own intermediate folder, such as ``data sample``'s ``OUT/ppl/``)."""
     from tqdm import tqdm
 
     if cfg.method not in SHARDED_METHODS:
@@ -514,7 +518,7 @@ def run_sharded(cfg) -> dict:
         resolve(cfg.model)
     output = ShardedOutput(cfg.output, plan, cfg.output_format)
     head = manifest_head(cfg, source, index, plan)
-    done = output.open(head, cfg.overwrite)
+    done = output.open(head, cfg.overwrite, restart_if_changed)
     mine = [i for i in range(plan.shards) if i % world == rank]
     pending = [i for i in mine if i not in done]
     output.remove_stale_temps(pending)
@@ -525,7 +529,8 @@ def run_sharded(cfg) -> dict:
     if done:
         print(f"{cfg.output}: resuming{who}: {len(done)} of {plan.shards} shards done, "
               f"{len(pending)} to chunk ({todo_docs} documents)", file=sys.stderr)  # fmt: skip
-    with tqdm(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", dynamic_ncols=True) as bar:
+    with tqdm(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", dynamic_ncols=True,
+              disable=not progress) as bar:  # fmt: skip
         if not pending:
             seconds = {}
         elif cfg.engine == "ray":
@@ -562,32 +567,49 @@ def run_sharded(cfg) -> dict:
     return manifest
 
 
-def read_chunk_records(path: str | Path):
-    """The chunk records of a ``metachunk chunk`` output, a ``.jsonl`` file or a dataset folder
-    (its shards in order; a folder whose manifest says it is incomplete is refused)."""
+def chunk_rows(path: str | Path):
+    """``(file, line, record)`` for every record of a ``metachunk chunk`` output: a ``.jsonl`` file,
+    or a dataset folder's shards in order (jsonl or parquet). A folder whose manifest says the run is
+    not complete is refused; a line that is not UTF-8 JSON is a ``file:line`` error."""
     path = Path(path)
-    if not path.is_dir():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
-        return
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise InputError(path, "a folder without manifest.json is not a metachunk chunk output")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    if not manifest.get("complete"):
-        raise InputError(
-            manifest_path, "the run is not complete: rerun the same `metachunk chunk` to finish it"
-        )
-    for entry in manifest["shards"]["done"].values():
-        shard = path / entry["file"]
-        if shard.suffix == ".parquet":
+    if path.is_dir():
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise InputError(path, "a folder without manifest.json is not a metachunk chunk output")
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if not manifest.get("complete"):
+            raise InputError(
+                manifest_path, "the run is not complete: rerun the same `metachunk chunk` to finish it"
+            )
+        files = [path / entry["file"] for entry in manifest["shards"]["done"].values()]
+    elif path.is_file():
+        files = [path]
+    else:
+        raise InputError(path, "no such file")
+    for file in files:
+        if file.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            for batch in pq.ParquetFile(shard).iter_batches(batch_size=256):
-                yield from batch.to_pylist()
-        else:
-            with open(shard, encoding="utf-8") as f:
-                for line in f:
-                    yield json.loads(line)
+            number = 0
+            for batch in pq.ParquetFile(file).iter_batches(batch_size=256):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield file, number, row
+            continue
+        with file.open("rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise InputError(file, f"invalid UTF-8 at byte {e.start} of the line", number) from None
+                if not line.strip():
+                    continue
+                try:
+                    yield file, number, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(file, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+
+
+def read_chunk_records(path: str | Path):
+    """The records of a ``metachunk chunk`` output, file or folder (see :func:`chunk_rows`)."""
+    return (record for _, _, record in chunk_rows(path))

@@ -16,6 +16,11 @@ The output is what ``metachunk distill rewrite|summary`` reads: ``chunks.jsonl``
 chunk of each sampled document (the context of related-chunk retrieval) and a ``selected`` list of
 the sampled chunk indices, plus ``documents.jsonl`` and ``sample.json`` (the counts). The same
 seed, pool and model give the same output.
+
+The pool is streamed twice (which documents are long, then those drawn), so memory does not grow
+with it. The PPL chunking goes through the corpus-scale path (:mod:`chunking.shards`) into
+``OUT/ppl/``: shard by shard, resumed by a rerun after a crash, with ``--workers`` processes, under
+torchrun, or on Ray (``--engine ray``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,16 @@ class SampleConfig:
     len_unit: str | None = option(None, "unit of target_len", choices=["char", "word", "token"])
     batch_size: int = option(8, "sequences per forward pass while chunking")
     device: str | None = option(None, "torch device; default cuda when available, else cpu")
+    workers: int | None = option(
+        None, "PPL chunking worker processes (default one per visible GPU on GPU, else 1)"
+    )
+    threads_per_worker: int | None = option(None, "torch threads per chunking worker")
+    engine: str = option(
+        "local",
+        "PPL chunking engine: local processes, or ray (a Ray Data actor pool)",
+        choices=["local", "ray"],
+    )
+    ray_address: str | None = option(None, "--engine ray: the cluster to join")
     progress: bool = option(True, "show a progress bar")
 
     def __post_init__(self):
@@ -95,80 +110,80 @@ def choose_chunks(
 
 def sample(cfg: SampleConfig) -> dict:
     """Draw, chunk and sample; writes the output dir and returns the report."""
-    from tqdm import tqdm
-
-    from chunking.pipeline import ChunkConfig, Chunker
+    from chunking.pipeline import ChunkConfig
+    from chunking.shards import read_chunk_records, run_sharded
 
     started = time.perf_counter()
+    out = Path(cfg.out)
     # A whitespace-only document is one blank chunk, nothing a teacher could rewrite: never drawn.
-    long_docs = [
-        (d.id, d.text)
-        for d in read_documents(cfg.pool)
+    long_positions = [
+        k
+        for k, d in enumerate(read_documents(cfg.pool))
         if len(d.text) >= cfg.min_doc_chars and not d.text.isspace()
     ]
-    pool_size = len(long_docs)
+    pool_size = len(long_positions)
     rng = random.Random(cfg.seed)
-    picked = sorted(rng.sample(range(pool_size), min(cfg.n_docs, pool_size)))
-    docs = [long_docs[i] for i in picked]
-    del long_docs
+    picked = {long_positions[i] for i in rng.sample(range(pool_size), min(cfg.n_docs, pool_size))}
+    del long_positions
+    n_docs = 0
+    with AtomicWriter(out / "documents.jsonl") as docs_file:
+        for k, d in enumerate(read_documents(cfg.pool)):
+            if k in picked:
+                docs_file.write(jsonl_line({"id": d.id, "text": d.text}))
+                n_docs += 1
 
-    chunker = Chunker(
-        ChunkConfig(
-            input=Path(cfg.pool),
-            output=Path(cfg.out) / "chunks.jsonl",
-            method="ppl",
-            model=cfg.model,
-            lang=cfg.lang,
-            threshold=cfg.threshold,
-            target_len=cfg.target_len,
-            len_unit=cfg.len_unit,
-            batch_size=cfg.batch_size,
-            device=cfg.device,
-        )
+    chunk_cfg = ChunkConfig(
+        input=out / "documents.jsonl",
+        output=out / "ppl",
+        method="ppl",
+        model=cfg.model,
+        lang=cfg.lang,
+        threshold=cfg.threshold,
+        target_len=cfg.target_len,
+        len_unit=cfg.len_unit,
+        batch_size=cfg.batch_size,
+        device=cfg.device,
+        workers=cfg.workers,
+        threads_per_worker=cfg.threads_per_worker,
+        engine=cfg.engine,
+        ray_address=cfg.ray_address,
     )
+    chunk_manifest = run_sharded(chunk_cfg, progress=cfg.progress, restart_if_changed=True)
+    if not chunk_manifest["complete"]:  # a torchrun rank that finished before the others
+        return {"complete": False, "chunks_dir": str(out / "ppl")}
+
     n_buckets = len(cfg.edges) + 1
     # Buckets take turns across documents, in a seeded order: stratified, not dictated by the pool.
     turns = list(range(n_buckets))
     rng.shuffle(turns)
     sampled_buckets: Counter = Counter()
     n_chunks = n_selected = 0
-    out = Path(cfg.out)
-    group = max(cfg.batch_size * 4, 16)
-    with (
-        AtomicWriter(out / "chunks.jsonl") as chunks_file,
-        AtomicWriter(out / "documents.jsonl") as docs_file,
-        tqdm(total=len(docs), unit="doc", desc="sample", disable=not cfg.progress, dynamic_ncols=True) as bar,
-    ):
-        for first in range(0, len(docs), group):
-            batch = docs[first : first + group]
-            for k, chunked in enumerate(chunker.chunk([d[0] for d in batch], [d[1] for d in batch])):
-                position = first + k
-                wanted = [
-                    turns[(position * cfg.chunks_per_doc + j) % n_buckets] for j in range(cfg.chunks_per_doc)
-                ]
-                lengths = [len(c.text) for c in chunked.chunks]
-                selected = choose_chunks(lengths, wanted, cfg.edges, rng, cfg.min_chunk_chars)
-                for i in selected:
-                    sampled_buckets[bisect.bisect_right(cfg.edges, lengths[i])] += 1
-                record = {
-                    "schema_version": SCHEMA_VERSION,
-                    "id": chunked.id,
-                    "method": "ppl",
-                    "chunks": [c.to_json() for c in chunked.chunks],
-                    "selected": selected,
-                }
-                chunks_file.write(jsonl_line(record))
-                docs_file.write(jsonl_line({"id": chunked.id, "text": batch[k][1]}))
-                n_chunks += len(chunked.chunks)
-                n_selected += len(selected)
-            bar.update(len(batch))
+    with AtomicWriter(out / "chunks.jsonl") as chunks_file:
+        for position, chunked in enumerate(read_chunk_records(out / "ppl")):
+            wanted = [
+                turns[(position * cfg.chunks_per_doc + j) % n_buckets] for j in range(cfg.chunks_per_doc)
+            ]
+            lengths = [len(c["text"]) for c in chunked["chunks"]]
+            selected = choose_chunks(lengths, wanted, cfg.edges, rng, cfg.min_chunk_chars)
+            for i in selected:
+                sampled_buckets[bisect.bisect_right(cfg.edges, lengths[i])] += 1
+            record = {
+                "schema_version": SCHEMA_VERSION,
+                "id": chunked["id"],
+                "method": "ppl",
+                "chunks": chunked["chunks"],
+                "selected": selected,
+            }
+            chunks_file.write(jsonl_line(record))
+            n_chunks += len(chunked["chunks"])
+            n_selected += len(selected)
     names = bucket_names(cfg.edges)
     report = {
         "schema_version": SCHEMA_VERSION,
         "command": "data sample",
         "config": config.to_dict(cfg),
         "pool_long_documents": pool_size,
-        "documents": len(docs),
+        "documents": n_docs,
         "chunks": n_chunks,
         "selected_chunks": n_selected,
         "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},

@@ -69,7 +69,6 @@ one document (the first with two or more chunks, or ``--plot-doc``).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -78,6 +77,7 @@ from pathlib import Path
 
 import numpy as np
 
+from chunking.shards import chunk_rows
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError
 from metachunk.config import option
@@ -299,31 +299,20 @@ def mean_nll_matrix(
 
 
 def read_chunk_docs(path: Path, limit: int | None = None) -> list[tuple[str, list[str]]]:
-    """``[(doc id, [chunk text, ...])]`` from a ``metachunk chunk`` output file."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "no such file")
+    """``[(doc id, [chunk text, ...])]`` from a ``metachunk chunk`` output (a file or a folder)."""
     docs: list[tuple[str, list[str]]] = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if limit is not None and len(docs) >= limit:
-                break
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                texts = [c["text"] for c in row["chunks"]]
-                if not all(isinstance(t, str) for t in texts):
-                    raise TypeError("a chunk's 'text' is not a string")
-                docs.append((str(row["id"]), texts))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(
-                    path, f"expected a chunks record with 'id' and 'chunks' of texts ({e})", number
-                ) from None
+    for where, number, row in chunk_rows(path):
+        if limit is not None and len(docs) >= limit:
+            break
+        try:
+            texts = [c["text"] for c in row["chunks"]]
+            if not all(isinstance(t, str) for t in texts):
+                raise TypeError("a chunk's 'text' is not a string")
+            docs.append((str(row["id"]), texts))
+        except (KeyError, TypeError) as e:
+            raise InputError(
+                where, f"expected a chunks record with 'id' and 'chunks' of texts ({e})", number
+            ) from None
     if not docs:
         raise InputError(path, "no documents in the file")
     return docs

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from chunking.shards import chunk_rows
 from metachunk.artifacts import AtomicWriter, InputError
 
 INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
@@ -69,58 +70,50 @@ def read_chunks(path: Path, mode: str = "chunk") -> tuple[list[ChunkRecord], dic
     """``(chunks, documents, n_lacking)``: every chunk of the file, the documents rebuilt from their
     chunks (chunk texts at their offsets; these tile the document, see ``metachunk chunk``), and how
     many chunks lacked the field ``mode`` asks for."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "no such file")
     chunks: list[ChunkRecord] = []
     docs: dict[str, str] = {}
     lacking = 0
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+    for where, number, row in chunk_rows(path):  # a .jsonl file, or a chunk dataset folder's shards
+        try:
+            doc_id, rows = str(row["id"]), row["chunks"]
+            if not isinstance(rows, list):
+                raise TypeError("'chunks' is not a list")
+        except (KeyError, TypeError) as e:
+            raise InputError(
+                where, f"expected a chunks record with 'id' and 'chunks' ({e})", number
+            ) from None
+        if doc_id in docs:
+            raise InputError(where, f"duplicate document id {doc_id!r}", number)
+        buffer: list[str] = []
+        for i, c in enumerate(rows):
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                doc_id, rows = str(row["id"]), row["chunks"]
-                if not isinstance(rows, list):
-                    raise TypeError("'chunks' is not a list")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(
-                    path, f"expected a chunks record with 'id' and 'chunks' ({e})", number
-                ) from None
-            if doc_id in docs:
-                raise InputError(path, f"duplicate document id {doc_id!r}", number)
-            buffer: list[str] = []
-            for i, c in enumerate(rows):
-                try:
-                    text, start, end = c["text"], int(c["start"]), int(c["end"])
-                    if not isinstance(text, str):
-                        raise TypeError("'text' is not a string")
-                except (KeyError, TypeError, ValueError) as e:
-                    raise InputError(path, f"chunks[{i}] needs text, start and end ({e})", number) from None
-                if end - start != len(text):
-                    raise InputError(path, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
-                shown, missing = indexed_text(c, mode)
-                lacking += missing
-                chunks.append(ChunkRecord(len(chunks), doc_id, i, start, end, text, shown))
-                if len(buffer) < end:
-                    buffer.extend("\0" * (end - len(buffer)))
-                buffer[start:end] = text
-            docs[doc_id] = "".join(buffer)
+                text, start, end = c["text"], int(c["start"]), int(c["end"])
+                if not isinstance(text, str):
+                    raise TypeError("'text' is not a string")
+            except (KeyError, TypeError, ValueError) as e:
+                raise InputError(where, f"chunks[{i}] needs text, start and end ({e})", number) from None
+            if end - start != len(text):
+                raise InputError(where, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
+            shown, missing = indexed_text(c, mode)
+            lacking += missing
+            chunks.append(ChunkRecord(len(chunks), doc_id, i, start, end, text, shown))
+            if len(buffer) < end:
+                buffer.extend("\0" * (end - len(buffer)))
+            buffer[start:end] = text
+        docs[doc_id] = "".join(buffer)
     if not chunks:
-        raise InputError(path, "no chunks in the file")
+        raise InputError(path, "no chunks in the output")
     return chunks, docs, lacking
 
 
 def file_sha256(path: Path) -> str:
+    """The content hash of a chunks file, or of a chunk dataset folder's shards in order."""
+    path = Path(path)
     digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for file in sorted(path.glob("train-*-of-*.*")) if path.is_dir() else [path]:
+        with file.open("rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 

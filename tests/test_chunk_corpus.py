@@ -308,3 +308,34 @@ def test_read_chunk_records_refuses_an_unfinished_folder(tmp_path, capsys, emma)
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InputError, match="not complete"):
         list(read_chunk_records(out))
+
+
+def test_eval_reads_a_folder_as_it_reads_the_file(tmp_path, capsys, emma):
+    from eval.chunk_quality import read_chunk_docs
+    from eval.index import read_chunks
+
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    args = [src, "--method", "sentence", "--target-len", 80]
+    assert chunk(capsys, *args, "-o", tmp_path / "one.jsonl")[0] == 0
+    assert chunk(capsys, *args, "-o", tmp_path / "folder", "--shards", 3)[0] == 0
+    assert chunk(capsys, *args, "-o", tmp_path / "pq", "--shards", 3, "--output-format", "parquet")[0] == 0
+    for folder in ("folder", "pq"):
+        assert read_chunks(tmp_path / folder) == read_chunks(tmp_path / "one.jsonl")
+        assert read_chunk_docs(tmp_path / folder) == read_chunk_docs(tmp_path / "one.jsonl")
+
+
+def test_data_sample_chunks_through_the_shards_and_a_rerun_resumes(tmp_path, capsys, emma, tiny_model_dir):
+    from distill.sample import SampleConfig, sample
+
+    pool = write_jsonl(tmp_path / "pool.jsonl", [r for r in emma if len(r["text"]) >= 300])
+    cfg = SampleConfig(pool=pool, out=tmp_path / "s", n_docs=12, min_doc_chars=300, model=str(tiny_model_dir),
+                       lang="en", device="cpu", workers=2, threads_per_worker=1, progress=False)  # fmt: skip
+    first = sample(cfg)
+    chunks = (tmp_path / "s" / "chunks.jsonl").read_bytes()
+    manifest = json.loads((tmp_path / "s" / "ppl" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["run"]["workers"] == 2
+    assert first["documents"] == 12 == manifest["summary"]["documents"]
+    capsys.readouterr()
+    assert sample(cfg)["selected_chunks"] == first["selected_chunks"]
+    assert "resuming: 1 of 1 shards done, 0 to chunk" in capsys.readouterr().err
+    assert (tmp_path / "s" / "chunks.jsonl").read_bytes() == chunks
