@@ -66,8 +66,14 @@ SHARDED_METHODS = ("ppl", "msp", "fixed", "sentence", "semantic")
 
 
 def is_dataset_dir(output: str | Path) -> bool:
-    """``-o`` names a folder unless it is a ``.jsonl`` file."""
-    return not str(output).endswith(".jsonl")
+    """``-o FILE.jsonl`` is one file; ``-o DIR/``, a name without a suffix or an existing folder is
+    a dataset folder; anything else (``chunks.json``, ``x.parquet``) is refused as ambiguous."""
+    text, path = str(output), Path(output)
+    if text.endswith(".jsonl") and not path.is_dir():
+        return False
+    if text.endswith(("/", os.sep)) or path.is_dir() or not path.suffix:
+        return True
+    raise InputError(output, "-o takes FILE.jsonl (one file) or a folder (DIR/: a sharded dataset)")
 
 
 @dataclass(frozen=True)
@@ -397,6 +403,8 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: CUDA and OpenMP need it
     slots, progress = ctx.Queue(), ctx.Queue()
     n_workers = min(cfg.workers, len(pending))
+    # Without --threads-per-worker the cores are shared out, rather than each worker taking all.
+    threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
     for k in range(n_workers):
         slots.put((k, devices[k], threads))
     stop = threading.Event()

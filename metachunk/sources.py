@@ -80,7 +80,7 @@ def _kind(path: Path, input_format: str) -> str | None:
         return "parquet"
     if name.endswith(".txt") and input_format in ("auto", "txt"):
         return "txt"
-    return None
+    return input_format if input_format in ("jsonl", "parquet", "txt") else None
 
 
 class DocumentSource:
@@ -113,7 +113,8 @@ class DocumentSource:
                 rel = p.relative_to(path)
                 if not p.is_file() or any(part.startswith(".") for part in rel.parts):
                     continue
-                kind = _kind(p, self.input_format)
+                # In a folder only suffixes decide (a README is not a shard), unless every file is lines.
+                kind = _kind(p, "lines" if self.input_format == "lines" else "auto")
                 if kind and kind != "txt":
                     files.append(SourceFile(p, kind, rel.as_posix()))
             if not files:
@@ -121,7 +122,7 @@ class DocumentSource:
                 raise InputError(path, f"a folder with no input shards ({wanted})")
             return files
         kind = _kind(path, self.input_format)
-        if kind is None or (self.input_format not in ("auto", kind)):
+        if kind is None or self.input_format == "datasets":
             raise InputError(
                 path,
                 "input must be .jsonl, .jsonl.gz, .parquet, .txt, a folder of shards or a datasets folder "

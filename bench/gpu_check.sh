@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU figures, as one prepared script (about 6-8 minutes on an H200; well under 8):
+#   1. bench/ppl_speed.py --device cuda     PPL engine vs the per-sentence loop (target >= 10x)
+#   2. bench/msp_speed.py --device cuda     MSP batched pairs vs one call per pair (target >= 5x)
+#   3. bench/train_mfu_gpu.py               training MFU, Qwen2.5-0.5B shape (target >= 40%)
+#   4. metachunk chunk -o DIR on one GPU    1 worker, then 2 workers sharing it; same shards
+# Steps 1, 2 and 4 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
+# GPU_CHECK_MODEL names a model dir: speed does not need trained weights.
+#
+#   bash bench/gpu_check.sh            # on the GPU machine
+#   bash bench/gpu_check.sh --dry-run  # anywhere: the same steps on CPU, tiny sizes (the test suite runs it)
+#
+# Every step's output goes to $OUT (default bench_out/gpu_check) and the summary to its summary.txt.
+# The corpora are read from ../shared/data (or METACHUNK_DATA); a step that fails is reported and
+# the others still run, so one bad step does not cost the whole device slot.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+OUT=${OUT:-bench_out/gpu_check}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+status=0
+
+step() {  # step NAME COMMAND...: run, keep the log, note the result
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$SUMMARY"
+  local started=$SECONDS
+  if "$@" > "$OUT/$name.log" 2>&1; then
+    echo "   ok in $((SECONDS - started)) s" | tee -a "$SUMMARY"
+  else
+    echo "   FAILED (exit $?) in $((SECONDS - started)) s; see $OUT/$name.log" | tee -a "$SUMMARY"
+    status=1
+  fi
+  grep -E "x |x\)|MFU|speed-up|tokens/s|PASS|FAIL|identical|workers" "$OUT/$name.log" | tail -8 | sed 's/^/   /' | tee -a "$SUMMARY"
+}
+
+if [[ $DRY == 1 ]]; then
+  DEVICE=cpu; SHAPE=tiny
+  PPL_ARGS=(--docs 2 --methods engine,loop --max-context 512)
+  MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
+  MFU_ARGS=(--tiny --device cpu --dtype float32)
+  CHUNK_DOCS=6
+else
+  DEVICE=cuda; SHAPE=qwen2-0.5b
+  PPL_ARGS=(--docs 20 --methods engine,loop)
+  MSP_ARGS=()
+  MFU_ARGS=()
+  CHUNK_DOCS=200
+fi
+MODEL=${GPU_CHECK_MODEL:-$OUT/random-$SHAPE}
+[[ -n "${GPU_CHECK_MODEL:-}" ]] || step random_model "$PY" bench/random_model.py --shape "$SHAPE" --out "$MODEL"
+
+step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" "${PPL_ARGS[@]}"
+step msp_speed "$PY" bench/msp_speed.py --model "$MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
+step train_mfu "$PY" bench/train_mfu_gpu.py --out "$OUT/train_mfu.json" "${MFU_ARGS[@]}"
+
+DATA=${METACHUNK_DATA:-../shared/data}
+"$PY" - "$DATA" "$CHUNK_DOCS" "$OUT/crud.jsonl" <<'PYEOF'
+import json, sys
+data, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with open(f"{data}/crud-news/news.jsonl", encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
+    for _, line in zip(range(n), f):
+        row = json.loads(line)
+        o.write(json.dumps({"id": row["id"], "text": row["text"]}, ensure_ascii=False) + "\n")
+PYEOF
+for workers in 1 2; do
+  step "chunk_${workers}_workers" "$PY" -m metachunk.cli chunk "$OUT/crud.jsonl" -o "$OUT/chunks_w$workers" \
+    --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
+done
+if cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
+  echo "== chunk: 1 and 2 workers wrote identical shards" | tee -a "$SUMMARY"
+else
+  echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
+fi
+"$PY" - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+import json, sys
+s = {w: json.load(open(f"{sys.argv[1]}/chunks_w{w}/manifest.json"))["run"]["this_attempt_seconds"] for w in (1, 2)}
+print(f"== chunk: 1 worker {s[1]} s, 2 workers on one device {s[2]} s: {s[1] / s[2]:.2f}x")
+PYEOF
+echo "summary: $SUMMARY"
+exit $status
