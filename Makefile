@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/money_safety.py
 	$(PY) bench/local_teacher.py
 	$(PY) bench/sft_build.py
+	$(PY) bench/chunk_scale.py
 	$(PY) bench/train_throughput.py
 
 clean:
