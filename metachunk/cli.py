@@ -186,8 +186,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         cfg = config.from_namespace(PushConfig, args)
         try:
             url = push_dataset(
-                cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message
-            )
+                cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message,
+                regen_manifest=cfg.regen_manifest, revision=cfg.revision, tag=cfg.tag,
+            )  # fmt: skip
         except InputError:
             raise
         except ValueError as e:  # no token, a bad repo id: before any request
@@ -210,6 +211,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if result.url:
         print(result.url)
     return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from metachunk.regen import main
+
+    return main(args.recipe, plan=args.plan)
 
 
 def cmd_teacher(args: argparse.Namespace) -> int:
@@ -328,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
 
+    run = sub.add_parser(
+        "run",
+        help="a regeneration job: the stages of RECIPE.yaml in order, each skipped while its fingerprint holds",
+        description="Run a regeneration recipe (recipes/regen/*.yaml): each stage is a metachunk command with its "
+        "--config block; a stage whose config, inputs, models and prompts are unchanged since its last success "
+        "is skipped. State and regen_manifest.json go to the recipe's 'state' folder.",
+    )
+    run.add_argument("recipe", help="the regeneration recipe (YAML)")
+    run.add_argument("--plan", action="store_true",
+                     help="print which stages would run and the teacher stages' estimated requests, tokens "
+                     "and cost; run and send nothing")  # fmt: skip
+    run.set_defaults(handler=cmd_run)
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)
     serve = teacher_actions.add_parser(

@@ -54,9 +54,12 @@ def push_folder(
     private: bool = False,
     token: str | None = None,
     commit_message: str | None = None,
+    revision: str | None = None,
+    tag: str | None = None,
 ) -> str:
     """Create ``repo_id`` if needed (an existing repo keeps its visibility), upload the files of
-    ``folder`` that match ``allow_patterns`` in one commit, and return the repo URL."""
+    ``folder`` that match ``allow_patterns`` in one commit to ``revision`` (a branch, created from
+    main if new; default main), tag that commit ``tag`` if given, and return the repo URL."""
     from huggingface_hub import HfApi, constants
 
     check_repo_id(repo_id)
@@ -67,14 +70,44 @@ def push_folder(
     try:
         api = HfApi(token=token)
         url = api.create_repo(repo_id, repo_type=repo_type, private=private, exist_ok=True)
+        if revision and revision != "main":
+            api.create_branch(repo_id, branch=revision, repo_type=repo_type, exist_ok=True)
         logger.info("uploading %s to %s", folder, url)
-        api.upload_folder(
+        commit = api.upload_folder(
             repo_id=repo_id,
             repo_type=repo_type,
             folder_path=folder,
             allow_patterns=list(allow_patterns) if allow_patterns is not None else None,
             commit_message=commit_message or f"Upload {folder.name} with metachunk",
+            revision=revision,
         )
+        if tag:
+            api.create_tag(repo_id, tag=tag, repo_type=repo_type, revision=commit.oid,
+                           tag_message=f"metachunk: {commit_message or folder.name}")  # fmt: skip
     finally:
         constants.HF_HUB_OFFLINE = offline
     return str(url)
+
+
+def read_remote_file(repo_id: str, filename: str, *, repo_type: str, revision: str | None = None,
+                     token: str | None = None) -> bytes | None:  # fmt: skip
+    """The bytes of ``filename`` in the repo at ``revision`` (default main), or None when the repo,
+    the revision or the file does not exist."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    token = hub_token(token)
+    check_online_allowed()
+    offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    try:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = HfApi(token=token).hf_hub_download(repo_id, filename, repo_type=repo_type,
+                                                          revision=revision, local_dir=tmp)  # fmt: skip
+            except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+                return None
+            return Path(path).read_bytes()
+    finally:
+        constants.HF_HUB_OFFLINE = offline

@@ -10,6 +10,7 @@ have left the machine.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 
@@ -18,6 +19,10 @@ import yaml
 # /api/{models|datasets|spaces}/{ns}/{name}/{preupload|commit}/{revision}
 _API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preupload|commit)/[^/]+$")
 # /{datasets/|spaces/|}{ns}/{name}.git/info/lfs/objects/{batch|verify}
+# /{datasets/|spaces/|}{ns}/{name}/resolve/{revision}/{filename}
+_RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+# /api/{models|datasets|spaces}/{ns}/{name}/{branch|tag}/{name or revision}
+_REF = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(branch|tag)/([^/]+)$")
 _LFS = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
 
 
@@ -41,6 +46,9 @@ class FakeHub:
         self.commits = []  # parsed ndjson lines of each commit
         self.repos = []  # (repo type, repo id) of each commit, in order
         self.unexpected = []  # requests to endpoints not emulated here
+        self.revisions = {}  # (repo type, repo id, branch or tag) -> {path: bytes}, after each commit
+        self.tags = []  # (repo id, tag, revision) of each create_tag
+        self.last_revision = {}  # (repo type, repo id) -> the branch of its last commit
 
     def handler(self, request):
         import httpx2
@@ -111,10 +119,48 @@ class FakeHub:
             )
         if request.method == "POST" and lfs and lfs.group(3) == "verify":
             return httpx2.Response(200, json={"success": True})
+        resolve = _RESOLVE.match(path)
+        if request.method in ("HEAD", "GET") and resolve:  # hf_hub_download
+            kind, repo, revision, filename = (
+                resolve.group(1) or "models",
+                resolve.group(2),
+                resolve.group(3),
+                resolve.group(4),
+            )
+            files = self.revisions.get((kind[:-1], repo, revision))
+            if files is None or filename not in files:
+                code = "RevisionNotFound" if files is None and revision != "main" else "EntryNotFound"
+                return httpx2.Response(404, headers={"X-Error-Code": code}, json={"error": code})
+            content = files[filename]
+            headers = {"ETag": f'"{hashlib.sha1(content).hexdigest()}"', "X-Repo-Commit": "0" * 40,
+                       "Content-Length": str(len(content))}  # fmt: skip
+            return httpx2.Response(200, headers=headers, content=b"" if request.method == "HEAD" else content)
+        ref = _REF.match(path)
+        if request.method == "POST" and ref:  # create_branch / create_tag
+            kind, repo, what, name = ref.group(1), ref.group(2), ref.group(3), ref.group(4)
+            if what == "branch":
+                key = (kind[:-1], repo, name)
+                if key in self.revisions:
+                    return httpx2.Response(409, json={"error": "branch exists"})
+                self.revisions[key] = dict(self.revisions.get((kind[:-1], repo, "main"), {}))
+                return httpx2.Response(200, json={})
+            tag = json.loads(body)["tag"]
+            if (kind[:-1], repo, tag) in self.revisions:
+                return httpx2.Response(409, json={"error": "tag exists"})
+            source = self.revisions.get(
+                (kind[:-1], repo, self.last_revision.get((kind[:-1], repo), "main")), {}
+            )
+            self.revisions[(kind[:-1], repo, tag)] = dict(source)
+            self.tags.append((repo, tag, name))
+            return httpx2.Response(200, json={})
         if request.method == "POST" and api and api.group(3) == "commit":
             self.commits.append([json.loads(line) for line in body.splitlines()])
             kind, repo = api.group(1), api.group(2)
             self.repos.append((kind[:-1], repo))
+            revision = path.rsplit("/", 1)[1]
+            files = self.revisions.setdefault((kind[:-1], repo, revision), {})
+            files.update(self._files_of(self.commits[-1]))
+            self.last_revision[(kind[:-1], repo)] = revision
             prefix = "" if kind == "models" else f"{kind}/"
             oid = "0123456789abcdef0123456789abcdef01234567"
             return httpx2.Response(
@@ -124,13 +170,18 @@ class FakeHub:
         self.unexpected.append((request.method, str(request.url)))
         return httpx2.Response(404, json={"error": f"not emulated: {request.method} {path}"})
 
+    def _files_of(self, commit) -> dict[str, bytes]:
+        files = {}
+        for line in commit:
+            if line["key"] == "file":
+                files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+            elif line["key"] == "lfsFile":
+                files[line["value"]["path"]] = self.stored[line["value"]["oid"]]
+        return files
+
     def committed_files(self) -> dict[str, bytes]:
         """path -> content of every file in the commits; LFS pointers resolved from storage."""
         files = {}
         for commit in self.commits:
-            for line in commit:
-                if line["key"] == "file":
-                    files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
-                elif line["key"] == "lfsFile":
-                    files[line["value"]["path"]] = self.stored[line["value"]["oid"]]
+            files.update(self._files_of(commit))
         return files

@@ -1,0 +1,535 @@
+"""``metachunk run RECIPE.yaml``: a dataset regeneration job, from corpus to published dataset.
+
+A regeneration recipe names its stages in order. Each stage is an existing ``metachunk`` command
+and its ``config:`` block is exactly the YAML that command's ``--config`` reads::
+
+    name: crud-rewrite-summary
+    state: runs/regen/crud            # the run's state.json, stage configs, regen_manifest.json
+    local_teacher: {model: smollm2}   # optional: `metachunk teacher serve`, started when needed
+    stages:
+      - name: sample
+        run: data sample
+        config: {pool: runs/crud/train_pool.jsonl, out: runs/regen/crud/sample, n_docs: 20000}
+      - name: rewrite
+        run: distill rewrite
+        local_teacher: true           # optional: the config's teacher blocks point at it
+        allow_exit: [0, 4]            # optional: exit statuses that count as done (default [0])
+        config: {chunks: runs/regen/crud/sample/chunks.jsonl, ...}
+
+**Fingerprints.** Before a stage runs, its fingerprint is taken: the sha256 of its command, its
+config (less the runtime settings in :data:`RUNTIME_KEYS`), the content hash of every existing
+path its config names (less its outputs, :data:`OUTPUT_KEYS`, and answer stores), the fingerprint
+of every local model it names (:func:`metachunk.models.fingerprint`), the hashes of every prompt
+and schema file, and the metachunk version. A stage whose fingerprint matches the last successful
+run, and whose outputs still hash as they did, is skipped. A stage downstream of one that wrote
+new bytes sees a changed input and runs; one downstream of a stage that reran to the same bytes
+does not. Inside a stage nothing is paid or scored twice anyway: the teacher's answer store and
+the chunker's shards make each command resume itself, so the runner only sequences and compares.
+
+``--plan`` takes the fingerprints and prints which stages would run, with the teacher stages'
+estimated requests, tokens and cost (``distill ... --dry-run``); it runs nothing.
+
+``regen_manifest.json`` (in ``state``) records how the rows were made: the recipe text and its
+hash, the metachunk version and git commit, every stage's inputs, outputs, models and summary,
+the prompt and schema hashes, the teachers' model names (never keys or URLs) and the wall time.
+``manifest_sha256`` hashes the part that says *what* was made (not when, nor how long it took),
+so ``data push --regen-manifest`` can tell that the Hub already holds this exact run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from metachunk.artifacts import InputError, write_json
+from metachunk.redaction import redact
+
+# Settings that say how a stage runs, not what it makes: they do not change its fingerprint.
+RUNTIME_KEYS = frozenset({
+    "base_url", "base_urls", "base_url_env", "api_key_env", "concurrency", "timeout", "progress", "workers",
+    "threads_per_worker", "device", "engine", "ray_address", "overwrite", "report_to", "logging_dir",
+    "regen_manifest", "rpm", "tpm",
+})  # fmt: skip
+# Keys whose paths a stage writes (hashed after it ran, not as its inputs).
+OUTPUT_KEYS = frozenset({"out", "output", "output_dir", "cards_dir", "plot"})
+# Answer stores: shared, append-only; what a stage takes from one is keyed by the request itself.
+STORE_KEYS = frozenset({"cache", "store"})
+MODEL_KEYS = frozenset({"model", "tokenizer", "embedder", "router", "rewrite", "summarize", "model_name_or_path",
+                        "fallback_model", "checkpoint"})  # fmt: skip
+COMMANDS = ("chunk", "data", "distill", "train", "export", "eval")
+PROMPT_DIRS = ("chunking/prompts", "distill/prompts", "eval/prompts")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Stage:
+    name: str
+    run: str
+    config: dict
+    local_teacher: bool = False
+    allow_exit: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def argv(self) -> list[str]:
+        return self.run.split()
+
+
+@dataclass
+class Recipe:
+    path: Path
+    text: str
+    name: str
+    state: Path
+    stages: list[Stage]
+    local_teacher: dict | None = None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """The recipe at ``path``, checked: every problem names the file and the stage's field."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, "no such recipe")
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise InputError(
+            path, f"invalid YAML ({getattr(e, 'problem', e)})", mark.line + 1 if mark else None
+        ) from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not raw["stages"]:
+        raise InputError(path, "a regeneration recipe needs 'stages:', a list of {name, run, config}")
+    unknown = set(raw) - {"name", "state", "stages", "local_teacher"}
+    if unknown:
+        raise InputError(path, f"unknown top-level key(s): {', '.join(sorted(unknown))}")
+    stages, seen = [], set()
+    for i, s in enumerate(raw["stages"]):
+        where = f"stages[{i}]"
+        if not isinstance(s, dict):
+            raise InputError(path, f"{where}: expected a mapping with name, run and config")
+        extra = set(s) - {"name", "run", "config", "local_teacher", "allow_exit"}
+        if extra:
+            raise InputError(path, f"{where}: unknown key(s) {', '.join(sorted(extra))}")
+        name, run, cfg = s.get("name"), s.get("run"), s.get("config", {})
+        if not isinstance(name, str) or not name or name in seen:
+            raise InputError(path, f"{where}.name: a unique stage name is required (got {name!r})")
+        if not isinstance(run, str) or run.split()[:1] not in [[c] for c in COMMANDS]:
+            raise InputError(
+                path, f"{where}.run: a metachunk command ({', '.join(COMMANDS)} ...), got {run!r}"
+            )
+        if not isinstance(cfg, dict):
+            raise InputError(path, f"{where}.config: expected a mapping (the command's --config YAML)")
+        seen.add(name)
+        stages.append(
+            Stage(name, run, cfg, bool(s.get("local_teacher", False)), list(s.get("allow_exit", [0])))
+        )
+    state = Path(raw.get("state") or Path("runs") / "regen" / path.stem)
+    return Recipe(path, text, str(raw.get("name") or path.stem), state, stages, raw.get("local_teacher"))
+
+
+# ---- hashing ------------------------------------------------------------------------------------
+
+
+class Digests:
+    """Content hashes of files and folders, remembered by (size, mtime) between runs."""
+
+    def __init__(self, known: dict | None = None):
+        self.known: dict[str, list] = dict(known or {})
+
+    def file(self, path: Path) -> str:
+        st = path.stat()
+        key = str(path.resolve())
+        hit = self.known.get(key)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return hit[2]
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        self.known[key] = [st.st_size, st.st_mtime_ns, digest.hexdigest()]
+        return digest.hexdigest()
+
+    def path(self, path: str | Path) -> str | None:
+        """A file's sha256, or a folder's (its non-hidden files by relative path); None if absent."""
+        path = Path(path)
+        if path.is_file():
+            return self.file(path)
+        if not path.is_dir():
+            return None
+        digest = hashlib.sha256()
+        for p in sorted(path.rglob("*")):
+            rel = p.relative_to(path)
+            # Hidden files, locks and answer stores (shared, append-only) are not what a stage made.
+            if (
+                p.is_file()
+                and not any(part.startswith(".") for part in rel.parts)
+                and not (".sqlite" in p.name or p.suffix == ".lock")
+            ):
+                digest.update(f"{rel.as_posix()}\0{self.file(p)}\n".encode())
+        return digest.hexdigest()
+
+
+def _leaves(obj, key: str = "", leaf: str = ""):
+    """``(dotted key, leaf key, value)`` for every scalar in a nested config; a list's items keep
+    the list's key as their leaf key."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{key}.{k}" if key else str(k), str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{key}.{i}", leaf)
+    else:
+        yield key, leaf, obj
+
+
+def _strip_runtime(obj):
+    if isinstance(obj, dict):
+        return {k: _strip_runtime(v) for k, v in obj.items() if k not in RUNTIME_KEYS}
+    if isinstance(obj, list):
+        return [_strip_runtime(v) for v in obj]
+    return obj
+
+
+def _looks_like_path(value: str) -> bool:
+    return "/" in value or Path(value).suffix in (".jsonl", ".json", ".yaml", ".parquet", ".gz", ".txt")
+
+
+def prompt_hashes() -> dict[str, str]:
+    """sha256 of every prompt and answer-schema file the stages read."""
+    out = {}
+    for folder in PROMPT_DIRS:
+        for p in sorted((ROOT / folder).glob("*")):
+            if p.is_file():
+                out[f"{folder}/{p.name}"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def metachunk_version() -> dict:
+    from importlib.metadata import version
+
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        commit = done.stdout.strip() or None if done.returncode == 0 else None
+    return {"version": version("metachunk"), "git_commit": commit}
+
+
+@dataclass
+class Fingerprint:
+    sha256: str
+    inputs: dict[str, str | None]
+    models: dict[str, dict]
+    outputs: list[str]
+
+    @property
+    def missing(self) -> list[str]:
+        return [p for p, d in self.inputs.items() if d is None]
+
+
+def stage_outputs(stage: Stage, key: str, value: str) -> list[str]:
+    """The paths a stage writes that later runs check are still as it left them. A distill task's
+    out dir is shared with the other tasks (and the answer store), so there its own records file;
+    a cards dir holds every dataset's card, so it is not checked."""
+    if key == "cards_dir":
+        return []
+    if stage.argv[0] == "distill" and key == "out" and len(stage.argv) > 1:
+        return [str(Path(value) / f"{stage.argv[1]}.jsonl")]
+    return [value]
+
+
+def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version: str) -> Fingerprint:
+    from metachunk import models
+
+    inputs, model_prints, outputs = {}, {}, []
+    for key, leaf, value in _leaves(stage.config):
+        if not isinstance(value, str) or leaf in RUNTIME_KEYS or key.startswith(("teachers.", "prices.")):
+            continue  # a teacher's model is a name the endpoint knows, kept in the config itself
+        if leaf in OUTPUT_KEYS:
+            outputs.extend(stage_outputs(stage, leaf, value))
+        elif leaf in STORE_KEYS:
+            continue
+        elif leaf in MODEL_KEYS and (value in models.PRESETS or (Path(value) / "config.json").is_file()):
+            model_prints[key] = models.fingerprint(value)
+        elif "," in value and leaf == "experts":  # MoC: four model dirs in one flag
+            for k, part in enumerate(value.split(",")):
+                model_prints[f"{key}.{k}"] = models.fingerprint(part.strip())
+        elif _looks_like_path(value):
+            inputs[value] = digests.path(value)
+    material = {"run": stage.run, "config": _strip_runtime(stage.config), "inputs": inputs,
+                "models": model_prints, "prompts": prompts, "metachunk": version}  # fmt: skip
+    sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return Fingerprint(sha, inputs, model_prints, outputs)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def stage_summary(stage: Stage) -> dict:
+    """What the stage's own manifest says it made (counts, drops, cost), for the regen manifest."""
+    cfg = stage.config
+    words = stage.argv
+    if words[0] == "chunk" and cfg.get("output"):
+        out = Path(cfg["output"])
+        meta = (
+            _read_json(out / "manifest.json") if out.is_dir() else _read_json(out.with_suffix(".meta.json"))
+        )
+        return (meta or {}).get("summary", {})
+    if words[:2] == ["data", "sample"] and cfg.get("out"):
+        meta = _read_json(Path(cfg["out"]) / "sample.json") or {}
+        return {k: meta.get(k) for k in ("pool_long_documents", "documents", "chunks", "selected_chunks")}
+    if words[:2] == ["data", "prepare-crud"] and cfg.get("out"):
+        return _read_json(Path(cfg["out"]) / "report.json") or {}
+    if words[0] == "distill" and cfg.get("out") and len(words) > 1:
+        summary = (_read_json(Path(cfg["out"]) / f"{words[1]}.meta.json") or {}).get("summary", {})
+        keep = (
+            "chunks",
+            "documents",
+            "outcome",
+            "requests_sent",
+            "answers_from_store",
+            "cost",
+            "paid",
+            "json_answers",
+        )
+        return {k: summary[k] for k in keep if k in summary}
+    if words[:2] == ["data", "build-sft"] and cfg.get("out"):
+        report = _read_json(Path(cfg["out"]) / "build_report.json") or {}
+        return {k: report.get(k) for k in ("input_records", "rows", "filters")}
+    return {}
+
+
+def teacher_models(stage: Stage) -> dict[str, str]:
+    """The teachers' model names only: a base URL may carry credentials, a key never goes anywhere."""
+    teachers = stage.config.get("teachers") or {}
+    return {name: str(block.get("model")) for name, block in teachers.items() if isinstance(block, dict)}
+
+
+class Runner:
+    """Runs a :class:`Recipe`'s stages in order, skipping those whose fingerprint is unchanged."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.state_dir = recipe.state
+        self.state_path = self.state_dir / "state.json"
+        self.state = _read_json(self.state_path) or {"stages": {}, "digests": {}}
+        self.digests = Digests(self.state.get("digests"))
+        self.prompts = prompt_hashes()
+        self.version = metachunk_version()
+        self._teacher = None
+        self._teacher_started = False
+
+    def _save_state(self) -> None:
+        self.state["digests"] = self.digests.known
+        write_json(self.state_path, self.state)
+
+    def cached(self, stage: Stage, fp: Fingerprint) -> bool:
+        done = self.state["stages"].get(stage.name)
+        if not done or done.get("fingerprint") != fp.sha256:
+            return False
+        return all(self.digests.path(p) == d for p, d in done.get("outputs", {}).items())
+
+    def fitted(self, stage: Stage) -> Stage:
+        """The stage with its teacher blocks pointed at the local teacher, if it asks for one."""
+        if stage.argv[:2] == ["data", "push"]:  # the dataset goes up with the run's manifest (card + file)
+            cfg = {"regen_manifest": str(self.state_dir / "regen_manifest.json"), **stage.config}
+            return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit)
+        if not stage.local_teacher:
+            return stage
+        teacher = self.local_teacher(start=False)
+        cfg = json.loads(json.dumps(stage.config))
+        for block in (cfg.get("teachers") or {}).values():
+            block.update(base_url=teacher.base_url, model="smollm2" if teacher.backend == "llama.cpp" else teacher.model,
+                         serve_preset=teacher.serve_preset)  # fmt: skip
+            if block.get("structured_output", "none") != "none":
+                block["structured_output"] = teacher.structured_output
+        return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit)
+
+    def local_teacher(self, start: bool = True):
+        from metachunk.local_teacher import LocalTeacher
+
+        if self._teacher is None:
+            spec = dict(self.recipe.local_teacher or {"model": "smollm2"})
+            self._teacher = LocalTeacher(spec.get("model", "smollm2"), backend=spec.get("backend", "auto"),
+                                         threads=spec.get("threads"), log=self.state_dir / "teacher.log")  # fmt: skip
+            self._teacher_started = False
+        if start and not self._teacher_started:
+            started = time.perf_counter()
+            print(f"== run: local teacher: {self._teacher.describe()}", file=sys.stderr, flush=True)
+            self._exit.enter_context(self._teacher)
+            self._teacher_started = True
+            print(
+                f"   ready in {time.perf_counter() - started:.0f}s at {self._teacher.base_url}",
+                file=sys.stderr,
+            )
+        return self._teacher
+
+    def plan(self, out=None) -> list[dict]:
+        """Which stages would run, and what the teacher stages would cost; runs nothing."""
+        out = out or sys.stdout
+        rows, total = [], {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+        upstream_runs = []
+        print(f"plan: {self.recipe.name} ({self.recipe.path}), state {self.state_dir}", file=out)
+        for stage in self.recipe.stages:
+            stage = self.fitted(stage)
+            fp = fingerprint(stage, self.digests, self.prompts, self.version["version"])
+            if self.cached(stage, fp) and not upstream_runs:
+                status = "cached"
+            elif fp.missing:
+                status = f"runs after {', '.join(upstream_runs) or 'its inputs exist'} (missing: {', '.join(fp.missing)})"
+            else:
+                status = "runs"
+            if status != "cached":
+                upstream_runs.append(stage.name)
+            estimate = None
+            if status == "runs" and stage.argv[0] == "distill":
+                estimate = self._estimate(stage)
+                for k in total:
+                    total[k] += estimate.get(k, 0)
+            rows.append({"stage": stage.name, "run": stage.run, "status": status, "estimate": estimate})
+            line = f"  {stage.name:<20} {stage.run:<26} {status}"
+            if estimate:
+                line += (f"  [{estimate['calls']} requests, {estimate['prompt_tokens']:,} prompt + at most "
+                         f"{estimate['completion_tokens']:,} completion tokens, at most ${estimate['cost']:.4f}]")  # fmt: skip
+            print(line, file=out)
+        print(f"total for the stages that can be estimated now: {total['calls']} requests, "
+              f"{total['prompt_tokens']:,} prompt tokens, at most {total['completion_tokens']:,} completion tokens, "
+              f"at most ${total['cost']:.4f}; nothing was run or sent", file=out)  # fmt: skip
+        self._save_state()
+        return rows
+
+    def _estimate(self, stage: Stage) -> dict:
+        """``distill TASK --dry-run``'s totals (its table, captured)."""
+        from metachunk.cli import main as metachunk
+
+        path = self._write_stage_config(stage, suffix=".plan.yaml")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = metachunk([*stage.argv, "--config", str(path), "--dry-run"])
+        if code != 0:
+            return {}
+        for line in buf.getvalue().splitlines():
+            if line.startswith("total"):
+                parts = line.split()
+                calls, _cached, prompt, completion, cost = parts[1:6]
+                return {"calls": int(calls), "prompt_tokens": int(prompt.replace(",", "")),
+                        "completion_tokens": int(completion.replace(",", "")), "cost": float(cost)}  # fmt: skip
+        return {}
+
+    def _write_stage_config(self, stage: Stage, suffix: str = ".yaml") -> Path:
+        import yaml
+
+        path = self.state_dir / "stages" / f"{stage.name}{suffix}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from metachunk.artifacts import AtomicWriter
+
+        with AtomicWriter(path) as f:
+            yaml.safe_dump(stage.config, f, sort_keys=False, allow_unicode=True)
+        return path
+
+    def run(self) -> dict:
+        from metachunk.cli import main as metachunk
+
+        started = time.perf_counter()
+        report = []
+        with contextlib.ExitStack() as self._exit:
+            for stage in self.recipe.stages:
+                t0 = time.perf_counter()
+                if stage.local_teacher:  # before the fingerprint: the backend decides the schema setting
+                    self.local_teacher(start=False)
+                fitted = self.fitted(stage)
+                fp = fingerprint(fitted, self.digests, self.prompts, self.version["version"])
+                if self.cached(fitted, fp):
+                    print(f"== run: {stage.name} ({stage.run}): cached, skipped", file=sys.stderr, flush=True)
+                    report.append(self._entry(stage, fp, "cached", 0.0))
+                    continue
+                if fp.missing:
+                    raise InputError(self.recipe.path, f"stage {stage.name!r}: missing input(s) {', '.join(fp.missing)} "
+                                     "(no earlier stage wrote them)")  # fmt: skip
+                if stage.local_teacher:
+                    self.local_teacher(start=True)
+                    fitted = self.fitted(stage)
+                if stage.argv[:2] == ["data", "push"]:  # the manifest of the stages so far goes up with it
+                    self.write_manifest(report, time.perf_counter() - started)
+                path = self._write_stage_config(fitted)
+                argv = [*stage.argv, "--config", str(path)]
+                print(f"\n== run: {stage.name}: metachunk {' '.join(argv)}", file=sys.stderr, flush=True)
+                code = metachunk(argv)
+                if code not in stage.allow_exit:
+                    self._save_state()
+                    print(f"metachunk: stage {stage.name!r} exited with status {code}; fix it and rerun: "
+                          "the stages before it are skipped", file=sys.stderr)  # fmt: skip
+                    return {"failed": stage.name, "exit": code}
+                outputs = {p: self.digests.path(p) for p in fp.outputs if Path(p).exists()}
+                self.state["stages"][stage.name] = {
+                    "fingerprint": fp.sha256,
+                    "outputs": outputs,
+                    "exit": code,
+                }
+                self._save_state()
+                report.append(self._entry(stage, fp, "ran", time.perf_counter() - t0))
+                self.write_manifest(report, time.perf_counter() - started)
+        manifest = self.write_manifest(report, time.perf_counter() - started)
+        self.print_summary(report, time.perf_counter() - started)
+        return manifest
+
+    def _entry(self, stage: Stage, fp: Fingerprint, status: str, seconds: float) -> dict:
+        done = self.state["stages"].get(stage.name, {})
+        return {"name": stage.name, "run": stage.run, "fingerprint": fp.sha256, "status": status,
+                "seconds": round(seconds, 2), "inputs": fp.inputs, "models": fp.models,
+                "outputs": done.get("outputs", {}), "teachers": teacher_models(stage),
+                "summary": stage_summary(stage)}  # fmt: skip
+
+    def write_manifest(self, report: list[dict], seconds: float) -> dict:
+        what = {
+            # The text as written, less any key or URL password in it (redaction.redact).
+            "recipe": {"path": str(self.recipe.path), "sha256": self.recipe.sha256, "text": redact(self.recipe.text)},
+            "metachunk": self.version,
+            "prompts": self.prompts,
+            "stages": [{k: v for k, v in e.items() if k not in ("status", "seconds")} for e in report],
+        }
+        sha = hashlib.sha256(json.dumps(what, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+        manifest = {"schema_version": 1, "name": self.recipe.name, "manifest_sha256": sha, **what,
+                    "run": {"stages": {e["name"]: {"status": e["status"], "seconds": e["seconds"]} for e in report},
+                            "wall_seconds": round(seconds, 2)}}  # fmt: skip
+        write_json(self.state_dir / "regen_manifest.json", manifest)
+        return manifest
+
+    def print_summary(self, report: list[dict], seconds: float) -> None:
+        header = f"{'stage':<22} {'command':<26} {'status':<7} {'seconds':>8}  summary"
+        print(f"\n{header}\n{'-' * len(header)}")
+        for e in report:
+            summary = ", ".join(f"{k} {v}" for k, v in e["summary"].items() if not isinstance(v, dict))
+            print(f"{e['name']:<22} {e['run']:<26} {e['status']:<7} {e['seconds']:>8.1f}  {summary[:120]}")
+        print(f"total {seconds:.1f} s; manifest {self.state_dir / 'regen_manifest.json'}")
+
+
+def main(recipe_path: str, plan: bool = False) -> int:
+    recipe = load_recipe(recipe_path)
+    runner = Runner(recipe)
+    if plan:
+        runner.plan()
+        return 0
+    result = runner.run()
+    return result.get("exit", 0) if "failed" in result else 0

@@ -1,0 +1,201 @@
+"""``metachunk run RECIPE``: a regeneration job. Stages are skipped while their fingerprint holds,
+a change reruns only what is downstream of it, ``--plan`` runs and sends nothing, a kill -9 mid-run
+then a rerun pays no answered request twice and ends byte-identical, and ``data push`` with the
+run's manifest is idempotent and tags a version (``metachunk/regen.py``, ``distill/hub.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support.loopback_server import serve_in_subprocess
+
+from distill.hub import push_dataset
+from metachunk.cli import main
+
+ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
+SENTENCES = (
+    "She had lived nearly twenty-one years in the world with very little to distress or vex her.",
+    "Her mother had died too long ago for her to have more than an indistinct remembrance of her caresses.",
+    "Sixteen years had Miss Taylor been in the family, less as a governess than a friend.",
+    "The wedding was very much like other weddings, where the parties have no taste for finery or parade.",
+    "He was a nervous man, easily depressed, fond of everybody that he was used to.",
+    "The evil of the actual disparity in their ages was much increased by his constitution and habits.",
+)
+# The completion of each one-sentence document keeps it whole and adds the supplement (so its SFT
+# row survives the lost-content filter); the refinement prompt (the only one with '"score"') gets items.
+REPLIES = {
+    **{
+        rf"(?s)Text chunk:\n{re.escape(s)}\n.*Items to integrate": f"{s} Emma Woodhouse, the heroine, knew it."
+        for s in SENTENCES
+    },
+    '"score"': ITEMS,
+}
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory) -> Path:
+    """Six one-sentence documents from Emma, as a training pool."""
+    path = tmp_path_factory.mktemp("pool") / "pool.jsonl"
+    path.write_text("".join(json.dumps({"id": f"emma-{k}", "text": t}) + "\n" for k, t in enumerate(SENTENCES)),
+                    encoding="utf-8")  # fmt: skip
+    return path
+
+
+def write_recipe(root: Path, pool: Path, tiny: Path, base_url: str, *, validation: float = 0.0,
+                 latency_docs: int = 6) -> Path:  # fmt: skip
+    teacher = {"model": "loopback", "base_url": base_url, "max_tokens": 64, "concurrency": 2, "timeout": 10.0,
+               "max_retries": 1}  # fmt: skip
+    recipe = {
+        "name": "test-regen",
+        "state": str(root / "state"),
+        "stages": [
+            {"name": "sample", "run": "data sample",
+             "config": {"pool": str(pool), "out": str(root / "sample"), "n_docs": latency_docs, "min_doc_chars": 50,
+                        "model": str(tiny), "lang": "en", "device": "cpu", "progress": False}},
+            {"name": "rewrite", "run": "distill rewrite",
+             "config": {"chunks": str(root / "sample" / "chunks.jsonl"),
+                        "documents": str(root / "sample" / "documents.jsonl"), "out": str(root / "distill"),
+                        "lang": "en", "progress": False,
+                        "teachers": {s: dict(teacher) for s in ("reflection", "refinement", "completion")}}},
+            {"name": "sft", "run": "data build-sft rewrite",
+             "config": {"distilled": str(root / "distill" / "rewrite.jsonl"), "out": str(root / "sft"),
+                        "documents": str(root / "sample" / "documents.jsonl"), "tokenizer": str(tiny),
+                        "cards_dir": str(root / "cards"), "max_tokens": 100_000,
+                        "validation_fraction": validation}},
+        ],
+    }  # fmt: skip
+    path = root / "regen.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["run", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def sft_bytes(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((root / "sft" / "data").glob("*.parquet"))}
+
+
+def test_stages_are_skipped_while_unchanged_and_a_change_reruns_only_downstream(tmp_path, capsys, pool,
+                                                                                tiny_model_dir):  # fmt: skip
+    with serve_in_subprocess(latency=0.0, replies=REPLIES) as server:
+        base_url = server.base_url  # (a base_url with a password in it is refused by the teacher config)
+        recipe = write_recipe(tmp_path, pool, tiny_model_dir, base_url)
+        code, out, _ = run(capsys, recipe, "--plan")
+        assert code == 0 and "nothing was run or sent" in out
+        assert "sample" in out and "runs" in out and server.stats()["requests"] == 0
+        assert not (tmp_path / "sample").exists()  # the plan ran nothing
+
+        code, out, err = run(capsys, recipe)
+        assert code == 0, err
+        paid = server.stats()["requests"]
+        assert paid > 0
+        manifest = json.loads((tmp_path / "state" / "regen_manifest.json").read_text())
+        assert [s["name"] for s in manifest["stages"]] == ["sample", "rewrite", "sft"]
+        assert manifest["run"]["stages"]["rewrite"]["status"] == "ran"
+        assert manifest["stages"][1]["teachers"] == {"reflection": "loopback", "refinement": "loopback",
+                                                     "completion": "loopback"}  # fmt: skip
+        assert manifest["recipe"]["text"] == recipe.read_text() and manifest["metachunk"]["version"]
+        first = sft_bytes(tmp_path)
+        rows = json.loads((tmp_path / "sft" / "build_report.json").read_text())["rows"]
+        assert rows == {"train": 6, "validation": 0}, rows  # every distilled row made it
+
+        started = time.perf_counter()
+        code, out, err = run(capsys, recipe)  # nothing changed: every stage cached
+        assert code == 0 and err.count("cached, skipped") == 3, err
+        assert server.stats()["requests"] == paid and time.perf_counter() - started < 30
+        again = json.loads((tmp_path / "state" / "regen_manifest.json").read_text())
+        assert again["manifest_sha256"] == manifest["manifest_sha256"]  # what was made, not when
+
+        code, out, _ = run(capsys, recipe, "--plan")
+        assert out.count(" cached") == 3
+
+        write_recipe(tmp_path, pool, tiny_model_dir, base_url, validation=0.5)  # only sft's config
+        code, out, err = run(capsys, recipe)
+        assert code == 0, err
+        assert "sample (data sample): cached" in err and "rewrite (distill rewrite): cached" in err
+        assert "metachunk data build-sft rewrite --config" in err
+        assert server.stats()["requests"] == paid  # nothing paid twice
+        report = json.loads((tmp_path / "sft" / "build_report.json").read_text())
+        assert report["rows"]["validation"] > 0 and sft_bytes(tmp_path) != first
+
+
+def test_kill_9_mid_run_then_rerun_pays_nothing_twice_and_ends_byte_identical(tmp_path, pool, tiny_model_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with serve_in_subprocess(latency=0.0, replies=REPLIES) as server:
+        whole = tmp_path / "whole"
+        subprocess.run([sys.executable, "-m", "metachunk.cli", "run",
+                        str(write_recipe(whole, pool, tiny_model_dir, server.base_url))],
+                       check=True, env=env, capture_output=True)  # fmt: skip
+    with serve_in_subprocess(latency=0.3, replies=REPLIES) as server:
+        killed = tmp_path / "killed"
+        cmd = [sys.executable, "-m", "metachunk.cli", "run", str(write_recipe(killed, pool, tiny_model_dir,
+                                                                              server.base_url))]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while server.stats()["requests"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)  # in the middle of the distill stage
+        proc.wait()
+        before = server.stats()["requests"]
+        assert not (killed / "sft").exists(), "the run ended before the kill"
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "sample (data sample): cached, skipped" in done.stderr
+        by_key = server.stats()["by_key"]
+    # Only requests in flight at the kill (no answer stored) may arrive twice: at most `concurrency`.
+    assert sum(n - 1 for n in by_key.values()) <= 2, (before, by_key)
+    assert sft_bytes(killed) == sft_bytes(whole)
+
+
+def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("stages:\n  - name: a\n    run: frobnicate\n", encoding="utf-8")
+    code, _, err = run(capsys, path)
+    assert code == 2 and f"{path}: stages[0].run" in err and "Traceback" not in err
+
+
+def test_push_with_the_manifest_is_idempotent_and_tags_each_run(fake_hub, monkeypatch, sft_dataset, tmp_path):
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_123456")
+    manifest = {"schema_version": 1, "name": "crud", "manifest_sha256": "a" * 64,
+                "recipe": {"path": "r.yaml", "sha256": "b" * 64, "text": "name: crud\nstages: []\n"},
+                "metachunk": {"version": "0.1.0", "git_commit": "c" * 40}, "prompts": {"p.txt": "d" * 64},
+                "stages": [{"name": "rewrite", "run": "distill rewrite", "teachers": {"reflection": "QwQ-32B"},
+                            "summary": {"chunks": 12, "requests_sent": 36}}]}  # fmt: skip
+    path = tmp_path / "regen_manifest.json"
+    path.write_text(json.dumps(manifest))
+    push_dataset(sft_dataset, "me/crud-rewrite", regen_manifest=path, tag="regen-1")
+    files = fake_hub.committed_files()
+    assert json.loads(files["regen_manifest.json"])["manifest_sha256"] == "a" * 64
+    card = files["README.md"].decode()
+    assert "## How these rows were made" in card and "QwQ-32B" in card and "name: crud" in card
+    assert fake_hub.tags == [("me/crud-rewrite", "regen-1", "0123456789abcdef0123456789abcdef01234567")]
+    assert (
+        "How these rows were made" not in (sft_dataset / "README.md").read_text()
+    )  # the folder is untouched
+    commits = len(fake_hub.commits)
+
+    push_dataset(sft_dataset, "me/crud-rewrite", regen_manifest=path)  # the same run again
+    assert len(fake_hub.commits) == commits
+
+    manifest["manifest_sha256"] = "e" * 64  # a new regeneration
+    path.write_text(json.dumps(manifest))
+    push_dataset(sft_dataset, "me/crud-rewrite", regen_manifest=path, revision="v2", tag="regen-2")
+    assert len(fake_hub.commits) == commits + 1
+    assert ("dataset", "me/crud-rewrite", "v2") in fake_hub.revisions
+    assert fake_hub.tags[-1][:2] == ("me/crud-rewrite", "regen-2")
+    assert not fake_hub.unexpected
