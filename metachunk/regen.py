@@ -504,7 +504,11 @@ class Runner:
     def write_manifest(self, report: list[dict], seconds: float) -> dict:
         what = {
             # The text as written, less any key or URL password in it (redaction.redact).
-            "recipe": {"path": str(self.recipe.path), "sha256": self.recipe.sha256, "text": redact(self.recipe.text)},
+            "recipe": {
+                "path": str(self.recipe.path),
+                "sha256": self.recipe.sha256,
+                "text": redact(self.recipe.text),
+            },
             "metachunk": self.version,
             "prompts": self.prompts,
             "stages": [{k: v for k, v in e.items() if k not in ("status", "seconds")} for e in report],
