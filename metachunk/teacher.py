@@ -103,6 +103,15 @@ class TeacherConfig:
     base_url_env: str | None = option(
         None, "name of an environment variable holding the endpoint URL; overrides base_url when set"
     )
+    base_urls: list[str] | None = option(
+        None,
+        "several endpoints serving this model (vLLM replicas, gateways): each request goes to the one with "
+        "the fewest in flight, each keeps its own concurrency and rate limits, and one that fails to connect "
+        "is paused and retried later while the others carry the load; overrides base_url",
+    )
+    base_url_envs: list[str] | None = option(
+        None, "names of environment variables holding those endpoints' URLs; overrides base_urls"
+    )
     serve_preset: bool = option(
         False,
         "the endpoint is `metachunk teacher serve` (transformers serve), which answers only requests "
@@ -150,13 +159,14 @@ class TeacherConfig:
         config.check_choices(self)
         if not self.model:
             raise ValueError("'model' is required")
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"'base_url' must be an http(s) URL, got {safe_url(self.base_url)!r}")
-        if "@" in self.base_url.split("/")[2]:
-            raise ValueError(
-                "'base_url' holds credentials (user:key@host): name the key's environment variable in "
-                "'api_key_env' instead, so that it never reaches a file"
-            )
+        for name, url in [("base_url", self.base_url)] + [("base_urls", u) for u in self.base_urls or []]:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"{name!r} must be an http(s) URL, got {safe_url(str(url))!r}")
+            if "@" in url.split("/")[2]:
+                raise ValueError(
+                    f"{name!r} holds credentials (user:key@host): name the key's environment variable in "
+                    "'api_key_env' instead, so that it never reaches a file"
+                )
         for name in ("max_tokens", "concurrency", "max_connection_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name!r} must be >= 1")
@@ -172,6 +182,20 @@ class TeacherConfig:
                 )
             return url.rstrip("/")
         return self.base_url.rstrip("/")
+
+    def endpoint_urls(self) -> list[str]:
+        """Every endpoint of this teacher: base_url_envs, base_urls, or the one endpoint_url()."""
+        if self.base_url_envs:
+            urls = []
+            for name in self.base_url_envs:
+                url = os.environ.get(name, "")
+                if not url:
+                    raise FatalTeacherError(f"teacher {self.model!r}: environment variable {name} is not set")
+                urls.append(url.rstrip("/"))
+            return urls
+        if self.base_urls:
+            return [u.rstrip("/") for u in self.base_urls]
+        return [self.endpoint_url()]
 
     def generation_params(self) -> dict:
         """Sent with every request, and part of its cache key."""
@@ -384,11 +408,12 @@ class Endpoint:
     """One ``base_url`` + ``model``: an AsyncOpenAI client over one pooled HTTP client, a
     concurrency cap, token buckets and the shared 429 pause."""
 
-    def __init__(self, cfg: TeacherConfig):
+    def __init__(self, cfg: TeacherConfig, url: str | None = None):
         import httpx2
         import openai
 
         self.cfg = cfg
+        url = url or cfg.endpoint_url()
         key = "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
         if cfg.api_key_env:
             key = os.environ.get(cfg.api_key_env, "")
@@ -397,7 +422,10 @@ class Endpoint:
                     f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set"
                 )
             register_secret(key)  # from here on, redact() masks it in everything written or printed
-        self.url = safe_url(cfg.endpoint_url())  # what messages and the calibration table name
+        self.url = safe_url(url)  # what messages and the calibration table name
+        self.in_flight = 0  # requests this endpoint is answering now (EndpointGroup picks the fewest)
+        self.down_until = 0.0  # monotonic time before which a group sends it nothing (failed to connect)
+        self.down_for = 0.0  # the next pause after a failed connection: doubles, at most a minute
         self.connection_errors = 0  # requests in a row that could not connect (after their retries)
         self.pause_until = 0.0  # monotonic time before which no request may leave (after a 429)
         # The aiohttp transport keeps the httpx2 client in front (its event hooks, and openai's retries,
@@ -409,7 +437,7 @@ class Endpoint:
             event_hooks={"request": [self._wait_out_pause], "response": [self._note_rate_limit]},
         )
         self.client = openai.AsyncOpenAI(
-            base_url=cfg.endpoint_url(),
+            base_url=url,
             api_key=key,
             max_retries=cfg.max_retries,
             timeout=cfg.timeout,
@@ -462,6 +490,72 @@ class Endpoint:
         await self.client.close()
 
 
+class EndpointGroup:
+    """A teacher's endpoints (one, or ``base_urls``): the :class:`Endpoint` interface over all of
+    them. A request goes to the endpoint with the fewest in flight among those not paused; one that
+    fails to connect is paused (1 s, doubling up to a minute, until it answers again) and the request
+    goes to another. The run stops as unreachable only when requests fail on every endpoint."""
+
+    def __init__(self, cfg: TeacherConfig):
+        self.cfg = cfg
+        self.endpoints = [Endpoint(cfg, url) for url in cfg.endpoint_urls()]
+        self.url = ", ".join(e.url for e in self.endpoints)
+        self.connection_errors = 0
+
+    @property
+    def sent(self) -> int:
+        return sum(e.sent for e in self.endpoints)
+
+    @property
+    def concurrency(self) -> int:
+        return self.cfg.concurrency * len(self.endpoints)
+
+    def note_connection(self, failed: bool) -> None:
+        self.connection_errors = self.connection_errors + 1 if failed else 0
+
+    def check_reachable(self) -> None:
+        if self.connection_errors >= self.cfg.max_connection_errors:
+            raise EndpointUnreachable(
+                f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
+                f"({self.connection_errors} requests in a row failed to connect); is the server running?"
+            )
+
+    def _pick(self, tried: set[int]) -> Endpoint:
+        now = time.monotonic()
+        candidates = [e for e in self.endpoints if id(e) not in tried]
+        up = [e for e in candidates if e.down_until <= now]
+        # All paused: the one whose pause ends first is probed rather than leaving the request waiting.
+        return min(up, key=lambda e: e.in_flight) if up else min(candidates, key=lambda e: e.down_until)
+
+    async def post(self, payload: dict, key: str, estimated_tokens: int) -> tuple[httpx2.Response, Endpoint]:
+        """The response, and the endpoint that gave it (its token bucket gets the unused estimate back)."""
+        import openai
+
+        tried: set[int] = set()
+        while True:
+            endpoint = self._pick(tried)
+            endpoint.in_flight += 1
+            try:
+                response = await endpoint.post(payload, key, estimated_tokens)
+            except openai.APIConnectionError as e:
+                if len(self.endpoints) == 1 or _transport_reason(e) != "connection":
+                    raise
+                endpoint.down_for = min(60.0, max(1.0, 2 * endpoint.down_for))
+                endpoint.down_until = time.monotonic() + endpoint.down_for
+                tried.add(id(endpoint))
+                if len(tried) == len(self.endpoints):
+                    raise
+                continue
+            finally:
+                endpoint.in_flight -= 1
+            endpoint.down_for = 0.0
+            return response, endpoint
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints:
+            await endpoint.close()
+
+
 class Budget:
     """The cap on the spend of every run on one answer store, all processes together.
 
@@ -491,7 +585,12 @@ class Teacher:
     """A stage's view of a teacher: its config, prices and params over a shared endpoint."""
 
     def __init__(
-        self, cfg: TeacherConfig, endpoint: Endpoint | None, store: AnswerStore, price: Price, budget: Budget
+        self,
+        cfg: TeacherConfig,
+        endpoint: EndpointGroup | None,
+        store: AnswerStore,
+        price: Price,
+        budget: Budget,
     ):
         self.cfg, self.endpoint, self.store, self.price, self.budget = cfg, endpoint, store, price, budget
         self.params = cfg.generation_params()
@@ -506,7 +605,8 @@ class Teacher:
         self.cached = 0  # answers served from the store
         self.waited = 0  # answers another process was paying for when this one wanted them
         self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
-        self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_url())}" if endpoint else ""
+        # One calibration for the model across its endpoints: replicas bill the same tokens.
+        self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}" if endpoint else ""
         self._tokenizer = None
 
     def request(
@@ -648,7 +748,7 @@ class Teacher:
         estimated_tokens = prompt_estimate + max_tokens
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                response = await self.endpoint.post(payload, key, estimated_tokens)
+                response, via = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
                 reason = _transport_reason(e)
                 self.endpoint.note_connection(reason == "connection")
@@ -672,10 +772,8 @@ class Teacher:
                 if estimated:  # counted, never free: the same upper estimate the reservation used
                     prompt_tokens = prompt_estimate
                     completion_tokens = min(max_tokens, self.count_tokens(text))
-                if self.endpoint.tokens:  # replace the estimate by the real usage
-                    self.endpoint.tokens.give_back(
-                        max(0, estimated_tokens - prompt_tokens - completion_tokens)
-                    )
+                if via.tokens:  # replace the estimate by the real usage
+                    via.tokens.give_back(max(0, estimated_tokens - prompt_tokens - completion_tokens))
                 cost = self.price.cost(prompt_tokens, completion_tokens)
                 return StoredAnswer(
                     key,
@@ -733,14 +831,14 @@ class TeacherPool:
     ):
         self.store = store
         self.budget = Budget(max_cost, store)
-        self.endpoints: dict[tuple[str, str], Endpoint] = {}
+        self.endpoints: dict[tuple[tuple[str, ...], str], EndpointGroup] = {}
         self.stages: dict[str, Teacher] = {}
         for stage, cfg in teachers.items():
             endpoint = None
             if not offline:
-                where = (cfg.endpoint_url(), cfg.model)
+                where = (tuple(cfg.endpoint_urls()), cfg.model)
                 if where not in self.endpoints:
-                    self.endpoints[where] = Endpoint(cfg)
+                    self.endpoints[where] = EndpointGroup(cfg)
                 endpoint = self.endpoints[where]
             self.stages[stage] = Teacher(cfg, endpoint, store, prices.get(cfg.model, Price()), self.budget)
 
@@ -759,7 +857,7 @@ class TeacherPool:
     @property
     def slots(self) -> int:
         """Requests this pool may have in flight: its endpoints' concurrency (64 offline)."""
-        return sum(e.cfg.concurrency for e in self.endpoints.values()) or 64
+        return sum(e.concurrency for e in self.endpoints.values()) or 64
 
     async def map(
         self,
