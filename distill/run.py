@@ -111,6 +111,14 @@ class DistillConfig:
         "failed always does); the failed records are still written, and a rerun retries transport failures",
     )
     dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
+    export_batch: Path | None = option(
+        None,
+        "teachers in mode: batch: write this round's requests as Batch API JSONL here (for `vllm run-batch`) "
+        "instead of submitting them, and stop; rerun with --import-batch RESULTS for the next round",
+    )
+    import_batch: list[Path] | None = option(
+        None, "store the answers of Batch API result files (vllm run-batch's output) before the run"
+    )
     progress: bool = option(True, "show a progress bar")
     moc: MocOptions = config.block(
         MocOptions, "moc: windows, cleaning and samples (flat keys and flags: window_tokens, ...)", prefix=""
@@ -209,6 +217,7 @@ class RunResult:
     unreachable: str = ""  # the one line saying which endpoint could not be reached
     paid: float = 0.0  # billed to this run's requests
     spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
+    batch: dict | None = None  # mode: batch: rounds, batches, requests, answered, failed, expired
 
 
 def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
@@ -221,10 +230,47 @@ def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
             load_prompt(stage, lang)
     store = AnswerStore(cfg.cache)
     try:
-        pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
-        return asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline))
+        if offline or all(t.mode == "online" for t in cfg.teachers.values()):
+            pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
+            return asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline))
+        return run_batch_rounds(cfg, task, items, store)
     finally:
         store.close()
+
+
+def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerStore) -> RunResult:
+    """Teachers in ``mode: batch``: drive the items against the store, submit what no stored answer
+    covers as batches, wait for them, and drive again, until a round has nothing left to ask (each
+    chained stage takes one round). Live batches of a killed run are waited for first."""
+    from metachunk import batch
+
+    counts = batch.BatchCounts()
+    if cfg.import_batch:
+        offline = TeacherPool(cfg.teachers, cfg.prices, store, offline=True)
+        for path in cfg.import_batch:
+            got = batch.import_results(store, offline.stages, path)
+            print(f"{path}: {got['answered']} answers stored, {got['failed']} failed, {got['skipped']} already "
+                  "stored", file=sys.stderr)  # fmt: skip
+    while True:
+        pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost)
+        if not cfg.export_batch:
+            batch.wait(store, pool.stages, counts, progress=cfg.progress)
+        result = asyncio.run(drive(cfg, task, items, pool, cfg.progress))
+        counts.rounds += 1
+        result.batch = counts.to_json()
+        if cfg.export_batch:
+            n = batch.export(pool.stages, cfg.export_batch)
+            result.batch["exported"] = n
+            print(f"{cfg.export_batch}: {n} requests for `vllm run-batch -i {cfg.export_batch} -o RESULTS.jsonl`; "
+                  "then rerun with --import-batch RESULTS.jsonl", file=sys.stderr)  # fmt: skip
+            return result
+        if not batch.spooled(pool.stages) or result.stopped:
+            return result
+        if batch.submit(store, pool.stages, cfg.max_cost, counts) == 0:
+            result.stopped = "budget"  # every spooled request was refused by the budget
+            result.batch = counts.to_json()
+            return result
+        batch.wait(store, pool.stages, counts, progress=cfg.progress)
 
 
 async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, progress: bool) -> RunResult:
@@ -266,6 +312,8 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
         store_spent=round(result.spent, 6),
         stopped=result.stopped,
     )
+    if result.batch is not None:
+        summary["batch"] = result.batch
     prompts = {
         f"{stage}.{lang}": load_prompt(stage, lang).sha256
         for stage in task.stages

@@ -256,6 +256,8 @@ def to_dict(cfg) -> dict:
             return str(v)
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
         return v
 
     values = dataclasses.asdict(cfg)

@@ -59,6 +59,24 @@ CREATE TABLE IF NOT EXISTS claims (
     expires REAL NOT NULL,            -- wall-clock time; the owner renews it while it runs
     reserved REAL NOT NULL DEFAULT 0  -- the request's worst-case cost, counted by every budget
 );
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,              -- ours, made before anything is uploaded
+    endpoint TEXT NOT NULL,           -- model @ URL
+    input_file_id TEXT,               -- set once the file is uploaded
+    batch_id TEXT,                    -- set once batches.create answered (a kill before: found by the file)
+    status TEXT NOT NULL,             -- claimed | uploaded | submitted | done
+    requests INTEGER NOT NULL,
+    counts TEXT NOT NULL DEFAULT '{}',-- answered, failed, expired (JSON), once done
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batch_items (
+    key TEXT NOT NULL,
+    batch TEXT NOT NULL,              -- batches.id
+    state TEXT NOT NULL,              -- submitted | answered | failed | expired
+    reserved REAL NOT NULL DEFAULT 0, -- its discounted worst-case cost (an answer without usage costs this)
+    PRIMARY KEY (key, batch)
+);
+CREATE INDEX IF NOT EXISTS batch_items_key ON batch_items (key);
 CREATE TABLE IF NOT EXISTS calibration (
     endpoint TEXT PRIMARY KEY,        -- model @ URL
     tokens_per_byte REAL NOT NULL,    -- the largest billed prompt tokens / prompt bytes seen
@@ -294,6 +312,112 @@ class AnswerStore:
     def claims_held(self) -> int:
         """Claims (in-flight requests) this process holds: 0 once every request has settled."""
         return self._db.execute("SELECT COUNT(*) FROM claims WHERE owner = ?", (self.owner,)).fetchone()[0]
+
+    # -- batches: a Batch API job's requests hold their claims (and budget) until it is done
+
+    def claim_batch(self, endpoint: str, entries: list[tuple[str, float]], limit: float | None,
+                    hold_seconds: float) -> tuple[str, list[str]]:  # fmt: skip
+        """Claim the ``(key, reserve)`` entries for one new batch, in order, until the budget refuses
+        one: ``(batch id, claimed keys)``. The claims belong to the batch, not to this process, and
+        hold for ``hold_seconds`` (the completion window and some), so a rerun after a kill neither
+        resends them nor lets the budget forget them."""
+        batch = f"b{secrets.token_hex(8)}"
+        owner, expires = f"batch:{batch}", time.time() + hold_seconds
+        claimed = []
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._refresh()
+            reserved = self._reserved()
+            for key, reserve in entries:
+                if self.has_answer(key):
+                    continue
+                held = self._db.execute(
+                    "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
+                ).fetchone()
+                if held is not None and held[0] != self.owner and self._alive(*held[1:]):
+                    continue  # someone is sending it (online, or in another live batch)
+                if limit is not None and self.total_cost + reserved + reserve > limit:
+                    break
+                reserved += reserve
+                self._db.execute(
+                    "INSERT OR REPLACE INTO claims (key, owner, host, pid, expires, reserved) VALUES (?, ?, 'batch', 0, ?, ?)",
+                    (key, owner, expires, reserve),
+                )
+                self._db.execute("INSERT INTO batch_items (key, batch, state, reserved) VALUES (?, ?, 'submitted', ?)",
+                                 (key, batch, reserve))  # fmt: skip
+                claimed.append(key)
+            if claimed:
+                self._db.execute(
+                    "INSERT INTO batches (id, endpoint, status, requests, created) VALUES (?, ?, 'claimed', ?, ?)",
+                    (batch, endpoint, len(claimed), time.time()),
+                )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return batch, claimed
+
+    def update_batch(self, batch: str, **fields) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self._db.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*fields.values(), batch))
+
+    def live_batches(self) -> list[dict]:
+        """Batches not done yet, oldest first, with their request keys."""
+        rows = self._db.execute(
+            "SELECT id, endpoint, input_file_id, batch_id, status, requests FROM batches WHERE status != 'done' ORDER BY created"
+        ).fetchall()
+        out = []
+        for bid, endpoint, file_id, batch_id, status, n in rows:
+            keys = [k for (k,) in self._db.execute("SELECT key FROM batch_items WHERE batch = ?", (bid,))]
+            out.append({"id": bid, "endpoint": endpoint, "input_file_id": file_id, "batch_id": batch_id,
+                        "status": status, "requests": n, "keys": keys})  # fmt: skip
+        return out
+
+    def batch_item(self, key: str) -> tuple[str | None, int, float]:
+        """``(latest state, batches it was in, its last reservation)`` of a request key."""
+        rows = self._db.execute(
+            "SELECT i.state, i.reserved FROM batch_items i JOIN batches b ON b.id = i.batch WHERE i.key = ?"
+            " ORDER BY b.created", (key,)
+        ).fetchall()  # fmt: skip
+        return (rows[-1][0], len(rows), rows[-1][1]) if rows else (None, 0, 0.0)
+
+    def finish_batch(
+        self, batch: str, answers: list[StoredAnswer], states: dict[str, str], counts: dict
+    ) -> None:
+        """A batch's results in one transaction: its answers and errors appended, every item's
+        state, its claims released, the batch done."""
+        import json
+
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for a in answers:
+                self._db.execute(
+                    "INSERT INTO answers (key, model, status, reason, raw, prompt_tokens, completion_tokens, cost,"
+                    " created, usage_estimated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (a.key, a.model, a.status, a.reason, a.raw, a.prompt_tokens, a.completion_tokens, a.cost,
+                     time.time(), int(a.usage_estimated)),
+                )  # fmt: skip
+            for key, state in states.items():
+                self._db.execute(
+                    "UPDATE batch_items SET state = ? WHERE key = ? AND batch = ?", (state, key, batch)
+                )
+            self._db.execute("DELETE FROM claims WHERE owner = ?", (f"batch:{batch}",))
+            self._db.execute(
+                "UPDATE batches SET status = 'done', counts = ? WHERE id = ?", (json.dumps(counts), batch)
+            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._refresh()
+
+    def drop_batch(self, batch: str) -> None:
+        """A batch that was never submitted (killed before its file was sent): its claims go."""
+        self._db.execute("BEGIN IMMEDIATE")
+        self._db.execute("DELETE FROM claims WHERE owner = ?", (f"batch:{batch}",))
+        self._db.execute("DELETE FROM batch_items WHERE batch = ?", (batch,))
+        self._db.execute("DELETE FROM batches WHERE id = ?", (batch,))
+        self._db.execute("COMMIT")
 
     def spent(self) -> float:
         """Cost of every answer in the store, all processes, as of now."""

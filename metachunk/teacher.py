@@ -155,6 +155,26 @@ class TeacherConfig:
         choices=list(STRUCTURED_OUTPUTS),
     )
 
+    mode: str = option(
+        "online",
+        "online: each request as it comes; batch: the provider's Batch API (OpenAI's, or any server with "
+        "/v1/files and /v1/batches), at its discount: requests are collected, submitted in files of at most "
+        "batch_max_requests / batch_max_bytes, polled, and their answers stored like online ones; chained "
+        "stages run as successive rounds (distill only)",
+        choices=["online", "batch"],
+    )
+    retry_mode: str = option(
+        "batch",
+        "mode: batch: a request that expired or failed in a batch is sent again in a new batch, or online",
+        choices=["batch", "online"],
+    )
+    completion_window: str = option("24h", "mode: batch: the batch's completion window")
+    batch_poll_seconds: float = option(
+        30.0, "mode: batch: first wait between polls of a live batch (then x1.5, at most 10 minutes)"
+    )
+    batch_max_requests: int = option(50_000, "mode: batch: most requests per batch file (OpenAI: 50,000)")
+    batch_max_bytes: int = option(200_000_000, "mode: batch: most bytes per batch file (OpenAI: 200 MB)")
+
     def __post_init__(self):
         config.check_choices(self)
         if not self.model:
@@ -213,6 +233,7 @@ class TeacherConfig:
 class Price:
     input: float = option(0.0, "USD per 1M prompt tokens")
     output: float = option(0.0, "USD per 1M completion tokens")
+    batch_discount: float = option(0.5, "share of the price a Batch API request costs (OpenAI: 0.5)")
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (prompt_tokens * self.input + completion_tokens * self.output) / 1e6
@@ -343,7 +364,7 @@ class Answer:
         return record
 
 
-def _read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
+def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
     """``(prompt, completion, answer text, well-formed)`` from a 200 body; the token counts are
     None when the server sent no usage. A body that is not a chat completion is
     ``malformed_response`` (retried like a transport error)."""
@@ -404,6 +425,17 @@ def _retry_after_seconds(headers) -> float | None:
     return None
 
 
+def api_key(cfg: TeacherConfig) -> str:
+    """The key named by ``api_key_env`` (registered for redaction), or "EMPTY" for local servers."""
+    if not cfg.api_key_env:
+        return "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
+    key = os.environ.get(cfg.api_key_env, "")
+    if not key:
+        raise FatalTeacherError(f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set")
+    register_secret(key)  # from here on, redact() masks it in everything written or printed
+    return key
+
+
 class Endpoint:
     """One ``base_url`` + ``model``: an AsyncOpenAI client over one pooled HTTP client, a
     concurrency cap, token buckets and the shared 429 pause."""
@@ -414,14 +446,7 @@ class Endpoint:
 
         self.cfg = cfg
         url = url or cfg.endpoint_url()
-        key = "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
-        if cfg.api_key_env:
-            key = os.environ.get(cfg.api_key_env, "")
-            if not key:
-                raise FatalTeacherError(
-                    f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set"
-                )
-            register_secret(key)  # from here on, redact() masks it in everything written or printed
+        key = api_key(cfg)
         self.url = safe_url(url)  # what messages and the calibration table name
         self.in_flight = 0  # requests this endpoint is answering now (EndpointGroup picks the fewest)
         self.down_until = 0.0  # monotonic time before which a group sends it nothing (failed to connect)
@@ -608,6 +633,9 @@ class Teacher:
         # One calibration for the model across its endpoints: replicas bill the same tokens.
         self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}" if endpoint else ""
         self._tokenizer = None
+        # mode: batch: requests this round could not answer from the store, (key, body, reservation),
+        # for metachunk.batch to submit; a key appears once however many items ask for it.
+        self.spool: dict[str, tuple[dict, float]] = {}
 
     def request(
         self,
@@ -695,6 +723,23 @@ class Teacher:
             return Answer(
                 key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
             )
+        if self.cfg.mode == "batch":
+            state, tries, _ = self.store.batch_item(key)
+            if state == "submitted":  # in a live batch: its answer comes when the batch is done
+                return Answer(key, self.cfg.model, "pending", params=params)
+            gave_up = state in ("failed", "expired") and tries > self.cfg.max_retries
+            if gave_up:
+                stored = self.store.get(key)
+                if stored is not None:
+                    return Answer.from_stored(stored, params, cached=False)
+                return Answer(key, self.cfg.model, "failed", reason="batch_expired", params=params)
+            if not (state in ("failed", "expired") and self.cfg.retry_mode == "online"):
+                prompt_estimate = self.count_tokens("", messages)
+                reserve = self.price.cost(prompt_estimate, max_tokens) * self.price.batch_discount
+                self.spool[key] = (payload, reserve)
+                return Answer(
+                    key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
+                )
         self.store.start_heartbeat()
         waited = refused = False
         while True:  # claim the key, with its reservation, or wait for whoever is sending it
@@ -766,7 +811,7 @@ class Teacher:
                 )
             self.endpoint.note_connection(False)
             raw = redact(response.text, headers=False)
-            prompt_tokens, completion_tokens, text, well_formed = _read_usage(raw)
+            prompt_tokens, completion_tokens, text, well_formed = read_usage(raw)
             if well_formed:
                 estimated = prompt_tokens is None
                 if estimated:  # counted, never free: the same upper estimate the reservation used

@@ -16,6 +16,15 @@ Endpoints
     ``max_tokens`` / ``max_completion_tokens`` are accepted and ignored (use ``[[fault:length]]``).
 ``GET /v1/models``, ``GET /health``
     Fixed answers.
+``POST /v1/files`` (multipart, ``purpose=batch``), ``GET /v1/files/{id}/content``,
+``POST /v1/batches``, ``GET /v1/batches/{id}``, ``GET /v1/batches``
+    OpenAI's Batch API, enough for the openai client to use unchanged. A batch goes
+    ``validating`` -> ``in_progress`` -> ``completed`` over ``--batch-polls`` retrievals (2 by
+    default) and answers every line as the chat endpoint would (``replies``, billing), counted in
+    ``by_key`` by ``custom_id`` and in ``batch_requests``. Markers in a line's messages:
+    ``[[batch:error]]`` puts that line in the error file (status 500); ``[[batch:expire]]`` leaves it
+    unanswered and ends the batch ``expired`` (the other lines in the output file); ``[[batch:fail]]``
+    fails the whole batch in validation (no output).
 ``GET /stats``
     ``{"requests": n, "by_key": {key: n}, "by_outcome": {"ok": n, "429": n, ...},
     "response_format": {key: the last response_format that key's request carried}}`` over chat
@@ -333,6 +342,7 @@ class LoopbackServer:
         hang_seconds: float = 3600.0,
         billing: str = "quarter",
         echo_auth: bool = False,
+        batch_polls: int = 2,
     ):
         if billing not in BILLING:
             raise ValueError(f"unknown billing {billing!r}; expected one of {', '.join(BILLING)}")
@@ -355,6 +365,11 @@ class LoopbackServer:
         self.by_key: dict[str, int] = {}
         self.by_outcome: dict[str, int] = {}
         self.response_formats: dict[str, object] = {}
+        self.batch_polls = batch_polls
+        self.files: dict[str, bytes] = {}
+        self.batches: dict[str, dict] = {}
+        self._polls: dict[str, int] = {}
+        self.batch_requests = 0
         self._models_body = json.dumps(
             {"object": "list", "data": [{"id": "loopback", "object": "model"}]}
         ).encode()
@@ -383,6 +398,9 @@ class LoopbackServer:
 
     def stats(self) -> dict:
         stats = {"requests": self.requests, "by_key": dict(self.by_key), "by_outcome": dict(self.by_outcome)}
+        if self.batches:  # only once a batch was made: the plain stats keep their shape
+            stats["batch_requests"] = self.batch_requests
+            stats["batches"] = {b["id"]: b["status"] for b in self.batches.values()}
         if self.response_formats:  # only once a request carried one: the plain stats keep their shape
             stats["response_format"] = dict(self.response_formats)
         return stats
@@ -393,6 +411,10 @@ class LoopbackServer:
         path = target.partition("?")[0]
         if method == "POST" and (path == "/v1/chat/completions" or path == "/chat/completions"):
             self._chat(connection, headers, body, keep_alive)
+            return
+        if path.startswith(("/v1/files", "/v1/batches")):
+            status, data = self._batch_api(method, path, headers, body)
+            connection.send(_response(status, data, keep_alive), keep_alive)
             return
         if method not in ("GET", "POST"):
             connection.send(
@@ -409,6 +431,112 @@ class LoopbackServer:
             connection.send(_response(404, self._not_found_body, keep_alive), keep_alive)
             return
         connection.send(_response(200, data, keep_alive), keep_alive)
+
+    # -- the Batch API
+
+    def _batch_api(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, bytes]:
+        parts = path.strip("/").split("/")  # v1, files|batches, [id], [content|cancel]
+        now = int(time.time())
+        if parts[1] == "files" and method == "POST" and len(parts) == 2:
+            from email.parser import BytesParser
+            from email.policy import HTTP
+
+            message = BytesParser(policy=HTTP).parsebytes(
+                b"Content-Type: " + headers.get("content-type", "").encode() + b"\r\n\r\n" + body
+            )
+            fields = {
+                part.get_param("name", header="content-disposition"): part for part in message.iter_parts()
+            }
+            if "file" not in fields:
+                return 400, _error_body("no file", "invalid_request_error")
+            data = fields["file"].get_payload(decode=True)
+            file_id = f"file-{len(self.files) + 1}"
+            self.files[file_id] = data
+            name = fields["file"].get_filename() or "batch.jsonl"
+            return 200, json.dumps({"id": file_id, "object": "file", "bytes": len(data), "created_at": now,
+                                    "filename": name, "purpose": "batch", "status": "processed"}).encode()  # fmt: skip
+        if parts[1] == "files" and method == "GET" and len(parts) == 4 and parts[3] == "content":
+            if parts[2] not in self.files:
+                return 404, _error_body("no such file", "invalid_request_error")
+            return 200, self.files[parts[2]]
+        if parts[1] == "batches" and method == "POST" and len(parts) == 2:
+            request = json.loads(body)
+            if request.get("input_file_id") not in self.files:
+                return 400, _error_body("unknown input_file_id", "invalid_request_error")
+            batch_id = f"batch_{len(self.batches) + 1}"
+            self.batches[batch_id] = {
+                "id": batch_id, "object": "batch", "endpoint": request.get("endpoint"), "errors": None,
+                "input_file_id": request["input_file_id"], "completion_window": request.get("completion_window"),
+                "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
+                "in_progress_at": None, "expires_at": now + 86400, "completed_at": None, "failed_at": None,
+                "expired_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+                "metadata": request.get("metadata"),
+            }  # fmt: skip
+            self._polls[batch_id] = 0
+            return 200, json.dumps(self.batches[batch_id]).encode()
+        if parts[1] == "batches" and method == "GET" and len(parts) == 2:
+            return 200, json.dumps({"object": "list", "data": list(self.batches.values()), "has_more": False,
+                                    "first_id": None, "last_id": None}).encode()  # fmt: skip
+        if parts[1] == "batches" and method == "GET" and len(parts) == 3:
+            batch = self.batches.get(parts[2])
+            if batch is None:
+                return 404, _error_body("no such batch", "invalid_request_error")
+            self._advance(batch, now)
+            return 200, json.dumps(batch).encode()
+        return 404, self._not_found_body
+
+    def _advance(self, batch: dict, now: int) -> None:
+        if batch["status"] not in ("validating", "in_progress"):
+            return
+        self._polls[batch["id"]] += 1
+        lines = [json.loads(x) for x in self.files[batch["input_file_id"]].splitlines() if x.strip()]
+        batch["request_counts"]["total"] = len(lines)
+        if batch["status"] == "validating":
+            if any("[[batch:fail]]" in _joined_content(x["body"]["messages"]) for x in lines):
+                batch.update(
+                    status="failed",
+                    failed_at=now,
+                    errors={"object": "list", "data": [{"code": "invalid_file", "message": "failed"}]},
+                )
+                return
+            batch.update(status="in_progress", in_progress_at=now)
+        if self._polls[batch["id"]] < self.batch_polls:
+            return
+        output, errors, expired = [], [], False
+        for line in lines:
+            key, payload = line["custom_id"], line["body"]
+            text = _joined_content(payload["messages"])
+            if "[[batch:expire]]" in text:
+                expired = True
+                continue
+            self.by_key[key] = self.by_key.get(key, 0) + 1
+            self.batch_requests += 1
+            if "[[batch:error]]" in text:
+                errors.append({"id": f"br-{key[:8]}", "custom_id": key, "error": None,
+                               "response": {"status_code": 500, "request_id": "r",
+                                            "body": {"error": {"message": "server error", "type": "server_error"}}}})  # fmt: skip
+                continue
+            content = next(
+                (reply for pattern, reply in self._replies if pattern.search(text)), "answer " + key[:12]
+            )
+            body = json.dumps(payload)
+            usage = {"prompt_tokens": max(1, len(body) // 4), "completion_tokens": max(1, len(content) // 4)}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            completion = {"id": f"chatcmpl-batch-{next(self._ids)}", "object": "chat.completion", "created": now,
+                          "model": payload.get("model", "loopback"),
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                       "finish_reason": "stop"}], "usage": usage}  # fmt: skip
+            output.append({"id": f"br-{key[:8]}", "custom_id": key, "error": None,
+                           "response": {"status_code": 200, "request_id": "r", "body": completion}})  # fmt: skip
+        for name, rows in (("output_file_id", output), ("error_file_id", errors)):
+            if rows:
+                file_id = f"file-{len(self.files) + 1}"
+                self.files[file_id] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                batch[name] = file_id
+        batch["request_counts"].update(completed=len(output), failed=len(errors))
+        batch.update(status="expired", expired_at=now) if expired else batch.update(
+            status="completed", completed_at=now
+        )
 
     def _count(self, outcome: str) -> None:
         self.by_outcome[outcome] = self.by_outcome.get(outcome, 0) + 1
@@ -549,8 +677,9 @@ def _options_to_args(
     hang_seconds: float,
     billing: str = "quarter",
     echo_auth: bool = False,
+    batch_polls: int = 2,
 ) -> list[str]:
-    args = ["--latency", repr(float(latency)), "--seed", str(seed)]
+    args = ["--latency", repr(float(latency)), "--seed", str(seed), "--batch-polls", str(batch_polls)]
     args += ["--retry-after", repr(float(retry_after)), "--hang-seconds", repr(float(hang_seconds))]
     args += ["--billing", billing] + (["--echo-auth"] if echo_auth else [])
     if random_faults:
@@ -571,6 +700,7 @@ def serve_in_subprocess(
     hang_seconds: float = 3600.0,
     billing: str = "quarter",
     echo_auth: bool = False,
+    batch_polls: int = 2,
     startup_timeout: float = 30.0,
 ) -> Iterator[ServerHandle]:
     """Run this file (standard library only) in a subprocess and yield its ``ServerHandle``.
@@ -591,7 +721,7 @@ def serve_in_subprocess(
             str(port_file),
         ]
         command += _options_to_args(
-            latency, random_faults, seed, replies, retry_after, hang_seconds, billing, echo_auth
+            latency, random_faults, seed, replies, retry_after, hang_seconds, billing, echo_auth, batch_polls
         )
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
@@ -646,6 +776,7 @@ async def _serve(args: argparse.Namespace) -> None:
         hang_seconds=args.hang_seconds,
         billing=args.billing,
         echo_auth=args.echo_auth,
+        batch_polls=args.batch_polls,
     )
     await server.start()
     stop = asyncio.Event()
@@ -673,6 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang-seconds", type=float, default=3600.0, help="how long a hang fault waits")
     parser.add_argument("--billing", choices=BILLING, default="quarter", help="the usage each answer reports")
     parser.add_argument("--echo-auth", action="store_true", help="quote the Authorization header back")
+    parser.add_argument("--batch-polls", type=int, default=2, help="retrievals before a batch is done")
     args = parser.parse_args(argv)
     # Fail on bad options before binding, so a parent waiting for the port file sees the error.
     try:

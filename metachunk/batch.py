@@ -1,0 +1,275 @@
+"""The teacher Batch API: the requests a round could not answer, sent as batch files at the
+provider's discount, polled, and stored in the same answer store as online answers.
+
+A teacher with ``mode: batch`` does not send a request it has no stored answer for: it puts the
+request in its spool (:attr:`metachunk.teacher.Teacher.spool`) and the item stays pending. After
+the round, :func:`submit` writes the spooled requests as OpenAI Batch JSONL lines
+(``custom_id`` = the request's cache key, ``method``, ``url``, ``body``), at most
+``batch_max_requests`` lines and ``batch_max_bytes`` per file, uploads each with the openai client
+(``files.create(purpose="batch")``, ``batches.create``) and :func:`wait` polls every live batch
+with backoff, downloads its output and error files, and stores every answer. The next round finds
+those answers and asks the next stage: chained stages (reflection -> refinement -> completion)
+take one round each.
+
+**Nothing is paid twice, across kills.** Before a file is uploaded its requests are claimed in the
+store by the batch itself (not by this process), with their discounted worst-case cost reserved
+against ``--max-cost``, and the batch's own row records each step: claimed, uploaded (the file id),
+submitted (the batch id). A rerun polls the live batches it finds there and never resubmits their
+requests; a batch killed between upload and ``batches.create`` is found again by its file id
+(``batches.list``); one killed before its upload is dropped, its claims released.
+
+Expired and failed lines are counted; the next round sends them again in a new batch, or online
+with ``retry_mode: online``, up to ``max_retries`` times. ``--export-batch`` / ``--import-batch``
+(distill) write the same lines for ``vllm run-batch`` and read its results back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from metachunk.redaction import redact
+from metachunk.store import AnswerStore, StoredAnswer
+from metachunk.teacher import Teacher, TeacherConfig, api_key, read_usage, safe_url
+
+URL = "/v1/chat/completions"
+HOLD_SLACK_SECONDS = 3600.0  # claims outlive the completion window by this much
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def window_seconds(window: str) -> float:
+    """``"24h"`` -> 86400.0 (the Batch API's ``completion_window``)."""
+    unit = {"h": 3600, "m": 60, "d": 86400}.get(window[-1:], None)
+    if unit is None or not window[:-1].isdigit():
+        raise ValueError(f"completion_window must look like '24h', got {window!r}")
+    return int(window[:-1]) * unit
+
+
+def batch_line(key: str, payload: dict) -> str:
+    return (
+        json.dumps({"custom_id": key, "method": "POST", "url": URL, "body": payload}, ensure_ascii=False)
+        + "\n"
+    )
+
+
+@dataclass
+class BatchCounts:
+    rounds: int = 0
+    batches: int = 0
+    requests: int = 0
+    answered: int = 0
+    failed: int = 0
+    expired: int = 0
+    refused_by_budget: int = 0
+    seconds_waiting: float = 0.0
+    by_batch: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def _client(cfg: TeacherConfig):
+    import openai
+
+    return openai.OpenAI(base_url=cfg.endpoint_urls()[0], api_key=api_key(cfg), max_retries=cfg.max_retries,
+                         timeout=cfg.timeout)  # fmt: skip
+
+
+def endpoint_name(cfg: TeacherConfig) -> str:
+    return f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}"
+
+
+def spooled(teachers: dict[str, Teacher]) -> dict[str, tuple[Teacher, dict[str, tuple[dict, float]]]]:
+    """The round's spooled requests by endpoint: stages on one endpoint share its batches."""
+    out: dict[str, tuple[Teacher, dict]] = {}
+    for teacher in teachers.values():
+        if teacher.cfg.mode == "batch" and teacher.spool:
+            name = endpoint_name(teacher.cfg)
+            out.setdefault(name, (teacher, {}))[1].update(teacher.spool)
+    return out
+
+
+def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None, counts: BatchCounts) -> int:
+    """Claim, upload and create batches for every spooled request; returns how many were submitted."""
+    submitted = 0
+    for name, (teacher, entries) in spooled(teachers).items():
+        cfg = teacher.cfg
+        client = _client(cfg)
+        hold = window_seconds(cfg.completion_window) + HOLD_SLACK_SECONDS
+        files, current, size = [], [], 0
+        for key, (payload, reserve) in entries.items():
+            line = batch_line(key, payload)
+            n = len(line.encode("utf-8"))
+            if current and (len(current) >= cfg.batch_max_requests or size + n > cfg.batch_max_bytes):
+                files.append(current)
+                current, size = [], 0
+            current.append((key, line, reserve))
+            size += n
+        if current:
+            files.append(current)
+        for lines in files:
+            batch, claimed = store.claim_batch(name, [(k, r) for k, _, r in lines], limit, hold)
+            counts.refused_by_budget += len(lines) - len(claimed)
+            if not claimed:
+                continue
+            keep = set(claimed)
+            body = "".join(line for k, line, _ in lines if k in keep).encode("utf-8")
+            uploaded = client.files.create(file=(f"metachunk-{batch}.jsonl", body), purpose="batch")
+            store.update_batch(batch, input_file_id=uploaded.id, status="uploaded")
+            created = client.batches.create(input_file_id=uploaded.id, endpoint=URL,
+                                            completion_window=cfg.completion_window,
+                                            metadata={"metachunk_batch": batch})  # fmt: skip
+            store.update_batch(batch, batch_id=created.id, status="submitted")
+            counts.batches += 1
+            counts.requests += len(claimed)
+            submitted += len(claimed)
+            print(f"batch: {created.id} submitted to {name}: {len(claimed)} requests ({len(body):,} bytes)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return submitted
+
+
+def wait(
+    store: AnswerStore, teachers: dict[str, Teacher], counts: BatchCounts, progress: bool = True
+) -> None:
+    """Poll every live batch in the store until it is done, and store its results."""
+    by_endpoint = {endpoint_name(t.cfg): t for t in teachers.values()}
+    started = time.perf_counter()
+    delays: dict[str, float] = {}
+    while live := store.live_batches():
+        next_poll = None
+        for row in live:
+            teacher = by_endpoint.get(row["endpoint"])
+            if teacher is None:  # another recipe's batch on this store: not ours to collect
+                continue
+            cfg = teacher.cfg
+            client = _client(cfg)
+            if row["status"] == "claimed":  # killed before the upload: nothing was sent
+                store.drop_batch(row["id"])
+                continue
+            if row["batch_id"] is None:  # killed between upload and batches.create
+                found = [b for b in client.batches.list(limit=100) if b.input_file_id == row["input_file_id"]]
+                if not found:
+                    created = client.batches.create(input_file_id=row["input_file_id"], endpoint=URL,
+                                                    completion_window=cfg.completion_window,
+                                                    metadata={"metachunk_batch": row["id"]})  # fmt: skip
+                    found = [created]
+                store.update_batch(row["id"], batch_id=found[0].id, status="submitted")
+                row["batch_id"] = found[0].id
+            batch = client.batches.retrieve(row["batch_id"])
+            if batch.status in TERMINAL:
+                collect(store, teacher, row, batch, client, counts)
+                continue
+            delay = delays.get(row["id"], cfg.batch_poll_seconds)
+            delays[row["id"]] = min(600.0, delay * 1.5)
+            next_poll = delay if next_poll is None else min(next_poll, delay)
+            if progress:
+                rc = batch.request_counts
+                print(f"batch: {batch.id} {batch.status}" + (f" ({rc.completed + rc.failed}/{rc.total})" if rc else "")
+                      + f"; next poll in {delay:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
+        if next_poll is None:
+            if all(by_endpoint.get(r["endpoint"]) is None for r in store.live_batches()):
+                break
+            continue
+        time.sleep(next_poll)
+    counts.seconds_waiting += time.perf_counter() - started
+
+
+def collect(store: AnswerStore, teacher: Teacher, row: dict, batch, client, counts: BatchCounts) -> None:
+    """Store a finished batch's output and error lines; what is in neither expired (or failed with it)."""
+    cfg, price = teacher.cfg, teacher.price
+    answers, states = [], {}
+    reserved = {key: store.batch_item(key)[2] for key in row["keys"]}
+    for file_id, ok in ((batch.output_file_id, True), (batch.error_file_id, False)):
+        if not file_id:
+            continue
+        for line in client.files.content(file_id).text.splitlines():
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            key = item.get("custom_id")
+            if key not in reserved:
+                continue
+            response = item.get("response") or {}
+            status_code = response.get("status_code", 0)
+            body = response.get("body")
+            if ok and status_code == 200 and isinstance(body, dict):
+                raw = redact(json.dumps(body, ensure_ascii=False), headers=False)
+                prompt_tokens, completion_tokens, _, well_formed = read_usage(raw)
+                if well_formed:
+                    estimated = prompt_tokens is None
+                    if estimated:  # never free: the reservation was the worst case
+                        cost, prompt_tokens, completion_tokens = reserved[key], 0, 0
+                    else:
+                        cost = price.cost(prompt_tokens, completion_tokens) * price.batch_discount
+                    answers.append(StoredAnswer(key, cfg.model, "ok", "", raw, prompt_tokens, completion_tokens, cost,
+                                                usage_estimated=estimated))  # fmt: skip
+                    states[key] = "answered"
+                    continue
+            message = redact(json.dumps(item.get("error") or body or {}, ensure_ascii=False)[:500])
+            answers.append(
+                StoredAnswer(key, cfg.model, "error", f"batch_http_{status_code}", message, 0, 0, 0.0)
+            )
+            states[key] = "failed"
+    for key in reserved:  # no line: expired with the batch (or the whole batch failed)
+        states.setdefault(key, "failed" if batch.status == "failed" else "expired")
+    tally = {s: sum(1 for v in states.values() if v == s) for s in ("answered", "failed", "expired")}
+    store.finish_batch(row["id"], answers, states, {"status": batch.status, **tally})
+    counts.answered += tally["answered"]
+    counts.failed += tally["failed"]
+    counts.expired += tally["expired"]
+    counts.by_batch.append({"batch": batch.id, "status": batch.status, **tally})
+    print(f"batch: {batch.id} {batch.status}: {tally['answered']} answered, {tally['failed']} failed, "
+          f"{tally['expired']} expired", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def export(teachers: dict[str, Teacher], path) -> int:
+    """The spooled requests as Batch JSONL for ``vllm run-batch``; returns how many."""
+    from metachunk.artifacts import AtomicWriter
+
+    n = 0
+    with AtomicWriter(path) as f:
+        for _, entries in spooled(teachers).values():
+            for key, (payload, _) in entries.items():
+                f.write(batch_line(key, payload))
+                n += 1
+    return n
+
+
+def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> dict:
+    """Store the answers of a results file (``vllm run-batch`` or a provider's output file)."""
+    from metachunk.artifacts import InputError
+
+    by_model = {t.cfg.model: t for t in teachers.values()}
+    answers, counts = [], {"answered": 0, "failed": 0, "skipped": 0}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                key, response = item["custom_id"], item.get("response") or {}
+            except (ValueError, KeyError, TypeError):
+                raise InputError(
+                    path, "expected a Batch API result line with 'custom_id' and 'response'", number
+                ) from None
+            body = response.get("body")
+            teacher = by_model.get((body or {}).get("model")) or next(iter(teachers.values()))
+            if store.has_answer(key):
+                counts["skipped"] += 1
+                continue
+            if response.get("status_code") == 200 and isinstance(body, dict):
+                raw = redact(json.dumps(body, ensure_ascii=False), headers=False)
+                prompt_tokens, completion_tokens, _, ok = read_usage(raw)
+                if ok:
+                    pt, ct = prompt_tokens or 0, completion_tokens or 0
+                    cost = teacher.price.cost(pt, ct) * teacher.price.batch_discount
+                    answers.append(StoredAnswer(key, teacher.cfg.model, "ok", "", raw, pt, ct, cost,
+                                                usage_estimated=prompt_tokens is None))  # fmt: skip
+                    counts["answered"] += 1
+                    continue
+            counts["failed"] += 1
+    for answer in answers:
+        store.put(answer)
+    return counts

@@ -1,0 +1,140 @@
+"""The teacher Batch API (``mode: batch``, ``metachunk/batch.py``) against the loopback server's
+``/v1/files`` and ``/v1/batches``, through the unchanged openai client: chained stages as rounds at
+the discount, file limits, expired and failed lines retried, a kill mid-poll resumed without a
+resubmission, and the export/import pair for ``vllm run-batch``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import yaml
+from support.loopback_server import serve_in_subprocess
+
+from metachunk.cli import main
+
+ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
+REPLIES = {'"score"': ITEMS}
+PRICE = {"input": 2.0, "output": 8.0}  # USD per 1M tokens
+
+
+def write_job(root, base_url, n=6, markers=None, **teacher):
+    root.mkdir(parents=True, exist_ok=True)
+    docs, chunks = root / "documents.jsonl", root / "chunks.jsonl"
+    with docs.open("w") as d, chunks.open("w") as c:
+        for i in range(n):
+            text = f"Passage {i}. Emma Woodhouse had lived {i} years in Highbury with very little to vex her."
+            text += (markers or {}).get(i, "")
+            d.write(json.dumps({"id": f"d{i}", "text": text}) + "\n")
+            c.write(
+                json.dumps({"id": f"d{i}", "chunks": [{"text": text, "start": 0, "end": len(text)}]}) + "\n"
+            )
+    block = {"model": "loopback", "base_url": base_url, "max_tokens": 64, "timeout": 10.0, "max_retries": 1,
+             "mode": "batch", "batch_poll_seconds": 0.02, **teacher}  # fmt: skip
+    recipe = {"task": "rewrite", "documents": str(docs), "chunks": str(chunks), "out": str(root / "run"),
+              "lang": "en", "progress": False, "prices": {"loopback": PRICE},
+              "teachers": {s: dict(block) for s in ("reflection", "refinement", "completion")}}  # fmt: skip
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def records(root):
+    return [json.loads(x) for x in (root / "run" / "rewrite.jsonl").read_text().splitlines()]
+
+
+def summary(root):
+    return json.loads((root / "run" / "rewrite.meta.json").read_text())["summary"]
+
+
+def test_chained_stages_run_as_batch_rounds_at_the_discount_and_a_rerun_sends_nothing(tmp_path, capsys):
+    with serve_in_subprocess(replies=REPLIES) as server:
+        recipe = write_job(tmp_path, server.base_url)
+        assert main(["distill", "rewrite", "--config", str(recipe)]) == 0, capsys.readouterr().err
+        stats = server.stats()
+        assert all(r["status"] == "ok" for r in records(tmp_path))
+        batch = summary(tmp_path)["batch"]
+        # reflection, refinement, completion: three submitted rounds, then one that finds everything stored
+        assert (batch["rounds"], batch["batches"], batch["requests"], batch["answered"]) == (4, 3, 18, 18)
+        assert stats["requests"] == 0 and stats["batch_requests"] == 18  # nothing went online
+        assert all(n == 1 for n in stats["by_key"].values()) and len(stats["by_key"]) == 18
+        with sqlite3.connect(tmp_path / "run" / "answers.sqlite") as db:
+            rows = db.execute("SELECT prompt_tokens, completion_tokens, cost FROM answers").fetchall()
+        assert len(rows) == 18
+        for pt, ct, cost in rows:  # half the online price
+            assert abs(cost - 0.5 * (pt * PRICE["input"] + ct * PRICE["output"]) / 1e6) < 1e-12
+
+        assert main(["distill", "rewrite", "--config", str(recipe)]) == 0
+        again = server.stats()
+        assert again["batch_requests"] == 18 and again["requests"] == 0 and len(again["batches"]) == 3
+        assert summary(tmp_path)["batch"]["rounds"] == 1
+
+
+def test_files_split_at_the_limit_and_expired_or_failed_lines_are_retried_online(tmp_path, capsys):
+    markers = {1: " [[batch:expire]]", 4: " [[batch:error]]"}
+    with serve_in_subprocess(replies=REPLIES) as server:
+        recipe = write_job(
+            tmp_path, server.base_url, markers=markers, batch_max_requests=4, retry_mode="online"
+        )
+        assert main(["distill", "rewrite", "--config", str(recipe)]) == 0, capsys.readouterr().err
+        stats = server.stats()
+    assert all(r["status"] == "ok" for r in records(tmp_path))
+    batch = summary(tmp_path)["batch"]
+    assert batch["expired"] >= 1 and batch["failed"] >= 1
+    # 6 requests per round in files of at most 4: two batches per round; the two marked chunks go online.
+    assert batch["batches"] == 6 and stats["requests"] == 6  # 2 chunks x 3 stages sent online
+    statuses = {b["status"] for b in batch["by_batch"]}
+    assert statuses == {"completed", "expired"}
+
+
+def test_a_kill_mid_poll_resumes_polling_and_never_resubmits_a_live_batch(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with serve_in_subprocess(replies=REPLIES, batch_polls=8) as server:
+        recipe = write_job(tmp_path, server.base_url, batch_poll_seconds=0.05)
+        cmd = [sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config", str(recipe)]
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not server.stats().get("batches") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # polling the first batch
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert list(server.stats()["batches"].values()) == ["in_progress"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        stats = server.stats()
+    assert len(stats["batches"]) == 3  # one per stage: the live one was polled again, not resubmitted
+    assert all(n == 1 for n in stats["by_key"].values()) and stats["requests"] == 0
+    assert all(r["status"] == "ok" for r in records(tmp_path))
+
+
+def test_export_for_vllm_run_batch_then_import_its_results(tmp_path, capsys):
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")  # never contacted
+    exported = tmp_path / "round1.jsonl"
+    assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
+    lines = [json.loads(x) for x in exported.read_text().splitlines()]
+    assert len(lines) == 6 and {x["url"] for x in lines} == {"/v1/chat/completions"}
+    assert all(x["body"]["model"] == "loopback" for x in lines)
+    results = tmp_path / "results1.jsonl"  # what `vllm run-batch` writes
+    with results.open("w") as f:
+        for x in lines:
+            body = {"id": "c", "object": "chat.completion", "model": "loopback",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "She is Emma."},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}}  # fmt: skip
+            f.write(json.dumps({"id": "r", "custom_id": x["custom_id"], "response": {"status_code": 200, "body": body},
+                                "error": None}) + "\n")  # fmt: skip
+    exported2 = tmp_path / "round2.jsonl"
+    assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results),
+                 "--export-batch", str(exported2)]) == 0  # fmt: skip
+    second = [json.loads(x) for x in exported2.read_text().splitlines()]
+    assert len(second) == 6 and {x["custom_id"] for x in second}.isdisjoint({x["custom_id"] for x in lines})
+    assert all(
+        '"score"' in x["body"]["messages"][-1]["content"] or "score" in json.dumps(x["body"]) for x in second
+    )
+    assert "6 answers stored" in capsys.readouterr().err
