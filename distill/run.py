@@ -257,6 +257,10 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
             batch.wait(store, pool.stages, counts, progress=cfg.progress)
         result = asyncio.run(drive(cfg, task, items, pool, cfg.progress))
         counts.rounds += 1
+        counts.online_sent += result.sent
+        counts.online_paid += result.paid
+        # The run's figures over every round: online requests and what the batches were billed.
+        result.sent, result.paid = counts.online_sent, counts.online_paid + counts.cost
         result.batch = counts.to_json()
         if cfg.export_batch:
             n = batch.export(pool.stages, cfg.export_batch)
@@ -269,6 +273,7 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
         if batch.submit(store, pool.stages, cfg.max_cost, counts) == 0:
             result.stopped = "budget"  # every spooled request was refused by the budget
             result.batch = counts.to_json()
+            result.paid = counts.online_paid + counts.cost
             return result
         batch.wait(store, pool.stages, counts, progress=cfg.progress)
 

@@ -63,6 +63,9 @@ class BatchCounts:
     failed: int = 0
     expired: int = 0
     refused_by_budget: int = 0
+    cost: float = 0.0  # billed for this run's batch answers (at the discount)
+    online_sent: int = 0  # requests sent online in the rounds (retry_mode: online)
+    online_paid: float = 0.0
     seconds_waiting: float = 0.0
     by_batch: list = field(default_factory=list)
 
@@ -216,6 +219,7 @@ def collect(store: AnswerStore, teacher: Teacher, row: dict, batch, client, coun
         states.setdefault(key, "failed" if batch.status == "failed" else "expired")
     tally = {s: sum(1 for v in states.values() if v == s) for s in ("answered", "failed", "expired")}
     store.finish_batch(row["id"], answers, states, {"status": batch.status, **tally})
+    counts.cost += sum(a.cost for a in answers)
     counts.answered += tally["answered"]
     counts.failed += tally["failed"]
     counts.expired += tally["expired"]
