@@ -148,3 +148,34 @@ def test_there_are_train_recipes():
     assert {p.stem for p in TRAIN_RECIPES} >= {
         "cpu_smoke", "rewriter_qwen2.5-3b", "summarizer_qwen2.5-3b", "moc_router_qwen2.5-1.5b", "moc_expert_qwen2.5-1.5b"
     }  # fmt: skip
+
+
+REGEN_RECIPES = sorted((ROOT / "recipes" / "regen").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", REGEN_RECIPES, ids=lambda p: p.name)
+def test_regen_recipe_stages_are_valid_configs_of_their_commands(recipe, tmp_path):
+    import yaml
+
+    from distill.corpus import PrepareCrudConfig
+    from distill.hub import PushConfig
+    from distill.run import DistillConfig
+    from distill.sample import SampleConfig
+    from distill.sft import BuildSftConfig
+    from metachunk.regen import load_recipe
+
+    commands = {("data", "prepare-crud"): PrepareCrudConfig, ("data", "sample"): SampleConfig,
+                ("distill",): DistillConfig, ("data", "build-sft"): BuildSftConfig, ("data", "push"): PushConfig}  # fmt: skip
+    for stage in load_recipe(recipe).stages:
+        words = tuple(stage.argv)
+        cls = commands.get(words[:2]) or commands[words[:1]]
+        path = tmp_path / f"{stage.name}.yaml"
+        path.write_text(yaml.safe_dump(stage.config))
+        values = load_yaml(cls, path)
+        if cls in (DistillConfig, BuildSftConfig):
+            values["task"] = words[-1]
+        cls(**values)
+
+
+def test_there_are_regen_recipes():
+    assert "crud_rewrite_summary.yaml" in {p.name for p in REGEN_RECIPES}
