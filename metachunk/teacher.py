@@ -451,7 +451,6 @@ class Endpoint:
         self.in_flight = 0  # requests this endpoint is answering now (EndpointGroup picks the fewest)
         self.down_until = 0.0  # monotonic time before which a group sends it nothing (failed to connect)
         self.down_for = 0.0  # the next pause after a failed connection: doubles, at most a minute
-        self.connection_errors = 0  # requests in a row that could not connect (after their retries)
         self.pause_until = 0.0  # monotonic time before which no request may leave (after a 429)
         # The aiohttp transport keeps the httpx2 client in front (its event hooks, and openai's retries,
         # work unchanged) but replaces httpcore2's pool, which scans every pooled connection on each
@@ -472,18 +471,6 @@ class Endpoint:
         self.requests = TokenBucket(cfg.rpm) if cfg.rpm else None
         self.tokens = TokenBucket(cfg.tpm) if cfg.tpm else None
         self.sent = 0
-
-    def note_connection(self, failed: bool) -> None:
-        """Count requests in a row that failed to connect (any answer resets the count)."""
-        self.connection_errors = self.connection_errors + 1 if failed else 0
-
-    def check_reachable(self) -> None:
-        """Past ``max_connection_errors`` failed connections in a row, stop the run."""
-        if self.connection_errors >= self.cfg.max_connection_errors:
-            raise EndpointUnreachable(
-                f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
-                f"({self.connection_errors} requests in a row failed to connect); is the server running?"
-            )
 
     async def _wait_out_pause(self, request) -> None:
         while (delay := self.pause_until - time.monotonic()) > 0:
@@ -536,9 +523,11 @@ class EndpointGroup:
         return self.cfg.concurrency * len(self.endpoints)
 
     def note_connection(self, failed: bool) -> None:
+        """Count requests in a row that failed to connect on every endpoint (any answer resets it)."""
         self.connection_errors = self.connection_errors + 1 if failed else 0
 
     def check_reachable(self) -> None:
+        """Past ``max_connection_errors`` such requests in a row, stop the run."""
         if self.connection_errors >= self.cfg.max_connection_errors:
             raise EndpointUnreachable(
                 f"teacher {self.cfg.model!r}: cannot connect to {self.url} "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import THINK_TEXT, serve_in_subprocess
 
 import distill.pipelines
@@ -46,14 +47,7 @@ KEY_ENV = "METACHUNK_TEST_KEY"
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
 REPLIES = {'"score"': ITEMS}
 
-SENTENCES = (
-    "She had lived nearly twenty-one years in the world with very little to distress or vex her.",
-    "Her mother had died too long ago for her to have more than an indistinct remembrance of her caresses.",
-    "Sixteen years had Miss Taylor been in the family, less as a governess than a friend.",
-    "The wedding was very much like other weddings, where the parties have no taste for finery or parade.",
-    "He was a nervous man, easily depressed, fond of everybody that he was used to.",
-    "The evil of the actual disparity in their ages was much increased by his constitution and habits.",
-)
+SENTENCES = EMMA_SENTENCES
 
 
 def chunk_text(n: int, marker: str = "") -> str:

@@ -16,20 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import serve_in_subprocess
 
 from distill.hub import push_dataset
 from metachunk.cli import main
 
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
-SENTENCES = (
-    "She had lived nearly twenty-one years in the world with very little to distress or vex her.",
-    "Her mother had died too long ago for her to have more than an indistinct remembrance of her caresses.",
-    "Sixteen years had Miss Taylor been in the family, less as a governess than a friend.",
-    "The wedding was very much like other weddings, where the parties have no taste for finery or parade.",
-    "He was a nervous man, easily depressed, fond of everybody that he was used to.",
-    "The evil of the actual disparity in their ages was much increased by his constitution and habits.",
-)
+SENTENCES = EMMA_SENTENCES
 # The completion of each one-sentence document keeps it whole and adds the supplement (so its SFT
 # row survives the lost-content filter); the refinement prompt (the only one with '"score"') gets items.
 REPLIES = {

@@ -197,8 +197,20 @@ def build_tokenizer(shared_data: Path | None = None):
     return tok
 
 
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)  # fmt: skip
+
+
 def build_tiny_qwen2(out_dir: Path, seed: int = 0) -> Path:
     """Build a tiny random Qwen2 causal LM + tokenizer into ``out_dir`` and return it."""
+    return build_random_qwen2(out_dir, TINY_SHAPE, seed=seed, max_positions=4096)
+
+
+def build_random_qwen2(out_dir: Path, shape: dict, seed: int = 0, vocab_size: int | None = None,
+                       max_positions: int = 32768) -> Path:  # fmt: skip
+    """A random Qwen2 causal LM of ``shape`` (hidden/intermediate sizes, layers, heads) with this
+    module's tokenizer, saved into ``out_dir``; ``vocab_size`` defaults to the tokenizer's (a
+    larger one keeps a real model's LM-head cost: the tokenizer uses only its first ids)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -211,14 +223,10 @@ def build_tiny_qwen2(out_dir: Path, seed: int = 0) -> Path:
     endoftext_id = tok.convert_tokens_to_ids(ENDOFTEXT)
     im_end_id = tok.convert_tokens_to_ids(IM_END)
     config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        max_window_layers=2,
+        vocab_size=vocab_size or len(tok),
+        **shape,
+        max_position_embeddings=max_positions,
+        max_window_layers=shape["num_hidden_layers"],
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,
         bos_token_id=endoftext_id,

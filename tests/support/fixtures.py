@@ -19,6 +19,17 @@ WORDS = (
 ).split()
 
 
+# Six real sentences of Emma, ch. I: distinct texts make distinct teacher requests.
+EMMA_SENTENCES = (
+    "She had lived nearly twenty-one years in the world with very little to distress or vex her.",
+    "Her mother had died too long ago for her to have more than an indistinct remembrance of her caresses.",
+    "Sixteen years had Miss Taylor been in the family, less as a governess than a friend.",
+    "The wedding was very much like other weddings, where the parties have no taste for finery or parade.",
+    "He was a nervous man, easily depressed, fond of everybody that he was used to.",
+    "The evil of the actual disparity in their ages was much increased by his constitution and habits.",
+)
+
+
 def sentence(seed: int, n: int = 20) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
