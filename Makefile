@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) bench/local_teacher.py
 	$(PY) bench/sft_build.py
 	$(PY) bench/chunk_scale.py
+	$(PY) bench/regen_scale.py
 	$(PY) bench/train_throughput.py
 
 clean:
