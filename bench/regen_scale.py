@@ -179,7 +179,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=20_000)
     ap.add_argument("--small", type=int, default=2_000)
     ap.add_argument("--latency", type=float, default=0.2)
+    ap.add_argument(
+        "--only", choices=["online", "resume", "batch"], action="append", help="run only these parts"
+    )
     args = ap.parse_args()
+    parts = args.only or ["online", "resume", "batch"]
     import shutil
 
     shutil.rmtree(OUT, ignore_errors=True)
@@ -187,14 +191,17 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(serve_in_subprocess(latency=args.latency, replies={'"score"': ITEMS}))
                    for _ in range(4)]  # fmt: skip
-        results["small"] = online(servers, args.small, "small")
-        results["large"] = online(servers, args.chunks, "large")
-        ratio = results["large"]["peak_rss_mib"] / results["small"]["peak_rss_mib"]
-        print(f"peak RSS {results['large']['requests']} / {results['small']['requests']} requests = {ratio:.2f}x "
-              "(target <= 1.3x)", flush=True)  # fmt: skip
-        results["rss_ratio"] = round(ratio, 3)
-        results["resume"] = resume(servers, args.chunks)
-        results["batch"] = batch(servers, args.chunks, paid("large"))
+        if "online" in parts or "batch" in parts:
+            results["small"] = online(servers, args.small, "small")
+            results["large"] = online(servers, args.chunks, "large")
+            ratio = results["large"]["peak_rss_mib"] / results["small"]["peak_rss_mib"]
+            print(f"peak RSS {results['large']['requests']} / {results['small']['requests']} requests = {ratio:.2f}x "
+                  "(target <= 1.3x)", flush=True)  # fmt: skip
+            results["rss_ratio"] = round(ratio, 3)
+        if "resume" in parts:
+            results["resume"] = resume(servers, args.chunks)
+        if "batch" in parts:
+            results["batch"] = batch(servers, args.chunks, paid("large"))
     out = ROOT / "bench_out" / "regen_scale.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

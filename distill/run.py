@@ -18,9 +18,12 @@ unanswered request of each item is counted, with the calls after it estimated.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -207,7 +210,7 @@ def make_task(cfg: DistillConfig) -> Task:
 @dataclass
 class RunResult:
     task: Task
-    records: list[dict]
+    records: Sequence[dict]  # a RecordSpool: on disk, read back in input order
     items: list  # what the records were made from (chunk jobs, documents), in the same order
     seconds: float
     sent: int
@@ -278,6 +281,44 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
         batch.wait(store, pool.stages, counts, progress=cfg.progress)
 
 
+class RecordSpool(MutableSequence):
+    """The run's records on disk, in input order, so a run's memory does not grow with its
+    records (each holds its stages' raw answers): ``spool[i] = record`` appends it to an unlinked
+    temp file beside the output and remembers where; ``spool[i]`` reads it back (None until set)."""
+
+    def __init__(self, folder: Path, n: int):
+        import array
+        import tempfile
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file = tempfile.TemporaryFile(dir=folder, prefix=".records-")  # gone when closed or killed
+        self._offsets = array.array("q", [-1]) * n
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, i: int) -> dict | None:
+        offset = self._offsets[i]
+        if offset < 0:
+            return None
+        self._file.seek(offset)
+        return json.loads(self._file.readline())
+
+    def __setitem__(self, i: int, record: dict) -> None:
+        self._file.seek(0, os.SEEK_END)
+        self._offsets[i] = self._file.tell()
+        self._file.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+
+    def __delitem__(self, i):
+        raise TypeError("a record spool keeps every position")
+
+    def insert(self, i, record):
+        raise TypeError("a record spool keeps every position")
+
+    def done(self, i: int) -> bool:
+        return self._offsets[i] >= 0
+
+
 async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, progress: bool) -> RunResult:
     started = time.perf_counter()
     runner = StageRunner(pool.stages, cfg.parse_retries)
@@ -288,17 +329,19 @@ async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, 
         desc=f"distill {task.name}",
         unit=task.unit,
         progress=progress,
+        results=RecordSpool(Path(cfg.out), len(items)),
     )
     # Items never started (or cut short) because the run stopped: replay them against the store,
     # sending nothing, so that the records still show every answer the store holds for them.
     records = done.results
     replay = TeacherPool(cfg.teachers, cfg.prices, pool.store, offline=True)
     replay_runner = StageRunner(replay.stages, cfg.parse_retries)
-    for i, record in enumerate(records):
-        if record is None:
-            records[i] = await task.work(items[i], replay_runner)
-            if records[i]["status"] == "pending":
-                records[i]["reason"] = done.stopped
+    for i in range(len(records)):
+        if not records.done(i):
+            record = await task.work(items[i], replay_runner)
+            if record["status"] == "pending":
+                record["reason"] = done.stopped
+            records[i] = record
     cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
     return RunResult(task, records, items, time.perf_counter() - started, pool.sent, cached, pool.waited,
                      done.stopped, done.unreachable, pool.budget.paid, pool.store.spent())  # fmt: skip

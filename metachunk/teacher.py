@@ -56,7 +56,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -904,6 +904,7 @@ class TeacherPool:
         progress: bool = True,
         postfix: bool = True,
         close: bool = True,
+        results: MutableSequence | None = None,
     ) -> MapResult:
         """``await fn(item)`` for every item, ``workers`` (default :attr:`slots`) at a time, with a
         progress bar (rate and ETA; ``postfix``: requests per second, tokens and dollars paid).
@@ -914,10 +915,13 @@ class TeacherPool:
         records them as pending, or raises to stop), so the run sends everything that fits the cap.
         An unreachable endpoint stops it: the other workers are cancelled and what finished is kept.
         Any other error (or a KeyboardInterrupt) cancels every worker and is raised. ``close``: the
-        pool's HTTP clients are closed at the end (pass False to map again over the same pool)."""
+        pool's HTTP clients are closed at the end (pass False to map again over the same pool).
+        ``results``: where ``fn(item)`` goes, index by index (default a new list; a disk-backed
+        sequence keeps a long run's memory flat)."""
         from tqdm import tqdm
 
-        results: list[R | None] = [None] * len(items)
+        if results is None:
+            results = [None] * len(items)
         queue = iter(enumerate(items))
         started = shown = time.perf_counter()
         bar = tqdm(total=len(items), unit=unit, desc=desc, disable=not progress, dynamic_ncols=True)

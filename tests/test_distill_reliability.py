@@ -646,7 +646,7 @@ def test_parser_change_rereads_stored_answers(tmp_path, monkeypatch):
         after = server.stats()
 
     assert before["requests"] == 3 * 4
-    assert all(r["status"] == "ok" for r in first.records + second.records)
+    assert all(r["status"] == "ok" for r in [*first.records, *second.records])
     assert second.sent == 4 and second.cached == 2 * 4
     new_keys = set(after["by_key"]) - set(before["by_key"])
     assert after["requests"] - before["requests"] == len(new_keys) == 4

@@ -97,3 +97,37 @@ def test_moc_chunk_list_under_the_schema(llama_teacher, shared_data, tmp_path):
     meta = json.loads((tmp_path / "moc" / "moc.meta.json").read_text(encoding="utf-8"))
     counts = meta["summary"]["json_answers"]["moc_chunk"]
     assert counts["unparseable"] == 0 and counts["valid"] >= 1, counts
+
+
+def test_metachunk_run_starts_the_local_teacher_only_for_a_stage_that_runs(shared_data, tmp_path, capsys):
+    """A regeneration recipe's ``local_teacher:``: started for the stage that asks for it, its
+    blocks pointed at it; on a rerun the stage is cached and no teacher is started."""
+    write_emma_chunks(shared_data, tmp_path, n_chunks=2, min_chars=150, n_paragraphs=3)
+    block = {"model": "smollm2", "temperature": 0.0, "max_tokens": 64, "concurrency": 1, "timeout": 300,
+             "max_retries": 1, "stop": ["\n\n"]}  # fmt: skip
+    recipe = {
+        "name": "local-regen",
+        "state": str(tmp_path / "state"),
+        "local_teacher": {"model": "smollm2", "backend": "llama.cpp", "threads": 1},
+        "stages": [{"name": "rewrite", "run": "distill rewrite", "local_teacher": True, "allow_exit": [0, 4],
+                    "config": {"chunks": str(tmp_path / "chunks.jsonl"), "documents": str(tmp_path / "docs.jsonl"),
+                               "out": str(tmp_path / "run"), "max_context_chars": 800, "parse_retries": 0,
+                               "progress": False, "lang": "en",
+                               "teachers": {"reflection": block,
+                                            "refinement": {**block, "stop": None,
+                                                           "structured_output": "json_object_schema"},
+                                            "completion": {**block, "stop": None}}}}],
+    }  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert metachunk(["run", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "local teacher: llama.cpp server" in err
+    records = [json.loads(x) for x in (tmp_path / "run" / "rewrite.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["stages"]["reflection"]["status"] == "ok" for r in records)
+    manifest = json.loads((tmp_path / "state" / "regen_manifest.json").read_text())
+    assert manifest["stages"][0]["teachers"] == {"reflection": "smollm2", "refinement": "smollm2",
+                                                 "completion": "smollm2"}  # fmt: skip
+    assert metachunk(["run", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "rewrite (distill rewrite): cached, skipped" in err and "local teacher:" not in err
