@@ -124,7 +124,9 @@ def test_metachunk_run_starts_the_local_teacher_only_for_a_stage_that_runs(share
     err = capsys.readouterr().err
     assert "local teacher: llama.cpp server" in err
     records = [json.loads(x) for x in (tmp_path / "run" / "rewrite.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and all(r["stages"]["reflection"]["status"] == "ok" for r in records)
+    # The teacher answered every reflection (a 64-token cap may cut SmolLM2's answer: 'length').
+    reflections = [r["stages"]["reflection"] for r in records]
+    assert len(records) == 2 and all(e["raw"] and e["reason"] in ("", "length") for e in reflections)
     manifest = json.loads((tmp_path / "state" / "regen_manifest.json").read_text())
     assert manifest["stages"][0]["teachers"] == {"reflection": "smollm2", "refinement": "smollm2",
                                                  "completion": "smollm2"}  # fmt: skip
