@@ -214,9 +214,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from metachunk.regen import main
+    from metachunk.regen import main as run_recipe
 
-    return main(args.recipe, plan=args.plan)
+    return run_recipe(args.recipe, main, plan=args.plan)  # each stage runs through this very CLI
 
 
 def cmd_teacher(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,8 +330,9 @@ def teacher_models(stage: Stage) -> dict[str, str]:
 class Runner:
     """Runs a :class:`Recipe`'s stages in order, skipping those whose fingerprint is unchanged."""
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, metachunk: Callable[[list[str]], int]):
         self.recipe = recipe
+        self.metachunk = metachunk  # the CLI's main (metachunk.cli passes it: no import cycle)
         self.state_dir = recipe.state
         self.state_path = self.state_dir / "state.json"
         self.state = _read_json(self.state_path) or {"stages": {}, "digests": {}}
@@ -421,12 +423,10 @@ class Runner:
 
     def _estimate(self, stage: Stage) -> dict:
         """``distill TASK --dry-run``'s totals (its table, captured)."""
-        from metachunk.cli import main as metachunk
-
         path = self._write_stage_config(stage, suffix=".plan.yaml")
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            code = metachunk([*stage.argv, "--config", str(path), "--dry-run"])
+            code = self.metachunk([*stage.argv, "--config", str(path), "--dry-run"])
         if code != 0:
             return {}
         for line in buf.getvalue().splitlines():
@@ -449,8 +449,6 @@ class Runner:
         return path
 
     def run(self) -> dict:
-        from metachunk.cli import main as metachunk
-
         started = time.perf_counter()
         report = []
         with contextlib.ExitStack() as self._exit:
@@ -475,7 +473,7 @@ class Runner:
                 path = self._write_stage_config(fitted)
                 argv = [*stage.argv, "--config", str(path)]
                 print(f"\n== run: {stage.name}: metachunk {' '.join(argv)}", file=sys.stderr, flush=True)
-                code = metachunk(argv)
+                code = self.metachunk(argv)
                 if code not in stage.allow_exit:
                     self._save_state()
                     print(f"metachunk: stage {stage.name!r} exited with status {code}; fix it and rerun: "
@@ -529,9 +527,10 @@ class Runner:
         print(f"total {seconds:.1f} s; manifest {self.state_dir / 'regen_manifest.json'}")
 
 
-def main(recipe_path: str, plan: bool = False) -> int:
+def main(recipe_path: str, metachunk: Callable[[list[str]], int], plan: bool = False) -> int:
+    """``metachunk run``: ``metachunk`` is the CLI's own main, which runs each stage's command."""
     recipe = load_recipe(recipe_path)
-    runner = Runner(recipe)
+    runner = Runner(recipe, metachunk)
     if plan:
         runner.plan()
         return 0
