@@ -25,6 +25,7 @@ from chunking.ppl import ppl_boundaries, score_documents
 from chunking.sentences import detect_lang, split_sentences
 from chunking.types import Chunk, Sentence, chunks_from_boundaries
 from metachunk.config import block, check_choices, option
+from metachunk.sources import FORMATS as INPUT_FORMATS
 
 METHODS = ("ppl", "msp", "fixed", "sentence", "semantic", "moc", "lumber")
 LM_METHODS = ("ppl", "msp")
@@ -193,7 +194,7 @@ class ChunkConfig:
         "auto",
         "how to read the input: by file suffix (auto), or 'lines': one document per line of plain text, "
         "id FILE:LINE (how the raw CRUD corpus ships)",
-        choices=["auto", "jsonl", "lines", "parquet", "datasets", "txt"],
+        choices=list(INPUT_FORMATS),
     )
     text_field: str = option("text", "the input's field (column) holding the document text")
     id_field: str = option("id", "the input's field holding the document id; without one, the line number")
