@@ -273,11 +273,14 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
             return result
         if not batch.spooled(pool.stages) or result.stopped:
             return result
-        if batch.submit(store, pool.stages, cfg.max_cost, counts) == 0:
-            result.stopped = "budget"  # every spooled request was refused by the budget
+        submitted, refused = batch.submit(store, pool.stages, cfg.max_cost, counts)
+        if submitted == 0 and refused:
+            result.stopped = "budget"  # every spooled request the store could not answer was refused
             result.batch = counts.to_json()
             result.paid = counts.online_paid + counts.cost
             return result
+        if submitted == 0:  # all of them are being sent by another run on the store: wait for its answers
+            time.sleep(min(5.0, min(t.batch_poll_seconds for t in cfg.teachers.values())))
         batch.wait(store, pool.stages, counts, progress=cfg.progress)
 
 

@@ -94,9 +94,11 @@ def spooled(teachers: dict[str, Teacher]) -> dict[str, tuple[Teacher, dict[str, 
     return out
 
 
-def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None, counts: BatchCounts) -> int:
-    """Claim, upload and create batches for every spooled request; returns how many were submitted."""
-    submitted = 0
+def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None, counts: BatchCounts
+           ) -> tuple[int, int]:  # fmt: skip
+    """Claim, upload and create batches for every spooled request: ``(submitted, refused by the
+    budget)``. A request another run on the store is sending (online or in its batch) is neither."""
+    submitted = refused = 0
     for name, (teacher, entries) in spooled(teachers).items():
         cfg = teacher.cfg
         client = _client(cfg)
@@ -113,8 +115,9 @@ def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None
         if current:
             files.append(current)
         for lines in files:
-            batch, claimed = store.claim_batch(name, [(k, r) for k, _, r in lines], limit, hold)
-            counts.refused_by_budget += len(lines) - len(claimed)
+            batch, claimed, over = store.claim_batch(name, [(k, r) for k, _, r in lines], limit, hold)
+            counts.refused_by_budget += over
+            refused += over
             if not claimed:
                 continue
             keep = set(claimed)
@@ -130,7 +133,7 @@ def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None
             submitted += len(claimed)
             print(f"batch: {created.id} submitted to {name}: {len(claimed)} requests ({len(body):,} bytes)",
                   file=sys.stderr, flush=True)  # fmt: skip
-    return submitted
+    return submitted, refused
 
 
 def wait(
@@ -218,7 +221,8 @@ def collect(store: AnswerStore, teacher: Teacher, row: dict, batch, client, coun
     for key in reserved:  # no line: expired with the batch (or the whole batch failed)
         states.setdefault(key, "failed" if batch.status == "failed" else "expired")
     tally = {s: sum(1 for v in states.values() if v == s) for s in ("answered", "failed", "expired")}
-    store.finish_batch(row["id"], answers, states, {"status": batch.status, **tally})
+    if not store.finish_batch(row["id"], answers, states, {"status": batch.status, **tally}):
+        return  # another run on this store collected it: its answers are stored once, and counted there
     counts.cost += sum(a.cost for a in answers)
     counts.answered += tally["answered"]
     counts.failed += tally["failed"]

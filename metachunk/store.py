@@ -316,19 +316,20 @@ class AnswerStore:
     # -- batches: a Batch API job's requests hold their claims (and budget) until it is done
 
     def claim_batch(self, endpoint: str, entries: list[tuple[str, float]], limit: float | None,
-                    hold_seconds: float) -> tuple[str, list[str]]:  # fmt: skip
+                    hold_seconds: float) -> tuple[str, list[str], int]:  # fmt: skip
         """Claim the ``(key, reserve)`` entries for one new batch, in order, until the budget refuses
-        one: ``(batch id, claimed keys)``. The claims belong to the batch, not to this process, and
+        one: ``(batch id, claimed keys, refused by the budget)``; keys answered or held by another
+        sender meanwhile are left out, not refused. The claims belong to the batch, not to this process, and
         hold for ``hold_seconds`` (the completion window and some), so a rerun after a kill neither
         resends them nor lets the budget forget them."""
         batch = f"b{secrets.token_hex(8)}"
         owner, expires = f"batch:{batch}", time.time() + hold_seconds
-        claimed = []
+        claimed, refused = [], 0
         self._db.execute("BEGIN IMMEDIATE")
         try:
             self._refresh()
             reserved = self._reserved()
-            for key, reserve in entries:
+            for n, (key, reserve) in enumerate(entries):
                 if self.has_answer(key):
                     continue
                 held = self._db.execute(
@@ -337,6 +338,7 @@ class AnswerStore:
                 if held is not None and held[0] != self.owner and self._alive(*held[1:]):
                     continue  # someone is sending it (online, or in another live batch)
                 if limit is not None and self.total_cost + reserved + reserve > limit:
+                    refused = len(entries) - n
                     break
                 reserved += reserve
                 self._db.execute(
@@ -355,7 +357,7 @@ class AnswerStore:
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
-        return batch, claimed
+        return batch, claimed, refused
 
     def update_batch(self, batch: str, **fields) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
@@ -390,6 +392,10 @@ class AnswerStore:
 
         self._db.execute("BEGIN IMMEDIATE")
         try:
+            (status,) = self._db.execute("SELECT status FROM batches WHERE id = ?", (batch,)).fetchone()
+            if status == "done":  # another process on this store collected it first: store nothing twice
+                self._db.execute("COMMIT")
+                return False
             for a in answers:
                 self._db.execute(
                     "INSERT INTO answers (key, model, status, reason, raw, prompt_tokens, completion_tokens, cost,"
@@ -410,6 +416,7 @@ class AnswerStore:
             self._db.execute("ROLLBACK")
             raise
         self._refresh()
+        return True
 
     def drop_batch(self, batch: str) -> None:
         """A batch that was never submitted (killed before its file was sent): its claims go."""

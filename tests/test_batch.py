@@ -138,3 +138,25 @@ def test_export_for_vllm_run_batch_then_import_its_results(tmp_path, capsys):
         '"score"' in x["body"]["messages"][-1]["content"] or "score" in json.dumps(x["body"]) for x in second
     )
     assert "6 answers stored" in capsys.readouterr().err
+
+
+def test_two_batch_runs_on_one_store_pay_each_request_once(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with serve_in_subprocess(replies=REPLIES, batch_polls=4) as server:
+        recipes = []
+        for name in ("a", "b"):
+            path = write_job(tmp_path / name, server.base_url)
+            recipe = yaml.safe_load(path.read_text())
+            recipe["cache"] = str(tmp_path / "shared.sqlite")  # one answer store for both runs
+            path.write_text(yaml.safe_dump(recipe))
+            recipes.append(path)
+        procs = [subprocess.Popen([sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config", str(p)],
+                                  env=env, stderr=subprocess.PIPE, text=True) for p in recipes]  # fmt: skip
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errs
+        stats = server.stats()
+    assert stats["requests"] == 0 and stats["batch_requests"] == 18  # each of the 18 requests sent once
+    assert all(n == 1 for n in stats["by_key"].values())
+    with sqlite3.connect(tmp_path / "shared.sqlite") as db:
+        assert db.execute("SELECT COUNT(*), COUNT(DISTINCT key) FROM answers").fetchone() == (18, 18)
+    assert all(r["status"] == "ok" for r in records(tmp_path / "a")) and records(tmp_path / "b")
