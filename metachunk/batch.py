@@ -143,6 +143,7 @@ def wait(
     by_endpoint = {endpoint_name(t.cfg): t for t in teachers.values()}
     started = time.perf_counter()
     delays: dict[str, float] = {}
+    clients: dict[str, object] = {}  # one openai client per endpoint for the whole wait
     while live := store.live_batches():
         next_poll = None
         for row in live:
@@ -150,7 +151,7 @@ def wait(
             if teacher is None:  # another recipe's batch on this store: not ours to collect
                 continue
             cfg = teacher.cfg
-            client = _client(cfg)
+            client = clients.get(row["endpoint"]) or clients.setdefault(row["endpoint"], _client(cfg))
             if row["status"] == "claimed":  # killed before the upload: nothing was sent
                 store.drop_batch(row["id"])
                 continue

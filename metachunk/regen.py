@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import InputError, write_json
+from metachunk.artifacts import AtomicWriter, InputError, write_json
 from metachunk.redaction import redact
 
 # Settings that say how a stage runs, not what it makes: they do not change its fingerprint.
@@ -441,9 +441,6 @@ class Runner:
         import yaml
 
         path = self.state_dir / "stages" / f"{stage.name}{suffix}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        from metachunk.artifacts import AtomicWriter
-
         with AtomicWriter(path) as f:
             yaml.safe_dump(stage.config, f, sort_keys=False, allow_unicode=True)
         return path
