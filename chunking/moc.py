@@ -53,6 +53,7 @@ import bisect
 import copy
 import json
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -641,6 +642,9 @@ class MocSettings:
     constrained: bool = True  # decode the experts under their answer schema (ExpertGrammar)
     anchored: bool = False  # constrained to the window's own sentences (anchored_grammar)
     anchor_chars: int = DEFAULT_ANCHOR_CHARS
+    stand_ins: dict[str, str] = field(
+        default_factory=dict
+    )  # role -> the model that stands in (stand_in_models)
 
     def __post_init__(self):
         check_placeholder(self.placeholder)
@@ -659,6 +663,31 @@ class MocSettings:
             )
         if self.anchor_chars < 1:
             raise ValueError("anchor_chars must be >= 1")
+
+
+def stand_in_models(router: str, experts: Sequence[str], stand_in: str | None) -> tuple[str, tuple, dict]:
+    """``(router, experts, stand_ins)`` with every role whose dir holds no model (its training set
+    had no rows, as at toy scale) given a stand-in: an expert the trained expert of the nearest
+    granularity (the lower on a tie), the router, or every expert when none was trained,
+    ``stand_in``. ``stand_ins`` maps each replaced role to its stand-in. Without ``stand_in`` nothing
+    is replaced (a missing model is then the usual error)."""
+    from metachunk.models import PRESETS
+
+    if stand_in is None:
+        return router, tuple(experts), {}
+
+    def present(name: str) -> bool:
+        return name in PRESETS or any(Path(name).glob("*.safetensors"))
+
+    trained = [k for k, e in enumerate(experts) if present(e)]
+    out, stand_ins = list(experts), {}
+    for k in range(len(experts)):
+        if k not in trained:
+            out[k] = experts[min(trained, key=lambda t: (abs(t - k), t))] if trained else stand_in
+            stand_ins[f"expert {k}"] = out[k]
+    if not present(router):
+        router, stand_ins["router"] = stand_in, stand_in
+    return router, tuple(out), stand_ins
 
 
 def parse_experts(value: str | Sequence[str]) -> tuple[str, str, str, str]:
@@ -731,10 +760,15 @@ class MocChunker:
         moc = cfg.moc
         if not moc.router or not moc.experts:
             raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
+        router, experts, stand_ins = stand_in_models(moc.router, parse_experts(moc.experts), moc.stand_in)
+        if stand_ins:
+            print("chunk: MoC stand-ins (no trained model there): "
+                  + ", ".join(f"{role} <- {model}" for role, model in stand_ins.items()), file=sys.stderr)  # fmt: skip
         return cls(
             MocSettings(
-                router=moc.router,
-                experts=parse_experts(moc.experts),
+                router=router,
+                experts=experts,
+                stand_ins=stand_ins,
                 placeholder=moc.placeholder,
                 window_chars=moc.window_chars,
                 temperature=moc.temperature,
@@ -956,6 +990,7 @@ class MocChunker:
         models = {str(p): lm for p, lm in self._models.items()}
         return {
             "router": {"model": self.s.router, "path": str(self.router_path)},
+            "stand_ins": self.s.stand_ins,
             "experts": [
                 {"label": k, "model": e, "path": str(p), "loaded": str(p) in models}
                 for k, (e, p) in enumerate(zip(self.s.experts, self.expert_paths))

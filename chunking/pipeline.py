@@ -133,6 +133,12 @@ class MocOptions:
     fallback_model: str | None = option(
         None, "moc: model for the PPL fallback (threshold --threshold, default 0.5); default the router"
     )
+    stand_in: str | None = option(
+        None,
+        "moc, at toy scale: where a router or expert dir holds no model (its training set had no rows), "
+        "the trained expert of the nearest granularity stands in, else this model (e.g. smollm2); the "
+        "run's .meta.json names every stand-in. Default: a missing model is an error",
+    )
 
 
 @dataclass
@@ -301,6 +307,21 @@ class ChunkConfig:
         "exact fp32, only the normaliser is approximate), auto = the model's dtype",
         choices=["auto", "float32", "bfloat16"],
     )
+    mean_chunk_chars: float | None = option(
+        None,
+        "equal-length runs (the papers compare chunkers at one average chunk length): search --target-len so "
+        "that the run's mean chunk length lands within --mean-chunk-chars-tolerance of this many characters. "
+        "The input is segmented once and held in memory (an evaluation set, not a corpus); -o FILE.jsonl only",
+    )
+    mean_chunk_chars_of: Path | None = option(
+        None,
+        "--mean-chunk-chars from another chunk run: its OUTPUT.jsonl (the mean in OUTPUT.meta.json)",
+    )
+    mean_chunk_chars_tolerance: float = option(
+        0.05,
+        "relative tolerance of --mean-chunk-chars; a run that cannot reach it is still written, and its "
+        ".meta.json says how far it landed",
+    )
     students: StudentOptions = block(
         StudentOptions,
         "the trained students applied to every chunk (chunking/students.py)",
@@ -319,8 +340,8 @@ class ChunkConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.method in ("fixed", "sentence") and not self.target_len:
-            raise ValueError(f"--method {self.method} needs --target-len")
+        if self.method in ("fixed", "sentence") and not (self.target_len or self.fits_length):
+            raise ValueError(f"--method {self.method} needs --target-len (or --mean-chunk-chars)")
         if self.overlap and self.method not in LM_METHODS:
             raise ValueError(
                 "--overlap is PPL overlap (the boundary sentence joins both chunks); use it with ppl or msp"
@@ -340,6 +361,17 @@ class ChunkConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_context < 16:
             raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
+        if self.mean_chunk_chars is not None or self.mean_chunk_chars_of is not None:
+            if self.mean_chunk_chars is not None and self.mean_chunk_chars_of is not None:
+                raise ValueError("give --mean-chunk-chars or --mean-chunk-chars-of, not both")
+            if self.method == "lumber":
+                raise ValueError(
+                    "--method lumber takes its cuts from the teacher; --mean-chunk-chars does not apply"
+                )
+            if self.mean_chunk_chars is not None and self.mean_chunk_chars <= 0:
+                raise ValueError(f"--mean-chunk-chars must be > 0, got {self.mean_chunk_chars}")
+            if not 0 < self.mean_chunk_chars_tolerance < 1:
+                raise ValueError("--mean-chunk-chars-tolerance must be in (0, 1)")
         if self.method == "lumber":
             if not (lumber.teachers or lumber.teacher_config):
                 raise ValueError(
@@ -373,12 +405,61 @@ class ChunkConfig:
                 )
 
     @property
+    def fits_length(self) -> bool:
+        """The run searches its own ``target_len`` (``--mean-chunk-chars``)."""
+        return self.mean_chunk_chars is not None or self.mean_chunk_chars_of is not None
+
+    @property
     def effective_threshold(self) -> float:
         if self.threshold is not None:
             return self.threshold
         if self.method in ("ppl", "moc"):  # moc: its PPL fallback
-            return 0.0 if self.target_len else 0.5
+            return 0.0 if self.target_len or self.fits_length else 0.5
         return 95.0 if self.method == "semantic" else 0.0
+
+
+def goal_mean_chars(cfg: ChunkConfig) -> float | None:
+    """The mean chunk length a run must reach: ``--mean-chunk-chars``, or the one another run reached
+    (``--mean-chunk-chars-of``: its ``.meta.json``); None when the run has no such goal."""
+    import json
+
+    from metachunk.artifacts import InputError
+
+    if cfg.mean_chunk_chars_of is None:
+        return cfg.mean_chunk_chars
+    meta = Path(cfg.mean_chunk_chars_of).with_suffix(".meta.json")
+    try:
+        return float(json.loads(meta.read_text(encoding="utf-8"))["summary"]["mean_chunk_chars"])
+    except FileNotFoundError:
+        raise InputError(meta, "no such file (--mean-chunk-chars-of names a chunk run's output)") from None
+    except (ValueError, KeyError, TypeError):
+        raise InputError(meta, "field 'summary.mean_chunk_chars': missing or not a number") from None
+
+
+def fit_target_len(chunker: Chunker, docs: Sequence[ChunkedDocument], goal: float, tolerance: float) -> dict:
+    """The ``target_len`` whose chunks average closest to ``goal`` characters over ``docs``.
+
+    The mean chunk length grows with ``target_len``, so: double an upper bound until the mean passes
+    the goal, then bisect. Each try is one :meth:`Chunker.assemble` of every document (no model call).
+    Returns ``{goal, tolerance, target_len, mean_chunk_chars, within_tolerance, tries}``."""
+    tried: dict[int, float] = {}
+
+    def mean(target: int) -> float:
+        if target not in tried:
+            chunks = [c for d in docs for c in chunker.assemble(d, target)]
+            tried[target] = sum(len(c.text) for c in chunks) / len(chunks) if chunks else 0.0
+        return tried[target]
+
+    lo, hi = 1, max(1, round(goal / 4))  # goal / 4: below the goal in characters, words or tokens
+    while mean(hi) < goal and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1 and abs(mean(hi) - goal) > tolerance * goal / 4:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if mean(mid) < goal else (lo, mid)
+    best = min(tried, key=lambda t: (abs(tried[t] - goal), t))
+    return {"goal": round(goal, 1), "tolerance": tolerance, "target_len": best,
+            "mean_chunk_chars": round(tried[best], 1),
+            "within_tolerance": abs(tried[best] - goal) <= tolerance * goal, "tries": len(tried)}  # fmt: skip
 
 
 @dataclass
@@ -390,6 +471,7 @@ class ChunkedDocument:
     sentences: list[Sentence] = field(default_factory=list)  # with .score when the method has one
     boundaries: list[int] = field(default_factory=list)  # sentence indices where a meta-chunk ends
     thresholds: list[float | None] | None = None  # msp: θ used at each sentence's decision
+    spans: list[Chunk] = field(default_factory=list)  # moc: the experts' chunks, before merging
 
     def to_json(self, method: str, emit_sentences: bool) -> dict:
         record = {"id": self.id, "method": method, "chunks": [c.to_json() for c in self.chunks]}
@@ -482,6 +564,15 @@ class Chunker:
         return self.cfg.len_unit or ("char" if lang == "zh" else "word")
 
     def chunk(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
+        """Each document cut and merged to ``target_len``: :meth:`segment`, then :meth:`assemble`."""
+        out = self.segment(ids, texts)
+        for d in out:
+            d.chunks = self.assemble(d, self.cfg.target_len)
+        return out
+
+    def segment(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
+        """The method's decisions for each document (its sentences, boundaries or the model's own
+        spans), before any merging: the costly part, done once per document."""
         cfg = self.cfg
         langs = [detect_lang(t) if cfg.lang == "auto" else cfg.lang for t in texts]
         sentences = [split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) for t in texts]
@@ -523,9 +614,9 @@ class Chunker:
                     out[k].boundaries, out[k].thresholds = res.boundaries, res.thresholds
         elif cfg.method == "moc":
             for d, spans in zip(out, self.moc.chunk_documents(texts, langs, sentences)):
-                d.chunks = [Chunk.span(d.text, a, b) for a, b in spans]
+                d.spans = [Chunk.span(d.text, a, b) for a, b in spans]
                 index_by_end = {s.end: i for i, s in enumerate(d.sentences)}
-                d.boundaries = [index_by_end[c.end] for c in d.chunks[:-1] if c.end in index_by_end]
+                d.boundaries = [index_by_end[c.end] for c in d.spans[:-1] if c.end in index_by_end]
         elif cfg.method == "lumber":
             for d, boundaries in zip(out, self.lumber.chunk_documents(texts, langs, sentences)):
                 d.boundaries = boundaries
@@ -536,18 +627,19 @@ class Chunker:
                 index_by_end = {s.end: i for i, s in enumerate(d.sentences)}
                 d.boundaries = [index_by_end[c.end] for c in chunks[:-1]]
 
-        for d in out:
-            unit = self.unit(d.lang)
-            if cfg.method == "fixed":
-                d.chunks = fixed_chunks(d.text, cfg.target_len, unit)
-                continue
-            if cfg.method == "sentence":
-                d.chunks = sentence_chunks(d.text, d.sentences, cfg.target_len, unit, self.tokenizer)
-                continue
-            if cfg.method != "moc":
-                d.chunks = chunks_from_boundaries(d.text, d.sentences, d.boundaries)
-            if cfg.target_len:
-                d.chunks = merge_chunks(d.text, d.chunks, cfg.target_len, unit, self.tokenizer)
-            if cfg.overlap:
-                d.chunks = add_sentence_overlap(d.text, d.chunks, d.sentences)
         return out
+
+    def assemble(self, d: ChunkedDocument, target_len: int | None) -> list[Chunk]:
+        """A segmented document's chunks at length ``target_len``: cheap, and pure (the document is
+        not changed), so a run can try several lengths (``--mean-chunk-chars``)."""
+        cfg, unit = self.cfg, self.unit(d.lang)
+        if cfg.method == "fixed":
+            return fixed_chunks(d.text, target_len, unit)
+        if cfg.method == "sentence":
+            return sentence_chunks(d.text, d.sentences, target_len, unit, self.tokenizer)
+        chunks = d.spans if cfg.method == "moc" else chunks_from_boundaries(d.text, d.sentences, d.boundaries)
+        if target_len:
+            chunks = merge_chunks(d.text, chunks, target_len, unit, self.tokenizer)
+        if cfg.overlap:
+            chunks = add_sentence_overlap(d.text, chunks, d.sentences)
+        return chunks

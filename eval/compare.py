@@ -8,6 +8,9 @@ Chunk length decides much of a RAG score: longer chunks carry more context into 
 papers compare methods at equal average chunk length, so ``compare`` refuses to rank runs whose
 ``avg_chunk_chars`` differ by more than ``--length-tolerance`` (relative to the shortest) unless
 ``--force`` is given; forced reports say so in their first line.
+
+Runs given the same label are one column: ``eval qa`` and ``eval chunk-quality`` of one chunker
+side by side with another's. A metric that two of them report is taken from the first given.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ LENGTH_KEY = "avg_chunk_chars"
 class CompareConfig:
     runs: list[Path] | None = option(None, "eval run dirs (each with metrics.json)", positional=True)
     out: Path = option(Path("report.md"), "the Markdown report; PNGs go next to it")
-    labels: list[str] | None = option(None, "one label per run (default: the run dir names)")
+    labels: list[str] | None = option(
+        None, "one label per run (default: the run dir names); runs with the same label are one column"
+    )
     metrics: list[str] | None = option(None, "metrics to show (default: every metric any run reports)")
     length_tolerance: float = option(
         0.1, "max relative spread of avg_chunk_chars, (longest - shortest) / shortest, before refusing"
@@ -72,11 +77,28 @@ def check_lengths(lengths: dict[str, float], tolerance: float) -> float | None:
     return spread
 
 
+def merged_runs(runs: list[Path], labels: list[str]) -> tuple[list[str], list[dict], dict[str, list[str]]]:
+    """``(labels, docs, run dirs)``, one per distinct label: the metrics of a label's runs merged,
+    the first given winning for a metric two report."""
+    docs: dict[str, dict] = {}
+    dirs: dict[str, list[str]] = {}
+    for label, run in zip(labels, runs):
+        doc = read_run(run)
+        dirs.setdefault(label, []).append(str(run))
+        if label not in docs:
+            docs[label] = {"metrics": dict(doc["metrics"]), "command": doc.get("command")}
+            continue
+        merged = docs[label]
+        merged["metrics"].update((k, v) for k, v in doc["metrics"].items() if k not in merged["metrics"])
+        merged["command"] = f"{merged['command']} + {doc.get('command')}"
+    return list(docs), list(docs.values()), dirs
+
+
 def compare(cfg: CompareConfig) -> dict:
-    docs = [read_run(run) for run in cfg.runs]
-    labels = cfg.labels or [Path(run).name for run in cfg.runs]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"run labels must be unique, got {labels} (pass --labels)")
+    given = cfg.labels or [Path(run).name for run in cfg.runs]
+    if not cfg.labels and len(set(given)) != len(given):
+        raise ValueError(f"run dir names repeat ({given}): pass --labels")
+    labels, docs, dirs = merged_runs(list(cfg.runs), given)
     lengths = {label: doc["metrics"].get(LENGTH_KEY) for label, doc in zip(labels, docs)}
     try:
         spread = check_lengths(lengths, cfg.length_tolerance)
@@ -88,7 +110,7 @@ def compare(cfg: CompareConfig) -> dict:
     names = cfg.metrics or list(dict.fromkeys(k for doc in docs for k in doc["metrics"]))
     table = {name: {label: doc["metrics"].get(name) for label, doc in zip(labels, docs)} for name in names}
     result = {
-        "runs": {label: str(run) for label, run in zip(labels, cfg.runs)},
+        "runs": {label: dirs[label][0] if len(dirs[label]) == 1 else dirs[label] for label in labels},
         "commands": {label: doc.get("command") for label, doc in zip(labels, docs)},
         "length_spread": spread,
         "forced": forced,

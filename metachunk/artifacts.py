@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+# Exit status of a stage that had nothing to do: its input holds no rows (a training set that
+# filtering left empty). `metachunk run` records such a stage as empty, and skips what needs its output.
+EXIT_EMPTY = 5
 
 
 class InputError(ValueError):
@@ -30,6 +33,10 @@ class InputError(ValueError):
     def __init__(self, path: str | Path, problem: str, line: int | None = None):
         where = f"{path}:{line}" if line is not None else str(path)
         super().__init__(f"{where}: {problem}")
+
+
+class EmptyInput(InputError):
+    """Well-formed input with nothing in it to work on (exit status :data:`EXIT_EMPTY`)."""
 
 
 @dataclass(frozen=True, slots=True)

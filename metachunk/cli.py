@@ -29,7 +29,7 @@ def _batched(iterable, n):
 def cmd_chunk(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from chunking.pipeline import ChunkConfig, Chunker
+    from chunking.pipeline import ChunkConfig, Chunker, fit_target_len, goal_mean_chars
     from chunking.plots import plot_profile
     from chunking.students import ChunkStudents
 
@@ -40,7 +40,12 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         raise InputError(cfg.output, "-o is the input file; write the chunks to another file")
     from chunking.shards import is_dataset_dir, run_sharded
 
+    goal = goal_mean_chars(cfg)
     if is_dataset_dir(cfg.output):  # a dataset folder, shard by shard, resumable, data-parallel
+        if goal is not None:
+            raise InputError(
+                cfg.output, "--mean-chunk-chars fits one run's lengths in memory: write -o FILE.jsonl"
+            )
         run_sharded(cfg)
         return 0
     source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
@@ -57,6 +62,27 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - started
     n_chunks = chunk_chars = n_written = 0
     group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
+    batches = (
+        chunker.chunk([d.id for d in docs], [d.text for d in docs])
+        for docs in _batched(source.documents(), group)
+    )
+    length_fit = None
+    if goal is not None:  # every document segmented first (held in memory), then one target_len for all
+        segmented = []
+        with tqdm(total=n_docs, unit="doc", desc=f"segment {cfg.method}", dynamic_ncols=True,
+                  disable=chunker.own_progress) as bar:  # fmt: skip
+            for docs in _batched(source.documents(), group):
+                segmented += chunker.segment([d.id for d in docs], [d.text for d in docs])
+                bar.update(len(docs))
+        length_fit = fit_target_len(chunker, segmented, goal, cfg.mean_chunk_chars_tolerance)
+        cfg.target_len = length_fit["target_len"]
+        for d in segmented:
+            d.chunks = chunker.assemble(d, cfg.target_len)
+        batches = iter([segmented])
+        print(f"chunk: --target-len {cfg.target_len} gives a mean of {length_fit['mean_chunk_chars']} chars/chunk "
+              f"for a goal of {length_fit['goal']} ({length_fit['tries']} tries"
+              + ("" if length_fit["within_tolerance"] else f"; NOT within {cfg.mean_chunk_chars_tolerance:.0%}")
+              + ")", file=sys.stderr)  # fmt: skip
     # The output and OUTPUT.meta.json are replaced together or not at all (see OutputPair).
     with OutputPair(cfg.output) as pair:
         with (
@@ -64,8 +90,7 @@ def cmd_chunk(args: argparse.Namespace) -> int:
                  disable=chunker.own_progress) as bar,
             contextlib.closing(chunker),
         ):  # fmt: skip
-            for docs in _batched(source.documents(), group):
-                chunked = chunker.chunk([d.id for d in docs], [d.text for d in docs])
+            for chunked in batches:
                 added = students.apply(chunked) if students else [[] for _ in chunked]
                 for doc, fields in zip(chunked, added):
                     record = doc.to_json(cfg.method, cfg.emit_sentences)
@@ -80,7 +105,7 @@ def cmd_chunk(args: argparse.Namespace) -> int:
                         png = Path(cfg.plot) / f"{n_written:05d}_{safe_id}.png"
                         plot_profile(png, doc, cfg.method, cfg.effective_threshold)
                     n_written += 1
-                bar.update(len(docs))
+                bar.update(len(chunked))
         if students:
             students.close()
         seconds = time.perf_counter() - started
@@ -101,6 +126,8 @@ def cmd_chunk(args: argparse.Namespace) -> int:
         }
         if students:  # which rewriter / summarizer (path), prompt versions, context and decoding settings
             manifest["students"] = students.manifest()
+        if length_fit:
+            manifest["length_fit"] = length_fit
         manifest.update(chunker.manifest())  # the method's own block: moc, lumber
         pair.commit(manifest)
     print(
@@ -163,6 +190,11 @@ def cmd_data(args: argparse.Namespace) -> int:
             f"{cfg.out}: test_documents.jsonl, train_pool.jsonl, qa_matches.jsonl, report.json",
             file=sys.stderr,
         )
+    elif args.action == "passages":
+        from distill.passages import PassagesConfig
+        from distill.passages import main as passages
+
+        return passages(config.from_namespace(PassagesConfig, args))
     elif args.action == "sample":
         from distill.sample import SampleConfig, print_report, sample
 
@@ -290,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from distill.corpus import PrepareCrudConfig
     from distill.hub import PushConfig
+    from distill.passages import PassagesConfig
     from distill.sample import SampleConfig
     from distill.sft import BuildSftConfig
 
@@ -302,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
             "prepare-crud",
             PrepareCrudConfig,
             "match CRUD QA to its articles: test documents + leakage-free training pool",
+        ),
+        (
+            "passages",
+            PassagesConfig,
+            "documents from a paragraph corpus: whole chapters, or passages of at least N characters",
         ),
         (
             "sample",

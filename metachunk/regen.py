@@ -16,6 +16,12 @@ and its ``config:`` block is exactly the YAML that command's ``--config`` reads:
         allow_exit: [0, 4]            # optional: exit statuses that count as done (default [0])
         config: {chunks: runs/regen/crud/sample/chunks.jsonl, ...}
 
+**Empty stages.** A command that finds nothing to do (a training set its filters left without
+rows) exits with :data:`~metachunk.artifacts.EXIT_EMPTY`; with that status in ``allow_exit`` the
+stage is done and *empty*: it wrote nothing. A later stage that reads what an empty stage would
+have written is skipped as empty too, and so on downstream, unless it says
+``on_empty_inputs: run`` (its command copes: ``chunk --method moc --moc-stand-in``).
+
 **Fingerprints.** Before a stage runs, its fingerprint is taken: the sha256 of its command, its
 config (less the runtime settings in :data:`RUNTIME_KEYS`), the content hash of every existing
 path its config names (less its outputs, :data:`OUTPUT_KEYS`, and answer stores), the fingerprint
@@ -42,6 +48,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import AtomicWriter, InputError, write_json
+from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
 from metachunk.redaction import redact
 
 # Settings that say how a stage runs, not what it makes: they do not change its fingerprint.
@@ -76,6 +83,7 @@ class Stage:
     config: dict
     local_teacher: bool = False
     allow_exit: list[int] = field(default_factory=lambda: [0])
+    on_empty_inputs: str = "skip"  # or "run": when an input is what an empty stage did not write
 
     @property
     def argv(self) -> list[str]:
@@ -113,7 +121,8 @@ def load_recipe(path: str | Path) -> Recipe:
         ) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not raw["stages"]:
         raise InputError(path, "a regeneration recipe needs 'stages:', a list of {name, run, config}")
-    unknown = set(raw) - {"name", "state", "stages", "local_teacher"}
+    # x-*: blocks for YAML anchors (&teacher ... *teacher), as in compose files; the runner ignores them
+    unknown = {k for k in raw if not str(k).startswith("x-")} - {"name", "state", "stages", "local_teacher"}
     if unknown:
         raise InputError(path, f"unknown top-level key(s): {', '.join(sorted(unknown))}")
     stages, seen = [], set()
@@ -121,7 +130,7 @@ def load_recipe(path: str | Path) -> Recipe:
         where = f"stages[{i}]"
         if not isinstance(s, dict):
             raise InputError(path, f"{where}: expected a mapping with name, run and config")
-        extra = set(s) - {"name", "run", "config", "local_teacher", "allow_exit"}
+        extra = set(s) - {"name", "run", "config", "local_teacher", "allow_exit", "on_empty_inputs"}
         if extra:
             raise InputError(path, f"{where}: unknown key(s) {', '.join(sorted(extra))}")
         name, run, cfg = s.get("name"), s.get("run"), s.get("config", {})
@@ -133,9 +142,14 @@ def load_recipe(path: str | Path) -> Recipe:
             )
         if not isinstance(cfg, dict):
             raise InputError(path, f"{where}.config: expected a mapping (the command's --config YAML)")
+        on_empty = s.get("on_empty_inputs", "skip")
+        if on_empty not in ("skip", "run"):
+            raise InputError(path, f"{where}.on_empty_inputs: skip or run, got {on_empty!r}")
         seen.add(name)
         stages.append(
-            Stage(name, run, cfg, bool(s.get("local_teacher", False)), list(s.get("allow_exit", [0])))
+            Stage(
+                name, run, cfg, bool(s.get("local_teacher", False)), list(s.get("allow_exit", [0])), on_empty
+            )
         )
     state = Path(raw.get("state") or Path("runs") / "regen" / path.stem)
     return Recipe(path, text, str(raw.get("name") or path.stem), state, stages, raw.get("local_teacher"))
@@ -236,6 +250,7 @@ class Fingerprint:
     inputs: dict[str, str | None]
     models: dict[str, dict]
     outputs: list[str]
+    reads: list[str] = field(default_factory=list)  # every path it reads, as the config names it (models too)
 
     @property
     def missing(self) -> list[str]:
@@ -248,6 +263,8 @@ def stage_outputs(stage: Stage, key: str, value: str) -> list[str]:
     a cards dir holds every dataset's card, so it is not checked."""
     if key == "cards_dir":
         return []
+    if stage.argv[:3] == ["data", "build-sft", "moc-expert"] and key == "out":  # one set per granularity
+        return [f"{value}-{k}" for k in (stage.config.get("granularity") or range(4))]
     if stage.argv[0] == "distill" and key == "out" and len(stage.argv) > 1:
         return [str(Path(value) / f"{stage.argv[1]}.jsonl")]
     return [value]
@@ -256,7 +273,7 @@ def stage_outputs(stage: Stage, key: str, value: str) -> list[str]:
 def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version: str) -> Fingerprint:
     from metachunk import models
 
-    inputs, model_prints, outputs = {}, {}, []
+    inputs, model_prints, outputs, reads = {}, {}, [], []
     for key, leaf, value in _leaves(stage.config):
         if not isinstance(value, str) or leaf in RUNTIME_KEYS or key.startswith(("teachers.", "prices.")):
             continue  # a teacher's model is a name the endpoint knows, kept in the config itself
@@ -266,15 +283,21 @@ def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version
             continue
         elif leaf in MODEL_KEYS and (value in models.PRESETS or (Path(value) / "config.json").is_file()):
             model_prints[key] = models.fingerprint(value)
+            reads.append(value)
         elif "," in value and leaf == "experts":  # MoC: four model dirs in one flag
-            for k, part in enumerate(value.split(",")):
-                model_prints[f"{key}.{k}"] = models.fingerprint(part.strip())
+            for k, part in enumerate(p.strip() for p in value.split(",")):
+                reads.append(part)
+                if part in models.PRESETS or (Path(part) / "config.json").is_file():
+                    model_prints[f"{key}.{k}"] = models.fingerprint(part)
+                else:
+                    inputs[part] = digests.path(part)
         elif _looks_like_path(value):
             inputs[value] = digests.path(value)
+            reads.append(value)
     material = {"run": stage.run, "config": _strip_runtime(stage.config), "inputs": inputs,
                 "models": model_prints, "prompts": prompts, "metachunk": version}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-    return Fingerprint(sha, inputs, model_prints, outputs)
+    return Fingerprint(sha, inputs, model_prints, outputs, reads)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -295,13 +318,35 @@ def stage_summary(stage: Stage) -> dict:
         out = Path(cfg["output"])
         meta = (
             _read_json(out / "manifest.json") if out.is_dir() else _read_json(out.with_suffix(".meta.json"))
-        )
-        return (meta or {}).get("summary", {})
+        ) or {}
+        summary = {
+            k: v
+            for k, v in meta.get("summary", {}).items()
+            if k in ("documents", "chunks", "mean_chunk_chars")
+        }
+        if "length_fit" in meta:
+            summary["target_len"] = meta["length_fit"]["target_len"]
+        if "moc" in meta:
+            moc = meta["moc"]
+            summary.update(windows=moc.get("windows"), ppl_fallbacks=(moc.get("fallback") or {}).get("windows"),
+                           stand_ins=len(moc.get("stand_ins") or {}))  # fmt: skip
+        for task, run in (meta.get("students") or {}).items():
+            summary[task] = f"'{run.get('field')}' on {run.get('chunks')} chunks"
+        return summary
     if words[:2] == ["data", "sample"] and cfg.get("out"):
         meta = _read_json(Path(cfg["out"]) / "sample.json") or {}
         return {k: meta.get(k) for k in ("pool_long_documents", "documents", "chunks", "selected_chunks")}
     if words[:2] == ["data", "prepare-crud"] and cfg.get("out"):
-        return _read_json(Path(cfg["out"]) / "report.json") or {}
+        report = _read_json(Path(cfg["out"]) / "report.json") or {}
+        keep = (
+            "matched",
+            "ambiguous",
+            "unmatched",
+            "test_documents",
+            "train_pool",
+            "near_duplicates_removed",
+        )
+        return {k: report[k] for k in keep if k in report}
     if words[0] == "distill" and cfg.get("out") and len(words) > 1:
         summary = (_read_json(Path(cfg["out"]) / f"{words[1]}.meta.json") or {}).get("summary", {})
         keep = (
@@ -316,8 +361,27 @@ def stage_summary(stage: Stage) -> dict:
         )
         return {k: summary[k] for k in keep if k in summary}
     if words[:2] == ["data", "build-sft"] and cfg.get("out"):
+        if words[2:3] == ["moc-expert"]:
+            sets = {k: _read_json(Path(f"{cfg['out']}-{k}") / "build_report.json") or {} for k in range(4)}
+            return {"train_rows": {f"expert {k}": r.get("rows", {}).get("train") for k, r in sets.items()}}
         report = _read_json(Path(cfg["out"]) / "build_report.json") or {}
         return {k: report.get(k) for k in ("input_records", "rows", "filters")}
+    if words[:2] == ["data", "passages"] and cfg.get("out") and Path(cfg["out"]).is_file():
+        with open(cfg["out"], "rb") as f:
+            return {"documents": sum(1 for _ in f)}
+    if words[0] == "train" and cfg.get("output_dir"):
+        run = _read_json(Path(cfg["output_dir"]) / "metachunk_run.json") or {}
+        loss = run.get("final_train_loss")
+        return {"rows": run.get("rows"), "steps": run.get("global_steps"),
+                "final_train_loss": round(loss, 4) if loss is not None else None}  # fmt: skip
+    if words[0] == "eval" and cfg.get("out"):
+        if words[1:2] == ["compare"]:
+            return {"report": str(cfg["out"])}
+        metrics = (_read_json(Path(cfg["out"]) / "metrics.json") or {}).get("metrics", {})
+        keep = ("hits@", "mrr@", "bc_mean", "cs_complete", "cs_incomplete", "avg_chunk_chars", "questions")
+        return {
+            k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith(keep)
+        }
     return {}
 
 
@@ -356,7 +420,9 @@ class Runner:
         """The stage with its teacher blocks pointed at the local teacher, if it asks for one."""
         if stage.argv[:2] == ["data", "push"]:  # the dataset goes up with the run's manifest (card + file)
             cfg = {"regen_manifest": str(self.state_dir / "regen_manifest.json"), **stage.config}
-            return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit)
+            return Stage(
+                stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit, stage.on_empty_inputs
+            )
         if not stage.local_teacher:
             return stage
         teacher = self.local_teacher(start=False)
@@ -366,7 +432,7 @@ class Runner:
                          serve_preset=teacher.serve_preset)  # fmt: skip
             if block.get("structured_output", "none") != "none":
                 block["structured_output"] = teacher.structured_output
-        return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit)
+        return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit, stage.on_empty_inputs)
 
     def local_teacher(self, start: bool = True):
         from metachunk.local_teacher import LocalTeacher
@@ -399,7 +465,7 @@ class Runner:
             if self.cached(stage, fp) and not upstream_runs:
                 status = "cached"
             elif fp.missing:
-                status = f"runs after {', '.join(upstream_runs) or 'its inputs exist'} (missing: {', '.join(fp.missing)})"
+                status = f"runs once earlier stages write {', '.join(fp.missing)}"
             else:
                 status = "runs"
             if status != "cached":
@@ -448,6 +514,7 @@ class Runner:
     def run(self) -> dict:
         started = time.perf_counter()
         report = []
+        empty: set[str] = set()  # what the empty stages of this run did not write
         with contextlib.ExitStack() as self._exit:
             for stage in self.recipe.stages:
                 t0 = time.perf_counter()
@@ -456,11 +523,24 @@ class Runner:
                 fitted = self.fitted(stage)
                 fp = fingerprint(fitted, self.digests, self.prompts, self.version["version"])
                 if self.cached(fitted, fp):
-                    print(f"== run: {stage.name} ({stage.run}): cached, skipped", file=sys.stderr, flush=True)
-                    report.append(self._entry(stage, fp, "cached", 0.0))
+                    done = self.state["stages"][stage.name]
+                    empty.update(map(os.path.normpath, done.get("empty", [])))
+                    status = "empty" if done.get("empty") else "cached"
+                    print(
+                        f"== run: {stage.name} ({stage.run}): {status}, skipped", file=sys.stderr, flush=True
+                    )
+                    report.append(self._entry(stage, fp, status, 0.0))
                     continue
-                if fp.missing:
-                    raise InputError(self.recipe.path, f"stage {stage.name!r}: missing input(s) {', '.join(fp.missing)} "
+                unwritten = [p for p in dict.fromkeys(fp.reads) if os.path.normpath(p) in empty]
+                if unwritten and stage.on_empty_inputs == "skip":
+                    print(f"== run: {stage.name} ({stage.run}): skipped, nothing to do: {', '.join(unwritten)} "
+                          "was left empty upstream", file=sys.stderr, flush=True)  # fmt: skip
+                    empty.update(map(os.path.normpath, fp.outputs))
+                    report.append(self._entry(stage, fp, "empty", 0.0))
+                    continue
+                missing = [p for p in fp.missing if os.path.normpath(p) not in empty]
+                if missing:
+                    raise InputError(self.recipe.path, f"stage {stage.name!r}: missing input(s) {', '.join(missing)} "
                                      "(no earlier stage wrote them)")  # fmt: skip
                 if stage.local_teacher:
                     self.local_teacher(start=True)
@@ -476,14 +556,19 @@ class Runner:
                     print(f"metachunk: stage {stage.name!r} exited with status {code}; fix it and rerun: "
                           "the stages before it are skipped", file=sys.stderr)  # fmt: skip
                     return {"failed": stage.name, "exit": code}
-                outputs = {p: self.digests.path(p) for p in fp.outputs if Path(p).exists()}
+                nothing = code == EXIT_EMPTY
+                outputs = {} if nothing else {p: self.digests.path(p) for p in fp.outputs if Path(p).exists()}
                 self.state["stages"][stage.name] = {
                     "fingerprint": fp.sha256,
                     "outputs": outputs,
                     "exit": code,
+                    "seconds": round(time.perf_counter() - t0, 2),  # what making it took, for later manifests
+                    **({"empty": fp.outputs} if nothing else {}),
                 }
+                if nothing:
+                    empty.update(map(os.path.normpath, fp.outputs))
                 self._save_state()
-                report.append(self._entry(stage, fp, "ran", time.perf_counter() - t0))
+                report.append(self._entry(stage, fp, "empty" if nothing else "ran", time.perf_counter() - t0))
                 self.write_manifest(report, time.perf_counter() - started)
         manifest = self.write_manifest(report, time.perf_counter() - started)
         self.print_summary(report, time.perf_counter() - started)
@@ -510,7 +595,10 @@ class Runner:
         }
         sha = hashlib.sha256(json.dumps(what, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
         manifest = {"schema_version": 1, "name": self.recipe.name, "manifest_sha256": sha, **what,
-                    "run": {"stages": {e["name"]: {"status": e["status"], "seconds": e["seconds"]} for e in report},
+                    # seconds: this invocation; made_in_seconds: the run that made the stage's outputs
+                    "run": {"stages": {e["name"]: {"status": e["status"], "seconds": e["seconds"],
+                                                   "made_in_seconds": self.state["stages"].get(e["name"], {}).get(
+                                                       "seconds", e["seconds"])} for e in report},
                             "wall_seconds": round(seconds, 2)}}  # fmt: skip
         write_json(self.state_dir / "regen_manifest.json", manifest)
         return manifest
@@ -519,9 +607,17 @@ class Runner:
         header = f"{'stage':<22} {'command':<26} {'status':<7} {'seconds':>8}  summary"
         print(f"\n{header}\n{'-' * len(header)}")
         for e in report:
-            summary = ", ".join(f"{k} {v}" for k, v in e["summary"].items() if not isinstance(v, dict))
-            print(f"{e['name']:<22} {e['run']:<26} {e['status']:<7} {e['seconds']:>8.1f}  {summary[:120]}")
+            summary = ", ".join(f"{k} {_cell(v)}" for k, v in e["summary"].items() if v is not None)
+            print(f"{e['name']:<22} {e['run']:<26} {e['status']:<7} {e['seconds']:>8.1f}  {summary[:160]}")
+        if self._teacher_started:
+            print(f"local teacher: {self._teacher.describe()}")
         print(f"total {seconds:.1f} s; manifest {self.state_dir / 'regen_manifest.json'}")
+
+
+def _cell(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_cell(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def main(recipe_path: str, metachunk: Callable[[list[str]], int], plan: bool = False) -> int:

@@ -573,3 +573,57 @@ def test_data_build_sft_names_a_missing_file(tmp_path, capsys):
     )
     assert code == 2
     assert "nope.jsonl: no such file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Equal-length runs: --mean-chunk-chars searches --target-len
+# --------------------------------------------------------------------------------------------
+
+
+def emma_texts(n: int = 12) -> list[str]:
+    """Real text: the first ``n`` paragraphs of Emma, as shared in ../shared/data."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenqa-emma" / "paragraphs.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line, _ in zip(f, range(n))]
+
+
+@pytest.mark.parametrize("method", ["ppl", "fixed", "sentence"])
+def test_mean_chunk_chars_reaches_the_goal_of_another_run(tmp_path, capsys, tiny, method):
+    texts = emma_texts()
+    src = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "text": t} for i, t in enumerate(texts)])
+    ppl = tmp_path / "ppl.jsonl"
+    rc, err = run(capsys, src, "-o", ppl, "--model", tiny, "--target-len", "300", "--len-unit", "char")
+    assert rc == 0, err
+    goal = json.loads((tmp_path / "ppl.meta.json").read_text())["summary"]["mean_chunk_chars"]
+    out = tmp_path / "o.jsonl"
+    rc, err = run(capsys, src, "-o", out, "--model", tiny, "--method", method, "--len-unit", "word",
+                  "--mean-chunk-chars-of", ppl, "--mean-chunk-chars-tolerance", "0.05")  # fmt: skip
+    assert rc == 0, err
+    meta = json.loads((tmp_path / "o.meta.json").read_text())
+    fit = meta["length_fit"]
+    assert fit["goal"] == round(goal, 1) and fit["within_tolerance"], fit
+    assert abs(meta["summary"]["mean_chunk_chars"] - goal) <= 0.05 * goal
+    assert meta["summary"]["mean_chunk_chars"] == fit["mean_chunk_chars"]
+    assert meta["config"]["target_len"] == fit["target_len"]  # the length it found is the one recorded
+    for r, text in zip(read_jsonl(out), texts):
+        assert_tiles(r, text)
+    # the same run, with the found length given: byte-identical chunks
+    again = tmp_path / "again.jsonl"
+    rc, err = run(capsys, src, "-o", again, "--model", tiny, "--method", method, "--len-unit", "word",
+                  "--target-len", fit["target_len"])  # fmt: skip
+    assert rc == 0, err
+    assert again.read_text() == out.read_text()
+
+
+def test_mean_chunk_chars_refusals(tmp_path, capsys, tiny):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": EN}])
+    rc, err = run(capsys, src, "-o", tmp_path / "o.jsonl", "--method", "fixed", "--mean-chunk-chars-of",
+                  tmp_path / "nothing.jsonl")  # fmt: skip
+    assert rc == 2 and "nothing.meta.json" in err and "Traceback" not in err
+    rc, err = run(capsys, src, "-o", tmp_path / "dir", "--method", "fixed", "--mean-chunk-chars", "100")
+    assert rc == 2 and "-o FILE.jsonl" in err
+    rc, err = run(capsys, src, "-o", tmp_path / "o.jsonl", "--method", "fixed", "--mean-chunk-chars", "100",
+                  "--mean-chunk-chars-of", tmp_path / "x.jsonl")  # fmt: skip
+    assert rc == 2 and "not both" in err

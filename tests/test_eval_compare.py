@@ -60,3 +60,22 @@ def test_length_guard_edges():
 def test_bad_run_dir_is_named(tmp_path):
     with pytest.raises(ValueError, match="no metrics.json"):
         compare(CompareConfig(runs=[tmp_path], out=tmp_path / "r.md"))
+
+
+def test_runs_with_one_label_are_one_column(tmp_path):
+    """eval qa and eval chunk-quality of one chunker: one column, the first run's value first."""
+    qa = [tmp_path / "fixed_qa", tmp_path / "ppl_qa"]
+    quality = [tmp_path / "fixed_q", tmp_path / "ppl_q"]
+    for i, (a, b) in enumerate(zip(qa, quality)):
+        write_run(a, "qa", {}, {"hits@8": 0.5 + i / 10, "avg_chunk_chars": 500.0 + i})
+        write_run(b, "chunk-quality", {}, {"bc": 0.9 - i / 10, "avg_chunk_chars": 999.0})
+    out = tmp_path / "cmp.md"
+    result = compare(CompareConfig(runs=[qa[0], quality[0], qa[1], quality[1]], out=out,
+                                   labels=["fixed", "fixed", "ppl", "ppl"], plots=False))  # fmt: skip
+    assert result["metrics"] == {
+        "hits@8": {"fixed": 0.5, "ppl": 0.6},
+        "avg_chunk_chars": {"fixed": 500.0, "ppl": 501.0},  # from qa, given first
+        "bc": {"fixed": 0.9, "ppl": 0.8},
+    }
+    assert result["runs"]["ppl"] == [str(qa[1]), str(quality[1])]
+    assert "| metric | fixed | ppl |" in out.read_text()

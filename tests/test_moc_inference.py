@@ -28,6 +28,7 @@ from chunking.moc import (
     router_label,
     router_messages,
     split_element,
+    stand_in_models,
     tile,
 )
 from chunking.sentences import split_sentences
@@ -112,6 +113,24 @@ def test_parse_experts():
     for bad in ("a,b,c", "a,b,c,d,e", "a,,c,d"):
         with pytest.raises(ValueError):
             parse_experts(bad)
+
+
+def test_stand_ins_fill_the_roles_without_a_trained_model(tmp_path):
+    trained = tmp_path / "e1"
+    trained.mkdir()
+    (trained / "model.safetensors").write_bytes(b"")
+    untrained = [str(tmp_path / f"e{k}") for k in range(4)]  # only e1 holds weights
+    experts = [untrained[0], str(trained), untrained[2], untrained[3]]
+    router, out, stand_ins = stand_in_models(str(tmp_path / "router"), experts, "smollm2")
+    assert out == (str(trained),) * 4  # the nearest trained expert for each other granularity
+    assert router == "smollm2" and stand_ins == {
+        "expert 0": str(trained), "expert 2": str(trained), "expert 3": str(trained), "router": "smollm2"
+    }  # fmt: skip
+    none = [str(tmp_path / f"n{k}") for k in range(4)]
+    router, out, stand_ins = stand_in_models("smollm2", none, "smollm2")  # none trained
+    assert out == ("smollm2",) * 4 and "router" not in stand_ins
+    # without a stand-in nothing is replaced: the missing dir is the usual error later
+    assert stand_in_models("r", experts, None) == ("r", tuple(experts), {})
 
 
 # ------------------------------------------------------------------------------------- router

@@ -159,18 +159,37 @@ def test_regen_recipe_stages_are_valid_configs_of_their_commands(recipe, tmp_pat
 
     from distill.corpus import PrepareCrudConfig
     from distill.hub import PushConfig
+    from distill.passages import PassagesConfig
     from distill.run import DistillConfig
     from distill.sample import SampleConfig
     from distill.sft import BuildSftConfig
+    from eval.chunk_quality import ChunkQualityConfig
+    from eval.compare import CompareConfig
+    from eval.qa import QAConfig
     from metachunk.regen import load_recipe
+    from train.export import ExportConfig
+    from train.sft import ModelDataArguments
 
     commands = {("data", "prepare-crud"): PrepareCrudConfig, ("data", "sample"): SampleConfig,
-                ("distill",): DistillConfig, ("data", "build-sft"): BuildSftConfig, ("data", "push"): PushConfig}  # fmt: skip
+                ("distill",): DistillConfig, ("data", "build-sft"): BuildSftConfig, ("data", "push"): PushConfig,
+                ("data", "passages"): PassagesConfig, ("chunk",): ChunkConfig, ("export",): ExportConfig,
+                ("eval", "qa"): QAConfig, ("eval", "chunk-quality"): ChunkQualityConfig,
+                ("eval", "compare"): CompareConfig}  # fmt: skip
     for stage in load_recipe(recipe).stages:
         words = tuple(stage.argv)
-        cls = commands.get(words[:2]) or commands[words[:1]]
         path = tmp_path / f"{stage.name}.yaml"
         path.write_text(yaml.safe_dump(stage.config))
+        if words == ("train",):  # TRL's parser: an unknown or mistyped field raises
+            from trl import SFTConfig, TrlParser
+
+            model_args, sft_args = TrlParser((ModelDataArguments, SFTConfig)).parse_args_and_config(
+                ["--config", str(path)]
+            )
+            assert sft_args.bf16 is False and model_args.dtype == "float32", (
+                stage.name
+            )  # set explicitly, on CPU
+            continue
+        cls = commands.get(words[:2]) or commands[words[:1]]
         values = load_yaml(cls, path)
         if cls in (DistillConfig, BuildSftConfig):
             values["task"] = words[-1]

@@ -193,3 +193,47 @@ def test_push_with_the_manifest_is_idempotent_and_tags_each_run(fake_hub, monkey
     assert ("dataset", "me/crud-rewrite", "v2") in fake_hub.revisions
     assert fake_hub.tags[-1][:2] == ("me/crud-rewrite", "regen-2")
     assert not fake_hub.unexpected
+
+
+def test_an_empty_stage_skips_what_needs_its_output_unless_that_stage_copes(sft_dataset, tiny_model_dir, tmp_path,
+                                                                             capsys):  # fmt: skip
+    """A training set left without rows: `train` exits 5 (nothing to do) and the stage is *empty*;
+    the export of its checkpoint is skipped as empty; MoC chunking, told to use stand-ins, still
+    runs with the nearest trained model in the empty expert's place. A rerun skips all of it."""
+    import shutil
+
+    empty_set = Path(shutil.copytree(sft_dataset, tmp_path / "empty_set"))
+    report = empty_set / "build_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "rows": {"train": 0, "validation": 0}}))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(
+        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:2]))
+    )
+    recipe_file = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
+    train_cfg = {**yaml.safe_load(recipe_file.read_text()), "model_name_or_path": str(tiny_model_dir),
+                 "dataset_name": str(empty_set), "output_dir": str(tmp_path / "expert-1"), "eval_strategy": "no",
+                 "report_to": "none"}  # fmt: skip
+    tiny = str(tiny_model_dir)
+    recipe = {"name": "empty", "state": str(tmp_path / "state"), "stages": [
+        {"name": "train_expert_1", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
+        {"name": "export_expert_1", "run": "export",
+         "config": {"checkpoint": str(tmp_path / "expert-1"), "out": str(tmp_path / "export")}},
+        {"name": "moc", "run": "chunk", "on_empty_inputs": "run",
+         "config": {"input": str(docs), "output": str(tmp_path / "moc.jsonl"), "method": "moc", "lang": "en",
+                    "moc": {"router": tiny, "experts": ",".join([tiny, str(tmp_path / "expert-1"), tiny, tiny]),
+                            "stand_in": tiny, "max_new_tokens": 8, "retries": 0, "window_chars": 300}}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, out, err = run(capsys, path)
+    assert code == 0, err
+    assert "nothing to train" in err and "export_expert_1 (export): skipped, nothing to do" in err
+    assert not (tmp_path / "export").exists()
+    meta = json.loads((tmp_path / "moc.meta.json").read_text())
+    assert meta["moc"]["stand_ins"] == {"expert 1": tiny}  # the nearest trained granularity: expert 0
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["stages"]["train_expert_1"]["exit"] == 5 and "export_expert_1" not in state["stages"]
+    code, out, err = run(capsys, path)
+    assert code == 0, err
+    assert "train_expert_1 (train): empty, skipped" in err and "moc (chunk): cached, skipped" in err
+    assert "metachunk run" not in err and "== run: moc: metachunk" not in err

@@ -169,3 +169,20 @@ def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_
     losses = {e["step"]: e["loss"] for e in log if "loss" in e}
     for step in range(resumed_at + 1, steps + 1):  # the same batches and weights as the uninterrupted run
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def test_an_empty_training_set_is_nothing_to_do_not_a_crash(sft_dataset, tmp_path, capsys):
+    """Exit status 5 (EXIT_EMPTY), no checkpoint: `metachunk run` records the stage as empty."""
+    from metachunk.artifacts import EXIT_EMPTY
+    from train.sft import main
+
+    sft_dataset = Path(shutil.copytree(sft_dataset, tmp_path / "ds"))
+    report = sft_dataset / "build_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "rows": {"train": 0, "validation": 0}}))
+    out = tmp_path / "o"
+    assert (
+        main(["--config", str(RECIPE), "--dataset_name", str(sft_dataset), "--output_dir", str(out)])
+        == EXIT_EMPTY
+    )
+    assert "nothing to train" in capsys.readouterr().err
+    assert not out.exists()

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metachunk.artifacts import EXIT_EMPTY, EmptyInput
+
 
 @dataclass
 class ModelDataArguments:
@@ -184,8 +186,10 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
             f"field 'dataset_name': {model_args.dataset_name} has no data/ dir (run `metachunk data build-sft`)"
         )
     report = Path(model_args.dataset_name) / "build_report.json"
-    if report.is_file() and sft_args.eval_strategy != "no":
-        rows = json.loads(report.read_text(encoding="utf-8")).get("rows", {})
+    rows = json.loads(report.read_text(encoding="utf-8")).get("rows", {}) if report.is_file() else {}
+    if rows.get("train") == 0:  # build-sft's filters may leave a small run nothing; that is not a crash
+        raise EmptyInput(model_args.dataset_name, "the 'train' split has no rows: nothing to train")
+    if sft_args.eval_strategy != "no":
         if rows.get(model_args.dataset_test_split) == 0:
             raise ValueError(
                 f"field 'eval_strategy' is '{sft_args.eval_strategy.value}' but {model_args.dataset_name} has no "
@@ -310,6 +314,8 @@ def load_rows(model_args: ModelDataArguments, sft_args):
         eval_set = None
 
     n_train, n_eval = len(train_set), len(eval_set) if eval_set is not None else 0
+    if n_train == 0:  # build-sft's filters may leave a small run nothing; that is not a crash
+        raise EmptyInput(model_args.dataset_name, "the 'train' split has no rows: nothing to train")
     train_set, over_train = fit_max_length(train_set, rendering, sft_args)
     eval_set, over_eval = fit_max_length(eval_set, rendering, sft_args)
     limit = f"fits in {sft_args.max_length} tokens (prompt + completion)"
@@ -463,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         resume = resume_point(sft_args)  # no such checkpoint is a config error, before the model loads
         # what TRL would find only after the model has loaded, or not at all (max_length)
         model_dir, tokenizer, train_set, eval_set, over = load_rows(model_args, sft_args)
+    except EmptyInput as e:
+        print(f"train: {e} (exit status {EXIT_EMPTY}; no checkpoint written)", file=sys.stderr)
+        return EXIT_EMPTY
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
         return 2

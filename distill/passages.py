@@ -1,0 +1,140 @@
+"""``metachunk data passages``: documents from a paragraph-level corpus.
+
+GutenQA ships a book as one line per paragraph with its chapter (``{"chapter", "text"}``). A
+stage wants documents: whole chapters to chunk and evaluate, or passages of a given size to
+distil. This command groups consecutive lines by a field (``--group-field chapter``), picks
+groups by position (``--groups 0:6``) or name (``--group-prefix "VOLUME II."``), and writes one
+document per group, or per run of consecutive paragraphs of at least ``--min-chars``
+characters within a group (a group's remainder shorter than that is dropped). ``--max-chars``
+cuts each document, ``--skip`` and ``--limit`` take a slice of them. Without a group field
+each line is a document of its own (``--limit 5``: the first five articles).
+
+Ids: a whole group is named by its group (``CHAPTER I``); a passage by its group and position
+(``CHAPTER X #2``); an ungrouped line keeps its id. The output is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
+from metachunk.config import option
+
+
+@dataclass
+class PassagesConfig:
+    input: Path = option(None, "paragraphs: JSONL, one object per line with a text field (and a group field)")
+    out: Path = option(None, "output JSONL: one {id, text} per document")
+    text_field: str = option("text", "the field holding the paragraph's text")
+    id_field: str = option("id", "the field holding a line's id (ungrouped input; default the line number)")
+    group_field: str | None = option(
+        None, "consecutive lines with the same value of this field form a group (a chapter)"
+    )
+    groups: str | None = option(
+        None, "which groups, by position: START:STOP as in Python (0:6 = the first six); default all"
+    )
+    group_prefix: str | None = option(None, "only the groups whose name starts with this")
+    min_chars: int = option(
+        0, "0: one document per group; N: passages of consecutive paragraphs of >= N characters each"
+    )
+    joiner: str = option("\n\n", "what joins a document's paragraphs")
+    max_chars: int = option(0, "cut each document to its first N characters (0: no cut)")
+    skip: int = option(0, "drop the first N documents")
+    limit: int = option(0, "keep at most N documents (0: all)")
+
+    def __post_init__(self):
+        for name in ("input", "out"):
+            if getattr(self, name) is None:
+                raise ValueError(f"field '{name}': required")
+        for name in ("min_chars", "max_chars", "skip", "limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"field '{name}': must be >= 0, got {getattr(self, name)}")
+        if self.groups is not None:
+            parse_slice(self.groups)
+        if self.group_field is None and (self.groups or self.group_prefix):
+            raise ValueError("fields 'groups' and 'group_prefix' need 'group_field'")
+
+
+def parse_slice(text: str) -> slice:
+    try:
+        start, stop = (int(p) if p.strip() else None for p in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"field 'groups': START:STOP (e.g. 0:6 or 9:), got {text!r}") from None
+    return slice(start, stop)
+
+
+def read_groups(cfg: PassagesConfig) -> Iterator[tuple[str, list[str]]]:
+    """``(name, paragraphs)`` per group of consecutive lines (a line per group when ungrouped)."""
+    path = Path(cfg.input)
+    if not path.is_file():
+        raise InputError(path, "no such file")
+    name, paragraphs = None, []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(path, f"invalid JSON ({e.msg})", number) from None
+            if not isinstance(row, dict) or not isinstance(row.get(cfg.text_field), str):
+                raise InputError(path, f"field '{cfg.text_field}': a string is required", number)
+            if cfg.group_field is None:
+                yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]]
+                continue
+            group = row.get(cfg.group_field)
+            if not isinstance(group, str) or not group:
+                raise InputError(path, f"field '{cfg.group_field}': a non-empty string is required", number)
+            if group != name and paragraphs:
+                yield name, paragraphs
+                paragraphs = []
+            name = group
+            paragraphs.append(row[cfg.text_field])
+    if paragraphs:
+        yield name, paragraphs
+
+
+def documents(cfg: PassagesConfig) -> Iterator[dict]:
+    groups = read_groups(cfg)
+    if cfg.group_prefix:
+        groups = (g for g in groups if g[0].startswith(cfg.group_prefix))
+    if cfg.groups:
+        groups = iter(list(groups)[parse_slice(cfg.groups)])
+    for name, paragraphs in groups:
+        if not cfg.min_chars:
+            yield {"id": name, "text": cfg.joiner.join(paragraphs)}
+            continue
+        current, size, k = [], 0, 0
+        for text in paragraphs:
+            current.append(text)
+            size += len(text)
+            if size >= cfg.min_chars:
+                yield {"id": f"{name} #{k}", "text": cfg.joiner.join(current)}
+                current, size, k = [], 0, k + 1
+
+
+def write_passages(cfg: PassagesConfig) -> dict:
+    n = chars = 0
+    with AtomicWriter(cfg.out) as out:
+        for i, doc in enumerate(documents(cfg)):
+            if i < cfg.skip:
+                continue
+            if cfg.limit and n >= cfg.limit:
+                break
+            if cfg.max_chars:
+                doc["text"] = doc["text"][: cfg.max_chars]
+            out.write(jsonl_line(doc))
+            n, chars = n + 1, chars + len(doc["text"])
+        if not n:  # raised inside: the writer keeps whatever file was there
+            raise InputError(cfg.input, "no document matched (check groups, group_prefix, skip and limit)")
+    return {"documents": n, "characters": chars}
+
+
+def main(cfg: PassagesConfig) -> int:
+    report = write_passages(cfg)
+    print(f"{cfg.out}: {report['documents']} documents, {report['characters']:,} characters", file=sys.stderr)
+    return 0

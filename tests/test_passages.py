@@ -1,0 +1,79 @@
+"""``metachunk data passages``: chapters and passages from a paragraph corpus (GutenQA's Emma)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from metachunk.cli import main
+
+EMMA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenqa-emma" / "paragraphs.jsonl"
+
+
+def passages(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["data", "passages", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def chapters() -> dict[str, list[str]]:
+    if not EMMA.is_file():
+        pytest.skip(f"{EMMA} is missing")
+    out: dict[str, list[str]] = {}
+    for line in EMMA.open(encoding="utf-8"):
+        row = json.loads(line)
+        out.setdefault(row["chapter"], []).append(row["text"])
+    return out
+
+
+def test_whole_chapters_by_position(tmp_path, capsys, chapters):
+    rc, err = passages(capsys, "--input", EMMA, "--out", tmp_path / "o.jsonl", "--group-field", "chapter",
+                       "--groups", "0:6")  # fmt: skip
+    assert rc == 0, err
+    got = rows(tmp_path / "o.jsonl")
+    names = list(chapters)[:6]
+    assert [r["id"] for r in got] == names
+    assert [r["text"] for r in got] == ["\n\n".join(chapters[n]) for n in names]
+
+
+def test_passages_of_a_minimum_size_within_chapters(tmp_path, capsys, chapters):
+    rc, err = passages(capsys, "--input", EMMA, "--out", tmp_path / "o.jsonl", "--group-field", "chapter",
+                       "--group-prefix", "VOLUME II.", "--min-chars", "900", "--skip", "1", "--limit", "3")  # fmt: skip
+    assert rc == 0, err
+    got = rows(tmp_path / "o.jsonl")
+    assert [r["id"] for r in got] == [f"VOLUME II. CHAPTER I #{k}" for k in (1, 2, 3)]
+    first = "\n\n".join(chapters["VOLUME II. CHAPTER I"])
+    for r in got:
+        assert len(r["text"]) >= 900 and r["text"] in first  # consecutive paragraphs of one chapter
+        # a passage ends as soon as it is long enough: without its last paragraph it is too short
+        assert len(r["text"].rsplit("\n\n", 1)[0]) < 900 or "\n\n" not in r["text"]
+
+
+def test_ungrouped_lines_cut_and_limited(tmp_path, capsys):
+    src = tmp_path / "news.jsonl"
+    src.write_text("".join(json.dumps({"id": f"a{i}", "text": "x" * (10 + i)}) + "\n" for i in range(4)))
+    rc, err = passages(
+        capsys, "--input", src, "--out", tmp_path / "o.jsonl", "--limit", "2", "--max-chars", "10"
+    )
+    assert rc == 0, err
+    assert rows(tmp_path / "o.jsonl") == [{"id": "a0", "text": "x" * 10}, {"id": "a1", "text": "x" * 10}]
+
+
+def test_bad_input_names_file_line_and_field_and_keeps_the_output(tmp_path, capsys):
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    out.write_text("GOOD\n")
+    src.write_text('{"chapter": "I", "text": "a"}\n{"chapter": "I", "body": "b"}\n')
+    rc, err = passages(capsys, "--input", src, "--out", out, "--group-field", "chapter")
+    assert rc == 2 and f"{src}:2" in err and "'text'" in err and "Traceback" not in err
+    assert out.read_text() == "GOOD\n"
+    rc, err = passages(capsys, "--input", src, "--out", out, "--group-field", "chapter", "--groups", "5:")
+    assert rc == 2 and out.read_text() == "GOOD\n"
+    rc, err = passages(capsys, "--input", src, "--out", out, "--groups", "0:1")
+    assert rc == 2 and "group_field" in err
