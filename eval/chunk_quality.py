@@ -412,7 +412,10 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
         "ppl = exp(NLL)",
         "documents": per_doc,
     }
-    return {"metrics": metrics, "details": details, "bc_values": bcs}
+    # per document: bc_doc_mean and the CS values are means over these (bc_mean is over boundaries)
+    items = [{"id": d["id"], "bc_doc_mean": d["bc_mean"], "cs_complete": d["cs_complete"],
+              "cs_incomplete": d["cs_incomplete"]} for d in scored]  # fmt: skip
+    return {"metrics": metrics, "details": details, "bc_values": bcs, "items": items}
 
 
 def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: float) -> Path:
@@ -477,7 +480,8 @@ def run(cfg: ChunkQualityConfig) -> int:
     if not cfg.save_matrices:
         for d in docs:
             d.pop("nll_alone"), d.pop("nll_cond")
-    write_run(cfg.out, "chunk-quality", config.to_dict(cfg), result["metrics"], result["details"])
+    write_run(cfg.out, "chunk-quality", config.to_dict(cfg), result["metrics"], result["details"],
+              items=result["items"])  # fmt: skip
     report = Path(cfg.out) / "report.md"
     text = report.read_text(encoding="utf-8")
     with AtomicWriter(report) as f:

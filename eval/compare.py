@@ -9,6 +9,13 @@ papers compare methods at equal average chunk length, so ``compare`` refuses to 
 ``avg_chunk_chars`` differ by more than ``--length-tolerance`` (relative to the shortest) unless
 ``--force`` is given; forced reports say so in their first line.
 
+**Confidence intervals.** Where the runs wrote per-item metrics (``items.jsonl``: one line per
+question or document), every such metric gets a bootstrap interval of its mean over the items
+(``scipy.stats.bootstrap``, percentile method, ``--n-resamples`` resamples, fixed ``--seed``), and
+each run's difference from ``--baseline`` (default ``fixed`` when a run has that label) a paired
+bootstrap interval over the items both runs scored. A difference whose interval excludes 0 is
+*resolved*; the others are inside the noise, and the report says which.
+
 Runs given the same label are one column: ``eval qa`` and ``eval chunk-quality`` of one chunker
 side by side with another's. A metric that two of them report is taken from the first given.
 """
@@ -22,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.report import format_value, markdown_table, read_run
+from eval.report import format_value, markdown_table, read_items, read_run
 from metachunk.artifacts import AtomicWriter
 from metachunk.config import option
 
@@ -41,7 +48,15 @@ class CompareConfig:
         0.1, "max relative spread of avg_chunk_chars, (longest - shortest) / shortest, before refusing"
     )
     force: bool = option(False, "compare even when the average chunk lengths differ beyond the tolerance")
-    plots: bool = option(True, "one PNG bar chart per metric")
+    plots: bool = option(True, "one PNG bar chart per metric (with the intervals drawn)")
+    confidence: float = option(
+        0.95, "bootstrap confidence level of the intervals (0: none); needs the runs' items.jsonl"
+    )
+    n_resamples: int = option(2000, "bootstrap resamples per interval")
+    seed: int = option(0, "the bootstrap's random seed: the same runs give the same intervals")
+    baseline: str | None = option(
+        None, "the label the others are compared with, item by item (default: fixed, when a run has it)"
+    )
 
     def __post_init__(self):
         if not self.runs:
@@ -50,6 +65,10 @@ class CompareConfig:
             raise ValueError(f"field 'labels': {len(self.labels)} labels for {len(self.runs)} runs")
         if self.length_tolerance < 0:
             raise ValueError("field 'length_tolerance' must be >= 0")
+        if not 0 <= self.confidence < 1:
+            raise ValueError("field 'confidence' must be in [0, 1)")
+        if self.n_resamples < 100:
+            raise ValueError("field 'n_resamples' must be >= 100")
 
 
 CONFIG = CompareConfig
@@ -78,20 +97,80 @@ def check_lengths(lengths: dict[str, float], tolerance: float) -> float | None:
 
 
 def merged_runs(runs: list[Path], labels: list[str]) -> tuple[list[str], list[dict], dict[str, list[str]]]:
-    """``(labels, docs, run dirs)``, one per distinct label: the metrics of a label's runs merged,
-    the first given winning for a metric two report."""
+    """``(labels, docs, run dirs)``, one per distinct label: the metrics (and per-item values,
+    ``items``: metric -> item id -> value) of a label's runs merged, the first given winning for a
+    metric two report."""
     docs: dict[str, dict] = {}
     dirs: dict[str, list[str]] = {}
     for label, run in zip(labels, runs):
         doc = read_run(run)
         dirs.setdefault(label, []).append(str(run))
+        items: dict[str, dict] = {}
+        for row in read_items(run) or []:
+            for name, value in row.items():
+                if name != "id" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    items.setdefault(name, {})[str(row["id"])] = float(value)
         if label not in docs:
-            docs[label] = {"metrics": dict(doc["metrics"]), "command": doc.get("command")}
+            docs[label] = {"metrics": dict(doc["metrics"]), "command": doc.get("command"), "items": items}
             continue
         merged = docs[label]
         merged["metrics"].update((k, v) for k, v in doc["metrics"].items() if k not in merged["metrics"])
+        merged["items"].update((k, v) for k, v in items.items() if k not in merged["items"])
         merged["command"] = f"{merged['command']} + {doc.get('command')}"
     return list(docs), list(docs.values()), dirs
+
+
+def bootstrap_interval(samples: list, confidence: float, n_resamples: int, seed: int) -> list[float] | None:
+    """The percentile bootstrap interval of the mean of ``samples`` (one array), or of the mean
+    difference of two paired arrays; None with fewer than two items."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    arrays = [np.asarray(a, dtype=np.float64) for a in samples]
+    if len(arrays[0]) < 2:
+        return None
+    values = arrays[0] - arrays[1] if len(arrays) == 2 else arrays[0]
+    if np.all(values == values[0]):  # no spread: every resample has the same mean
+        return [float(values[0]), float(values[0])]
+    if len(arrays) == 2:
+        data, statistic = (arrays[0], arrays[1]), lambda a, b, axis: np.mean(a - b, axis=axis)
+    else:
+        data, statistic = (arrays[0],), lambda a, axis: np.mean(a, axis=axis)
+    res = bootstrap(data, statistic, paired=len(arrays) == 2, vectorized=True, confidence_level=confidence,
+                    n_resamples=n_resamples, method="percentile", rng=np.random.default_rng(seed))  # fmt: skip
+    return [float(res.confidence_interval.low), float(res.confidence_interval.high)]
+
+
+def intervals(labels: list[str], docs: list[dict], cfg: CompareConfig) -> dict:
+    """``{"intervals": {metric: {label: [low, high]}}, "differences": {metric: {label: {...}}}}``
+    over the metrics the runs have items for."""
+    baseline = cfg.baseline or ("fixed" if "fixed" in labels else None)
+    if baseline is not None and baseline not in labels:
+        raise ValueError(f"field 'baseline': no run is labelled {baseline!r} (labels: {', '.join(labels)})")
+    items = dict(zip(labels, (d["items"] for d in docs)))
+    names = list(dict.fromkeys(name for d in docs for name in d["items"]))
+    out = {"confidence": cfg.confidence, "n_resamples": cfg.n_resamples, "seed": cfg.seed, "method": "percentile",
+           "baseline": baseline, "items": {}, "intervals": {}, "differences": {}}  # fmt: skip
+    for name in names:
+        for label in labels:
+            values = items[label].get(name)
+            if not values:
+                continue
+            out["items"].setdefault(name, {})[label] = len(values)
+            ci = bootstrap_interval([list(values.values())], cfg.confidence, cfg.n_resamples, cfg.seed)
+            out["intervals"].setdefault(name, {})[label] = ci
+            base = items.get(baseline, {}).get(name) if baseline else None
+            if base is None or label == baseline:
+                continue
+            common = [i for i in values if i in base]
+            a, b = [values[i] for i in common], [base[i] for i in common]
+            ci = bootstrap_interval([a, b], cfg.confidence, cfg.n_resamples, cfg.seed)
+            diff = sum(x - y for x, y in zip(a, b)) / len(common) if common else None
+            out["differences"].setdefault(name, {})[label] = {
+                "difference": diff, "interval": ci, "paired_items": len(common),
+                "resolved": ci is not None and (ci[0] > 0 or ci[1] < 0),
+            }  # fmt: skip
+    return out
 
 
 def compare(cfg: CompareConfig) -> dict:
@@ -109,15 +188,20 @@ def compare(cfg: CompareConfig) -> dict:
         spread, forced = None, True
     names = cfg.metrics or list(dict.fromkeys(k for doc in docs for k in doc["metrics"]))
     table = {name: {label: doc["metrics"].get(name) for label, doc in zip(labels, docs)} for name in names}
+    stats = intervals(labels, docs, cfg) if cfg.confidence else None
+    if stats and cfg.metrics:
+        for key in ("items", "intervals", "differences"):
+            stats[key] = {k: v for k, v in stats[key].items() if k in names}
     result = {
         "runs": {label: dirs[label][0] if len(dirs[label]) == 1 else dirs[label] for label in labels},
         "commands": {label: doc.get("command") for label, doc in zip(labels, docs)},
         "length_spread": spread,
         "forced": forced,
         "metrics": table,
+        "statistics": stats,
     }
     out = Path(cfg.out)
-    plots = plot_metrics(table, out.with_suffix("")) if cfg.plots else {}
+    plots = plot_metrics(table, out.with_suffix(""), (stats or {}).get("intervals")) if cfg.plots else {}
     result["plots"] = {name: str(path) for name, path in plots.items()}
     lines = [f"# metachunk eval compare: {', '.join(labels)}", ""]
     if forced:
@@ -132,6 +216,8 @@ def compare(cfg: CompareConfig) -> dict:
         [name] + [format_value(v) if v is not None else "–" for v in table[name].values()] for name in names
     ]
     lines.append(markdown_table(["metric", *labels], rows))
+    if stats and stats["intervals"]:
+        lines += ["", *interval_tables(labels, stats)]
     if plots:
         lines += ["", *[f"![{name}]({path.relative_to(out.parent)})" for name, path in plots.items()]]
     with AtomicWriter(out) as f:
@@ -141,8 +227,42 @@ def compare(cfg: CompareConfig) -> dict:
     return result
 
 
-def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path) -> dict[str, Path]:
-    """One bar chart per numeric metric: ``{prefix}_{metric}.png``, each written atomically."""
+def interval_tables(labels: list[str], stats: dict) -> list[str]:
+    """The report's Markdown for the intervals and the paired differences."""
+    level = f"{stats['confidence']:.0%}"
+    lines = [f"**{level} bootstrap intervals** of each mean over its items (questions or documents; "
+             f"percentile method, {stats['n_resamples']:,} resamples, seed {stats['seed']}):", ""]  # fmt: skip
+
+    def cell(name, label):
+        ci = stats["intervals"].get(name, {}).get(label)
+        n = stats["items"].get(name, {}).get(label)
+        return "–" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}] (n={n})"
+
+    rows = [[name] + [cell(name, label) for label in labels] for name in stats["intervals"]]
+    lines.append(markdown_table(["metric", *labels], rows))
+    base = stats["baseline"]
+    if base and stats["differences"]:
+        others = [label for label in labels if label != base]
+        lines += ["", f"**Paired differences from `{base}`** (mean of the item-by-item differences, its {level} "
+                  "paired bootstrap interval; **resolved** when the interval excludes 0, else inside the noise):", ""]  # fmt: skip
+
+        def diff_cell(name, label):
+            d = stats["differences"].get(name, {}).get(label)
+            if not d or d["interval"] is None:
+                return "–"
+            lo, hi = d["interval"]
+            verdict = "**resolved**" if d["resolved"] else "noise"
+            return f"{d['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict}"
+
+        rows = [[name] + [diff_cell(name, label) for label in others] for name in stats["differences"]]
+        lines.append(markdown_table(["metric", *others], rows))
+    return lines
+
+
+def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
+                 intervals: dict[str, dict[str, list | None]] | None = None) -> dict[str, Path]:  # fmt: skip
+    """One bar chart per numeric metric: ``{prefix}_{metric}.png``, each written atomically, with
+    the bootstrap intervals as error bars where there are any."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +276,12 @@ def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path) -> dic
         if not numeric:
             continue
         fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(numeric), 3.2))
-        bars = ax.bar(list(numeric), list(numeric.values()), color="#4c72b0")
+        cis = (intervals or {}).get(name, {})
+        yerr = None
+        if any(cis.get(label) for label in numeric):
+            yerr = [[max(0.0, v - cis[label][0]) if cis.get(label) else 0.0 for label, v in numeric.items()],
+                    [max(0.0, cis[label][1] - v) if cis.get(label) else 0.0 for label, v in numeric.items()]]  # fmt: skip
+        bars = ax.bar(list(numeric), list(numeric.values()), color="#4c72b0", yerr=yerr, capsize=4)
         ax.bar_label(bars, labels=[format_value(v) for v in numeric.values()], fontsize=8)
         ax.set_title(name)
         ax.margins(y=0.15)

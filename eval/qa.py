@@ -86,6 +86,11 @@ class QAConfig:
     )
     index_text: str = option("chunk", "what is embedded for each chunk", choices=list(INDEX_TEXTS))
     top_k: int = option(8, "chunks retrieved per question and given to the generator (paper: 8 for CRUD)")
+    cutoffs: list[int] | None = option(
+        None,
+        "k of Hits@k, MRR@k and MAP@k (e.g. 1 3 5 8); default Hits at 1, 2, 4, 6, 8, 10 up to top_k, "
+        "MRR and MAP at top_k",
+    )
     rerank: str = option(
         "none", "re-rank the dense top rerank_depth", choices=["none", "ppl", "cross-encoder"]
     )
@@ -364,9 +369,12 @@ def evaluate(cfg: QAConfig) -> dict:
         "avg_indexed_chars": round(sum(len(c.indexed_text) for c in chunks) / len(chunks), 2),
         "chunks_truncated": sum(1 for n in indexed_tokens if limit_tokens and n + 2 > limit_tokens),
     }
-    hit_ks = cutoffs(depth, cfg.top_k)
-    score_ks = sorted({cfg.top_k, depth})
+    hit_ks = sorted({k for k in cfg.cutoffs if k <= depth}) if cfg.cutoffs else cutoffs(depth, cfg.top_k)
+    score_ks = hit_ks if cfg.cutoffs else sorted({cfg.top_k, depth})
     metrics.update(aggregate(flags_dense, n_relevant, hit_ks, score_ks))
+    # the same metrics per question: what eval compare's bootstrap intervals resample
+    items = [{"id": q.qid, **aggregate([flags], [n_rel], hit_ks, score_ks)}
+             for (q, _, _), flags, n_rel in zip(judged, flags_dense, n_relevant)]  # fmt: skip
     if reranked_order is not None:
         metrics.update(aggregate(flags_reranked, n_relevant, cutoffs(cfg.rerank_depth, cfg.top_k),
                                  sorted({min(cfg.top_k, cfg.rerank_depth), cfg.rerank_depth}), prefix="reranked_"))  # fmt: skip
@@ -409,7 +417,7 @@ def evaluate(cfg: QAConfig) -> dict:
     details["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
     from eval.report import write_run
 
-    return write_run(out, "qa", config.to_dict(cfg), metrics, details)
+    return write_run(out, "qa", config.to_dict(cfg), metrics, details, items=items)
 
 
 def _count_how(evidence_rows: list[dict]) -> dict[str, int]:

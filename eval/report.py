@@ -3,6 +3,11 @@
 Both are written atomically, so a crash mid-run never leaves a half-written report over a good one.
 ``metrics.json`` is the contract ``eval compare`` reads: ``{"schema_version", "command", "run",
 "config", "metrics": {name: number}, "details": {...}}``; ``metrics`` holds flat numbers only.
+
+``items.jsonl`` (when the command has them) holds the same metrics per item, one line per question
+(``eval qa``) or document (``eval chunk-quality``): ``{"id", METRIC: value, ...}``, where every
+metric named there is the mean of its items. ``eval compare`` bootstraps its confidence intervals,
+and pairs two runs item by item, from these lines.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ SCHEMA_VERSION = 1
 
 
 def write_run(out: Path, command: str, config: dict, metrics: dict[str, float], details: dict | None = None,
-              title: str | None = None) -> dict:  # fmt: skip
-    """Write ``out/metrics.json`` and ``out/report.md``; returns the metrics.json object."""
+              title: str | None = None, items: list[dict] | None = None) -> dict:  # fmt: skip
+    """Write ``out/metrics.json``, ``out/report.md`` and, given ``items``, ``out/items.jsonl``;
+    returns the metrics.json object."""
     out = Path(out)
+    if items is not None:
+        with AtomicWriter(out / "items.jsonl") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in items)
     doc = {
         "schema_version": SCHEMA_VERSION,
         "command": command,
@@ -45,6 +54,23 @@ def read_run(run_dir: Path) -> dict:
     if not isinstance(doc.get("metrics"), dict):
         raise ValueError(f"{path}: field 'metrics' is missing or not an object")
     return doc
+
+
+def read_items(run_dir: Path) -> list[dict] | None:
+    """A run's per-item metrics (``items.jsonl``), or None when it has none."""
+    path = Path(run_dir) / "items.jsonl"
+    if not path.is_file():
+        return None
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: invalid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or "id" not in row:
+            raise ValueError(f"{path}:{number}: field 'id' is missing")
+        rows.append(row)
+    return rows
 
 
 def format_value(value) -> str:

@@ -79,3 +79,41 @@ def test_runs_with_one_label_are_one_column(tmp_path):
     }
     assert result["runs"]["ppl"] == [str(qa[1]), str(quality[1])]
     assert "| metric | fixed | ppl |" in out.read_text()
+
+
+def _items_run(path, values: dict[str, float], length=500.0):
+    rows = [{"id": f"q{i}", "hits@1": v} for i, v in values.items()]
+    write_run(
+        path, "qa", {}, {"hits@1": sum(values.values()) / len(values), "avg_chunk_chars": length}, items=rows
+    )
+    return path
+
+
+def test_bootstrap_intervals_and_paired_differences(tmp_path):
+    """Hits@1 per question: B beats fixed on 27 of 30 questions (resolved), C differs on one (noise)."""
+    base = {i: 0.0 for i in range(30)}
+    better = {i: 1.0 if i < 27 else 0.0 for i in range(30)}
+    noise = {**base, 0: 1.0}
+    runs = [_items_run(tmp_path / n, v) for n, v in (("fixed", base), ("b", better), ("c", noise))]
+    out = tmp_path / "cmp.md"
+    result = compare(CompareConfig(runs=runs, out=out, plots=True, n_resamples=1000))
+    stats = result["statistics"]
+    assert stats["baseline"] == "fixed" and stats["items"]["hits@1"] == {"fixed": 30, "b": 30, "c": 30}
+    lo, hi = stats["intervals"]["hits@1"]["b"]
+    assert lo < 0.9 < hi and 0.7 < lo and hi <= 1.0
+    assert stats["intervals"]["hits@1"]["fixed"] == [0.0, 0.0]  # no spread
+    d = stats["differences"]["hits@1"]
+    assert d["b"]["resolved"] and abs(d["b"]["difference"] - 0.9) < 1e-9
+    assert not d["c"]["resolved"] and d["c"]["interval"][0] == 0.0  # one question in 30: inside the noise
+    text = out.read_text()
+    assert "95% bootstrap intervals" in text and "**resolved**" in text and "noise" in text
+    # the same runs, the same seed: the same intervals
+    again = compare(CompareConfig(runs=runs, out=tmp_path / "again.md", plots=False, n_resamples=1000))
+    assert again["statistics"] == stats
+    assert (tmp_path / "cmp_hits@1.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_baseline_no_run_has_is_named(tmp_path):
+    runs = [_items_run(tmp_path / "a", {0: 1.0, 1: 0.0})]
+    with pytest.raises(ValueError, match="baseline"):
+        compare(CompareConfig(runs=runs, out=tmp_path / "c.md", baseline="fixed", plots=False))

@@ -150,7 +150,9 @@ def test_there_are_train_recipes():
     }  # fmt: skip
 
 
-REGEN_RECIPES = sorted((ROOT / "recipes" / "regen").glob("*.yaml"))
+REGEN_RECIPES = sorted((ROOT / "recipes" / "regen").glob("*.yaml")) + sorted(
+    (ROOT / "recipes" / "experiments").glob("*.yaml")
+)
 
 
 @pytest.mark.parametrize("recipe", REGEN_RECIPES, ids=lambda p: p.name)

@@ -1,0 +1,70 @@
+"""The experiment recipes cannot rot: a smoke version of recipes/experiments/emma.yaml (its own
+stage blocks, three chapters, two chunkers, the bootstrap on) runs end to end through
+``metachunk run``, and its report carries intervals and paired differences."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from metachunk.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+EMMA = ROOT.parent / "shared" / "data" / "gutenqa-emma"
+
+
+def smoke_recipe(tmp_path: Path, tiny: str) -> Path:
+    """emma.yaml with its paths under ``tmp_path``, chapters I-III, fixed and sentence chunking at
+    its length goal, retrieval over the answerable questions, BC/CS under the tiny model."""
+    text = (ROOT / "recipes" / "experiments" / "emma.yaml").read_text(encoding="utf-8")
+    text = text.replace("runs/experiments/emma", str(tmp_path / "emma"))
+    text = text.replace("../shared/data/gutenqa-emma", str(EMMA))
+    recipe = yaml.safe_load(text)
+    keep = {"docs", "chunk_fixed", "chunk_sentence", "qa_fixed", "qa_sentence", "quality_fixed",
+            "quality_sentence", "compare"}  # fmt: skip
+    recipe["stages"] = [s for s in recipe["stages"] if s["name"] in keep]
+    recipe = {k: v for k, v in recipe.items() if not k.startswith("x-")}
+    for stage in recipe["stages"]:
+        cfg = stage["config"]
+        if stage["name"] == "docs":
+            cfg["groups"] = "0:3"
+        if stage["run"] == "eval qa":
+            cfg.update(questions="answerable", progress=False)
+        if stage["run"] == "eval chunk-quality":
+            cfg.update(model=tiny, limit=2, max_pairs=2, progress=False)
+        if stage["run"] == "eval compare":
+            keep_runs = [
+                (r, label) for r, label in zip(cfg["runs"], cfg["labels"]) if label in ("fixed", "sentence")
+            ]
+            cfg["runs"], cfg["labels"] = [r for r, _ in keep_runs], [label for _, label in keep_runs]
+            cfg["n_resamples"] = 500
+    path = tmp_path / "smoke.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    return path
+
+
+@pytest.mark.integration
+def test_the_emma_experiment_in_small_runs_and_reports_intervals(tmp_path, tiny_model_dir, capsys):
+    pytest.importorskip("pymilvus")
+    if not EMMA.is_dir():
+        pytest.skip(f"{EMMA} is missing")
+    path = smoke_recipe(tmp_path, str(tiny_model_dir))
+    assert main(["run", str(path)]) == 0, capsys.readouterr().err
+    result = json.loads((tmp_path / "emma" / "compare.json").read_text())
+    lengths = result["metrics"]["avg_chunk_chars"]
+    assert all(abs(v - 600) <= 0.05 * 600 for v in lengths.values()), lengths  # the recipe's length goal
+    stats = result["statistics"]
+    assert stats["baseline"] == "fixed" and stats["confidence"] == 0.95
+    lo, hi = stats["intervals"]["hits@8"]["sentence"]
+    assert 0.0 <= lo <= result["metrics"]["hits@8"]["sentence"] <= hi <= 1.0
+    assert set(stats["differences"]["hits@8"]) == {"sentence"}  # paired with fixed, question by question
+    assert "bc_doc_mean" in stats["intervals"]  # per chapter
+    report = (tmp_path / "emma" / "compare.md").read_text()
+    assert "bootstrap intervals" in report and "Paired differences from `fixed`" in report
+    # a rerun skips every stage
+    capsys.readouterr()
+    assert main(["run", str(path)]) == 0
+    assert "metachunk chunk" not in capsys.readouterr().err
