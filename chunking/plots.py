@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from metachunk.artifacts import write_figure
+
 SCORE_LABELS = {
     "ppl": "PPL (mean token NLL, nats)",
     "msp": "margin P(keep) - P(split)",
@@ -45,7 +47,4 @@ def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -
     title = f"{doc.id}: {len(doc.sentences)} sentences, {len(doc.chunks)} chunks ({method}"
     ax.set_title(title + (f", θ={threshold:g})" if threshold is not None else ")"), fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_figure(fig, path)  # atomically: a crash never leaves half a PNG

@@ -44,14 +44,12 @@ features only, since ``datasets`` wants a byte count next to every split size.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from metachunk import markdown
-from metachunk.artifacts import AtomicWriter, InputError
+from metachunk.artifacts import AtomicWriter, InputError, write_figure
 
 NOT_MEASURED = "not measured"
 SPLIT_ORDER = ("train", "validation", "test")
@@ -527,17 +525,7 @@ def plot_token_lengths(
         ax.set_ylabel("rows")
         ax.set_title(f"{name}: {len(lengths)} rows", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return write_figure(fig, path)
 
 
 def measure_sizes(dataset_dir: str | Path, splits: Sequence[str]) -> dict:

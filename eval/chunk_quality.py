@@ -50,7 +50,9 @@ the row is the context ``d``, the column the scored chunk ``q``.
   that yields graphs dense enough for the magnitudes of the paper's Tables 3 and 4.
 
 ``details`` carries every document's matrices (mean NLLs; ``--no-save-matrices`` leaves them out), so
-either convention and any K can be recomputed from one run.
+either convention and any K can be recomputed from one run. Both conventions are also reported as
+they are: ``bc_mean@paper``, ``cs_complete@released``, ... (per-document means, in ``items.jsonl``
+too), beside the unsuffixed metrics of ``--convention``.
 
 **Cost and the cap.** The complete graph needs ``N (N - 1)`` conditional perplexities per
 document. They are batched: each context ``d`` runs once and its KV cache is reused by batches of
@@ -79,7 +81,7 @@ import numpy as np
 
 from chunking.shards import chunk_rows
 from metachunk import config
-from metachunk.artifacts import AtomicWriter, InputError
+from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.config import option
 
 CONVENTIONS = ("paper", "released")
@@ -369,11 +371,21 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
             bcs += [float(x) for x in bc if not math.isnan(x)]
             cs_c, m_c = chunk_stickiness(ppl_alone, ppl_cond, cfg.k, cfg.convention, "complete")
             cs_i, m_i = chunk_stickiness(ppl_alone, ppl_cond, cfg.k, cfg.convention, "incomplete")
+            # both conventions from the same matrices: the paper's equations and the released scripts
+            both = {}
+            for convention in CONVENTIONS:
+                both[f"bc_mean@{convention}"] = _mean(
+                    boundary_clarity(ppl_alone, ppl_cond, convention).tolist()
+                )
+                for graph in ("complete", "incomplete"):
+                    both[f"cs_{graph}@{convention}"] = chunk_stickiness(
+                        ppl_alone, ppl_cond, cfg.k, convention, graph
+                    )[0]
             per_doc.append({
                 **row, "pairs_computed": len(pairs), "capped": len(pairs) < row["pairs_total"],
                 "bc": _nan_to_none(bc), "bc_mean": _mean(bc.tolist()),
                 "cs_complete": cs_c, "edges_complete": m_c, "cs_incomplete": cs_i, "edges_incomplete": m_i,
-                "nll_alone": _nan_to_none(alone), "nll_cond": _nan_to_none(cond),
+                "conventions": both, "nll_alone": _nan_to_none(alone), "nll_cond": _nan_to_none(cond),
             })  # fmt: skip
     elapsed = time.perf_counter() - t0
     scored = [d for d in per_doc if "skipped" not in d]
@@ -414,13 +426,15 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     }
     # per document: bc_doc_mean and the CS values are means over these (bc_mean is over boundaries)
     items = [{"id": d["id"], "bc_doc_mean": d["bc_mean"], "cs_complete": d["cs_complete"],
-              "cs_incomplete": d["cs_incomplete"]} for d in scored]  # fmt: skip
+              "cs_incomplete": d["cs_incomplete"], **d["conventions"]} for d in scored]  # fmt: skip
+    for name in scored[0]["conventions"] if scored else {}:  # per-document means, as bc_doc_mean
+        value = _mean([d["conventions"][name] for d in scored])
+        if value is not None:
+            metrics[name] = value
     return {"metrics": metrics, "details": details, "bc_values": bcs, "items": items}
 
 
 def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: float) -> Path:
-    import os
-    import tempfile
 
     import matplotlib
 
@@ -455,12 +469,7 @@ def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: floa
         ax.set_ylabel("d (context chunk)")
     fig.tight_layout()
     path = Path(out) / "chunk_quality.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    write_figure(fig, path)
     return path
 
 

@@ -23,14 +23,12 @@ side by side with another's. A metric that two of them report is taken from the 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from eval.report import format_value, markdown_table, read_items, read_run
-from metachunk.artifacts import AtomicWriter
+from metachunk.artifacts import AtomicWriter, write_figure
 from metachunk.config import option
 
 LENGTH_KEY = "avg_chunk_chars"
@@ -201,7 +199,13 @@ def compare(cfg: CompareConfig) -> dict:
         "statistics": stats,
     }
     out = Path(cfg.out)
-    plots = plot_metrics(table, out.with_suffix(""), (stats or {}).get("intervals")) if cfg.plots else {}
+    plots = {}
+    if cfg.plots:
+        cis = (stats or {}).get("intervals")
+        plots = {
+            **plot_families(table, out.with_suffix(""), cis),
+            **plot_metrics(table, out.with_suffix(""), cis),
+        }
     result["plots"] = {name: str(path) for name, path in plots.items()}
     lines = [f"# metachunk eval compare: {', '.join(labels)}", ""]
     if forced:
@@ -287,13 +291,57 @@ def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
         ax.margins(y=0.15)
         fig.tight_layout()
         path = prefix.parent / f"{prefix.name}_{name}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-        os.close(fd)
-        fig.savefig(tmp, dpi=110)
-        plt.close(fig)
-        os.replace(tmp, path)
+        write_figure(fig, path)
         paths[name] = path
+    return paths
+
+
+# Metric families drawn together, one grouped bar chart each (the metrics of a family share a scale).
+FAMILIES = {
+    "retrieval": r"^(hits|mrr|map)@\d+$",
+    "boundary_clarity": r"^bc_",
+    "chunk_stickiness": r"^cs_",
+    "generation": r"^(bleu|rouge|bertscore|f1)",
+}
+
+
+def plot_families(table: dict[str, dict[str, float | None]], prefix: Path,
+                  intervals: dict[str, dict[str, list | None]] | None = None) -> dict[str, Path]:  # fmt: skip
+    """One grouped bar chart per metric family (:data:`FAMILIES`) with two or more metrics:
+    ``{prefix}_family_{family}.png``, a bar per run in each metric's group, the intervals drawn."""
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = {}
+    for family, pattern in FAMILIES.items():
+        names = [n for n in table if re.match(pattern, n)]
+        if len(names) < 2:
+            continue
+        labels = list(dict.fromkeys(label for n in names for label in table[n]))
+        width = 0.8 / len(labels)
+        fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(names) * len(labels) ** 0.5 * 1.6, 3.6))
+        x = np.arange(len(names))
+        for k, label in enumerate(labels):
+            values = [table[n].get(label) for n in names]
+            heights = [v if isinstance(v, (int, float)) else 0.0 for v in values]
+            cis = [(intervals or {}).get(n, {}).get(label) for n in names]
+            yerr = [[max(0.0, h - ci[0]) if ci else 0.0 for h, ci in zip(heights, cis)],
+                    [max(0.0, ci[1] - h) if ci else 0.0 for h, ci in zip(heights, cis)]]  # fmt: skip
+            ax.bar(x + (k - (len(labels) - 1) / 2) * width, heights, width, label=label,
+                   yerr=yerr if any(cis) else None, capsize=2)  # fmt: skip
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(family.replace("_", " ") + (" (95% bootstrap intervals)" if intervals else ""))
+        ax.legend(fontsize=7, ncols=min(len(labels), 4))
+        ax.margins(y=0.15)
+        fig.tight_layout()
+        path = prefix.parent / f"{prefix.name}_family_{family}.png"
+        write_figure(fig, path)
+        paths[f"family:{family}"] = path
     return paths
 
 

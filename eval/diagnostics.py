@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from metachunk import config
-from metachunk.artifacts import AtomicWriter, InputError
+from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.config import option
 
 
@@ -377,19 +377,8 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
 
 
 def _save(fig, path: Path) -> Path:
-    import os
-    import tempfile
-
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
     fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return write_figure(fig, path)
 
 
 def plot(out: Path, result: dict, k: int) -> list[Path]:

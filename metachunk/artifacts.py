@@ -199,6 +199,25 @@ def write_bytes(path: str | Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
+def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as ``path`` (PNG) through a temp file, then close it: a crash never
+    leaves half an image over a good one."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=path.suffix or ".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
 def write_json(path: str | Path, obj, default=None) -> None:
     """``obj`` as indented JSON, atomically; ``default`` as in :func:`json.dump` (e.g. ``str``)."""
     with AtomicWriter(path) as f:

@@ -36,7 +36,7 @@ def test_side_by_side_table_and_one_png_per_metric(tmp_path):
     text = out.read_text()
     assert "| metric | fixed | ppl |" in text and "| hits@8 | 0.5000 | 0.6000 |" in text
     assert "within 4.0%" in text
-    for name in ("hits@8", "mrr@8", "avg_chunk_chars"):
+    for name in ("hits@8", "mrr@8", "avg_chunk_chars", "family_retrieval"):
         assert (tmp_path / "cmp" / f"report_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads(out.with_suffix(".json").read_text())["metrics"] == result["metrics"]
 

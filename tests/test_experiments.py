@@ -62,6 +62,7 @@ def test_the_emma_experiment_in_small_runs_and_reports_intervals(tmp_path, tiny_
     assert 0.0 <= lo <= result["metrics"]["hits@8"]["sentence"] <= hi <= 1.0
     assert set(stats["differences"]["hits@8"]) == {"sentence"}  # paired with fixed, question by question
     assert "bc_doc_mean" in stats["intervals"]  # per chapter
+    assert {"bc_mean@paper", "cs_complete@released", "cs_incomplete@paper"} <= set(stats["intervals"])
     report = (tmp_path / "emma" / "compare.md").read_text()
     assert "bootstrap intervals" in report and "Paired differences from `fixed`" in report
     # a rerun skips every stage

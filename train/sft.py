@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import EXIT_EMPTY, EmptyInput
+from metachunk.artifacts import EXIT_EMPTY, EmptyInput, write_figure
 
 
 @dataclass
@@ -398,9 +398,6 @@ def effective_batch_size(sft_args) -> int:
 
 def plot_losses(log_history: list[dict], path: Path) -> None:
     """Training (and validation) loss against the step, written atomically."""
-    import os
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -417,12 +414,7 @@ def plot_losses(log_history: list[dict], path: Path) -> None:
     ax.set_ylabel("loss (completion tokens)")
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    write_figure(fig, path, dpi=120)
 
 
 RUN_FACTS = "metachunk_run.json"  # what `metachunk export` writes the model card from
