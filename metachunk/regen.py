@@ -292,8 +292,11 @@ def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version
                 else:
                     inputs[part] = digests.path(part)
         elif _looks_like_path(value):
-            inputs[value] = digests.path(value)
-            reads.append(value)
+            # LABEL=PATH (eval diagnostics --retrieval): the label names the path, the path is the input
+            label, sep, rest = value.partition("=")
+            path = rest if sep and "/" not in label and _looks_like_path(rest) else value
+            inputs[path] = digests.path(path)
+            reads.append(path)
     material = {"run": stage.run, "config": _strip_runtime(stage.config), "inputs": inputs,
                 "models": model_prints, "prompts": prompts, "metachunk": version}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()

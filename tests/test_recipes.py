@@ -167,6 +167,7 @@ def test_regen_recipe_stages_are_valid_configs_of_their_commands(recipe, tmp_pat
     from distill.sft import BuildSftConfig
     from eval.chunk_quality import ChunkQualityConfig
     from eval.compare import CompareConfig
+    from eval.diagnostics import DiagnosticsConfig
     from eval.qa import QAConfig
     from metachunk.regen import load_recipe
     from train.export import ExportConfig
@@ -176,7 +177,7 @@ def test_regen_recipe_stages_are_valid_configs_of_their_commands(recipe, tmp_pat
                 ("distill",): DistillConfig, ("data", "build-sft"): BuildSftConfig, ("data", "push"): PushConfig,
                 ("data", "passages"): PassagesConfig, ("chunk",): ChunkConfig, ("export",): ExportConfig,
                 ("eval", "qa"): QAConfig, ("eval", "chunk-quality"): ChunkQualityConfig,
-                ("eval", "compare"): CompareConfig}  # fmt: skip
+                ("eval", "compare"): CompareConfig, ("eval", "diagnostics"): DiagnosticsConfig}  # fmt: skip
     for stage in load_recipe(recipe).stages:
         words = tuple(stage.argv)
         path = tmp_path / f"{stage.name}.yaml"

@@ -237,3 +237,17 @@ def test_an_empty_stage_skips_what_needs_its_output_unless_that_stage_copes(sft_
     assert code == 0, err
     assert "train_expert_1 (train): empty, skipped" in err and "moc (chunk): cached, skipped" in err
     assert "metachunk run" not in err and "== run: moc: metachunk" not in err
+
+
+def test_a_label_is_not_part_of_the_input_path_it_names(tmp_path):
+    """`eval diagnostics --retrieval rewritten=RUN`: the fingerprint hashes RUN, not 'rewritten=RUN'."""
+    from metachunk.regen import Digests, Stage, fingerprint
+
+    run_dir = tmp_path / "rewritten" / "qa"
+    run_dir.mkdir(parents=True)
+    (run_dir / "retrieval.jsonl").write_text("{}\n")
+    stage = Stage(
+        "d", "eval diagnostics", {"retrieval": [f"rewritten={run_dir}"], "out": str(tmp_path / "o")}
+    )
+    fp = fingerprint(stage, Digests(), {}, "0")
+    assert list(fp.inputs) == [str(run_dir)] and fp.inputs[str(run_dir)] is not None and not fp.missing
