@@ -324,7 +324,7 @@ def plot_families(table: dict[str, dict[str, float | None]], prefix: Path,
             continue
         labels = list(dict.fromkeys(label for n in names for label in table[n]))
         width = 0.8 / len(labels)
-        fig, ax = plt.subplots(figsize=(1.5 + 0.55 * len(names) * len(labels) ** 0.5 * 1.6, 3.6))
+        fig, ax = plt.subplots(figsize=(min(10.0, 2.0 + 0.35 * len(names) * len(labels)), 3.8))
         x = np.arange(len(names))
         for k, label in enumerate(labels):
             values = [table[n].get(label) for n in names]
