@@ -15,13 +15,12 @@ Ids: a whole group is named by its group (``CHAPTER I``); a passage by its group
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
+from metachunk.artifacts import AtomicWriter, InputError, jsonl_line, read_jsonl
 from metachunk.config import option
 
 
@@ -70,30 +69,21 @@ def parse_slice(text: str) -> slice:
 def read_groups(cfg: PassagesConfig) -> Iterator[tuple[str, list[str]]]:
     """``(name, paragraphs)`` per group of consecutive lines (a line per group when ungrouped)."""
     path = Path(cfg.input)
-    if not path.is_file():
-        raise InputError(path, "no such file")
     name, paragraphs = None, []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(path, f"invalid JSON ({e.msg})", number) from None
-            if not isinstance(row, dict) or not isinstance(row.get(cfg.text_field), str):
-                raise InputError(path, f"field '{cfg.text_field}': a string is required", number)
-            if cfg.group_field is None:
-                yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]]
-                continue
-            group = row.get(cfg.group_field)
-            if not isinstance(group, str) or not group:
-                raise InputError(path, f"field '{cfg.group_field}': a non-empty string is required", number)
-            if group != name and paragraphs:
-                yield name, paragraphs
-                paragraphs = []
-            name = group
-            paragraphs.append(row[cfg.text_field])
+    for number, row in read_jsonl(path):
+        if not isinstance(row, dict) or not isinstance(row.get(cfg.text_field), str):
+            raise InputError(path, f"field '{cfg.text_field}': a string is required", number)
+        if cfg.group_field is None:
+            yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]]
+            continue
+        group = row.get(cfg.group_field)
+        if not isinstance(group, str) or not group:
+            raise InputError(path, f"field '{cfg.group_field}': a non-empty string is required", number)
+        if group != name and paragraphs:
+            yield name, paragraphs
+            paragraphs = []
+        name = group
+        paragraphs.append(row[cfg.text_field])
     if paragraphs:
         yield name, paragraphs
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from metachunk import markdown
-from metachunk.artifacts import AtomicWriter
+from metachunk.artifacts import AtomicWriter, InputError, read_jsonl
 
 SCHEMA_VERSION = 1
 
@@ -62,13 +62,9 @@ def read_items(run_dir: Path) -> list[dict] | None:
     if not path.is_file():
         return None
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: invalid JSON ({e.msg})") from None
+    for number, row in read_jsonl(path):
         if not isinstance(row, dict) or "id" not in row:
-            raise ValueError(f"{path}:{number}: field 'id' is missing")
+            raise InputError(path, "field 'id' is missing", number)
         rows.append(row)
     return rows
 

@@ -225,5 +225,21 @@ def write_json(path: str | Path, obj, default=None) -> None:
         f.write("\n")
 
 
+def read_jsonl(path: str | Path):
+    """``(line number, object)`` for every non-blank line of a JSONL file; a line that is not JSON
+    raises :class:`InputError` naming the file and the line. Streamed: one line in memory."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, "no such file")
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+
+
 def jsonl_line(obj) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"
