@@ -153,7 +153,7 @@ def test_two_batch_runs_on_one_store_pay_each_request_once(tmp_path):
         procs = [subprocess.Popen([sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config", str(p)],
                                   env=env, stderr=subprocess.PIPE, text=True) for p in recipes]  # fmt: skip
         errs = [p.communicate(timeout=300)[1] for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], errs
+        assert [p.returncode for p in procs] == [0, 0], "\n\n".join(map(str, errs))  # shown whole
         stats = server.stats()
     assert stats["requests"] == 0 and stats["batch_requests"] == 18  # each of the 18 requests sent once
     assert all(n == 1 for n in stats["by_key"].values())

@@ -762,7 +762,7 @@ def test_two_runs_sharing_a_store_never_pay_twice(tmp_path):
         codes = [p.wait(timeout=120) for p in runs]
         stats = server.stats()
     logs = [(tmp_path / f"{n}.log").read_text() for n in (1, 2)]
-    assert codes == [0, 0], logs
+    assert codes == [0, 0], "\n\n".join(logs)  # a str is shown whole; a list of logs would be cut
     assert set(stats["by_key"].values()) == {1}  # every request body reached the server once
     assert stats["requests"] == 24 * len(REWRITE)
     for n in (1, 2):
