@@ -271,8 +271,15 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
             print(f"{cfg.export_batch}: {n} requests for `vllm run-batch -i {cfg.export_batch} -o RESULTS.jsonl`; "
                   "then rerun with --import-batch RESULTS.jsonl", file=sys.stderr)  # fmt: skip
             return result
-        if not batch.spooled(pool.stages) or result.stopped:
+        if result.stopped:
             return result
+        if not batch.spooled(pool.stages):
+            if not batch.awaited(pool.stages):
+                return result
+            # Nothing to send, but another run on the store submitted some of these requests after
+            # this round's wait: wait for its batch, then drive again.
+            time.sleep(min(t.batch_poll_seconds for t in cfg.teachers.values()))
+            continue
         submitted, refused = batch.submit(store, pool.stages, cfg.max_cost, counts)
         if submitted == 0 and refused:
             result.stopped = "budget"  # every spooled request the store could not answer was refused

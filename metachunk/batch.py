@@ -94,6 +94,11 @@ def spooled(teachers: dict[str, Teacher]) -> dict[str, tuple[Teacher, dict[str, 
     return out
 
 
+def awaited(teachers: dict[str, Teacher]) -> int:
+    """How many of the round's requests wait on a live batch (this run's or another's)."""
+    return sum(len(t.in_live_batch) for t in teachers.values() if t.cfg.mode == "batch")
+
+
 def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None, counts: BatchCounts
            ) -> tuple[int, int]:  # fmt: skip
     """Claim, upload and create batches for every spooled request: ``(submitted, refused by the

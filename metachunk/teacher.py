@@ -625,6 +625,9 @@ class Teacher:
         # mode: batch: requests this round could not answer from the store, (key, body, reservation),
         # for metachunk.batch to submit; a key appears once however many items ask for it.
         self.spool: dict[str, tuple[dict, float]] = {}
+        # mode: batch: requests left pending because a live batch (this run's or another's on the
+        # store) holds them; the round loop waits for those batches rather than stop.
+        self.in_live_batch: set[str] = set()
 
     def request(
         self,
@@ -715,6 +718,7 @@ class Teacher:
         if self.cfg.mode == "batch":
             state, tries, _ = self.store.batch_item(key)
             if state == "submitted":  # in a live batch: its answer comes when the batch is done
+                self.in_live_batch.add(key)
                 return Answer(key, self.cfg.model, "pending", params=params)
             gave_up = state in ("failed", "expired") and tries > self.cfg.max_retries
             if gave_up:

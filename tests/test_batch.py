@@ -160,3 +160,33 @@ def test_two_batch_runs_on_one_store_pay_each_request_once(tmp_path):
     with sqlite3.connect(tmp_path / "shared.sqlite") as db:
         assert db.execute("SELECT COUNT(*), COUNT(DISTINCT key) FROM answers").fetchone() == (18, 18)
     assert all(r["status"] == "ok" for r in records(tmp_path / "a")) and records(tmp_path / "b")
+
+
+def test_a_round_whose_requests_another_run_just_submitted_waits_for_that_batch(tmp_path, monkeypatch, capsys):
+    """The race two runs on one store hit under load: run B submits its batch after run A's wait
+    and before A's drive, so A's round finds every request in a live batch and nothing to send.
+    A must wait for B's batch and go on, not stop with pending records and exit 0."""
+    from metachunk import batch
+
+    with serve_in_subprocess(replies=REPLIES, batch_polls=2) as server:
+        recipe = write_job(tmp_path, server.base_url)
+        exported = tmp_path / "round1.jsonl"
+        assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
+        round1 = [json.loads(x) for x in exported.read_text().splitlines()]
+        real_wait, calls = batch.wait, []
+
+        def wait_as_if_another_run_submitted_after_it(store, teachers, counts, progress=True):
+            if not calls:  # the other run's batch appears just after this wait returns
+                reflection = teachers["reflection"]
+                reflection.spool.update({x["custom_id"]: (x["body"], 0.0) for x in round1})
+                batch.submit(store, {"reflection": reflection}, None, batch.BatchCounts())
+                reflection.spool.clear()
+            calls.append(1)
+            if len(calls) > 1:
+                real_wait(store, teachers, counts, progress)
+
+        monkeypatch.setattr(batch, "wait", wait_as_if_another_run_submitted_after_it)
+        assert main(["distill", "rewrite", "--config", str(recipe)]) == 0, capsys.readouterr().err
+        stats = server.stats()
+    assert all(r["status"] == "ok" for r in records(tmp_path))
+    assert stats["batch_requests"] == 18 and all(n == 1 for n in stats["by_key"].values())
