@@ -16,6 +16,12 @@ each run's difference from ``--baseline`` (default ``fixed`` when a run has that
 bootstrap interval over the items both runs scored. A difference whose interval excludes 0 is
 *resolved*; the others are inside the noise, and the report says which.
 
+Items that are not independent say so with a ``cluster`` field (``eval qa`` gives a CRUD question
+its QA entry: the questions of one entry share an article). Then the bootstrap resamples whole
+clusters, the statistic being the items' mean over the resampled clusters (sum over count: the
+cluster bootstrap of a mean), so that correlated questions do not narrow the interval.
+``--no-cluster`` resamples items regardless.
+
 Runs given the same label are one column: ``eval qa`` and ``eval chunk-quality`` of one chunker
 side by side with another's. A metric that two of them report is taken from the first given.
 """
@@ -54,6 +60,9 @@ class CompareConfig:
     seed: int = option(0, "the bootstrap's random seed: the same runs give the same intervals")
     baseline: str | None = option(
         None, "the label the others are compared with, item by item (default: fixed, when a run has it)"
+    )
+    cluster: bool = option(
+        True, "resample whole clusters where items.jsonl gives a 'cluster' (e.g. one CRUD QA entry's questions)"
     )
 
     def __post_init__(self):
@@ -104,37 +113,50 @@ def merged_runs(runs: list[Path], labels: list[str]) -> tuple[list[str], list[di
         doc = read_run(run)
         dirs.setdefault(label, []).append(str(run))
         items: dict[str, dict] = {}
+        clusters: dict[str, str] = {}
         for row in read_items(run) or []:
+            if row.get("cluster") is not None:
+                clusters[str(row["id"])] = str(row["cluster"])
             for name, value in row.items():
                 if name != "id" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     items.setdefault(name, {})[str(row["id"])] = float(value)
         if label not in docs:
-            docs[label] = {"metrics": dict(doc["metrics"]), "command": doc.get("command"), "items": items}
+            docs[label] = {"metrics": dict(doc["metrics"]), "command": doc.get("command"), "items": items,
+                           "clusters": clusters}  # fmt: skip
             continue
         merged = docs[label]
         merged["metrics"].update((k, v) for k, v in doc["metrics"].items() if k not in merged["metrics"])
         merged["items"].update((k, v) for k, v in items.items() if k not in merged["items"])
+        merged["clusters"] = {**clusters, **merged["clusters"]}
         merged["command"] = f"{merged['command']} + {doc.get('command')}"
     return list(docs), list(docs.values()), dirs
 
 
-def bootstrap_interval(samples: list, confidence: float, n_resamples: int, seed: int) -> list[float] | None:
+def bootstrap_interval(samples: list, confidence: float, n_resamples: int, seed: int,
+                       clusters: list[str] | None = None) -> list[float] | None:  # fmt: skip
     """The percentile bootstrap interval of the mean of ``samples`` (one array), or of the mean
-    difference of two paired arrays; None with fewer than two items."""
+    difference of two paired arrays; None with fewer than two items (or clusters).
+
+    With ``clusters`` (one label per item), whole clusters are resampled: each cluster is its sum
+    and its item count, paired, and the statistic is sum over count, the items' mean."""
     import numpy as np
     from scipy.stats import bootstrap
 
     arrays = [np.asarray(a, dtype=np.float64) for a in samples]
-    if len(arrays[0]) < 2:
-        return None
     values = arrays[0] - arrays[1] if len(arrays) == 2 else arrays[0]
+    if len(values) < 2:
+        return None
     if np.all(values == values[0]):  # no spread: every resample has the same mean
         return [float(values[0]), float(values[0])]
-    if len(arrays) == 2:
-        data, statistic = (arrays[0], arrays[1]), lambda a, b, axis: np.mean(a - b, axis=axis)
+    if clusters is not None:
+        names, index = np.unique(np.asarray(clusters), return_inverse=True)
+        if len(names) < 2:
+            return None
+        sums, counts = np.bincount(index, weights=values), np.bincount(index).astype(np.float64)
+        data, statistic = (sums, counts), lambda s, n, axis: np.sum(s, axis=axis) / np.sum(n, axis=axis)
     else:
-        data, statistic = (arrays[0],), lambda a, axis: np.mean(a, axis=axis)
-    res = bootstrap(data, statistic, paired=len(arrays) == 2, vectorized=True, confidence_level=confidence,
+        data, statistic = (values,), lambda a, axis: np.mean(a, axis=axis)
+    res = bootstrap(data, statistic, paired=len(data) == 2, vectorized=True, confidence_level=confidence,
                     n_resamples=n_resamples, method="percentile", rng=np.random.default_rng(seed))  # fmt: skip
     return [float(res.confidence_interval.low), float(res.confidence_interval.high)]
 
@@ -146,23 +168,33 @@ def intervals(labels: list[str], docs: list[dict], cfg: CompareConfig) -> dict:
     if baseline is not None and baseline not in labels:
         raise ValueError(f"field 'baseline': no run is labelled {baseline!r} (labels: {', '.join(labels)})")
     items = dict(zip(labels, (d["items"] for d in docs)))
+    # One item -> cluster map over every run: the same question is in the same cluster in each.
+    clusters = {i: c for d in docs for i, c in d.get("clusters", {}).items()} if cfg.cluster else {}
     names = list(dict.fromkeys(name for d in docs for name in d["items"]))
     out = {"confidence": cfg.confidence, "n_resamples": cfg.n_resamples, "seed": cfg.seed, "method": "percentile",
-           "baseline": baseline, "items": {}, "intervals": {}, "differences": {}}  # fmt: skip
+           "resampled": "clusters" if clusters else "items", "baseline": baseline, "items": {}, "clusters": {},
+           "intervals": {}, "differences": {}}  # fmt: skip
+
+    def of(ids):  # the ids' clusters, an unclustered item alone in its own
+        return [clusters.get(i, f"item:{i}") for i in ids] if clusters else None
+
     for name in names:
         for label in labels:
             values = items[label].get(name)
             if not values:
                 continue
             out["items"].setdefault(name, {})[label] = len(values)
-            ci = bootstrap_interval([list(values.values())], cfg.confidence, cfg.n_resamples, cfg.seed)
+            if clusters:
+                out["clusters"].setdefault(name, {})[label] = len(set(of(values)))
+            ci = bootstrap_interval([list(values.values())], cfg.confidence, cfg.n_resamples, cfg.seed,
+                                    of(values))  # fmt: skip
             out["intervals"].setdefault(name, {})[label] = ci
             base = items.get(baseline, {}).get(name) if baseline else None
             if base is None or label == baseline:
                 continue
             common = [i for i in values if i in base]
             a, b = [values[i] for i in common], [base[i] for i in common]
-            ci = bootstrap_interval([a, b], cfg.confidence, cfg.n_resamples, cfg.seed)
+            ci = bootstrap_interval([a, b], cfg.confidence, cfg.n_resamples, cfg.seed, of(common))
             diff = sum(x - y for x, y in zip(a, b)) / len(common) if common else None
             out["differences"].setdefault(name, {})[label] = {
                 "difference": diff, "interval": ci, "paired_items": len(common),
@@ -234,13 +266,17 @@ def compare(cfg: CompareConfig) -> dict:
 def interval_tables(labels: list[str], stats: dict) -> list[str]:
     """The report's Markdown for the intervals and the paired differences."""
     level = f"{stats['confidence']:.0%}"
-    lines = [f"**{level} bootstrap intervals** of each mean over its items (questions or documents; "
+    how = ("whole clusters resampled (items.jsonl's 'cluster', e.g. one QA entry's questions)"
+           if stats.get("resampled") == "clusters" else "items resampled")  # fmt: skip
+    lines = [f"**{level} bootstrap intervals** of each mean over its items (questions or documents; {how}; "
              f"percentile method, {stats['n_resamples']:,} resamples, seed {stats['seed']}):", ""]  # fmt: skip
 
     def cell(name, label):
         ci = stats["intervals"].get(name, {}).get(label)
         n = stats["items"].get(name, {}).get(label)
-        return "–" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}] (n={n})"
+        k = stats.get("clusters", {}).get(name, {}).get(label)
+        size = f"n={n}" + (f", {k} clusters" if k is not None else "")
+        return "–" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}] ({size})"
 
     rows = [[name] + [cell(name, label) for label in labels] for name in stats["intervals"]]
     lines.append(markdown_table(["metric", *labels], rows))

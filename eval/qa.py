@@ -373,7 +373,9 @@ def evaluate(cfg: QAConfig) -> dict:
     score_ks = hit_ks if cfg.cutoffs else sorted({cfg.top_k, depth})
     metrics.update(aggregate(flags_dense, n_relevant, hit_ks, score_ks))
     # the same metrics per question: what eval compare's bootstrap intervals resample
-    items = [{"id": q.qid, **aggregate([flags], [n_rel], hit_ks, score_ks)}
+    # (a CRUD question carries its QA entry as its cluster: one entry's questions share an article)
+    items = [{"id": q.qid, **({"cluster": q.source["qa_id"]} if "qa_id" in q.source else {}),
+              **aggregate([flags], [n_rel], hit_ks, score_ks)}
              for (q, _, _), flags, n_rel in zip(judged, flags_dense, n_relevant)]  # fmt: skip
     if reranked_order is not None:
         metrics.update(aggregate(flags_reranked, n_relevant, cutoffs(cfg.rerank_depth, cfg.top_k),
