@@ -248,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from metachunk.regen import main as run_recipe
 
-    return run_recipe(args.recipe, main, plan=args.plan)  # each stage runs through this very CLI
+    return run_recipe(args.recipe, main, plan=args.plan, rerun=args.rerun)  # each stage runs through this very CLI
 
 
 def cmd_teacher(args: argparse.Namespace) -> int:
@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--plan", action="store_true",
                      help="print which stages would run and the teacher stages' estimated requests, tokens "
                      "and cost; run and send nothing")  # fmt: skip
+    run.add_argument("--rerun", nargs="+", default=[], metavar="STAGE",
+                     help="run these stages even if cached (after a code change that alters their output); "
+                     "the stages after them rerun only if its bytes change")  # fmt: skip
     run.set_defaults(handler=cmd_run)
     teacher = sub.add_parser("teacher", help="the local real teacher (OpenAI-compatible, on loopback)")
     teacher_actions = teacher.add_subparsers(dest="action", required=True)

@@ -35,6 +35,11 @@ the chunker's shards make each command resume itself, so the runner only sequenc
 ``--plan`` takes the fingerprints and prints which stages would run, with the teacher stages'
 estimated requests, tokens and cost (``distill ... --dry-run``); it runs nothing.
 
+``--rerun STAGE...`` runs the named stages even where their fingerprint is unchanged: the
+fingerprint covers configs, inputs, models, prompts and the metachunk version, not every line of
+code, so after a code change that alters what a command writes, this reruns it (the stages
+downstream rerun only if its outputs change). A teacher stage's answers still come from its store.
+
 ``regen_manifest.json`` (in ``state``) records how the rows were made: the recipe text and its
 hash, the metachunk version and git commit, every stage's inputs, outputs, models and summary,
 the prompt and schema hashes, the teachers' model names (never keys or URLs) and the wall time.
@@ -52,7 +57,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -397,8 +402,14 @@ def teacher_models(stage: Stage) -> dict[str, str]:
 class Runner:
     """Runs a :class:`Recipe`'s stages in order, skipping those whose fingerprint is unchanged."""
 
-    def __init__(self, recipe: Recipe, metachunk: Callable[[list[str]], int]):
+    def __init__(self, recipe: Recipe, metachunk: Callable[[list[str]], int], rerun: Sequence[str] = ()):
         self.recipe = recipe
+        names = [stage.name for stage in recipe.stages]
+        unknown = [name for name in rerun if name not in names]
+        if unknown:
+            raise InputError(recipe.path, f"--rerun: no stage named {', '.join(map(repr, unknown))} "
+                             f"(stages: {', '.join(names)})")  # fmt: skip
+        self.rerun = set(rerun)  # stages run even when cached
         self.metachunk = metachunk  # the CLI's main (metachunk.cli passes it: no import cycle)
         self.state_dir = recipe.state
         self.state_path = self.state_dir / "state.json"
@@ -414,6 +425,8 @@ class Runner:
         write_json(self.state_path, self.state)
 
     def cached(self, stage: Stage, fp: Fingerprint) -> bool:
+        if stage.name in self.rerun:
+            return False
         done = self.state["stages"].get(stage.name)
         if not done or done.get("fingerprint") != fp.sha256:
             return False
@@ -467,6 +480,8 @@ class Runner:
             fp = fingerprint(stage, self.digests, self.prompts, self.version["version"])
             if self.cached(stage, fp) and not upstream_runs:
                 status = "cached"
+            elif stage.name in self.rerun:
+                status = "runs (--rerun)"
             elif fp.missing:
                 status = f"runs once earlier stages write {', '.join(fp.missing)}"
             else:
@@ -623,10 +638,11 @@ def _cell(value) -> str:
     return str(value)
 
 
-def main(recipe_path: str, metachunk: Callable[[list[str]], int], plan: bool = False) -> int:
+def main(recipe_path: str, metachunk: Callable[[list[str]], int], plan: bool = False,
+         rerun: Sequence[str] = ()) -> int:  # fmt: skip
     """``metachunk run``: ``metachunk`` is the CLI's own main, which runs each stage's command."""
     recipe = load_recipe(recipe_path)
-    runner = Runner(recipe, metachunk)
+    runner = Runner(recipe, metachunk, rerun)
     if plan:
         runner.plan()
         return 0
