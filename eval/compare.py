@@ -62,7 +62,8 @@ class CompareConfig:
         None, "the label the others are compared with, item by item (default: fixed, when a run has it)"
     )
     cluster: bool = option(
-        True, "resample whole clusters where items.jsonl gives a 'cluster' (e.g. one CRUD QA entry's questions)"
+        True,
+        "resample whole clusters where items.jsonl gives a 'cluster' (e.g. one CRUD QA entry's questions)",
     )
 
     def __post_init__(self):

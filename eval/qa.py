@@ -411,8 +411,10 @@ def evaluate(cfg: QAConfig) -> dict:
     # ---- generation
     if cfg.generating:
         t = time.perf_counter()
-        gen_metrics, gen_details = generate_and_score(cfg, lang, judged, final_ids, chunks)
+        gen_metrics, gen_details, per_question = generate_and_score(cfg, lang, judged, final_ids, chunks)
         metrics.update(gen_metrics)
+        for item, scores in zip(items, per_question):  # the answer scores beside the retrieval ones
+            item.update(scores)
         details["generation"] = gen_details
         timings["generation_and_scoring"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - started
@@ -497,7 +499,9 @@ def teacher_config(cfg: QAConfig):
     return TeacherConfig(**values)
 
 
-def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> tuple[dict, dict]:
+def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> tuple[dict, dict, list[dict]]:
+    """Answer every question from its retrieved chunks and score the answers: ``(metrics, details,
+    per-question scores)``."""
     from eval.generate import EndpointGenerator, LocalGenerator, load_rag_prompt, rag_messages
 
     prompt = load_rag_prompt(lang)
@@ -539,19 +543,20 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
     from eval.metrics import qa_scores
 
     t = time.perf_counter()
-    scores = qa_scores(
+    scores, per_question = qa_scores(
         [a.text for a in answers],
         [q.answer for q, _, _ in judged],
         lang,
         bertscore_model=_none(cfg.bertscore_model),
         embedder=_none(cfg.score_embedder),
+        per_item=True,
     )
     details["scoring_seconds"] = round(time.perf_counter() - t, 2)
     metrics = {k: float(v) for k, v in scores.items()}
     metrics["answers_failed"] = sum(1 for a in answers if a.status != "ok")
     metrics["answers_cut_at_max_tokens"] = sum(1 for a in answers if a.finish_reason == "length")
     metrics["avg_answer_tokens"] = round(sum(a.completion_tokens for a in answers) / len(answers), 2)
-    return metrics, details
+    return metrics, details, per_question
 
 
 # ------------------------------------------------------------------------------------- summary

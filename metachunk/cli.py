@@ -248,7 +248,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from metachunk.regen import main as run_recipe
 
-    return run_recipe(args.recipe, main, plan=args.plan, rerun=args.rerun)  # each stage runs through this very CLI
+    return run_recipe(
+        args.recipe, main, plan=args.plan, rerun=args.rerun
+    )  # each stage runs through this very CLI
 
 
 def cmd_teacher(args: argparse.Namespace) -> int:

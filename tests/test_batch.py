@@ -162,7 +162,9 @@ def test_two_batch_runs_on_one_store_pay_each_request_once(tmp_path):
     assert all(r["status"] == "ok" for r in records(tmp_path / "a")) and records(tmp_path / "b")
 
 
-def test_a_round_whose_requests_another_run_just_submitted_waits_for_that_batch(tmp_path, monkeypatch, capsys):
+def test_a_round_whose_requests_another_run_just_submitted_waits_for_that_batch(
+    tmp_path, monkeypatch, capsys
+):
     """The race two runs on one store hit under load: run B submits its batch after run A's wait
     and before A's drive, so A's round finds every request in a live batch and nothing to send.
     A must wait for B's batch and go on, not stop with pending records and exit 0."""

@@ -122,15 +122,20 @@ def test_a_baseline_no_run_has_is_named(tmp_path):
 def test_clustered_items_resample_whole_clusters(tmp_path):
     """30 questions from 6 QA entries, 5 questions each, scored alike within an entry: resampling
     questions would treat them as 30 independent draws; resampling entries sees 6."""
+
     def clustered(path, values):
-        rows = [{"id": f"e{i // 5}#{i % 5}", "cluster": f"e{i // 5}", "hits@1": v} for i, v in enumerate(values)]
+        rows = [
+            {"id": f"e{i // 5}#{i % 5}", "cluster": f"e{i // 5}", "hits@1": v} for i, v in enumerate(values)
+        ]
         write_run(path, "qa", {}, {"hits@1": sum(values) / len(values), "avg_chunk_chars": 500.0}, items=rows)
         return path
 
     base = [0.0] * 30
     better = [1.0 if i // 5 in (0, 1, 2, 3) else 0.0 for i in range(30)]  # 4 of 6 entries answered
     runs = [clustered(tmp_path / "fixed", base), clustered(tmp_path / "b", better)]
-    by_cluster = compare(CompareConfig(runs=runs, out=tmp_path / "c.md", plots=False, n_resamples=2000))["statistics"]
+    by_cluster = compare(CompareConfig(runs=runs, out=tmp_path / "c.md", plots=False, n_resamples=2000))[
+        "statistics"
+    ]
     by_item = compare(CompareConfig(runs=runs, out=tmp_path / "i.md", plots=False, n_resamples=2000,
                                     cluster=False))["statistics"]  # fmt: skip
     assert by_cluster["resampled"] == "clusters" and by_item["resampled"] == "items"
@@ -139,7 +144,9 @@ def test_clustered_items_resample_whole_clusters(tmp_path):
     assert clo < ilo and chi > ihi  # wider: 6 draws, not 30
     assert clo >= 0.0 and chi <= 1.0
     d = by_cluster["differences"]["hits@1"]["b"]
-    assert abs(d["difference"] - 4 / 6) < 1e-9 and d["paired_items"] == 30  # the point estimate is the items' mean
+    assert (
+        abs(d["difference"] - 4 / 6) < 1e-9 and d["paired_items"] == 30
+    )  # the point estimate is the items' mean
     assert "6 clusters" in (tmp_path / "c.md").read_text()
     # one cluster only: no interval can be drawn from it
     assert bootstrap_interval([[0.0, 1.0, 1.0]], 0.95, 1000, 0, ["a", "a", "a"]) is None

@@ -216,6 +216,17 @@ def test_qa_scores_without_models():
         qa_scores(["a"], ["a", "b"], "en", None, None)
 
 
+def test_qa_scores_per_item_average_to_the_means():
+    preds, refs = (
+        ["the cat sat on the mat", "Paris", "no idea"],
+        ["the cat sat on a mat", "paris, France", "42"],
+    )
+    means, items = qa_scores(preds, refs, "en", bertscore_model=None, embedder=None, per_item=True)
+    assert len(items) == 3 and all(set(i) == set(means) for i in items)
+    for name, mean in means.items():  # what eval compare resamples is what the table reports
+        assert sum(i[name] for i in items) / 3 == pytest.approx(mean)
+
+
 # ----------------------------------------------------------------------- model-based (integration)
 
 

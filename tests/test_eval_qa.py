@@ -171,12 +171,14 @@ def qa_scores(monkeypatch):
     except ImportError:
         real = None
 
-    def scores(predictions, references, lang, bertscore_model="minilm", embedder="minilm"):
+    def scores(predictions, references, lang, bertscore_model="minilm", embedder="minilm", per_item=False):
         calls.append((list(predictions), list(references), lang))
         if real is not None:
-            return real(predictions, references, lang, bertscore_model=bertscore_model, embedder=embedder)
+            return real(predictions, references, lang, bertscore_model=bertscore_model, embedder=embedder,
+                        per_item=per_item)  # fmt: skip
         same = [float(p.strip() == r.strip()) for p, r in zip(predictions, references)]
-        return {"f1": sum(same) / len(same), "bleu_avg": 0.0, "rouge_l": 0.0}
+        means = {"f1": sum(same) / len(same), "bleu_avg": 0.0, "rouge_l": 0.0}
+        return (means, [{"f1": x, "bleu_avg": 0.0, "rouge_l": 0.0} for x in same]) if per_item else means
 
     module = types.ModuleType("eval.metrics")
     module.qa_scores = scores
@@ -627,6 +629,9 @@ def test_endpoint_generator_answers_once(planted, planted_embedder, qa_scores, t
     assert qa_scores[0] == (["the apple one", "a cherry"], ["the apple one", "the cherry one"], "en")
     assert first["metrics"]["answers_failed"] == 0 and "f1" in first["metrics"]
     assert (out / "answers.sqlite").is_file()
+    items = read_jsonl(out / "items.jsonl")  # each question's answer scores beside its retrieval ones
+    assert len(items) == 2 and all("f1" in i and "rouge_l" in i and "hits@1" in i for i in items)
+    assert abs(sum(i["f1"] for i in items) / 2 - first["metrics"]["f1"]) < 1e-9
 
 
 @pytest.mark.integration

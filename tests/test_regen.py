@@ -257,7 +257,9 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     """`--rerun STAGE`: after a code change the fingerprint cannot see. The stage after it reads
     its output, which reran to the same bytes, so that one stays cached."""
     rows = tmp_path / "paragraphs.jsonl"
-    rows.write_text("".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3])))
+    rows.write_text(
+        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
+    )
     docs = tmp_path / "docs.jsonl"
     recipe = {"name": "rerun", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},

@@ -48,8 +48,11 @@ def qa_scores(
     lang: str,
     bertscore_model: str | None = "minilm",
     embedder: str | None = "minilm",
-) -> dict[str, float]:
-    """Mean answer scores over the examples, as one flat dict.
+    per_item: bool = False,
+) -> dict[str, float] | tuple[dict[str, float], list[dict[str, float]]]:
+    """Mean answer scores over the examples, as one flat dict; with ``per_item``, also each
+    example's scores under the same keys (every mean here is the mean of those), as
+    ``(means, items)``, for bootstrap intervals over the questions.
 
     Keys: ``bleu_1``..``bleu_4``, ``bleu_avg`` (CRUD-RAG BLEU, brevity penalty divided out as CRUD
     does), ``rouge_l``, ``bertscore_precision``, ``bertscore_recall``, ``bertscore_f1`` (unless
@@ -64,10 +67,14 @@ def qa_scores(
         raise ValueError("no predictions to score")
     data = {"predictions": list(predictions), "references": list(references), "lang": lang}
     out: dict[str, float] = {}
+    items: dict[str, list] = {}  # metric -> one score per example
     bleu = load("crud_bleu").compute(**data)
     out.update({f"bleu_{n}": float(bleu[f"bleu_{n}"]) for n in range(1, 5)})
     out["bleu_avg"] = float(bleu["bleu_avg"])
-    out["rouge_l"] = float(load("rouge_l").compute(**data)["rouge_l"])
+    items.update({f"bleu_{n}": [p[n - 1] for p in bleu["precisions"]] for n in range(1, 5)})
+    items["bleu_avg"] = bleu["scores"]
+    rouge = load("rouge_l").compute(**data)
+    out["rouge_l"], items["rouge_l"] = float(rouge["rouge_l"]), rouge["scores"]
     if bertscore_model is not None:
         bs = load("bertscore").compute(**data, model=bertscore_model)
         out.update(
@@ -75,8 +82,15 @@ def qa_scores(
             bertscore_recall=float(bs["recall"]),
             bertscore_f1=float(bs["f1"]),
         )
+        items.update(
+            bertscore_precision=bs["precisions"], bertscore_recall=bs["recalls"], bertscore_f1=bs["scores"]
+        )
     if embedder is not None:
         sim = load("embedding_similarity").compute(**data, model=embedder)
         out["embedding_similarity"] = float(sim["embedding_similarity"])
-    out["f1"] = float(load("longbench_f1").compute(**data)["f1"])
-    return out
+        items["embedding_similarity"] = sim["scores"]
+    f1 = load("longbench_f1").compute(**data)
+    out["f1"], items["f1"] = float(f1["f1"]), f1["scores"]
+    if not per_item:
+        return out
+    return out, [{k: float(v[i]) for k, v in items.items()} for i in range(len(predictions))]
