@@ -443,9 +443,13 @@ class Runner:
             return stage
         teacher = self.local_teacher(start=False)
         cfg = json.loads(json.dumps(stage.config))
-        for block in (cfg.get("teachers") or {}).values():
-            block.update(base_url=teacher.base_url, model="smollm2" if teacher.backend == "llama.cpp" else teacher.model,
-                         serve_preset=teacher.serve_preset)  # fmt: skip
+        # distill's teachers, and eval qa's generator: every block a stage sends requests with
+        blocks = [
+            *(cfg.get("teachers") or {}).values(),
+            *([cfg["generator_teacher"]] if cfg.get("generator_teacher") else []),
+        ]
+        for block in blocks:
+            block.update(base_url=teacher.base_url, model=teacher.model, serve_preset=teacher.serve_preset)
             if block.get("structured_output", "none") != "none":
                 block["structured_output"] = teacher.structured_output
         return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit, stage.on_empty_inputs)

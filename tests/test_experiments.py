@@ -16,15 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 EMMA = ROOT.parent / "shared" / "data" / "gutenqa-emma"
 
 
-def smoke_recipe(tmp_path: Path, tiny: str) -> Path:
+def smoke_recipe(tmp_path: Path, tiny: str, generate: bool) -> Path:
     """emma.yaml with its paths under ``tmp_path``, chapters I-III, fixed and sentence chunking at
-    its length goal, retrieval over the answerable questions, BC/CS under the tiny model."""
+    its length goal, retrieval over the answerable questions, BC/CS under the tiny model, and (with
+    ``generate``) answers from the local teacher, llama.cpp on SmolLM2, short ones from 2 chunks."""
     text = (ROOT / "recipes" / "experiments" / "emma.yaml").read_text(encoding="utf-8")
     text = text.replace("runs/experiments/emma", str(tmp_path / "emma"))
     text = text.replace("../shared/data/gutenqa-emma", str(EMMA))
     recipe = yaml.safe_load(text)
     keep = {"docs", "chunk_fixed", "chunk_sentence", "qa_fixed", "qa_sentence", "quality_fixed",
-            "quality_sentence", "compare"}  # fmt: skip
+            "quality_sentence", "compare"} | ({"gen_fixed", "gen_sentence"} if generate else set())  # fmt: skip
+    recipe["local_teacher"] = {**recipe["local_teacher"], "backend": "llama.cpp"}
     recipe["stages"] = [s for s in recipe["stages"] if s["name"] in keep]
     recipe = {k: v for k, v in recipe.items() if not k.startswith("x-")}
     for stage in recipe["stages"]:
@@ -33,11 +35,15 @@ def smoke_recipe(tmp_path: Path, tiny: str) -> Path:
             cfg["groups"] = "0:3"
         if stage["run"] == "eval qa":
             cfg.update(questions="answerable", progress=False)
+        if stage["name"].startswith("gen_"):
+            cfg.update(top_k=2, max_new_tokens=12)
         if stage["run"] == "eval chunk-quality":
             cfg.update(model=tiny, limit=2, max_pairs=2, progress=False)
         if stage["run"] == "eval compare":
             keep_runs = [
-                (r, label) for r, label in zip(cfg["runs"], cfg["labels"]) if label in ("fixed", "sentence")
+                (r, label)
+                for r, label in zip(cfg["runs"], cfg["labels"])
+                if label in ("fixed", "sentence") and (generate or not r.endswith("/gen"))
             ]
             cfg["runs"], cfg["labels"] = [r for r, _ in keep_runs], [label for _, label in keep_runs]
             cfg["n_resamples"] = 500
@@ -51,7 +57,10 @@ def test_the_emma_experiment_in_small_runs_and_reports_intervals(tmp_path, tiny_
     pytest.importorskip("pymilvus")
     if not EMMA.is_dir():
         pytest.skip(f"{EMMA} is missing")
-    path = smoke_recipe(tmp_path, str(tiny_model_dir))
+    from metachunk.local_teacher import llama_cpp_available
+
+    generate = llama_cpp_available()  # make install builds it; without it the answers are left out
+    path = smoke_recipe(tmp_path, str(tiny_model_dir), generate)
     assert main(["run", str(path)]) == 0, capsys.readouterr().err
     result = json.loads((tmp_path / "emma" / "compare.json").read_text())
     lengths = result["metrics"]["avg_chunk_chars"]
@@ -63,6 +72,11 @@ def test_the_emma_experiment_in_small_runs_and_reports_intervals(tmp_path, tiny_
     assert set(stats["differences"]["hits@8"]) == {"sentence"}  # paired with fixed, question by question
     assert "bc_doc_mean" in stats["intervals"]  # per chapter
     assert {"bc_mean@paper", "cs_complete@released", "cs_incomplete@paper"} <= set(stats["intervals"])
+    if generate:  # every answer scored, each question's scores resampled like its retrieval ones
+        answers = (tmp_path / "emma" / "sentence" / "gen" / "answers.jsonl").read_text().splitlines()
+        assert answers and all(json.loads(a)["status"] == "ok" for a in answers)
+        assert {"f1", "rouge_l", "bleu_avg", "bertscore_f1"} <= set(stats["intervals"])
+        assert set(stats["differences"]["f1"]) == {"sentence"}
     report = (tmp_path / "emma" / "compare.md").read_text()
     assert "bootstrap intervals" in report and "Paired differences from `fixed`" in report
     # a rerun skips every stage

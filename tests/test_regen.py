@@ -275,3 +275,24 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     assert "== run: docs: metachunk data passages" in err and "fixed (chunk): cached, skipped" in err
     code, _, err = run(capsys, path, "--rerun", "nope")
     assert code == 2 and "regen.yaml" in err and "no stage named 'nope'" in err and "Traceback" not in err
+
+
+def test_the_local_teacher_answers_eval_qa_generator_blocks_too(tmp_path):
+    """A stage with `local_teacher: true` gets the served teacher in distill's `teachers` blocks and
+    in eval qa's `generator_teacher`, under the name the server answers to (the preset's, for llama.cpp)."""
+    from metachunk.local_teacher import llama_cpp_available
+    from metachunk.regen import Runner, load_recipe
+
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    recipe = {"name": "gen", "state": str(tmp_path / "state"), "local_teacher": {"model": "smollm2", "backend": "llama.cpp"},
+              "stages": [{"name": "qa", "run": "eval qa", "local_teacher": True,
+                          "config": {"chunks": "c.jsonl", "qa": "q.jsonl", "out": "o",
+                                     "generator_teacher": {"model": "anything", "base_url": "http://x/v1"}}}]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    loaded = load_recipe(path)
+    runner = Runner(loaded, lambda argv: 0)
+    block = runner.fitted(loaded.stages[0]).config["generator_teacher"]
+    teacher = runner.local_teacher(start=False)
+    assert block == {"model": "smollm2", "base_url": teacher.base_url, "serve_preset": False}
