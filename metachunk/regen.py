@@ -12,7 +12,7 @@ and its ``config:`` block is exactly the YAML that command's ``--config`` reads:
         config: {pool: runs/crud/train_pool.jsonl, out: runs/regen/crud/sample, n_docs: 20000}
       - name: rewrite
         run: distill rewrite
-        local_teacher: true           # optional: the config's teacher blocks point at it
+        local_teacher: true           # optional: its teacher blocks (and generator_teacher) point at it
         allow_exit: [0, 4]            # optional: exit statuses that count as done (default [0])
         config: {chunks: runs/regen/crud/sample/chunks.jsonl, ...}
 
