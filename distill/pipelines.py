@@ -45,7 +45,7 @@ STAGES = {
 NOTHING_MISSING = {"none", "无", "无。", "none."}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a run holds one per chunk (20K at the paper's scale)
 class ChunkJob:
     doc_id: str
     index: int  # position of the chunk in its document
@@ -381,7 +381,8 @@ def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
                         doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),)
                     )
                 )
-                related.append(chunks)
+                if cfg.context == "related":  # the chunks are kept only to find each one's related ones
+                    related.append(chunks)
                 if cfg.limit is not None and len(jobs) >= cfg.limit:
                     break
             if cfg.limit is not None and len(jobs) >= cfg.limit:
