@@ -97,10 +97,6 @@ class LocalTeacher:
                 sys.executable, "-m", "llama_cpp.server", "--model", str(self.source),
                 "--model_alias", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                 "--n_ctx", str(n_ctx), "--n_threads", str(threads or os.cpu_count() or 1), "--verbose", "False",
-                # The server's defaults keep the logits of every prompt token (for prompt logprobs,
-                # which no distill request asks for) and attend without flash attention; reading
-                # a 600-token prompt took 4.98 s that way and 3.68 s this way (SmolLM2 Q4_1, 2 threads).
-                "--logits_all", "False", "--flash_attn", "True",
             ]  # fmt: skip
             self.health_path = "/v1/models"
         else:
