@@ -22,6 +22,11 @@ start the next window at that unit. Here:
   cut by the fallback: the whole window becomes a chunk (it ends at a unit boundary, so at a
   sentence end, and holds about the token budget) and the next window starts after it. Each
   fallback is counted by reason in the run's ``.meta.json``.
+* **Structured answers.** With the teacher's ``structured_output`` other than ``none``, each
+  window asks for ``{"id": n}`` (``chunking/prompts/lumber.schema.json``) with ``id`` narrowed to an
+  enum of the window's later IDs (:func:`window_schema`), so a server that decodes under the schema
+  (llama.cpp, vLLM, OpenAI) can only name a usable cut. Each answer's outcome (valid, repaired: an
+  ID read from text, unparseable) is counted in the ``.meta.json``, and its range is judged as above.
 * **The teacher** is the block named ``--lumber-teacher`` (default ``lumber``) of a ``teachers:``
   mapping, written as in a distill recipe (:class:`metachunk.teacher.TeacherConfig`: any
   OpenAI-compatible endpoint, or the local ``metachunk teacher serve`` with ``serve_preset``),
@@ -34,7 +39,10 @@ start the next window at that unit. Here:
   instruction with the window after ``Document:``; its sha256 goes into the run's ``.meta.json``.
 
 It runs behind :class:`chunking.pipeline.Chunker` like every method, which splits the sentences
-and builds the chunks from the boundaries found here. Documents are chunked concurrently (each
+and builds the chunks from the boundaries found here. With ``--target-len`` (or
+``--mean-chunk-chars``) the teacher's chunks are merged up to that length, as every method's
+meta-chunks are (dynamic merging): the papers compare chunkers at one average length, and a small
+teacher cuts too often. Documents are chunked concurrently (each
 one's windows in order) by the teacher pool's workers (:meth:`metachunk.teacher.TeacherPool.map`);
 the progress bar counts characters, with the request rate, answers from the store, fallbacks and
 cost.
@@ -43,6 +51,9 @@ cost.
 from __future__ import annotations
 
 import asyncio
+import copy
+import hashlib
+import json
 import re
 import time
 from collections import Counter
@@ -57,8 +68,9 @@ from chunking.types import Sentence
 from metachunk import config
 from metachunk.artifacts import InputError
 from metachunk.config import option
-from metachunk.prompts import Prompt, load_prompt_file
+from metachunk.prompts import Prompt, Schema, load_prompt_file, load_schema_file
 from metachunk.store import AnswerStore
+from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import BudgetExceeded, EndpointUnreachable, Price, TeacherConfig, TeacherPool
 
 if TYPE_CHECKING:
@@ -70,6 +82,22 @@ STAGE = "lumber"  # the stage name inside this run's TeacherPool
 
 def load_lumber_prompt(lang: str) -> Prompt:
     return load_prompt_file("chunking", PROMPT_NAME, lang)
+
+
+def load_lumber_schema() -> Schema:
+    """``chunking/prompts/lumber.schema.json``: the answer as JSON, ``{"id": n}``."""
+    return load_schema_file("chunking", PROMPT_NAME)
+
+
+def window_schema(first: int, last: int) -> Schema:
+    """The schema a window of units ``first .. last`` is asked under: the file's, with ``id`` one
+    of the IDs after the window's first, so that a server decoding under it can only name a usable
+    cut. Its sha256 (part of the request's cache key) covers the file and the window's IDs."""
+    base = load_lumber_schema()
+    data = copy.deepcopy(base.data)
+    data["properties"]["id"]["enum"] = list(range(first + 1, last + 1))
+    digest = hashlib.sha256(f"{base.sha256}:{first + 1}-{last}".encode()).hexdigest()
+    return Schema(base.name, data, digest)
 
 
 # ---------------------------------------------------------------------------------- units & windows
@@ -157,6 +185,18 @@ def parse_answer(text: str) -> int | None:
         return int(match.group(1))
     stripped = text.strip().rstrip(".。")
     return int(stripped) if stripped.isdecimal() else None
+
+
+def parse_structured_answer(text: str) -> int | None:
+    """The unit ID of an answer asked for as JSON: ``{"id": n}``, else what :func:`parse_answer`
+    reads in the text (an endpoint that ignored the schema)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return parse_answer(text)
+    if isinstance(data, dict) and type(data.get("id")) is int:
+        return data["id"]
+    return parse_answer(text)
 
 
 def judge(found: int | None, first: int, last: int) -> str:
@@ -249,6 +289,10 @@ class LumberChunker:
             self.store.close()
             raise
         self.teacher = self.pool[STAGE]
+        # With a structured_output other than none, each window asks for {"id": n} (window_schema);
+        # an answer's outcome (valid by the file's schema, repaired, unparseable) is counted.
+        self.structured = self.teacher_cfg.structured_output != "none"
+        self.outcomes: Counter[str] = Counter()
         self.langs: set[str] = set()
         self.kinds: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
@@ -328,10 +372,11 @@ class LumberChunker:
     async def _ask(self, prompt: Prompt, lines: Sequence[str], first: int, last: int) -> int:
         """The unit the next chunk starts at: the teacher's answer, else the fallback ``last + 1``."""
         messages = prompt.messages(document="\n".join(lines[first : last + 1]))
+        schema = window_schema(first, last) if self.structured else None
         self.windows += 1
         verdict = "no_id"
         for attempt in range(self.opts.retries + 1):
-            answer = await self.teacher.complete(messages, prompt.sha256, attempt)
+            answer = await self.teacher.complete(messages, prompt.sha256, attempt, schema=schema)
             self.requests += 1
             self.retries += attempt > 0
             self.prompt_tokens += answer.spent[0]
@@ -340,7 +385,13 @@ class LumberChunker:
             if not answer.text and not answer.ok:  # transport error, or cut at max_tokens with no text
                 verdict = f"teacher_{answer.reason or answer.status}"
                 continue
-            found = parse_answer(answer.text)
+            if schema is None:
+                found = parse_answer(answer.text)
+            else:  # the window's range is judged below; the outcome is the answer's shape
+                found, outcome = read_json(
+                    answer.text, load_lumber_schema(), parse_structured_answer, repair=False
+                )
+                self.outcomes[outcome] += 1
             verdict = judge(found, first, last)
             if verdict == "ok":
                 return found
@@ -381,6 +432,9 @@ class LumberChunker:
             "teacher": teacher,
             "answer_store": str(self.store_path),
             "token_budget": self.opts.tokens,
+            "structured_output": self.teacher_cfg.structured_output,
+            **({"schema_sha256": load_lumber_schema().sha256,
+                "answers": {k: self.outcomes[k] for k in OUTCOMES}} if self.structured else {}),  # fmt: skip
             "retries_allowed": self.opts.retries,
             "documents": self.documents,
             "documents_by_unit": dict(self.kinds),

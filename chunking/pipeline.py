@@ -364,10 +364,6 @@ class ChunkConfig:
         if self.mean_chunk_chars is not None or self.mean_chunk_chars_of is not None:
             if self.mean_chunk_chars is not None and self.mean_chunk_chars_of is not None:
                 raise ValueError("give --mean-chunk-chars or --mean-chunk-chars-of, not both")
-            if self.method == "lumber":
-                raise ValueError(
-                    "--method lumber takes its cuts from the teacher; --mean-chunk-chars does not apply"
-                )
             if self.mean_chunk_chars is not None and self.mean_chunk_chars <= 0:
                 raise ValueError(f"--mean-chunk-chars must be > 0, got {self.mean_chunk_chars}")
             if not 0 < self.mean_chunk_chars_tolerance < 1:
@@ -376,10 +372,6 @@ class ChunkConfig:
             if not (lumber.teachers or lumber.teacher_config):
                 raise ValueError(
                     "--method lumber needs a teacher: a 'teachers:' block in the recipe or --teacher-config YAML"
-                )
-            if self.target_len:
-                raise ValueError(
-                    "--method lumber takes its cuts from the teacher; --target-len does not apply"
                 )
             if lumber.retries < 0:
                 raise ValueError(f"--lumber-retries must be >= 0, got {lumber.retries}")

@@ -76,6 +76,17 @@ FALLBACK_SENTENCES = [
     "Yarrow herbs hang in the kitchen.",
 ]
 FALLBACK_DOC = " ".join(FALLBACK_SENTENCES)
+# Structured answers ({"id": n}), 6-word sentences again: windows of 3 units at a budget of 30.
+STRUCTURED_SENTENCES = [
+    "Agate beads lie on the table.",
+    "Basalt cliffs rise above the sea.",
+    "Chalk lines mark the school yard.",
+    "Dolomite hills stand to the east.",
+    "Emerald moss grows on the stones.",
+    "Flint tools rest in the museum.",
+    "Garnet seeds fill the red fruit.",
+]
+STRUCTURED_DOC = " ".join(STRUCTURED_SENTENCES)
 FAILING_DOC = "Zinc plates rust in the rain. Zinc roofs are noisy [[fault:500]]."
 
 REPLIES = {
@@ -91,6 +102,10 @@ REPLIES = {
     r"Document:\nID 0: Quartz": "Answer: ID 0",
     r"Document:\nID 3: Topaz": "Answer: ID 42",
     r"Document:\nID 6: Wheat": "I am not sure.",
+    # structured: valid, valid but past the window (fallback), text from a server that ignored the schema
+    r"Document:\nID 0: Agate": '{"id": 2}',
+    r"Document:\nID 2: Chalk": '{"id": 9}',
+    r"Document:\nID 5: Flint": "Answer: ID 6",
 }
 
 
@@ -257,6 +272,31 @@ def test_unusable_answers_fall_back_at_the_window_end_and_are_counted(server, tm
     assert again.chunks == doc.chunks
     assert meta["requests"] == 6 and meta["retries"] == 3 and meta["requests_sent"] == 3
     assert meta["answers_from_store"] == 3 and meta["fallbacks"]["total"] == 3
+
+
+def test_structured_output_asks_each_window_for_an_id_it_holds(server, tmp_path):
+    cfg = make_cfg(server, tmp_path, tokens=30)
+    cfg.lumber.teachers["lumber"]["structured_output"] = "json_schema"
+    (doc,), meta = run_lumber(cfg, {"s": STRUCTURED_DOC})
+    starts = unit_starts(STRUCTURED_DOC, 30)
+    assert [c.start for c in doc.chunks] == [starts[0], starts[2], starts[5], starts[6]]
+    assert_tiles(STRUCTURED_DOC, doc.chunks)
+    assert meta["structured_output"] == "json_schema" and len(meta["schema_sha256"]) == 64
+    assert meta["answers"] == {"valid": 2, "repaired": 1, "unparseable": 0}
+    assert meta["fallbacks"] == {"total": 1, "out_of_window": 1}
+    # Each request carried OpenAI's json_schema form, its id narrowed to the window's later IDs.
+    formats = [f for f in server.stats()["response_format"].values() if f["json_schema"]["name"] == "lumber"]
+    enums = sorted(f["json_schema"]["schema"]["properties"]["id"]["enum"] for f in formats)
+    assert enums == [[1, 2], [3, 4], [6]]
+    assert all(f["type"] == "json_schema" and f["json_schema"]["strict"] for f in formats)
+
+    # With a target length the teacher's chunks are merged up to it, from the stored answers.
+    cfg.target_len, cfg.len_unit = 70, "char"
+    (merged,), meta = run_lumber(cfg, {"s": STRUCTURED_DOC})
+    assert meta["requests_sent"] == 0 and meta["answers_from_store"] == 3
+    assert_tiles(STRUCTURED_DOC, merged.chunks)
+    assert len(merged.chunks) < len(doc.chunks)
+    assert {c.start for c in merged.chunks} <= {c.start for c in doc.chunks}
 
 
 def test_a_failed_request_falls_back(server, tmp_path):
