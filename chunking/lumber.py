@@ -425,6 +425,10 @@ class LumberChunker:
 
     def manifest(self) -> dict:
         teacher = {k: v for k, v in config.to_dict(self.teacher_cfg).items() if v is not None}
+        structured = {}
+        if self.structured:
+            structured = {"schema_sha256": load_lumber_schema().sha256,
+                          "answers": {k: self.outcomes[k] for k in OUTCOMES}}  # fmt: skip
         return {
             "method": "LumberChunker (Duarte et al. 2024)",
             "teacher_block": self.opts.teacher,
@@ -433,8 +437,7 @@ class LumberChunker:
             "answer_store": str(self.store_path),
             "token_budget": self.opts.tokens,
             "structured_output": self.teacher_cfg.structured_output,
-            **({"schema_sha256": load_lumber_schema().sha256,
-                "answers": {k: self.outcomes[k] for k in OUTCOMES}} if self.structured else {}),  # fmt: skip
+            **structured,
             "retries_allowed": self.opts.retries,
             "documents": self.documents,
             "documents_by_unit": dict(self.kinds),
