@@ -25,8 +25,9 @@ have written is skipped as empty too, and so on downstream, unless it says
 **Fingerprints.** Before a stage runs, its fingerprint is taken: the sha256 of its command, its
 config (less the runtime settings in :data:`RUNTIME_KEYS`), the content hash of every existing
 path its config names (less its outputs, :data:`OUTPUT_KEYS`, and answer stores), the fingerprint
-of every local model it names (:func:`metachunk.models.fingerprint`), the hashes of every prompt
-and schema file, and the metachunk version. A stage whose fingerprint matches the last successful
+of every local model it names (:func:`metachunk.models.fingerprint`), the hashes of the prompt
+and schema files its command can read (:func:`stage_prompts`: a new LumberChunker schema does not
+rerun a day of PPL chunking), and the metachunk version. A stage whose fingerprint matches the last successful
 run, and whose outputs still hash as they did, is skipped. A stage downstream of one that wrote
 new bytes sees a changed input and runs; one downstream of a stage that reran to the same bytes
 does not. Inside a stage nothing is paid or scored twice anyway: the teacher's answer store and
@@ -79,6 +80,16 @@ MODEL_KEYS = frozenset({"model", "tokenizer", "embedder", "router", "rewrite", "
 COMMANDS = ("chunk", "data", "distill", "train", "export", "eval")
 PROMPT_DIRS = ("chunking/prompts", "distill/prompts", "eval/prompts")
 ROOT = Path(__file__).resolve().parents[1]
+# Which prompt and schema files a command can read, for its stages' fingerprints. A command not
+# named here is taken to read them all (the safe side): distill and data build-sft read their own
+# and the students' prompts, data sample chunks with any method.
+READS_NO_PROMPTS = frozenset({("data", "passages"), ("data", "prepare-crud"), ("data", "push"), ("train",),
+                              ("export",), ("eval", "compare"), ("eval", "chunk-quality"),
+                              ("eval", "diagnostics")})  # fmt: skip
+READS_PROMPT_DIR = {("eval", "qa"): "eval/prompts"}  # the generator's answer prompt
+# chunk: the files of its method (file names begin with these), and the students' when it applies them
+CHUNK_METHOD_PROMPTS = {"msp": ("msp_",), "lumber": ("lumber.",), "moc": ("moc_",)}
+STUDENT_PROMPTS = ("student_",)
 
 
 @dataclass
@@ -215,6 +226,27 @@ def _leaves(obj, key: str = "", leaf: str = ""):
         yield key, leaf, obj
 
 
+def stage_prompts(stage: Stage, prompts: dict[str, str]) -> dict[str, str]:
+    """The entries of ``prompts`` (:func:`prompt_hashes`) that ``stage`` can read."""
+    words = tuple(stage.argv)
+    if words[:1] in READS_NO_PROMPTS or words[:2] in READS_NO_PROMPTS:
+        return {}
+    if words[:2] in READS_PROMPT_DIR:
+        folder = READS_PROMPT_DIR[words[:2]] + "/"
+        return {k: v for k, v in prompts.items() if k.startswith(folder)}
+    if words[:1] != ("chunk",):
+        return dict(prompts)
+    cfg = stage.config
+    heads = CHUNK_METHOD_PROMPTS.get(str(cfg.get("method", "ppl")), ())
+    if any(leaf in ("rewrite", "summarize") and value for _, leaf, value in _leaves(cfg)):
+        heads += STUDENT_PROMPTS
+    return {
+        k: v
+        for k, v in prompts.items()
+        if k.startswith("chunking/prompts/") and Path(k).name.startswith(heads)
+    }
+
+
 def _strip_runtime(obj):
     if isinstance(obj, dict):
         return {k: _strip_runtime(v) for k, v in obj.items() if k not in RUNTIME_KEYS}
@@ -303,7 +335,7 @@ def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version
             inputs[path] = digests.path(path)
             reads.append(path)
     material = {"run": stage.run, "config": _strip_runtime(stage.config), "inputs": inputs,
-                "models": model_prints, "prompts": prompts, "metachunk": version}  # fmt: skip
+                "models": model_prints, "prompts": stage_prompts(stage, prompts), "metachunk": version}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     return Fingerprint(sha, inputs, model_prints, outputs, reads)
 

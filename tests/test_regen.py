@@ -253,6 +253,35 @@ def test_a_label_is_not_part_of_the_input_path_it_names(tmp_path):
     assert list(fp.inputs) == [str(run_dir)] and fp.inputs[str(run_dir)] is not None and not fp.missing
 
 
+def test_a_stage_is_fingerprinted_by_the_prompt_files_its_command_reads():
+    """A new prompt or schema file reruns only the stages that can read it."""
+    from metachunk.regen import Digests, Stage, fingerprint, prompt_hashes, stage_prompts
+
+    prompts = prompt_hashes()
+    assert "chunking/prompts/lumber.schema.json" in prompts and "distill/prompts/refinement.en.txt" in prompts
+
+    def read(run, **config):
+        return set(stage_prompts(Stage("s", run, config), prompts))
+
+    assert read("chunk", method="ppl") == read("chunk", method="semantic") == set()
+    assert read("chunk", method="lumber") == {"chunking/prompts/lumber.en.txt", "chunking/prompts/lumber.zh.txt",
+                                              "chunking/prompts/lumber.schema.json"}  # fmt: skip
+    assert read("chunk", method="msp") == {k for k in prompts if k.startswith("chunking/prompts/msp_")}
+    with_students = read("chunk", method="fixed", students={"rewrite": "export/rewrite"})
+    assert with_students == {k for k in prompts if k.startswith("chunking/prompts/student_")}
+    assert read("eval qa") == {k for k in prompts if k.startswith("eval/prompts/")}
+    assert read("eval chunk-quality") == read("data passages") == read("train") == set()
+    # distill and build-sft read their own prompts and the students'
+    assert read("distill rewrite") == read("data build-sft rewrite") == set(prompts)
+
+    ppl = Stage("c", "chunk", {"method": "ppl", "output": "o.jsonl"})
+    distill = Stage("d", "distill rewrite", {"out": "o"})
+    added = {**prompts, "chunking/prompts/new_method.en.txt": "0" * 64}
+    for stage, same in ((ppl, True), (distill, False)):
+        before, after = (fingerprint(stage, Digests(), p, "0").sha256 for p in (prompts, added))
+        assert (before == after) is same
+
+
 def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     """`--rerun STAGE`: after a code change the fingerprint cannot see. The stage after it reads
     its output, which reran to the same bytes, so that one stays cached."""
