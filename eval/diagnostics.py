@@ -40,8 +40,16 @@ Metric names carry the label of the retrieval file (``avgsim@8_rewritten``) and 
 (``cp_smollm2_rewritten``, ``ppl_original_smollm2``). A retrieval file is given as
 ``LABEL=PATH`` or ``PATH`` (label: the run dir's name); PATH may be the run dir itself.
 
+**Intervals.** Every metric is a mean over items, chunks for PPL (``chunk:N``) and questions for
+AVGSim and CP (``q:QID``), and ``items.jsonl`` holds them one line per item. Each mean gets a
+bootstrap interval (``--confidence``, as in ``eval compare``: ``scipy.stats.bootstrap``, percentile,
+fixed ``--seed``), and so does each paired difference: a rewrite's PPL minus its chunk's, and every
+retrieval label's AVGSim, pairsim and CP minus the first label's, over the questions both have.
+A difference whose interval excludes 0 is *resolved*, the others are inside the noise.
+
 Writes ``OUT/metrics.json`` + ``report.md`` (:func:`eval.report.write_run`, with a table per
-diagnostic added), and ``ppl_rewrite.png``, ``avgsim.png``, ``cp.png`` for what was computed.
+diagnostic added), ``items.jsonl``, and ``ppl_rewrite.png``, ``avgsim.png``, ``cp.png`` for what
+was computed.
 """
 
 from __future__ import annotations
@@ -88,7 +96,13 @@ class DiagnosticsConfig:
     batch_tokens: int = option(8192, "padded tokens per forward pass")
     embed_batch_size: int = option(64, "texts per embedding batch")
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
-    dtype: str = option("auto", "model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    dtype: str = option(
+        "auto",
+        "model dtype (auto: bf16 on GPU, fp32 on CPU; bfloat16 for CPUs with AMX, scores then approximate)",
+    )
+    confidence: float = option(0.95, "bootstrap confidence level of the intervals (0: none)")
+    n_resamples: int = option(2000, "bootstrap resamples per interval")
+    seed: int = option(0, "the bootstrap's random seed: the same items give the same intervals")
     progress: bool = option(True, "progress bars")
 
     def __post_init__(self):
@@ -103,6 +117,10 @@ class DiagnosticsConfig:
             self.models = ["smollm2"]
         if self.max_context < 8:
             raise ValueError("field 'max_context' must be >= 8")
+        if not 0 <= self.confidence < 1:
+            raise ValueError("field 'confidence' must be in [0, 1)")
+        if self.n_resamples < 100:
+            raise ValueError("field 'n_resamples' must be >= 100")
 
 
 CONFIG = DiagnosticsConfig
@@ -288,9 +306,53 @@ def similarity_scores(rows, k: int, vectors: dict[str, np.ndarray], query_vector
     return out
 
 
+def _known(value) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
 def _mean(values) -> float | None:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    values = [v for v in values if _known(v)]
     return float(np.mean(values)) if values else None
+
+
+def paired_names(labels: list[str], model_labels: list[str], k: int) -> list[tuple[str, str]]:
+    """``(metric, its baseline)`` pairs whose item-by-item difference gets an interval: each
+    model's rewrite PPL against the originals', and each retrieval label against the first."""
+    pairs = [(f"ppl_rewritten_{m}", f"ppl_original_{m}") for m in model_labels]
+    kinds = [f"avgsim@{k}", f"pairsim@{k}", f"retriever_avgsim@{k}", *[f"cp_{m}" for m in model_labels]]
+    return pairs + [(f"{kind}_{label}", f"{kind}_{labels[0]}") for kind in kinds for label in labels[1:]]
+
+
+def intervals(items: list[dict], pairs: list[tuple[str, str]], confidence: float, n_resamples: int,
+              seed: int) -> dict:  # fmt: skip
+    """Bootstrap intervals of every metric's mean over its items, and of the paired differences."""
+    from eval.compare import bootstrap_interval
+
+    by_metric: dict[str, dict[str, float]] = {}
+    for row in items:
+        for name, value in row.items():
+            if name != "id":
+                by_metric.setdefault(name, {})[row["id"]] = value
+
+    def interval(samples):
+        return bootstrap_interval(samples, confidence, n_resamples, seed)
+
+    out = {"confidence": confidence, "n_resamples": n_resamples, "seed": seed, "method": "percentile",
+           "intervals": {}, "differences": []}  # fmt: skip
+    for name, values in by_metric.items():
+        out["intervals"][name] = {"n": len(values), "interval": interval([list(values.values())])}
+    for name, base in pairs:
+        a, b = by_metric.get(name), by_metric.get(base)
+        common = [i for i in a if i in b] if a and b else []
+        if not common:
+            continue
+        x, y = [a[i] for i in common], [b[i] for i in common]
+        ci = interval([x, y])
+        out["differences"].append({
+            "metric": name, "baseline": base, "difference": float(np.mean(np.subtract(x, y))), "interval": ci,
+            "paired_items": len(common), "resolved": ci is not None and (ci[0] > 0 or ci[1] < 0),
+        })  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -307,6 +369,12 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     if len(set(labels)) != len(labels):
         raise InputError("--models", f"two models share a label: {labels}")
     metrics: dict[str, float] = {}
+    items: dict[str, dict[str, float]] = {}  # item id (chunk:N, q:QID) -> its value of each metric
+
+    def put(item: str, name: str, value) -> None:
+        if _known(value):
+            items.setdefault(item, {})[name] = float(value)
+
     details: dict = {
         "retrieval": {label: str(p) for label, p in retrieval.items()},
         "models": dict(zip(labels, cfg.models)),
@@ -331,6 +399,10 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
             metrics[f"pairsim@{cfg.k}_{label}"] = _mean([p for _, p in sims])
             metrics[f"retriever_avgsim@{cfg.k}_{label}"] = _mean(stored)
             metrics[f"questions_{label}"] = len(rs)
+            for r, (s, p), st in zip(rs, sims, stored):
+                put(f"q:{r['qid']}", f"avgsim@{cfg.k}_{label}", s)
+                put(f"q:{r['qid']}", f"pairsim@{cfg.k}_{label}", p)
+                put(f"q:{r['qid']}", f"retriever_avgsim@{cfg.k}_{label}", st)
             details["avgsim"][label] = [
                 {"qid": r["qid"], "avgsim": s, "pairsim": p, "retriever_avgsim": st, "hits": len(r["hits"][: cfg.k])}
                 for r, (s, p), st in zip(rs, sims, stored)
@@ -348,6 +420,10 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
             )
             original, rewritten = np.exp(nll[0::2]), np.exp(nll[1::2])
             ok = ~(np.isnan(original) | np.isnan(rewritten))
+            for i in np.flatnonzero(ok):
+                put(f"chunk:{i}", f"ppl_original_{mlabel}", original[i])
+                put(f"chunk:{i}", f"ppl_rewritten_{mlabel}", rewritten[i])
+                put(f"chunk:{i}", f"ppl_rewritten_lower_share_{mlabel}", float(rewritten[i] < original[i]))
             original, rewritten = original[ok], rewritten[ok]
             metrics[f"ppl_original_{mlabel}"] = float(original.mean())
             metrics[f"ppl_rewritten_{mlabel}"] = float(rewritten.mean())
@@ -361,6 +437,8 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
             scores = cp_scores(model, tokenizer, rs, cfg.k, cfg.cp_prompt, cfg.max_context, cfg.batch_tokens,
                                cfg.progress, f"cp {mlabel} {label}")  # fmt: skip
             cp = _mean(scores)
+            for r, score in zip(rs, scores):
+                put(f"q:{r['qid']}", f"cp_{mlabel}_{label}", score)
             if cp is not None:
                 metrics[f"cp_{mlabel}_{label}"] = cp
             details["cp"].setdefault(mlabel, {})[label] = {
@@ -372,13 +450,30 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     if rewrites:
         metrics["rewritten_chunks"] = len(rewrites)
         metrics["chunks_without_rewrite"] = without
+    item_rows = [{"id": item, **values} for item, values in items.items()]
+    if cfg.confidence:
+        details["statistics"] = intervals(item_rows, paired_names(list(rows), labels, cfg.k), cfg.confidence,
+                                          cfg.n_resamples, cfg.seed)  # fmt: skip
     metrics["seconds"] = round(time.perf_counter() - t0, 2)
-    return {"metrics": {k: v for k, v in metrics.items() if v is not None}, "details": details}
+    return {
+        "metrics": {k: v for k, v in metrics.items() if v is not None},
+        "details": details,
+        "items": item_rows,
+    }
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     return write_figure(fig, path)
+
+
+def _error_bars(details: dict, names: list[str], values: list[float]):
+    """matplotlib's ``yerr`` from the bootstrap intervals of ``names`` (None when there are none)."""
+    cis = [details.get("statistics", {}).get("intervals", {}).get(n, {}).get("interval") for n in names]
+    if not any(cis):
+        return None
+    return [[max(0.0, v - ci[0]) if ci else 0.0 for v, ci in zip(values, cis)],
+            [max(0.0, ci[1] - v) if ci else 0.0 for v, ci in zip(values, cis)]]  # fmt: skip
 
 
 def plot(out: Path, result: dict, k: int) -> list[Path]:
@@ -411,8 +506,10 @@ def plot(out: Path, result: dict, k: int) -> list[Path]:
         width = 0.38
         x = np.arange(len(labels))
         for shift, key, color in ((-width / 2, "avgsim", "#4c72b0"), (width / 2, "pairsim", "#dd8452")):
-            values = [metrics.get(f"{key}@{k}_{label}", np.nan) for label in labels]
-            bars = ax.bar(x + shift, values, width, label=f"{key}@{k}", color=color)
+            names = [f"{key}@{k}_{label}" for label in labels]
+            values = [metrics.get(name, np.nan) for name in names]
+            bars = ax.bar(x + shift, values, width, label=f"{key}@{k}", color=color,
+                          yerr=_error_bars(details, names, values), capsize=3)  # fmt: skip
             ax.bar_label(bars, fmt="%.3f", fontsize=8)
         ax.set_xticks(x, labels)
         ax.set_ylim(0, 1.1)
@@ -426,10 +523,10 @@ def plot(out: Path, result: dict, k: int) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(5.5, 2 + 1.6 * len(labels)), 3.5))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            values = [metrics.get(f"cp_{name}_{label}", np.nan) for label in labels]
-            bars = ax.bar(
-                np.arange(len(labels)) + (i - (len(names) - 1) / 2) * width, values, width, label=name
-            )
+            keys = [f"cp_{name}_{label}" for label in labels]
+            values = [metrics.get(key, np.nan) for key in keys]
+            bars = ax.bar(np.arange(len(labels)) + (i - (len(names) - 1) / 2) * width, values, width, label=name,
+                          yerr=_error_bars(details, keys, values), capsize=3)  # fmt: skip
             ax.bar_label(bars, fmt="%.3f", fontsize=8)
         ax.set_xticks(np.arange(len(labels)), labels)
         ax.set_ylabel("CP (nats / answer token, lower = better)")
@@ -465,6 +562,27 @@ def report_tables(result: dict, k: int) -> str:
         rows = [[label, cell(f"avgsim@{k}_{label}"), cell(f"pairsim@{k}_{label}"), cell(f"retriever_avgsim@{k}_{label}"),
                  *[cell(f"cp_{m}_{label}") for m in cp_models]] for label in labels]  # fmt: skip
         parts += ["## Retrieved chunks", "", markdown_table(header, rows), ""]
+    stats = details.get("statistics")
+    if stats and stats["intervals"]:
+        level = f"{stats['confidence']:.0%}"
+
+        def span(ci):
+            return "–" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
+
+        rows = [[name, cell(name), span(s["interval"]), s["n"]] for name, s in stats["intervals"].items()]
+        parts += [f"## {level} bootstrap intervals", "",
+                  f"Over the items (chunks for PPL, questions for AVGSim and CP; percentile method, "
+                  f"{stats['n_resamples']:,} resamples, seed {stats['seed']}):", "",
+                  markdown_table(["metric", "mean", f"{level} interval", "items"], rows), ""]  # fmt: skip
+        if stats["differences"]:
+            rows = [[f"{d['metric']} − {d['baseline']}", f"{d['difference']:+.4f}",
+                     "–" if d["interval"] is None else f"[{d['interval'][0]:+.4f}, {d['interval'][1]:+.4f}]",
+                     d["paired_items"], "**resolved**" if d["resolved"] else "noise"]
+                    for d in stats["differences"]]  # fmt: skip
+            parts += ["## Paired differences", "",
+                      "Item by item (a chunk's rewrite against the chunk; a question under one index text against "
+                      "the first); **resolved** when the interval excludes 0:", "",
+                      markdown_table(["difference", "mean", f"{level} interval", "items", ""], rows), ""]  # fmt: skip
     return "\n".join(parts)
 
 
@@ -479,7 +597,8 @@ def run(cfg: DiagnosticsConfig) -> int:
         return 2
     pngs = plot(cfg.out, result, cfg.k)
     result["details"]["plots"] = [p.name for p in pngs]
-    write_run(cfg.out, "diagnostics", config.to_dict(cfg), result["metrics"], result["details"])
+    write_run(cfg.out, "diagnostics", config.to_dict(cfg), result["metrics"], result["details"],
+              items=result["items"])  # fmt: skip
     report = Path(cfg.out) / "report.md"
     text = report.read_text(encoding="utf-8")
     extra = report_tables(result, cfg.k) + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)

@@ -199,3 +199,38 @@ def test_input_errors(tmp_path, tiny_model_dir, capsys):
     assert "bad.jsonl:1:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="give --chunks"):
         dg.DiagnosticsConfig(out=tmp_path)
+
+
+def test_items_and_intervals(tmp_path, planted_embedder):
+    """Every metric is the mean of its items.jsonl lines; each mean and each paired difference
+    gets a bootstrap interval that holds the mean, and the same seed gives the same interval."""
+    rows = [{"question": "apple banana", "answer": None,
+             "hits": [hit(1, "apple " * (1 + i % 3) + "banana" * (i % 2)), hit(2, "cherry")]} for i in range(12)]  # fmt: skip
+    rows_b = [
+        {"question": "apple banana", "answer": None, "hits": [hit(1, "apple banana"), hit(2, "banana")]}
+    ] * 12
+    a = write_retrieval(tmp_path / "chunk.jsonl", rows)
+    b = write_retrieval(tmp_path / "summary.jsonl", rows_b)
+    out = tmp_path / "diag"
+    cfg = dg.DiagnosticsConfig(
+        out=out, retrieval=[f"chunk={a}", f"summary={b}"], models=[], k=2, progress=False
+    )
+    assert dg.run(cfg) == 0
+    doc = json.loads((out / "metrics.json").read_text())
+    items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
+    assert sorted(row["id"] for row in items) == sorted(f"q:{i}" for i in range(12))
+    for name in ("avgsim@2_chunk", "avgsim@2_summary", "pairsim@2_chunk"):
+        assert doc["metrics"][name] == pytest.approx(np.mean([row[name] for row in items]))
+        lo, hi = doc["details"]["statistics"]["intervals"][name]["interval"]
+        assert lo <= doc["metrics"][name] <= hi
+    diff = {d["metric"]: d for d in doc["details"]["statistics"]["differences"]}["avgsim@2_summary"]
+    assert diff["baseline"] == "avgsim@2_chunk" and diff["paired_items"] == 12
+    assert diff["difference"] == pytest.approx(
+        doc["metrics"]["avgsim@2_summary"] - doc["metrics"]["avgsim@2_chunk"]
+    )
+    # "apple banana" matches its question better than every chunk of the first file
+    assert diff["resolved"] and diff["interval"][0] > 0
+    report = (out / "report.md").read_text()
+    assert "## 95% bootstrap intervals" in report and "avgsim@2_summary − avgsim@2_chunk" in report
+    again = dg.evaluate(cfg)["details"]["statistics"]
+    assert again == doc["details"]["statistics"]
