@@ -1,6 +1,7 @@
 """The experiment recipes cannot rot: a smoke version of recipes/experiments/emma.yaml (its own
-stage blocks, three chapters, two chunkers, the bootstrap on) runs end to end through
-``metachunk run``, and its report carries intervals and paired differences."""
+stage blocks, three chapters, two chunkers, the bootstrap on), with emma_generation.yaml's answer
+stages when llama.cpp is installed, runs end to end through ``metachunk run``, and its report
+carries intervals and paired differences."""
 
 from __future__ import annotations
 
@@ -16,18 +17,30 @@ ROOT = Path(__file__).resolve().parents[1]
 EMMA = ROOT.parent / "shared" / "data" / "gutenqa-emma"
 
 
+def load_recipe(name: str, tmp_path: Path) -> dict:
+    text = (ROOT / "recipes" / "experiments" / name).read_text(encoding="utf-8")
+    text = text.replace("runs/experiments/emma", str(tmp_path / "emma"))
+    return yaml.safe_load(text.replace("../shared/data/gutenqa-emma", str(EMMA)))
+
+
 def smoke_recipe(tmp_path: Path, tiny: str, generate: bool) -> Path:
     """emma.yaml with its paths under ``tmp_path``, chapters I-III, fixed and sentence chunking at
     its length goal, retrieval over the answerable questions, BC/CS under the tiny model, and (with
-    ``generate``) answers from the local teacher, llama.cpp on SmolLM2, short ones from 2 chunks."""
-    text = (ROOT / "recipes" / "experiments" / "emma.yaml").read_text(encoding="utf-8")
-    text = text.replace("runs/experiments/emma", str(tmp_path / "emma"))
-    text = text.replace("../shared/data/gutenqa-emma", str(EMMA))
-    recipe = yaml.safe_load(text)
+    ``generate``) emma_generation.yaml's answers from the local teacher, llama.cpp on SmolLM2, short
+    ones from 2 chunks, compared in the same report."""
+    recipe = load_recipe("emma.yaml", tmp_path)
     keep = {"docs", "chunk_fixed", "chunk_sentence", "qa_fixed", "qa_sentence", "quality_fixed",
-            "quality_sentence", "compare"} | ({"gen_fixed", "gen_sentence"} if generate else set())  # fmt: skip
-    recipe["local_teacher"] = {**recipe["local_teacher"], "backend": "llama.cpp"}
+            "quality_sentence", "compare"}  # fmt: skip
     recipe["stages"] = [s for s in recipe["stages"] if s["name"] in keep]
+    if generate:
+        generation = load_recipe("emma_generation.yaml", tmp_path)
+        recipe["local_teacher"] = {**generation["local_teacher"], "backend": "llama.cpp"}
+        answers = [s for s in generation["stages"] if s["name"] in ("gen_fixed", "gen_sentence")]
+        recipe["stages"][-1:-1] = answers  # before the compare stage, which reads them too
+        compare = recipe["stages"][-1]["config"]
+        compare["runs"] += [s["config"]["out"] for s in answers]
+        compare["labels"] += ["fixed", "sentence"]
+        compare["metrics"] += ["f1", "rouge_l", "bleu_avg", "bertscore_f1"]
     recipe = {k: v for k, v in recipe.items() if not k.startswith("x-")}
     for stage in recipe["stages"]:
         cfg = stage["config"]
@@ -41,9 +54,7 @@ def smoke_recipe(tmp_path: Path, tiny: str, generate: bool) -> Path:
             cfg.update(model=tiny, limit=2, max_pairs=2, progress=False)
         if stage["run"] == "eval compare":
             keep_runs = [
-                (r, label)
-                for r, label in zip(cfg["runs"], cfg["labels"])
-                if label in ("fixed", "sentence") and (generate or not r.endswith("/gen"))
+                (r, label) for r, label in zip(cfg["runs"], cfg["labels"]) if label in ("fixed", "sentence")
             ]
             cfg["runs"], cfg["labels"] = [r for r, _ in keep_runs], [label for _, label in keep_runs]
             cfg["n_resamples"] = 500
