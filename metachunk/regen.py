@@ -597,7 +597,14 @@ class Runner:
                     raise InputError(self.recipe.path, f"stage {stage.name!r}: missing input(s) {', '.join(missing)} "
                                      "(no earlier stage wrote them)")  # fmt: skip
                 if stage.local_teacher:
-                    self.local_teacher(start=True)
+                    try:
+                        self.local_teacher(start=True)
+                    except RuntimeError as e:  # it did not start, or died on its first completion
+                        self._save_state()
+                        print(
+                            f"metachunk: stage {stage.name!r} needs the local teacher: {e}", file=sys.stderr
+                        )
+                        return {"failed": stage.name, "exit": 1}
                     fitted = self.fitted(stage)
                 if stage.argv[:2] == ["data", "push"]:  # the manifest of the stages so far goes up with it
                     self.write_manifest(report, time.perf_counter() - started)
@@ -605,6 +612,13 @@ class Runner:
                 argv = [*stage.argv, "--config", str(path)]
                 print(f"\n== run: {stage.name}: metachunk {' '.join(argv)}", file=sys.stderr, flush=True)
                 code = self.metachunk(argv)
+                died = self._teacher.failure() if stage.local_teacher else None
+                if died:  # its requests failed to connect: the stage's exit status does not tell
+                    self._save_state()
+                    print(f"metachunk: the local teacher {died} during stage {stage.name!r} (see "
+                          f"{self._teacher.log}); the stage is not recorded as done, a rerun runs it again",
+                          file=sys.stderr)  # fmt: skip
+                    return {"failed": stage.name, "exit": code or 1}
                 if code not in stage.allow_exit:
                     self._save_state()
                     print(f"metachunk: stage {stage.name!r} exited with status {code}; fix it and rerun: "
