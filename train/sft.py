@@ -555,7 +555,22 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out / RUN_FACTS, facts, default=str)
         print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "
               f"wrote {out}", file=sys.stderr)  # fmt: skip
+    end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """Wait for every rank, then take the process group down, before the process exits.
+
+    Without this a rank that finished its part of ``save_model`` returned and exited while rank 0
+    was still writing: its communication threads were torn down with the interpreter, and it died
+    of SIGABRT ("terminate called without an active exception") now and then on a loaded 2-core
+    machine, failing a run that had trained and saved."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
