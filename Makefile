@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) bench/chunk_scale.py
 	$(PY) bench/regen_scale.py
 	$(PY) bench/train_throughput.py
+	$(PY) bench/experiment_time.py
 
 clean:
 	rm -rf demo_out bench_out .pytest_cache .ruff_cache
