@@ -186,10 +186,8 @@ class LocalTeacher:
                 ) from None
             hint = ""
             if self.backend == "llama.cpp":
-                hint = (" A llama-cpp-python built with -march=native crashes this way on CPUs with AMX: rebuild it for "
-                        "AVX2 (the Makefile's LLAMA_CMAKE_ARGS): CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON "
-                        "-DGGML_F16C=ON' pip install --force-reinstall --no-deps --no-cache-dir 'llama-cpp-python[server]'. "
-                        "Or use backend: transformers.")  # fmt: skip
+                hint = (" A llama-cpp-python built with -march=native crashes this way on CPUs with AMX: rebuild it "
+                        "for AVX2 with the Makefile's LLAMA_CMAKE_ARGS (README, Install), or use backend: transformers.")  # fmt: skip
             raise RuntimeError(
                 f"the local teacher ({self.backend}) {died} on its first completion; see {self.log or 'its output'}.{hint}"
             ) from None
