@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
     id INTEGER PRIMARY KEY,
@@ -127,15 +129,16 @@ class AnswerStore:
         self.lease_seconds = lease_seconds
         # autocommit: one INSERT = one transaction; a busy writer is waited for, not an error
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=60.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(answers)")}
-        if "usage_estimated" not in columns:  # stores written before answers without usage were counted
-            try:
+        # Switching a new file to WAL takes a lock SQLite does not wait for: two processes opening
+        # the same new store at once would see "database is locked". The setup is serialised by a
+        # file lock beside the store; once the file is in WAL mode (persistent) it is a no-op.
+        with FileLock(f"{self.path}.lock", timeout=60.0):
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(answers)")}
+            if "usage_estimated" not in columns:  # stores written before answers without usage were counted
                 self._db.execute("ALTER TABLE answers ADD COLUMN usage_estimated INTEGER NOT NULL DEFAULT 0")
-            except sqlite3.OperationalError:  # another process added it first
-                pass
         self.host = socket.gethostname()
         self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         self._heartbeat = None  # the asyncio task renewing this process's leases

@@ -1,5 +1,6 @@
 """The distillation engine's pure parts: answer parsing, prompts, the store, budget, config."""
 
+import multiprocessing
 import string
 import subprocess
 import sys
@@ -160,6 +161,35 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
     assert second.claim("e", reserve=0.1, limit=1.0).outcome == "claimed"
     first.close()
     second.close()
+
+
+def open_a_store_after(barrier, path, errors):
+    barrier.wait()  # every process opens the new file at the same moment
+    try:
+        AnswerStore(path).close()
+    except Exception as error:  # noqa: BLE001 - the test reports whatever it was
+        errors.put(repr(error))
+
+
+def test_processes_opening_one_new_store_at_once_all_succeed(tmp_path):
+    # Two distill runs started together on a new --cache file once failed: switching a new file
+    # to WAL takes a lock SQLite does not wait for ("database is locked"; CI, 2026-12-02).
+    fork = multiprocessing.get_context("fork")
+    errors = fork.Queue()
+    for trial in range(10):
+        barrier = fork.Barrier(6)
+        procs = [
+            fork.Process(target=open_a_store_after, args=(barrier, tmp_path / f"s{trial}.sqlite", errors))
+            for _ in range(6)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert found == []
 
 
 def test_price_and_token_estimate():
