@@ -71,7 +71,7 @@ from metachunk.config import option
 from metachunk.prompts import Prompt, Schema, load_prompt_file, load_schema_file
 from metachunk.store import AnswerStore
 from metachunk.structured import OUTCOMES, read_json
-from metachunk.teacher import BudgetExceeded, EndpointUnreachable, Price, TeacherConfig, TeacherPool
+from metachunk.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
 
 if TYPE_CHECKING:
     from chunking.pipeline import ChunkConfig, LumberOptions
@@ -339,8 +339,8 @@ class LumberChunker:
             ) from None
         finally:
             self.seconds += time.perf_counter() - started
-        if done.stopped == "unreachable":  # nothing to chunk with: an error, as any other teacher error
-            raise EndpointUnreachable(done.unreachable)
+        if done.error is not None:  # nothing to chunk with: an error, as any other teacher error
+            raise done.error
         return done.results
 
     async def _chunk_one(self, doc: tuple[str, str, Sequence[Sentence]]) -> list[int]:

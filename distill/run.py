@@ -216,11 +216,12 @@ class RunResult:
     sent: int
     cached: int
     waited: int = 0  # answers another process on the store was paying for when this run wanted them
-    stopped: str = ""  # why the run stopped early: "budget", "unreachable", or "" when it went through
-    unreachable: str = ""  # the one line saying which endpoint could not be reached
+    stopped: str = ""  # why the run stopped early: "budget", "unreachable", "refused", or ""
+    stop_message: str = ""  # stopped by an endpoint: the one line saying why (with the provider's words)
     paid: float = 0.0  # billed to this run's requests
     spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
     batch: dict | None = None  # mode: batch: rounds, batches, requests, answered, failed, expired
+    bodies: dict | None = None  # dry run: each stage's first request body, as it would be sent
 
 
 def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
@@ -353,8 +354,9 @@ async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, 
                 record["reason"] = done.stopped
             records[i] = record
     cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
+    bodies = {stage: t.first_request for stage, t in pool.stages.items() if t.first_request is not None}
     return RunResult(task, records, items, time.perf_counter() - started, pool.sent, cached, pool.waited,
-                     done.stopped, done.unreachable, pool.budget.paid, pool.store.spent())  # fmt: skip
+                     done.stopped, done.message, pool.budget.paid, pool.store.spent(), bodies=bodies)  # fmt: skip
 
 
 def write_records(cfg: DistillConfig, result: RunResult) -> dict:
@@ -407,16 +409,17 @@ EXIT_CODES_HELP = """exit status:
   1  an unexpected error or an OS error (disk full, permission denied)
   2  a bad config or input file (the message names the file, line and field), or a refused key
   3  the budget: stopped before the store's spend would pass --max-cost; rerun with a higher cap
-  4  failures: every record failed, more than --max-failure-rate of them did, or the endpoint
-     could not be reached; the records are written and a rerun retries the transport failures"""
+  4  failures: every record failed, more than --max-failure-rate of them did, the endpoint
+     could not be reached, or it refused the requests for a reason that repeats (its message is
+     printed); the records are written and a rerun retries the transport failures"""
 
 
 def exit_status(cfg: DistillConfig, result: RunResult, file=None) -> int:
     """Print why a run did not go through, if it did not, and return its exit status."""
     file = file or sys.stderr
     records = result.records
-    if result.stopped == "unreachable":
-        print(f"metachunk: {result.unreachable}", file=file)
+    if result.stopped in ("unreachable", "refused"):
+        print(f"metachunk: {result.stop_message}", file=file)
         return EXIT_FAILURES
     if result.stopped == "budget":
         print(
@@ -487,4 +490,26 @@ def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
     print(f"{'total':<16} {'':<28} {total['calls']:>7} {sum(cached.values()):>7} {total['prompt_tokens']:>11,} "
           f"{total['completion_tokens']:>14,} {total['cost']:>11.4f}", file=file)  # fmt: skip
     print("(prompt tokens are estimated high; completions at max_tokens: an upper bound)", file=file)
+    print_request_bodies(cfg, result, file)
     return total
+
+
+def print_request_bodies(cfg: DistillConfig, result: RunResult, file, cut: int = 160) -> None:
+    """Per teacher, its provider and the body its first request sends (message contents cut at
+    ``cut`` characters, marked), so a recipe can be checked against the provider before it pays."""
+    for stage, body in (result.bodies or {}).items():
+        teacher = cfg.teachers[stage]
+        shown = dict(body)
+        shown["messages"] = [
+            {**m, "content": m["content"][:cut] + f"…[+{len(m['content']) - cut} chars]"}
+            if len(m["content"]) > cut
+            else m
+            for m in body["messages"]
+        ]
+        print(
+            f"\n{stage}: provider {teacher.provider or 'generic'}, model {teacher.model}, "
+            f"{'streamed' if teacher.stream else 'not streamed'}, structured_output {teacher.structured_output}, "
+            f"mode {teacher.mode}; request body:",
+            file=file,
+        )
+        print(json.dumps(shown, ensure_ascii=False, indent=2), file=file)

@@ -99,7 +99,7 @@ class EndpointGenerator:
             store.close()
 
     async def _run(self, store, prompts, prompt_sha, progress) -> list[Generated]:
-        from metachunk.teacher import BudgetExceeded, EndpointUnreachable, TeacherPool
+        from metachunk.teacher import BudgetExceeded, TeacherPool
 
         pool = TeacherPool({"generator": self.cfg}, {}, store, self.max_cost)
         teacher = pool["generator"]
@@ -127,8 +127,8 @@ class EndpointGenerator:
         done = await pool.map(
             prompts, ask, workers=2 * self.cfg.concurrency, desc="generate", unit="q", progress=progress
         )
-        if done.stopped == "unreachable":  # no answers to evaluate: an error, as any other teacher error
-            raise EndpointUnreachable(done.unreachable)
+        if done.error is not None:  # no answers to evaluate: an error, as any other teacher error
+            raise done.error
         self.sent, self.cached, self.tokens = pool.sent, teacher.cached, teacher.tokens_used
         self.stopped = done.stopped
         return [g or Generated("", "pending", "budget") for g in done.results]

@@ -4,7 +4,8 @@ provider's discount, polled, and stored in the same answer store as online answe
 A teacher with ``mode: batch`` does not send a request it has no stored answer for: it puts the
 request in its spool (:attr:`metachunk.teacher.Teacher.spool`) and the item stays pending. After
 the round, :func:`submit` writes the spooled requests as OpenAI Batch JSONL lines
-(``custom_id`` = the request's cache key, ``method``, ``url``, ``body``), at most
+(``custom_id`` = the request's cache key, ``method``, ``url`` = the teacher's ``batch_endpoint``,
+``body``), at most
 ``batch_max_requests`` lines and ``batch_max_bytes`` per file, uploads each with the openai client
 (``files.create(purpose="batch")``, ``batches.create``) and :func:`wait` polls every live batch
 with backoff, downloads its output and error files, and stores every answer. The next round finds
@@ -34,7 +35,6 @@ from metachunk.redaction import redact
 from metachunk.store import AnswerStore, StoredAnswer
 from metachunk.teacher import Teacher, TeacherConfig, api_key, read_usage, safe_url
 
-URL = "/v1/chat/completions"
 HOLD_SLACK_SECONDS = 3600.0  # claims outlive the completion window by this much
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -47,11 +47,11 @@ def window_seconds(window: str) -> float:
     return int(window[:-1]) * unit
 
 
-def batch_line(key: str, payload: dict) -> str:
-    return (
-        json.dumps({"custom_id": key, "method": "POST", "url": URL, "body": payload}, ensure_ascii=False)
-        + "\n"
-    )
+def batch_line(key: str, payload: dict, url: str) -> str:
+    """One request of a batch file; ``url`` is the teacher's ``batch_endpoint`` (its provider's:
+    OpenAI's /v1/chat/completions, Qianfan's /v2/chat/completions)."""
+    line = {"custom_id": key, "method": "POST", "url": url, "body": payload}
+    return json.dumps(line, ensure_ascii=False) + "\n"
 
 
 @dataclass
@@ -110,7 +110,7 @@ def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None
         hold = window_seconds(cfg.completion_window) + HOLD_SLACK_SECONDS
         files, current, size = [], [], 0
         for key, (payload, reserve) in entries.items():
-            line = batch_line(key, payload)
+            line = batch_line(key, payload, cfg.batch_endpoint)
             n = len(line.encode("utf-8"))
             if current and (len(current) >= cfg.batch_max_requests or size + n > cfg.batch_max_bytes):
                 files.append(current)
@@ -129,7 +129,7 @@ def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None
             body = "".join(line for k, line, _ in lines if k in keep).encode("utf-8")
             uploaded = client.files.create(file=(f"metachunk-{batch}.jsonl", body), purpose="batch")
             store.update_batch(batch, input_file_id=uploaded.id, status="uploaded")
-            created = client.batches.create(input_file_id=uploaded.id, endpoint=URL,
+            created = client.batches.create(input_file_id=uploaded.id, endpoint=cfg.batch_endpoint,
                                             completion_window=cfg.completion_window,
                                             metadata={"metachunk_batch": batch})  # fmt: skip
             store.update_batch(batch, batch_id=created.id, status="submitted")
@@ -163,7 +163,7 @@ def wait(
             if row["batch_id"] is None:  # killed between upload and batches.create
                 found = [b for b in client.batches.list(limit=100) if b.input_file_id == row["input_file_id"]]
                 if not found:
-                    created = client.batches.create(input_file_id=row["input_file_id"], endpoint=URL,
+                    created = client.batches.create(input_file_id=row["input_file_id"], endpoint=cfg.batch_endpoint,
                                                     completion_window=cfg.completion_window,
                                                     metadata={"metachunk_batch": row["id"]})  # fmt: skip
                     found = [created]
@@ -244,9 +244,9 @@ def export(teachers: dict[str, Teacher], path) -> int:
 
     n = 0
     with AtomicWriter(path) as f:
-        for _, entries in spooled(teachers).values():
+        for teacher, entries in spooled(teachers).values():
             for key, (payload, _) in entries.items():
-                f.write(batch_line(key, payload))
+                f.write(batch_line(key, payload, teacher.cfg.batch_endpoint))
                 n += 1
     return n
 

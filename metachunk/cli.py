@@ -437,9 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)
         return 1
     except Exception as e:
-        from metachunk.teacher import EndpointUnreachable, FatalTeacherError
+        from metachunk.teacher import EndpointStop, FatalTeacherError
 
-        if isinstance(e, EndpointUnreachable):
+        if isinstance(e, EndpointStop):
             print(redact(f"metachunk: error: {e}"), file=sys.stderr)
             return 4
         if isinstance(e, FatalTeacherError):

@@ -49,6 +49,7 @@ is stripped for the clean text, and a separate ``reasoning_content`` field is ke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import hashlib
 import json
@@ -60,11 +61,13 @@ from collections.abc import Awaitable, Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from metachunk import config
+from metachunk import config, providers
 from metachunk.config import option
 from metachunk.prompts import Schema
+from metachunk.providers import PROVIDERS, SAMPLING_PARAMS, STRUCTURED_OUTPUTS, TOKEN_FIELDS
 from metachunk.redaction import redact, register_secret, safe_url
 from metachunk.store import AnswerStore, StoredAnswer
+from metachunk.streaming import REASONING_FIELDS, ChatStream
 
 # openai, httpx2 and aiohttp are imported where used: `metachunk --help` must not pay for them.
 if TYPE_CHECKING:
@@ -74,8 +77,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 R = TypeVar("R")
 
-# How an endpoint is asked for a JSON answer; the first two send the stage's schema.
-STRUCTURED_OUTPUTS = ("json_schema", "json_object_schema", "json_object", "none")
 SENDS_SCHEMA = ("json_schema", "json_object_schema")
 
 
@@ -92,6 +93,31 @@ def response_format(mode: str, schema: Schema | None) -> dict | None:
         "type": "json_schema",
         "json_schema": {"name": schema.name, "schema": schema.data, "strict": True},
     }
+
+
+def with_json_instruction(messages: list[dict], schema: Schema) -> list[dict]:
+    """``messages`` with the system message saying JSON and showing the schema: what a
+    ``json_object`` endpoint needs, since it is not sent the schema and refuses a request whose
+    messages never say "json" (OpenAI, DeepSeek, DashScope)."""
+    shape = json.dumps(schema.data, ensure_ascii=False, indent=1)
+    note = f"Answer with one JSON object (json only, no other text) valid under this JSON Schema:\n{shape}"
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + note}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
+def wire_body(cfg: TeacherConfig, payload: dict) -> dict:
+    """The body sent online: the keyed payload, asking for a stream when the teacher streams.
+    Streamed or not, an answer is the same cached request; batch lines never stream."""
+    if not cfg.stream:
+        return payload
+    return {**payload, "stream": True, "stream_options": {"include_usage": True}}
+
+
+# Fields of the body metachunk owns: extra_body may not replace them (the budget reserves against
+# the token limit, the cache keys the rest).
+OWNED_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+                "response_format")  # fmt: skip
 
 
 @dataclass
@@ -146,13 +172,51 @@ class TeacherConfig:
         "the teacher's tokenizer (preset or local HF dir): count prompt tokens with it for budget "
         "reservations and answers without usage; unset: calibrate from the tokens the endpoint bills",
     )
-    structured_output: str = option(
-        "none",
+    provider: str | None = option(
+        None,
+        "the provider this endpoint is: its profile (metachunk/providers.py, written from the provider's "
+        "documentation) fills every key below left unset: how a schema is asked for, the token-limit field, "
+        "refused sampling parameters, stream-only models, the batch path, limits and discount. Unset: a "
+        "generic OpenAI-compatible server",
+        choices=list(PROVIDERS),
+    )
+    structured_output: str | None = option(
+        None,
         "how this endpoint takes the answer schema of a JSON stage (refinement, moc_chunk): json_schema "
         "(OpenAI's response_format, which vLLM and SGLang also decode under), json_object_schema "
-        "(llama.cpp's server: json_object with the schema), json_object (any JSON object, schema not "
-        "sent), none (send nothing; the answer's JSON is repaired). Stages whose answer is text send nothing",
+        "(llama.cpp's server: json_object with the schema), json_object (any JSON object; the system message "
+        "says JSON and shows the schema), none (send nothing; the answer's JSON is repaired). Stages whose "
+        "answer is text send nothing. Unset: the provider's profile, else none",
         choices=list(STRUCTURED_OUTPUTS),
+    )
+    stream: bool | None = option(
+        None,
+        "ask for the answer as a stream (stream_options.include_usage) and assemble it into one chat "
+        "completion; a stream cut before its end is retried. Unset: the provider's profile (models that "
+        "answer only in stream mode), else off",
+    )
+    stream_idle_timeout: float = option(
+        120.0, "stream: seconds without a chunk before the attempt is abandoned (timeout bounds the whole stream)"
+    )
+    max_tokens_field: str | None = option(
+        None,
+        "the field carrying the token limit: max_tokens, or max_completion_tokens (OpenAI). Unset: the profile",
+        choices=list(TOKEN_FIELDS),
+    )
+    refused_params: list[str] | None = option(
+        None,
+        "sampling parameters not sent because the model refuses or ignores them (OpenAI's reasoning models: "
+        "temperature, top_p). Unset: the provider's profile",
+    )
+    extra_body: dict[str, object] | None = option(
+        None,
+        "fields merged into every request body (enable_thinking, thinking_budget, chat_template_kwargs, "
+        "reasoning_effort, top_k); part of the request's cache key",
+    )
+    refusals_to_stop: int = option(
+        3,
+        "stop the run when this many requests in a row were refused (HTTP 400/422) with the same provider "
+        "error; an error code the profile knows to be permanent stops it at once",
     )
 
     mode: str = option(
@@ -172,13 +236,38 @@ class TeacherConfig:
     batch_poll_seconds: float = option(
         30.0, "mode: batch: first wait between polls of a live batch (then x1.5, at most 10 minutes)"
     )
-    batch_max_requests: int = option(50_000, "mode: batch: most requests per batch file (OpenAI: 50,000)")
-    batch_max_bytes: int = option(200_000_000, "mode: batch: most bytes per batch file (OpenAI: 200 MB)")
+    batch_endpoint: str | None = option(
+        None, "mode: batch: the path in each batch line and the batch's endpoint. Unset: the profile"
+    )
+    batch_max_requests: int | None = option(
+        None, "mode: batch: most requests per batch file. Unset: the profile (OpenAI: 50,000)"
+    )
+    batch_max_bytes: int | None = option(
+        None, "mode: batch: most bytes per batch file. Unset: the profile (OpenAI: 200 MB)"
+    )
+    batch_discount: float | None = option(
+        None,
+        "mode: batch: share of the online price a batch request costs, when the model's price does not say. "
+        "Unset: the profile (OpenAI: 0.5)",
+    )
 
     def __post_init__(self):
         config.check_choices(self)
         if not self.model:
             raise ValueError("'model' is required")
+        # Every key the recipe left unset comes from the provider's profile.
+        for name, value in providers.resolve(self.provider, self.model).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        config.check_choices(self)
+        unknown = sorted(set(self.refused_params) - set(SAMPLING_PARAMS))
+        if unknown:
+            raise ValueError(f"'refused_params' may name only {', '.join(SAMPLING_PARAMS)}, got {unknown}")
+        owned = sorted(set(self.extra_body or {}) & set(OWNED_FIELDS))
+        if owned:
+            raise ValueError(f"'extra_body' may not set {', '.join(owned)}: they have keys of their own")
+        if self.mode == "batch" and not self.batch_endpoint:
+            raise ValueError(f"provider {self.provider!r} has no Batch API: set 'batch_endpoint' or use mode: online")
         for name, url in [("base_url", self.base_url)] + [("base_urls", u) for u in self.base_urls or []]:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name!r} must be an http(s) URL, got {safe_url(str(url))!r}")
@@ -187,7 +276,7 @@ class TeacherConfig:
                     f"{name!r} holds credentials (user:key@host): name the key's environment variable in "
                     "'api_key_env' instead, so that it never reaches a file"
                 )
-        for name in ("max_tokens", "concurrency", "max_connection_errors"):
+        for name in ("max_tokens", "concurrency", "max_connection_errors", "refusals_to_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name!r} must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < self.max_tokens:
@@ -226,14 +315,16 @@ class TeacherConfig:
             "frequency_penalty": self.frequency_penalty,
             "stop": self.stop,
         }
-        return {k: v for k, v in params.items() if v is not None}
+        return {k: v for k, v in params.items() if v is not None and k not in self.refused_params}
 
 
 @dataclass
 class Price:
     input: float = option(0.0, "USD per 1M prompt tokens")
     output: float = option(0.0, "USD per 1M completion tokens")
-    batch_discount: float = option(0.5, "share of the price a Batch API request costs (OpenAI: 0.5)")
+    batch_discount: float | None = option(
+        None, "share of the price a Batch API request costs; unset: the teacher's batch_discount (OpenAI: 0.5)"
+    )
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (prompt_tokens * self.input + completion_tokens * self.output) / 1e6
@@ -279,10 +370,14 @@ def split_reasoning(content: str, reasoning_content: str | None) -> tuple[str, s
     return content.strip(), reasoning
 
 
+# A stream cut before its finish_reason, or an error event inside it, is a transport failure too.
+TRANSPORT_FAILURES = ("timeout", "connection", "malformed_response", "stream_cut", "stream_error")
+
+
 def is_transport_failure(reason: str) -> bool:
     """A failed answer's ``reason`` says no answer was paid for (timeout, connection, HTTP error,
     malformed body): the store keeps only the error, and the next run sends the request again."""
-    return reason in ("timeout", "connection", "malformed_response") or reason.startswith("http_")
+    return reason in TRANSPORT_FAILURES or reason.startswith("http_")
 
 
 @dataclass
@@ -338,7 +433,8 @@ class Answer:
         message = choice.get("message") or {}
         self.content = message.get("content") or ""
         self.finish_reason = choice.get("finish_reason") or ""
-        self.text, self.reasoning = split_reasoning(self.content, message.get("reasoning_content"))
+        thought = "\n".join(message[f] for f in REASONING_FIELDS if isinstance(message.get(f), str) and message[f])
+        self.text, self.reasoning = split_reasoning(self.content, thought or None)
 
     def to_record(self) -> dict:
         """The stage's entry in an output record."""
@@ -374,7 +470,7 @@ def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
         message = choice.get("message")
         if not isinstance(message, dict):
             return None, None, "", False
-        text = (message.get("content") or "") + (message.get("reasoning_content") or "")
+        text = (message.get("content") or "") + "".join(message.get(f) or "" for f in REASONING_FIELDS)
         usage = body.get("usage")
         if not isinstance(usage, dict) or usage.get("prompt_tokens") is None:
             return None, None, text, True
@@ -482,8 +578,11 @@ class Endpoint:
             delay = 1.0 if delay is None or delay <= 0 else min(delay, 120.0)
             self.pause_until = max(self.pause_until, time.monotonic() + delay)
 
-    async def post(self, payload: dict, key: str, estimated_tokens: int) -> httpx2.Response:
+    async def post(self, payload: dict, key: str, estimated_tokens: int) -> str:
+        """The response body: as received, or assembled from the stream when the teacher streams.
+        A stream that breaks after its headers raises :class:`StreamBroken`."""
         import httpx2
+        import openai
 
         if self.requests:
             await self.requests.take(1)
@@ -491,12 +590,52 @@ class Endpoint:
             await self.tokens.take(estimated_tokens)
         async with self.slots:
             self.sent += 1
-            return await self.client.post(
+            options = {"headers": {"X-Request-Key": key}}
+            if not self.cfg.stream:
+                response = await self.client.post(
+                    "/chat/completions", body=payload, cast_to=httpx2.Response, options=options
+                )
+                return response.text
+            # openai's client sends it (its retries cover everything before the first byte of the
+            # stream) and parses the SSE events; an error event inside the stream raises APIError.
+            stream = await self.client.post(
                 "/chat/completions",
-                body=payload,
-                cast_to=httpx2.Response,
-                options={"headers": {"X-Request-Key": key}},
+                body=wire_body(self.cfg, payload),
+                cast_to=object,
+                stream=True,
+                stream_cls=openai.AsyncStream[object],
+                options=options,
             )
+            return await self._read_stream(stream)
+
+    async def _read_stream(self, stream) -> str:
+        """Assemble the chunks, within ``timeout`` for the whole stream and ``stream_idle_timeout``
+        between two chunks."""
+        import openai
+
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.cfg.timeout
+        idle = self.cfg.stream_idle_timeout
+        assembled = ChatStream()
+        try:
+            async with asyncio.timeout_at(min(end, loop.time() + idle)) as clock:
+                async for chunk in stream:
+                    if isinstance(chunk, dict):
+                        assembled.add(chunk)
+                    clock.reschedule(min(end, loop.time() + idle))
+        except TimeoutError:
+            raise StreamBroken("timeout", "the stream stalled or ran past the timeout") from None
+        except openai.APIError as e:  # an error event in the stream
+            raise StreamBroken("stream_error", provider_message(e)) from None
+        except ValueError as e:  # a chunk that is not JSON
+            raise StreamBroken("malformed_response", str(e)) from None
+        except Exception as e:  # the connection broke mid-stream (reset, closed, bad chunked framing)
+            raise StreamBroken("stream_cut", f"{type(e).__name__}: {e}") from None
+        finally:
+            await stream.close()
+        if not assembled.finished:
+            raise StreamBroken("stream_cut", "the stream ended before a finish_reason")
+        return assembled.body()
 
     async def close(self) -> None:
         await self.client.close()
@@ -513,6 +652,10 @@ class EndpointGroup:
         self.endpoints = [Endpoint(cfg, url) for url in cfg.endpoint_urls()]
         self.url = ", ".join(e.url for e in self.endpoints)
         self.connection_errors = 0
+        self.refusal: tuple = ()  # the last refusal's (status, code, message), and how many in a row
+        self.refusals = 0
+        self.refused_for_good = ""  # set: the run stops with this line (RequestsRefused)
+        self.permanent_codes = providers.permanent_codes(cfg.provider)
 
     @property
     def sent(self) -> int:
@@ -526,8 +669,29 @@ class EndpointGroup:
         """Count requests in a row that failed to connect on every endpoint (any answer resets it)."""
         self.connection_errors = self.connection_errors + 1 if failed else 0
 
+    def note_refusal(self, error: openai.APIStatusError | None) -> None:
+        """Count requests in a row refused with the same provider error (anything else resets it).
+        A code the profile knows to be permanent, or ``refusals_to_stop`` of the same refusal in a
+        row, means every request like them will be refused: :meth:`check_reachable` stops the run."""
+        if error is None:
+            self.refusal, self.refusals = (), 0
+            return
+        code = error.code or ""
+        message = provider_message(error)
+        signature = (error.status_code, code, message)
+        self.refusals = self.refusals + 1 if signature == self.refusal else 1
+        self.refusal = signature
+        if code in self.permanent_codes or self.refusals >= self.cfg.refusals_to_stop:
+            why = f"code {code}" if code in self.permanent_codes else f"{self.refusals} requests in a row"
+            self.refused_for_good = redact(
+                f"teacher {self.cfg.model!r} at {self.url} refuses the request ({why}): HTTP "
+                f"{error.status_code}{' ' + code if code else ''}: {_short(message)}"
+            )
+
     def check_reachable(self) -> None:
-        """Past ``max_connection_errors`` such requests in a row, stop the run."""
+        """Past ``max_connection_errors`` such requests in a row, or a refusal that will repeat, stop the run."""
+        if self.refused_for_good:
+            raise RequestsRefused(self.refused_for_good + " (the records are written; a rerun sends them again)")
         if self.connection_errors >= self.cfg.max_connection_errors:
             raise EndpointUnreachable(
                 f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
@@ -541,8 +705,8 @@ class EndpointGroup:
         # All paused: the one whose pause ends first is probed rather than leaving the request waiting.
         return min(up, key=lambda e: e.in_flight) if up else min(candidates, key=lambda e: e.down_until)
 
-    async def post(self, payload: dict, key: str, estimated_tokens: int) -> tuple[httpx2.Response, Endpoint]:
-        """The response, and the endpoint that gave it (its token bucket gets the unused estimate back)."""
+    async def post(self, payload: dict, key: str, estimated_tokens: int) -> tuple[str, Endpoint]:
+        """The response body, and the endpoint that gave it (its token bucket gets the unused estimate back)."""
         import openai
 
         tried: set[int] = set()
@@ -588,8 +752,33 @@ class Budget:
         return self.store.spent()
 
 
-class EndpointUnreachable(FatalTeacherError):
+class EndpointStop(FatalTeacherError):
+    """The endpoint cannot answer this run: stop sending, keep what was answered (exit status 4)."""
+
+
+class EndpointUnreachable(EndpointStop):
     """Every recent request failed to connect: the server is down or the URL is wrong."""
+
+
+class RequestsRefused(EndpointStop):
+    """The endpoint refuses the requests for a reason that will repeat (a rejected parameter)."""
+
+
+class StreamBroken(Exception):
+    """A streamed answer broke after its headers: ``reason`` (stream_cut, stream_error, timeout,
+    malformed_response) is a transport failure, retried and never stored as an answer."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def provider_message(error: openai.APIError) -> str:
+    """The provider's own words: the ``message`` of its error body, else the client's summary."""
+    body = error.body
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"]
+    return error.message
 
 
 WAIT_POLL_SECONDS = 0.2  # how often a request another process is sending is looked for
@@ -622,6 +811,8 @@ class Teacher:
         # One calibration for the model across its endpoints: replicas bill the same tokens.
         self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}" if endpoint else ""
         self._tokenizer = None
+        # Dry run: the first body this teacher would send (`distill --dry-run` prints it).
+        self.first_request: dict | None = None
         # mode: batch: requests this round could not answer from the store, (key, body, reservation),
         # for metachunk.batch to submit; a key appears once however many items ask for it.
         self.spool: dict[str, tuple[dict, float]] = {}
@@ -639,9 +830,14 @@ class Teacher:
     ) -> tuple[dict, str]:
         """The request's body and its cache key. Without a ``response_format`` both are what they
         were before structured outputs, so the answers stored for them are found again."""
-        payload = {"model": self.cfg.model, "messages": messages, "max_tokens": max_tokens, **self.params}
-        keyed = {"request": payload, "prompt_sha256": prompt_sha, "attempt": attempt}
         fmt = response_format(self.cfg.structured_output, schema)
+        if fmt is not None and self.cfg.structured_output == "json_object":
+            messages = with_json_instruction(messages, schema)
+        limit = self.cfg.max_tokens_field
+        payload = {"model": self.cfg.model, "messages": messages, limit: max_tokens, **self.params}
+        if self.cfg.extra_body:
+            payload.update(self.cfg.extra_body)
+        keyed = {"request": payload, "prompt_sha256": prompt_sha, "attempt": attempt}
         if fmt is not None:
             payload["response_format"] = fmt
             if self.cfg.structured_output in SENDS_SCHEMA:
@@ -690,6 +886,11 @@ class Teacher:
                 spent[2] + answer.cost,
             )
             answer.spent = spent
+            if answer.ok and answer.finish_reason == "content_filter":
+                # Paid for, and stored so a rerun pays nothing, but what came before the cut is
+                # never an answer: no text reaches a parser or a training target.
+                answer.status, answer.reason, answer.text = "failed", "content_filter", ""
+                return answer
             if answer.ok and answer.finish_reason == "length":
                 if self.cfg.max_tokens_limit and max_tokens < self.cfg.max_tokens_limit:
                     max_tokens = min(2 * max_tokens, self.cfg.max_tokens_limit)
@@ -701,6 +902,9 @@ class Teacher:
         self, messages: list[dict], prompt_sha: str, attempt: int, max_tokens: int, schema: Schema | None
     ) -> Answer:
         payload, key = self.request(messages, prompt_sha, attempt, max_tokens, schema)
+        messages = payload["messages"]  # as sent: a json_object endpoint's carry the schema
+        if self.offline and self.first_request is None:  # dry run: what this teacher sends
+            self.first_request = wire_body(self.cfg, payload)
         params = {**self.params, "max_tokens": max_tokens, "attempt": attempt}
         if "response_format" in payload:
             params["structured_output"] = self.cfg.structured_output
@@ -786,7 +990,7 @@ class Teacher:
         estimated_tokens = prompt_estimate + max_tokens
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                response, via = await self.endpoint.post(payload, key, estimated_tokens)
+                raw, via = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
                 reason = _transport_reason(e)
                 self.endpoint.note_connection(reason == "connection")
@@ -799,11 +1003,21 @@ class Teacher:
                             f"teacher {model!r} at {self.endpoint.url}: HTTP {e.status_code}: {_short(e.message)}"
                         )
                     ) from None
+                self.endpoint.note_refusal(e if e.status_code in (400, 422) else None)
                 return StoredAnswer(
                     key, model, "error", f"http_{e.status_code}", redact(_short(e.message)), 0, 0, 0.0
                 )
+            except StreamBroken as e:  # after the headers: retried here, like a malformed body
+                self.endpoint.note_connection(False)
+                self.endpoint.note_refusal(None)
+                raw = f"{e.reason}: {e.detail}"
+                if attempt < self.cfg.max_retries:
+                    await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
+                    continue
+                return StoredAnswer(key, model, "error", e.reason, redact(_short(raw)), 0, 0, 0.0)
             self.endpoint.note_connection(False)
-            raw = redact(response.text, headers=False)
+            self.endpoint.note_refusal(None)
+            raw = redact(raw, headers=False)
             prompt_tokens, completion_tokens, text, well_formed = read_usage(raw)
             if well_formed:
                 estimated = prompt_tokens is None
@@ -850,9 +1064,10 @@ class MapResult:
     """What :meth:`TeacherPool.map` returns."""
 
     results: list  # fn(item) for each item, in input order; None for an item that never finished
-    stopped: str = ""  # why the run stopped early: "budget", "unreachable", or "" when it went through
-    unreachable: str = ""  # stopped at an unreachable endpoint: the one line naming it
+    stopped: str = ""  # why the run stopped early: "budget", "unreachable", "refused", or "" when it went through
+    message: str = ""  # stopped by the endpoint: the one line saying why (unreachable, or refusing)
     seconds: float = 0.0
+    error: EndpointStop | None = None  # that stop, for callers with nothing to go on without it
 
 
 class TeacherPool:
@@ -878,7 +1093,10 @@ class TeacherPool:
                 if where not in self.endpoints:
                     self.endpoints[where] = EndpointGroup(cfg)
                 endpoint = self.endpoints[where]
-            self.stages[stage] = Teacher(cfg, endpoint, store, prices.get(cfg.model, Price()), self.budget)
+            price = prices.get(cfg.model) or Price()
+            if price.batch_discount is None:  # the model's price does not say: the teacher's provider does
+                price = dataclasses.replace(price, batch_discount=cfg.batch_discount)
+            self.stages[stage] = Teacher(cfg, endpoint, store, price, self.budget)
 
     def __getitem__(self, stage: str) -> Teacher:
         return self.stages[stage]
@@ -917,7 +1135,8 @@ class TeacherPool:
         same order every time. The budget does not stop the loop: every later item still asks, and
         the requests whose reservation does not fit end ``BudgetExceeded`` inside ``fn`` (which
         records them as pending, or raises to stop), so the run sends everything that fits the cap.
-        An unreachable endpoint stops it: the other workers are cancelled and what finished is kept.
+        An endpoint that cannot answer (unreachable, or refusing every request for the same reason)
+        stops it: the other workers are cancelled and what finished is kept.
         Any other error (or a KeyboardInterrupt) cancels every worker and is raised. ``close``: the
         pool's HTTP clients are closed at the end (pass False to map again over the same pool).
         ``results``: where ``fn(item)`` goes, index by index (default a new list; a disk-backed
@@ -948,7 +1167,7 @@ class TeacherPool:
                     show()
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(min(len(items), workers or self.slots) or 1)]
-        unreachable = ""
+        stop: EndpointStop | None = None
         try:
             try:
                 await asyncio.gather(*tasks)
@@ -957,14 +1176,17 @@ class TeacherPool:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
-        except EndpointUnreachable as e:  # stop sending; what was answered is kept
-            unreachable = str(e)
+        except EndpointStop as e:  # stop sending; what was answered is kept
+            stop = e
         finally:
             bar.close()
             if close:
                 await self.close()
-        stopped = "unreachable" if unreachable else "budget" if self.budget.exhausted else ""
-        return MapResult(results, stopped, unreachable, time.perf_counter() - started)
+        if stop is not None:
+            stopped = "refused" if isinstance(stop, RequestsRefused) else "unreachable"
+        else:
+            stopped = "budget" if self.budget.exhausted else ""
+        return MapResult(results, stopped, str(stop or ""), time.perf_counter() - started, stop)
 
     async def close(self) -> None:
         for endpoint in self.endpoints.values():

@@ -260,7 +260,7 @@ def test_pool_map_keeps_input_order_and_stops_at_an_unreachable_endpoint(tmp_pat
         return TeacherPool({"stage": TeacherConfig("m", concurrency=2)}, {}, store)
 
     done = asyncio.run(pool().map(range(8), work, workers=3, progress=False))
-    assert done.stopped == "unreachable" and done.unreachable == "teacher 'm': cannot connect"
+    assert done.stopped == "unreachable" and done.message == "teacher 'm': cannot connect"
     finished = [i for i, r in enumerate(done.results) if r is not None]
     assert 5 not in finished and all(done.results[i] == 10 * i for i in finished) and 0 in finished
     assert taken == sorted(set(taken))  # taken in input order, each by one worker

@@ -23,7 +23,7 @@ from distill.prompts import load_prompt, load_schema
 from distill.run import run, write_records
 from metachunk.prompts import Schema
 from metachunk.structured import read_json
-from metachunk.teacher import Teacher, TeacherConfig, response_format
+from metachunk.teacher import Teacher, TeacherConfig, response_format, with_json_instruction
 
 REFINEMENT = load_schema("refinement")
 ITEM = {"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}
@@ -60,7 +60,12 @@ def test_each_mode_sends_its_response_format_and_the_key_changes_only_when_it_mu
     for mode in ("json_schema", "json_object_schema", "json_object"):
         payload, sent[mode] = teacher(mode).request(MESSAGES, "ab" * 32, 1, 64, REFINEMENT)
         assert payload["response_format"] == response_format(mode, REFINEMENT)
-        assert {k: v for k, v in payload.items() if k != "response_format"} == plain
+        expected = dict(plain)
+        if mode == "json_object":  # not sent the schema: the system message says JSON and shows it
+            expected["messages"] = with_json_instruction(MESSAGES, REFINEMENT)
+            system = payload["messages"][0]["content"]
+            assert system.startswith("Be brief.") and "json" in system and '"supplement"' in system
+        assert {k: v for k, v in payload.items() if k != "response_format"} == expected
     assert len({OLD_KEY, *sent.values()}) == 4
     assert response_format("json_schema", REFINEMENT) == {
         "type": "json_schema",
@@ -76,6 +81,7 @@ def test_each_mode_sends_its_response_format_and_the_key_changes_only_when_it_mu
     renamed = Schema("refinement", REFINEMENT.data, "cd" * 32)  # same schema, another version
     for mode in ("json_schema", "json_object_schema"):
         assert teacher(mode).request(MESSAGES, "ab" * 32, 1, 64, renamed)[1] != sent[mode]
+    # json_object sends the schema's shape in the prompt, not its version: the same shape, the same key.
     assert teacher("json_object").request(MESSAGES, "ab" * 32, 1, 64, renamed)[1] == sent["json_object"]
 
     with pytest.raises(ValueError, match="structured_output"):
