@@ -10,7 +10,9 @@ HTTP/1.1 keep-alive, a hand-written parser (request line, headers, ``Content-Len
 Endpoints
 ---------
 ``POST /v1/chat/completions``
-    Non-streaming chat completion. The answer comes after ``latency`` seconds. The content is
+    Chat completion, streamed (SSE, chunked) when the request says ``stream: true``, with the
+    usage in a last chunk only when ``stream_options.include_usage`` is true. The answer comes
+    after ``latency`` seconds. The content is
     ``"answer " + key[:12]`` unless a ``replies`` regex matches the concatenated message contents
     (the first regex, in order, that ``re.search``-es them selects its reply).
     ``max_tokens`` / ``max_completion_tokens`` are accepted and ignored (use ``[[fault:length]]``).
@@ -110,7 +112,15 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-FAULT_KINDS = ("401", "429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning")
+if __package__:  # imported as support.loopback_server
+    from .providers import FAKES
+else:  # run as a script: its folder is on sys.path
+    from providers import FAKES
+
+FAULT_KINDS = (
+    "401", "429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning", "filter",
+    "stream_error", "stall",
+)  # fmt: skip
 THINK_TEXT = "I reason about it."
 
 _MARKER_PREFIX = b"[[fault:"
@@ -139,7 +149,6 @@ _CHAT_TEMPLATE = (
     '"choices":[{"index":0,"message":{"role":"assistant","content":%s%s},"finish_reason":"%s"}]%s}'
 )
 _USAGE_TEMPLATE = ',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
-_REASONING_FIELD = ',"reasoning_content":' + json.dumps(THINK_TEXT)
 _MALFORMED_BODY = b'{"id": "x", "choices": ['
 
 
@@ -265,6 +274,28 @@ class _Connection(asyncio.Protocol):
         self._busy = True
         self._timer = self._server._loop.call_later(delay, self._deliver, data, keep_alive)
 
+    def send_parts(self, parts: list[tuple[float, bytes]], keep_alive: bool) -> None:
+        """Write each ``(delay, data)`` part after its delay (a stream with pauses); later
+        requests on this connection wait for the last part."""
+        delay, data = parts[0]
+        rest = parts[1:]
+        if not rest:
+            self.send_later(delay, data, keep_alive)
+            return
+        self._busy = True
+
+        def write() -> None:
+            transport = self._transport
+            if transport is None or transport.is_closing():
+                self._busy = False
+                return
+            transport.write(data)
+            self._timer = None
+            self._busy = False
+            self.send_parts(rest, keep_alive)
+
+        self._timer = self._server._loop.call_later(delay, write)
+
     def _deliver(self, data: bytes, keep_alive: bool) -> None:
         self._busy = False
         self._timer = None
@@ -343,11 +374,14 @@ class LoopbackServer:
         billing: str = "quarter",
         echo_auth: bool = False,
         batch_polls: int = 2,
+        provider: str | None = None,
     ):
         if billing not in BILLING:
             raise ValueError(f"unknown billing {billing!r}; expected one of {', '.join(BILLING)}")
         self.billing = billing
         self.echo_auth = echo_auth
+        self.provider = FAKES[provider] if provider else None
+        self.streams = 0  # chat requests answered as a stream
         self.host = host
         self._requested_port = port
         self.latency = float(latency)
@@ -401,6 +435,8 @@ class LoopbackServer:
         if self.batches:  # only once a batch was made: the plain stats keep their shape
             stats["batch_requests"] = self.batch_requests
             stats["batches"] = {b["id"]: b["status"] for b in self.batches.values()}
+        if self.streams:  # only once a stream was asked for: the plain stats keep their shape
+            stats["streams"] = self.streams
         if self.response_formats:  # only once a request carried one: the plain stats keep their shape
             stats["response_format"] = dict(self.response_formats)
         return stats
@@ -565,6 +601,15 @@ class LoopbackServer:
             return
 
         text = None
+        if self.provider is not None:
+            text = _joined_content(messages)
+            refusal = self.provider.refusal(payload, text)
+            if refusal is not None:
+                self._count(str(refusal.status))
+                data = json.dumps(self.provider.error_body(refusal)).encode()
+                connection.send(_response(refusal.status, data, keep_alive), keep_alive)
+                return
+        streamed = payload.get("stream") is True
         fault = None
         retry_after = self.retry_after
         if _MARKER_PREFIX in body:
@@ -584,6 +629,8 @@ class LoopbackServer:
         self._count(fault or "ok")
         auth = headers.get("authorization", "") if self.echo_auth else ""
 
+        if fault == "stream_error" and not streamed:
+            fault = "500"
         if fault in ("401", "429", "500", "503"):
             body = _ERROR_BODIES[fault]
             if auth:
@@ -591,7 +638,7 @@ class LoopbackServer:
             extra = f"Retry-After: {retry_after:g}\r\n" if fault == "429" else ""
             connection.send(_response(int(fault), body, keep_alive, extra), keep_alive)
             return
-        if fault == "malformed":
+        if fault == "malformed" and not streamed:
             body = _MALFORMED_BODY + (f' "Authorization: {auth}"'.encode() if auth else b"")
             connection.send_later(self.latency, _response(200, body, keep_alive), keep_alive)
             return
@@ -609,19 +656,25 @@ class LoopbackServer:
         if auth:
             content += f" (you sent {auth})"
         finish_reason = "stop"
-        reasoning = ""
+        model = payload.get("model", "loopback")
+        model = model if isinstance(model, str) else str(model)
+        reasoning_field = self.provider.reasoning_field if self.provider else "reasoning_content"
+        reasoning = THINK_TEXT if self.provider and reasoning_field and self.provider.thinks(model) else ""
         if fault == "empty":
             content = ""
         elif fault == "length":
             content = content[: len(content) // 2]
             finish_reason = "length"
+        elif fault == "filter":  # what came before the cut, marked as the safety filter marks it
+            content = content[: len(content) // 2]
+            finish_reason = "content_filter"
         elif fault == "think":
             content = "<think>" + THINK_TEXT + "</think>" + content
         elif fault == "reasoning":
-            reasoning = _REASONING_FIELD
+            reasoning = THINK_TEXT
+            reasoning_field = reasoning_field or "reasoning_content"
 
-        model = payload.get("model", "loopback")
-        usage = ""
+        usage = None
         if self.billing != "none":
             if self.billing == "quarter":
                 prompt_tokens, completion_tokens = max(1, len(body) // 4), max(1, len(content) // 4)
@@ -631,18 +684,78 @@ class LoopbackServer:
                 per = 1 if self.billing == "byte" else 16
                 prompt_tokens = max(1, len(text.encode("utf-8")) // per)
                 completion_tokens = max(1, len(content.encode("utf-8")) // per)
-            usage = _USAGE_TEMPLATE % (prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+            usage = (prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        delay = self.hang_seconds if fault == "hang" else self.latency
+        if streamed:
+            self.streams += 1
+            options = payload.get("stream_options")
+            include_usage = isinstance(options, dict) and options.get("include_usage") is True
+            if self.provider is not None and not self.provider.stream_usage:
+                include_usage = False
+            parts = self._stream(model, content, reasoning_field, reasoning, finish_reason,
+                                 usage if include_usage else None, include_usage, fault, auth)  # fmt: skip
+            parts[0] = (delay, parts[0][1])
+            connection.send_parts(parts, keep_alive and fault != "malformed")
+            return
+        extra = f",{json.dumps(reasoning_field)}:{json.dumps(reasoning)}" if reasoning else ""
+        usage_text = _USAGE_TEMPLATE % usage if usage else ""
         data = _CHAT_TEMPLATE % (
             next(self._ids),
             time.time(),
-            json.dumps(model if isinstance(model, str) else str(model)),
+            json.dumps(model),
             json.dumps(content),
-            reasoning,
+            extra,
             finish_reason,
-            usage,
+            usage_text,
         )
-        delay = self.hang_seconds if fault == "hang" else self.latency
         connection.send_later(delay, _response(200, data.encode(), keep_alive), keep_alive)
+
+    def _stream(self, model, content, reasoning_field, reasoning, finish_reason, usage, include_usage, fault, auth
+                ) -> list[tuple[float, bytes]]:  # fmt: skip
+        """The SSE answer as OpenAI streams it (https://platform.openai.com/docs/api-reference/chat-streaming):
+        chunked ``chat.completion.chunk`` events, the finish_reason in the last choice chunk, then,
+        with include_usage, a chunk whose ``choices`` is empty and which carries ``usage`` (every
+        earlier chunk has ``usage: null``), then ``data: [DONE]``. Faults: ``malformed`` cuts the
+        connection after the first piece of content; ``stream_error`` sends an error event there
+        (quoting the Authorization header under --echo-auth); ``stall`` pauses there for
+        --hang-seconds."""
+        head = {"id": f"chatcmpl-loopback-{next(self._ids)}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": model}  # fmt: skip
+
+        def event(choices: list, **extra) -> bytes:
+            chunk = {**head, "choices": choices, **extra}
+            if include_usage and "usage" not in extra:
+                chunk["usage"] = None
+            data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        def delta(**fields) -> dict:
+            return {"index": 0, "delta": fields, "finish_reason": None}
+
+        first = [event([delta(role="assistant", content="")])]
+        if reasoning:
+            first.append(event([delta(**{reasoning_field: reasoning})]))
+        half = len(content) // 2
+        first.append(event([delta(content=content[:half])]))
+        status = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        opening = status.encode() + b"".join(first)
+        if fault == "malformed":  # cut: no more bytes, the connection closes
+            return [(0.0, opening)]
+        if fault == "stream_error":
+            message = f"stream failed; it had Authorization: {auth}" if auth else "stream failed"
+            error = json.dumps({"error": {"message": message, "type": "server_error"}}).encode()
+            data = b"data: " + error + b"\n\n"
+            rest = b"%x\r\n%s\r\n" % (len(data), data)
+        else:
+            rest = event([delta(content=content[half:])])
+            rest += event([{"index": 0, "delta": {}, "finish_reason": finish_reason}])
+            if usage is not None:
+                rest += event([], usage={"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                                         "total_tokens": usage[2]})  # fmt: skip
+        done = b"data: [DONE]\n\n"
+        rest += b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
+        pause = self.hang_seconds if fault == "stall" else 0.0
+        return [(0.0, opening), (pause, rest)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -678,8 +791,10 @@ def _options_to_args(
     billing: str = "quarter",
     echo_auth: bool = False,
     batch_polls: int = 2,
+    provider: str | None = None,
 ) -> list[str]:
     args = ["--latency", repr(float(latency)), "--seed", str(seed), "--batch-polls", str(batch_polls)]
+    args += ["--provider", provider] if provider else []
     args += ["--retry-after", repr(float(retry_after)), "--hang-seconds", repr(float(hang_seconds))]
     args += ["--billing", billing] + (["--echo-auth"] if echo_auth else [])
     if random_faults:
@@ -701,6 +816,7 @@ def serve_in_subprocess(
     billing: str = "quarter",
     echo_auth: bool = False,
     batch_polls: int = 2,
+    provider: str | None = None,
     startup_timeout: float = 30.0,
 ) -> Iterator[ServerHandle]:
     """Run this file (standard library only) in a subprocess and yield its ``ServerHandle``.
@@ -721,7 +837,8 @@ def serve_in_subprocess(
             str(port_file),
         ]
         command += _options_to_args(
-            latency, random_faults, seed, replies, retry_after, hang_seconds, billing, echo_auth, batch_polls
+            latency, random_faults, seed, replies, retry_after, hang_seconds, billing, echo_auth, batch_polls,
+            provider,
         )
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
@@ -777,6 +894,7 @@ async def _serve(args: argparse.Namespace) -> None:
         billing=args.billing,
         echo_auth=args.echo_auth,
         batch_polls=args.batch_polls,
+        provider=args.provider,
     )
     await server.start()
     stop = asyncio.Event()
@@ -805,6 +923,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--billing", choices=BILLING, default="quarter", help="the usage each answer reports")
     parser.add_argument("--echo-auth", action="store_true", help="quote the Authorization header back")
     parser.add_argument("--batch-polls", type=int, default=2, help="retrievals before a batch is done")
+    parser.add_argument("--provider", choices=sorted(FAKES), help="answer as this provider (support/providers.py)")
     args = parser.parse_args(argv)
     # Fail on bad options before binding, so a parent waiting for the port file sees the error.
     try:
