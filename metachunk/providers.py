@@ -66,7 +66,9 @@ class Provider:
         return {
             "structured_output": rule.structured_output or self.structured_output,
             "max_tokens_field": rule.max_tokens_field or self.max_tokens_field,
-            "refused_params": list(rule.refused_params if rule.refused_params is not None else self.refused_params),
+            "refused_params": list(
+                rule.refused_params if rule.refused_params is not None else self.refused_params
+            ),
             "stream": self.stream if rule.stream is None else rule.stream,
             "batch_endpoint": self.batch_endpoint,
             "batch_max_requests": self.batch_max_requests,
@@ -98,9 +100,7 @@ PROVIDERS: dict[str, Provider] = {
             "https://platform.openai.com/docs/guides/batch",
         ),
         max_tokens_field="max_completion_tokens",
-        models=(
-            ModelRule(r"^(o\d|gpt-5)", refused_params=("temperature", "top_p", "frequency_penalty")),
-        ),
+        models=(ModelRule(r"^(o\d|gpt-5)", refused_params=("temperature", "top_p", "frequency_penalty")),),
     ),
     # https://www.alibabacloud.com/help/en/model-studio/deep-thinking : QwQ and the thinking-only
     #   models answer only in stream mode (400 invalid_parameter_error "This model only support

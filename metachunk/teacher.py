@@ -71,7 +71,6 @@ from metachunk.streaming import REASONING_FIELDS, ChatStream
 
 # openai, httpx2 and aiohttp are imported where used: `metachunk --help` must not pay for them.
 if TYPE_CHECKING:
-    import httpx2
     import openai
 
 T = TypeVar("T")
@@ -196,7 +195,8 @@ class TeacherConfig:
         "answer only in stream mode), else off",
     )
     stream_idle_timeout: float = option(
-        120.0, "stream: seconds without a chunk before the attempt is abandoned (timeout bounds the whole stream)"
+        120.0,
+        "stream: seconds without a chunk before the attempt is abandoned (timeout bounds the whole stream)",
     )
     max_tokens_field: str | None = option(
         None,
@@ -267,7 +267,9 @@ class TeacherConfig:
         if owned:
             raise ValueError(f"'extra_body' may not set {', '.join(owned)}: they have keys of their own")
         if self.mode == "batch" and not self.batch_endpoint:
-            raise ValueError(f"provider {self.provider!r} has no Batch API: set 'batch_endpoint' or use mode: online")
+            raise ValueError(
+                f"provider {self.provider!r} has no Batch API: set 'batch_endpoint' or use mode: online"
+            )
         for name, url in [("base_url", self.base_url)] + [("base_urls", u) for u in self.base_urls or []]:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name!r} must be an http(s) URL, got {safe_url(str(url))!r}")
@@ -323,7 +325,8 @@ class Price:
     input: float = option(0.0, "USD per 1M prompt tokens")
     output: float = option(0.0, "USD per 1M completion tokens")
     batch_discount: float | None = option(
-        None, "share of the price a Batch API request costs; unset: the teacher's batch_discount (OpenAI: 0.5)"
+        None,
+        "share of the price a Batch API request costs; unset: the teacher's batch_discount (OpenAI: 0.5)",
     )
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
@@ -433,7 +436,9 @@ class Answer:
         message = choice.get("message") or {}
         self.content = message.get("content") or ""
         self.finish_reason = choice.get("finish_reason") or ""
-        thought = "\n".join(message[f] for f in REASONING_FIELDS if isinstance(message.get(f), str) and message[f])
+        thought = "\n".join(
+            message[f] for f in REASONING_FIELDS if isinstance(message.get(f), str) and message[f]
+        )
         self.text, self.reasoning = split_reasoning(self.content, thought or None)
 
     def to_record(self) -> dict:
@@ -691,7 +696,9 @@ class EndpointGroup:
     def check_reachable(self) -> None:
         """Past ``max_connection_errors`` such requests in a row, or a refusal that will repeat, stop the run."""
         if self.refused_for_good:
-            raise RequestsRefused(self.refused_for_good + " (the records are written; a rerun sends them again)")
+            raise RequestsRefused(
+                self.refused_for_good + " (the records are written; a rerun sends them again)"
+            )
         if self.connection_errors >= self.cfg.max_connection_errors:
             raise EndpointUnreachable(
                 f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
@@ -1064,7 +1071,9 @@ class MapResult:
     """What :meth:`TeacherPool.map` returns."""
 
     results: list  # fn(item) for each item, in input order; None for an item that never finished
-    stopped: str = ""  # why the run stopped early: "budget", "unreachable", "refused", or "" when it went through
+    stopped: str = (
+        ""  # why the run stopped early: "budget", "unreachable", "refused", or "" when it went through
+    )
     message: str = ""  # stopped by the endpoint: the one line saying why (unreachable, or refusing)
     seconds: float = 0.0
     error: EndpointStop | None = None  # that stop, for callers with nothing to go on without it

@@ -47,7 +47,7 @@ def test_there_are_recipes():
     assert len(RECIPES) >= 3
 
 
-DISTILL_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "distill").glob("*.yaml"))
+DISTILL_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "distill").rglob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", DISTILL_RECIPES, ids=lambda p: p.name)

@@ -837,7 +837,15 @@ def serve_in_subprocess(
             str(port_file),
         ]
         command += _options_to_args(
-            latency, random_faults, seed, replies, retry_after, hang_seconds, billing, echo_auth, batch_polls,
+            latency,
+            random_faults,
+            seed,
+            replies,
+            retry_after,
+            hang_seconds,
+            billing,
+            echo_auth,
+            batch_polls,
             provider,
         )
         with open(log_path, "wb") as log:
@@ -923,7 +931,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--billing", choices=BILLING, default="quarter", help="the usage each answer reports")
     parser.add_argument("--echo-auth", action="store_true", help="quote the Authorization header back")
     parser.add_argument("--batch-polls", type=int, default=2, help="retrievals before a batch is done")
-    parser.add_argument("--provider", choices=sorted(FAKES), help="answer as this provider (support/providers.py)")
+    parser.add_argument(
+        "--provider", choices=sorted(FAKES), help="answer as this provider (support/providers.py)"
+    )
     args = parser.parse_args(argv)
     # Fail on bad options before binding, so a parent waiting for the port file sees the error.
     try:

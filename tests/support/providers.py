@@ -44,7 +44,11 @@ class FakeProvider:
         """Why this provider refuses ``payload`` (whose message contents are ``text``), if it does."""
         model = str(payload.get("model", ""))
         thinking = bool(self.reasoning_models and re.search(self.reasoning_models, model, re.IGNORECASE))
-        if self.stream_only and re.search(self.stream_only, model, re.IGNORECASE) and not payload.get("stream"):
+        if (
+            self.stream_only
+            and re.search(self.stream_only, model, re.IGNORECASE)
+            and not payload.get("stream")
+        ):
             return STREAM_ONLY
         if thinking:
             for name in self.refused_params:
@@ -85,7 +89,9 @@ STREAM_ONLY = Refusal(
 )
 # DeepSeek, json_schema: https://api-docs.deepseek.com/guides/json_mode offers json_object only; the
 # body is the one reported in https://github.com/UKGovernmentBEIS/inspect_ai/issues/4916.
-DEEPSEEK_NO_JSON_SCHEMA = Refusal(400, "invalid_request_error", "This response_format type is unavailable now")
+DEEPSEEK_NO_JSON_SCHEMA = Refusal(
+    400, "invalid_request_error", "This response_format type is unavailable now"
+)
 
 
 def _unsupported(name: str):
@@ -101,31 +107,39 @@ def _unsupported(name: str):
     return lambda p: Refusal(400, "unsupported_parameter", message, param=name)
 
 
-REFUSED_PARAM = {name: _unsupported(name) for name in ("max_tokens", "temperature", "top_p", "frequency_penalty")}
+REFUSED_PARAM = {
+    name: _unsupported(name) for name in ("max_tokens", "temperature", "top_p", "frequency_penalty")
+}
 
 FAKES = {
     # https://platform.openai.com/docs/guides/reasoning : o-series and gpt-5 refuse max_tokens,
     # temperature other than 1, top_p and the penalties; the reasoning is not returned.
     "openai": FakeProvider(
-        "openai", reasoning_models=r"^(o\d|gpt-5)", reasoning_field="",
+        "openai",
+        reasoning_models=r"^(o\d|gpt-5)",
+        reasoning_field="",
         refused_params=("max_tokens", "temperature", "top_p", "frequency_penalty"),
     ),  # fmt: skip
     # https://www.alibabacloud.com/help/en/model-studio/deep-thinking : QwQ streams only, its thought
     # in reasoning_content. https://www.alibabacloud.com/help/en/model-studio/qwen-structured-output :
     # json_object needs the word JSON in the messages.
-    "dashscope": FakeProvider("dashscope", stream_only=r"^(qwq|qvq)|thinking", reasoning_models=r"^(qwq|qvq)|thinking"),
+    "dashscope": FakeProvider(
+        "dashscope", stream_only=r"^(qwq|qvq)|thinking", reasoning_models=r"^(qwq|qvq)|thinking"
+    ),
     # https://cloud.baidu.com/doc/qianfan-api/s/3m7of64lb : finish_reason content_filter (the
     # loopback server's [[fault:filter]] marker); no rule about the word json in the messages.
     "qianfan": FakeProvider("qianfan", json_object_needs_word=False),
     # https://api-docs.deepseek.com/guides/json_mode and /guides/reasoning_model.
     "deepseek": FakeProvider("deepseek", reasoning_models=r"reasoner", refuses_json_schema=True),
     # https://docs.vllm.ai/en/latest/features/reasoning_outputs.html : message.reasoning.
-    "vllm": FakeProvider("vllm", reasoning_models=r"qwq|r1|thinking", reasoning_field="reasoning",
-                         json_object_needs_word=False),  # fmt: skip
+    "vllm": FakeProvider(
+        "vllm", reasoning_models=r"qwq|r1|thinking", reasoning_field="reasoning", json_object_needs_word=False
+    ),  # fmt: skip
     # https://docs.sglang.ai/advanced_features/separate_reasoning.html : reasoning_content; its
     # errors are flat (python/sglang/srt/entrypoints/openai/protocol.py, ErrorResponse).
-    "sglang": FakeProvider("sglang", reasoning_models=r"qwq|qwen3|r1", json_object_needs_word=False,
-                           flat_errors=True),  # fmt: skip
+    "sglang": FakeProvider(
+        "sglang", reasoning_models=r"qwq|qwen3|r1", json_object_needs_word=False, flat_errors=True
+    ),  # fmt: skip
     # llama-cpp-python's server (https://llama-cpp-python.readthedocs.io/en/latest/server/): no
     # stream_options, so a stream carries no usage; no reasoning parser.
     "llamacpp": FakeProvider("llamacpp", json_object_needs_word=False, stream_usage=False),
