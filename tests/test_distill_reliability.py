@@ -240,14 +240,18 @@ def test_429_pauses_every_request_to_the_endpoint():
 # --------------------------------------------------------------------------------------------
 
 
-def test_kill_9_loses_nothing_and_resends_nothing_answered(tmp_path):
+STREAMED = pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+
+
+@STREAMED
+def test_kill_9_loses_nothing_and_resends_nothing_answered(tmp_path, stream):
     docs = {f"doc{d:02d}": [chunk_text(3 * d + i) for i in range(3)] for d in range(40)}
     n_chunks = sum(len(texts) for texts in docs.values())
     total = n_chunks * len(REWRITE)  # every chunk keeps its item, so it needs all three stages
     # seeded: a failure reruns at the same kill point
     target = random.Random(15).randint(total // 5, total * 7 // 10)
     with serve_in_subprocess(latency=0.03, replies=REPLIES) as server:
-        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 8})
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 8, "stream": stream})
         with open(tmp_path / "first.stderr", "w") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config", str(job.recipe)],
@@ -274,6 +278,7 @@ def test_kill_9_loses_nothing_and_resends_nothing_answered(tmp_path):
         after = server.stats()
 
     assert rerun.returncode == 0, rerun.stderr
+    assert bool(after.get("streams")) == stream  # the answers really came as streams
     records = job.records()
     assert len(records) == n_chunks
     assert {(r["doc_id"], r["chunk_index"]) for r in records} == {(d, i) for d in docs for i in range(3)}
@@ -579,17 +584,19 @@ BILLED_PRICES = {"loopback": {"input": 10.0, "output": 10.0}}
 BILLED_CONCURRENCY = 4
 
 
+@STREAMED
 @pytest.mark.parametrize("billing, cap", [("byte", 0.1), ("none", 0.1), ("low", 0.04)])
-def test_budget_holds_whatever_the_server_bills(tmp_path, capsys, billing, cap):
+def test_budget_holds_whatever_the_server_bills(tmp_path, capsys, billing, cap, stream):
     """``byte``: a token per prompt byte (more than the old bytes/3 estimate); ``none``: no usage
-    at all; ``low``: a token per 16 bytes (far below any estimate)."""
+    at all; ``low``: a token per 16 bytes (far below any estimate). Streamed: the usage comes in
+    the stream's last chunk (``none``: it never comes)."""
     docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(16)})
     with serve_in_subprocess(latency=0.02, replies=REPLIES, billing=billing) as server:
         job = make_job(
             tmp_path,
             server.base_url,
             docs,
-            teacher={"concurrency": BILLED_CONCURRENCY},
+            teacher={"concurrency": BILLED_CONCURRENCY, "stream": stream},
             prices=BILLED_PRICES,
             max_cost=cap,
         )
@@ -637,10 +644,12 @@ def start_cli(job: Job, *flags: str, log: Path) -> subprocess.Popen:
         )
 
 
-def test_two_runs_sharing_a_store_never_pay_twice(tmp_path):
+@STREAMED
+def test_two_runs_sharing_a_store_never_pay_twice(tmp_path, stream):
     docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(24)})
     with serve_in_subprocess(latency=0.05, replies=REPLIES) as server:
-        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 4}, prices=BILLED_PRICES)
+        teacher = {"concurrency": 4, "stream": stream}
+        job = make_job(tmp_path, server.base_url, docs, teacher=teacher, prices=BILLED_PRICES)
         store = str(tmp_path / "shared.sqlite")
         runs = [
             start_cli(job, "--cache", store, "--out", str(tmp_path / f"run{n}"), log=tmp_path / f"{n}.log")
@@ -651,6 +660,7 @@ def test_two_runs_sharing_a_store_never_pay_twice(tmp_path):
     logs = [(tmp_path / f"{n}.log").read_text() for n in (1, 2)]
     assert codes == [0, 0], "\n\n".join(logs)  # a str is shown whole; a list of logs would be cut
     assert set(stats["by_key"].values()) == {1}  # every request body reached the server once
+    assert stats.get("streams", 0) == (stats["requests"] if stream else 0)
     assert stats["requests"] == 24 * len(REWRITE)
     for n in (1, 2):
         records = [json.loads(line) for line in (tmp_path / f"run{n}" / "rewrite.jsonl").open()]
@@ -763,12 +773,14 @@ def test_distill_help_lists_the_exit_codes():
 # --------------------------------------------------------------------------------------------
 
 
-def test_a_server_echoing_the_key_never_gets_it_into_a_file_or_a_log(tmp_path):
+@STREAMED
+def test_a_server_echoing_the_key_never_gets_it_into_a_file_or_a_log(tmp_path, stream):
     chunks = {
         "normal": chunk_text(0),
         "error_500": chunk_text(1, "[[fault:500]]"),
         "rate_limited": chunk_text(2, "[[fault:429@0.1*1]]"),
-        "malformed": chunk_text(3, "[[fault:malformed]]"),
+        "malformed": chunk_text(3, "[[fault:malformed]]"),  # streamed: cut after its first piece
+        "stream_error": chunk_text(4, "[[fault:stream_error]]"),  # streamed: an error event quoting the key
     }
     env = cli_env(**{KEY_ENV: SECRET})
     with serve_in_subprocess(latency=0.0, replies=REPLIES, echo_auth=True) as server:
@@ -776,7 +788,7 @@ def test_a_server_echoing_the_key_never_gets_it_into_a_file_or_a_log(tmp_path):
             tmp_path,
             server.base_url,
             one_chunk_per_doc(chunks),
-            teacher={"api_key_env": KEY_ENV, "max_retries": 1},
+            teacher={"api_key_env": KEY_ENV, "max_retries": 1, "stream": stream},
             prices={"loopback": {"input": 1.0, "output": 2.0}},
             progress=True,
         )
@@ -797,5 +809,8 @@ def test_a_server_echoing_the_key_never_gets_it_into_a_file_or_a_log(tmp_path):
                for r in job.records() for e in r["stages"].values())  # fmt: skip
     leaks = [p for p in sorted(tmp_path.rglob("*")) if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaks == []
+    if stream:  # the error event inside the stream was read, and its echo masked
+        failed = job.records_by_doc()["stream_error"]
+        assert failed["reason"] == "stream_error" and SECRET not in json.dumps(failed)
     for captured in (done, unauthorized):
         assert SECRET not in captured.stdout and SECRET not in captured.stderr
