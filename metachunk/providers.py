@@ -53,8 +53,9 @@ class Provider:
     batch_max_requests: int = 50_000
     batch_max_bytes: int = 200_000_000
     batch_discount: float = 0.5  # share of the online price a batch request costs
-    # Error codes that mean every request like this one will be refused: the run stops at the first.
-    permanent_codes: tuple[str, ...] = ("unsupported_parameter", "unsupported_value")
+    # Error codes that mean every request like this one will be refused: the run stops at the first
+    # (OpenAI's for a rejected parameter or value, DashScope's for an invalid parameter).
+    permanent_codes: tuple[str, ...] = ("unsupported_parameter", "unsupported_value", "invalid_parameter_error")
     models: tuple[ModelRule, ...] = field(default=())
 
     def rule(self, model: str) -> ModelRule | None:
@@ -121,7 +122,6 @@ PROVIDERS: dict[str, Provider] = {
         ),
         structured_output="json_object",
         batch_max_bytes=500_000_000,
-        permanent_codes=("invalid_parameter_error", "unsupported_parameter", "unsupported_value"),
         models=(ModelRule(r"^(qwq|qvq)|thinking", stream=True),),
     ),
     # https://cloud.baidu.com/doc/qianfan-api/s/3m7of64lb (chat, v2): max_tokens; response_format

@@ -100,3 +100,23 @@ def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, shared_data,
     again = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
     assert again["details"]["generation"]["answers_from_store"] == 1
     assert again["metrics"]["bleu_avg"] == metrics["bleu_avg"]
+
+
+def test_a_streamed_rewrite_against_transformers_serve(local_teacher, shared_data, tmp_path):
+    """``transformers serve`` streams too: the rewrite's answers arrive as SSE chunks, assembled
+    into chat completions, with no stream cut or error."""
+    write_emma_chunks(shared_data, tmp_path, n_chunks=1)
+    block = {"model": "smollm2", "serve_preset": True, "base_url": local_teacher.base_url, "stream": True,
+             "temperature": 0.0, "max_tokens": 48, "concurrency": 1, "timeout": 300, "max_retries": 1}  # fmt: skip
+    recipe = {"chunks": str(tmp_path / "chunks.jsonl"), "documents": str(tmp_path / "docs.jsonl"),
+              "out": str(tmp_path / "run"), "max_context_chars": 800, "parse_retries": 0, "progress": False,
+              "teachers": dict.fromkeys(["reflection", "refinement", "completion"], block)}  # fmt: skip
+    config = tmp_path / "streamed.yaml"
+    config.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    assert metachunk(["distill", "rewrite", "--config", str(config)]) in (0, 4)
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "rewrite.jsonl").open(encoding="utf-8")]
+    reflection = record["stages"]["reflection"]
+    # answered (a 135M model often runs to max_tokens: finish_reason "length", a paid answer)
+    assert reflection["finish_reason"] in ("stop", "length"), reflection
+    assert reflection["reason"] in ("", "length") and reflection["raw"]  # the streamed content, assembled
+    assert not reflection.get("usage_estimated")  # transformers serve honours include_usage

@@ -133,3 +133,37 @@ def test_metachunk_run_starts_the_local_teacher_only_for_a_stage_that_runs(share
     assert metachunk(["run", str(path)]) == 0
     err = capsys.readouterr().err
     assert "rewrite (distill rewrite): cached, skipped" in err and "local teacher:" not in err
+
+
+def test_a_streamed_rewrite_matches_the_plain_one(llama_teacher, shared_data, tmp_path):
+    """The same rewrite against the real server, streamed and not, each into its own store: at
+    temperature 0 the assembled streams give the same answers, reasoning and finish reasons as the
+    plain bodies. llama-cpp-python's server sends no usage in a stream (it has no stream_options),
+    so a streamed answer's tokens are the client's estimate, marked ``usage_estimated``."""
+    write_emma_chunks(shared_data, tmp_path, n_chunks=2, min_chars=150, n_paragraphs=3)
+    records = {}
+    for stream in (False, True):
+        block = {"provider": "llamacpp", "model": "smollm2", "base_url": llama_teacher.base_url, "stream": stream,
+                 "temperature": 0.0, "max_tokens": 64, "concurrency": 1, "timeout": 300, "max_retries": 1}  # fmt: skip
+        recipe = {"chunks": str(tmp_path / "chunks.jsonl"), "documents": str(tmp_path / "docs.jsonl"),
+                  "out": str(tmp_path / f"run-{stream}"), "max_context_chars": 1000, "parse_retries": 0,
+                  "progress": False, "teachers": dict.fromkeys(["reflection", "refinement", "completion"], block)}  # fmt: skip
+        config = tmp_path / f"recipe-{stream}.yaml"
+        config.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+        assert metachunk(["distill", "rewrite", "--config", str(config)]) in (0, 4)
+        lines = (tmp_path / f"run-{stream}" / "rewrite.jsonl").open(encoding="utf-8")
+        records[stream] = [json.loads(line) for line in lines]
+    compared = 0
+    for plain, streamed in zip(records[False], records[True]):
+        assert plain["stages"].keys() == streamed["stages"].keys()
+        for stage, a in plain["stages"].items():
+            b = streamed["stages"][stage]
+            assert b["status"] in ("ok", "failed") and b["reason"] not in ("stream_cut", "stream_error"), b
+            assert (a["text"], a["finish_reason"], a["request_key"]) == (
+                b["text"],
+                b["finish_reason"],
+                b["request_key"],
+            )
+            assert b["status"] != "ok" or b.get("usage_estimated") is True
+            compared += 1
+    assert compared >= 2
