@@ -55,7 +55,11 @@ class Provider:
     batch_discount: float = 0.5  # share of the online price a batch request costs
     # Error codes that mean every request like this one will be refused: the run stops at the first
     # (OpenAI's for a rejected parameter or value, DashScope's for an invalid parameter).
-    permanent_codes: tuple[str, ...] = ("unsupported_parameter", "unsupported_value", "invalid_parameter_error")
+    permanent_codes: tuple[str, ...] = (
+        "unsupported_parameter",
+        "unsupported_value",
+        "invalid_parameter_error",
+    )
     models: tuple[ModelRule, ...] = field(default=())
 
     def rule(self, model: str) -> ModelRule | None:
