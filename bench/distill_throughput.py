@@ -17,6 +17,9 @@ What is compared, against one loopback server (``tests/support/loopback_server.p
 * **ours+limits**: the same with rpm/tpm limits set far too high to bind, a price table and a
   ``max_cost`` that is never reached: token buckets, budget reservations and cost accounting all
   run on every request.
+* **ours+stream**: ours with ``stream: true``: every answer comes as SSE chunks (with
+  ``include_usage``) that the client assembles into one chat completion. Target: within 10% of
+  ours' req/s.
 
 Every request has distinct messages (a system prompt and a ~1.5 KB user text that differs per
 request), so nothing is a cache hit; the server's ``/stats`` confirms that each run sent exactly
@@ -64,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # support.loopback_server: test and bench infrastructure
 
 MODEL = "teacher-model"
-VARIANTS = ("bare", "ours", "ours+limits")
+VARIANTS = ("bare", "ours", "ours+limits", "ours+stream")
 SYSTEM_PROMPT = (
     "You split documents into semantically coherent chunks for retrieval. Read the text and answer "
     "with the numbers of the sentences that start a new chunk, separated by commas."
@@ -92,12 +95,17 @@ def make_messages(i: int, size: int) -> list[dict]:
     ]
 
 
-def teacher_config(args, with_limits: bool):
+def teacher_config(args, with_limits: bool, stream: bool = False):
     from metachunk.teacher import TeacherConfig
 
     limits = {"rpm": 1e9, "tpm": 1e12} if with_limits else {}
     return TeacherConfig(
-        model=MODEL, base_url=args.base_url, max_tokens=args.max_tokens, concurrency=args.in_flight, **limits
+        model=MODEL,
+        base_url=args.base_url,
+        max_tokens=args.max_tokens,
+        concurrency=args.in_flight,
+        stream=stream,
+        **limits,
     )
 
 
@@ -127,7 +135,7 @@ async def run_bare(args, warmup: list, measured: list) -> dict:
     return {"wall_s": wall, "cpu_s": cpu}
 
 
-async def run_ours(args, warmup: list, measured: list, with_limits: bool) -> dict:
+async def run_ours(args, warmup: list, measured: list, with_limits: bool, stream: bool = False) -> dict:
     from metachunk.store import AnswerStore
     from metachunk.teacher import Price, TeacherPool
 
@@ -135,7 +143,7 @@ async def run_ours(args, warmup: list, measured: list, with_limits: bool) -> dic
         store = AnswerStore(Path(tmp) / "answers.sqlite")
         prices = {MODEL: Price(input=0.5, output=1.5)} if with_limits else {}
         max_cost = 1e9 if with_limits else None
-        pool = TeacherPool({"stage": teacher_config(args, with_limits)}, prices, store, max_cost)
+        pool = TeacherPool({"stage": teacher_config(args, with_limits, stream)}, prices, store, max_cost)
         teacher = pool["stage"]
         await asyncio.gather(*(teacher.complete(m, "bench") for m in warmup))
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -201,7 +209,8 @@ def worker(args) -> None:
         if args.worker == "bare":
             result = asyncio.run(run_bare(args, warmup, measured))
         else:
-            result = asyncio.run(run_ours(args, warmup, measured, with_limits=args.worker == "ours+limits"))
+            limits, stream = args.worker == "ours+limits", args.worker == "ours+stream"
+            result = asyncio.run(run_ours(args, warmup, measured, with_limits=limits, stream=stream))
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -259,11 +268,16 @@ def main() -> None:
         run_id = 0
         for r in range(args.rounds):
             for name in variants if r % 2 == 0 else variants[::-1]:
-                before = server.stats()["requests"]
+                before_stats = server.stats()
+                before, streams_before = before_stats["requests"], before_stats.get("streams", 0)
                 res = child(args, name, os.path.join(tmp, f"{name}-{r}.json"), server.base_url, run_id=run_id)
                 run_id += 1
-                sent = server.stats()["requests"] - before
+                after = server.stats()
+                sent = after["requests"] - before
                 assert sent == args.warmup + args.requests, f"{name}: server saw {sent} requests"
+                if name == "ours+stream":
+                    res["streams"] = after.get("streams", 0) - streams_before
+                    assert res["streams"] == sent, f"{name}: {res['streams']} of {sent} answers streamed"
                 res["req_per_s"] = args.requests / res["wall_s"]
                 res["cpu_ms_per_req"] = 1000 * res["cpu_s"] / args.requests
                 runs[name].append(res)
@@ -335,6 +349,19 @@ def main() -> None:
             ours["vs_bare"] = {"req_per_s": speed, "cpu_per_req": cpu}
         ours["pass"] = verdict
         print(f"{line}: {'PASS' if verdict else 'FAIL'}")
+    plain, streamed = summary["variants"].get("ours"), summary["variants"].get("ours+stream")
+    if plain and streamed:
+        ratio = streamed["best_req_per_s"] / plain["best_req_per_s"]
+        streamed["vs_ours"] = {
+            "req_per_s": ratio,
+            "cpu_per_req": streamed["cpu_ms_per_req"] / plain["cpu_ms_per_req"],
+        }
+        streamed["pass"] = ratio >= 0.9
+        print(
+            f"ours+stream: {streamed['best_req_per_s']:.1f} req/s against ours' {plain['best_req_per_s']:.1f} "
+            f"({ratio:.3f}; target >= 0.9), CPU/request {streamed['cpu_ms_per_req']:.3f} ms vs "
+            f"{plain['cpu_ms_per_req']:.3f} ms: {'PASS' if streamed['pass'] else 'FAIL'}"
+        )
     if resume:
         print(
             f"resume: skipping {args.resume_requests:,} answered requests took {resume['wall_s']:.2f} s "
