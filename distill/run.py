@@ -35,7 +35,7 @@ from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
 from metachunk.config import option
 from metachunk.store import AnswerStore
-from metachunk.teacher import Price, TeacherConfig, TeacherPool, is_transport_failure
+from metachunk.teacher import Price, TeacherConfig, TeacherPool, is_transport_failure, wire_body
 
 # Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
 TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}
@@ -355,6 +355,14 @@ async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, 
             records[i] = record
     cached = sum(t.cached for t in (*pool.stages.values(), *replay.stages.values()))
     bodies = {stage: t.first_request for stage, t in pool.stages.items() if t.first_request is not None}
+    for stage in task.stages:  # waits on an earlier stage's answer: the body around a placeholder prompt
+        teacher = pool.stages[stage]
+        if stage not in bodies and teacher.offline:
+            placeholder = [
+                {"role": "user", "content": f"(the {stage} prompt, once the earlier stages have answered)"}
+            ]
+            body, _ = teacher.request(placeholder, "", 0, teacher.cfg.max_tokens, load_schema(stage))
+            bodies[stage] = wire_body(teacher.cfg, body)
     return RunResult(task, records, items, time.perf_counter() - started, pool.sent, cached, pool.waited,
                      done.stopped, done.message, pool.budget.paid, pool.store.spent(), bodies=bodies)  # fmt: skip
 
@@ -496,7 +504,8 @@ def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
 
 def print_request_bodies(cfg: DistillConfig, result: RunResult, file, cut: int = 160) -> None:
     """Per teacher, its provider and the body its first request sends (message contents cut at
-    ``cut`` characters, marked), so a recipe can be checked against the provider before it pays."""
+    ``cut`` characters, marked), so a recipe can be checked against the provider before it pays.
+    A stage whose prompt needs an earlier stage's answer shows its body around a placeholder."""
     for stage, body in (result.bodies or {}).items():
         teacher = cfg.teachers[stage]
         shown = dict(body)

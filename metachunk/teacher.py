@@ -42,8 +42,18 @@ before structured outputs existed, so the answers a store holds for it are found
 
 ``finish_reason == "length"`` is not success: the request is repeated with twice the
 ``max_tokens`` up to ``max_tokens_limit`` (each size is its own cached request), else it ends as
-failed with reason ``length``. Reasoning teachers: the raw content is kept, ``<think>…</think>``
-is stripped for the clean text, and a separate ``reasoning_content`` field is kept too.
+failed with reason ``length``. ``finish_reason == "content_filter"`` is a failure with reason
+``content_filter``: stored (it was paid), never a text. Reasoning teachers: the raw content is
+kept, ``<think>…</think>`` is stripped for the clean text, and a separate ``reasoning_content``
+(DashScope, DeepSeek, SGLang) or ``reasoning`` (vLLM) field is kept too.
+
+**Providers.** A teacher's ``provider`` names a profile (:mod:`metachunk.providers`) that fills
+every key the recipe left unset: ``structured_output``, ``max_tokens_field``, ``refused_params``,
+``stream`` and the batch keys. ``stream`` asks for SSE with ``include_usage`` and assembles the
+chunks into one chat completion (:mod:`metachunk.streaming`); a stream that breaks is a transport
+failure, retried here. ``extra_body`` joins the payload, so the key. A refusal that will repeat
+(HTTP 400/422 with a code the profile knows to be permanent, or the same provider error on
+``refusals_to_stop`` requests in a row) stops the run (:class:`RequestsRefused`).
 """
 
 from __future__ import annotations

@@ -227,6 +227,8 @@ def test_dry_run_prints_each_teachers_provider_and_request_body(tmp_path, capsys
         if provider == "openai":
             assert '"max_completion_tokens": 4096' in out and '"temperature"' not in out
             assert '"reasoning_effort": "medium"' in out
+            # refinement waits on the reflection's answer: its body is shown around a placeholder
+            assert "refinement: provider openai" in out and '"type": "json_schema"' in out
         else:
             assert '"stream": true' in out and '"include_usage": true' in out and "streamed" in out
 
