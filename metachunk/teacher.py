@@ -613,6 +613,7 @@ class Endpoint:
                 return response.text
             # openai's client sends it (its retries cover everything before the first byte of the
             # stream) and parses the SSE events; an error event inside the stream raises APIError.
+            end = asyncio.get_running_loop().time() + self.cfg.timeout
             stream = await self.client.post(
                 "/chat/completions",
                 body=wire_body(self.cfg, payload),
@@ -621,15 +622,14 @@ class Endpoint:
                 stream_cls=openai.AsyncStream[object],
                 options=options,
             )
-            return await self._read_stream(stream)
+            return await self._read_stream(stream, end)
 
-    async def _read_stream(self, stream) -> str:
-        """Assemble the chunks, within ``timeout`` for the whole stream and ``stream_idle_timeout``
-        between two chunks."""
+    async def _read_stream(self, stream, end: float) -> str:
+        """Assemble the chunks, by ``end`` (``timeout`` after the request left) and within
+        ``stream_idle_timeout`` between two chunks."""
         import openai
 
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.cfg.timeout
         idle = self.cfg.stream_idle_timeout
         assembled = ChatStream()
         try:
