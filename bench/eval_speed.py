@@ -6,12 +6,12 @@ real Emma chunks and the same model:
 
 * **pair-by-pair**: one forward pass over ``d + q`` per pair (and one over each chunk alone),
   :func:`metachunk.scoring.token_nll` on that one sequence: what a literal loop does.
-* **kv B=b**: :func:`eval.chunk_quality.mean_nll_matrix` as ``eval chunk-quality`` runs it: each
+* **kv B=b**: :func:`metachunk.eval.chunk_quality.mean_nll_matrix` as ``eval chunk-quality`` runs it: each
   context ``d`` runs once and its KV cache is reused by the ``q`` read after it, up to ``b`` of
   them per forward pass (right-padded; :func:`metachunk.scoring.continuation_nll`).
 
 Chunks: the first ``--paragraphs`` paragraphs of *Emma* joined with blank lines, split into
-sentences and packed to at most ``--target-words`` words (:func:`chunking.baselines.sentence_chunks`,
+sentences and packed to at most ``--target-words`` words (:func:`metachunk.chunking.baselines.sentence_chunks`,
 the LlamaIndex-style baseline); the first ``--chunks`` chunks form one document. Pairs: the
 nearest ``--max-pairs`` ordered pairs (``eval chunk-quality --max-pairs``).
 
@@ -42,8 +42,8 @@ DATA = ROOT.parent / "shared" / "data"
 
 
 def emma_chunks(paragraphs: int, target_words: int, n: int) -> list[str]:
-    from chunking.baselines import sentence_chunks
-    from chunking.sentences import split_sentences
+    from metachunk.chunking.baselines import sentence_chunks
+    from metachunk.chunking.sentences import split_sentences
 
     texts = []
     with (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
@@ -72,8 +72,8 @@ def main() -> None:
 
     import numpy as np
     import torch
+    from metachunk.eval import chunk_quality as cq
 
-    from eval import chunk_quality as cq
     from metachunk.models import load_causal_lm
 
     texts = emma_chunks(args.paragraphs, args.target_words, args.chunks)

@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from distill.prompts import load_prompt, load_schema  # noqa: E402
+from metachunk.distill.prompts import load_prompt, load_schema  # noqa: E402
+
 from metachunk.local_teacher import LocalTeacher, llama_cpp_available  # noqa: E402
 from metachunk.store import AnswerStore  # noqa: E402
 from metachunk.structured import is_valid  # noqa: E402

@@ -2,8 +2,8 @@
 
 What is compared, on the same documents and the same synthetic expert answers:
 
-* **ours**: :func:`chunking.moc.recover_spans`: per element, ``re.escape(head).*?re.escape(tail)``
-  after the previous match; on failure :func:`chunking.align.locate` for head and tail (exact
+* **ours**: :func:`metachunk.chunking.moc.recover_spans`: per element, ``re.escape(head).*?re.escape(tail)``
+  after the previous match; on failure :func:`metachunk.chunking.align.locate` for head and tail (exact
   ``str.find``, a rapidfuzz ``partial_ratio`` reject, Myers bit-parallel semi-global edit distance
   in a window near the cursor, doubling until found).
 * **naive**: what §3.2.4 describes without an index: for every element, head and tail are each
@@ -44,10 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DATA = ROOT.parent / "shared" / "data"
 
+from metachunk.chunking.moc import recover_spans, split_element  # noqa: E402
+from metachunk.chunking.sentences import split_sentences  # noqa: E402
 from rapidfuzz.distance import Levenshtein  # noqa: E402
-
-from chunking.moc import recover_spans, split_element  # noqa: E402
-from chunking.sentences import split_sentences  # noqa: E402
 
 
 def typo(s: str, rng: random.Random, alphabet: str) -> str:

@@ -11,7 +11,7 @@ What is compared, on the same consecutive-sentence pairs:
 * **batched B**: ``scorer.margins(pairs, batch_size=B)``: the instruction's KV cache is computed
   once (its cost is included, once per pass over the pairs) and only the pair tokens are run, up
   to B pairs per forward pass (``margins`` sorts pairs by length and closes a batch early rather
-  than pad it by more than ``chunking.msp.MAX_PADDING``). ``B=1`` isolates the prefix-reuse gain;
+  than pad it by more than ``metachunk.chunking.msp.MAX_PADDING``). ``B=1`` isolates the prefix-reuse gain;
   larger B adds batching; "pad eff" = real / padded pair tokens.
 
 Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds. A round is one
@@ -23,14 +23,14 @@ round runs the same batches, and padding, as one ``margins(pairs, B)`` call (up 
 block edge cuts a batch). The headline uses each variant's best (minimum) round; the median is
 printed too. Decisions are then taken from the margins of both paths with the same θ (fixed
 ``--theta``, default 0, and dynamic = mean of past margins, as
-:func:`chunking.msp.msp_decisions` does) and compared: identical decisions / total, plus the
+:func:`metachunk.chunking.msp.msp_decisions` does) and compared: identical decisions / total, plus the
 largest ``|margin_batched - margin_single|``. PASS needs the target speed-up at
 ``--headline-batch`` (default 8, ``msp_decisions``' default) and all decisions identical.
 
 Pairs: the sentences of the first Emma paragraphs (``--lang en``, SmolLM2 by default) or of the
 first CRUD news articles (``--lang zh``, Gemma-3-270m by default: a base model without a chat
 template, which MarginScorer prompts as plain completion), joined with blank lines into one
-document and split with :func:`chunking.sentences.split_sentences`; the first ``--pairs``
+document and split with :func:`metachunk.chunking.sentences.split_sentences`; the first ``--pairs``
 consecutive pairs are used. The same script runs on a GPU (``--device cuda``, the default when
 one is available; the model dtype then defaults to bf16, see ``--dtype``).
 
@@ -58,7 +58,7 @@ DEFAULT_MODEL = {"en": "smollm2", "zh": "gemma3-270m"}
 
 def build_pairs(lang: str, n_pairs: int) -> list[tuple[str, str]]:
     """The first ``n_pairs`` consecutive-sentence pairs of Emma (en) or of the CRUD news (zh)."""
-    from chunking.sentences import split_sentences
+    from metachunk.chunking.sentences import split_sentences
 
     if lang == "en":
         path, key = DATA / "gutenqa-emma" / "paragraphs.jsonl", "text"
@@ -83,7 +83,7 @@ def build_pairs(lang: str, n_pairs: int) -> list[tuple[str, str]]:
 
 def decisions(margins, theta: float, dynamic: bool) -> list[bool]:
     """Keep-together decisions in order, with msp_decisions' Threshold rule."""
-    from chunking.msp import Threshold
+    from metachunk.chunking.msp import Threshold
 
     th = Threshold(theta, dynamic)
     return [th.decide(float(m)) for m in margins]
@@ -92,7 +92,7 @@ def decisions(margins, theta: float, dynamic: bool) -> list[bool]:
 def padding_efficiency(lengths: list[int], batch_size: int) -> float:
     """Real / padded suffix tokens of the batches margins() forms for these pair lengths."""
     try:
-        from chunking.msp import length_batches
+        from metachunk.chunking.msp import length_batches
     except ImportError:  # margins() before it capped padding: fixed rows over the sorted lengths
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
     import torch
+    from metachunk.chunking.msp import MarginScorer, load_msp_prompt
 
-    from chunking.msp import MarginScorer, load_msp_prompt
     from metachunk.models import default_device, load_causal_lm
 
     if args.threads:

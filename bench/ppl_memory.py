@@ -131,9 +131,9 @@ def child(args: argparse.Namespace) -> None:
     import resource
 
     import torch
+    from metachunk.chunking.ppl import score_documents
+    from metachunk.chunking.sentences import split_sentences
 
-    from chunking.ppl import score_documents
-    from chunking.sentences import split_sentences
     from metachunk.models import load_causal_lm
     from metachunk.scoring import plan_windows, token_nll
 

@@ -87,9 +87,9 @@ def plain_nll(model, ids: list[int]) -> np.ndarray:
 
 def worker(args) -> None:
     import torch
+    from metachunk.chunking.ppl import tokenize_sentences
+    from metachunk.chunking.sentences import split_sentences
 
-    from chunking.ppl import tokenize_sentences
-    from chunking.sentences import split_sentences
     from metachunk.models import load_causal_lm
     from metachunk.scoring import token_nll, token_nll_incremental
 
@@ -178,7 +178,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from chunking.ppl import ppl_boundaries, sentence_ppl
+    from metachunk.chunking.ppl import ppl_boundaries, sentence_ppl
 
     methods = args.methods.split(",")
     results, tmp = {}, tempfile.mkdtemp(prefix="ppl_speed_")

@@ -3,7 +3,7 @@
 Issue requirement: "Scale: 20K rows must build in bounded memory (streaming, no whole-corpus lists
 of model outputs). Report rows/s."
 
-What is measured: ``distill.sft.build_sft`` (the whole ``build-sft rewrite`` path: read records,
+What is measured: ``metachunk.distill.sft.build_sft`` (the whole ``build-sft rewrite`` path: read records,
 filters, decontamination against test documents, exact / near-duplicate rows, the student chat
 template twice per row for the token lengths, parquet shards, card, histogram) on synthetic
 inputs. The bench measures the builder's throughput and memory, not data quality: the texts are
@@ -28,7 +28,7 @@ and warms the tokenizer once, frees it, and records its RSS: the baseline. It th
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the process-lifetime peak, also read at the
 baseline) and its RSS at the end. Only after that does it check the result: the dataset dir loads
 with ``datasets.load_dataset(dir)`` (cache in the temp dir) and has exactly one row per record.
-A wrapper around ``distill.card.plot_token_lengths`` (which build_sft calls right after the last
+A wrapper around ``metachunk.distill.card.plot_token_lengths`` (which build_sft calls right after the last
 record) also reads ``ru_maxrss`` when the record loop ends ("loop"), separating the streaming part
 from what follows: the histogram and the card, whose split sizes are measured by reading one
 parquet shard at a time (up to ``shard_rows`` = 10,000 rows, so bounded by the shard size, not by
@@ -81,7 +81,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MIB = 2**20
-# Characters of distill.sft_rows's refusal / preface / stage-markup patterns: left out of the alphabet,
+# Characters of metachunk.distill.sft_rows's refusal / preface / stage-markup patterns: left out of the alphabet,
 # so that a random text never matches one of them (a dropped row would change the row count).
 FILTER_CHARS = set("抱歉对不起作为一个人工智能我无法能以下是好的改写后摘要缺失补充")
 OUTPUT_PREFIX = "据报道，"
@@ -210,12 +210,12 @@ def child(args: argparse.Namespace) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
+    import metachunk.distill.card
+    import metachunk.distill.corpus  # noqa: F401
     import pyarrow.parquet  # noqa: F401
+    from metachunk.distill.sft import BuildSftConfig, build_sft
     from transformers import AutoTokenizer
 
-    import distill.card
-    import distill.corpus  # noqa: F401
-    from distill.sft import BuildSftConfig, build_sft
     from metachunk.models import resolve
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(args.tokenizer)))
@@ -230,13 +230,13 @@ def child(args: argparse.Namespace) -> None:
     # (histogram, card, which reads one parquet shard at a time to measure split sizes) is bounded by
     # the shard size, not by the number of rows.
     loop_end = {}
-    plot = distill.card.plot_token_lengths
+    plot = metachunk.distill.card.plot_token_lengths
 
     def marked_plot(*a, **k):
         loop_end.update(rss=current_rss(), peak=ru_maxrss())
         return plot(*a, **k)
 
-    distill.card.plot_token_lengths = marked_plot
+    metachunk.distill.card.plot_token_lengths = marked_plot
 
     tmp = Path(args.tmp)
     cfg = BuildSftConfig(
@@ -257,8 +257,7 @@ def child(args: argparse.Namespace) -> None:
 
     # Verification, after the measurements (loading the dataset costs memory of its own).
     from datasets import load_dataset
-
-    from distill.sft_rows import features
+    from metachunk.distill.sft_rows import features
 
     ds = load_dataset(str(cfg.out), cache_dir=str(tmp / "hf_cache"))
     loaded = {split: ds[split].num_rows for split in ds}

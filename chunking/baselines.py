@@ -9,7 +9,7 @@
 Each returns chunks that tile the document: their texts concatenate to ``doc``, none is empty
 and ``chunk.text == doc[chunk.start:chunk.end]``. Only the empty document gives ``[]``; a
 whitespace-only one is one chunk (nothing is dropped). Sentences come from
-:func:`chunking.sentences.split_sentences` and must tile ``doc``.
+:func:`metachunk.chunking.sentences.split_sentences` and must tile ``doc``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import regex
-
-from chunking.merge import merge_chunks
-from chunking.types import Chunk, Sentence, chunks_from_boundaries
+from metachunk.chunking.merge import merge_chunks
+from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
 Embedder = Callable[[list[str]], np.ndarray]
 
@@ -96,7 +95,7 @@ def sentence_chunks(
     This is dynamic merging with sentences as the units: a sentence joins the current chunk while
     the chunk stays ``<= target_len``; a sentence longer than that stands alone, because the
     sentence splitter has already capped sentence length and we never cut inside a sentence.
-    Lengths follow :func:`chunking.merge.merge_chunks` (tokens: sum of per-sentence counts).
+    Lengths follow :func:`metachunk.chunking.merge.merge_chunks` (tokens: sum of per-sentence counts).
     """
     return merge_chunks(doc, _sentence_spans(doc, sentences), target_len, unit, tokenizer)
 

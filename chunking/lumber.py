@@ -7,7 +7,7 @@ the current one and holding up to ``--lumber-tokens`` tokens (the paper's 550, c
 start the next window at that unit. Here:
 
 * **Units** are the document's paragraphs (text between blank lines) when it has at least two, else
-  its sentences (:func:`chunking.sentences.split_sentences`). A paragraph over the token budget on
+  its sentences (:func:`metachunk.chunking.sentences.split_sentences`). A paragraph over the token budget on
   its own is replaced by its sentences, so a window always has room for a choice. Units are groups
   of the tiled sentences, so every cut is a sentence boundary and the chunks tile the document:
   ``chunk.text == doc[chunk.start:chunk.end]``, whitespace included. In the prompt each unit is
@@ -38,7 +38,7 @@ start the next window at that unit. Here:
 * **The prompt** is ``chunking/prompts/lumber.{en,zh}.txt`` (:mod:`metachunk.prompts`), the paper's
   instruction with the window after ``Document:``; its sha256 goes into the run's ``.meta.json``.
 
-It runs behind :class:`chunking.pipeline.Chunker` like every method, which splits the sentences
+It runs behind :class:`metachunk.chunking.pipeline.Chunker` like every method, which splits the sentences
 and builds the chunks from the boundaries found here. With ``--target-len`` (or
 ``--mean-chunk-chars``) the teacher's chunks are merged up to that length, as every method's
 meta-chunks are (dynamic merging): the papers compare chunkers at one average length, and a small
@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
+from metachunk.chunking.types import Sentence
 
-from chunking.types import Sentence
 from metachunk import config
 from metachunk.artifacts import InputError
 from metachunk.config import option
@@ -74,7 +74,7 @@ from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
 
 if TYPE_CHECKING:
-    from chunking.pipeline import ChunkConfig, LumberOptions
+    from metachunk.chunking.pipeline import ChunkConfig, LumberOptions
 
 PROMPT_NAME = "lumber"
 STAGE = "lumber"  # the stage name inside this run's TeacherPool
@@ -261,7 +261,7 @@ def resolve_teacher(opts: LumberOptions) -> tuple[str, TeacherConfig, dict[str, 
 
 
 class LumberChunker:
-    """The teacher's cuts for :class:`chunking.pipeline.Chunker` (``--method lumber``).
+    """The teacher's cuts for :class:`metachunk.chunking.pipeline.Chunker` (``--method lumber``).
 
     One event loop (an :class:`asyncio.Runner`), one teacher pool and one answer store serve every
     batch of the run; :meth:`close` releases them. :meth:`manifest` is the run's ``lumber`` block.

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
-from chunking.types import Chunk, Sentence
+from metachunk.chunking.types import Chunk, Sentence
 
 UNITS = ("char", "word", "token")
 _WORD = re.compile(r"\S+")

@@ -28,23 +28,23 @@ against the text as exact spans.
   one that ends but is no JSON list of strings (``invalid_json``; none under the grammar), and one
   of which no element can be found in the text (``unrecovered``) are counted by cause and retried
   (each retry adds 0.4 to temperature and top-p, capped at 1); after the last retry the window is
-  chunked by PPL chunking (:mod:`chunking.ppl`) with the router's model or
+  chunked by PPL chunking (:mod:`metachunk.chunking.ppl`) with the router's model or
   ``--moc-fallback-model``, counted in the run's ``.meta.json`` with the cause of its last failure.
 * **Recovery** (§3.2.4, :func:`recover_spans`): each element is split at the placeholder and
   ``re.escape(head) + ".*?" + re.escape(tail)`` (DOTALL, shortest) is searched in the text after
   the previous match. When that fails, head and tail are found by edit distance
-  (:func:`chunking.align.locate`, at most ``max_ratio`` = 10% edits, as in Appendix A.3, and
+  (:func:`metachunk.chunking.align.locate`, at most ``max_ratio`` = 10% edits, as in Appendix A.3, and
   at least one edit for anchors of 8 characters or more).
   Elements found nowhere are skipped and counted. Chunks start where the recovered elements start
   and tile the window (:func:`tile`): text before the first match joins the first chunk, text
   between or after matches joins the chunk before it, so ``chunk.text == doc[start:end]``.
 * **Windows** (Appendix A.3's sliding window with chunk buffer): a document longer than
   ``window_chars`` is processed window by window, cut at sentence ends
-  (:func:`chunking.sentences.split_sentences`); the last chunk of each window (when shorter than
+  (:func:`metachunk.chunking.sentences.split_sentences`); the last chunk of each window (when shorter than
   half a window) is carried over as the start of the next window and chunked again there.
   Documents advance in lockstep, so the router and each expert see batches of windows.
 
-Weights load from safetensors only (:func:`chunking.students.student_dir`).
+Weights load from safetensors only (:func:`metachunk.chunking.students.student_dir`).
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from chunking.align import locate
-from chunking.students import student_dir
-from chunking.types import Sentence
+from metachunk.chunking.align import locate
+from metachunk.chunking.students import student_dir
+from metachunk.chunking.types import Sentence
+
 from metachunk.generation import (
     Generation,
     chat_prompt_ids,
@@ -756,7 +757,7 @@ class MocChunker:
 
     @classmethod
     def from_config(cls, cfg) -> MocChunker:
-        """The MoC chunker a :class:`~chunking.pipeline.ChunkConfig` asks for (its ``moc:`` block)."""
+        """The MoC chunker a :class:`~metachunk.chunking.pipeline.ChunkConfig` asks for (its ``moc:`` block)."""
         moc = cfg.moc
         if not moc.router or not moc.experts:
             raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
@@ -925,9 +926,9 @@ class MocChunker:
 
     def ppl_chunks(self, windows: Sequence[_Window]) -> None:
         """PPL chunking of each window (the fallback), with the fallback model."""
-        from chunking.ppl import ppl_boundaries, score_documents
-        from chunking.sentences import split_sentences
-        from chunking.types import chunks_from_boundaries
+        from metachunk.chunking.ppl import ppl_boundaries, score_documents
+        from metachunk.chunking.sentences import split_sentences
+        from metachunk.chunking.types import chunks_from_boundaries
 
         if not windows:
             return

@@ -27,8 +27,7 @@ from importlib.resources import files
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from chunking.types import Sentence
+from metachunk.chunking.types import Sentence
 
 # torch is imported where used: `metachunk --help` must not pay for it.
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 ``metachunk chunk`` and every later stage that needs chunks (dataset sampling, evaluation) go
 through :class:`Chunker`, so each method is configured, loaded and run the same way everywhere:
-ppl, msp, fixed, sentence, semantic, moc (:mod:`chunking.moc`) and lumber (:mod:`chunking.lumber`,
+ppl, msp, fixed, sentence, semantic, moc (:mod:`metachunk.chunking.moc`) and lumber (:mod:`metachunk.chunking.lumber`,
 which asks a teacher through :mod:`metachunk.teacher`).
 
 :class:`ChunkConfig` holds the settings every method shares, plus one block per concern that
@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
-from chunking.merge import add_sentence_overlap, merge_chunks
-from chunking.moc import PLACEHOLDERS
-from chunking.msp import PROMPT_VARIANTS, MarginScorer, load_msp_prompt, msp_decisions
-from chunking.ppl import ppl_boundaries, score_documents
-from chunking.sentences import detect_lang, split_sentences
-from chunking.types import Chunk, Sentence, chunks_from_boundaries
+from metachunk.chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
+from metachunk.chunking.merge import add_sentence_overlap, merge_chunks
+from metachunk.chunking.moc import PLACEHOLDERS
+from metachunk.chunking.msp import PROMPT_VARIANTS, MarginScorer, load_msp_prompt, msp_decisions
+from metachunk.chunking.ppl import ppl_boundaries, score_documents
+from metachunk.chunking.sentences import detect_lang, split_sentences
+from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
+
 from metachunk.config import block, check_choices, option
 from metachunk.sources import FORMATS as INPUT_FORMATS
 
@@ -34,7 +35,7 @@ LM_METHODS = ("ppl", "msp")
 @dataclass
 class StudentOptions:
     """``students:`` (flat: ``--rewrite``, ``--summarize``, ``--student-*``): trained students that
-    add fields to every chunk (:mod:`chunking.students`)."""
+    add fields to every chunk (:mod:`metachunk.chunking.students`)."""
 
     rewrite: str | None = option(
         None,
@@ -78,7 +79,7 @@ class StudentOptions:
 @dataclass
 class MocOptions:
     """``moc:`` (flat: ``--router``, ``--experts``, ``--moc-*``): Mixture-of-Chunkers inference
-    (:mod:`chunking.moc`)."""
+    (:mod:`metachunk.chunking.moc`)."""
 
     router: str | None = option(
         None,
@@ -144,7 +145,7 @@ class MocOptions:
 @dataclass
 class LumberOptions:
     """``lumber:`` (flat: ``teachers:``, ``prices:``, ``--teacher-config``, ``--lumber-*``):
-    LumberChunker's teacher, window budget and answer store (:mod:`chunking.lumber`)."""
+    LumberChunker's teacher, window budget and answer store (:mod:`metachunk.chunking.lumber`)."""
 
     teachers: dict[str, dict] | None = option(
         None,
@@ -495,11 +496,11 @@ class Chunker:
         self._scorers: dict[str, MarginScorer] = {}
         self.moc = self.lumber = None
         if cfg.method == "moc":
-            from chunking.moc import MocChunker
+            from metachunk.chunking.moc import MocChunker
 
             self.moc = MocChunker.from_config(cfg)
         if cfg.method == "lumber":  # the teacher's cuts; its store and pool stay open until close()
-            from chunking.lumber import LumberChunker
+            from metachunk.chunking.lumber import LumberChunker
 
             self.lumber = LumberChunker(cfg, total_chars=total_chars, progress=progress)
         if cfg.method in LM_METHODS:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-
-from chunking.types import Sentence
+from metachunk.chunking.types import Sentence
 
 
 def scoring_pieces(doc: str, sentences: Sequence[Sentence]) -> list[str]:

@@ -1,6 +1,6 @@
 """Sentence splitting for Chinese, English and mixed text, as exact character spans.
 
-:func:`split_sentences` returns :class:`~chunking.types.Sentence` spans that tile the document:
+:func:`split_sentences` returns :class:`~metachunk.chunking.types.Sentence` spans that tile the document:
 the first starts at 0, each ends where the next starts, the last ends at ``len(text)``, and no
 sentence is whitespace-only. Whitespace between two sentences is trailing whitespace of the one
 before it; only the document's leading whitespace belongs to the sentence after it (the first).
@@ -37,8 +37,7 @@ import bisect
 import re
 
 import pysbd
-
-from chunking.types import Sentence
+from metachunk.chunking.types import Sentence
 
 LANGS = ("zh", "en", "auto")
 

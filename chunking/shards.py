@@ -262,7 +262,7 @@ def _sha256(path: Path) -> str:
 def prompt_hashes(cfg) -> dict[str, str]:
     if cfg.method != "msp":
         return {}
-    from chunking.msp import load_msp_prompt
+    from metachunk.chunking.msp import load_msp_prompt
 
     return {
         f"msp_{cfg.msp_prompt}.{lang}": load_msp_prompt(cfg.msp_prompt, lang).sha256 for lang in ("en", "zh")
@@ -358,7 +358,7 @@ _WORKER: dict = {}
 def _init_worker(cfg, index_json: dict, plan: ShardPlan, slots, progress) -> None:
     from dataclasses import replace
 
-    from chunking.pipeline import Chunker
+    from metachunk.chunking.pipeline import Chunker
 
     slot, device, threads = slots.get()
     _set_threads(threads)
@@ -384,7 +384,7 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
     if cfg.workers == 1 or len(pending) <= 1:
         from dataclasses import replace
 
-        from chunking.pipeline import Chunker
+        from metachunk.chunking.pipeline import Chunker
 
         _set_threads(threads)
         cfg = replace(cfg, device=devices[0])
@@ -436,7 +436,7 @@ class _RayShardChunker:
     """A Ray Data actor: one model, any number of shards (one per batch row)."""
 
     def __init__(self, cfg, index_json: dict, plan: ShardPlan):
-        from chunking.pipeline import Chunker
+        from metachunk.chunking.pipeline import Chunker
 
         _set_threads(cfg.threads_per_worker)
         self.cfg, self.plan, self.index = cfg, plan, SourceIndex.from_json(index_json)

@@ -311,7 +311,7 @@ class ChunkStudents:
     def from_config(
         cls, cfg, expected_docs: int | None = None, progress: bool = True
     ) -> ChunkStudents | None:
-        """The students a :class:`~chunking.pipeline.ChunkConfig` asks for (its ``students:``
+        """The students a :class:`~metachunk.chunking.pipeline.ChunkConfig` asks for (its ``students:``
         block), or None."""
         st = cfg.students
         models = {

@@ -133,7 +133,7 @@ def prompt_entries(
     """The card's prompts: each student prompt the rows were rendered with (``(name, Prompt)``), then
     each teacher prompt the distilled records name, ``{(name.lang, sha256): stage}``. A teacher
     prompt whose sha256 is not this checkout's version is listed without a text, not with the wrong one."""
-    from distill.prompts import load_prompt
+    from metachunk.distill.prompts import load_prompt
 
     def text(prompt) -> str:
         return f"<<<system>>>\n{prompt.system}\n<<<user>>>\n{prompt.user}"

@@ -55,7 +55,8 @@ def _check_dataset_dir(dataset_dir: Path) -> list[str]:
         raise InputError(dataset_dir, "no such dataset directory")
     if not (dataset_dir / "README.md").is_file():
         raise InputError(
-            dataset_dir, "no README.md: write the dataset card first (distill.card.write_dataset_card)"
+            dataset_dir,
+            "no README.md: write the dataset card first (metachunk.distill.card.write_dataset_card)",
         )
     if not list(dataset_dir.glob("data/*.parquet")):
         raise InputError(dataset_dir, "no data/*.parquet files: nothing to publish")

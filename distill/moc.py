@@ -4,17 +4,17 @@
 documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``,
 chunks separated by ``\\n—\\n``; an endpoint that takes a schema decodes under
 ``moc_chunk.schema.json``, ``{"chunks": [...]}``, and :func:`answer_chunks` reads both), through
-the same driver (:mod:`distill.run`, :class:`MocTask`), teacher client, answer store, limits, budget and resume as
+the same driver (:mod:`metachunk.distill.run`, :class:`MocTask`), teacher client, answer store, limits, budget and resume as
 ``distill rewrite|summary``: the store is the source of truth, ``OUT/moc.jsonl`` is rebuilt from it
 by every run, and a rerun (or a run after a crash) sends only the requests that never got an answer.
 ``metachunk data build-sft moc-router|moc-expert`` turns the records into the router's and the
-experts' SFT sets (:mod:`distill.sft_rows`), with the prompts of :mod:`chunking.moc` (the ones
+experts' SFT sets (:mod:`metachunk.distill.sft_rows`), with the prompts of :mod:`metachunk.chunking.moc` (the ones
 ``chunk --method moc`` sends at inference).
 
 **Windows.** A document is sent in windows of at most ``window_tokens`` (1024) tokens of the
 ``tokenizer`` (a preset or local HF dir; the teacher's own tokenizer is not needed, only a
 comparable count; sentences are counted one by one, which comes out a few tokens over a count of
-the whole window, never under). A window ends at a sentence end (:func:`chunking.sentences.split_sentences`),
+the whole window, never under). A window ends at a sentence end (:func:`metachunk.chunking.sentences.split_sentences`),
 preferably at a paragraph end (a sentence followed by a line break) when one lies in the second
 half of the budget. Every window reaches past the previous window's end, so every request brings
 new text; a single sentence over the budget is sent alone and counted (``over_budget``).
@@ -27,7 +27,7 @@ boundary is forced by a window edge, except when a single chunk fills a whole-bu
 (kept, counted as ``forced_edges``). The document's last window keeps all its chunks.
 
 **Cleaning.** Each returned chunk is located in the window by edit distance
-(:func:`chunking.align.locate`, searched forward from the previous chunk's end). A chunk whose
+(:func:`metachunk.chunking.align.locate`, searched forward from the previous chunk's end). A chunk whose
 best match needs more than ``max_edit_ratio`` (10%) of its length in edits is *flagged*: kept in
 the record with the teacher's text (for review) and excluded from training. Accepted chunks are
 stored as exact offsets of the document (with their edit distance), never as teacher text: the
@@ -39,14 +39,14 @@ HTTP error) stops the document there; the next run resumes it. An answer cut at 
 buffer, whatever the window.
 
 **Labels and samples.** A completed document's label is the granularity of the mean length (in
-characters) of its accepted chunks (:func:`chunking.moc.granularity_label`: (0,120] → 0,
+characters) of its accepted chunks (:func:`metachunk.chunking.moc.granularity_label`: (0,120] → 0,
 (120,150] → 1, (150,180] → 2, (180,∞) → 3). Samples are texts of about ``sample_chars`` (1024)
 characters made of whole consecutive chunks (§3.2.2: long texts truncated, short ones
 concatenated, always at chunk boundaries), never spanning a gap. Each sample carries the document's
 label (the router's target) and its expert target: one ``head + placeholder + tail`` string per
 chunk (``head_chars`` / ``tail_chars`` characters, widened to whole ASCII words; a chunk shorter
 than both is quoted whole). A target is checked by recovering it with the inference algorithm
-(:func:`chunking.moc.recover_spans`): when its chunk starts do not come back, the anchors are
+(:func:`metachunk.chunking.moc.recover_spans`): when its chunk starts do not come back, the anchors are
 doubled (twice), else the sample is marked ``recoverable: false`` and kept out of the expert set.
 
 Record (one per document, ``OUT/moc.jsonl``)::
@@ -85,18 +85,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from chunking.align import locate
-from chunking.moc import ROUTER_LABELS, expert_element, granularity_label, recover_spans
-from chunking.sentences import detect_lang, split_sentences
-from chunking.types import Sentence
-from distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
-from distill.prompts import load_prompt
+from metachunk.chunking.align import locate
+from metachunk.chunking.moc import ROUTER_LABELS, expert_element, granularity_label, recover_spans
+from metachunk.chunking.sentences import detect_lang, split_sentences
+from metachunk.chunking.types import Sentence
+from metachunk.distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
+from metachunk.distill.prompts import load_prompt
+
 from metachunk.artifacts import SCHEMA_VERSION, InputError
 from metachunk.sources import read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
 
 if TYPE_CHECKING:
-    from distill.run import DistillConfig, MocOptions, RunResult
+    from metachunk.distill.run import DistillConfig, MocOptions, RunResult
 
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
@@ -277,7 +278,7 @@ def expert_target(
     text: str, chunks: Sequence[tuple[int, int]], head_chars: int, tail_chars: int, placeholder: str
 ) -> tuple[list[str], bool]:
     """``(elements, recoverable)`` for a sample ``text`` whose chunks are ``chunks`` (offsets in
-    ``text``). Recoverable: the inference recovery (:func:`chunking.moc.recover_spans`) finds every
+    ``text``). Recoverable: the inference recovery (:func:`metachunk.chunking.moc.recover_spans`) finds every
     element exactly, at its chunk's start. Anchors are doubled until it does (ANCHOR_SCALES)."""
     first = None
     for scale in ANCHOR_SCALES:
@@ -528,7 +529,7 @@ def read_moc_documents(cfg: DistillConfig) -> list[MocDocument]:
 
 
 class MocTask:
-    """``distill moc`` as the driver (:mod:`distill.run`) runs it: one record per document. A
+    """``distill moc`` as the driver (:mod:`metachunk.distill.run`) runs it: one record per document. A
     document's windows are sequential, so the driver keeps one document in flight per request slot."""
 
     name = TASK

@@ -13,7 +13,7 @@ then the record fails with that stage's raw text kept. A stage whose answer is J
 ``structured_output`` says, and each answer is read against it (:func:`metachunk.structured.read_json`:
 valid by the schema, repaired, or unparseable, counted per stage in the summary and the status table).
 
-:class:`ChunkTask` is both pipelines as the driver (:mod:`distill.run`) runs them: the chunks
+:class:`ChunkTask` is both pipelines as the driver (:mod:`metachunk.distill.run`) runs them: the chunks
 file read and checked against its documents (:func:`read_jobs`, with each chunk's context), the
 work per chunk, and the summary, status and dry-run rows of the records.
 """
@@ -28,15 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chunking.students import CONTEXT_SEPARATOR, related_chunks, window_span
-from distill.prompts import load_prompt, load_schema
+from metachunk.chunking.students import CONTEXT_SEPARATOR, related_chunks, window_span
+from metachunk.distill.prompts import load_prompt, load_schema
+
 from metachunk.artifacts import SCHEMA_VERSION, InputError
 from metachunk.sources import read_documents
 from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
 if TYPE_CHECKING:
-    from distill.run import DistillConfig, RunResult
+    from metachunk.distill.run import DistillConfig, RunResult
 
 STAGES = {
     "rewrite": ("reflection", "refinement", "completion"),
@@ -313,7 +314,7 @@ def estimate_pending(
 
 def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
     """Chunks to distil, checked against their documents; the context of each is built here."""
-    from chunking.sentences import detect_lang
+    from metachunk.chunking.sentences import detect_lang
 
     docs = {d.id: d.text for d in read_documents(cfg.documents)}
     jobs, related = [], []
@@ -485,7 +486,7 @@ def tally(counts: dict, skip: tuple[str, ...] = ()) -> str:
 
 
 class ChunkTask:
-    """``distill rewrite|summary`` as the driver (:mod:`distill.run`) runs it: one record per chunk
+    """``distill rewrite|summary`` as the driver (:mod:`metachunk.distill.run`) runs it: one record per chunk
     of a chunks file. A chunk's stages are a chain, one request at a time, so the driver keeps two
     chunks in flight per request slot."""
 

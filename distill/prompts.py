@@ -4,13 +4,14 @@ whose answer is JSON (``refinement``, ``moc_chunk``) has its answer schema besid
 ``distill/prompts/{name}.schema.json`` (:func:`load_schema`).
 
 The students' instructions (``student_rewrite``, ``student_summary``) live with the chunker that
-runs the trained students (``chunking/prompts/``, :mod:`chunking.students`); ``load_prompt``
+runs the trained students (``chunking/prompts/``, :mod:`metachunk.chunking.students`); ``load_prompt``
 finds them there too, so the SFT rows and inference share one prompt.
 """
 
 from __future__ import annotations
 
-from chunking.students import load_student_prompt
+from metachunk.chunking.students import load_student_prompt
+
 from metachunk.prompts import LANGS, Prompt, Schema, check_lang, load_prompt_file, load_schema_file
 
 __all__ = ["LANGS", "Prompt", "Schema", "load_prompt", "load_schema"]

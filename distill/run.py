@@ -1,8 +1,8 @@
 """``metachunk distill rewrite|summary|moc|status``: one driver for every teacher pipeline.
 
 A task (:class:`Task`) supplies how to read its items, the work per item, and the summary,
-status and dry-run rows of its records: rewrite and summary (:class:`distill.pipelines.ChunkTask`,
-one record per chunk) and moc (:class:`distill.moc.MocTask`, one record per document). The driver
+status and dry-run rows of its records: rewrite and summary (:class:`metachunk.distill.pipelines.ChunkTask`,
+one record per chunk) and moc (:class:`metachunk.distill.moc.MocTask`, one record per document). The driver
 does the rest the same way for each: check the prompt files, run the work over the items with the
 teacher pool's workers (:meth:`metachunk.teacher.TeacherPool.map`), replay against the store the
 items a stop (budget, unreachable endpoint) left unstarted, write the records and the manifest,
@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
-from distill.pipelines import STAGES, ChunkTask, StageRunner
-from distill.prompts import load_prompt, load_schema
+from metachunk.chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
+from metachunk.distill.pipelines import STAGES, ChunkTask, StageRunner
+from metachunk.distill.prompts import load_prompt, load_schema
+
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
 from metachunk.config import option
@@ -163,8 +164,8 @@ class DistillConfig:
 
 
 class Task(Protocol):
-    """One teacher pipeline, as the driver runs it: :class:`distill.pipelines.ChunkTask` (rewrite,
-    summary) and :class:`distill.moc.MocTask`."""
+    """One teacher pipeline, as the driver runs it: :class:`metachunk.distill.pipelines.ChunkTask` (rewrite,
+    summary) and :class:`metachunk.distill.moc.MocTask`."""
 
     name: str  # the task: `distill NAME` writes OUT/NAME.jsonl and OUT/NAME.meta.json
     stages: tuple[str, ...]  # its teacher stages, each with a prompt file per language
@@ -198,7 +199,7 @@ class Task(Protocol):
 
 def make_task(cfg: DistillConfig) -> Task:
     if cfg.task == "moc":  # windows + chunk buffer + edit-distance cleaning (distill/moc.py)
-        from distill.moc import MocTask
+        from metachunk.distill.moc import MocTask
 
         return MocTask(cfg)
     return ChunkTask(cfg)

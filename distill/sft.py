@@ -1,7 +1,7 @@
 """``metachunk data build-sft TASK``: distilled records -> a prompt–completion dataset, streamed.
 
 One builder for every task (rewrite, summary, moc-router, moc-expert). What differs per task is
-its row maker (:mod:`distill.sft_rows`): how a record reads, which rows it gives and the task's
+its row maker (:mod:`metachunk.distill.sft_rows`): how a record reads, which rows it gives and the task's
 own filters, the row's prompt and metadata columns, and the task's lines of the card. Everything
 else is here, once: the distill run's meta file and the documents, the contamination check
 against the test documents, exact and near duplicates, the student chat-template length filter,
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
-from distill.sft_rows import ROW_MAKERS, Row
+from metachunk.distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
+from metachunk.distill.sft_rows import ROW_MAKERS, Row
+
 from metachunk import config
 from metachunk.artifacts import InputError, replace_dir, write_json
 from metachunk.config import option
@@ -212,10 +213,10 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     import shutil
     import tempfile
 
+    from metachunk.distill.corpus import NearDuplicateIndex
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from distill.corpus import NearDuplicateIndex
     from metachunk.models import resolve
 
     started = time.perf_counter()
@@ -382,7 +383,7 @@ def _ids(encoded) -> list[int]:
 def _finish(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seconds: float) -> dict:
     """Close the shards, then the histogram, build_report.json and the card, in the staging dir."""
     # Looked up at call time (bench/sft_build.py wraps it to mark the end of the record loop).
-    from distill.card import plot_token_lengths, write_dataset_card
+    from metachunk.distill.card import plot_token_lengths, write_dataset_card
 
     for writer in target.writers.values():
         writer.close()

@@ -1,6 +1,6 @@
 """The row makers of ``metachunk data build-sft``: what each task turns a distilled record into.
 
-The shared builder (:mod:`distill.sft`) reads the records, checks contamination, drops duplicates
+The shared builder (:mod:`metachunk.distill.sft`) reads the records, checks contamination, drops duplicates
 and over-long rows, splits, writes the shards and the card. A row maker knows only its task: how
 to read one record, which rows it gives (with the reason the task drops one, if any), the row's
 prompt and metadata columns, and what the task's card says. One class per kind of record:
@@ -10,7 +10,7 @@ record. The student does not learn the teacher's three stages. It learns to go f
 context straight to the final answer (Meta-Chunking §3.2, trained with the loss of Eq. 3 on the
 completion), with one versioned student instruction per task and language
 (``chunking/prompts/student_{task}.{lang}.txt``). Its context is the one the teacher saw, rebuilt
-from the record's ``context_spans``. The prompt is built by :func:`chunking.students.student_messages`,
+from the record's ``context_spans``. The prompt is built by :func:`metachunk.chunking.students.student_messages`,
 the function ``metachunk chunk --rewrite/--summarize`` builds the inference prompt with. The
 task's own filters, before the shared ones:
 
@@ -21,7 +21,7 @@ task's own filters, before the shared ones:
    bigrams (zh) survive in the rewrite.
 
 ``moc-router`` / ``moc-expert`` (:class:`MocRows`, records of ``distill moc``): one row per sample
-of whole teacher chunks, with the prompts of :mod:`chunking.moc` (the ones ``chunk --method moc``
+of whole teacher chunks, with the prompts of :mod:`metachunk.chunking.moc` (the ones ``chunk --method moc``
 sends at inference). ``moc-router``: one dataset at OUT; completion = the label token.
 ``moc-expert``: one dataset per granularity label in ``granularity`` (default all four) at
 ``OUT-k`` with the card ``NAME-k``; completion = the JSON list of the sample's
@@ -43,14 +43,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
-from chunking.moc import ROUTER_LABELS, check_placeholder, expert_messages, load_moc_prompt, router_messages
-from chunking.students import load_student_prompt, student_messages
-from distill.moc import STAGE as MOC_STAGE
-from distill.moc import TASK as MOC_TASK
-from distill.prompts import load_prompt
+from metachunk.chunking.moc import (
+    ROUTER_LABELS,
+    check_placeholder,
+    expert_messages,
+    load_moc_prompt,
+    router_messages,
+)
+from metachunk.chunking.students import load_student_prompt, student_messages
+from metachunk.distill.moc import STAGE as MOC_STAGE
+from metachunk.distill.moc import TASK as MOC_TASK
+from metachunk.distill.prompts import load_prompt
+
 from metachunk.artifacts import InputError
 
-# The shared builder's filters (distill.sft), run after the task's own.
+# The shared builder's filters (metachunk.distill.sft), run after the task's own.
 SHARED_FILTERS = ("contaminated", "exact_duplicate", "near_duplicate", "too_long")
 # rewrite / summary: the task's own filters, then the shared ones (the card's table, in order).
 FILTERS = ("failed_or_empty", "refusal_or_off_format", "lost_content", *SHARED_FILTERS)

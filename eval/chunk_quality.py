@@ -64,7 +64,7 @@ backward, then by position), so adjacent pairs, which BC needs, always come firs
 computed are no edge. ``pairs_computed``, ``pairs_total`` and ``docs_capped`` say what the cap
 left out.
 
-Writes ``OUT/metrics.json`` + ``report.md`` (:func:`eval.report.write_run`) and
+Writes ``OUT/metrics.json`` + ``report.md`` (:func:`metachunk.eval.report.write_run`) and
 ``OUT/chunk_quality.png``: the histogram of BC over all boundaries and the edge-weight matrix of
 one document (the first with two or more chunks, or ``--plot-doc``).
 """
@@ -78,8 +78,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from metachunk.chunking.shards import chunk_rows
 
-from chunking.shards import chunk_rows
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.config import option
@@ -474,7 +474,8 @@ def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: floa
 
 
 def run(cfg: ChunkQualityConfig) -> int:
-    from eval.report import write_run
+    from metachunk.eval.report import write_run
+
     from metachunk.models import ModelNotFoundError
 
     try:

@@ -12,10 +12,22 @@ import argparse
 
 # (action, module, config class name, help): each module defines CONFIG and run(cfg) -> int.
 COMMANDS = [
-    ("qa", "eval.qa", "retrieve with an embedded Milvus index, answer, score (BLEU, ROUGE-L, BERTScore, F1)"),
-    ("chunk-quality", "eval.chunk_quality", "Boundary Clarity and Chunk Stickiness (MoC §3.1), no QA needed"),
-    ("diagnostics", "eval.diagnostics", "semantic-completion diagnostics: PPL of rewrites, AVGSim@k, CP"),
-    ("compare", "eval.compare", "side-by-side table + PNG bar chart per metric over eval run dirs"),
+    (
+        "qa",
+        "metachunk.eval.qa",
+        "retrieve with an embedded Milvus index, answer, score (BLEU, ROUGE-L, BERTScore, F1)",
+    ),
+    (
+        "chunk-quality",
+        "metachunk.eval.chunk_quality",
+        "Boundary Clarity and Chunk Stickiness (MoC §3.1), no QA needed",
+    ),
+    (
+        "diagnostics",
+        "metachunk.eval.diagnostics",
+        "semantic-completion diagnostics: PPL of rewrites, AVGSim@k, CP",
+    ),
+    ("compare", "metachunk.eval.compare", "side-by-side table + PNG bar chart per metric over eval run dirs"),
 ]
 
 

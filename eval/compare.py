@@ -1,7 +1,7 @@
 """``metachunk eval compare RUN_DIR... --out report.md``: eval runs side by side.
 
 Reads each run's ``metrics.json`` (written by every ``metachunk eval`` command, see
-:mod:`eval.report`), writes one Markdown table (a row per metric, a column per run) and one PNG
+:mod:`metachunk.eval.report`), writes one Markdown table (a row per metric, a column per run) and one PNG
 bar chart per metric next to the report, and ``compare.json`` with the same numbers.
 
 Chunk length decides much of a RAG score: longer chunks carry more context into the top-k. The
@@ -33,7 +33,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.report import format_value, markdown_table, read_items, read_run
+from metachunk.eval.report import format_value, markdown_table, read_items, read_run
+
 from metachunk.artifacts import AtomicWriter, write_figure
 from metachunk.config import option
 

@@ -47,7 +47,7 @@ fixed ``--seed``), and so does each paired difference: a rewrite's PPL minus its
 retrieval label's AVGSim, pairsim and CP minus the first label's, over the questions both have.
 A difference whose interval excludes 0 is *resolved*, the others are inside the noise.
 
-Writes ``OUT/metrics.json`` + ``report.md`` (:func:`eval.report.write_run`, with a table per
+Writes ``OUT/metrics.json`` + ``report.md`` (:func:`metachunk.eval.report.write_run`, with a table per
 diagnostic added), ``items.jsonl``, and ``ppl_rewrite.png``, ``avgsim.png``, ``cp.png`` for what
 was computed.
 """
@@ -228,7 +228,8 @@ def _progress(total: int, desc: str, enabled: bool):
 def text_nll(model, tokenizer, texts, max_context: int = 2048, batch_tokens: int = 8192, progress: bool = False,
              desc: str = "ppl") -> list[float]:  # fmt: skip
     """Mean token NLL (nats) of each text read alone (after the lead tokens, see ``eval chunk-quality``)."""
-    from eval.chunk_quality import lead_ids
+    from metachunk.eval.chunk_quality import lead_ids
+
     from metachunk.scoring import token_nll
 
     _, lead = lead_ids(tokenizer)
@@ -326,7 +327,7 @@ def paired_names(labels: list[str], model_labels: list[str], k: int) -> list[tup
 def intervals(items: list[dict], pairs: list[tuple[str, str]], confidence: float, n_resamples: int,
               seed: int) -> dict:  # fmt: skip
     """Bootstrap intervals of every metric's mean over its items, and of the paired differences."""
-    from eval.compare import bootstrap_interval
+    from metachunk.eval.compare import bootstrap_interval
 
     by_metric: dict[str, dict[str, float]] = {}
     for row in items:
@@ -359,7 +360,8 @@ def intervals(items: list[dict], pairs: list[tuple[str, str]], confidence: float
 
 
 def evaluate(cfg: DiagnosticsConfig) -> dict:
-    from eval.index import embed
+    from metachunk.eval.index import embed
+
     from metachunk import models
 
     retrieval = parse_retrieval(cfg.retrieval) if cfg.retrieval else {}
@@ -537,7 +539,7 @@ def plot(out: Path, result: dict, k: int) -> list[Path]:
 
 
 def report_tables(result: dict, k: int) -> str:
-    from eval.report import format_value, markdown_table
+    from metachunk.eval.report import format_value, markdown_table
 
     metrics, details, parts = result["metrics"], result["details"], []
 
@@ -587,7 +589,8 @@ def report_tables(result: dict, k: int) -> str:
 
 
 def run(cfg: DiagnosticsConfig) -> int:
-    from eval.report import write_run
+    from metachunk.eval.report import write_run
+
     from metachunk.models import ModelNotFoundError
 
     try:

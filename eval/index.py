@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from chunking.shards import chunk_rows
+from metachunk.chunking.shards import chunk_rows
+
 from metachunk.artifacts import AtomicWriter, InputError
 
 INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")

@@ -7,18 +7,18 @@ metachunk eval qa --chunks CHUNKS.jsonl --qa QA --embedder PRESET_OR_DIR --top-k
 
 1. **Chunks** (``metachunk chunk`` output) are embedded (``--index-text chunk|rewritten|summary+
    chunk``) into ``INDEX_DIR/index.db``, one collection per (chunks file sha256, embedder, indexed
-   text), reused across runs (:mod:`eval.index`).
+   text), reused across runs (:mod:`metachunk.eval.index`).
 2. **Questions** (GutenQA ``questions.jsonl`` or CRUD ``qa_matches.jsonl``) are located in the
-   documents and each chunk is judged relevant or not (:mod:`eval.retrieval` states the rules).
+   documents and each chunk is judged relevant or not (:mod:`metachunk.eval.retrieval` states the rules).
 3. **Retrieval**: the ``top_k`` (or, with ``--rerank``, ``rerank_depth``) nearest chunks per
    question; Hits@k, MRR@k, MAP@k need no generator.
 4. **Re-ranking** (Appendix E): ``ppl`` or ``cross-encoder`` reorders the dense top ``rerank_depth``
    (10); metrics are reported before (``hits@8``) and after (``reranked_hits@8``).
 5. **Generation** (optional): the final ``top_k`` passages and the question in the versioned prompt
    ``eval/prompts/rag_answer.{lang}.txt``, answered by an endpoint (cached in ``answers.sqlite``)
-   or a local model (:mod:`eval.generate`); answers are scored by :func:`eval.metrics.qa_scores`.
+   or a local model (:mod:`metachunk.eval.generate`); answers are scored by :func:`metachunk.eval.metrics.qa_scores`.
 
-Writes ``OUT/metrics.json`` + ``report.md`` (:func:`eval.report.write_run`), ``OUT/retrieval.jsonl``
+Writes ``OUT/metrics.json`` + ``report.md`` (:func:`metachunk.eval.report.write_run`), ``OUT/retrieval.jsonl``
 (one row per question: ``qid, question, answer, lang, relevant_any, hits, reranked``),
 ``OUT/evidence.jsonl`` (where each question's evidence was found, and which chunks are relevant)
 and, when generating, ``OUT/answers.jsonl``.
@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.index import INDEX_TEXTS
+from metachunk.eval.index import INDEX_TEXTS
+
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
 from metachunk.config import option
@@ -148,7 +149,7 @@ class QAConfig:
                 "give either 'generator' (an endpoint) or 'generator_model' (a local model), not both"
             )
         if self.generator:
-            from eval.generate import parse_generator
+            from metachunk.eval.generate import parse_generator
 
             parse_generator(self.generator)
         if self.rerank == "cross-encoder" and not self.reranker:
@@ -195,8 +196,8 @@ def run(cfg: QAConfig) -> int:
 
 def evaluate(cfg: QAConfig) -> dict:
     """The whole command; returns the metrics.json object."""
-    from eval.index import ChunkIndex, collection_name, embed, file_sha256, index_key, read_chunks
-    from eval.retrieval import (
+    from metachunk.eval.index import ChunkIndex, collection_name, embed, file_sha256, index_key, read_chunks
+    from metachunk.eval.retrieval import (
         NormalizedDoc,
         aggregate,
         cutoffs,
@@ -224,7 +225,7 @@ def evaluate(cfg: QAConfig) -> dict:
         raise InputError(cfg.qa, "no questions to ask (CRUD: no matched entries?)")
     lang = cfg.lang if cfg.lang != "auto" else ("en" if fmt == "gutenqa" else "zh")
     if cfg.generating:
-        from eval.generate import load_rag_prompt
+        from metachunk.eval.generate import load_rag_prompt
 
         load_rag_prompt(lang)  # a broken prompt file fails before anything loads
 
@@ -419,7 +420,7 @@ def evaluate(cfg: QAConfig) -> dict:
         timings["generation_and_scoring"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - started
     details["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
-    from eval.report import write_run
+    from metachunk.eval.report import write_run
 
     return write_run(out, "qa", config.to_dict(cfg), metrics, details, items=items)
 
@@ -448,7 +449,7 @@ def _token_counts(embedder, texts: list[str]) -> list[int]:
 
 def rerank(cfg: QAConfig, lang: str, judged, found, chunks) -> tuple[list[list[int]], dict]:
     """Per question, the order of its dense top ``rerank_depth`` after re-ranking, and details."""
-    from eval.rerank import cross_encoder_scores, load_cross_encoder, order, ppl_scores
+    from metachunk.eval.rerank import cross_encoder_scores, load_cross_encoder, order, ppl_scores
 
     queries = [
         (q.question, [chunks[cid].indexed_text for cid, _ in hits[: cfg.rerank_depth]])
@@ -485,7 +486,7 @@ def rerank(cfg: QAConfig, lang: str, judged, found, chunks) -> tuple[list[list[i
 def teacher_config(cfg: QAConfig):
     """The endpoint's :class:`TeacherConfig`: the YAML block (or defaults), ``--generator``'s URL and
     model on top, the run's sampling settings always."""
-    from eval.generate import parse_generator
+    from metachunk.eval.generate import parse_generator
 
     block = cfg.generator_teacher
     values = dataclasses.asdict(block) if block is not None else {
@@ -502,7 +503,7 @@ def teacher_config(cfg: QAConfig):
 def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> tuple[dict, dict, list[dict]]:
     """Answer every question from its retrieved chunks and score the answers: ``(metrics, details,
     per-question scores)``."""
-    from eval.generate import EndpointGenerator, LocalGenerator, load_rag_prompt, rag_messages
+    from metachunk.eval.generate import EndpointGenerator, LocalGenerator, load_rag_prompt, rag_messages
 
     prompt = load_rag_prompt(lang)
     prompts = [
@@ -540,7 +541,7 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
                 "context": [[chunks[c].doc_id, chunks[c].chunk_index] for c in ids], "prompt_sha256": prompt.sha256,
             }))  # fmt: skip
 
-    from eval.metrics import qa_scores
+    from metachunk.eval.metrics import qa_scores
 
     t = time.perf_counter()
     scores, per_question = qa_scores(

@@ -29,16 +29,16 @@ def _batched(iterable, n):
 def cmd_chunk(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from chunking.pipeline import ChunkConfig, Chunker, fit_target_len, goal_mean_chars
-    from chunking.plots import plot_profile
-    from chunking.students import ChunkStudents
+    from metachunk.chunking.pipeline import ChunkConfig, Chunker, fit_target_len, goal_mean_chars
+    from metachunk.chunking.plots import plot_profile
+    from metachunk.chunking.students import ChunkStudents
 
     cfg = config.from_namespace(ChunkConfig, args)
     if cfg.input is None or cfg.output is None:
         raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
     if Path(cfg.output).resolve() == Path(cfg.input).resolve():  # it would be replaced by its own chunks
         raise InputError(cfg.output, "-o is the input file; write the chunks to another file")
-    from chunking.shards import is_dataset_dir, run_sharded
+    from metachunk.chunking.shards import is_dataset_dir, run_sharded
 
     goal = goal_mean_chars(cfg)
     if is_dataset_dir(cfg.output):  # a dataset folder, shard by shard, resumable, data-parallel
@@ -146,6 +146,20 @@ def cmd_chunk(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from metachunk import shipped
+
+    if args.action == "list":
+        for name in shipped.names():
+            print(name)
+        return 0
+    try:
+        print(shipped.copy(args.name, args.dest))
+    except (FileNotFoundError, FileExistsError) as e:
+        raise InputError(args.dest or args.name, str(e)) from None
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from metachunk import models
 
@@ -168,7 +182,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from distill.run import DistillConfig, main
+    from metachunk.distill.run import DistillConfig, main
 
     if args.action != "status" and getattr(args, "task", None) is None:
         args.task = args.action  # `distill rewrite` needs no `task:` line in its recipe
@@ -180,7 +194,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     if args.action == "prepare-crud":
-        from distill.corpus import PrepareCrudConfig, prepare_crud, print_report
+        from metachunk.distill.corpus import PrepareCrudConfig, prepare_crud, print_report
 
         cfg = config.from_namespace(PrepareCrudConfig, args)
         report = prepare_crud(cfg.news, cfg.qa, cfg.out, match_threshold=cfg.match_threshold,
@@ -191,18 +205,18 @@ def cmd_data(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     elif args.action == "passages":
-        from distill.passages import PassagesConfig
-        from distill.passages import main as passages
+        from metachunk.distill.passages import PassagesConfig
+        from metachunk.distill.passages import main as passages
 
         return passages(config.from_namespace(PassagesConfig, args))
     elif args.action == "sample":
-        from distill.sample import SampleConfig, print_report, sample
+        from metachunk.distill.sample import SampleConfig, print_report, sample
 
         cfg = config.from_namespace(SampleConfig, args)
         print_report(sample(cfg))
         print(f"{cfg.out}: chunks.jsonl (with 'selected'), documents.jsonl, sample.json", file=sys.stderr)
     elif args.action == "build-sft":
-        from distill.sft import BuildSftConfig, build_sft, print_stats
+        from metachunk.distill.sft import BuildSftConfig, build_sft, print_stats
 
         cfg = config.from_namespace(BuildSftConfig, args)
         stats = build_sft(cfg)
@@ -213,7 +227,7 @@ def cmd_data(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     elif args.action == "push":
-        from distill.hub import PushConfig, push_dataset
+        from metachunk.distill.hub import PushConfig, push_dataset
 
         cfg = config.from_namespace(PushConfig, args)
         try:
@@ -230,7 +244,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from train.export import ExportConfig, export
+    from metachunk.train.export import ExportConfig, export
 
     cfg = config.from_namespace(ExportConfig, args)
     try:
@@ -282,11 +296,13 @@ def cmd_teacher(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from chunking.pipeline import ChunkConfig
+    from metachunk import __version__
+    from metachunk.chunking.pipeline import ChunkConfig
 
     parser = argparse.ArgumentParser(
         prog="metachunk", description="Distil teacher LLMs into small models for RAG chunking."
     )
+    parser.add_argument("--version", action="version", version=f"metachunk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     chunk = sub.add_parser(
@@ -305,7 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     models.set_defaults(handler=cmd_models)
 
-    from distill.run import EXIT_CODES_HELP, DistillConfig
+    recipes = sub.add_parser("recipes", help="list or copy the recipes metachunk ships")
+    recipe_actions = recipes.add_subparsers(dest="action", required=True)
+    recipe_actions.add_parser("list", help="every shipped recipe, by the name --config and `run` take")
+    cp = recipe_actions.add_parser("cp", help="copy a shipped recipe here to edit it")
+    cp.add_argument("name", help="a name from `metachunk recipes list` (train/cpu_smoke, demo, ...)")
+    cp.add_argument("dest", nargs="?", help="file or folder (default: the recipe's file name, here)")
+    recipes.set_defaults(handler=cmd_recipes)
+
+    from metachunk.distill.run import EXIT_CODES_HELP, DistillConfig
 
     distill = sub.add_parser(
         "distill",
@@ -328,11 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
         config.add_arguments(task, DistillConfig)
     distill.set_defaults(handler=cmd_distill)
 
-    from distill.corpus import PrepareCrudConfig
-    from distill.hub import PushConfig
-    from distill.passages import PassagesConfig
-    from distill.sample import SampleConfig
-    from distill.sft import BuildSftConfig
+    from metachunk.distill.corpus import PrepareCrudConfig
+    from metachunk.distill.hub import PushConfig
+    from metachunk.distill.passages import PassagesConfig
+    from metachunk.distill.sample import SampleConfig
+    from metachunk.distill.sft import BuildSftConfig
 
     data = sub.add_parser(
         "data", help="test split, distillation sample, SFT datasets and their cards, Hub push"
@@ -367,17 +391,19 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands `train ...` to TRL's parser, which knows every SFTConfig flag.
     sub.add_parser(
         "train",
-        help="SFT with TRL: `metachunk train --config recipes/train/X.yaml [TRL flags]` (= python -m train)",
+        help="SFT with TRL: `metachunk train --config recipes/train/X.yaml [TRL flags]` (= python -m metachunk.train)",
     )
 
-    from train.export import ExportConfig
+    from metachunk.train.export import ExportConfig
 
     about = "checkpoint -> clean HF model folder (safetensors, tokenizer, model card); --push to the Hub"
     export = sub.add_parser("export", help=about, description=about)
     config.add_arguments(export, ExportConfig)
     export.set_defaults(handler=cmd_export)
 
-    from eval.cli import add_parser as add_eval_parser  # eval qa | chunk-quality | diagnostics | compare
+    from metachunk.eval.cli import (
+        add_parser as add_eval_parser,  # eval qa | chunk-quality | diagnostics | compare
+    )
 
     add_eval_parser(sub)
 
@@ -423,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
-        from train.sft import main as train_main
+        from metachunk.train.sft import main as train_main
 
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)

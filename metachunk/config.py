@@ -91,7 +91,10 @@ def _flat_fields(cls) -> dict[str, tuple[str, dataclasses.Field, type]]:
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
     parser.add_argument(
-        "--config", type=Path, default=argparse.SUPPRESS, help="YAML recipe with field values"
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="YAML recipe with field values: a file, or the name of a shipped one (`metachunk recipes list`)",
     )
     kinds = _field_types(cls)
     flat = _flat_fields(cls)
@@ -169,6 +172,10 @@ def _coerce(value, kind, where: Path, key: str):
 
 
 def load_yaml(cls, path: Path) -> dict:
+    """The recipe at ``path``, or the shipped recipe ``path`` names (:mod:`metachunk.shipped`)."""
+    from metachunk import shipped
+
+    path = shipped.resolve(path)
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
@@ -179,7 +186,7 @@ def load_yaml(cls, path: Path) -> dict:
         raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
     if not isinstance(data, dict):
         raise InputError(path, "a recipe must be a mapping of field names to values")
-    return fields_from_mapping(cls, data, path)
+    return fields_from_mapping(cls, shipped.localize(data, shipped.is_shipped(path)), path)
 
 
 def fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:

@@ -1,6 +1,6 @@
 """Batched generation with a local causal LM: the one loop behind the chunk students
-(:class:`chunking.students.Student`), the MoC router and experts (:mod:`chunking.moc`) and eval's
-local answer generator (:class:`eval.generate.LocalGenerator`).
+(:class:`metachunk.chunking.students.Student`), the MoC router and experts (:mod:`metachunk.chunking.moc`) and eval's
+local answer generator (:class:`metachunk.eval.generate.LocalGenerator`).
 
 It lives in the core, next to :mod:`metachunk.models` (which loads the models), because both
 ``chunking/`` and ``eval/`` run it and neither may import the other's rooms for it.

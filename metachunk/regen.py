@@ -27,7 +27,8 @@ config (less the runtime settings in :data:`RUNTIME_KEYS`), the content hash of 
 path its config names (less its outputs, :data:`OUTPUT_KEYS`, and answer stores), the fingerprint
 of every local model it names (:func:`metachunk.models.fingerprint`), the hashes of the prompt
 and schema files its command can read (:func:`stage_prompts`: a new LumberChunker schema does not
-rerun a day of PPL chunking), and the metachunk version. A stage whose fingerprint matches the last successful
+rerun a day of PPL chunking), and the code its command runs (:func:`metachunk.code_digest.command_code`:
+the import closure of its entry modules, hashed). A stage whose fingerprint matches the last successful
 run, and whose outputs still hash as they did, is skipped. A stage downstream of one that wrote
 new bytes sees a changed input and runs; one downstream of a stage that reran to the same bytes
 does not. Inside a stage nothing is paid or scored twice anyway: the teacher's answer store and
@@ -36,10 +37,9 @@ the chunker's shards make each command resume itself, so the runner only sequenc
 ``--plan`` takes the fingerprints and prints which stages would run, with the teacher stages'
 estimated requests, tokens and cost (``distill ... --dry-run``); it runs nothing.
 
-``--rerun STAGE...`` runs the named stages even where their fingerprint is unchanged: the
-fingerprint covers configs, inputs, models, prompts and the metachunk version, not every line of
-code, so after a code change that alters what a command writes, this reruns it (the stages
-downstream rerun only if its outputs change). A teacher stage's answers still come from its store.
+``--rerun STAGE...`` runs the named stages even where their fingerprint is unchanged (a library
+upgraded underneath, say: the fingerprint covers metachunk's own code, not its dependencies'); the
+stages downstream rerun only if its outputs change. A teacher stage's answers still come from its store.
 
 ``regen_manifest.json`` (in ``state``) records how the rows were made: the recipe text and its
 hash, the metachunk version and git commit, every stage's inputs, outputs, models and summary,
@@ -124,9 +124,11 @@ def load_recipe(path: str | Path) -> Recipe:
     """The recipe at ``path``, checked: every problem names the file and the stage's field."""
     import yaml
 
-    path = Path(path)
+    from metachunk import shipped
+
+    path = shipped.resolve(path)
     if not path.is_file():
-        raise InputError(path, "no such recipe")
+        raise InputError(path, "no such recipe (nor a shipped one of that name: `metachunk recipes list`)")
     text = path.read_text(encoding="utf-8")
     try:
         raw = yaml.safe_load(text)
@@ -137,6 +139,7 @@ def load_recipe(path: str | Path) -> Recipe:
         ) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not raw["stages"]:
         raise InputError(path, "a regeneration recipe needs 'stages:', a list of {name, run, config}")
+    raw = shipped.localize(raw, shipped.is_shipped(path))
     # x-*: blocks for YAML anchors (&teacher ... *teacher), as in compose files; the runner ignores them
     unknown = {k for k in raw if not str(k).startswith("x-")} - {"name", "state", "stages", "local_teacher"}
     if unknown:
@@ -307,8 +310,8 @@ def stage_outputs(stage: Stage, key: str, value: str) -> list[str]:
     return [value]
 
 
-def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version: str) -> Fingerprint:
-    from metachunk import models
+def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str]) -> Fingerprint:
+    from metachunk import code_digest, models
 
     inputs, model_prints, outputs, reads = {}, {}, [], []
     for key, leaf, value in _leaves(stage.config):
@@ -335,7 +338,8 @@ def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str], version
             inputs[path] = digests.path(path)
             reads.append(path)
     material = {"run": stage.run, "config": _strip_runtime(stage.config), "inputs": inputs,
-                "models": model_prints, "prompts": stage_prompts(stage, prompts), "metachunk": version}  # fmt: skip
+                "models": model_prints, "prompts": stage_prompts(stage, prompts),
+                "code": code_digest.command_code(tuple(stage.argv))}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     return Fingerprint(sha, inputs, model_prints, outputs, reads)
 
@@ -513,7 +517,7 @@ class Runner:
         print(f"plan: {self.recipe.name} ({self.recipe.path}), state {self.state_dir}", file=out)
         for stage in self.recipe.stages:
             stage = self.fitted(stage)
-            fp = fingerprint(stage, self.digests, self.prompts, self.version["version"])
+            fp = fingerprint(stage, self.digests, self.prompts)
             if self.cached(stage, fp) and not upstream_runs:
                 status = "cached"
             elif stage.name in self.rerun:
@@ -575,7 +579,7 @@ class Runner:
                 if stage.local_teacher:  # before the fingerprint: the backend decides the schema setting
                     self.local_teacher(start=False)
                 fitted = self.fitted(stage)
-                fp = fingerprint(fitted, self.digests, self.prompts, self.version["version"])
+                fp = fingerprint(fitted, self.digests, self.prompts)
                 if self.cached(fitted, fp):
                     done = self.state["stages"][stage.name]
                     empty.update(map(os.path.normpath, done.get("empty", [])))

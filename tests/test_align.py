@@ -1,4 +1,4 @@
-"""Tests for chunking.align.locate: edit-distance recovery of garbled quotes as exact offsets."""
+"""Tests for metachunk.chunking.align.locate: edit-distance recovery of garbled quotes as exact offsets."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metachunk.chunking.align import Match, best_substring, locate
 from rapidfuzz.distance import Levenshtein
-
-from chunking.align import Match, best_substring, locate
 
 TEXT = (
     "The committee met on Tuesday (in the old hall) to discuss the budget. "

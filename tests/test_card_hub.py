@@ -17,9 +17,9 @@ import re
 
 import pytest
 import yaml
+from metachunk.distill.card import plot_token_lengths, render_dataset_card, size_category, write_dataset_card
+from metachunk.distill.hub import PushConfig, push_dataset
 
-from distill.card import plot_token_lengths, render_dataset_card, size_category, write_dataset_card
-from distill.hub import PushConfig, push_dataset
 from metachunk.artifacts import InputError
 
 TOKEN = "not-a-real-hub-token-metachunk-tests"  # distinctive, so the leak scan cannot miss it

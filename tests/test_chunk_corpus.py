@@ -297,7 +297,7 @@ def test_ray_actors_write_the_same_bytes_as_the_local_engine(tmp_path, capsys, e
 
 
 def test_read_chunk_records_refuses_an_unfinished_folder(tmp_path, capsys, emma):
-    from chunking.shards import read_chunk_records
+    from metachunk.chunking.shards import read_chunk_records
 
     src = write_jsonl(tmp_path / "emma.jsonl", emma)
     out = tmp_path / "out"
@@ -311,8 +311,8 @@ def test_read_chunk_records_refuses_an_unfinished_folder(tmp_path, capsys, emma)
 
 
 def test_eval_reads_a_folder_as_it_reads_the_file(tmp_path, capsys, emma):
-    from eval.chunk_quality import read_chunk_docs
-    from eval.index import read_chunks
+    from metachunk.eval.chunk_quality import read_chunk_docs
+    from metachunk.eval.index import read_chunks
 
     src = write_jsonl(tmp_path / "emma.jsonl", emma)
     args = [src, "--method", "sentence", "--target-len", 80]
@@ -325,7 +325,7 @@ def test_eval_reads_a_folder_as_it_reads_the_file(tmp_path, capsys, emma):
 
 
 def test_data_sample_chunks_through_the_shards_and_a_rerun_resumes(tmp_path, capsys, emma, tiny_model_dir):
-    from distill.sample import SampleConfig, sample
+    from metachunk.distill.sample import SampleConfig, sample
 
     pool = write_jsonl(tmp_path / "pool.jsonl", [r for r in emma if len(r["text"]) >= 300])
     cfg = SampleConfig(pool=pool, out=tmp_path / "s", n_docs=12, min_doc_chars=300, model=str(tiny_model_dir),

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.loopback_server import serve_in_subprocess
-
-from chunking.lumber import (
+from metachunk.chunking.lumber import (
     judge,
     last_unit_in_window,
     load_lumber_prompt,
@@ -27,8 +25,10 @@ from chunking.lumber import (
     resolve_teacher,
     unit_line,
 )
-from chunking.pipeline import ChunkConfig, Chunker, LumberOptions
-from chunking.sentences import split_sentences
+from metachunk.chunking.pipeline import ChunkConfig, Chunker, LumberOptions
+from metachunk.chunking.sentences import split_sentences
+from support.loopback_server import serve_in_subprocess
+
 from metachunk.cli import main as metachunk
 from metachunk.config import load_yaml
 

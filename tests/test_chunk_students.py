@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from metachunk.chunking.students import FIELDS, ContextSpec, chunk_prompts, load_student_prompt
 
-from chunking.students import FIELDS, ContextSpec, chunk_prompts, load_student_prompt
 from metachunk.cli import main
 
 SENTENCES_EN = [
@@ -166,11 +166,11 @@ def test_inference_prompt_is_the_sft_rows_prompt(tmp_path, capsys, monkeypatch, 
     if context == "related":
         pytest.importorskip("sentence_transformers")
     from datasets import load_dataset
+    from metachunk.chunking.students import Student
+    from metachunk.distill.pipelines import STAGES, new_record, read_jobs
+    from metachunk.distill.run import DistillConfig
+    from metachunk.distill.sft import BuildSftConfig, build_sft
 
-    from chunking.students import Student
-    from distill.pipelines import STAGES, new_record, read_jobs
-    from distill.run import DistillConfig
-    from distill.sft import BuildSftConfig, build_sft
     from metachunk.teacher import TeacherConfig
 
     limit = 150  # shorter than the documents: the context is a window around each chunk

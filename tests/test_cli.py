@@ -338,7 +338,7 @@ def test_unknown_model(tmp_path, capsys, model):
 
 def test_failure_while_writing_keeps_old_output(tmp_path, capsys, tiny, monkeypatch):
     """A crash or Ctrl-C in the middle of chunking leaves the previous output in place."""
-    from chunking.pipeline import Chunker
+    from metachunk.chunking.pipeline import Chunker
 
     src = write_jsonl(tmp_path / "in" / "d.jsonl", [{"text": EN}] * 40)  # two groups of 16+ docs
     out, before = _prepare_output(tmp_path)

@@ -4,8 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from distill.corpus import (
+from metachunk.distill.corpus import (
     NearDuplicateIndex,
     PrepareCrudConfig,
     QAEntry,
@@ -15,6 +14,7 @@ from distill.corpus import (
     print_report,
     read_qa,
 )
+
 from metachunk.artifacts import Document, InputError
 
 OUTPUTS = ("test_documents.jsonl", "train_pool.jsonl", "qa_matches.jsonl", "report.json")

@@ -18,12 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from support.loopback_server import serve_in_subprocess
-
-from chunking.moc import expert_element as element
-from chunking.moc import expert_messages, granularity_label, recover_chunks, router_messages
-from chunking.sentences import split_sentences
-from distill.moc import (
+from metachunk.chunking.moc import expert_element as element
+from metachunk.chunking.moc import expert_messages, granularity_label, recover_chunks, router_messages
+from metachunk.chunking.sentences import split_sentences
+from metachunk.distill.moc import (
     SEPARATOR,
     DocPlan,
     TokenCounter,
@@ -35,6 +33,8 @@ from distill.moc import (
     split_answer,
     window_end,
 )
+from support.loopback_server import serve_in_subprocess
+
 from metachunk.cli import main as cli_main
 
 WINDOW_TOKENS = 200
@@ -341,8 +341,7 @@ def test_counts_dry_run_status_and_a_rerun_that_sends_nothing(distilled, capsys)
 
 def test_build_sft_moc_router_and_expert(distilled, tiny_model_dir, tmp_path):
     from datasets import load_dataset
-
-    from distill.sft import BuildSftConfig, build_sft
+    from metachunk.distill.sft import BuildSftConfig, build_sft
 
     record = distilled.records["planted"]
     label = record["label"]
@@ -383,8 +382,8 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     """Each filter drops its planted sample: unrecoverable, contaminated, exact and near duplicates,
     too long; a failed record counts as failed_or_empty. A rebuild that cannot swap its dataset in
     keeps the previous one whole."""
-    from distill.sft import BuildSftConfig, build_sft
-    from distill.sft_rows import MOC_FILTERS
+    from metachunk.distill.sft import BuildSftConfig, build_sft
+    from metachunk.distill.sft_rows import MOC_FILTERS
 
     cfg = SimpleNamespace(sample_chars=10_000, head_chars=10, tail_chars=10, placeholder="[MASK]")
 
@@ -459,8 +458,8 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
 def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_model_dir, tmp_path):
     """The whole MoC path on distilled rows: build-sft → train (router, expert) → chunk --method moc
     with the trained checkpoints. The tiny model's rules are junk; the chunks must still tile."""
-    from distill.sft import BuildSftConfig, build_sft
-    from train.sft import main as train_main
+    from metachunk.distill.sft import BuildSftConfig, build_sft
+    from metachunk.train.sft import main as train_main
 
     label = distilled.records["planted"]["label"]
     common = dict(distilled=distilled.root / "run" / "moc.jsonl", cards_dir=tmp_path / "cards",

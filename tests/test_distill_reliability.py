@@ -25,14 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+import metachunk.distill.pipelines
 import pytest
+from metachunk.distill.pipelines import STAGES
+from metachunk.distill.run import run, write_records
 from support.distill_jobs import KEY_ENV, Job, cli_env, make_job
 from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import THINK_TEXT, serve_in_subprocess
 
-import distill.pipelines
-from distill.pipelines import STAGES
-from distill.run import run, write_records
 from metachunk.teacher import Endpoint, TeacherConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -527,13 +527,13 @@ def test_parser_change_rereads_stored_answers(tmp_path, monkeypatch):
         first = run(job.config())
         before = server.stats()
 
-        original = distill.pipelines.parse_items
+        original = metachunk.distill.pipelines.parse_items
 
         def first_item_only(text):
             items = original(text)
             return None if items is None else items[:1]
 
-        monkeypatch.setattr(distill.pipelines, "parse_items", first_item_only)
+        monkeypatch.setattr(metachunk.distill.pipelines, "parse_items", first_item_only)
         second = run(job.config())
         after = server.stats()
 

@@ -7,11 +7,11 @@ import sys
 import time
 
 import pytest
+from metachunk.chunking.students import window_span
+from metachunk.distill.pipelines import NOTHING_MISSING, STAGES, Item, format_items, parse_items
+from metachunk.distill.prompts import LANGS, load_prompt
+from metachunk.distill.run import DistillConfig
 
-from chunking.students import window_span
-from distill.pipelines import NOTHING_MISSING, STAGES, Item, format_items, parse_items
-from distill.prompts import LANGS, load_prompt
-from distill.run import DistillConfig
 from metachunk.artifacts import InputError
 from metachunk.config import load_yaml
 from metachunk.store import AnswerStore, StoredAnswer
@@ -300,7 +300,8 @@ def test_window_is_the_whole_text_or_centred_on_the_chunk():
 def test_related_context_is_the_most_similar_other_chunks_in_document_order(tmp_path):
     import json
 
-    from distill.pipelines import read_jobs
+    from metachunk.distill.pipelines import read_jobs
+
     from metachunk.models import ModelNotFoundError, resolve
 
     try:

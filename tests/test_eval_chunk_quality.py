@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 import pytest
+from metachunk.eval import chunk_quality as cq
 
-from eval import chunk_quality as cq
 from metachunk import config
 
 NAN = float("nan")

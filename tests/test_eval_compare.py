@@ -3,9 +3,15 @@
 import json
 
 import pytest
-
-from eval.compare import CompareConfig, LengthMismatch, bootstrap_interval, check_lengths, compare, run
-from eval.report import read_run, write_run
+from metachunk.eval.compare import (
+    CompareConfig,
+    LengthMismatch,
+    bootstrap_interval,
+    check_lengths,
+    compare,
+    run,
+)
+from metachunk.eval.report import read_run, write_run
 
 
 def _runs(tmp_path, lengths):

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from metachunk.eval import diagnostics as dg
 
-from eval import diagnostics as dg
 from metachunk import config
 
 VOCAB = ["apple", "banana", "cherry", "delta"]
 
 
 class PlantedEmbedder:
-    """Bag-of-words unit vectors, with the SentenceTransformer calls ``eval.index.embed`` makes."""
+    """Bag-of-words unit vectors, with the SentenceTransformer calls ``metachunk.eval.index.embed`` makes."""
 
     def __init__(self):
         self.embedded: list[str] = []

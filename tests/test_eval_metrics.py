@@ -11,7 +11,7 @@ import pytest
 evaluate = pytest.importorskip("evaluate")
 jieba = pytest.importorskip("jieba")
 
-from eval.metrics import METRICS, load, metric_path, qa_scores  # noqa: E402
+from metachunk.eval.metrics import METRICS, load, metric_path, qa_scores  # noqa: E402
 
 
 def lcut(text: str) -> list[str]:

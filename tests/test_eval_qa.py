@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from eval import qa
-from eval.index import ChunkIndex, ChunkRecord, collection_name, index_key, read_chunks
-from eval.retrieval import (
+from metachunk.eval import qa
+from metachunk.eval.index import ChunkIndex, ChunkRecord, collection_name, index_key, read_chunks
+from metachunk.eval.retrieval import (
     NormalizedDoc,
     Question,
     aggregate,
@@ -31,6 +30,7 @@ from eval.retrieval import (
     rank_metrics,
     relevant_chunks,
 )
+
 from metachunk import config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def planted(tmp_path):
 def parse(argv: list[str]) -> qa.QAConfig:
     """Through the real ``metachunk eval qa`` parser when the eval CLI imports, else the same flags."""
     try:
-        from eval.cli import add_parser
+        from metachunk.eval.cli import add_parser
 
         parser = argparse.ArgumentParser(prog="metachunk")
         add_parser(parser.add_subparsers(dest="command"))
@@ -164,10 +164,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture
 def qa_scores(monkeypatch):
-    """``eval.metrics.qa_scores`` wrapped to record its calls (a stand-in where that module is absent)."""
+    """``metachunk.eval.metrics.qa_scores`` wrapped to record its calls (a stand-in where that module is absent)."""
     calls = []
     try:
-        from eval.metrics import qa_scores as real
+        from metachunk.eval.metrics import qa_scores as real
     except ImportError:
         real = None
 
@@ -180,9 +180,9 @@ def qa_scores(monkeypatch):
         means = {"f1": sum(same) / len(same), "bleu_avg": 0.0, "rouge_l": 0.0}
         return (means, [{"f1": x, "bleu_avg": 0.0, "rouge_l": 0.0} for x in same]) if per_item else means
 
-    module = types.ModuleType("eval.metrics")
+    module = types.ModuleType("metachunk.eval.metrics")
     module.qa_scores = scores
-    monkeypatch.setitem(sys.modules, "eval.metrics", module)
+    monkeypatch.setitem(sys.modules, "metachunk.eval.metrics", module)
     return calls
 
 
@@ -482,7 +482,7 @@ def test_bad_inputs_are_input_errors(planted, tmp_path):
 
 
 def test_parse_generator():
-    from eval.generate import parse_generator
+    from metachunk.eval.generate import parse_generator
 
     assert parse_generator("http://127.0.0.1:8000/v1:Qwen/Qwen2-7B-Instruct") == ("http://127.0.0.1:8000/v1", "Qwen/Qwen2-7B-Instruct")  # fmt: skip
     assert parse_generator("https://api.example.com/v1:qwen2:7b") == (
@@ -509,8 +509,8 @@ def test_recipes_parse():
 
 def test_ppl_scores_match_a_plain_forward_pass(tiny_model_dir):
     import torch
+    from metachunk.eval.rerank import ppl_pair_ids, ppl_scores
 
-    from eval.rerank import ppl_pair_ids, ppl_scores
     from metachunk.models import load_causal_lm
 
     model, tok = load_causal_lm(str(tiny_model_dir), device="cpu")
@@ -529,7 +529,8 @@ def test_ppl_scores_match_a_plain_forward_pass(tiny_model_dir):
 
 def test_cross_encoder_rerank_follows_its_scores(planted, planted_embedder, tmp_path, monkeypatch):
     """A tiny random BERT cross-encoder: the reranked order is the order of its own scores."""
-    import eval.rerank
+    import metachunk.eval.rerank
+
     from metachunk.models import ModelNotFoundError, preset_dir
 
     try:
@@ -546,7 +547,7 @@ def test_cross_encoder_rerank_follows_its_scores(planted, planted_embedder, tmp_
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(ce_dir)
     model = CrossEncoder(str(ce_dir), device="cpu")
     # `resolve` is the planted one in this test: hand the loaded model over directly
-    monkeypatch.setattr(eval.rerank, "load_cross_encoder", lambda name, device=None: model)
+    monkeypatch.setattr(metachunk.eval.rerank, "load_cross_encoder", lambda name, device=None: model)
     chunks, questions = planted
     out = tmp_path / "ce"
     cfg = parse(["--chunks", str(chunks), "--qa", str(questions), "--out", str(out), "--top-k", "3",

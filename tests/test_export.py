@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from metachunk.train.export import ExportConfig, export
 from support.fixtures import free_port
 
 from metachunk.artifacts import InputError
-from train.export import ExportConfig, export
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train" / "cpu_smoke.yaml"
@@ -28,7 +28,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
 def _train(sft_dataset, tiny_model_dir, out: Path, *extra: str) -> Path:
-    from train.sft import main
+    from metachunk.train.sft import main
 
     argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
             "--output_dir", str(out), "--max_steps", "2", "--max_length", "4096", *extra]  # fmt: skip
@@ -153,12 +153,12 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
     assert "not a metachunk export; pass --overwrite" in capsys.readouterr().err
     assert [p.name for p in notes.iterdir()] == ["todo.txt"]
     before = {f: (out / f).read_bytes() for f in files}
-    import train.export
+    import metachunk.train.export
 
     def broken(*args):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(train.export, "render_model_card", broken)
+    monkeypatch.setattr(metachunk.train.export, "render_model_card", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         _export(run, out)
     assert {f: (out / f).read_bytes() for f in sorted(p.name for p in out.iterdir())} == before
@@ -348,7 +348,7 @@ def test_zero3_checkpoint_exports_gathered_weights_or_consolidates_shards(
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           "--module", "train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
+           "--module", "metachunk.train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
            str(sft_dataset), "--max_steps", "2", "--max_length", "4096", "--output_dir", str(run),
            "--per_device_train_batch_size", "1", "--deepspeed", str(ROOT / "recipes" / "deepspeed" / "zero3.json"),
            "--ddp_backend", "gloo", "--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "no"]  # fmt: skip

@@ -20,11 +20,11 @@ import pytest
 import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metachunk.chunking.baselines import fixed_chunks, semantic_chunks, sentence_chunks
+from metachunk.chunking.pipeline import ChunkConfig, Chunker
+from metachunk.chunking.sentences import split_sentences
+from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
-from chunking.baselines import fixed_chunks, semantic_chunks, sentence_chunks
-from chunking.pipeline import ChunkConfig, Chunker
-from chunking.sentences import split_sentences
-from chunking.types import Chunk, Sentence, chunks_from_boundaries
 from metachunk import artifacts
 from metachunk.artifacts import InputError
 from metachunk.cli import main
@@ -119,7 +119,7 @@ def test_chunker_tiles_whitespace_documents(tiny_model_dir, method, extra):
 
 
 def test_lumber_units_cover_a_whitespace_document():
-    from chunking.lumber import make_units
+    from metachunk.chunking.lumber import make_units
 
     for text in BLANKS:
         units, _ = make_units(text, split_sentences(text), 550)
@@ -141,7 +141,7 @@ def test_cli_keeps_the_whitespace_of_a_blank_document(tmp_path, capsys):
 
 
 def test_data_sample_chunks_tile_every_drawn_document(tmp_path, tiny_model_dir):
-    from distill.sample import SampleConfig, sample
+    from metachunk.distill.sample import SampleConfig, sample
 
     texts = [" " * 400, EN * 4, "\n" * 350, EN * 5]
     pool = write_jsonl(tmp_path / "pool.jsonl", [{"id": f"d{i}", "text": t} for i, t in enumerate(texts)])
@@ -418,7 +418,7 @@ def test_replace_dir_recovers_after_a_crash_mid_swap(tmp_path):
 
 
 def test_build_sft_keeps_the_old_dataset_when_the_swap_fails(tmp_path, tiny_model_dir, monkeypatch):
-    from distill.sft import BuildSftConfig, build_sft
+    from metachunk.distill.sft import BuildSftConfig, build_sft
 
     doc = "Emma was clever and rich. She had lived nearly twenty-one years in the world."
     chunk = "She had lived nearly twenty-one years in the world."

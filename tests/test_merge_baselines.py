@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
-from chunking.merge import add_sentence_overlap, merge_chunks, text_length
-from chunking.sentences import split_sentences
-from chunking.types import Chunk, Sentence, chunks_from_boundaries
+from metachunk.chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
+from metachunk.chunking.merge import add_sentence_overlap, merge_chunks, text_length
+from metachunk.chunking.sentences import split_sentences
+from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -33,7 +32,7 @@ units = st.sampled_from(["char", "word"])
 
 
 def split(text: str) -> list[Sentence]:
-    """A trivial sentence splitter with the contract of chunking.sentences.split_sentences.
+    """A trivial sentence splitter with the contract of metachunk.chunking.sentences.split_sentences.
 
     Used for generated text and the hand-made examples, whose expected chunks depend on exactly
     where sentences end; the real corpora go through split_sentences. Sentences tile the text, the whitespace after a sentence belongs to it, and every sentence

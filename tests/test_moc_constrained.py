@@ -12,10 +12,9 @@ from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 
+import metachunk.chunking.moc as moc_module
 import pytest
-
-import chunking.moc as moc_module
-from chunking.moc import (
+from metachunk.chunking.moc import (
     FAILURES,
     MocChunker,
     MocSettings,
@@ -24,7 +23,8 @@ from chunking.moc import (
     load_moc_schema,
     parse_expert_answer,
 )
-from chunking.sentences import split_sentences
+from metachunk.chunking.sentences import split_sentences
+
 from metachunk.cli import main
 from metachunk.models import ModelNotFoundError
 from metachunk.prompts import parse_schema
@@ -218,12 +218,11 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
 
 def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
     """The anchored grammar of a window is the set of its sentence-level partitions, each chunk
-    written as chunking.moc.expert_element writes the experts' targets; every such answer recovers exactly
+    written as metachunk.chunking.moc.expert_element writes the experts' targets; every such answer recovers exactly
     at its chunks' starts. Escaping: quotes, backslashes, newlines and non-ASCII text."""
+    from metachunk.chunking.moc import anchored_grammar, recover_spans, window_segments
+    from metachunk.chunking.moc import expert_element as element
     from xgrammar.testing import _is_grammar_accept_string as accepts
-
-    from chunking.moc import anchored_grammar, recover_spans, window_segments
-    from chunking.moc import expert_element as element
 
     text = (
         'He said "stop\\here" now, twice over.\nThen a second sentence follows it closely. '
@@ -252,7 +251,7 @@ def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
 def test_anchored_heads_grow_until_recovery_is_unambiguous():
     """Every sentence of long_doc starts "Sentence number": the heads are doubled until the first
     occurrence of each is its own sentence, so recovery never lands on an earlier sentence."""
-    from chunking.moc import anchored_grammar, window_segments
+    from metachunk.chunking.moc import anchored_grammar, window_segments
 
     text = long_doc(6)
     segments = window_segments(text, [s.end for s in split_sentences(text, "en")])

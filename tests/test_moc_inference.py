@@ -1,4 +1,4 @@
-"""Tests for chunking.moc: prompts, router labels, recovery of head[MASK]tail rules, windows with
+"""Tests for metachunk.chunking.moc: prompts, router labels, recovery of head[MASK]tail rules, windows with
 the chunk buffer, retries and the PPL fallback, and `metachunk chunk --method moc`."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from chunking.moc import (
+from metachunk.chunking.moc import (
     PLACEHOLDERS,
     ROUTER_LABELS,
     MocChunker,
@@ -31,7 +30,8 @@ from chunking.moc import (
     stand_in_models,
     tile,
 )
-from chunking.sentences import split_sentences
+from metachunk.chunking.sentences import split_sentences
+
 from metachunk.cli import main
 from metachunk.generation import Generation
 

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from chunking import msp
-from chunking.msp import MarginScorer, Threshold, load_msp_prompt, msp_decisions
-from chunking.sentences import split_sentences
-from chunking.types import Sentence
+from metachunk.chunking import msp
+from metachunk.chunking.msp import MarginScorer, Threshold, load_msp_prompt, msp_decisions
+from metachunk.chunking.sentences import split_sentences
+from metachunk.chunking.types import Sentence
 
 # --------------------------------------------------------------------------------------------
 # Decisions with a stub scorer
@@ -333,7 +332,7 @@ def test_prefix_cache_matches_single_pass(scorers, lang, monkeypatch):
 
 
 def test_chunker_msp_tiny_tiles(tiny_model_dir: Path):
-    from chunking.pipeline import ChunkConfig, Chunker
+    from metachunk.chunking.pipeline import ChunkConfig, Chunker
 
     docs = [
         "Emma was clever. She was rich!\n\nMr. Knightley came. He was sensible? Yes. " * 2,
@@ -377,8 +376,9 @@ def emma_15(shared_data: Path) -> str:
 
 @pytest.mark.integration
 def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
+    from metachunk.chunking.pipeline import ChunkConfig, Chunker
+
     import metachunk.models
-    from chunking.pipeline import ChunkConfig, Chunker
 
     model, tok = smollm2
     monkeypatch.setattr(metachunk.models, "load_causal_lm", lambda *a, **k: (model, tok))
@@ -415,7 +415,7 @@ def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
     batch_size=st.integers(min_value=1, max_value=16),
 )
 def test_length_batches_cover_every_pair_once_within_limits(lengths, batch_size):
-    from chunking.msp import MAX_PADDING, length_batches
+    from metachunk.chunking.msp import MAX_PADDING, length_batches
 
     batches = length_batches(lengths, batch_size)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))

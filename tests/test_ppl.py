@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metachunk.chunking.merge import text_length
+from metachunk.chunking.ppl import ppl_boundaries, scoring_pieces, sentence_ppl, tokenize_sentences
+from metachunk.chunking.sentences import split_sentences
+from metachunk.chunking.types import Sentence, chunks_from_boundaries
 
-from chunking.merge import text_length
-from chunking.ppl import ppl_boundaries, scoring_pieces, sentence_ppl, tokenize_sentences
-from chunking.sentences import split_sentences
-from chunking.types import Sentence, chunks_from_boundaries
 from metachunk.scoring import Window, plan_windows, token_nll, token_nll_incremental
 
 NAN = math.nan
@@ -392,7 +392,7 @@ def corpus(shared_data: Path) -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="module")
 def chunk_ppl(tiny_model_dir: Path, corpus):
-    from chunking.pipeline import ChunkConfig, Chunker
+    from metachunk.chunking.pipeline import ChunkConfig, Chunker
 
     cache = {}
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from metachunk.chunking.pipeline import ChunkConfig
 
-from chunking.pipeline import ChunkConfig
 from metachunk.config import load_yaml
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "chunk").glob("*.yaml"))
@@ -52,7 +52,7 @@ DISTILL_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "dis
 
 @pytest.mark.parametrize("recipe", DISTILL_RECIPES, ids=lambda p: p.name)
 def test_distill_recipe_is_valid(recipe):
-    from distill.run import DistillConfig
+    from metachunk.distill.run import DistillConfig
 
     values = load_yaml(DistillConfig, recipe)
     # A recipe without `task:` (local.yaml) serves both `distill rewrite` and `distill summary`.
@@ -71,9 +71,9 @@ DATA_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "data")
 
 @pytest.mark.parametrize("recipe", DATA_RECIPES, ids=lambda p: p.name)
 def test_data_recipe_is_valid(recipe):
-    from distill.corpus import PrepareCrudConfig
-    from distill.sample import SampleConfig
-    from distill.sft import BuildSftConfig
+    from metachunk.distill.corpus import PrepareCrudConfig
+    from metachunk.distill.sample import SampleConfig
+    from metachunk.distill.sft import BuildSftConfig
 
     cls = {"prepare": PrepareCrudConfig, "sample": SampleConfig, "build": BuildSftConfig}[
         recipe.stem.split("_")[0]
@@ -93,10 +93,9 @@ TRAIN_RECIPES = sorted((ROOT / "recipes" / "train").glob("*.yaml"))
 def test_train_recipe_parses_with_trls_parser(recipe):
     """Every field exists in SFTConfig or ModelDataArguments. bf16 is switched off here only
     because TrainingArguments refuses bf16 on a machine without a GPU."""
+    from metachunk.train.distributed import validate_deepspeed_config
+    from metachunk.train.sft import ModelDataArguments
     from trl import SFTConfig, TrlParser
-
-    from train.distributed import validate_deepspeed_config
-    from train.sft import ModelDataArguments
 
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(["--config", str(recipe), "--bf16", "false"])
@@ -114,10 +113,9 @@ def test_train_recipe_is_read_by_trl_sft(recipe, monkeypatch):
     """`trl sft --config RECIPE` reads the same file: its own parser (ScriptArguments, SFTConfig, ModelConfig,
     DatasetMixtureConfig) knows every key, and reads the model, the dataset and its split as ours does. A key
     it did not know would go to `accelerate launch`, which refuses it (parse only: nothing trains)."""
+    from metachunk.train.sft import ModelDataArguments
     from trl import SFTConfig, TrlParser
     from trl.scripts.sft import make_parser
-
-    from train.sft import ModelDataArguments
 
     monkeypatch.chdir(ROOT)  # the recipes name recipes/deepspeed/*.json relative to the checkout
     argv = ["--config", str(recipe), "--bf16", "false"]  # bf16: as above
@@ -134,7 +132,7 @@ def test_train_recipe_is_read_by_trl_sft(recipe, monkeypatch):
 
 @pytest.mark.parametrize("old", ["model", "dataset"])
 def test_the_old_train_field_names_say_the_new_ones(old, tmp_path, capsys):
-    from train.sft import main
+    from metachunk.train.sft import main
 
     new = {"model": "model_name_or_path", "dataset": "dataset_name"}[old]
     recipe = tmp_path / "old.yaml"
@@ -158,20 +156,20 @@ REGEN_RECIPES = sorted((ROOT / "recipes" / "regen").glob("*.yaml")) + sorted(
 @pytest.mark.parametrize("recipe", REGEN_RECIPES, ids=lambda p: p.name)
 def test_regen_recipe_stages_are_valid_configs_of_their_commands(recipe, tmp_path):
     import yaml
+    from metachunk.distill.corpus import PrepareCrudConfig
+    from metachunk.distill.hub import PushConfig
+    from metachunk.distill.passages import PassagesConfig
+    from metachunk.distill.run import DistillConfig
+    from metachunk.distill.sample import SampleConfig
+    from metachunk.distill.sft import BuildSftConfig
+    from metachunk.eval.chunk_quality import ChunkQualityConfig
+    from metachunk.eval.compare import CompareConfig
+    from metachunk.eval.diagnostics import DiagnosticsConfig
+    from metachunk.eval.qa import QAConfig
+    from metachunk.train.export import ExportConfig
+    from metachunk.train.sft import ModelDataArguments
 
-    from distill.corpus import PrepareCrudConfig
-    from distill.hub import PushConfig
-    from distill.passages import PassagesConfig
-    from distill.run import DistillConfig
-    from distill.sample import SampleConfig
-    from distill.sft import BuildSftConfig
-    from eval.chunk_quality import ChunkQualityConfig
-    from eval.compare import CompareConfig
-    from eval.diagnostics import DiagnosticsConfig
-    from eval.qa import QAConfig
     from metachunk.regen import load_recipe
-    from train.export import ExportConfig
-    from train.sft import ModelDataArguments
 
     commands = {("data", "prepare-crud"): PrepareCrudConfig, ("data", "sample"): SampleConfig,
                 ("distill",): DistillConfig, ("data", "build-sft"): BuildSftConfig, ("data", "push"): PushConfig,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from metachunk.distill.hub import push_dataset
 from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import serve_in_subprocess
 
-from distill.hub import push_dataset
 from metachunk.cli import main
 
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
@@ -249,7 +249,7 @@ def test_a_label_is_not_part_of_the_input_path_it_names(tmp_path):
     stage = Stage(
         "d", "eval diagnostics", {"retrieval": [f"rewritten={run_dir}"], "out": str(tmp_path / "o")}
     )
-    fp = fingerprint(stage, Digests(), {}, "0")
+    fp = fingerprint(stage, Digests(), {})
     assert list(fp.inputs) == [str(run_dir)] and fp.inputs[str(run_dir)] is not None and not fp.missing
 
 
@@ -278,7 +278,7 @@ def test_a_stage_is_fingerprinted_by_the_prompt_files_its_command_reads():
     distill = Stage("d", "distill rewrite", {"out": "o"})
     added = {**prompts, "chunking/prompts/new_method.en.txt": "0" * 64}
     for stage, same in ((ppl, True), (distill, False)):
-        before, after = (fingerprint(stage, Digests(), p, "0").sha256 for p in (prompts, added))
+        before, after = (fingerprint(stage, Digests(), p).sha256 for p in (prompts, added))
         assert (before == after) is same
 
 
@@ -325,3 +325,57 @@ def test_the_local_teacher_answers_eval_qa_generator_blocks_too(tmp_path):
     block = runner.fitted(loaded.stages[0]).config["generator_teacher"]
     teacher = runner.local_teacher(start=False)
     assert block == {"model": "smollm2", "base_url": teacher.base_url, "serve_preset": False}
+
+
+def test_a_stage_is_fingerprinted_by_the_code_its_command_runs(tmp_path):
+    """The import closure of the command's entry modules, hashed: an edit to a module the
+    command imports changes its digest, an edit elsewhere (another stage's module, a README) does
+    not. Checked on a package written here, then on metachunk's own commands."""
+    from metachunk import code_digest
+
+    pkg = tmp_path / "mc"
+    (pkg / "stage").mkdir(parents=True)
+    files = {
+        "mc/__init__.py": "",
+        "mc/core.py": "X = 1\n",
+        "mc/stage/__init__.py": "",
+        "mc/stage/entry.py": "from mc import core\n\ndef run():\n    from mc.stage import lazy\n",
+        "mc/stage/lazy.py": "from .. import core\n",
+        "mc/stage/other.py": "Y = 2\n",
+        "README.md": "words\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+
+    def find(name: str):
+        path = tmp_path / name.replace(".", "/")
+        return (
+            path / "__init__.py"
+            if path.is_dir()
+            else path.with_suffix(".py")
+            if path.with_suffix(".py").is_file()
+            else None
+        )
+
+    def digest() -> str:
+        return code_digest.digest(code_digest.closure(("mc.stage.entry",), find, root="mc"))
+
+    assert set(code_digest.closure(("mc.stage.entry",), find, root="mc")) == {
+        "mc", "mc.core", "mc.stage", "mc.stage.entry", "mc.stage.lazy"}  # fmt: skip
+    before = digest()
+    (tmp_path / "README.md").write_text("other words\n")
+    (tmp_path / "mc/stage/other.py").write_text("Y = 3\n")
+    assert digest() == before  # not imported by the command: no rerun
+    (tmp_path / "mc/stage/lazy.py").write_text("from .. import core  # edited\n")
+    assert digest() != before  # imported inside a function: still its code
+
+    # metachunk's own commands: chunking's code is not training's
+    chunk = code_digest.closure(code_digest.ENTRIES[("chunk",)])
+    train = code_digest.closure(code_digest.ENTRIES[("train",)])
+    distill = code_digest.closure(code_digest.ENTRIES[("distill",)])
+    assert "metachunk.chunking.ppl" in chunk and "metachunk.chunking.ppl" not in train
+    assert "metachunk.distill.run" not in chunk and "metachunk.chunking.sentences" in distill
+    assert "metachunk.train.sft" in train and not any(m.startswith("metachunk.train") for m in chunk)
+    assert code_digest.command_code(("distill", "rewrite")) == code_digest.command_code(
+        ("distill", "summary")
+    )

@@ -1,4 +1,4 @@
-"""Tests for chunking.sentences: the tiling contract, language rules, the hard cap and speed."""
+"""Tests for metachunk.chunking.sentences: the tiling contract, language rules, the hard cap and speed."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from chunking.sentences import detect_lang, split_sentences
-from chunking.types import Sentence
+from metachunk.chunking.sentences import detect_lang, split_sentences
+from metachunk.chunking.types import Sentence
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 NEWS = DATA / "crud-news" / "news.jsonl"

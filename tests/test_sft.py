@@ -3,11 +3,10 @@
 import random
 
 import pytest
+from metachunk.distill.sample import SampleConfig, choose_chunks, sample
+from metachunk.distill.sft import BuildSftConfig, build_sft, in_validation
+from metachunk.distill.sft_rows import FILTERS, content_kept, features, off_format
 from support.fixtures import sentence  # the planted records' sentences (the `planted` fixture)
-
-from distill.sample import SampleConfig, choose_chunks, sample
-from distill.sft import BuildSftConfig, build_sft, in_validation
-from distill.sft_rows import FILTERS, content_kept, features, off_format
 
 # ------------------------------------------------------------------------------------- sampling
 
@@ -42,8 +41,9 @@ def test_sample_is_deterministic_and_feeds_distill(tiny_model_dir, shared_data, 
     assert (tmp_path / "a" / "chunks.jsonl").read_bytes() != (tmp_path / "c" / "chunks.jsonl").read_bytes()
 
     # The output is distill's input: offsets check out against documents.jsonl.
-    from distill.pipelines import STAGES, read_jobs
-    from distill.run import DistillConfig
+    from metachunk.distill.pipelines import STAGES, read_jobs
+    from metachunk.distill.run import DistillConfig
+
     from metachunk.teacher import TeacherConfig
 
     jobs = read_jobs(DistillConfig(task="rewrite", chunks=tmp_path / "a" / "chunks.jsonl",

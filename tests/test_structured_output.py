@@ -15,12 +15,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+from metachunk.distill.pipelines import parse_items
+from metachunk.distill.prompts import load_prompt, load_schema
+from metachunk.distill.run import run, write_records
 from support.loopback_server import serve_in_subprocess
 from test_distill_reliability import REWRITE, chunk_text, make_job, one_chunk_per_doc, table
 
-from distill.pipelines import parse_items
-from distill.prompts import load_prompt, load_schema
-from distill.run import run, write_records
 from metachunk.prompts import Schema
 from metachunk.structured import read_json
 from metachunk.teacher import Teacher, TeacherConfig, response_format, with_json_instruction

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from metachunk.distill.pipelines import STAGES
 from support.distill_jobs import KEY_ENV, cli_env, make_job
 from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import THINK_TEXT, serve_in_subprocess
 
-from distill.pipelines import STAGES
 from metachunk.providers import PROVIDERS
 from metachunk.teacher import Teacher, TeacherConfig
 

@@ -10,7 +10,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.
 
 
 def test_invalid_configs_fail_before_any_model_loads(tmp_path, capsys):
-    from train.sft import main
+    from metachunk.train.sft import main
 
     bad_dtype = ["--config", str(RECIPE), "--dataset_name", str(tmp_path), "--dtype", "float8"]
     assert main(bad_dtype + ["--output_dir", str(tmp_path / "o")]) == 2
@@ -27,7 +27,7 @@ def test_invalid_configs_fail_before_any_model_loads(tmp_path, capsys):
 
 
 def test_evaluation_without_validation_rows_is_a_config_error(sft_dataset, tmp_path, capsys):
-    from train.sft import main
+    from metachunk.train.sft import main
 
     sft_dataset = Path(shutil.copytree(sft_dataset, tmp_path / "ds"))  # the fixture is shared: edit a copy
     report = sft_dataset / "build_report.json"
@@ -64,9 +64,8 @@ def test_prompt_tokens_are_masked_and_completion_tokens_trained(sft_dataset, tin
 
 
 def test_cpu_smoke_recipe_trains_saves_and_plots(sft_dataset, tiny_model_dir, tmp_path):
+    from metachunk.train.sft import main
     from transformers import AutoModelForCausalLM
-
-    from train.sft import main
 
     out = tmp_path / "run"
     argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
@@ -96,10 +95,9 @@ def test_metachunk_train_is_python_m_train(tmp_path, capsys):
 
 def test_lora_trains_merges_and_reloads(sft_dataset, tiny_model_dir, tmp_path):
     import torch
+    from metachunk.train.sft import main
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from train.sft import main
 
     out = tmp_path / "lora"
     argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
@@ -130,7 +128,7 @@ def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_
     steps = 30
 
     def argv(out):
-        return [sys.executable, "-m", "train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir),
+        return [sys.executable, "-m", "metachunk.train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir),
                 "--dataset_name", str(sft_dataset), "--output_dir", str(out), "--max_steps", str(steps),
                 "--max_length", "4096", "--save_strategy", "steps", "--save_steps", "2"]  # fmt: skip
 
@@ -173,8 +171,9 @@ def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_
 
 def test_an_empty_training_set_is_nothing_to_do_not_a_crash(sft_dataset, tmp_path, capsys):
     """Exit status 5 (EXIT_EMPTY), no checkpoint: `metachunk run` records the stage as empty."""
+    from metachunk.train.sft import main
+
     from metachunk.artifacts import EXIT_EMPTY
-    from train.sft import main
 
     sft_dataset = Path(shutil.copytree(sft_dataset, tmp_path / "ds"))
     report = sft_dataset / "build_report.json"

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from metachunk.train.distributed import validate_deepspeed_config
 from support.fixtures import free_port
-
-from train.distributed import validate_deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train" / "cpu_smoke.yaml"
@@ -59,7 +58,7 @@ def test_bad_deepspeed_configs_name_file_and_key(tmp_path, change, key):
 
 
 def test_sft_config_check_rejects_a_bad_deepspeed_config(tmp_path, sft_dataset, capsys):
-    from train.sft import main
+    from metachunk.train.sft import main
 
     bad = _write(tmp_path, {"zero_optimization": {"stage": 3}, "train_batch_size": "auto"}, "bad_ds.json")
     argv = ["--config", str(RECIPE), "--dataset_name", str(sft_dataset), "--output_dir", str(tmp_path / "o"),
@@ -76,7 +75,7 @@ def test_sft_config_check_rejects_a_bad_deepspeed_config(tmp_path, sft_dataset, 
 def test_accelerate_deepspeed_config_is_checked_too(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from train.distributed import check_deepspeed
+    from metachunk.train.distributed import check_deepspeed
 
     bad = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 8}, "acc.json")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -108,14 +107,14 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     ds_out = tmp_path / "zero3"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "train", *common,
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "metachunk.train", *common,
            "--output_dir", str(ds_out), "--per_device_train_batch_size", "1",
            "--deepspeed", str(DS / "zero3.json"), "--ddp_backend", "gloo"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     one_out = tmp_path / "single"
-    cmd = [sys.executable, "-m", "train", *common, "--output_dir", str(one_out),
+    cmd = [sys.executable, "-m", "metachunk.train", *common, "--output_dir", str(one_out),
            "--per_device_train_batch_size", "2"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -80,7 +80,7 @@ def test_padding_free_and_packed_batches_give_the_padded_losses(sft_dataset, tin
 
 
 def _run(argv, capsys):
-    from train.sft import main
+    from metachunk.train.sft import main
 
     status = main(argv)
     return status, capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""train.sft: no silent precision change, max_length checked against the data, bad input refused before the model loads.
+"""metachunk.train.sft: no silent precision change, max_length checked against the data, bad input refused before the model loads.
 
 Every refusal is one line on stderr and exit status 2, found before any weights load (``no_model_load``).
 """
@@ -20,7 +20,7 @@ TRAIN_RECIPES = sorted((ROOT / "recipes" / "train").glob("*.yaml"))
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """The test fails if train.sft gets as far as loading the model's weights."""
+    """The test fails if metachunk.train.sft gets as far as loading the model's weights."""
     from transformers import AutoModelForCausalLM
 
     def refuse(*args, **kwargs):
@@ -81,7 +81,7 @@ def test_cpu_smoke_trains_and_saves_float32_and_records_it(sft_dataset, tiny_mod
 
 
 def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):
-    from train.sft import parse_args
+    from metachunk.train.sft import parse_args
 
     (tmp_path / "ds" / "data").mkdir(parents=True)
     recipe = _recipe_without(tmp_path, "bf16", "fp16")
@@ -174,7 +174,7 @@ def test_rows_longer_than_max_length_are_dropped_not_cut(sft_dataset, tiny_model
     # every completion token of the rows kept carries the loss: none was cut
     assert facts["completion_tokens"] == sum(c for n, c in train if n <= max_length)
 
-    from train.export import ExportConfig, export  # the model card says both
+    from metachunk.train.export import ExportConfig, export  # the model card says both
 
     export(ExportConfig(checkpoint=out, out=tmp_path / "exported"), progress=lambda msg: None)
     card = (tmp_path / "exported" / "README.md").read_text()
@@ -237,7 +237,7 @@ def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path,
 
 
 def test_a_chat_template_path_serves_a_base_model(sft_dataset, tiny_model_dir, tmp_path, no_model_load):
-    from train.sft import main
+    from metachunk.train.sft import main
 
     model = _no_chat_template(tiny_model_dir, tmp_path)
     argv = ["--config", str(RECIPE), "--model_name_or_path", str(model), "--dataset_name", str(sft_dataset),
@@ -251,7 +251,7 @@ def test_python_m_train_bad_input_has_no_traceback(tmp_path):
     broken.write_text("model: [smollm2\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for argv in (["--config", str(tmp_path / "nope.yaml")], ["--config", str(broken)]):
-        done = subprocess.run([sys.executable, "-m", "train", *argv], cwd=ROOT, env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "metachunk.train", *argv], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=120)  # fmt: skip
         assert done.returncode == 2, done.stderr[-2000:]
         _one_line_error(done.stderr, "train: invalid config: --config ")

@@ -1,7 +1,7 @@
-"""``python -m train --config recipes/train/cpu_smoke.yaml``, also under ``deepspeed`` / ``accelerate launch``."""
+"""``python -m metachunk.train --config recipes/train/cpu_smoke.yaml``, also under ``deepspeed`` / ``accelerate launch``."""
 
 import sys
 
-from train.sft import main
+from metachunk.train.sft import main
 
 sys.exit(main())

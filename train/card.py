@@ -1,7 +1,7 @@
 """The model card of an export: README.md, written from what the run recorded.
 
-:func:`render_model_card` says only what :class:`Run` holds, as ``train.export`` read it from the checkpoint:
-``metachunk_run.json`` (``train.sft.run_facts``: base model, dataset build report, hyperparameters, counts)
+:func:`render_model_card` says only what :class:`Run` holds, as ``metachunk.train.export`` read it from the checkpoint:
+``metachunk_run.json`` (``metachunk.train.sft.run_facts``: base model, dataset build report, hyperparameters, counts)
 and the trainer's log history (``train_log.json``, or a ``checkpoint-N``'s ``trainer_state.json``, whose
 losses and step are that checkpoint's, not the run's end), plus the export's own facts (the weights it
 wrote, the card's title and Hub ids). A missing fact reads "not recorded". Rendering only: no file is read.
@@ -13,14 +13,15 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metachunk.train.sft import RUN_FACTS
+
 from metachunk import markdown
-from train.sft import RUN_FACTS
 
 NOT_RECORDED = "not recorded"
 TAGS = ["metachunk", "text-chunking", "rag"]
 # The Hub ids of the presets' upstream models (metachunk.models.PRESETS ships them as GGUF files).
 PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
-# What a distilled model is for, by the dataset's task (distill.sft: rewrite | summary).
+# What a distilled model is for, by the dataset's task (metachunk.distill.sft: rewrite | summary).
 PURPOSE = {
     "rewrite": (
         "a **chunk rewriter**: given a text chunk cut out of a document and the document context, it rewrites "
@@ -208,7 +209,7 @@ def _recipe_section(run: Run) -> str:
     command = facts.get("command")
     text = "## Training recipe\n\n"
     text += (
-        "Arguments of `python -m train` (= `metachunk train`; TRL SFTTrainer, loss on the completion tokens "
+        "Arguments of `python -m metachunk.train` (= `metachunk train`; TRL SFTTrainer, loss on the completion tokens "
         "only):\n\n" + markdown.fenced(shlex.join(map(str, command)), "bash")
         if command
         else f"Command: {NOT_RECORDED}."
@@ -230,7 +231,7 @@ def _recipe_section(run: Run) -> str:
 
 
 def _precision(precision: dict | None) -> str:
-    """What the run computed in, as ``train.sft`` recorded it: "float32 weights, no mixed precision"."""
+    """What the run computed in, as ``metachunk.train.sft`` recorded it: "float32 weights, no mixed precision"."""
     if not precision:
         return NOT_RECORDED
     autocast = precision.get("autocast")
@@ -320,7 +321,7 @@ def _limitations(run: Run) -> str:
 def render_model_card(run: Run, export_facts: dict) -> str:
     """README.md: YAML front matter, then what it is, base model, data, recipe, results, use, limits.
 
-    ``export_facts`` (``train.export``): ``title``, ``base_model_id`` and ``dataset_id`` (Hub ids or None),
+    ``export_facts`` (``metachunk.train.export``): ``title``, ``base_model_id`` and ``dataset_id`` (Hub ids or None),
     ``checkpoint``, ``kind``, ``parameters``, ``dtype``, ``generation_config``, ``loss_png``."""
     title = export_facts["title"]
     sections = [

@@ -2,9 +2,9 @@
 
 Launch forms (``recipes/train/README.md`` has them all)::
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module train --config recipes/train/cpu_smoke.yaml \
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module metachunk.train --config recipes/train/cpu_smoke.yaml \
         --deepspeed recipes/deepspeed/zero3.json --ddp_backend gloo ...
-    DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate/zero3.yaml -m train \
+    DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate/zero3.yaml -m metachunk.train \
         --config recipes/train/cpu_smoke.yaml --ddp_backend gloo ...
 
 On CPU the process group must be gloo, and for ZeRO-3 it must exist *before* ``from_pretrained``
@@ -72,7 +72,7 @@ def deepspeed_config_of(sft_args):
 
 
 def check_deepspeed(sft_args) -> None:
-    """Called from ``train.sft.check``: validate the DeepSpeed config, if the run has one."""
+    """Called from ``metachunk.train.sft.check``: validate the DeepSpeed config, if the run has one."""
     cfg = deepspeed_config_of(sft_args)
     if cfg:
         validate_deepspeed_config(cfg)
@@ -110,7 +110,7 @@ def prepare_distributed(sft_args) -> None:
 
     No-op without ``--deepspeed`` or on GPU (there the Trainer/accelerate set up NCCL themselves).
     Under a launcher (``WORLD_SIZE`` set) the group is created now so that ZeRO-3 can partition
-    the weights inside ``from_pretrained``; a plain ``python -m train`` run gets a world of one.
+    the weights inside ``from_pretrained``; a plain ``python -m metachunk.train`` run gets a world of one.
     """
     if not deepspeed_config_of(sft_args) or not on_cpu(sft_args):
         return

@@ -41,8 +41,8 @@ The flow, top to bottom (:func:`export`):
    data push``) uploads exactly the exported files to a model repo; the token comes from
    ``HF_TOKEN`` only and is never printed.
 
-The card (``train.card.render_model_card``) says only what the run recorded: :func:`read_run` reads
-``metachunk_run.json`` (``train.sft.run_facts``: base model, dataset build report, hyperparameters,
+The card (``metachunk.train.card.render_model_card``) says only what the run recorded: :func:`read_run` reads
+``metachunk_run.json`` (``metachunk.train.sft.run_facts``: base model, dataset build report, hyperparameters,
 counts) and the trainer's log history (``train_log.json``, or a ``checkpoint-N``'s
 ``trainer_state.json``, whose losses and step are that checkpoint's, not the run's end); the export adds
 its own facts (the weights written, the title, the Hub ids). A missing fact reads "not recorded".
@@ -67,11 +67,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_card
+from metachunk.train.sft import RUN_FACTS
+
 from metachunk import config
 from metachunk.artifacts import InputError, replace_dir
 from metachunk.config import option
-from train.card import NOT_RECORDED, Run, last_logged, render_model_card
-from train.sft import RUN_FACTS
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Pickle files the Trainer writes next to the weights; never read, never exported.
@@ -480,7 +481,7 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
         if run.loss_png is not None:
             shutil.copyfile(run.loss_png, tmp / "loss.png")
         elif any("loss" in e for e in run.log):
-            from train.sft import plot_losses
+            from metachunk.train.sft import plot_losses
 
             plot_losses(run.log, tmp / "loss.png")
         if run.eval_results is not None:

@@ -1,7 +1,7 @@
 """Supervised fine-tuning of the student (rewriter, summarizer, MoC router/experts) with TRL.
 
 One recipe, top to bottom: parse the config, check it, load the dataset and the model, train,
-save, plot the loss. ``python -m train --config recipes/train/cpu_smoke.yaml [--flag value ...]``.
+save, plot the loss. ``python -m metachunk.train --config recipes/train/cpu_smoke.yaml [--flag value ...]``.
 
 The config is TRL's own: :class:`ModelDataArguments` (what to train, on what) plus TRL's
 ``SFTConfig`` (how), read by TRL's ``TrlParser`` from the recipe YAML with command-line flags on
@@ -71,11 +71,10 @@ class ModelDataArguments:
 
 def parse_args(argv: list[str] | None = None):
     """``(ModelDataArguments, SFTConfig)`` from ``--config`` YAML and flags; errors name the field."""
+    from metachunk.train.distributed import check_deepspeed_flag
     from trl import SFTConfig, TrlParser
 
-    from train.distributed import check_deepspeed_flag
-
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = shipped_config(list(sys.argv[1:] if argv is None else argv))
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
     check_renamed(recipe, argv)
     check_deepspeed_flag(argv)  # SFTConfig reads the JSON as it is built
@@ -90,6 +89,31 @@ def parse_args(argv: list[str] | None = None):
         model_args, sft_args = parser.parse_args_and_config(argv + ["--bf16", "false"])
     check_precision(dtype, model_args, sft_args)
     return model_args, sft_args
+
+
+def shipped_config(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config NAME`` pointing at the shipped recipe NAME when no such file exists
+    (:mod:`metachunk.shipped`); one whose paths to shipped configs must point at the shipped copies
+    is read through a localized temporary copy (TrlParser reads the file itself)."""
+    import tempfile
+
+    import yaml
+
+    from metachunk import shipped
+
+    if "--config" not in argv or argv.index("--config") + 1 == len(argv):
+        return argv
+    i = argv.index("--config") + 1
+    path = shipped.resolve(argv[i])
+    if shipped.is_shipped(path) and path.suffix in (".yaml", ".yml"):
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+        local = shipped.localize(recipe, True)
+        if local != recipe:
+            copy = tempfile.NamedTemporaryFile("w", suffix=path.name, delete=False, encoding="utf-8")
+            with copy:
+                yaml.safe_dump(local, copy, sort_keys=False)
+            path = Path(copy.name)
+    return [*argv[:i], str(path), *argv[i + 1 :]]
 
 
 def read_recipe(argv: list[str]) -> dict:
@@ -148,7 +172,7 @@ def check_precision(dtype: str | None, model_args: ModelDataArguments, sft_args)
     """The weights' dtype and the mixed precision must agree: bf16 autocast over float16 weights (or fp16
     over bfloat16) is a contradiction, and so is any autocast over float32 weights on CPU, where it buys
     nothing and changes every number (under DeepSpeed, the weights are trained and saved in 16 bits)."""
-    from train.distributed import on_cpu
+    from metachunk.train.distributed import on_cpu
 
     autocast = autocast_of(sft_args)
     if autocast is None or dtype is None:
@@ -197,7 +221,9 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
             )
     if model_args.use_peft and not 0 < model_args.lora_r:
         raise ValueError(f"field 'lora_r' must be >= 1, got {model_args.lora_r}")
-    from train.distributed import check_deepspeed  # --deepspeed JSON, or accelerate's DeepSpeed config
+    from metachunk.train.distributed import (
+        check_deepspeed,  # --deepspeed JSON, or accelerate's DeepSpeed config
+    )
 
     check_deepspeed(sft_args)
     if sft_args.completion_only_loss is False:
@@ -469,11 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import torch
+    from metachunk.train.distributed import prepare_distributed
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
     from metachunk.artifacts import write_json
-    from train.distributed import prepare_distributed
 
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     prepare_distributed(sft_args)  # DeepSpeed on CPU: gloo group first, so ZeRO-3 partitions at load

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from metachunk.distill.pipelines import STAGES
+from metachunk.distill.run import DistillConfig
 
-from distill.pipelines import STAGES
-from distill.run import DistillConfig
 from metachunk import config
 from metachunk.cli import main as cli_main
 

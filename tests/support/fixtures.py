@@ -85,7 +85,7 @@ def planted(tmp_path):
 def sft_dataset(tmp_path_factory, tiny_model_dir) -> Path:
     """``metachunk data build-sft`` of the planted records (tiny Qwen2 tokenizer, a quarter for validation),
     built once per session. Read-only: a test that changes it works on a copy."""
-    from distill.sft import BuildSftConfig, build_sft
+    from metachunk.distill.sft import BuildSftConfig, build_sft
 
     planted = write_planted(tmp_path_factory.mktemp("planted"))
     out = planted / "ds"

@@ -1,0 +1,85 @@
+"""The recipes metachunk ships (``metachunk/recipes/``, package data), found by name.
+
+``--config NAME`` and ``metachunk run NAME`` take a file when one exists at that path, else the
+shipped recipe of that name: its path under ``recipes/`` with or without ``.yaml``
+(``train/cpu_smoke``, ``recipes/regen/demo.yaml``) or its file name alone when only one recipe
+has it (``demo``, ``cpu_smoke``). In a shipped recipe, a path to another config it ships
+(``deepspeed: recipes/deepspeed/zero3.json``) reads the shipped copy when no such file is where
+the user runs it; every other path, outputs included, stays relative to where the user runs it.
+``metachunk recipes list`` and ``metachunk recipes cp NAME [DEST]`` are torchtune's ``tune ls`` and
+``tune cp``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+SUFFIXES = (".yaml", ".yml", ".json")
+PREFIX = "recipes/"
+
+
+def names() -> list[str]:
+    """Every shipped config, as ``folder/file`` under ``recipes/``."""
+    return sorted(
+        p.relative_to(RECIPES).as_posix() for p in RECIPES.rglob("*") if p.is_file() and p.suffix in SUFFIXES
+    )
+
+
+def find(name: str) -> Path | None:
+    """The shipped file ``name`` stands for, or None."""
+    rel = name[len(PREFIX) :] if name.startswith(PREFIX) else name
+    for candidate in (rel, *(rel + s for s in SUFFIXES)):
+        path = RECIPES / candidate
+        if path.is_file() and path.resolve().is_relative_to(RECIPES):
+            return path
+    if "/" in rel:
+        return None
+    matches = [
+        RECIPES / n for n in names() if Path(n).stem == Path(rel).stem and Path(n).name.startswith(rel)
+    ]
+    return matches[0] if len(matches) == 1 else None
+
+
+def resolve(path: str | Path) -> Path:
+    """``path`` when it exists, else the shipped recipe it names, else ``path`` (the caller's
+    error then names it)."""
+    path = Path(path)
+    if path.exists():
+        return path
+    return find(str(path)) or path
+
+
+def is_shipped(path: Path) -> bool:
+    return path.resolve().is_relative_to(RECIPES)
+
+
+def localize(value, shipped: bool):
+    """A shipped recipe's values, with each ``recipes/...`` path that does not exist where the
+    user runs it pointed at the shipped copy."""
+    if not shipped:
+        return value
+    if isinstance(value, dict):
+        return {k: localize(v, shipped) for k, v in value.items()}
+    if isinstance(value, list):
+        return [localize(v, shipped) for v in value]
+    if isinstance(value, str) and value.startswith(PREFIX) and not Path(value).exists():
+        copy = RECIPES / value[len(PREFIX) :]
+        return str(copy) if copy.exists() else value
+    return value
+
+
+def copy(name: str, dest: str | None) -> Path:
+    """``metachunk recipes cp``: the shipped recipe ``name`` written to ``dest`` (default: its file
+    name, here); an existing file is never overwritten."""
+    source = find(name)
+    if source is None:
+        raise FileNotFoundError(f"no shipped recipe {name!r}; `metachunk recipes list` lists them")
+    target = Path(dest) if dest else Path(source.name)
+    if target.is_dir():
+        target = target / source.name
+    if target.exists():
+        raise FileExistsError(f"{target} exists; name another destination")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(source.read_bytes())
+    return target
