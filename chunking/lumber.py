@@ -81,12 +81,12 @@ STAGE = "lumber"  # the stage name inside this run's TeacherPool
 
 
 def load_lumber_prompt(lang: str) -> Prompt:
-    return load_prompt_file("chunking", PROMPT_NAME, lang)
+    return load_prompt_file("metachunk.chunking", PROMPT_NAME, lang)
 
 
 def load_lumber_schema() -> Schema:
     """``chunking/prompts/lumber.schema.json``: the answer as JSON, ``{"id": n}``."""
-    return load_schema_file("chunking", PROMPT_NAME)
+    return load_schema_file("metachunk.chunking", PROMPT_NAME)
 
 
 def window_schema(first: int, last: int) -> Schema:

@@ -106,7 +106,7 @@ def load_moc_prompt(role: str, lang: str) -> Prompt:
     """``moc_router`` / ``moc_expert`` prompt file of ``lang`` (zh, en)."""
     if role not in ("router", "expert"):
         raise ValueError(f"unknown MoC prompt {role!r}; have router, expert")
-    return load_prompt_file("chunking", f"moc_{role}", lang)
+    return load_prompt_file("metachunk.chunking", f"moc_{role}", lang)
 
 
 def router_messages(text: str, lang: str) -> list[dict]:
@@ -126,7 +126,7 @@ def expert_messages(text: str, lang: str, placeholder: str = DEFAULT_PLACEHOLDER
 def load_moc_schema() -> Schema:
     """``chunking/prompts/moc_expert.schema.json``: the JSON Schema of an expert's answer (a JSON
     array of strings, at least one); its sha256 is its version, as a prompt's."""
-    return load_schema_file("chunking", "moc_expert", object_root=False)
+    return load_schema_file("metachunk.chunking", "moc_expert", object_root=False)
 
 
 def expert_schema(max_items: int | None = None) -> dict:

@@ -90,7 +90,11 @@ def load_msp_prompt(variant: str = "table6", lang: str = "en") -> MspPrompt:
         raise ValueError(f"unknown MSP prompt {variant!r}; choose one of {', '.join(PROMPT_VARIANTS)}")
     if lang not in ("zh", "en"):
         raise ValueError(f"MSP prompts exist for zh and en, not {lang!r}")
-    text = files("chunking").joinpath("prompts", f"msp_{variant}.{lang}.txt").read_text(encoding="utf-8")
+    text = (
+        files("metachunk.chunking")
+        .joinpath("prompts", f"msp_{variant}.{lang}.txt")
+        .read_text(encoding="utf-8")
+    )
     cut = text.rindex("\n", 0, text.index("{sentence1}")) + 1
     return MspPrompt(
         variant, lang, text[:cut], text[cut:].rstrip("\n"), hashlib.sha256(text.encode()).hexdigest()

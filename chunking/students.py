@@ -52,7 +52,7 @@ REWRITE_BUDGET = "1.5 x chunk tokens + 32, at most 1024"
 def load_student_prompt(task: str, lang: str) -> Prompt:
     if task not in FIELDS:
         raise ValueError(f"unknown student task {task!r}; have {', '.join(FIELDS)}")
-    return load_prompt_file("chunking", f"student_{task}", lang)
+    return load_prompt_file("metachunk.chunking", f"student_{task}", lang)
 
 
 # ------------------------------------------------------------------------------------- context

@@ -23,9 +23,9 @@ def load_prompt(name: str, lang: str) -> Prompt:
     check_lang(lang)
     if name.startswith("student_"):
         return load_student_prompt(name.removeprefix("student_"), lang)
-    return load_prompt_file("distill", name, lang)
+    return load_prompt_file("metachunk.distill", name, lang)
 
 
 def load_schema(name: str) -> Schema | None:
     """The answer schema of distill stage ``name``; None for a stage whose answer is text."""
-    return load_schema_file("distill", name)
+    return load_schema_file("metachunk.distill", name)

@@ -33,7 +33,7 @@ PROMPT_NAME = "rag_answer"
 
 
 def load_rag_prompt(lang: str) -> Prompt:
-    return load_prompt_file("eval", PROMPT_NAME, lang)
+    return load_prompt_file("metachunk.eval", PROMPT_NAME, lang)
 
 
 def format_context(passages: Sequence[str]) -> str:

@@ -56,7 +56,7 @@ def run(moc: MocChunker, texts=TEXTS, langs=LANGS) -> dict:
 
 def test_schema_file_is_versioned_beside_the_prompts():
     schema = load_moc_schema()
-    raw = (files("chunking") / "prompts" / "moc_expert.schema.json").read_bytes()
+    raw = (files("metachunk.chunking") / "prompts" / "moc_expert.schema.json").read_bytes()
     assert schema.sha256 == hashlib.sha256(raw).hexdigest()
     assert schema.data["type"] == "array" and schema.data["items"] == {"type": "string"}
     assert schema.data["minItems"] == 1

@@ -200,7 +200,7 @@ def test_threshold_object():
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_load_prompt(variant, lang):
     prompt = load_msp_prompt(variant, lang)
-    raw = files("chunking").joinpath("prompts", f"msp_{variant}.{lang}.txt").read_bytes()
+    raw = files("metachunk.chunking").joinpath("prompts", f"msp_{variant}.{lang}.txt").read_bytes()
     text = raw.decode("utf-8")
     assert prompt.variant == variant and prompt.lang == lang
     assert prompt.name == f"msp_{variant}.{lang}"

@@ -103,7 +103,7 @@ def test_the_installed_wheel_runs_where_train_py_and_eval_would_shadow_it(wheel,
     assert version.startswith("metachunk ") and version != "metachunk 0+unknown"
     where = run(str(py), "-c", "import metachunk.train, metachunk; print(metachunk.__file__)").stdout
     assert str(env_dir) in where  # the wheel's copy, not the checkout's
-    assert "--config" in run(str(py), "-m", "metachunk.train", "--help").stdout
+    assert "--model_name_or_path" in run(str(py), "-m", "metachunk.train", "--help").stdout
     assert "regen/demo.yaml" in run("metachunk", "recipes", "list").stdout.split()
     assert (
         "emma_eval" in run("metachunk", "run", "demo", "--plan").stdout
@@ -130,7 +130,7 @@ def test_shipped_recipes_are_found_by_name_and_copied(tmp_path, monkeypatch, cap
             "deepspeed/zero3.json"} <= set(listed)  # fmt: skip
     assert shipped.find("demo") == shipped.RECIPES / "regen" / "demo.yaml"
     assert shipped.find("recipes/distill/rewrite.yaml") == shipped.find("distill/rewrite")
-    assert shipped.find("rewrite") is None  # distill/rewrite and others: ambiguous, so not guessed
+    assert shipped.find("zero3") is None  # accelerate/zero3.yaml and deepspeed/zero3.json: not guessed
     values = config.load_yaml(DistillConfig, Path("distill/rewrite"))
     assert values["teachers"]["reflection"].provider == "dashscope"
     zero3 = shipped.localize({"deepspeed": "recipes/deepspeed/zero3.json", "out": "runs/x"}, True)
