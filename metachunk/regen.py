@@ -311,7 +311,7 @@ def stage_outputs(stage: Stage, key: str, value: str) -> list[str]:
 
 
 def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str]) -> Fingerprint:
-    from metachunk import code_digest, models
+    from metachunk import code_digest, hub, models
 
     inputs, model_prints, outputs, reads = {}, {}, [], []
     for key, leaf, value in _leaves(stage.config):
@@ -321,7 +321,8 @@ def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str]) -> Fing
             outputs.extend(stage_outputs(stage, leaf, value))
         elif leaf in STORE_KEYS:
             continue
-        elif leaf in MODEL_KEYS and (value in models.PRESETS or (Path(value) / "config.json").is_file()):
+        elif leaf in MODEL_KEYS and (value in models.PRESETS or (Path(value) / "config.json").is_file()
+                                     or (not Path(value).exists() and hub.parse_hub_id(value))):  # fmt: skip
             model_prints[key] = models.fingerprint(value)
             reads.append(value)
         elif "," in value and leaf == "experts":  # MoC: four model dirs in one flag

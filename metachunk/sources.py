@@ -83,6 +83,21 @@ def _kind(path: Path, input_format: str) -> str | None:
     return input_format if input_format in ("jsonl", "parquet", "txt") else None
 
 
+def hub_dataset(path: str | Path) -> Path:
+    """``hf://datasets/ORG/NAME[@REV]`` (a ``Path`` has folded its ``//``): the dataset repo's local
+    snapshot (:func:`metachunk.hub.snapshot`), read as a folder of shards; any other path as is."""
+    text = str(path)
+    if not text.startswith(("hf://", "hf:/")):
+        return Path(path)
+    from metachunk import hub
+
+    ref = "hf://" + text.split(":/", 1)[1].lstrip("/")
+    try:
+        return hub.snapshot(ref, "dataset")
+    except hub.HubNotFound as e:
+        raise InputError(text, str(e)) from None
+
+
 class DocumentSource:
     """A corpus on disk, as documents in a fixed order (see the module docstring)."""
 
@@ -90,7 +105,7 @@ class DocumentSource:
                  id_field: str = "id"):  # fmt: skip
         if input_format not in FORMATS:
             raise InputError(path, f"unknown input format {input_format!r}; one of {', '.join(FORMATS)}")
-        self.path, self.input_format = Path(path), input_format
+        self.path, self.input_format = hub_dataset(path), input_format
         self.text_field, self.id_field = text_field, id_field
         self.files = self._files()
 

@@ -1,10 +1,12 @@
-"""A fake Hugging Face Hub for push tests (the ``fake_hub`` fixture in ``conftest.py`` installs it).
+"""A fake Hugging Face Hub for push and download tests (the ``fake_hub`` fixture in ``conftest.py``).
 
 The Hub is an ``httpx2.MockTransport`` installed with ``huggingface_hub.set_client_factory``: it
 answers the endpoints ``create_repo`` + ``upload_folder`` call (repo create, README YAML
-validation, preupload, LFS batch + the storage PUT + verify, commit) for any repo of any type
-(model, dataset) and records every request, so a test sees exactly which bytes and headers would
-have left the machine.
+validation, preupload, LFS batch + the storage PUT + verify, commit) and those
+``snapshot_download`` calls (repo info at a revision, the recursive tree, each file's resolve URL)
+for any repo of any type (model, dataset), and records every request, so a test sees exactly
+which bytes and headers would have left the machine. Each commit gets its own oid; a branch or a
+tag resolves to its commit, and a commit oid reads the files as they were then.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ _API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(preupload|comm
 # /{datasets/|spaces/|}{ns}/{name}.git/info/lfs/objects/{batch|verify}
 # /{datasets/|spaces/|}{ns}/{name}/resolve/{revision}/{filename}
 _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+# /api/{models|datasets}/{ns}/{name}[/revision/{revision}]  and  .../tree/{revision}
+_INFO = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)(?:/revision/([^/]+))?$")
+_TREE = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)/tree/([^/]+)$")
 # /api/{models|datasets|spaces}/{ns}/{name}/{branch|tag}/{name or revision}
 _REF = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(branch|tag)/([^/]+)$")
 _LFS = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
@@ -49,6 +54,8 @@ class FakeHub:
         self.revisions = {}  # (repo type, repo id, branch or tag) -> {path: bytes}, after each commit
         self.tags = []  # (repo id, tag, revision) of each create_tag
         self.last_revision = {}  # (repo type, repo id) -> the branch of its last commit
+        self.heads = {}  # (repo type, repo id, branch or tag) -> commit oid
+        self.snapshots = {}  # commit oid -> {path: bytes} as of that commit
 
     def handler(self, request):
         import httpx2
@@ -119,6 +126,20 @@ class FakeHub:
             )
         if request.method == "POST" and lfs and lfs.group(3) == "verify":
             return httpx2.Response(200, json={"success": True})
+        info, tree = _INFO.match(path), _TREE.match(path)
+        if request.method == "GET" and (info or tree):  # repo_info, list_repo_tree (snapshot_download)
+            match = info or tree
+            kind, repo, revision = match.group(1)[:-1], match.group(2), match.group(3) or "main"
+            oid, files = self._at(kind, repo, revision)
+            if files is None:
+                known = any(k[:2] == (kind, repo) for k in self.heads)
+                code = "RevisionNotFound" if known else "RepoNotFound"
+                return httpx2.Response(404, headers={"X-Error-Code": code}, json={"error": code})
+            if info:
+                return httpx2.Response(200, json={"id": repo, "sha": oid,
+                                                  "siblings": [{"rfilename": f} for f in sorted(files)]})  # fmt: skip
+            return httpx2.Response(200, json=[{"type": "file", "oid": hashlib.sha1(c).hexdigest(), "size": len(c),
+                                               "path": f} for f, c in sorted(files.items())])  # fmt: skip
         resolve = _RESOLVE.match(path)
         if request.method in ("HEAD", "GET") and resolve:  # hf_hub_download
             kind, repo, revision, filename = (
@@ -127,12 +148,12 @@ class FakeHub:
                 resolve.group(3),
                 resolve.group(4),
             )
-            files = self.revisions.get((kind[:-1], repo, revision))
+            oid, files = self._at(kind[:-1], repo, revision)
             if files is None or filename not in files:
                 code = "RevisionNotFound" if files is None and revision != "main" else "EntryNotFound"
                 return httpx2.Response(404, headers={"X-Error-Code": code}, json={"error": code})
             content = files[filename]
-            headers = {"ETag": f'"{hashlib.sha1(content).hexdigest()}"', "X-Repo-Commit": "0" * 40,
+            headers = {"ETag": f'"{hashlib.sha1(content).hexdigest()}"', "X-Repo-Commit": oid,
                        "Content-Length": str(len(content))}  # fmt: skip
             return httpx2.Response(200, headers=headers, content=b"" if request.method == "HEAD" else content)
         ref = _REF.match(path)
@@ -143,6 +164,8 @@ class FakeHub:
                 if key in self.revisions:
                     return httpx2.Response(409, json={"error": "branch exists"})
                 self.revisions[key] = dict(self.revisions.get((kind[:-1], repo, "main"), {}))
+                if (kind[:-1], repo, "main") in self.heads:
+                    self.heads[key] = self.heads[(kind[:-1], repo, "main")]
                 return httpx2.Response(200, json={})
             tag = json.loads(body)["tag"]
             if (kind[:-1], repo, tag) in self.revisions:
@@ -151,6 +174,7 @@ class FakeHub:
                 (kind[:-1], repo, self.last_revision.get((kind[:-1], repo), "main")), {}
             )
             self.revisions[(kind[:-1], repo, tag)] = dict(source)
+            self.heads[(kind[:-1], repo, tag)] = name
             self.tags.append((repo, tag, name))
             return httpx2.Response(200, json={})
         if request.method == "POST" and api and api.group(3) == "commit":
@@ -162,13 +186,23 @@ class FakeHub:
             files.update(self._files_of(self.commits[-1]))
             self.last_revision[(kind[:-1], repo)] = revision
             prefix = "" if kind == "models" else f"{kind}/"
-            oid = "0123456789abcdef0123456789abcdef01234567"
+            oid = hashlib.sha1(f"{kind}/{repo}@{len(self.commits)}".encode()).hexdigest()
+            self.heads[(kind[:-1], repo, revision)] = oid
+            self.snapshots[oid] = dict(files)
             return httpx2.Response(
                 200,
                 json={"commitUrl": f"https://huggingface.co/{prefix}{repo}/commit/{oid}", "commitOid": oid},
             )
         self.unexpected.append((request.method, str(request.url)))
         return httpx2.Response(404, json={"error": f"not emulated: {request.method} {path}"})
+
+    def _at(self, kind: str, repo: str, revision: str) -> tuple[str | None, dict | None]:
+        """``(commit oid, files)`` of a branch, a tag or a commit oid; ``(None, None)`` if unknown."""
+        if (kind, repo, revision) in self.revisions:
+            return self.heads.get((kind, repo, revision)), self.revisions[(kind, repo, revision)]
+        if revision in self.snapshots:
+            return revision, self.snapshots[revision]
+        return None, None
 
     def _files_of(self, commit) -> dict[str, bytes]:
         files = {}

@@ -177,7 +177,9 @@ def test_push_with_the_manifest_is_idempotent_and_tags_each_run(fake_hub, monkey
     assert json.loads(files["regen_manifest.json"])["manifest_sha256"] == "a" * 64
     card = files["README.md"].decode()
     assert "## How these rows were made" in card and "QwQ-32B" in card and "name: crud" in card
-    assert fake_hub.tags == [("me/crud-rewrite", "regen-1", "0123456789abcdef0123456789abcdef01234567")]
+    assert fake_hub.tags == [
+        ("me/crud-rewrite", "regen-1", fake_hub.heads[("dataset", "me/crud-rewrite", "main")])
+    ]
     assert (
         "How these rows were made" not in (sft_dataset / "README.md").read_text()
     )  # the folder is untouched

@@ -296,7 +296,7 @@ def check(cfg: ExportConfig) -> Weights:
         try:
             hub_token()
             check_online_allowed()
-        except ValueError as e:  # no token, or the user's own HF_HUB_OFFLINE=1: before any work
+        except ValueError as e:  # no token, or HF_HUB_OFFLINE=1: before any work
             raise InputError("export --push", str(e)) from None
     return weights
 

@@ -205,6 +205,14 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
         raise ValueError(
             f"field 'dtype' must be auto, float32, bfloat16 or float16, got {model_args.dtype!r}"
         )
+    if not Path(model_args.dataset_name).exists():  # a Hub id: the dataset repo's snapshot (metachunk.hub)
+        from metachunk import hub
+
+        if hub.parse_hub_id(model_args.dataset_name, "dataset") is not None:
+            try:
+                model_args.dataset_name = str(hub.snapshot(model_args.dataset_name, "dataset"))
+            except hub.HubNotFound as e:
+                raise ValueError(f"field 'dataset_name': {e}") from None
     if not (Path(model_args.dataset_name) / "data").is_dir():
         raise ValueError(
             f"field 'dataset_name': {model_args.dataset_name} has no data/ dir (run `metachunk data build-sft`)"

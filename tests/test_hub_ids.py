@@ -1,0 +1,121 @@
+"""Hub ids wherever a model, a student or a dataset is named, through the fake Hub.
+
+The round trips users make: a rewriter exported and pushed, then chunked with by its id (the same
+output as from the local folder); a training run whose base model and dataset are both Hub ids; a
+corpus read as ``hf://datasets/ORG/NAME``. A revision (``@BRANCH``, ``@TAG``, ``@COMMIT``) reads the
+files as they were then, and a regeneration fingerprint records the commit an id resolved to.
+Offline, an id outside the local cache is a clear error, not a download.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from metachunk.cli import main
+
+TOKEN = "hf_test_token_0123456789"
+TEXT = (
+    "Emma Woodhouse lived with her father at Hartfield. Her governess had just married Mr. Weston. "
+    "The wedding left father and daughter alone. Mr. Knightley walked over after dinner."
+)
+
+
+@pytest.fixture
+def hub(fake_hub, monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # LFS batch + storage PUT, as emulated
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # downloads land here
+    return fake_hub
+
+
+def push_model(folder: Path, repo: str) -> None:
+    from metachunk.hub import push_folder
+
+    push_folder(folder, repo, repo_type="model", token=TOKEN)
+
+
+def test_a_pushed_rewriter_chunks_by_its_id_as_from_its_folder(hub, tiny_model_dir, tmp_path, capsys):
+    student = tmp_path / "rewriter"
+    shutil.copytree(tiny_model_dir, student)
+    push_model(student, "someone/rewriter-tiny")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "en", "text": TEXT}) + "\n")
+    outputs = {}
+    for name, model in (("local", str(student)), ("hub", "someone/rewriter-tiny")):
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["chunk", str(docs), "-o", str(out), "--method", "sentence", "--target-len", "80",
+                "--len-unit", "char", "--rewrite", model, "--rewrite-max-new-tokens", "4"]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr().err
+        outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert outputs["hub"] == outputs["local"]
+    assert any("/resolve/" in url for _, url, _, _ in hub.requests)  # it was downloaded, not found on disk
+
+
+def test_training_takes_a_hub_model_and_a_hub_dataset(hub, tiny_model_dir, sft_dataset, tmp_path):
+    from metachunk.distill.hub import push_dataset
+    from metachunk.train.sft import main as train
+
+    push_model(tiny_model_dir, "someone/base-tiny")
+    push_dataset(sft_dataset, "someone/sft-tiny", token=TOKEN)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
+    out = tmp_path / "run"
+    argv = ["--config", str(recipe), "--model_name_or_path", "someone/base-tiny", "--dataset_name",
+            "someone/sft-tiny", "--output_dir", str(out), "--max_steps", "1", "--max_length", "4096"]  # fmt: skip
+    assert train(argv) == 0
+    assert (out / "metachunk_run.json").is_file() or any(out.iterdir())
+    assert hub.unexpected == []
+
+
+def test_a_revision_reads_the_files_as_they_were_and_the_fingerprint_names_the_commit(
+    hub, tiny_model_dir, tmp_path
+):
+    from metachunk import models
+    from metachunk.regen import Digests, Stage, fingerprint
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    push_model(folder, "someone/moving")
+    first = hub.heads[("model", "someone/moving", "main")]
+    (folder / "extra.json").write_text("{}")
+    push_model(folder, "someone/moving")
+    second = hub.heads[("model", "someone/moving", "main")]
+    assert first != second
+    old, new = models.resolve(f"someone/moving@{first}"), models.resolve("someone/moving")
+    assert old.name == first and new.name == second
+    assert not (old / "extra.json").exists() and (new / "extra.json").is_file()
+    assert models.fingerprint("someone/moving")["commit"] == second
+
+    stage = Stage("c", "chunk", {"method": "ppl", "model": "someone/moving", "output": "o.jsonl"})
+    fp = fingerprint(stage, Digests(), {})
+    assert fp.models["model"]["commit"] == second and not fp.missing
+
+
+def test_a_corpus_reads_from_a_hub_dataset(hub, tmp_path, monkeypatch):
+    from metachunk.hub import push_folder
+    from metachunk.sources import DocumentSource
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train-00000-of-00001.jsonl").write_text(json.dumps({"id": "a", "text": TEXT}) + "\n")
+    push_folder(corpus, "someone/corpus", repo_type="dataset", token=TOKEN)
+    source = DocumentSource("hf://datasets/someone/corpus")
+    assert [(d.id, d.text) for d in source] == [("a", TEXT)]
+    assert main(["chunk", "hf://datasets/someone/corpus", "-o", str(tmp_path / "c.jsonl"), "--method", "sentence",
+                 "--target-len", "80", "--len-unit", "char"]) == 0  # fmt: skip
+
+
+def test_offline_an_id_outside_the_cache_is_a_clear_error(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from metachunk import models
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(models.ModelNotFoundError, match="not in the local Hub cache"):
+        models.resolve("someone/nowhere")
