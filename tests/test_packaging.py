@@ -142,3 +142,21 @@ def test_shipped_recipes_are_found_by_name_and_copied(tmp_path, monkeypatch, cap
     ).read_bytes()
     assert main(["recipes", "cp", "train/cpu_smoke", "mine.yaml"]) == 2  # exists: never overwritten
     assert main(["recipes", "cp", "no/such"]) == 2
+
+
+def test_a_command_that_needs_a_missing_extra_names_it(tmp_path):
+    """Without the distill extra (openai blocked here), a distill run says which extra to install,
+    in one line, exit status 2."""
+    from support.distill_jobs import make_job
+
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever."]})
+    probe = (
+        "import sys\n"
+        "sys.modules['openai'] = None  # as if the extra were not installed\n"
+        "from metachunk.cli import main\n"
+        f"sys.exit(main(['distill', 'rewrite', '--config', {str(job.recipe)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'metachunk[distill]'" in done.stderr and "Traceback" not in done.stderr
