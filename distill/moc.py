@@ -86,7 +86,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from metachunk.chunking.align import locate
-from metachunk.chunking.moc import ROUTER_LABELS, expert_element, granularity_label, recover_spans
+
+# ANCHOR_SCALES: the head/tail lengths tried, in multiples of head_chars/tail_chars. One definition
+# for the training targets written here and the anchored grammar that decodes them.
+from metachunk.chunking.moc import (
+    ANCHOR_SCALES,
+    ROUTER_LABELS,
+    expert_element,
+    granularity_label,
+    recover_spans,
+)
 from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Sentence
 from metachunk.distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
@@ -102,7 +111,6 @@ if TYPE_CHECKING:
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
 SEPARATOR = "\n—\n"  # what the paper's Table 6 prompt puts between chunks (read as a fallback)
-ANCHOR_SCALES = (1, 2, 4)  # head/tail lengths tried, in multiples of head_chars/tail_chars
 
 # ------------------------------------------------------------------------------------- answers
 
