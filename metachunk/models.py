@@ -177,10 +177,10 @@ def fingerprint(name_or_dir: str) -> dict:
 
     if name_or_dir in PRESETS:
         name = name_or_dir
-    elif not Path(name_or_dir).expanduser().exists() and hub.parse_hub_id(str(name_or_dir)):
+    elif not Path(name_or_dir).expanduser().exists() and (ref := hub.parse_hub_id(str(name_or_dir))):
         # a Hub model is the commit its revision resolved to: the snapshot folder's name
         return {
-            "name": hub.parse_hub_id(str(name_or_dir))[1],
+            "name": ref[1],
             "commit": path.name,
             "sha256": digest.hexdigest(),
         }

@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import email.utils
+import functools
 import hashlib
 import json
 import math
@@ -104,12 +105,18 @@ def response_format(mode: str, schema: Schema | None) -> dict | None:
     }
 
 
+@functools.lru_cache(maxsize=64)
+def json_instruction(schema: Schema) -> str:
+    """The note itself, rendered once per schema (a Schema hashes by its name and file hash)."""
+    shape = json.dumps(schema.data, ensure_ascii=False, indent=1)
+    return f"Answer with one JSON object (json only, no other text) valid under this JSON Schema:\n{shape}"
+
+
 def with_json_instruction(messages: list[dict], schema: Schema) -> list[dict]:
     """``messages`` with the system message saying JSON and showing the schema: what a
     ``json_object`` endpoint needs, since it is not sent the schema and refuses a request whose
     messages never say "json" (OpenAI, DeepSeek, DashScope)."""
-    shape = json.dumps(schema.data, ensure_ascii=False, indent=1)
-    note = f"Answer with one JSON object (json only, no other text) valid under this JSON Schema:\n{shape}"
+    note = json_instruction(schema)
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + note}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
