@@ -2,7 +2,7 @@
 
 What is compared, on the same documents and the same synthetic expert answers:
 
-* **ours**: :func:`metachunk.chunking.moc.recover_spans`: per element, ``re.escape(head).*?re.escape(tail)``
+* **ours**: :func:`metachunk.chunking.moc_answers.recover_spans`: per element, ``re.escape(head).*?re.escape(tail)``
   after the previous match; on failure :func:`metachunk.chunking.align.locate` for head and tail (exact
   ``str.find``, a rapidfuzz ``partial_ratio`` reject, Myers bit-parallel semi-global edit distance
   in a window near the cursor, doubling until found).
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DATA = ROOT.parent / "shared" / "data"
 
-from metachunk.chunking.moc import recover_spans, split_element  # noqa: E402
+from metachunk.chunking.moc_answers import recover_spans, split_element  # noqa: E402
 from metachunk.chunking.sentences import split_sentences  # noqa: E402
 from rapidfuzz.distance import Levenshtein  # noqa: E402
 

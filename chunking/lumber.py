@@ -60,7 +60,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 from metachunk.chunking.types import Sentence
@@ -73,11 +72,63 @@ from metachunk.store import AnswerStore
 from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
 
-if TYPE_CHECKING:
-    from metachunk.chunking.pipeline import ChunkConfig, LumberOptions
-
 PROMPT_NAME = "lumber"
 STAGE = "lumber"  # the stage name inside this run's TeacherPool
+
+
+@dataclass
+class LumberOptions:
+    """``lumber:`` (flat: ``teachers:``, ``prices:``, ``--teacher-config``, ``--lumber-*``):
+    LumberChunker's teacher, window budget and answer store (:mod:`metachunk.chunking.lumber`)."""
+
+    teachers: dict[str, dict] | None = option(
+        None,
+        "lumber: teacher blocks by name, as in a distill recipe (the fields of metachunk.teacher.TeacherConfig); "
+        "the block named by --lumber-teacher finds the content shifts. Recipe only",
+        flat="teachers",
+    )
+    prices: dict[str, dict] | None = option(
+        None,
+        "lumber: USD per 1M tokens by model name, {input, output}, as in a distill recipe. Recipe only",
+        flat="prices",
+    )
+    teacher_config: Path | None = option(
+        None,
+        "lumber: take 'teachers:' and 'prices:' from this YAML too (e.g. a distill recipe; its other keys "
+        "are ignored); blocks in this recipe win",
+        flat="teacher_config",
+    )
+    teacher: str = option("lumber", "lumber: name of the teacher block that finds the content shifts")
+    tokens: int = option(
+        550,
+        "lumber: token budget of one window of numbered paragraphs (or sentences) shown to the teacher; "
+        "the paper's 550, estimated as 1.2 tokens per word and 1 per CJK character",
+    )
+    retries: int = option(
+        0, "lumber: ask again this many times when an answer names no usable ID, then cut by fallback"
+    )
+    cache: Path | None = option(
+        None,
+        "lumber: answer store (SQLite, append-only; safe to share with distill runs), so a rerun pays "
+        "nothing; default answers.sqlite next to the output",
+    )
+    max_cost: float | None = option(
+        None, "lumber: stop before the total spend recorded in the answer store passes USD"
+    )
+
+    def check(self) -> None:
+        """The options a ``--method lumber`` run can use, or a ValueError naming the flag: the one
+        check, called by :class:`metachunk.chunking.pipeline.ChunkConfig` for ``--method lumber`` and
+        by :class:`LumberChunker`. (The teacher block itself is checked when it is read,
+        :func:`resolve_teacher`.)"""
+        if self.tokens < 1:
+            raise ValueError(f"--lumber-tokens must be >= 1, got {self.tokens}")
+        if not (self.teachers or self.teacher_config):
+            raise ValueError(
+                "--method lumber needs a teacher: a 'teachers:' block in the recipe or --teacher-config YAML"
+            )
+        if self.retries < 0:
+            raise ValueError(f"--lumber-retries must be >= 0, got {self.retries}")
 
 
 def load_lumber_prompt(lang: str) -> Prompt:
@@ -261,23 +312,33 @@ def resolve_teacher(opts: LumberOptions) -> tuple[str, TeacherConfig, dict[str, 
 
 
 class LumberChunker:
-    """The teacher's cuts for :class:`metachunk.chunking.pipeline.Chunker` (``--method lumber``).
+    """The teacher's cuts for :class:`metachunk.chunking.pipeline.Chunker` (``--method lumber``):
+    ``opts`` is the run's ``lumber:`` block, ``output`` the run's output (the answer store defaults
+    to ``answers.sqlite`` beside it), ``total_chars`` the size of the progress bar.
 
     One event loop (an :class:`asyncio.Runner`), one teacher pool and one answer store serve every
     batch of the run; :meth:`close` releases them. :meth:`manifest` is the run's ``lumber`` block.
     """
 
-    def __init__(self, cfg: ChunkConfig, total_chars: int | None = None, progress: bool = True):
+    def __init__(
+        self,
+        opts: LumberOptions,
+        *,
+        output: Path | None = None,
+        total_chars: int | None = None,
+        progress: bool = True,
+    ):
         from tqdm import tqdm
 
-        self.opts = opts = cfg.lumber
+        opts.check()
+        self.opts = opts
         self.where, self.teacher_cfg, self.prices = resolve_teacher(opts)
         for lang in ("en", "zh"):  # a broken prompt file fails before anything is sent
             load_lumber_prompt(lang)
         if opts.cache is not None:
             self.store_path = Path(opts.cache)
-        elif cfg.output is not None:
-            self.store_path = Path(cfg.output).parent / "answers.sqlite"
+        elif output is not None:
+            self.store_path = Path(output).parent / "answers.sqlite"
         else:
             raise InputError("command line", "--method lumber needs --output or --lumber-cache")
         self.store = AnswerStore(self.store_path)

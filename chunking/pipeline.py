@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.chunking.baselines import fixed_chunks, minilm_embedder, semantic_chunks, sentence_chunks
+from metachunk.chunking.lumber import LumberChunker, LumberOptions
 from metachunk.chunking.merge import add_sentence_overlap, merge_chunks
-from metachunk.chunking.moc import PLACEHOLDERS
+from metachunk.chunking.moc import MocChunker, MocOptions
 from metachunk.chunking.msp import PROMPT_VARIANTS, MarginScorer, load_msp_prompt, msp_decisions
 from metachunk.chunking.ppl import ppl_boundaries, score_documents
 from metachunk.chunking.sentences import detect_lang, split_sentences
@@ -73,113 +74,6 @@ class StudentOptions:
         False,
         "--rewrite/--summarize: decode with the models' own generation_config (sampling if it says so) "
         "instead of greedy",
-    )
-
-
-@dataclass
-class MocOptions:
-    """``moc:`` (flat: ``--router``, ``--experts``, ``--moc-*``): Mixture-of-Chunkers inference
-    (:mod:`metachunk.chunking.moc`)."""
-
-    router: str | None = option(
-        None,
-        "moc: the router (local HF dir with safetensors, chat model answering one label 0-3)",
-        flat="router",
-    )
-    experts: str | None = option(
-        None,
-        "moc: the four chunking experts, comma-separated, for granularity labels 0,1,2,3 (mean chunk "
-        "length <=120, <=150, <=180, >180 chars); the same dir may repeat",
-        flat="experts",
-    )
-    placeholder: str = option(
-        "[MASK]",
-        "moc: the placeholder between head and tail in the experts' answers (as they were trained)",
-        choices=list(PLACEHOLDERS),
-    )
-    window_chars: int = option(
-        1024, "moc: characters per window sent to router and expert (cut at sentence ends)"
-    )
-    temperature: float = option(0.1, "moc: experts' sampling temperature")
-    top_p: float = option(0.1, "moc: experts' nucleus sampling top-p")
-    retries: int = option(
-        2,
-        "moc: retries of a window whose answer is cut by --moc-max-new-tokens, is no JSON list or "
-        "matches nothing (each adds 0.4 to temperature and top-p); then the window falls back to PPL chunking",
-    )
-    max_new_tokens: int = option(
-        512, "moc: most new tokens of an expert's answer (an answer cut by it counts as truncated)"
-    )
-    constrained: bool = option(
-        True,
-        "moc: decode the experts under their answer schema (chunking/prompts/moc_expert.schema.json, "
-        "a JSON list of strings, at most one per sentence of the window) with xgrammar, so every answer "
-        "that ends parses; --no-moc-constrained: free decoding, the answer's outermost [...] parsed",
-    )
-    anchored: bool = option(
-        False,
-        "moc (needs --moc-constrained): decode each expert under a grammar built from its window's "
-        "sentences, so every element is a sentence's start (head), the placeholder and a later "
-        "sentence's end (tail) as in the text, the elements cover the window in order, and the "
-        "expert only chooses where to cut; every answer that ends recovers exactly",
-    )
-    anchor_chars: int = option(
-        10,
-        "moc --moc-anchored: characters of a chunk's start and end in the anchors (widened to whole "
-        "words; doubled, then quadrupled, where a head is not unique), as distill's moc head_chars/tail_chars",
-    )
-    max_ratio: float = option(
-        0.1, "moc: most edits, as a share of its length, for a head or tail found by edit distance"
-    )
-    fallback_model: str | None = option(
-        None, "moc: model for the PPL fallback (threshold --threshold, default 0.5); default the router"
-    )
-    stand_in: str | None = option(
-        None,
-        "moc, at toy scale: where a router or expert dir holds no model (its training set had no rows), "
-        "the trained expert of the nearest granularity stands in, else this model (e.g. smollm2); the "
-        "run's .meta.json names every stand-in. Default: a missing model is an error",
-    )
-
-
-@dataclass
-class LumberOptions:
-    """``lumber:`` (flat: ``teachers:``, ``prices:``, ``--teacher-config``, ``--lumber-*``):
-    LumberChunker's teacher, window budget and answer store (:mod:`metachunk.chunking.lumber`)."""
-
-    teachers: dict[str, dict] | None = option(
-        None,
-        "lumber: teacher blocks by name, as in a distill recipe (the fields of metachunk.teacher.TeacherConfig); "
-        "the block named by --lumber-teacher finds the content shifts. Recipe only",
-        flat="teachers",
-    )
-    prices: dict[str, dict] | None = option(
-        None,
-        "lumber: USD per 1M tokens by model name, {input, output}, as in a distill recipe. Recipe only",
-        flat="prices",
-    )
-    teacher_config: Path | None = option(
-        None,
-        "lumber: take 'teachers:' and 'prices:' from this YAML too (e.g. a distill recipe; its other keys "
-        "are ignored); blocks in this recipe win",
-        flat="teacher_config",
-    )
-    teacher: str = option("lumber", "lumber: name of the teacher block that finds the content shifts")
-    tokens: int = option(
-        550,
-        "lumber: token budget of one window of numbered paragraphs (or sentences) shown to the teacher; "
-        "the paper's 550, estimated as 1.2 tokens per word and 1 per CJK character",
-    )
-    retries: int = option(
-        0, "lumber: ask again this many times when an answer names no usable ID, then cut by fallback"
-    )
-    cache: Path | None = option(
-        None,
-        "lumber: answer store (SQLite, append-only; safe to share with distill runs), so a rerun pays "
-        "nothing; default answers.sqlite next to the output",
-    )
-    max_cost: float | None = option(
-        None, "lumber: stop before the total spend recorded in the answer store passes USD"
     )
 
 
@@ -349,14 +243,14 @@ class ChunkConfig:
             )
         if self.method == "fixed" and self.len_unit == "token":
             raise ValueError("--method fixed counts characters or words, not tokens")
-        st, moc, lumber = self.students, self.moc, self.lumber
+        st = self.students
         sizes = {
             name: getattr(self, name)
             for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window")
         }
         sizes.update(student_context_chars=st.context_chars, student_top_k=st.top_k,
                      rewrite_max_new_tokens=st.rewrite_max_new_tokens,
-                     summary_max_new_tokens=st.summary_max_new_tokens, lumber_tokens=lumber.tokens)  # fmt: skip
+                     summary_max_new_tokens=st.summary_max_new_tokens)  # fmt: skip
         for name, value in sizes.items():
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -369,33 +263,10 @@ class ChunkConfig:
                 raise ValueError(f"--mean-chunk-chars must be > 0, got {self.mean_chunk_chars}")
             if not 0 < self.mean_chunk_chars_tolerance < 1:
                 raise ValueError("--mean-chunk-chars-tolerance must be in (0, 1)")
-        if self.method == "lumber":
-            if not (lumber.teachers or lumber.teacher_config):
-                raise ValueError(
-                    "--method lumber needs a teacher: a 'teachers:' block in the recipe or --teacher-config YAML"
-                )
-            if lumber.retries < 0:
-                raise ValueError(f"--lumber-retries must be >= 0, got {lumber.retries}")
+        if self.method == "lumber":  # each method's options check themselves
+            self.lumber.check()
         if self.method == "moc":
-            if not (moc.router and moc.experts):
-                raise ValueError("--method moc needs --router DIR and --experts DIR0,DIR1,DIR2,DIR3")
-            if len([e for e in moc.experts.split(",") if e.strip()]) != 4:
-                raise ValueError("--experts takes 4 model dirs separated by commas (granularity 0,1,2,3)")
-            if moc.window_chars < 64 or moc.retries < 0 or moc.max_new_tokens < 1:
-                raise ValueError(
-                    "--moc-window-chars must be >= 64, --moc-retries >= 0, --moc-max-new-tokens >= 1"
-                )
-            if moc.anchored and not moc.constrained:
-                raise ValueError(
-                    "--moc-anchored decodes under a grammar: it needs --moc-constrained "
-                    "(drop --no-moc-constrained, or drop --moc-anchored)"
-                )
-            if moc.anchor_chars < 1:
-                raise ValueError(f"--moc-anchor-chars must be >= 1, got {moc.anchor_chars}")
-            if not (moc.temperature > 0 and 0 < moc.top_p <= 1 and 0 <= moc.max_ratio < 1):
-                raise ValueError(
-                    "--moc-temperature must be > 0, --moc-top-p in (0, 1], --moc-max-ratio in [0, 1)"
-                )
+            self.moc.check()
 
     @property
     def fits_length(self) -> bool:
@@ -496,13 +367,18 @@ class Chunker:
         self._scorers: dict[str, MarginScorer] = {}
         self.moc = self.lumber = None
         if cfg.method == "moc":
-            from metachunk.chunking.moc import MocChunker
-
-            self.moc = MocChunker.from_config(cfg)
+            self.moc = MocChunker(
+                cfg.moc,
+                fallback_threshold=cfg.effective_threshold,
+                max_context=cfg.max_context,
+                batch_size=cfg.batch_size,
+                device=cfg.device,
+                dtype=cfg.dtype,
+            )
         if cfg.method == "lumber":  # the teacher's cuts; its store and pool stay open until close()
-            from metachunk.chunking.lumber import LumberChunker
-
-            self.lumber = LumberChunker(cfg, total_chars=total_chars, progress=progress)
+            self.lumber = LumberChunker(
+                cfg.lumber, output=cfg.output, total_chars=total_chars, progress=progress
+            )
         if cfg.method in LM_METHODS:
             from metachunk.models import load_causal_lm
 

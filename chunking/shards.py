@@ -54,15 +54,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, InputError, jsonl_line, write_bytes, write_json
+from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line, write_bytes, write_json
+from metachunk.command import Reads
 from metachunk.sources import DocumentSource, SourceIndex
 
 DOCS_PER_SHARD = 256
 MANIFEST = "manifest.json"
-# Fields of ChunkConfig that say how a run is executed, not what it computes.
-RUNTIME_FIELDS = ("input", "output", "workers", "threads_per_worker", "device", "engine", "ray_address",
-                  "overwrite")  # fmt: skip
-SHARDED_METHODS = ("ppl", "msp", "fixed", "sentence", "semantic")
+# Where a run reads from and writes to: the input is fingerprinted by its bytes, and a folder may move.
+PLACE_FIELDS = ("input", "output")
 
 
 def is_dataset_dir(output: str | Path) -> bool:
@@ -103,43 +102,93 @@ def _parquet_schema(emit_sentences: bool):
     return pa.schema(fields)
 
 
-def chunk_shard(chunker, cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan, i: int,
-                on_documents: Callable[[int], None] | None = None) -> tuple[bytes, dict]:  # fmt: skip
-    """Shard ``i``'s file contents and counts. Documents are chunked in groups that start at the
-    shard's first document, so the bytes depend on the shard alone (not on who runs it, or after
-    which other shard)."""
+class ShardWorker:
+    """What one worker holds, loaded once: the method's :class:`~metachunk.chunking.pipeline.Chunker`
+    and the students (``--rewrite``/``--summarize``: their model dirs are checked before any model
+    loads). ``documents`` and ``total_chars`` size the students' and the method's own progress."""
+
+    def __init__(self, cfg, documents: int, total_chars: int | None = None, progress: bool = False):
+        from metachunk.chunking.pipeline import Chunker
+        from metachunk.chunking.students import ChunkStudents
+
+        self.cfg = cfg
+        self.students = ChunkStudents.from_config(cfg, expected_docs=documents)
+        self.chunker = Chunker(cfg, total_chars=total_chars, progress=progress)
+
+    def close(self) -> None:
+        self.chunker.close()
+        if self.students:
+            self.students.close()
+
+    def report(self) -> dict:
+        """The method's own block (moc, lumber) and the students', as a run's manifest records them."""
+        out = {"students": self.students.manifest()} if self.students else {}
+        return {**out, **self.chunker.manifest()}
+
+
+def _safe_name(doc_id: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in doc_id)[:80]
+
+
+def chunk_shard(worker: ShardWorker, cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan, i: int,
+                write: Callable[[dict], None], on_documents: Callable[[int], None] | None = None,
+                segmented: list | None = None) -> dict:  # fmt: skip
+    """Shard ``i``'s records, each passed to ``write``; returns its counts. Documents are chunked in
+    groups that start at the shard's first document, so the records depend on the shard alone (not
+    on who runs it, or after which other shard). ``segmented``: every document of the run already
+    cut and assembled (``--mean-chunk-chars``), by input position."""
+    from metachunk.chunking.plots import plot_profile
+
     start, stop = plan.bounds(i)
-    group = max(cfg.batch_size * 4, 16)
-    records, docs = [], []
-    n_chunks = chunk_chars = 0
+    group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
+    stats = {"documents": stop - start, "chunks": 0, "chunk_chars": 0}
+    position = start
 
-    def flush():
-        nonlocal n_chunks, chunk_chars
-        for doc in chunker.chunk([d.id for d in docs], [d.text for d in docs]):
-            records.append({"schema_version": SCHEMA_VERSION, **doc.to_json(cfg.method, cfg.emit_sentences)})
-            n_chunks += len(doc.chunks)
-            chunk_chars += sum(len(c.text) for c in doc.chunks)
+    def emit(chunked) -> None:
+        nonlocal position
+        added = worker.students.apply(chunked) if worker.students else [[] for _ in chunked]
+        for doc, fields in zip(chunked, added):
+            record = doc.to_json(cfg.method, cfg.emit_sentences)
+            for chunk, extra in zip(record["chunks"], fields):  # "rewritten", "summary"
+                chunk.update(extra)
+            write({"schema_version": SCHEMA_VERSION, **record})
+            stats["chunks"] += len(doc.chunks)
+            stats["chunk_chars"] += sum(len(c.text) for c in doc.chunks)
+            if cfg.plot and doc.text.strip():  # a blank document has nothing to plot
+                # The input position keeps names unique when two ids sanitise to the same string.
+                png = Path(cfg.plot) / f"{position:05d}_{_safe_name(doc.id)}.png"
+                plot_profile(png, doc, cfg.method, cfg.effective_threshold)
+            position += 1
         if on_documents:
-            on_documents(len(docs))
-        docs.clear()
+            on_documents(len(chunked))
 
+    if segmented is not None:
+        for k in range(start, stop, group):
+            emit(segmented[k : min(k + group, stop)])
+        return stats
+    docs = []
     for doc in source.documents(start, stop, index):
         docs.append(doc)
         if len(docs) == group:
-            flush()
+            emit(worker.chunker.chunk([d.id for d in docs], [d.text for d in docs]))
+            docs = []
     if docs:
-        flush()
+        emit(worker.chunker.chunk([d.id for d in docs], [d.text for d in docs]))
+    return stats
+
+
+def shard_bytes(worker: ShardWorker, cfg, source, index, plan, i, on_documents=None, segmented=None):
+    """Shard ``i`` as its file's bytes (jsonl, or parquet with ``--output-format parquet``) and counts."""
+    records: list[dict] = []
+    stats = chunk_shard(worker, cfg, source, index, plan, i, records.append, on_documents, segmented)
     if cfg.output_format == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         buf = io.BytesIO()
         pq.write_table(pa.Table.from_pylist(records, schema=_parquet_schema(cfg.emit_sentences)), buf)
-        data = buf.getvalue()
-    else:
-        data = "".join(jsonl_line(r) for r in records).encode("utf-8")
-    stats = {"documents": stop - start, "chunks": n_chunks, "chunk_chars": chunk_chars}
-    return data, stats
+        return buf.getvalue(), stats
+    return "".join(jsonl_line(r) for r in records).encode("utf-8"), stats
 
 
 # ---- the output folder --------------------------------------------------------------------------
@@ -256,17 +305,49 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-# ---- what a run computes: the fingerprint -------------------------------------------------------
+# ---- what a run reads, and its fingerprint -------------------------------------------------------
 
 
-def prompt_hashes(cfg) -> dict[str, str]:
-    if cfg.method != "msp":
-        return {}
-    from metachunk.chunking.msp import load_msp_prompt
+def reads(cfg) -> Reads:
+    """Everything a chunk run reads besides its config: the input (and the run whose mean chunk
+    length it matches, and LumberChunker's teacher YAML), the models its method and students load,
+    and their prompt and schema files. ``metachunk chunk``'s ``inputs`` (the regeneration runner's
+    fingerprint) and a folder's resume fingerprint both use it."""
+    from metachunk.prompts import prompt_files
 
-    return {
-        f"msp_{cfg.msp_prompt}.{lang}": load_msp_prompt(cfg.msp_prompt, lang).sha256 for lang in ("en", "zh")
-    }
+    models, heads = [], []
+    if cfg.method in ("ppl", "msp") or (cfg.len_unit == "token" and cfg.method != "lumber"):
+        models.append(cfg.model)
+    if cfg.method == "semantic":
+        models.append(cfg.embedder)
+    if cfg.method == "msp":
+        heads.append(f"msp_{cfg.msp_prompt}.")
+    if cfg.method == "moc":
+        moc = cfg.moc
+        models += [
+            moc.router,
+            *(e.strip() for e in (moc.experts or "").split(",")),
+            moc.stand_in,
+            moc.fallback_model,
+        ]
+        heads.append("moc_")
+    if cfg.method == "lumber":
+        heads.append("lumber.")
+    st = cfg.students
+    for task, model in (("rewrite", st.rewrite), ("summary", st.summarize)):
+        if model:
+            models.append(model)
+            heads.append(f"student_{task}.")
+    if (st.rewrite or st.summarize) and st.context == "related":
+        models.append(cfg.embedder)
+    paths = [
+        cfg.input,
+        cfg.mean_chunk_chars_of,
+        cfg.lumber.teacher_config if cfg.method == "lumber" else None,
+    ]
+    return Reads.of(
+        paths=paths, models=models, prompts=prompt_files("metachunk.chunking", *heads) if heads else []
+    )
 
 
 def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan) -> dict:
@@ -274,14 +355,13 @@ def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPl
     from importlib.metadata import version
 
     from metachunk.models import fingerprint as model_fingerprint
+    from metachunk.models import is_model
+    from metachunk.prompts import file_hashes
 
-    computed = {k: v for k, v in config.to_dict(cfg).items() if k not in RUNTIME_FIELDS}
-    models = {}
-    if cfg.method in ("ppl", "msp") or cfg.len_unit == "token":
-        models["model"] = model_fingerprint(cfg.model)
-    if cfg.method == "semantic":
-        models["embedder"] = model_fingerprint(cfg.embedder)
-    prompts = prompt_hashes(cfg)
+    computed = {k: v for k, v in config.computed(cfg).items() if k not in PLACE_FIELDS}
+    what = reads(cfg)
+    models = {name: model_fingerprint(name) for name in what.models if is_model(name)}
+    prompts = file_hashes(what.prompts)
     fingerprint_of = {
         "config": _json_sha(computed),
         "input": index.sha256,
@@ -351,50 +431,51 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-# A spawned worker's state: its Chunker, built once by _init_worker.
+# A spawned worker's state: its ShardWorker, built once by _init_worker.
 _WORKER: dict = {}
 
 
 def _init_worker(cfg, index_json: dict, plan: ShardPlan, slots, progress) -> None:
     from dataclasses import replace
 
-    from metachunk.chunking.pipeline import Chunker
-
     slot, device, threads = slots.get()
     _set_threads(threads)
     cfg = replace(cfg, device=device)
     _WORKER.update(cfg=cfg, plan=plan, progress=progress, slot=slot,
                    source=DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field),
-                   index=SourceIndex.from_json(index_json), chunker=Chunker(cfg, progress=False))  # fmt: skip
+                   index=SourceIndex.from_json(index_json), worker=ShardWorker(cfg, plan.documents))  # fmt: skip
 
 
-def _worker_shard(i: int) -> tuple[int, bytes, dict, float]:
+def _worker_shard(i: int) -> tuple[int, bytes, dict, float, int, dict]:
     w = _WORKER
     started = time.perf_counter()
-    data, stats = chunk_shard(w["chunker"], w["cfg"], w["source"], w["index"], w["plan"], i,
+    data, stats = shard_bytes(w["worker"], w["cfg"], w["source"], w["index"], w["plan"], i,
                               on_documents=w["progress"].put)  # fmt: skip
-    return i, data, stats, time.perf_counter() - started
+    return i, data, stats, time.perf_counter() - started, w["slot"], w["worker"].report()
 
 
-def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int], bar) -> dict[int, float]:
-    """The shards in ``pending``, by ``cfg.workers`` processes (this one when 1)."""
+def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int], bar,
+              worker: ShardWorker | None = None, segmented: list | None = None) -> tuple[dict, list]:  # fmt: skip
+    """The shards in ``pending``, by ``cfg.workers`` processes (this one when 1, or when ``worker``
+    is given: the run's own, which holds ``segmented``). Returns each shard's seconds and each
+    worker's report (:meth:`ShardWorker.report`)."""
     seconds: dict[int, float] = {}
     devices = worker_devices(cfg.device, cfg.workers)
     threads = cfg.threads_per_worker
-    if cfg.workers == 1 or len(pending) <= 1:
+    if worker is not None or cfg.workers == 1 or len(pending) <= 1:
         from dataclasses import replace
 
-        from metachunk.chunking.pipeline import Chunker
-
-        _set_threads(threads)
-        cfg = replace(cfg, device=devices[0])
-        chunker = Chunker(cfg, progress=False)
+        if worker is None:
+            _set_threads(threads)
+            cfg = replace(cfg, device=devices[0])
+            worker = ShardWorker(cfg, plan.documents)
         for i in pending:
             started = time.perf_counter()
-            data, stats = chunk_shard(chunker, cfg, source, index, plan, i, on_documents=bar.update)
+            data, stats = shard_bytes(worker, cfg, source, index, plan, i, bar.update, segmented)
             output.commit(i, data, stats)
             seconds[i] = time.perf_counter() - started
-        return seconds
+        worker.close()
+        return seconds, [worker.report()]
 
     import multiprocessing as mp
     import threading
@@ -408,6 +489,7 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
     for k in range(n_workers):
         slots.put((k, devices[k], threads))
     stop = threading.Event()
+    reports: dict[int, dict] = {}
 
     def show_progress():
         while not stop.is_set():
@@ -421,41 +503,45 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
                                  initargs=(cfg, index.to_json(), plan, slots, progress)) as pool:  # fmt: skip
             futures = [pool.submit(_worker_shard, i) for i in pending]
             for future in as_completed(futures):
-                i, data, stats, s = future.result()
+                i, data, stats, s, slot, report = future.result()
                 output.commit(i, data, stats)
                 seconds[i] = s
+                reports[slot] = report  # a worker's counts so far: its last shard's report holds them all
     finally:
         stop.set()
         reader.join()
         while not progress.empty():  # what arrived after the last poll
             bar.update(progress.get())
-    return seconds
+    return seconds, [reports[k] for k in sorted(reports)]
 
 
 class _RayShardChunker:
     """A Ray Data actor: one model, any number of shards (one per batch row)."""
 
     def __init__(self, cfg, index_json: dict, plan: ShardPlan):
-        from metachunk.chunking.pipeline import Chunker
+        import uuid
 
         _set_threads(cfg.threads_per_worker)
         self.cfg, self.plan, self.index = cfg, plan, SourceIndex.from_json(index_json)
         self.source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
-        self.chunker = Chunker(cfg, progress=False)
+        self.worker = ShardWorker(cfg, plan.documents)
+        self.name = uuid.uuid4().hex  # which actor a report came from
 
     def __call__(self, batch: dict) -> dict:
-        out = {"shard": [], "data": [], "stats": [], "seconds": []}
+        out = {"shard": [], "data": [], "stats": [], "seconds": [], "actor": [], "report": []}
         for i in batch["shard"]:
             started = time.perf_counter()
-            data, stats = chunk_shard(self.chunker, self.cfg, self.source, self.index, self.plan, int(i))
+            data, stats = shard_bytes(self.worker, self.cfg, self.source, self.index, self.plan, int(i))
             out["shard"].append(int(i))
             out["data"].append(data)
             out["stats"].append(json.dumps(stats))
             out["seconds"].append(time.perf_counter() - started)
+            out["actor"].append(self.name)
+            out["report"].append(json.dumps(self.worker.report(), default=str))
         return out
 
 
-def run_ray(cfg, index, plan, output: ShardedOutput, pending: list[int], bar) -> dict[int, float]:
+def run_ray(cfg, index, plan, output: ShardedOutput, pending: list[int], bar) -> tuple[dict, list]:
     """The pending shards as one Ray Data ``map_batches`` stage over an actor pool."""
     try:
         import ray
@@ -473,13 +559,14 @@ def run_ray(cfg, index, plan, output: ShardedOutput, pending: list[int], bar) ->
         num_cpus=cfg.threads_per_worker or 1,
         num_gpus=1 if gpu else 0,
     )
-    seconds = {}
+    seconds, reports = {}, {}
     for row in results.iter_rows():  # streamed: each shard is committed as it arrives
         i, stats = int(row["shard"]), json.loads(row["stats"])
         output.commit(i, bytes(row["data"]), stats)
         seconds[i] = float(row["seconds"])
+        reports[row["actor"]] = json.loads(row["report"])
         bar.update(stats["documents"])
-    return seconds
+    return seconds, list(reports.values())
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -487,26 +574,127 @@ def distributed_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
-    """``metachunk chunk INPUT -o DIR/``: scan, plan, resume, run the engine, finish.
+# ---- a run: one file, or a folder of shards -------------------------------------------------------
+
+
+def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, progress: bool):
+    """``--mean-chunk-chars``: every document segmented (held in memory), then the one
+    ``target_len`` whose chunks average ``goal`` characters (``cfg.target_len`` is set to it), and
+    every document assembled at it. Returns ``(documents, length_fit)``."""
+    from metachunk.chunking.pipeline import fit_target_len
+    from tqdm import tqdm
+
+    chunker, group = worker.chunker, max(cfg.batch_size * 4, 16)
+    segmented, docs = [], list(source.documents())
+    with tqdm(total=len(docs), unit="doc", desc=f"segment {cfg.method}", dynamic_ncols=True,
+              disable=chunker.own_progress or not progress) as bar:  # fmt: skip
+        for k in range(0, len(docs), group):
+            batch = docs[k : k + group]
+            segmented += chunker.segment([d.id for d in batch], [d.text for d in batch])
+            bar.update(len(batch))
+    length_fit = fit_target_len(chunker, segmented, goal, cfg.mean_chunk_chars_tolerance)
+    cfg.target_len = length_fit["target_len"]
+    for d in segmented:
+        d.chunks = chunker.assemble(d, cfg.target_len)
+    print(f"chunk: --target-len {cfg.target_len} gives a mean of {length_fit['mean_chunk_chars']} chars/chunk "
+          f"for a goal of {length_fit['goal']} ({length_fit['tries']} tries"
+          + ("" if length_fit["within_tolerance"] else f"; NOT within {cfg.mean_chunk_chars_tolerance:.0%}")
+          + ")", file=sys.stderr)  # fmt: skip
+    return segmented, length_fit
+
+
+def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """``metachunk chunk INPUT -o OUTPUT``: scan, plan, (resume,) chunk, finish; returns the run's
+    manifest. ``-o FILE.jsonl`` is the one-shard plan, run here and written with ``FILE.meta.json``
+    as one pair; ``-o DIR`` is the folder of shards (:func:`chunk_folder`). Every method and option
+    works both ways.
 
     ``restart_if_changed``: a folder another run wrote is started again instead of refused (for a
     stage's own intermediate folder, such as ``data sample``'s ``OUT/ppl/``)."""
+    from metachunk.chunking.pipeline import goal_mean_chars
+
+    if cfg.input is None or cfg.output is None:
+        raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
+    if Path(cfg.output).resolve() == Path(cfg.input).resolve():  # it would be replaced by its own chunks
+        raise InputError(cfg.output, "-o is the input file; write the chunks to another file")
+    goal = goal_mean_chars(cfg)
+    if is_dataset_dir(cfg.output):
+        return chunk_folder(cfg, goal, progress, restart_if_changed)
+    return chunk_file(cfg, goal, progress)
+
+
+def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
+    """The one-shard case: the output and ``OUTPUT.meta.json`` are replaced together or not at all
+    (:class:`~metachunk.artifacts.OutputPair`)."""
     from tqdm import tqdm
 
-    if cfg.method not in SHARDED_METHODS:
-        raise InputError(
-            cfg.output, f"--method {cfg.method} writes one file: use -o FILE.jsonl (a folder takes "
-            f"{', '.join(SHARDED_METHODS)})"
-        )  # fmt: skip
-    if cfg.students.rewrite or cfg.students.summarize or cfg.plot:
-        raise InputError(cfg.output, "--rewrite, --summarize and --plot write one file: use -o FILE.jsonl")
+    source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
+    # Every line checked before any model loads: a bad line 9,000 should not cost a model load
+    # and 8,999 documents of work. Texts are not kept; the run streams them again.
+    index = source.scan()
+    plan = ShardPlan(index.documents, 1)
+    started = time.perf_counter()
+    worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
+    load_s = time.perf_counter() - started
+    segmented, length_fit = (
+        fit_length(worker, cfg, source, goal, progress) if goal is not None else (None, None)
+    )
+    with OutputPair(cfg.output) as pair:
+        with tqdm(total=index.documents, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
+                  disable=worker.chunker.own_progress or not progress) as bar:  # fmt: skip
+            try:
+                stats = chunk_shard(worker, cfg, source, index, plan, 0, lambda r: pair.file.write(jsonl_line(r)),
+                                    bar.update, segmented)  # fmt: skip
+            finally:
+                worker.close()
+        seconds = time.perf_counter() - started
+        summary = {
+            "documents": stats["documents"],
+            "chunks": stats["chunks"],
+            "mean_chunk_chars": round(stats["chunk_chars"] / stats["chunks"], 1) if stats["chunks"] else 0.0,
+            "seconds": round(seconds, 2),
+            "model_load_seconds": round(load_s, 2),
+        }
+        manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.to_dict(cfg),
+                    "threshold": cfg.effective_threshold, "prompt_sha256": worker.chunker.prompt_sha256,
+                    "summary": summary}  # fmt: skip
+        report = worker.report()
+        if "students" in report:  # which rewriter / summarizer (path), prompt versions, context and decoding
+            manifest["students"] = report.pop("students")
+        if length_fit:
+            manifest["length_fit"] = length_fit
+        manifest.update(report)  # the method's own block: moc, lumber
+        pair.commit(manifest)
+    print(f"{cfg.output}: {summary['documents']} documents, {summary['chunks']} chunks, mean "
+          f"{summary['mean_chunk_chars']} chars/chunk, {seconds:.1f}s", file=sys.stderr)  # fmt: skip
+    print_method_lines(worker.chunker.summary_lines(), manifest.get("students", {}))
+    return manifest
+
+
+def print_method_lines(lines: list[str], students: dict) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+    for task, run in students.items():
+        print(f"  {task} ({run['model']}): '{run['field']}' on {run['chunks']} chunks, {run['new_tokens']} new "
+              f"tokens, {run['seconds']:.1f}s", file=sys.stderr)  # fmt: skip
+
+
+def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """A dataset folder, shard by shard, resumable, on one of the engines. With ``--mean-chunk-chars``
+    every document is segmented here first (in memory: an evaluation set, not a corpus) and the
+    shards are written by this process."""
     from dataclasses import replace
+
+    from tqdm import tqdm
 
     rank, world = distributed_rank()
     if world > 1 and cfg.overwrite:
         raise InputError(
             "--overwrite", "every rank would clear the folder: run once without torchrun to clear it"
+        )
+    if world > 1 and goal is not None:
+        raise InputError(
+            "--mean-chunk-chars", "segments the whole input in one process: run it without torchrun"
         )
     # Under torchrun each rank is one worker; otherwise one per visible GPU on GPU, else 1.
     cfg = replace(cfg, workers=1 if world > 1 else (cfg.workers or default_workers(cfg.device)))
@@ -537,14 +725,19 @@ def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) ->
     if done:
         print(f"{cfg.output}: resuming{who}: {len(done)} of {plan.shards} shards done, "
               f"{len(pending)} to chunk ({todo_docs} documents)", file=sys.stderr)  # fmt: skip
+    worker = segmented = length_fit = None
+    if goal is not None and pending:
+        cfg = replace(cfg, workers=1)
+        worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
+        segmented, length_fit = fit_length(worker, cfg, source, goal, progress)
     with tqdm(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", dynamic_ncols=True,
               disable=not progress) as bar:  # fmt: skip
         if not pending:
-            seconds = {}
-        elif cfg.engine == "ray":
-            seconds = run_ray(cfg, index, plan, output, pending, bar)
+            seconds, reports = {}, []
+        elif cfg.engine == "ray" and worker is None:
+            seconds, reports = run_ray(cfg, index, plan, output, pending, bar)
         else:
-            seconds = run_local(cfg, source, index, plan, output, pending, bar)
+            seconds, reports = run_local(cfg, source, index, plan, output, pending, bar, worker, segmented)
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
         "workers": cfg.workers,
@@ -557,6 +750,9 @@ def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) ->
         "documents_skipped": skipped_docs,
         "documents_chunked": todo_docs,
         "shard_seconds": {f"{i:05d}": round(s, 2) for i, s in sorted(seconds.items())},
+        # each worker's method and students blocks (moc, lumber: windows, requests, fallbacks ...)
+        **({"workers_report": reports} if any(reports) else {}),
+        **({"length_fit": length_fit} if length_fit else {}),
     }
     manifest = output.finish(run)
     state = (
@@ -572,7 +768,18 @@ def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) ->
            f"{summary['mean_chunk_chars']} chars/chunk" if summary else ""),
         file=sys.stderr,
     )  # fmt: skip
+    for report in reports:
+        print_method_lines([], report.get("students", {}))
     return manifest
+
+
+def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """A dataset folder's run (``data sample``'s intermediate PPL chunks): :func:`chunk_folder`."""
+    from metachunk.chunking.pipeline import goal_mean_chars
+
+    if not is_dataset_dir(cfg.output):
+        raise InputError(cfg.output, "expected a folder for the shards")
+    return chunk_folder(cfg, goal_mean_chars(cfg), progress, restart_if_changed)
 
 
 def chunk_rows(path: str | Path):

@@ -68,6 +68,7 @@ from metachunk.artifacts import (
     jsonl_line,
     write_json,
 )
+from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.crud import informative, normalize  # shared with eval: how CRUD's QA pairs are read
 from metachunk.sources import read_documents
@@ -645,3 +646,36 @@ def print_report(report: dict, file=None) -> None:
         print(f"{name:<{width}}  {value:>6}", file=file)
     histogram = "  ".join(f"{k}:{v}" for k, v in report["confidence_histogram"].items())
     print(f"best-candidate confidence: {histogram}", file=file)
+
+
+# ---- `metachunk data prepare-crud` ---------------------------------------------------------------
+
+CONFIG = PrepareCrudConfig
+SUMMARY_KEYS = (
+    "matched",
+    "ambiguous",
+    "unmatched",
+    "test_documents",
+    "train_pool",
+    "near_duplicates_removed",
+)
+
+
+def run(cfg: PrepareCrudConfig) -> Result:
+    import sys
+
+    report = prepare_crud(cfg.news, cfg.qa, cfg.out, match_threshold=cfg.match_threshold, margin=cfg.margin,
+                          near_dup_threshold=cfg.near_dup_threshold, num_perm=cfg.num_perm)  # fmt: skip
+    print_report(report)
+    print(
+        f"{cfg.out}: test_documents.jsonl, train_pool.jsonl, qa_matches.jsonl, report.json", file=sys.stderr
+    )
+    return Result(summary={k: report[k] for k in SUMMARY_KEYS if k in report})
+
+
+def inputs(cfg: PrepareCrudConfig) -> Reads:
+    return Reads.of(paths=[cfg.news, cfg.qa])
+
+
+def outputs(cfg: PrepareCrudConfig) -> list:
+    return [cfg.out]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk.artifacts import InputError
+from metachunk.command import Reads, Result
 from metachunk.config import option
 
 ALLOW_PATTERNS = ["README.md", "data/*.parquet", "*.png", "dataset_info*.json", "regen_manifest.json"]
@@ -183,3 +184,25 @@ def push(cfg: PushConfig) -> str:
         raise InputError("command line", "push needs a dataset directory and --repo-id")
     return push_dataset(cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message,
                         regen_manifest=cfg.regen_manifest, revision=cfg.revision, tag=cfg.tag)  # fmt: skip
+
+
+CONFIG = PushConfig
+
+
+def run(cfg: PushConfig) -> Result:
+    """``metachunk data push``: prints the dataset's URL."""
+    try:
+        print(push(cfg))
+    except InputError:
+        raise
+    except ValueError as e:  # no token, a bad repo id: before any request
+        raise InputError("data push", str(e)) from None
+    return Result()
+
+
+def inputs(cfg: PushConfig) -> Reads:
+    return Reads.of(paths=[cfg.dataset_dir])
+
+
+def outputs(cfg: PushConfig) -> list:
+    return []

@@ -28,7 +28,7 @@ boundary is forced by a window edge, except when a single chunk fills a whole-bu
 
 **Cleaning.** Each returned chunk is located in the window by edit distance
 (:func:`metachunk.chunking.align.locate`, searched forward from the previous chunk's end). A chunk whose
-best match needs more than ``max_edit_ratio`` (10%) of its length in edits is *flagged*: kept in
+best match needs more than ``moc_max_ratio`` (10%) of its length in edits is *flagged*: kept in
 the record with the teacher's text (for review) and excluded from training. Accepted chunks are
 stored as exact offsets of the document (with their edit distance), never as teacher text: the
 training data quotes the source. An answer of which no chunk can be located is asked again
@@ -83,30 +83,23 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from metachunk.chunking.align import locate
+from metachunk.chunking.moc import ROUTER_LABELS, granularity_label
 
 # ANCHOR_SCALES: the head/tail lengths tried, in multiples of head_chars/tail_chars. One definition
 # for the training targets written here and the anchored grammar that decodes them.
-from metachunk.chunking.moc import (
-    ANCHOR_SCALES,
-    ROUTER_LABELS,
-    expert_element,
-    granularity_label,
-    recover_spans,
-)
+from metachunk.chunking.moc_answers import ANCHOR_SCALES, expert_element, recover_spans
 from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Sentence
+from metachunk.distill.config import DistillConfig, MocDistillOptions
 from metachunk.distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
 from metachunk.distill.prompts import load_prompt
 
 from metachunk.artifacts import SCHEMA_VERSION, InputError
 from metachunk.sources import read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
-
-if TYPE_CHECKING:
-    from metachunk.distill.run import DistillConfig, MocOptions, RunResult
 
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
@@ -344,7 +337,7 @@ def _mean(chunks: Sequence[tuple[int, int]]) -> float:
     return round(sum(e - s for s, e in chunks) / len(chunks), 2) if chunks else 0.0
 
 
-def finish_record(record: dict, text: str, opts: MocOptions) -> dict:
+def finish_record(record: dict, text: str, opts: MocDistillOptions) -> dict:
     """Gaps, counts, label and samples of a document whose windows are done."""
     chunks = [(c["start"], c["end"]) for c in record["chunks"]]
     record["gaps"] = gaps_of(text, chunks)
@@ -388,7 +381,7 @@ def finish_record(record: dict, text: str, opts: MocOptions) -> dict:
 # ------------------------------------------------------------------------------------- one document
 
 
-def new_record(plan: DocPlan, opts: MocOptions) -> dict:
+def new_record(plan: DocPlan, opts: MocDistillOptions) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "task": TASK,
@@ -410,7 +403,7 @@ def new_record(plan: DocPlan, opts: MocOptions) -> dict:
     }
 
 
-async def chunk_document(plan: DocPlan, runner: StageRunner, opts: MocOptions) -> dict:
+async def chunk_document(plan: DocPlan, runner: StageRunner, opts: MocDistillOptions) -> dict:
     """Window by window through the document; returns its record."""
     text = plan.text
     record = new_record(plan, opts)
@@ -434,7 +427,7 @@ async def chunk_document(plan: DocPlan, runner: StageRunner, opts: MocOptions) -
         truncated = False
 
         def parse(answer: str, body=body) -> Cleaned | None:
-            cleaned = clean_window(body, answer_chunks(answer), opts.max_edit_ratio)
+            cleaned = clean_window(body, answer_chunks(answer), opts.max_ratio)
             return cleaned if cleaned.located else None
 
         try:
@@ -564,7 +557,7 @@ class MocTask:
     def manifest(self) -> dict:
         return {"tokenizer": str(self.counter.path), "separator": SEPARATOR}
 
-    def summary_line(self, result: RunResult, summary: dict) -> str:
+    def summary_line(self, summary: dict) -> str:
         outcome = tally(summary["outcome"])
         chunks, labels = summary["chunks"], summary["labels"]
         return (
@@ -572,10 +565,10 @@ class MocTask:
             f"windows, {summary['fallbacks']} fallbacks; chunks {chunks['accepted']} accepted "
             f"({chunks['accepted_with_edits']} with edits), {chunks['flagged']} flagged; labels "
             f"{' '.join(f'{k}:{v}' for k, v in labels.items())}; {summary['samples']['total']} samples; "
-            f"{result.sent} requests sent, {result.cached} answers from the store; "
+            f"{summary['requests_sent']} requests sent, {summary['answers_from_store']} answers from the store; "
             f"{summary['prompt_tokens'] + summary['completion_tokens']:,} tokens, ${summary['cost']:.4f}; "
             + (f"{json_line(summary['json_answers'])}; " if summary["json_answers"] else "")
-            + f"{result.seconds:.1f}s"
+            + f"{summary['seconds']:.1f}s"
         )
 
     def status(self, records: list[dict]) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line, read_jsonl
+from metachunk.command import Reads, Result
 from metachunk.config import option
 
 
@@ -124,7 +125,19 @@ def write_passages(cfg: PassagesConfig) -> dict:
     return {"documents": n, "characters": chars}
 
 
-def main(cfg: PassagesConfig) -> int:
+CONFIG = PassagesConfig
+
+
+def run(cfg: PassagesConfig) -> Result:
+    """``metachunk data passages``."""
     report = write_passages(cfg)
     print(f"{cfg.out}: {report['documents']} documents, {report['characters']:,} characters", file=sys.stderr)
-    return 0
+    return Result(summary={"documents": report["documents"]})
+
+
+def inputs(cfg: PassagesConfig) -> Reads:
+    return Reads.of(paths=[cfg.input])
+
+
+def outputs(cfg: PassagesConfig) -> list:
+    return [cfg.out]

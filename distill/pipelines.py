@@ -26,9 +26,9 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from metachunk.chunking.students import CONTEXT_SEPARATOR, related_chunks, window_span
+from metachunk.distill.config import STAGES, DistillConfig
 from metachunk.distill.prompts import load_prompt, load_schema
 
 from metachunk.artifacts import SCHEMA_VERSION, InputError
@@ -36,13 +36,6 @@ from metachunk.sources import read_documents
 from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
-if TYPE_CHECKING:
-    from metachunk.distill.run import DistillConfig, RunResult
-
-STAGES = {
-    "rewrite": ("reflection", "refinement", "completion"),
-    "summary": ("summary_global", "summary_local", "summary_fuse"),
-}
 NOTHING_MISSING = {"none", "无", "无。", "none."}
 
 
@@ -510,14 +503,15 @@ class ChunkTask:
     def manifest(self) -> dict:
         return {}
 
-    def summary_line(self, result: RunResult, summary: dict) -> str:
+    def summary_line(self, summary: dict) -> str:
         outcome = tally(summary["outcome"])
-        waited = f" ({result.waited} waited for another run on the store)" if result.waited else ""
+        waited = summary["answers_waited_for"]
+        waited = f" ({waited} waited for another run on the store)" if waited else ""
         answers = f"; {json_line(summary['json_answers'])}" if summary["json_answers"] else ""
         return (
-            f"{self.cfg.out}/{self.name}.jsonl: {summary['chunks']} chunks ({outcome}); {result.sent} requests "
-            f"sent, {result.cached} answers from the store{waited}; ${result.paid:.4f} paid by this run, "
-            f"${summary['cost']:.4f} in the records{answers}; {result.seconds:.1f}s"
+            f"{self.cfg.out}/{self.name}.jsonl: {summary['chunks']} chunks ({outcome}); {summary['requests_sent']} "
+            f"requests sent, {summary['answers_from_store']} answers from the store{waited}; ${summary['paid']:.4f} paid "
+            f"by this run, ${summary['cost']:.4f} in the records{answers}; {summary['seconds']:.1f}s"
         )
 
     def status(self, records: list[dict]) -> list[str]:

@@ -28,137 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from metachunk.chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
-from metachunk.distill.pipelines import STAGES, ChunkTask, StageRunner
+from metachunk.distill.config import TASK_STAGES, DistillConfig
+from metachunk.distill.moc import MocTask
+from metachunk.distill.pipelines import ChunkTask, StageRunner
 from metachunk.distill.prompts import load_prompt, load_schema
 
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
-from metachunk.config import option
+from metachunk.command import Reads, Result
 from metachunk.store import AnswerStore
-from metachunk.teacher import Price, TeacherConfig, TeacherPool, is_transport_failure, wire_body
-
-# Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
-TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}
-
-
-@dataclass
-class MocOptions:
-    """``distill moc``'s own options (distill/moc.py, MoC §3.2.1 and Appendix A.3). A block of
-    :class:`DistillConfig` whose keys and flags stay flat: ``window_tokens: 512`` or
-    ``moc: {window_tokens: 512}`` in a recipe, ``--window-tokens 512`` on the command line."""
-
-    tokenizer: str = option(
-        "gemma3-270m", "moc: tokenizer (preset or local HF dir) that measures windows in tokens"
-    )
-    window_tokens: int = option(
-        1024, "moc: longest window of text per teacher request, cut at a paragraph or sentence end"
-    )
-    max_edit_ratio: float = option(
-        0.1, "moc: a returned chunk further than this share of its length (edits) from the text is flagged"
-    )
-    sample_chars: int = option(1024, "moc: router/expert samples of about this many characters, whole chunks")
-    placeholder: str = option(
-        DEFAULT_PLACEHOLDER,
-        "moc: what stands for a chunk's middle in expert targets",
-        choices=list(PLACEHOLDERS),
-    )
-    head_chars: int = option(10, "moc: characters of a chunk's start kept in its expert target")
-    tail_chars: int = option(10, "moc: characters of a chunk's end kept in its expert target")
-
-
-@dataclass
-class DistillConfig:
-    task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary", "moc"])
-    chunks: Path = option(
-        None, "chunks JSONL from `metachunk chunk` or `metachunk data sample` (not used by moc)"
-    )
-    documents: Path = option(
-        None, "the documents those chunks index into (moc: the documents to chunk): JSONL with id and text"
-    )
-    out: Path = option(
-        None, "run directory: TASK.jsonl (one record per chunk), TASK.meta.json, answers.sqlite"
-    )
-    cache: Path | None = option(
-        None,
-        "answer store (SQLite, append-only); default OUT/answers.sqlite. Safe to share between runs, "
-        "also running at once: a request another process is sending is waited for, never paid twice",
-    )
-    teachers: dict[str, TeacherConfig] | None = option(
-        None,
-        "one teacher block per stage (rewrite: reflection, refinement, completion; summary: "
-        "summary_global, summary_local, summary_fuse; moc: moc_chunk)",
-    )
-    prices: dict[str, Price] | None = option(None, "USD per 1M prompt/completion tokens, by model name")
-    lang: str = option("auto", "prompt language; auto detects it per document", choices=["auto", "zh", "en"])
-    context: str = option(
-        "document",
-        "context given with each chunk: the document around it, or its most similar chunks",
-        choices=["document", "related"],
-    )
-    context_top_k: int = option(4, "related context: how many of the document's other chunks")
-    max_context_chars: int = option(
-        8000, "longest context; a longer document is cut to a window around the chunk"
-    )
-    embedder: str = option("minilm", "related context: sentence embedder preset or local dir")
-    threshold: float = option(7.0, "rewrite: keep refinement items scoring at least this (scores are 1-10)")
-    parse_retries: int = option(2, "ask again this many times when an answer is empty or unparseable")
-    limit: int | None = option(None, "only the first N chunks (moc: documents)")
-    max_cost: float | None = option(
-        None,
-        "stop cleanly before the total spend on this answer store passes USD: every run, past and "
-        "running at once in other processes, counts (exit status 3)",
-    )
-    max_failure_rate: float = option(
-        0.25,
-        "exit with status 4 when more than this share of the records failed (a run where every record "
-        "failed always does); the failed records are still written, and a rerun retries transport failures",
-    )
-    dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
-    export_batch: Path | None = option(
-        None,
-        "teachers in mode: batch: write this round's requests as Batch API JSONL here (for `vllm run-batch`) "
-        "instead of submitting them, and stop; rerun with --import-batch RESULTS for the next round",
-    )
-    import_batch: list[Path] | None = option(
-        None, "store the answers of Batch API result files (vllm run-batch's output) before the run"
-    )
-    progress: bool = option(True, "show a progress bar")
-    moc: MocOptions = config.block(
-        MocOptions, "moc: windows, cleaning and samples (flat keys and flags: window_tokens, ...)", prefix=""
-    )
-
-    def __post_init__(self):
-        config.check_choices(self)
-        self.teachers = self.teachers or {}
-        self.prices = self.prices or {}
-        required = (
-            ("task", "documents", "out") if self.task == "moc" else ("task", "chunks", "documents", "out")
-        )
-        for name in required:
-            if getattr(self, name) is None:
-                raise ValueError(f"field {name!r} is required")
-        moc = self.moc
-        if self.task == "moc" and (
-            moc.window_tokens < 16 or moc.sample_chars < 1 or min(moc.head_chars, moc.tail_chars) < 1
-        ):
-            raise ValueError("window_tokens must be >= 16; sample_chars, head_chars, tail_chars >= 1")
-        if not 0 <= moc.max_edit_ratio < 1:
-            raise ValueError("'max_edit_ratio' must be in [0, 1)")
-        if not 0 <= self.max_failure_rate <= 1:
-            raise ValueError("'max_failure_rate' must be in [0, 1]")
-        missing = [s for s in TASK_STAGES[self.task] if s not in self.teachers]
-        if missing:
-            raise ValueError(f"field 'teachers' lacks a block for stage(s) {', '.join(missing)}")
-        # Blocks for the other task's stages are allowed: one recipe can drive both pipelines.
-        known = {stage for stages in TASK_STAGES.values() for stage in stages}
-        extra = sorted(set(self.teachers) - known)
-        if extra:
-            raise ValueError(f"field 'teachers' has block(s) for unknown stage(s) {', '.join(extra)}")
-        self.teachers = {stage: self.teachers[stage] for stage in TASK_STAGES[self.task]}
-        if self.cache is None:
-            self.cache = Path(self.out) / "answers.sqlite"
-
+from metachunk.teacher import Price, TeacherPool, is_transport_failure, wire_body
 
 # ---------------------------------------------------------------------------------------- tasks
 
@@ -184,8 +63,8 @@ class Task(Protocol):
     def manifest(self) -> dict:
         """What the manifest holds besides the config, the prompt hashes and the summary."""
 
-    def summary_line(self, result: RunResult, summary: dict) -> str:
-        """The line printed after a run."""
+    def summary_line(self, summary: dict) -> str:
+        """The line printed after a run, from its summary (:func:`write_records`)."""
 
     def status(self, records: list[dict]) -> list[str]:
         """``distill status``: the lines printed."""
@@ -199,8 +78,6 @@ class Task(Protocol):
 
 def make_task(cfg: DistillConfig) -> Task:
     if cfg.task == "moc":  # windows + chunk buffer + edit-distance cleaning (distill/moc.py)
-        from metachunk.distill.moc import MocTask
-
         return MocTask(cfg)
     return ChunkTask(cfg)
 
@@ -225,7 +102,7 @@ class RunResult:
     bodies: dict | None = None  # dry run: each stage's first request body, as it would be sent
 
 
-def run(cfg: DistillConfig, offline: bool = False) -> RunResult:
+def run_task(cfg: DistillConfig, offline: bool = False) -> RunResult:
     """Run (or, offline, replay) the task's pipeline over every item; returns the records."""
     task = make_task(cfg)
     items = task.read()
@@ -399,19 +276,61 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     return summary
 
 
-def main(cfg: DistillConfig, action: str) -> int:
-    """``metachunk distill TASK`` / ``distill status`` / ``--dry-run``, for every task."""
-    if action == "status" or cfg.dry_run:
-        result = run(cfg, offline=True)
-        print_status(result) if action == "status" else print_estimate(cfg, result)
-        return EXIT_OK
-    result = run(cfg)
+# ---- the command: `metachunk distill TASK` / `distill status` / `--dry-run` ------------------------
+
+CONFIG = DistillConfig
+# The manifest summary's counts a run reports.
+SUMMARY_KEYS = (
+    "chunks",
+    "documents",
+    "outcome",
+    "requests_sent",
+    "answers_from_store",
+    "cost",
+    "paid",
+    "json_answers",
+)
+
+
+def run(cfg: DistillConfig) -> Result:
+    """Run the task and write its records (``--dry-run``: :func:`estimate`)."""
+    if cfg.dry_run:
+        return estimate(cfg)
+    result = run_task(cfg)
     summary = write_records(cfg, result)
-    print(result.task.summary_line(result, summary), file=sys.stderr)
-    return exit_status(cfg, result)
+    print(result.task.summary_line(summary), file=sys.stderr)
+    return Result(exit_status(cfg, result), {k: summary[k] for k in SUMMARY_KEYS if k in summary})
 
 
-# `metachunk distill` exit statuses (also in its --help).
+def estimate(cfg: DistillConfig) -> Result:
+    """The dry run: replayed against the store, nothing sent; prints the table, returns its totals."""
+    result = run_task(cfg, offline=True)
+    return Result(EXIT_OK, estimate=print_estimate(cfg, result))
+
+
+def status(cfg: DistillConfig) -> Result:
+    """``distill status``: done / failed / pending per stage, from the store."""
+    print_status(run_task(cfg, offline=True))
+    return Result(EXIT_OK)
+
+
+def inputs(cfg: DistillConfig) -> Reads:
+    from metachunk.prompts import prompt_files
+
+    stages = TASK_STAGES[cfg.task]
+    models = [cfg.moc.tokenizer] if cfg.task == "moc" else []
+    if cfg.context == "related" and cfg.task != "moc":
+        models.append(cfg.embedder)
+    return Reads.of(paths=[cfg.chunks if cfg.task != "moc" else None, cfg.documents, *(cfg.import_batch or [])],
+                    models=models, prompts=prompt_files("metachunk.distill", *(f"{s}." for s in stages)))  # fmt: skip
+
+
+def outputs(cfg: DistillConfig) -> list:
+    """The task's records (the run folder is shared with the other tasks and the answer store)."""
+    return [Path(cfg.out) / f"{cfg.task}.jsonl"]
+
+
+# `metachunk distill` exit statuses (also in its --help: EPILOG).
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_BUDGET, EXIT_FAILURES = 0, 1, 2, 3, 4
 EXIT_CODES_HELP = """exit status:
   0  every record was written and the failure rate is at most --max-failure-rate
@@ -421,6 +340,7 @@ EXIT_CODES_HELP = """exit status:
   4  failures: every record failed, more than --max-failure-rate of them did, the endpoint
      could not be reached, or it refused the requests for a reason that repeats (its message is
      printed); the records are written and a rerun retries the transport failures"""
+EPILOG = EXIT_CODES_HELP
 
 
 def exit_status(cfg: DistillConfig, result: RunResult, file=None) -> int:

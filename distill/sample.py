@@ -35,6 +35,7 @@ from pathlib import Path
 
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, write_json
+from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.sources import read_documents
 
@@ -201,3 +202,24 @@ def print_report(report: dict, file=None) -> None:
         + ", ".join(f"{k} {v}" for k, v in report["selected_by_length"].items()),
         file=file,
     )
+
+
+# ---- `metachunk data sample` ---------------------------------------------------------------------
+
+CONFIG = SampleConfig
+
+
+def run(cfg: SampleConfig) -> Result:
+    report = sample(cfg)
+    print_report(report)
+    print(f"{cfg.out}: chunks.jsonl (with 'selected'), documents.jsonl, sample.json", file=sys.stderr)
+    keys = ("pool_long_documents", "documents", "chunks", "selected_chunks")
+    return Result(summary={k: report.get(k) for k in keys})
+
+
+def inputs(cfg: SampleConfig) -> Reads:
+    return Reads.of(paths=[cfg.pool], models=[cfg.model])
+
+
+def outputs(cfg: SampleConfig) -> list:
+    return [cfg.out]

@@ -39,6 +39,7 @@ from metachunk.distill.sft_rows import ROW_MAKERS, Row
 
 from metachunk import config
 from metachunk.artifacts import InputError, replace_dir, write_json
+from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.sources import read_documents
 
@@ -469,3 +470,41 @@ def print_stats(stats: dict, file=None) -> None:
           f"${usage['cost_usd']:.4f}; leakage: {stats['leakage']['contaminated']} contaminated of "
           f"{stats['leakage']['rows_checked']} checked against {stats['leakage']['test_documents']} test documents; "
           f"{build['rows_per_s']} rows/s", file=file)  # fmt: skip
+
+
+# ---- `metachunk data build-sft` ------------------------------------------------------------------
+
+CONFIG = BuildSftConfig
+
+
+def run(cfg: BuildSftConfig) -> Result:
+    import sys
+
+    stats = build_sft(cfg)
+    print_stats(stats)
+    for out, name in stats.get("outputs", [(cfg.out, cfg.name)]):  # moc-expert: one per label
+        print(
+            f"{out}: data/*.parquet, README.md, token_lengths.png; card {cfg.cards_dir}/{name}.md",
+            file=sys.stderr,
+        )
+    if "datasets" in stats:  # moc-expert: one set per granularity
+        sets = stats["datasets"]
+        return Result(summary={"train_rows": {f"expert {k}": (sets.get(str(k)) or {}).get("rows", {}).get("train")
+                                              for k in range(4)}})  # fmt: skip
+    return Result(summary={k: stats.get(k) for k in ("input_records", "rows", "filters")})
+
+
+def inputs(cfg: BuildSftConfig) -> Reads:
+    from metachunk.prompts import prompt_files
+
+    student = f"student_{cfg.task}" if cfg.task in ("rewrite", "summary") else cfg.task.replace("-", "_")
+    return Reads.of(paths=[cfg.distilled, cfg.documents, cfg.test_documents], models=[cfg.tokenizer],
+                    prompts=prompt_files("metachunk.chunking", student + "."))  # fmt: skip
+
+
+def outputs(cfg: BuildSftConfig) -> list:
+    """The dataset folder (moc-expert: one per granularity, OUT-0 .. OUT-3); the cards folder
+    holds every dataset's card, so it is not one run's output."""
+    if cfg.task == "moc-expert":
+        return [f"{cfg.out}-{k}" for k in (cfg.granularity or range(4))]
+    return [cfg.out]

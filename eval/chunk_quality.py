@@ -82,6 +82,7 @@ from metachunk.chunking.shards import chunk_rows
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
+from metachunk.command import Reads, Result
 from metachunk.config import option
 
 CONVENTIONS = ("paper", "released")
@@ -473,7 +474,7 @@ def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: floa
     return path
 
 
-def run(cfg: ChunkQualityConfig) -> int:
+def run(cfg: ChunkQualityConfig) -> Result:
     from metachunk.eval.report import write_run
 
     from metachunk.models import ModelNotFoundError
@@ -482,7 +483,7 @@ def run(cfg: ChunkQualityConfig) -> int:
         result = evaluate(cfg)
     except (InputError, ModelNotFoundError) as e:
         print(f"eval chunk-quality: {e}", file=sys.stderr)
-        return 2
+        return Result(2)
     docs = [d for d in result["details"]["documents"] if "skipped" not in d]
     shown = next((d for d in docs if d["id"] == cfg.plot_doc), docs[0] if docs else None)
     png = plot(cfg.out, result["bc_values"], shown, cfg.convention, cfg.k)
@@ -506,4 +507,14 @@ def run(cfg: ChunkQualityConfig) -> int:
         f"pairs, cap {cfg.max_pairs or 'none'}; {m['seconds']} s) -> {Path(cfg.out) / 'metrics.json'}",
         file=sys.stderr,
     )
-    return 0
+    from metachunk.eval.report import summary
+
+    return Result(summary=summary(m))
+
+
+def inputs(cfg: ChunkQualityConfig) -> Reads:
+    return Reads.of(paths=[cfg.chunks], models=[cfg.model])
+
+
+def outputs(cfg: ChunkQualityConfig) -> list:
+    return [cfg.out]

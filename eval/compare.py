@@ -36,6 +36,7 @@ from pathlib import Path
 from metachunk.eval.report import format_value, markdown_table, read_items, read_run
 
 from metachunk.artifacts import AtomicWriter, write_figure
+from metachunk.command import Reads, Result
 from metachunk.config import option
 
 LENGTH_KEY = "avg_chunk_chars"
@@ -392,13 +393,21 @@ def print_table(result: dict) -> None:
         print(f"{name:<{width}} " + " ".join(f"{c:>14}" for c in cells))
 
 
-def run(cfg: CompareConfig) -> int:
+def run(cfg: CompareConfig) -> Result:
     try:
         result = compare(cfg)
     except ValueError as e:
         print(f"eval compare: {e}", file=sys.stderr)
-        return 2
+        return Result(2)
     print_table(result)
     print(f"{cfg.out}: {len(result['runs'])} runs, {len(result['metrics'])} metrics, {len(result['plots'])} plots",
           file=sys.stderr)  # fmt: skip
-    return 0
+    return Result(summary={"report": str(cfg.out)})
+
+
+def inputs(cfg: CompareConfig) -> Reads:
+    return Reads.of(paths=cfg.runs or [])
+
+
+def outputs(cfg: CompareConfig) -> list:
+    return [cfg.out]

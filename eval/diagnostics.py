@@ -66,6 +66,7 @@ import numpy as np
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
+from metachunk.command import Reads, Result
 from metachunk.config import option
 
 
@@ -588,7 +589,7 @@ def report_tables(result: dict, k: int) -> str:
     return "\n".join(parts)
 
 
-def run(cfg: DiagnosticsConfig) -> int:
+def run(cfg: DiagnosticsConfig) -> Result:
     from metachunk.eval.report import write_run
 
     from metachunk.models import ModelNotFoundError
@@ -597,7 +598,7 @@ def run(cfg: DiagnosticsConfig) -> int:
         result = evaluate(cfg)
     except (InputError, ModelNotFoundError) as e:
         print(f"eval diagnostics: {e}", file=sys.stderr)
-        return 2
+        return Result(2)
     pngs = plot(cfg.out, result, cfg.k)
     result["details"]["plots"] = [p.name for p in pngs]
     write_run(cfg.out, "diagnostics", config.to_dict(cfg), result["metrics"], result["details"],
@@ -613,4 +614,17 @@ def run(cfg: DiagnosticsConfig) -> int:
         f"wrote {Path(cfg.out) / 'metrics.json'}, report.md, {', '.join(p.name for p in pngs)}",
         file=sys.stderr,
     )
-    return 0
+    from metachunk.eval.report import summary
+
+    return Result(summary=summary(result["metrics"]))
+
+
+def inputs(cfg: DiagnosticsConfig) -> Reads:
+    """The chunks, each retrieval file (``LABEL=PATH``: the path) and the scoring models."""
+    retrieval = [spec.partition("=")[2] if "=" in spec and "/" not in spec.partition("=")[0] else spec
+                 for spec in cfg.retrieval or []]  # fmt: skip
+    return Reads.of(paths=[cfg.chunks, *retrieval], models=[*(cfg.models or []), cfg.embedder])
+
+
+def outputs(cfg: DiagnosticsConfig) -> list:
+    return [cfg.out]

@@ -37,6 +37,7 @@ from metachunk.eval.index import INDEX_TEXTS
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
+from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
 
@@ -188,10 +189,29 @@ def _none(name: str | None) -> str | None:
 # ------------------------------------------------------------------------------------------ run
 
 
-def run(cfg: QAConfig) -> int:
+def run(cfg: QAConfig) -> Result:
+    from metachunk.eval.report import summary
+
     result = evaluate(cfg)
     print_summary(result, cfg)
-    return 0
+    return Result(summary=summary(result["metrics"]))
+
+
+def inputs(cfg: QAConfig) -> Reads:
+    from metachunk.prompts import prompt_files
+
+    generates = bool(cfg.generator or cfg.generator_model or cfg.generator_teacher)
+    models = [cfg.embedder, cfg.generator_model]
+    if cfg.rerank != "none":
+        models.append(cfg.reranker)
+    if generates:
+        models += [m for m in (cfg.bertscore_model, cfg.score_embedder) if m != "none"]
+    return Reads.of(paths=[cfg.chunks, cfg.qa], models=models,
+                    prompts=prompt_files("metachunk.eval") if generates else [])  # fmt: skip
+
+
+def outputs(cfg: QAConfig) -> list:
+    return [cfg.out]
 
 
 def evaluate(cfg: QAConfig) -> dict:

@@ -80,3 +80,24 @@ def format_value(value) -> str:
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """The reports' table: cells keep their own spacing (run labels, model names)."""
     return markdown.table(header, rows, cell=markdown.report_cell)
+
+
+# The headline numbers of a run, as a regeneration manifest records them.
+SUMMARY_PREFIXES = (
+    "hits@",
+    "mrr@",
+    "bc_mean",
+    "cs_complete",
+    "cs_incomplete",
+    "avg_chunk_chars",
+    "questions",
+)
+
+
+def summary(metrics: dict) -> dict:
+    """The metrics a run's summary shows (:data:`SUMMARY_PREFIXES`), floats to 4 places."""
+    return {
+        k: round(v, 4) if isinstance(v, float) else v
+        for k, v in metrics.items()
+        if k.startswith(SUMMARY_PREFIXES)
+    }

@@ -1,12 +1,12 @@
 """The code a command runs, as one sha256: what a regeneration stage's fingerprint trusts instead
 of a version number.
 
-A command's code is the import closure of its entry modules (:data:`ENTRIES`): every metachunk
-module they import, at the top or inside a function, read from the source with ``ast`` (nothing
+A command's code is the import closure of its module (the one its row of the CLI's table names,
+:class:`metachunk.command.Command`): every metachunk module it imports, at the top or inside a function, read from the source with ``ast`` (nothing
 is imported but the packages' ``__init__``). The digest hashes those files' bytes, so a change to
 ``chunking/ppl.py`` reruns the stages that chunk and not the training stage, and an edit to the
-README reruns nothing. ``metachunk/cli.py`` is hashed as a file for every command (it holds their
-handlers) without following its imports: it is the composition root and imports every stage.
+README reruns nothing. ``metachunk/cli.py`` is hashed as a file for every command (it holds the
+table and the dispatch) without following its imports: it is the composition root.
 """
 
 from __future__ import annotations
@@ -18,23 +18,6 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
-# A command's words (its first one or two) -> the modules its handler runs.
-ENTRIES: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("chunk",): ("metachunk.chunking.pipeline", "metachunk.chunking.shards", "metachunk.chunking.students",
-                 "metachunk.chunking.plots"),
-    ("data", "passages"): ("metachunk.distill.passages",),
-    ("data", "prepare-crud"): ("metachunk.distill.corpus",),
-    ("data", "sample"): ("metachunk.distill.sample",),
-    ("data", "build-sft"): ("metachunk.distill.sft",),
-    ("data", "push"): ("metachunk.distill.hub",),
-    ("distill",): ("metachunk.distill.run",),
-    ("train",): ("metachunk.train.sft",),
-    ("export",): ("metachunk.train.export",),
-    ("eval", "qa"): ("metachunk.eval.qa",),
-    ("eval", "chunk-quality"): ("metachunk.eval.chunk_quality",),
-    ("eval", "diagnostics"): ("metachunk.eval.diagnostics",),
-    ("eval", "compare"): ("metachunk.eval.compare",),
-}  # fmt: skip
 ALWAYS = ("metachunk.cli",)  # hashed as files, their imports not followed
 
 
@@ -97,10 +80,7 @@ def digest(modules: dict[str, Path], extra: tuple[Path, ...] = ()) -> str:
 
 
 @cache
-def command_code(words: tuple[str, ...]) -> str:
-    """The sha256 of the code the command ``words`` (``("distill", "rewrite")``) runs."""
-    entries = ENTRIES.get(tuple(words[:2])) or ENTRIES.get(tuple(words[:1]))
-    if entries is None:
-        raise KeyError(f"no entry modules known for command {' '.join(words)!r}")
+def command_code(entries: tuple[str, ...]) -> str:
+    """The sha256 of the code a command whose modules are ``entries`` runs."""
     always = tuple(p for p in map(find_source, ALWAYS) if p is not None)
     return digest(closure(entries), always)

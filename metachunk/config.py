@@ -18,6 +18,11 @@ takes ``moc: {window_chars: 512}`` or ``moc_window_chars: 512`` in YAML (a key g
 is an error) and ``--moc-window-chars 512`` on the command line; a field declared with
 ``flat="router"`` is ``router:`` / ``--router``. Errors, ``choices`` checks and :func:`to_dict`
 name a flat key by its flat spelling, so a run's manifest lists every setting as its flag does.
+
+A field marked ``runtime=True`` says how a run goes (workers, device, endpoints, timeouts), not what
+it makes: :func:`computed` leaves it out, and so do the fingerprints built on it. A config class may
+list old spellings of its keys in a ``RENAMED`` class attribute (``{"placeholder": "moc_placeholder"}``):
+the old key in a recipe, or its old flag, is refused with one line naming the new one.
 """
 
 from __future__ import annotations
@@ -88,8 +93,26 @@ def _flat_fields(cls) -> dict[str, tuple[str, dataclasses.Field, type]]:
     return out
 
 
+class _Renamed(argparse.Action):
+    """An old flag: refused, naming the new one (raised while parsing, so it is one line, exit 2)."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise InputError("command line", f"{option_string} is now {self.new}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        parser.add_argument(_flag(old), action=_Renamed, new=_flag(new), dest=f"renamed_{old}",
+                            default=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument(
         "--config",
         type=Path,
@@ -194,6 +217,9 @@ def fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
     file in errors); flat keys of a flat block are gathered into the block."""
     kinds = _field_types(cls)
     flat = _flat_fields(cls)
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in data:
+            raise InputError(path, f"field {prefix + old!r} is now {prefix + new!r}")
     unknown = sorted(set(data) - set(kinds) - set(flat))
     if unknown:
         names = ", ".join(repr(prefix + k) for k in unknown)
@@ -234,11 +260,12 @@ def check_choices(cfg) -> None:
             raise ValueError(f"field {name!r} must be one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
-def from_namespace(cls, ns: argparse.Namespace):
-    """Build ``cls`` from parsed args: dataclass defaults <- YAML (``--config``) <- explicit flags."""
+def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
+    """Build ``cls`` from parsed args: dataclass defaults <- ``defaults`` <- YAML (``--config``) <-
+    explicit flags."""
     values = dict(vars(ns))
     config_path = values.pop("config", None)
-    merged = load_yaml(cls, config_path) if config_path else {}
+    merged = {**(defaults or {}), **(load_yaml(cls, config_path) if config_path else {})}
     # None / [] = not given (an absent optional positional): the recipe's value stands
     given = {k: v for k, v in values.items() if v is not None and v != []}
     kinds = _field_types(cls)
@@ -277,4 +304,30 @@ def to_dict(cfg) -> dict:
             )
         else:
             out[f.name] = plain(values[f.name])
+    return out
+
+
+def computed(cfg) -> dict:
+    """The settings that decide what a run makes: :func:`to_dict` less every field marked
+    ``runtime=True``, in nested blocks (teacher blocks) too. Fingerprints hash this."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return computed(v)
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return str(v) if isinstance(v, Path) else v
+
+    flat = _flat_fields(type(cfg))
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if "prefix" in f.metadata:
+            block = getattr(cfg, f.name)
+            for name, (block_name, inner, _) in flat.items():
+                if block_name == f.name and not inner.metadata.get("runtime"):
+                    out[name] = plain(getattr(block, inner.name))
+        elif not f.metadata.get("runtime"):
+            out[f.name] = plain(getattr(cfg, f.name))
     return out

@@ -36,7 +36,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+from metachunk.artifacts import InputError
+from metachunk.command import Result
+from metachunk.config import option
 
 BACKENDS = ("auto", "llama.cpp", "transformers")
 
@@ -222,3 +227,47 @@ class LocalTeacher:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---- `metachunk teacher serve` -------------------------------------------------------------------
+
+
+@dataclass
+class ServeConfig:
+    model: str = option("smollm2", "preset name, a .gguf (llama.cpp) or a local HF dir")
+    port: int = option(8000, "port on 127.0.0.1")
+    backend: str = option(
+        "auto",
+        "llama.cpp: llama-cpp-python's server on the GGUF file, decoding under a request's JSON schema "
+        "(pip install 'metachunk[llamacpp]'); transformers: `transformers serve`, no compiler needed; "
+        "auto: llama.cpp when installed",
+        choices=["auto", "llama.cpp", "transformers"],
+    )
+    threads: int | None = option(None, "CPU threads (default: all cores)")
+
+
+def serve(cfg: ServeConfig) -> Result:
+    """``metachunk teacher serve``: the server until Ctrl-C; exit 1 if it does not start."""
+    try:
+        teacher = LocalTeacher(cfg.model, port=cfg.port, threads=cfg.threads, backend=cfg.backend)
+    except (RuntimeError, ValueError) as e:
+        raise InputError("teacher serve", str(e)) from None
+    print(f"starting the {teacher.describe()} on {teacher.base_url} ...", file=sys.stderr)
+    try:
+        teacher.start()
+    except RuntimeError as e:  # it did not start, or died on its first completion
+        print(f"metachunk: error: {e}", file=sys.stderr)
+        return Result(1)
+    try:
+        print(
+            f"ready: base_url={teacher.base_url} model={teacher.model}"
+            + (" (serve_preset: true)" if teacher.serve_preset else "")
+            + f" structured_output={teacher.structured_output}; Ctrl-C stops it",
+            file=sys.stderr,
+        )
+        teacher.process.wait()
+    except KeyboardInterrupt:
+        print("stopping the local teacher", file=sys.stderr)
+    finally:
+        teacher.stop()
+    return Result()

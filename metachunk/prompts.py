@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.resources import files
+from pathlib import Path
 
 LANGS = ("zh", "en")
 
@@ -108,3 +110,21 @@ def load_schema_file(package: str, name: str, object_root: bool = True) -> Schem
     if not resource.is_file():
         return None
     return parse_schema(name, resource.read_bytes(), resource, object_root)
+
+
+def prompt_files(package: str, *heads: str) -> list[Path]:
+    """The prompt and schema files of ``{package}/prompts/`` whose names begin with one of
+    ``heads`` (every file when none is given): what a command declares it reads."""
+    folder = Path(str(files(package) / "prompts"))
+    return sorted(p for p in folder.iterdir() if p.is_file() and (not heads or p.name.startswith(heads)))
+
+
+def file_hashes(paths: Iterable[Path]) -> dict[str, str]:
+    """``{"chunking/prompts/NAME": sha256}`` for each prompt or schema file, keyed by its stage
+    folder and name (the same in a checkout and an installed wheel): the one place fingerprints
+    and manifests hash prompt files."""
+    out = {}
+    for p in paths:
+        p = Path(p)
+        out[f"{p.parent.parent.name}/{p.parent.name}/{p.name}"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return dict(sorted(out.items()))

@@ -58,38 +58,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
+from metachunk.command import Registry, Result
+from metachunk.config import option
 from metachunk.redaction import redact
 
-# Settings that say how a stage runs, not what it makes: they do not change its fingerprint.
-RUNTIME_KEYS = frozenset({
-    "base_url", "base_urls", "base_url_env", "api_key_env", "concurrency", "timeout", "progress", "workers",
-    "threads_per_worker", "device", "engine", "ray_address", "overwrite", "report_to", "logging_dir",
-    "regen_manifest", "rpm", "tpm",
-})  # fmt: skip
-# Keys whose paths a stage writes (hashed after it ran, not as its inputs).
-OUTPUT_KEYS = frozenset({"out", "output", "output_dir", "cards_dir", "plot"})
-# Answer stores: shared, append-only; what a stage takes from one is keyed by the request itself.
-STORE_KEYS = frozenset({"cache", "store"})
-MODEL_KEYS = frozenset({"model", "tokenizer", "embedder", "router", "rewrite", "summarize", "model_name_or_path",
-                        "fallback_model", "checkpoint"})  # fmt: skip
 COMMANDS = ("chunk", "data", "distill", "train", "export", "eval")
-PROMPT_DIRS = ("chunking/prompts", "distill/prompts", "eval/prompts")
 ROOT = Path(__file__).resolve().parents[1]
-# Which prompt and schema files a command can read, for its stages' fingerprints. A command not
-# named here is taken to read them all (the safe side): distill and data build-sft read their own
-# and the students' prompts, data sample chunks with any method.
-READS_NO_PROMPTS = frozenset({("data", "passages"), ("data", "prepare-crud"), ("data", "push"), ("train",),
-                              ("export",), ("eval", "compare"), ("eval", "chunk-quality"),
-                              ("eval", "diagnostics")})  # fmt: skip
-READS_PROMPT_DIR = {("eval", "qa"): "eval/prompts"}  # the generator's answer prompt
-# chunk: the files of its method (file names begin with these), and the students' when it applies them
-CHUNK_METHOD_PROMPTS = {"msp": ("msp_",), "lumber": ("lumber.",), "moc": ("moc_",)}
-STUDENT_PROMPTS = ("student_",)
 
 
 @dataclass
@@ -216,62 +195,6 @@ class Digests:
         return digest.hexdigest()
 
 
-def _leaves(obj, key: str = "", leaf: str = ""):
-    """``(dotted key, leaf key, value)`` for every scalar in a nested config; a list's items keep
-    the list's key as their leaf key."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, f"{key}.{k}" if key else str(k), str(k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _leaves(v, f"{key}.{i}", leaf)
-    else:
-        yield key, leaf, obj
-
-
-def stage_prompts(stage: Stage, prompts: dict[str, str]) -> dict[str, str]:
-    """The entries of ``prompts`` (:func:`prompt_hashes`) that ``stage`` can read."""
-    words = tuple(stage.argv)
-    if words[:1] in READS_NO_PROMPTS or words[:2] in READS_NO_PROMPTS:
-        return {}
-    if words[:2] in READS_PROMPT_DIR:
-        folder = READS_PROMPT_DIR[words[:2]] + "/"
-        return {k: v for k, v in prompts.items() if k.startswith(folder)}
-    if words[:1] != ("chunk",):
-        return dict(prompts)
-    cfg = stage.config
-    heads = CHUNK_METHOD_PROMPTS.get(str(cfg.get("method", "ppl")), ())
-    if any(leaf in ("rewrite", "summarize") and value for _, leaf, value in _leaves(cfg)):
-        heads += STUDENT_PROMPTS
-    return {
-        k: v
-        for k, v in prompts.items()
-        if k.startswith("chunking/prompts/") and Path(k).name.startswith(heads)
-    }
-
-
-def _strip_runtime(obj):
-    if isinstance(obj, dict):
-        return {k: _strip_runtime(v) for k, v in obj.items() if k not in RUNTIME_KEYS}
-    if isinstance(obj, list):
-        return [_strip_runtime(v) for v in obj]
-    return obj
-
-
-def _looks_like_path(value: str) -> bool:
-    return "/" in value or Path(value).suffix in (".jsonl", ".json", ".yaml", ".parquet", ".gz", ".txt")
-
-
-def prompt_hashes() -> dict[str, str]:
-    """sha256 of every prompt and answer-schema file the stages read."""
-    out = {}
-    for folder in PROMPT_DIRS:
-        for p in sorted((ROOT / folder).glob("*")):
-            if p.is_file():
-                out[f"{folder}/{p.name}"] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
 def metachunk_version() -> dict:
     from importlib.metadata import version
 
@@ -290,59 +213,38 @@ class Fingerprint:
     inputs: dict[str, str | None]
     models: dict[str, dict]
     outputs: list[str]
-    reads: list[str] = field(default_factory=list)  # every path it reads, as the config names it (models too)
+    reads: list[str] = field(default_factory=list)  # every path it reads (models too), as its config names it
+    prompts: dict[str, str] = field(default_factory=dict)
 
     @property
     def missing(self) -> list[str]:
         return [p for p, d in self.inputs.items() if d is None]
 
 
-def stage_outputs(stage: Stage, key: str, value: str) -> list[str]:
-    """The paths a stage writes that later runs check are still as it left them. A distill task's
-    out dir is shared with the other tasks (and the answer store), so there its own records file;
-    a cards dir holds every dataset's card, so it is not checked."""
-    if key == "cards_dir":
-        return []
-    if stage.argv[:3] == ["data", "build-sft", "moc-expert"] and key == "out":  # one set per granularity
-        return [f"{value}-{k}" for k in (stage.config.get("granularity") or range(4))]
-    if stage.argv[0] == "distill" and key == "out" and len(stage.argv) > 1:
-        return [str(Path(value) / f"{stage.argv[1]}.jsonl")]
-    return [value]
+def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Digests) -> Fingerprint:
+    """The stage's fingerprint, from what its command says it reads and writes (the contract,
+    :mod:`metachunk.command`): its config less runtime settings, the content hash of every path it
+    reads, the fingerprint of every model, the hash of every prompt and schema file, and its code."""
+    from metachunk import code_digest, models
+    from metachunk.prompts import file_hashes
 
-
-def fingerprint(stage: Stage, digests: Digests, prompts: dict[str, str]) -> Fingerprint:
-    from metachunk import code_digest, hub, models
-
-    inputs, model_prints, outputs, reads = {}, {}, [], []
-    for key, leaf, value in _leaves(stage.config):
-        if not isinstance(value, str) or leaf in RUNTIME_KEYS or key.startswith(("teachers.", "prices.")):
-            continue  # a teacher's model is a name the endpoint knows, kept in the config itself
-        if leaf in OUTPUT_KEYS:
-            outputs.extend(stage_outputs(stage, leaf, value))
-        elif leaf in STORE_KEYS:
-            continue
-        elif leaf in MODEL_KEYS and (value in models.PRESETS or (Path(value) / "config.json").is_file()
-                                     or (not Path(value).exists() and hub.parse_hub_id(value))):  # fmt: skip
-            model_prints[key] = models.fingerprint(value)
-            reads.append(value)
-        elif "," in value and leaf == "experts":  # MoC: four model dirs in one flag
-            for k, part in enumerate(p.strip() for p in value.split(",")):
-                reads.append(part)
-                if part in models.PRESETS or (Path(part) / "config.json").is_file():
-                    model_prints[f"{key}.{k}"] = models.fingerprint(part)
-                else:
-                    inputs[part] = digests.path(part)
-        elif _looks_like_path(value):
-            # LABEL=PATH (eval diagnostics --retrieval): the label names the path, the path is the input
-            label, sep, rest = value.partition("=")
-            path = rest if sep and "/" not in label and _looks_like_path(rest) else value
-            inputs[path] = digests.path(path)
-            reads.append(path)
-    material = {"run": stage.run, "config": _strip_runtime(stage.config), "inputs": inputs,
-                "models": model_prints, "prompts": stage_prompts(stage, prompts),
-                "code": code_digest.command_code(tuple(stage.argv))}  # fmt: skip
+    command, cfg = registry.config([*stage.argv, "--config", str(config_path)])
+    reads = registry.inputs(command, cfg)
+    inputs: dict[str, str | None] = {}
+    model_prints: dict[str, dict] = {}
+    for path in reads.paths:
+        inputs[path] = digests.path(path)
+    for name in reads.models:
+        if models.is_model(name):
+            model_prints[name] = models.fingerprint(name)
+        else:
+            inputs[name] = digests.path(name)
+    prompts = file_hashes(reads.prompts)
+    material = {"run": stage.run, "config": registry.identity(command, cfg), "inputs": inputs,
+                "models": model_prints, "prompts": prompts, "code": code_digest.command_code((command.module,))}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-    return Fingerprint(sha, inputs, model_prints, outputs, reads)
+    return Fingerprint(sha, inputs, model_prints, registry.outputs(command, cfg),
+                       [*reads.paths, *reads.models], prompts)  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -355,81 +257,6 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def stage_summary(stage: Stage) -> dict:
-    """What the stage's own manifest says it made (counts, drops, cost), for the regen manifest."""
-    cfg = stage.config
-    words = stage.argv
-    if words[0] == "chunk" and cfg.get("output"):
-        out = Path(cfg["output"])
-        meta = (
-            _read_json(out / "manifest.json") if out.is_dir() else _read_json(out.with_suffix(".meta.json"))
-        ) or {}
-        summary = {
-            k: v
-            for k, v in meta.get("summary", {}).items()
-            if k in ("documents", "chunks", "mean_chunk_chars")
-        }
-        if "length_fit" in meta:
-            summary["target_len"] = meta["length_fit"]["target_len"]
-        if "moc" in meta:
-            moc = meta["moc"]
-            summary.update(windows=moc.get("windows"), ppl_fallbacks=(moc.get("fallback") or {}).get("windows"),
-                           stand_ins=len(moc.get("stand_ins") or {}))  # fmt: skip
-        for task, run in (meta.get("students") or {}).items():
-            summary[task] = f"'{run.get('field')}' on {run.get('chunks')} chunks"
-        return summary
-    if words[:2] == ["data", "sample"] and cfg.get("out"):
-        meta = _read_json(Path(cfg["out"]) / "sample.json") or {}
-        return {k: meta.get(k) for k in ("pool_long_documents", "documents", "chunks", "selected_chunks")}
-    if words[:2] == ["data", "prepare-crud"] and cfg.get("out"):
-        report = _read_json(Path(cfg["out"]) / "report.json") or {}
-        keep = (
-            "matched",
-            "ambiguous",
-            "unmatched",
-            "test_documents",
-            "train_pool",
-            "near_duplicates_removed",
-        )
-        return {k: report[k] for k in keep if k in report}
-    if words[0] == "distill" and cfg.get("out") and len(words) > 1:
-        summary = (_read_json(Path(cfg["out"]) / f"{words[1]}.meta.json") or {}).get("summary", {})
-        keep = (
-            "chunks",
-            "documents",
-            "outcome",
-            "requests_sent",
-            "answers_from_store",
-            "cost",
-            "paid",
-            "json_answers",
-        )
-        return {k: summary[k] for k in keep if k in summary}
-    if words[:2] == ["data", "build-sft"] and cfg.get("out"):
-        if words[2:3] == ["moc-expert"]:
-            sets = {k: _read_json(Path(f"{cfg['out']}-{k}") / "build_report.json") or {} for k in range(4)}
-            return {"train_rows": {f"expert {k}": r.get("rows", {}).get("train") for k, r in sets.items()}}
-        report = _read_json(Path(cfg["out"]) / "build_report.json") or {}
-        return {k: report.get(k) for k in ("input_records", "rows", "filters")}
-    if words[:2] == ["data", "passages"] and cfg.get("out") and Path(cfg["out"]).is_file():
-        with open(cfg["out"], "rb") as f:
-            return {"documents": sum(1 for _ in f)}
-    if words[0] == "train" and cfg.get("output_dir"):
-        run = _read_json(Path(cfg["output_dir"]) / "metachunk_run.json") or {}
-        loss = run.get("final_train_loss")
-        return {"rows": run.get("rows"), "steps": run.get("global_steps"),
-                "final_train_loss": round(loss, 4) if loss is not None else None}  # fmt: skip
-    if words[0] == "eval" and cfg.get("out"):
-        if words[1:2] == ["compare"]:
-            return {"report": str(cfg["out"])}
-        metrics = (_read_json(Path(cfg["out"]) / "metrics.json") or {}).get("metrics", {})
-        keep = ("hits@", "mrr@", "bc_mean", "cs_complete", "cs_incomplete", "avg_chunk_chars", "questions")
-        return {
-            k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items() if k.startswith(keep)
-        }
-    return {}
-
-
 def teacher_models(stage: Stage) -> dict[str, str]:
     """The teachers' model names only: a base URL may carry credentials, a key never goes anywhere."""
     teachers = stage.config.get("teachers") or {}
@@ -439,7 +266,7 @@ def teacher_models(stage: Stage) -> dict[str, str]:
 class Runner:
     """Runs a :class:`Recipe`'s stages in order, skipping those whose fingerprint is unchanged."""
 
-    def __init__(self, recipe: Recipe, metachunk: Callable[[list[str]], int], rerun: Sequence[str] = ()):
+    def __init__(self, recipe: Recipe, registry: Registry, rerun: Sequence[str] = ()):
         self.recipe = recipe
         names = [stage.name for stage in recipe.stages]
         unknown = [name for name in rerun if name not in names]
@@ -447,12 +274,12 @@ class Runner:
             raise InputError(recipe.path, f"--rerun: no stage named {', '.join(map(repr, unknown))} "
                              f"(stages: {', '.join(names)})")  # fmt: skip
         self.rerun = set(rerun)  # stages run even when cached
-        self.metachunk = metachunk  # the CLI's main (metachunk.cli passes it: no import cycle)
+        self.registry = registry  # the CLI's commands (metachunk.cli passes them: no import cycle)
         self.state_dir = recipe.state
         self.state_path = self.state_dir / "state.json"
         self.state = _read_json(self.state_path) or {"stages": {}, "digests": {}}
         self.digests = Digests(self.state.get("digests"))
-        self.prompts = prompt_hashes()
+        self.prompts: dict[str, str] = {}  # every prompt and schema file a stage of this run reads
         self.version = metachunk_version()
         self._teacher = None
         self._teacher_started = False
@@ -518,7 +345,7 @@ class Runner:
         print(f"plan: {self.recipe.name} ({self.recipe.path}), state {self.state_dir}", file=out)
         for stage in self.recipe.stages:
             stage = self.fitted(stage)
-            fp = fingerprint(stage, self.digests, self.prompts)
+            fp = self.fingerprint(stage, suffix=".plan.yaml")
             if self.cached(stage, fp) and not upstream_runs:
                 status = "cached"
             elif stage.name in self.rerun:
@@ -530,10 +357,10 @@ class Runner:
             if status != "cached":
                 upstream_runs.append(stage.name)
             estimate = None
-            if status == "runs" and stage.argv[0] == "distill":
-                estimate = self._estimate(stage)
+            if status == "runs":
+                estimate = self.estimate(stage)
                 for k in total:
-                    total[k] += estimate.get(k, 0)
+                    total[k] += (estimate or {}).get(k, 0)
             rows.append({"stage": stage.name, "run": stage.run, "status": status, "estimate": estimate})
             line = f"  {stage.name:<20} {stage.run:<26} {status}"
             if estimate:
@@ -546,21 +373,21 @@ class Runner:
         self._save_state()
         return rows
 
-    def _estimate(self, stage: Stage) -> dict:
-        """``distill TASK --dry-run``'s totals (its table, captured)."""
-        path = self._write_stage_config(stage, suffix=".plan.yaml")
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            code = self.metachunk([*stage.argv, "--config", str(path), "--dry-run"])
-        if code != 0:
-            return {}
-        for line in buf.getvalue().splitlines():
-            if line.startswith("total"):
-                parts = line.split()
-                calls, _cached, prompt, completion, cost = parts[1:6]
-                return {"calls": int(calls), "prompt_tokens": int(prompt.replace(",", "")),
-                        "completion_tokens": int(completion.replace(",", "")), "cost": float(cost)}  # fmt: skip
-        return {}
+    def estimate(self, stage: Stage) -> dict | None:
+        """A teacher stage's requests, tokens and worst-case cost (its command's dry run, whose
+        :class:`~metachunk.command.Result` carries the estimate); None for any other stage."""
+        path = self.state_dir / "stages" / f"{stage.name}.plan.yaml"
+        with contextlib.redirect_stdout(io.StringIO()):  # the dry run's own table is for a person
+            try:
+                return self.registry.estimate([*stage.argv, "--config", str(path)])
+            except InputError:  # an input an earlier stage has yet to write
+                return {}
+
+    def fingerprint(self, stage: Stage, suffix: str = ".yaml") -> Fingerprint:
+        """The stage's config as its command will read it, written to ``stages/``, and its fingerprint."""
+        fp = fingerprint(stage, self.registry, self._write_stage_config(stage, suffix), self.digests)
+        self.prompts.update(fp.prompts)
+        return fp
 
     def _write_stage_config(self, stage: Stage, suffix: str = ".yaml") -> Path:
         import yaml
@@ -580,7 +407,7 @@ class Runner:
                 if stage.local_teacher:  # before the fingerprint: the backend decides the schema setting
                     self.local_teacher(start=False)
                 fitted = self.fitted(stage)
-                fp = fingerprint(fitted, self.digests, self.prompts)
+                fp = self.fingerprint(fitted)
                 if self.cached(fitted, fp):
                     done = self.state["stages"][stage.name]
                     empty.update(map(os.path.normpath, done.get("empty", [])))
@@ -616,7 +443,8 @@ class Runner:
                 path = self._write_stage_config(fitted)
                 argv = [*stage.argv, "--config", str(path)]
                 print(f"\n== run: {stage.name}: metachunk {' '.join(argv)}", file=sys.stderr, flush=True)
-                code = self.metachunk(argv)
+                result = self.registry.run(argv)
+                code = result.exit
                 died = self._teacher.failure() if stage.local_teacher else None
                 if died:  # its requests failed to connect: the stage's exit status does not tell
                     self._save_state()
@@ -636,6 +464,7 @@ class Runner:
                     "outputs": outputs,
                     "exit": code,
                     "seconds": round(time.perf_counter() - t0, 2),  # what making it took, for later manifests
+                    "summary": result.summary,
                     **({"empty": fp.outputs} if nothing else {}),
                 }
                 if nothing:
@@ -652,7 +481,7 @@ class Runner:
         return {"name": stage.name, "run": stage.run, "fingerprint": fp.sha256, "status": status,
                 "seconds": round(seconds, 2), "inputs": fp.inputs, "models": fp.models,
                 "outputs": done.get("outputs", {}), "teachers": teacher_models(stage),
-                "summary": stage_summary(stage)}  # fmt: skip
+                "summary": done.get("summary", {})}  # fmt: skip
 
     def write_manifest(self, report: list[dict], seconds: float) -> dict:
         what = {
@@ -663,7 +492,7 @@ class Runner:
                 "text": redact(self.recipe.text),
             },
             "metachunk": self.version,
-            "prompts": self.prompts,
+            "prompts": dict(sorted(self.prompts.items())),
             "stages": [{k: v for k, v in e.items() if k not in ("status", "seconds")} for e in report],
         }
         sha = hashlib.sha256(json.dumps(what, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
@@ -693,13 +522,31 @@ def _cell(value) -> str:
     return str(value)
 
 
-def main(recipe_path: str, metachunk: Callable[[list[str]], int], plan: bool = False,
-         rerun: Sequence[str] = ()) -> int:  # fmt: skip
-    """``metachunk run``: ``metachunk`` is the CLI's own main, which runs each stage's command."""
-    recipe = load_recipe(recipe_path)
-    runner = Runner(recipe, metachunk, rerun)
-    if plan:
+@dataclass
+class RunConfig:
+    recipe: str = option(
+        None, "the regeneration recipe (YAML), or the name of a shipped one", positional=True
+    )
+    plan: bool = option(
+        False,
+        "print which stages would run and the teacher stages' estimated requests, tokens and cost; "
+        "run and send nothing",
+    )
+    rerun: list[str] | None = option(
+        None,
+        "run these stages even if cached (after a code change that alters their output); the stages "
+        "after them rerun only if its bytes change",
+    )
+
+
+def run(cfg: RunConfig, registry: Registry) -> Result:
+    """``metachunk run``: ``registry`` is the CLI's table of commands, which runs each stage."""
+    if cfg.recipe is None:
+        raise InputError("command line", "usage: metachunk run RECIPE [--plan] [--rerun STAGE ...]")
+    recipe = load_recipe(cfg.recipe)
+    runner = Runner(recipe, registry, cfg.rerun or ())
+    if cfg.plan:
         runner.plan()
-        return 0
+        return Result()
     result = runner.run()
-    return result.get("exit", 0) if "failed" in result else 0
+    return Result(result.get("exit", 0) if "failed" in result else 0)

@@ -12,7 +12,11 @@ the user runs it; every other path, outputs included, stays relative to where th
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from metachunk.artifacts import InputError
+from metachunk.command import Result
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 SUFFIXES = (".yaml", ".yml", ".json")
@@ -83,3 +87,34 @@ def copy(name: str, dest: str | None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(source.read_bytes())
     return target
+
+
+# ---- `metachunk recipes list | cp` ---------------------------------------------------------------
+
+
+@dataclass
+class ListConfig:
+    """``metachunk recipes list``: no settings."""
+
+
+@dataclass
+class CopyConfig:
+    # Plain field metadata (metachunk.config's format): metachunk.config reads shipped recipes through this module.
+    name: str = field(default=None, metadata={"help": "a name from `metachunk recipes list` (train/cpu_smoke, demo, ...)",
+                                              "positional": True})  # fmt: skip
+    dest: str | None = field(default=None, metadata={"help": "file or folder (default: the recipe's file name, here)",
+                                                     "positional": True})  # fmt: skip
+
+
+def run_list(cfg: ListConfig) -> Result:
+    for name in names():
+        print(name)
+    return Result()
+
+
+def run_copy(cfg: CopyConfig) -> Result:
+    try:
+        print(copy(cfg.name, cfg.dest))
+    except (FileNotFoundError, FileExistsError) as e:
+        raise InputError(cfg.dest or cfg.name, str(e)) from None
+    return Result()

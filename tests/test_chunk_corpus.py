@@ -249,11 +249,18 @@ def test_a_changed_config_or_input_is_refused_unless_overwrite(tmp_path, capsys,
     assert rc == 2 and "holds no manifest.json" in err
 
 
-def test_a_folder_takes_only_methods_that_shard(tmp_path, capsys, emma):
-    src = write_jsonl(tmp_path / "emma.jsonl", emma)
-    rc, err = chunk(capsys, src, "-o", tmp_path / "out", "--method", "sentence", "--target-len", 80,
-                    "--rewrite", "x")  # fmt: skip
-    assert rc == 2 and "-o FILE.jsonl" in err
+def test_a_folder_takes_plots_and_names_them_by_input_position(tmp_path, capsys, emma, tiny_model_dir):
+    """--plot works with a folder as with a file: one PNG per document, named by its input position,
+    whichever shard holds it; the plots folder is the file run's."""
+    src = write_jsonl(tmp_path / "emma.jsonl", emma[:6])
+    args = [str(src), "--model", str(tiny_model_dir), "--target-len", 200, "--lang", "en"]
+    rc, err = chunk(capsys, *args, "-o", tmp_path / "one.jsonl", "--plot", tmp_path / "plots-one")
+    assert rc == 0, err
+    rc, err = chunk(capsys, *args, "-o", tmp_path / "dir", "--shards", 3, "--plot", tmp_path / "plots-dir")
+    assert rc == 0, err
+    names = sorted(p.name for p in (tmp_path / "plots-dir").glob("*.png"))
+    assert names == sorted(p.name for p in (tmp_path / "plots-one").glob("*.png")) and len(names) == 6
+    assert b"".join(shard_bytes(tmp_path / "dir").values()) == (tmp_path / "one.jsonl").read_bytes()
 
 
 def test_torchrun_ranks_split_the_shards_and_write_the_same_bytes(tmp_path, capsys, emma, tiny_model_dir):

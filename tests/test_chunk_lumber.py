@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from metachunk.chunking.lumber import (
+    LumberOptions,
     judge,
     last_unit_in_window,
     load_lumber_prompt,
@@ -25,7 +26,7 @@ from metachunk.chunking.lumber import (
     resolve_teacher,
     unit_line,
 )
-from metachunk.chunking.pipeline import ChunkConfig, Chunker, LumberOptions
+from metachunk.chunking.pipeline import ChunkConfig, Chunker
 from metachunk.chunking.sentences import split_sentences
 from support.loopback_server import serve_in_subprocess
 
@@ -370,6 +371,42 @@ def test_cli_chunk_method_lumber_and_a_rerun_sends_nothing(server, tmp_path, cap
     lumber = json.loads(out.with_suffix(".meta.json").read_text(encoding="utf-8"))["lumber"]
     assert (lumber["requests_sent"], lumber["answers_from_store"], lumber["cost_paid"]) == (0, 6, 0)
     assert lumber["cost"] > 0  # what the chunking cost, read from the store
+
+
+def test_lumber_into_a_folder_of_shards_resumes_and_pays_nothing_twice(server, tmp_path, capsys):
+    """`chunk -o DIR --method lumber`: shard by shard, with the file run's records; a lost shard is
+    redone from the answer store, sending nothing."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n"
+                            for i, t in [("en", EN_DOC), ("zh", ZH_DOC)]), encoding="utf-8")  # fmt: skip
+    recipe = tmp_path / "lumber.yaml"
+    recipe.write_text(yaml.safe_dump({"teachers": {"lumber": teacher_block(server)}, "prices": PRICES}),
+                      encoding="utf-8")  # fmt: skip
+    argv = ["chunk", str(docs), "--method", "lumber", "--config", str(recipe), "--lumber-cache",
+            str(tmp_path / "answers.sqlite")]  # fmt: skip
+    before = server.stats()["requests"]
+    assert metachunk([*argv, "-o", str(tmp_path / "one.jsonl")]) == 0
+    sent = server.stats()["requests"] - before
+    assert sent == 6
+
+    folder = tmp_path / "dir"
+    assert metachunk([*argv, "-o", str(folder), "--shards", "2"]) == 0
+    shards = sorted(folder.glob("train-*.jsonl"))
+    assert b"".join(p.read_bytes() for p in shards) == (tmp_path / "one.jsonl").read_bytes()
+    assert server.stats()["requests"] - before == sent  # the same requests: answered by the store
+    manifest = json.loads((folder / "manifest.json").read_text())
+    lumber = manifest["run"]["workers_report"][0]["lumber"]
+    assert (lumber["requests_sent"], lumber["answers_from_store"]) == (0, 6)
+    assert set(manifest["prompt_sha256"]) == {"chunking/prompts/lumber.en.txt", "chunking/prompts/lumber.zh.txt",
+                                              "chunking/prompts/lumber.schema.json"}  # fmt: skip
+
+    first = {p.name: p.read_bytes() for p in shards}
+    shards[0].unlink()
+    capsys.readouterr()
+    assert metachunk([*argv, "-o", str(folder), "--shards", "2"]) == 0
+    assert "resuming: 1 of 2 shards done" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in sorted(folder.glob("train-*.jsonl"))} == first
+    assert server.stats()["requests"] - before == sent
 
 
 def test_teacher_from_a_distill_recipe_and_config_errors(server, tmp_path, capsys):

@@ -617,13 +617,29 @@ def test_mean_chunk_chars_reaches_the_goal_of_another_run(tmp_path, capsys, tiny
     assert again.read_text() == out.read_text()
 
 
+def test_mean_chunk_chars_into_a_folder_writes_the_files_chunks(tmp_path, capsys):
+    """A folder is the same run as a file, shard by shard: --mean-chunk-chars fits one target_len
+    for the whole input, then writes its shards."""
+    src = write_jsonl(tmp_path / "d.jsonl", [{"id": f"d{k}", "text": EN * (k + 1)} for k in range(5)])
+    args = ["--method", "sentence", "--lang", "en", "--len-unit", "char", "--mean-chunk-chars", "120"]
+    rc, err = run(capsys, src, "-o", tmp_path / "one.jsonl", *args)
+    assert rc == 0, err
+    rc, err = run(capsys, src, "-o", tmp_path / "dir", "--shards", "2", *args)
+    assert rc == 0, err
+    shards = sorted((tmp_path / "dir").glob("train-*.jsonl"))
+    assert len(shards) == 2
+    assert b"".join(p.read_bytes() for p in shards) == (tmp_path / "one.jsonl").read_bytes()
+    manifest = json.loads((tmp_path / "dir" / "manifest.json").read_text())
+    file_meta = json.loads((tmp_path / "one.meta.json").read_text())
+    assert manifest["run"]["length_fit"] == file_meta["length_fit"]
+    assert manifest["summary"]["mean_chunk_chars"] == file_meta["summary"]["mean_chunk_chars"]
+
+
 def test_mean_chunk_chars_refusals(tmp_path, capsys, tiny):
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": EN}])
     rc, err = run(capsys, src, "-o", tmp_path / "o.jsonl", "--method", "fixed", "--mean-chunk-chars-of",
                   tmp_path / "nothing.jsonl")  # fmt: skip
     assert rc == 2 and "nothing.meta.json" in err and "Traceback" not in err
-    rc, err = run(capsys, src, "-o", tmp_path / "dir", "--method", "fixed", "--mean-chunk-chars", "100")
-    assert rc == 2 and "-o FILE.jsonl" in err
     rc, err = run(capsys, src, "-o", tmp_path / "o.jsonl", "--method", "fixed", "--mean-chunk-chars", "100",
                   "--mean-chunk-chars-of", tmp_path / "x.jsonl")  # fmt: skip
     assert rc == 2 and "not both" in err

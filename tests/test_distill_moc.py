@@ -223,9 +223,9 @@ def distilled(tmp_path_factory, tiny_model_dir, counter):
                     "documents": str(documents),
                     "out": str(root / "run"),
                     "lang": "en",
-                    "tokenizer": str(tiny_model_dir),
-                    "window_tokens": WINDOW_TOKENS,
-                    "sample_chars": SAMPLE_CHARS,
+                    "moc_tokenizer": str(tiny_model_dir),
+                    "moc_window_tokens": WINDOW_TOKENS,
+                    "moc_sample_chars": SAMPLE_CHARS,
                     "parse_retries": PARSE_RETRIES,
                     "progress": False,
                     "teachers": {

@@ -92,9 +92,12 @@ def test_a_revision_reads_the_files_as_they_were_and_the_fingerprint_names_the_c
     assert not (old / "extra.json").exists() and (new / "extra.json").is_file()
     assert models.fingerprint("someone/moving")["commit"] == second
 
-    stage = Stage("c", "chunk", {"method": "ppl", "model": "someone/moving", "output": "o.jsonl"})
-    fp = fingerprint(stage, Digests(), {})
-    assert fp.models["model"]["commit"] == second and not fp.missing
+    from metachunk.cli import registry
+
+    config = {"method": "ppl", "model": "someone/moving", "output": "o.jsonl"}
+    (tmp_path / "stage.yaml").write_text(json.dumps(config))  # JSON is YAML
+    fp = fingerprint(Stage("c", "chunk", config), registry(), tmp_path / "stage.yaml", Digests())
+    assert fp.models["someone/moving"]["commit"] == second and not fp.missing
 
 
 def test_a_corpus_reads_from_a_hub_dataset(hub, tmp_path, monkeypatch):

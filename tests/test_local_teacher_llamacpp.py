@@ -86,8 +86,8 @@ def test_moc_chunk_list_under_the_schema(llama_teacher, shared_data, tmp_path):
         text = "\n\n".join(json.loads(line)["text"] for line, _ in zip(f, range(4)))
     docs = tmp_path / "docs.jsonl"
     docs.write_text(json.dumps({"id": "emma", "text": text[:700]}) + "\n", encoding="utf-8")
-    recipe = {"documents": str(docs), "out": str(tmp_path / "moc"), "lang": "en", "tokenizer": "smollm2",
-              "window_tokens": 256, "progress": False,
+    recipe = {"documents": str(docs), "out": str(tmp_path / "moc"), "lang": "en", "moc_tokenizer": "smollm2",
+              "moc_window_tokens": 256, "progress": False,
               "teachers": {"moc_chunk": {"model": "smollm2", "base_url": llama_teacher.base_url, "temperature": 0.0,
                                          "max_tokens": 256, "concurrency": 1, "timeout": 300, "max_retries": 1,
                                          "structured_output": "json_object_schema"}}}  # fmt: skip

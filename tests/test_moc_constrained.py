@@ -1,4 +1,4 @@
-"""Constrained decoding of the MoC experts (chunking/moc.py, --moc-constrained): the answer schema
+"""Constrained decoding of the MoC experts (chunking/moc_grammar.py, --moc-constrained): the answer schema
 file, xgrammar's logits processor on a random tiny model (every answer that ends parses, an answer
 the budget cuts is truncated, never invalid JSON), the free-decoding path of --no-moc-constrained,
 and what the run's manifest records."""
@@ -14,15 +14,9 @@ from pathlib import Path
 
 import metachunk.chunking.moc as moc_module
 import pytest
-from metachunk.chunking.moc import (
-    FAILURES,
-    MocChunker,
-    MocSettings,
-    expert_messages,
-    expert_schema,
-    load_moc_schema,
-    parse_expert_answer,
-)
+from metachunk.chunking.moc import FAILURES, MocChunker, MocOptions, expert_messages
+from metachunk.chunking.moc_answers import parse_expert_answer
+from metachunk.chunking.moc_grammar import expert_schema, load_moc_schema
 from metachunk.chunking.sentences import split_sentences
 
 from metachunk.cli import main
@@ -40,10 +34,11 @@ TEXTS = [long_doc(), ZH, "One sentence only."]
 LANGS = ["en", "zh", "en"]
 
 
-def chunker(model_dir, **kw) -> MocChunker:
+def chunker(model_dir, seed: int = 0, batch_size: int = 8, **kw) -> MocChunker:
+    """A MoC chunker whose router and experts are all ``model_dir``; ``kw``: its MocOptions."""
     d = str(model_dir)
     kw = {"max_new_tokens": 64, "window_chars": 200, "retries": 0, **kw}
-    return MocChunker(MocSettings(d, (d, d, d, d), **kw))
+    return MocChunker(MocOptions(router=d, experts=",".join([d] * 4), **kw), seed=seed, batch_size=batch_size)
 
 
 def run(moc: MocChunker, texts=TEXTS, langs=LANGS) -> dict:
@@ -218,10 +213,11 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
 
 def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
     """The anchored grammar of a window is the set of its sentence-level partitions, each chunk
-    written as metachunk.chunking.moc.expert_element writes the experts' targets; every such answer recovers exactly
+    written as metachunk.chunking.moc_answers.expert_element writes the experts' targets; every such answer recovers exactly
     at its chunks' starts. Escaping: quotes, backslashes, newlines and non-ASCII text."""
-    from metachunk.chunking.moc import anchored_grammar, recover_spans, window_segments
-    from metachunk.chunking.moc import expert_element as element
+    from metachunk.chunking.moc_answers import expert_element as element
+    from metachunk.chunking.moc_answers import recover_spans
+    from metachunk.chunking.moc_grammar import anchored_grammar, window_segments
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     text = (
@@ -251,7 +247,7 @@ def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
 def test_anchored_heads_grow_until_recovery_is_unambiguous():
     """Every sentence of long_doc starts "Sentence number": the heads are doubled until the first
     occurrence of each is its own sentence, so recovery never lands on an earlier sentence."""
-    from metachunk.chunking.moc import anchored_grammar, window_segments
+    from metachunk.chunking.moc_grammar import anchored_grammar, window_segments
 
     text = long_doc(6)
     segments = window_segments(text, [s.end for s in split_sentences(text, "en")])

@@ -1,4 +1,4 @@
-"""Tests for metachunk.chunking.moc: prompts, router labels, recovery of head[MASK]tail rules, windows with
+"""Tests for metachunk.chunking.moc and moc_answers: prompts, router labels, recovery of head[MASK]tail rules, windows with
 the chunk buffer, retries and the PPL fallback, and `metachunk chunk --method moc`."""
 
 from __future__ import annotations
@@ -12,22 +12,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from metachunk.chunking.moc import (
-    PLACEHOLDERS,
     ROUTER_LABELS,
     MocChunker,
-    MocSettings,
+    MocOptions,
     expert_messages,
-    format_elements,
     granularity_label,
     label_token_ids,
-    parse_expert_answer,
     parse_experts,
-    recover_chunks,
-    recover_spans,
     router_label,
     router_messages,
-    split_element,
     stand_in_models,
+)
+from metachunk.chunking.moc_answers import (
+    PLACEHOLDERS,
+    format_elements,
+    parse_expert_answer,
+    recover_chunks,
+    recover_spans,
+    split_element,
     tile,
 )
 from metachunk.chunking.sentences import split_sentences
@@ -149,7 +151,8 @@ def test_router_label_from_planted_logits():
 
 def test_route_reads_the_last_prompt_position(tiny_model_dir):
     """route(): batched, left-padded prompts; the label comes from the last position's logits."""
-    moc = MocChunker(MocSettings(str(tiny_model_dir), (str(tiny_model_dir),) * 4, batch_size=2))
+    d = str(tiny_model_dir)
+    moc = MocChunker(MocOptions(router=d, experts=",".join([d] * 4)), batch_size=2)
     ids = label_token_ids(moc.router.tokenizer)
     assert len(set(ids)) == 4
     texts = ["short", "a much longer text " * 8, "mid length text here", "x"]
@@ -302,8 +305,10 @@ def test_recovered_chunks_always_tile(cuts, n, noise, junk):
 def moc(tiny_model_dir):
     """Free decoding (--no-moc-constrained); the grammar's tests are in test_moc_constrained.py."""
     d = str(tiny_model_dir)
-    settings = MocSettings(d, (d, d, d, d), max_new_tokens=8, window_chars=200, retries=1, constrained=False)
-    return MocChunker(settings)
+    options = MocOptions(
+        router=d, experts=",".join([d] * 4), max_new_tokens=8, window_chars=200, retries=1, constrained=False
+    )
+    return MocChunker(options)
 
 
 def reset(moc):
@@ -338,11 +343,12 @@ def test_gibberish_expert_falls_back_to_ppl(moc):
 
 
 def fake_expert(pairs_per_chunk: int = 2, bad_attempts: int = 0, typo: bool = False):
-    """generate(): an expert answering head[MASK]tail for every `pairs_per_chunk` sentences of the
-    window (invalid JSON on the first `bad_attempts` attempts)."""
+    """generate(), with MocChunker.generate's signature: an expert answering head[MASK]tail for every
+    `pairs_per_chunk` sentences of the window (invalid JSON on the first `bad_attempts` attempts)."""
     calls = []
 
-    def generate(lm, prompts, attempt, max_items=None):
+    def generate(lm, prompts, attempt, max_items=None, grammars=None):
+        assert grammars is None  # free decoding: no window grammars
         calls.append((len(prompts), attempt))
         answers = []
         for p in prompts:
@@ -424,6 +430,43 @@ def test_cli_chunk_method_moc(tmp_path, tiny_model_dir, capsys):
     assert meta["moc"]["fallback"]["windows"] == meta["moc"]["windows"] >= 3
     assert "moc_expert.zh" in meta["prompt_sha256"] and meta["moc"]["placeholder"] == "[MASK]"
     assert "PPL fallbacks" in err
+
+
+def test_moc_into_a_folder_of_shards_resumes(tmp_path, tiny_model_dir, capsys):
+    """`chunk -o DIR --method moc`: the one-shard folder holds the file run's bytes; a two-shard
+    folder whose shard was lost (a kill) redoes only that shard, to the same bytes."""
+    d = str(tiny_model_dir)
+    texts = [EN, ZH, long_doc(4)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n"
+                           for i, t in enumerate(texts)), encoding="utf-8")  # fmt: skip
+    argv = ["chunk", str(src), "--method", "moc", "--router", d, "--experts", ",".join([d] * 4),
+            "--moc-max-new-tokens", "8", "--moc-retries", "0", "--moc-window-chars", "300"]  # fmt: skip
+    assert main([*argv, "-o", str(tmp_path / "one.jsonl")]) == 0
+    assert main([*argv, "-o", str(tmp_path / "one"), "--shards", "1"]) == 0
+    assert (tmp_path / "one" / "train-00000-of-00001.jsonl").read_bytes() == (
+        tmp_path / "one.jsonl"
+    ).read_bytes()
+
+    folder = tmp_path / "two"
+    assert main([*argv, "-o", str(folder), "--shards", "2"]) == 0
+    shards = sorted(folder.glob("train-*.jsonl"))
+    first = {p.name: p.read_bytes() for p in shards}
+    records = [json.loads(line) for p in shards for line in p.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["0", "1", "2"]
+    for r, text in zip(records, texts):
+        assert r["method"] == "moc" and "".join(c["text"] for c in r["chunks"]) == text
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["run"]["workers_report"][0]["moc"]["windows"] >= 3
+    assert "chunking/prompts/moc_expert.schema.json" in manifest["prompt_sha256"]
+
+    shards[1].unlink()  # what a kill -9 before the second shard landed leaves
+    capsys.readouterr()
+    assert main([*argv, "-o", str(folder), "--shards", "2"]) == 0
+    assert "resuming: 1 of 2 shards done" in capsys.readouterr().err
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["run"]["documents_chunked"] == 2 and manifest["run"]["shards_skipped"] == 1
+    assert {p.name: p.read_bytes() for p in sorted(folder.glob("train-*.jsonl"))} == first
 
 
 @pytest.mark.parametrize(

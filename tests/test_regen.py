@@ -241,47 +241,71 @@ def test_an_empty_stage_skips_what_needs_its_output_unless_that_stage_copes(sft_
     assert "metachunk run" not in err and "== run: moc: metachunk" not in err
 
 
-def test_a_label_is_not_part_of_the_input_path_it_names(tmp_path):
-    """`eval diagnostics --retrieval rewritten=RUN`: the fingerprint hashes RUN, not 'rewritten=RUN'."""
+def fingerprint_of(tmp_path, run: str, config: dict):
+    """A stage's fingerprint as the runner takes it: through the CLI's table of commands."""
+    from metachunk.cli import registry
     from metachunk.regen import Digests, Stage, fingerprint
 
+    path = tmp_path / "stage.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return fingerprint(Stage("s", run, config), registry(), path, Digests())
+
+
+def test_a_label_is_not_part_of_the_input_path_it_names(tmp_path):
+    """`eval diagnostics --retrieval rewritten=RUN`: the fingerprint hashes RUN, not 'rewritten=RUN'."""
     run_dir = tmp_path / "rewritten" / "qa"
     run_dir.mkdir(parents=True)
     (run_dir / "retrieval.jsonl").write_text("{}\n")
-    stage = Stage(
-        "d", "eval diagnostics", {"retrieval": [f"rewritten={run_dir}"], "out": str(tmp_path / "o")}
+    fp = fingerprint_of(
+        tmp_path, "eval diagnostics", {"retrieval": [f"rewritten={run_dir}"], "out": str(tmp_path / "o")}
     )
-    fp = fingerprint(stage, Digests(), {})
-    assert list(fp.inputs) == [str(run_dir)] and fp.inputs[str(run_dir)] is not None and not fp.missing
+    assert str(run_dir) in fp.inputs and fp.inputs[str(run_dir)] is not None and not fp.missing
+    assert not any("=" in p for p in fp.inputs)
 
 
-def test_a_stage_is_fingerprinted_by_the_prompt_files_its_command_reads():
-    """A new prompt or schema file reruns only the stages that can read it."""
-    from metachunk.regen import Digests, Stage, fingerprint, prompt_hashes, stage_prompts
-
-    prompts = prompt_hashes()
-    assert "chunking/prompts/lumber.schema.json" in prompts and "distill/prompts/refinement.en.txt" in prompts
+def test_a_stage_is_fingerprinted_by_the_prompt_files_its_command_reads(tmp_path, monkeypatch):
+    """Each command names the prompt and schema files it reads (its ``inputs``): a changed prompt
+    reruns only the stages that read it."""
+    teacher = {"model": "m"}
+    rewrite = {"chunks": "c.jsonl", "documents": "d.jsonl", "out": "o",
+               "teachers": {s: teacher for s in ("reflection", "refinement", "completion")}}  # fmt: skip
 
     def read(run, **config):
-        return set(stage_prompts(Stage("s", run, config), prompts))
+        return set(fingerprint_of(tmp_path, run, config).prompts)
+
+    def chunking(*names):
+        return {f"chunking/prompts/{n}" for n in names}
 
     assert read("chunk", method="ppl") == read("chunk", method="semantic") == set()
-    assert read("chunk", method="lumber") == {"chunking/prompts/lumber.en.txt", "chunking/prompts/lumber.zh.txt",
-                                              "chunking/prompts/lumber.schema.json"}  # fmt: skip
-    assert read("chunk", method="msp") == {k for k in prompts if k.startswith("chunking/prompts/msp_")}
-    with_students = read("chunk", method="fixed", students={"rewrite": "export/rewrite"})
-    assert with_students == {k for k in prompts if k.startswith("chunking/prompts/student_")}
-    assert read("eval qa") == {k for k in prompts if k.startswith("eval/prompts/")}
-    assert read("eval chunk-quality") == read("data passages") == read("train") == set()
-    # distill and build-sft read their own prompts and the students'
-    assert read("distill rewrite") == read("data build-sft rewrite") == set(prompts)
+    assert read("chunk", method="lumber", teachers={"lumber": teacher}) == chunking(
+        "lumber.en.txt", "lumber.zh.txt", "lumber.schema.json")  # fmt: skip
+    assert read("chunk", method="msp") == chunking("msp_table6.en.txt", "msp_table6.zh.txt")
+    assert read("chunk", method="fixed", target_len=100, rewrite="runs/export/rewrite") == chunking(
+        "student_rewrite.en.txt", "student_rewrite.zh.txt")  # fmt: skip
+    qa = {"chunks": "c.jsonl", "qa": "q.jsonl", "out": "o"}
+    assert read("eval qa", **qa) == set()  # retrieval only: no answer prompt
+    assert read("eval qa", **qa, generator_model="smollm2") == {"eval/prompts/rag_answer.en.txt",
+                                                               "eval/prompts/rag_answer.zh.txt"}  # fmt: skip
+    assert (
+        read("eval chunk-quality", chunks="c.jsonl", out="o")
+        == read("data passages", input="i", out="o")
+        == set()
+    )
+    assert read("distill rewrite", **rewrite) == {
+        f"distill/prompts/{stage}.{lang}.txt" for stage in ("reflection", "refinement", "completion")
+        for lang in ("en", "zh")} | {"distill/prompts/refinement.schema.json"}  # fmt: skip
+    # build-sft writes the students' prompts into its rows
+    assert read("data build-sft rewrite", distilled="r.jsonl", out="o") == chunking(
+        "student_rewrite.en.txt", "student_rewrite.zh.txt")  # fmt: skip
 
-    ppl = Stage("c", "chunk", {"method": "ppl", "output": "o.jsonl"})
-    distill = Stage("d", "distill rewrite", {"out": "o"})
-    added = {**prompts, "chunking/prompts/new_method.en.txt": "0" * 64}
-    for stage, same in ((ppl, True), (distill, False)):
-        before, after = (fingerprint(stage, Digests(), p).sha256 for p in (prompts, added))
-        assert (before == after) is same
+    before = {run: fingerprint_of(tmp_path, run, cfg).sha256 for run, cfg in
+              (("chunk", {"method": "ppl", "output": "o.jsonl"}), ("distill rewrite", rewrite))}  # fmt: skip
+    from metachunk import prompts
+
+    monkeypatch.setattr(prompts, "file_hashes", lambda paths: {str(p): "0" * 64 for p in paths})
+    after = {run: fingerprint_of(tmp_path, run, cfg).sha256 for run, cfg in
+             (("chunk", {"method": "ppl", "output": "o.jsonl"}), ("distill rewrite", rewrite))}  # fmt: skip
+    assert before["chunk"] == after["chunk"] and before["distill rewrite"] != after["distill rewrite"]
 
 
 def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
@@ -323,7 +347,9 @@ def test_the_local_teacher_answers_eval_qa_generator_blocks_too(tmp_path):
     path = tmp_path / "regen.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     loaded = load_recipe(path)
-    runner = Runner(loaded, lambda argv: 0)
+    from metachunk.cli import registry
+
+    runner = Runner(loaded, registry())
     block = runner.fitted(loaded.stages[0]).config["generator_teacher"]
     teacher = runner.local_teacher(start=False)
     assert block == {"model": "smollm2", "base_url": teacher.base_url, "serve_preset": False}
@@ -372,12 +398,12 @@ def test_a_stage_is_fingerprinted_by_the_code_its_command_runs(tmp_path):
     assert digest() != before  # imported inside a function: still its code
 
     # metachunk's own commands: chunking's code is not training's
-    chunk = code_digest.closure(code_digest.ENTRIES[("chunk",)])
-    train = code_digest.closure(code_digest.ENTRIES[("train",)])
-    distill = code_digest.closure(code_digest.ENTRIES[("distill",)])
+    from metachunk.cli import find
+
+    chunk = code_digest.closure((find(("chunk",)).module,))
+    train = code_digest.closure((find(("train",)).module,))
+    distill = code_digest.closure((find(("distill", "rewrite")).module,))
     assert "metachunk.chunking.ppl" in chunk and "metachunk.chunking.ppl" not in train
     assert "metachunk.distill.run" not in chunk and "metachunk.chunking.sentences" in distill
     assert "metachunk.train.sft" in train and not any(m.startswith("metachunk.train") for m in chunk)
-    assert code_digest.command_code(("distill", "rewrite")) == code_digest.command_code(
-        ("distill", "summary")
-    )
+    assert "metachunk.chunking.shards" in chunk and "metachunk.chunking.students" in chunk

@@ -72,6 +72,7 @@ from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
 from metachunk.artifacts import InputError, replace_dir
+from metachunk.command import Reads, Result
 from metachunk.config import option
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -525,3 +526,29 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             commit_message=cfg.commit_message,
         )
     return result
+
+
+# ---- `metachunk export` --------------------------------------------------------------------------
+
+CONFIG = ExportConfig
+
+
+def run(cfg: ExportConfig) -> Result:
+    try:
+        result = export(cfg)
+    except ValueError as e:  # a push refused by the Hub client before sending (bad repo id, token)
+        if isinstance(e, InputError):
+            raise
+        raise InputError("export", str(e)) from None
+    print(result.summary(), file=sys.stderr)
+    if result.url:
+        print(result.url)
+    return Result()
+
+
+def inputs(cfg: ExportConfig) -> Reads:
+    return Reads.of(models=[cfg.checkpoint, cfg.base_model])
+
+
+def outputs(cfg: ExportConfig) -> list:
+    return [cfg.out]

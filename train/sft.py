@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.artifacts import EXIT_EMPTY, EmptyInput, write_figure
+from metachunk.command import Reads, Result
 
 
 @dataclass
@@ -69,7 +70,23 @@ class ModelDataArguments:
     )
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclass
+class TrainConfig:
+    """What ``metachunk train`` runs: TRL's two config objects, and the argv they were read from
+    (the run's facts record it). Read by :func:`parse_config`, with TRL's own parser."""
+
+    model_args: ModelDataArguments
+    sft_args: object  # trl.SFTConfig
+    argv: list[str]
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """The config alone (the dataset is checked when the run starts, :func:`run`); a bad field is a ValueError."""
+    model_args, sft_args = parse_args(argv, check_inputs=False)
+    return TrainConfig(model_args, sft_args, list(argv))
+
+
+def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     """``(ModelDataArguments, SFTConfig)`` from ``--config`` YAML and flags; errors name the field."""
     from metachunk.train.distributed import check_deepspeed_flag
     from trl import SFTConfig, TrlParser
@@ -80,7 +97,8 @@ def parse_args(argv: list[str] | None = None):
     check_deepspeed_flag(argv)  # SFTConfig reads the JSON as it is built
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
-    check(model_args, sft_args)
+    if check_inputs:
+        check(model_args, sft_args)
     dtype = weights_dtype(model_args)
     if sft_args.bf16 and not bf16_given(recipe, argv) and dtype != "bfloat16":
         # TRL's SFTConfig turns an unset bf16 into True: bf16 autocast over float32 weights, and under
@@ -489,18 +507,59 @@ def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """``python -m metachunk.train`` (also under ``deepspeed`` and ``accelerate launch``)."""
+    return run_argv(list(sys.argv[1:] if argv is None else argv)).exit
+
+
+def run_argv(argv: list[str]) -> Result:
+    """``metachunk train ARGV``: a bad config is one line, exit 2."""
     try:
-        model_args, sft_args = parse_args(argv)
+        cfg = parse_config(argv)
+    except ValueError as e:
+        print(f"train: invalid config: {e}", file=sys.stderr)
+        return Result(2)
+    return run(cfg)
+
+
+# Settings that say how a run is watched, not what it trains: left out of its fingerprint.
+RUNTIME_FIELDS = ("report_to", "logging_dir")
+
+
+def identity(cfg: TrainConfig) -> dict:
+    """The recipe and flags as given, less :data:`RUNTIME_FIELDS` (TRL's SFTConfig has hundreds of
+    derived fields; what a recipe says is what decides the run)."""
+    argv = shipped_config(cfg.argv)
+    recipe = {k: v for k, v in read_recipe(argv).items() if k not in RUNTIME_FIELDS}
+    flags = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    return {"recipe": recipe, "flags": flags}
+
+
+def inputs(cfg: TrainConfig) -> Reads:
+    from metachunk import hub
+
+    dataset = cfg.model_args.dataset_name
+    local = Path(dataset).exists() or hub.parse_hub_id(dataset, "dataset") is None
+    return Reads.of(paths=[dataset] if local else [], models=[cfg.model_args.model_name_or_path])
+
+
+def outputs(cfg: TrainConfig) -> list:
+    return [cfg.sft_args.output_dir]
+
+
+def run(cfg: TrainConfig) -> Result:
+    """Check the dataset, load the model, train, save; the summary is the run's facts."""
+    model_args, sft_args, argv = cfg.model_args, cfg.sft_args, cfg.argv
+    try:
+        check(model_args, sft_args)
         resume = resume_point(sft_args)  # no such checkpoint is a config error, before the model loads
         # what TRL would find only after the model has loaded, or not at all (max_length)
         model_dir, tokenizer, train_set, eval_set, over = load_rows(model_args, sft_args)
     except EmptyInput as e:
         print(f"train: {e} (exit status {EXIT_EMPTY}; no checkpoint written)", file=sys.stderr)
-        return EXIT_EMPTY
+        return Result(EXIT_EMPTY)
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
-        return 2
+        return Result(2)
 
     import torch
     from metachunk.train.distributed import prepare_distributed
@@ -522,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         check_precision(loaded, model_args, sft_args)  # again: config.json may not have said (dtype auto)
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
-        return 2
+        return Result(2)
     if padding_free(sft_args) and "flash" not in impl:
         print(f"train: padding-free batches with {impl}: each micro-batch is one flattened row and attention is "
               "computed densely under a block-diagonal mask (time and memory quadratic in the row); "
@@ -574,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: resuming from {resume} at step {state['global_step']}", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(sft_args.output_dir)
+    summary = {}
     if trainer.is_world_process_zero():
         out = Path(sft_args.output_dir)
         plot_losses(trainer.state.log_history, out / "loss.png")
@@ -589,8 +649,11 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out / RUN_FACTS, facts, default=str)
         print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "
               f"wrote {out}", file=sys.stderr)  # fmt: skip
+        loss = facts.get("final_train_loss")
+        summary = {"rows": facts.get("rows"), "steps": facts.get("global_steps"),
+                   "final_train_loss": round(loss, 4) if loss is not None else None}  # fmt: skip
     end_process_group()
-    return 0
+    return Result(summary=summary)
 
 
 def end_process_group() -> None:

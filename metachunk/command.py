@@ -1,0 +1,118 @@
+"""The contract every ``metachunk`` command keeps, and the table that lists them.
+
+A command is a module (``metachunk.distill.sample``, ``metachunk.eval.qa``, ...) that exports:
+
+* ``CONFIG``: its config dataclass (:mod:`metachunk.config`: YAML recipe and CLI flags);
+* ``run(cfg) -> Result``: the work, returning its exit status and what it made;
+* ``inputs(cfg) -> Reads``: the files, folders, models and prompt or schema files it reads;
+* ``outputs(cfg) -> list[str]``: the paths it writes, which a later run checks are still as it left them.
+
+Optionally ``estimate(cfg) -> Result`` (a teacher stage's dry run: ``Result.estimate``),
+``parse_config(argv)`` (``train`` reads its config with TRL's own parser) and
+``identity(cfg) -> dict``, the settings that decide what the run makes (default:
+:func:`metachunk.config.computed`, the config less its runtime fields).
+
+The CLI (:mod:`metachunk.cli`) is a table of :class:`Command` rows over these modules, and the
+regeneration runner (:mod:`metachunk.regen`) fingerprints, skips, summarises and estimates stages
+through the same contract, handed to it as a :class:`Registry`: it never parses a command's
+printed output nor reads another module's manifest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What a run reads: ``paths`` (files and folders, hashed by content), ``models`` (presets,
+    local model folders or Hub ids, fingerprinted by :func:`metachunk.models.fingerprint`) and
+    ``prompts`` (prompt and answer-schema files, hashed by :func:`metachunk.prompts.file_hashes`)."""
+
+    paths: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    prompts: tuple[Path, ...] = ()
+
+    @classmethod
+    def of(cls, paths=(), models=(), prompts=()) -> Reads:
+        """Drops what is unset (None, ""), keeps the first of each duplicate, in order."""
+
+        def keep(values):
+            return tuple(dict.fromkeys(str(v) for v in values if v not in (None, "")))
+
+        return cls(keep(paths), keep(models), tuple(dict.fromkeys(Path(p) for p in prompts)))
+
+
+@dataclass
+class Result:
+    """What a run did: its exit status, the counts it reports (``summary``, a flat mapping a
+    regeneration manifest records) and, for a teacher stage's dry run, its ``estimate``
+    (``calls``, ``prompt_tokens``, ``completion_tokens``, ``cost``)."""
+
+    exit: int = 0
+    summary: dict = field(default_factory=dict)
+    estimate: dict | None = None
+
+
+@dataclass(frozen=True)
+class Command:
+    """One verb: its words (``("data", "sample")``), the module that implements it (imported when
+    the verb is used, so ``metachunk --help`` stays fast), its help, and the names of the module's
+    config class and run function where they differ from ``CONFIG`` and ``run``. ``preset`` fixes
+    config fields the words already say (``distill rewrite``: ``task: rewrite``)."""
+
+    words: tuple[str, ...]
+    module: str
+    help: str
+    config: str = "CONFIG"
+    run: str = "run"
+    preset: dict = field(default_factory=dict)
+    epilog: str = ""
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.words)
+
+
+class Registry:
+    """The commands, and the two things a runner asks of them: a stage's config (:meth:`config`)
+    and its run (:meth:`run`), both from the argv the stage would be run with."""
+
+    def __init__(self, commands: list[Command], parse: Callable, run: Callable, computed: Callable):
+        self.commands = commands
+        self._parse = parse  # argv -> (Command, cfg); raises InputError
+        self._run = run  # argv -> Result, with the CLI's error handling
+        self._computed = computed  # cfg -> its settings less the runtime ones (metachunk.config.computed)
+
+    def config(self, argv: list[str]):
+        """``(command, cfg)`` for ``argv`` (``["distill", "rewrite", "--config", PATH]``)."""
+        return self._parse(argv)
+
+    def run(self, argv: list[str]) -> Result:
+        return self._run(argv)
+
+    def estimate(self, argv: list[str]) -> dict | None:
+        """A teacher stage's dry run (``calls``, ``prompt_tokens``, ``completion_tokens``, ``cost``);
+        None for a command that sends no teacher requests (its module has no ``estimate``)."""
+        command, cfg = self.config(argv)
+        module = command.load()
+        return module.estimate(cfg).estimate if hasattr(module, "estimate") else None
+
+    def inputs(self, command: Command, cfg) -> Reads:
+        return command.load().inputs(cfg)
+
+    def outputs(self, command: Command, cfg) -> list[str]:
+        return [str(p) for p in command.load().outputs(cfg)]
+
+    def identity(self, command: Command, cfg) -> dict:
+        """The settings that decide what the run makes: the module's ``identity``, or its config
+        less the runtime fields."""
+        module = command.load()
+        return module.identity(cfg) if hasattr(module, "identity") else self._computed(cfg)
