@@ -112,9 +112,12 @@ class ChunkConfig:
     workers: int | None = option(
         None,
         "-o DIR: worker processes, each with its own model; default one per visible GPU on GPU, 1 on CPU",
+        runtime=True,
     )
     threads_per_worker: int | None = option(
-        None, "-o DIR: torch threads per worker (and the CPUs a Ray actor asks for); default torch's"
+        None,
+        "-o DIR: torch threads per worker (and the CPUs a Ray actor asks for); default torch's",
+        runtime=True,
     )
     engine: str = option(
         "local",
@@ -122,12 +125,15 @@ class ChunkConfig:
         "i %% world_size == rank) or ray (a Ray Data map_batches stage over an actor pool; pip install "
         "'metachunk[ray]')",
         choices=["local", "ray"],
+        runtime=True,
     )
     ray_address: str | None = option(
-        None, "--engine ray: the cluster to join (ray.init(address=...)); default a local Ray"
+        None, "--engine ray: the cluster to join (ray.init(address=...)); default a local Ray", runtime=True
     )
     overwrite: bool = option(
-        False, "-o DIR: start again when DIR holds another run's shards (changed config, model or input)"
+        False,
+        "-o DIR: start again when DIR holds another run's shards (changed config, model or input)",
+        runtime=True,
     )
     method: str = option("ppl", "chunking method", choices=METHODS)
     model: str = option(
@@ -181,7 +187,7 @@ class ChunkConfig:
         1500, "a sentence longer than this is split at whitespace (or hard) so nothing is dropped"
     )
     embedder: str = option("minilm", "semantic: sentence-transformers preset or local dir")
-    device: str | None = option(None, "torch device; default cuda when available, else cpu")
+    device: str | None = option(None, "torch device; default cuda when available, else cpu", runtime=True)
     dtype: str = option(
         "auto",
         "model weights dtype; auto = bfloat16 on GPU, float32 on CPU (exact: equals the per-sentence "

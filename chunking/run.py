@@ -50,6 +50,30 @@ def inputs(cfg: ChunkConfig) -> Reads:
     return reads(cfg)
 
 
+def teachers(cfg: ChunkConfig) -> dict[str, str]:
+    """LumberChunker's teacher blocks' model names (the other methods ask no teacher)."""
+    if cfg.method != "lumber":
+        return {}
+    return {name: str(block.get("model")) for name, block in (cfg.lumber.teachers or {}).items()}
+
+
+def served(config: dict, teacher) -> dict:
+    """The recipe with LumberChunker's teacher blocks (flat ``teachers:`` or under ``lumber:``)
+    pointed at a served local teacher."""
+    from metachunk.teacher import point_at
+
+    config = dict(config)
+    if config.get("teachers"):
+        config["teachers"] = {k: point_at(b, teacher) for k, b in config["teachers"].items()}
+    if (config.get("lumber") or {}).get("teachers"):
+        blocks = config["lumber"]["teachers"]
+        config["lumber"] = {
+            **config["lumber"],
+            "teachers": {k: point_at(b, teacher) for k, b in blocks.items()},
+        }
+    return config
+
+
 def outputs(cfg: ChunkConfig) -> list:
     """The chunks, and the score plots' folder."""
     return [cfg.output, *([cfg.plot] if cfg.plot else [])]

@@ -105,7 +105,7 @@ class DistillConfig:
     import_batch: list[Path] | None = option(
         None, "store the answers of Batch API result files (vllm run-batch's output) before the run"
     )
-    progress: bool = option(True, "show a progress bar")
+    progress: bool = option(True, "show a progress bar", runtime=True)
     moc: MocDistillOptions = config.block(
         MocDistillOptions,
         "moc: windows, cleaning and samples (flat keys and flags: moc_window_tokens, ...)",

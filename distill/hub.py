@@ -39,6 +39,7 @@ class PushConfig:
         None,
         "a `metachunk run` regen_manifest.json: uploaded beside the data and summarised in the card; when "
         "the repo (at --revision) already holds a manifest with the same manifest_sha256, nothing is uploaded",
+        runtime=True,
     )
     revision: str | None = option(None, "branch to publish to (created from main if new); default main")
     tag: str | None = option(
@@ -202,6 +203,11 @@ def run(cfg: PushConfig) -> Result:
 
 def inputs(cfg: PushConfig) -> Reads:
     return Reads.of(paths=[cfg.dataset_dir])
+
+
+def with_run_manifest(config: dict, path: str) -> dict:
+    """The recipe taking a regeneration run's manifest along (its card section and file), unless it names one."""
+    return {"regen_manifest": path, **config}
 
 
 def outputs(cfg: PushConfig) -> list:

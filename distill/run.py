@@ -325,6 +325,21 @@ def inputs(cfg: DistillConfig) -> Reads:
                     models=models, prompts=prompt_files("metachunk.distill", *(f"{s}." for s in stages)))  # fmt: skip
 
 
+def teachers(cfg: DistillConfig) -> dict[str, str]:
+    """Each stage's teacher model name (never its URL or key)."""
+    return {stage: str(t.model) for stage, t in cfg.teachers.items()}
+
+
+def served(config: dict, teacher) -> dict:
+    """The recipe with every stage's teacher block pointed at ``teacher`` (a served local teacher)."""
+    from metachunk.teacher import point_at
+
+    return {
+        **config,
+        "teachers": {k: point_at(b, teacher) for k, b in (config.get("teachers") or {}).items()},
+    }
+
+
 def outputs(cfg: DistillConfig) -> list:
     """The task's records (the run folder is shared with the other tasks and the answer store)."""
     return [Path(cfg.out) / f"{cfg.task}.jsonl"]

@@ -58,18 +58,19 @@ class SampleConfig:
     target_len: int | None = option(None, "merge PPL meta-chunks towards this length (dynamic merging)")
     len_unit: str | None = option(None, "unit of target_len", choices=["char", "word", "token"])
     batch_size: int = option(8, "sequences per forward pass while chunking")
-    device: str | None = option(None, "torch device; default cuda when available, else cpu")
+    device: str | None = option(None, "torch device; default cuda when available, else cpu", runtime=True)
     workers: int | None = option(
-        None, "PPL chunking worker processes (default one per visible GPU on GPU, else 1)"
+        None, "PPL chunking worker processes (default one per visible GPU on GPU, else 1)", runtime=True
     )
-    threads_per_worker: int | None = option(None, "torch threads per chunking worker")
+    threads_per_worker: int | None = option(None, "torch threads per chunking worker", runtime=True)
     engine: str = option(
         "local",
         "PPL chunking engine: local processes, or ray (a Ray Data actor pool)",
         choices=["local", "ray"],
+        runtime=True,
     )
-    ray_address: str | None = option(None, "--engine ray: the cluster to join")
-    progress: bool = option(True, "show a progress bar")
+    ray_address: str | None = option(None, "--engine ray: the cluster to join", runtime=True)
+    progress: bool = option(True, "show a progress bar", runtime=True)
 
     def __post_init__(self):
         config.check_choices(self)

@@ -111,14 +111,14 @@ class ChunkQualityConfig:
     save_matrices: bool = option(
         True, "keep each document's NLL matrices in metrics.json (recompute any K or convention later)"
     )
-    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)", runtime=True)
     dtype: str = option(
         "auto",
         "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, or bfloat16 (for CPUs with AMX, as in "
         "`chunk --dtype`; the scores are then approximate)",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
-    progress: bool = option(True, "progress bar")
+    progress: bool = option(True, "progress bar", runtime=True)
 
     def __post_init__(self):
         config.check_choices(self)

@@ -96,7 +96,7 @@ class DiagnosticsConfig:
     limit: int | None = option(None, "only the first N questions of each retrieval file")
     batch_tokens: int = option(8192, "padded tokens per forward pass")
     embed_batch_size: int = option(64, "texts per embedding batch")
-    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)", runtime=True)
     dtype: str = option(
         "auto",
         "model dtype (auto: bf16 on GPU, fp32 on CPU; bfloat16 for CPUs with AMX, scores then approximate)",
@@ -104,7 +104,7 @@ class DiagnosticsConfig:
     confidence: float = option(0.95, "bootstrap confidence level of the intervals (0: none)")
     n_resamples: int = option(2000, "bootstrap resamples per interval")
     seed: int = option(0, "the bootstrap's random seed: the same items give the same intervals")
-    progress: bool = option(True, "progress bars")
+    progress: bool = option(True, "progress bars", runtime=True)
 
     def __post_init__(self):
         config.check_choices(self)

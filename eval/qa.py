@@ -115,12 +115,16 @@ class QAConfig:
         "unused when generator_model is given",
     )
     api_key_env: str | None = option(
-        None, "endpoint without a generator_teacher block: environment variable holding the API key"
+        None,
+        "endpoint without a generator_teacher block: environment variable holding the API key",
+        runtime=True,
     )
     serve_preset: bool = option(
         False, "endpoint is `metachunk teacher serve`: send the served folder of the preset named as MODEL"
     )
-    concurrency: int = option(8, "endpoint without a generator_teacher block: requests in flight")
+    concurrency: int = option(
+        8, "endpoint without a generator_teacher block: requests in flight", runtime=True
+    )
     max_cost: float | None = option(None, "endpoint: stop before the answer store's total spend passes USD")
     cache: Path | None = option(None, "endpoint answer store (SQLite); default OUT/answers.sqlite")
     temperature: float = option(0.1, "sampling temperature (paper: 0.1); 0 = greedy")
@@ -134,11 +138,11 @@ class QAConfig:
     max_new_tokens: int = option(1280, "answer length limit in tokens (paper: 1280)")
     seed: int = option(0, "local generation: sampling seed")
     batch_size: int = option(4, "local generation: prompts per batch")
-    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
+    device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)", runtime=True)
     dtype: str = option("auto", "local generator / ppl re-ranker dtype (auto: bf16 on GPU, fp32 on CPU)")
     bertscore_model: str = option("minilm", "BERTScore model for qa_scores, or none")
     score_embedder: str = option("minilm", "embedding-similarity model for qa_scores, or none")
-    progress: bool = option(True, "progress bars")
+    progress: bool = option(True, "progress bars", runtime=True)
 
     def __post_init__(self):
         config.check_choices(self)
@@ -208,6 +212,20 @@ def inputs(cfg: QAConfig) -> Reads:
         models += [m for m in (cfg.bertscore_model, cfg.score_embedder) if m != "none"]
     return Reads.of(paths=[cfg.chunks, cfg.qa], models=models,
                     prompts=prompt_files("metachunk.eval") if generates else [])  # fmt: skip
+
+
+def teachers(cfg: QAConfig) -> dict[str, str]:
+    """The answer generator's model name, when it is a teacher block."""
+    return {"generator": str(cfg.generator_teacher.model)} if cfg.generator_teacher else {}
+
+
+def served(config: dict, teacher) -> dict:
+    """The recipe with its ``generator_teacher`` block (if any) pointed at a served local teacher."""
+    from metachunk.teacher import point_at
+
+    if not config.get("generator_teacher"):
+        return config
+    return {**config, "generator_teacher": point_at(config["generator_teacher"], teacher)}
 
 
 def outputs(cfg: QAConfig) -> list:

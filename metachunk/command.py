@@ -8,6 +8,10 @@ A command is a module (``metachunk.distill.sample``, ``metachunk.eval.qa``, ...)
 * ``outputs(cfg) -> list[str]``: the paths it writes, which a later run checks are still as it left them.
 
 Optionally ``estimate(cfg) -> Result`` (a teacher stage's dry run: ``Result.estimate``),
+``teachers(cfg) -> dict[str, str]`` (the model name of each teacher block it sends requests with),
+``served(config, teacher) -> dict`` (its recipe mapping with those blocks pointed at a served
+teacher: ``metachunk run``'s ``local_teacher: true``), ``with_run_manifest(config, path) -> dict``
+(its recipe mapping taking a regeneration run's manifest along: ``data push``),
 ``parse_config(argv)`` (``train`` reads its config with TRL's own parser) and
 ``identity(cfg) -> dict``, the settings that decide what the run makes (default:
 :func:`metachunk.config.computed`, the config less its runtime fields).
@@ -80,6 +84,12 @@ class Command:
     def name(self) -> str:
         return " ".join(self.words)
 
+    @property
+    def is_stage(self) -> bool:
+        """A command a regeneration stage can run: its module says what it reads and writes."""
+        module = self.load()
+        return hasattr(module, "inputs") and hasattr(module, "outputs")
+
 
 class Registry:
     """The commands, and the two things a runner asks of them: a stage's config (:meth:`config`)
@@ -97,6 +107,17 @@ class Registry:
 
     def run(self, argv: list[str]) -> Result:
         return self._run(argv)
+
+    def find(self, words: list[str]) -> Command:
+        """The command a stage's ``run:`` words name (``data build-sft moc-expert``: ``data build-sft``)."""
+        matches = [c for c in self.commands if tuple(words[: len(c.words)]) == c.words]
+        if not matches:
+            raise KeyError(" ".join(words))
+        return max(matches, key=lambda c: len(c.words))
+
+    def hook(self, words: list[str], name: str):
+        """The optional contract function ``name`` of the command ``words`` name, or None."""
+        return getattr(self.find(words).load(), name, None)
 
     def estimate(self, argv: list[str]) -> dict | None:
         """A teacher stage's dry run (``calls``, ``prompt_tokens``, ``completion_tokens``, ``cost``);

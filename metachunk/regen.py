@@ -12,7 +12,7 @@ and its ``config:`` block is exactly the YAML that command's ``--config`` reads:
         config: {pool: runs/crud/train_pool.jsonl, out: runs/regen/crud/sample, n_docs: 20000}
       - name: rewrite
         run: distill rewrite
-        local_teacher: true           # optional: its teacher blocks (and generator_teacher) point at it
+        local_teacher: true           # optional: its teacher blocks point at it (the command's `served`)
         allow_exit: [0, 4]            # optional: exit statuses that count as done (default [0])
         config: {chunks: runs/regen/crud/sample/chunks.jsonl, ...}
 
@@ -67,7 +67,6 @@ from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.redaction import redact
 
-COMMANDS = ("chunk", "data", "distill", "train", "export", "eval")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,8 +98,10 @@ class Recipe:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """The recipe at ``path``, checked: every problem names the file and the stage's field."""
+def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
+    """The recipe at ``path``, checked: every problem names the file and the stage's field (with
+    ``registry``, also that each ``run:`` names a command a stage can run: one that declares what
+    it reads and writes)."""
     import yaml
 
     from metachunk import shipped
@@ -134,10 +135,11 @@ def load_recipe(path: str | Path) -> Recipe:
         name, run, cfg = s.get("name"), s.get("run"), s.get("config", {})
         if not isinstance(name, str) or not name or name in seen:
             raise InputError(path, f"{where}.name: a unique stage name is required (got {name!r})")
-        if not isinstance(run, str) or run.split()[:1] not in [[c] for c in COMMANDS]:
-            raise InputError(
-                path, f"{where}.run: a metachunk command ({', '.join(COMMANDS)} ...), got {run!r}"
-            )
+        stages_run = [] if registry is None else [c.name for c in registry.commands if c.is_stage]
+        if not isinstance(run, str) or not run.split() or (registry and not any(
+                run.split()[: len(name.split())] == name.split() for name in stages_run)):  # fmt: skip
+            raise InputError(path, f"{where}.run: a metachunk command a stage can run ({', '.join(stages_run)}), "
+                             f"got {run!r}")  # fmt: skip
         if not isinstance(cfg, dict):
             raise InputError(path, f"{where}.config: expected a mapping (the command's --config YAML)")
         on_empty = s.get("on_empty_inputs", "skip")
@@ -215,6 +217,9 @@ class Fingerprint:
     outputs: list[str]
     reads: list[str] = field(default_factory=list)  # every path it reads (models too), as its config names it
     prompts: dict[str, str] = field(default_factory=dict)
+    teachers: dict[str, str] = field(
+        default_factory=dict
+    )  # each teacher block's model name (never a URL or key)
 
     @property
     def missing(self) -> list[str]:
@@ -243,8 +248,9 @@ def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Di
     material = {"run": stage.run, "config": registry.identity(command, cfg), "inputs": inputs,
                 "models": model_prints, "prompts": prompts, "code": code_digest.command_code((command.module,))}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    teachers = command.load().teachers(cfg) if hasattr(command.load(), "teachers") else {}
     return Fingerprint(sha, inputs, model_prints, registry.outputs(command, cfg),
-                       [*reads.paths, *reads.models], prompts)  # fmt: skip
+                       [*reads.paths, *reads.models], prompts, teachers)  # fmt: skip
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -255,12 +261,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-
-
-def teacher_models(stage: Stage) -> dict[str, str]:
-    """The teachers' model names only: a base URL may carry credentials, a key never goes anywhere."""
-    teachers = stage.config.get("teachers") or {}
-    return {name: str(block.get("model")) for name, block in teachers.items() if isinstance(block, dict)}
 
 
 class Runner:
@@ -297,25 +297,21 @@ class Runner:
         return all(self.digests.path(p) == d for p, d in done.get("outputs", {}).items())
 
     def fitted(self, stage: Stage) -> Stage:
-        """The stage with its teacher blocks pointed at the local teacher, if it asks for one."""
-        if stage.argv[:2] == ["data", "push"]:  # the dataset goes up with the run's manifest (card + file)
-            cfg = {"regen_manifest": str(self.state_dir / "regen_manifest.json"), **stage.config}
-            return Stage(
-                stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit, stage.on_empty_inputs
-            )
-        if not stage.local_teacher:
+        """The stage as it runs here: its config taking this run's manifest along where its command
+        does (``with_run_manifest``), and its teacher blocks pointed at the local teacher if it asks
+        for one (``served``)."""
+        cfg = stage.config
+        with_manifest = self.registry.hook(stage.argv, "with_run_manifest")
+        if with_manifest:
+            cfg = with_manifest(cfg, str(self.state_dir / "regen_manifest.json"))
+        if stage.local_teacher:
+            serve = self.registry.hook(stage.argv, "served")
+            if serve is None:
+                raise InputError(self.recipe.path, f"stage {stage.name!r}: `{stage.run}` sends no teacher "
+                                 "requests; drop local_teacher")  # fmt: skip
+            cfg = serve(json.loads(json.dumps(cfg)), self.local_teacher(start=False))
+        if cfg is stage.config:
             return stage
-        teacher = self.local_teacher(start=False)
-        cfg = json.loads(json.dumps(stage.config))
-        # distill's teachers, and eval qa's generator: every block a stage sends requests with
-        blocks = [
-            *(cfg.get("teachers") or {}).values(),
-            *([cfg["generator_teacher"]] if cfg.get("generator_teacher") else []),
-        ]
-        for block in blocks:
-            block.update(base_url=teacher.base_url, model=teacher.model, serve_preset=teacher.serve_preset)
-            if block.get("structured_output", "none") != "none":
-                block["structured_output"] = teacher.structured_output
         return Stage(stage.name, stage.run, cfg, stage.local_teacher, stage.allow_exit, stage.on_empty_inputs)
 
     def local_teacher(self, start: bool = True):
@@ -438,7 +434,7 @@ class Runner:
                         )
                         return {"failed": stage.name, "exit": 1}
                     fitted = self.fitted(stage)
-                if stage.argv[:2] == ["data", "push"]:  # the manifest of the stages so far goes up with it
+                if self.registry.hook(stage.argv, "with_run_manifest"):  # the manifest so far goes along
                     self.write_manifest(report, time.perf_counter() - started)
                 path = self._write_stage_config(fitted)
                 argv = [*stage.argv, "--config", str(path)]
@@ -480,7 +476,7 @@ class Runner:
         done = self.state["stages"].get(stage.name, {})
         return {"name": stage.name, "run": stage.run, "fingerprint": fp.sha256, "status": status,
                 "seconds": round(seconds, 2), "inputs": fp.inputs, "models": fp.models,
-                "outputs": done.get("outputs", {}), "teachers": teacher_models(stage),
+                "outputs": done.get("outputs", {}), "teachers": fp.teachers,
                 "summary": done.get("summary", {})}  # fmt: skip
 
     def write_manifest(self, report: list[dict], seconds: float) -> dict:
@@ -543,7 +539,7 @@ def run(cfg: RunConfig, registry: Registry) -> Result:
     """``metachunk run``: ``registry`` is the CLI's table of commands, which runs each stage."""
     if cfg.recipe is None:
         raise InputError("command line", "usage: metachunk run RECIPE [--plan] [--rerun STAGE ...]")
-    recipe = load_recipe(cfg.recipe)
+    recipe = load_recipe(cfg.recipe, registry)
     runner = Runner(recipe, registry, cfg.rerun or ())
     if cfg.plan:
         runner.plan()

@@ -141,18 +141,25 @@ class TeacherConfig:
     """One stage's teacher. Stages with the same ``base_url`` and ``model`` share its limits."""
 
     model: str = option(None, "model name sent to the endpoint (and the key of the price table)")
-    base_url: str = option("http://127.0.0.1:8000/v1", "OpenAI-compatible endpoint, ending in /v1")
+    base_url: str = option(
+        "http://127.0.0.1:8000/v1", "OpenAI-compatible endpoint, ending in /v1", runtime=True
+    )
     base_url_env: str | None = option(
-        None, "name of an environment variable holding the endpoint URL; overrides base_url when set"
+        None,
+        "name of an environment variable holding the endpoint URL; overrides base_url when set",
+        runtime=True,
     )
     base_urls: list[str] | None = option(
         None,
         "several endpoints serving this model (vLLM replicas, gateways): each request goes to the one with "
         "the fewest in flight, each keeps its own concurrency and rate limits, and one that fails to connect "
         "is paused and retried later while the others carry the load; overrides base_url",
+        runtime=True,
     )
     base_url_envs: list[str] | None = option(
-        None, "names of environment variables holding those endpoints' URLs; overrides base_urls"
+        None,
+        "names of environment variables holding those endpoints' URLs; overrides base_urls",
+        runtime=True,
     )
     serve_preset: bool = option(
         False,
@@ -160,7 +167,9 @@ class TeacherConfig:
         "naming the served folder: send the local path of the preset named by `model`",
     )
     api_key_env: str | None = option(
-        None, "name of the environment variable holding the API key; the key never goes in a file"
+        None,
+        "name of the environment variable holding the API key; the key never goes in a file",
+        runtime=True,
     )
     temperature: float | None = option(None, "sampling temperature; unset: the server's default")
     top_p: float | None = option(None, "nucleus sampling; unset: the server's default")
@@ -173,15 +182,18 @@ class TeacherConfig:
     max_tokens_limit: int | None = option(
         None, "on finish_reason=length, retry with twice max_tokens up to this; unset: record as failed"
     )
-    concurrency: int = option(16, "requests in flight to this endpoint")
-    rpm: float | None = option(None, "requests per minute allowed by the endpoint; unset: no limit")
-    tpm: float | None = option(None, "tokens (prompt + completion) per minute; unset: no limit")
-    timeout: float = option(600.0, "seconds before one HTTP attempt is abandoned")
+    concurrency: int = option(16, "requests in flight to this endpoint", runtime=True)
+    rpm: float | None = option(
+        None, "requests per minute allowed by the endpoint; unset: no limit", runtime=True
+    )
+    tpm: float | None = option(None, "tokens (prompt + completion) per minute; unset: no limit", runtime=True)
+    timeout: float = option(600.0, "seconds before one HTTP attempt is abandoned", runtime=True)
     max_retries: int = option(5, "retries per request on 429, 5xx, timeouts and connection errors")
     max_connection_errors: int = option(
         8,
         "stop the run after this many requests in a row failed to connect (each after its retries): "
         "the endpoint is down or the URL is wrong",
+        runtime=True,
     )
     tokenizer: str | None = option(
         None,
@@ -214,6 +226,7 @@ class TeacherConfig:
     stream_idle_timeout: float = option(
         120.0,
         "stream: seconds without a chunk before the attempt is abandoned (timeout bounds the whole stream)",
+        runtime=True,
     )
     max_tokens_field: str | None = option(
         None,
@@ -251,7 +264,9 @@ class TeacherConfig:
     )
     completion_window: str = option("24h", "mode: batch: the batch's completion window")
     batch_poll_seconds: float = option(
-        30.0, "mode: batch: first wait between polls of a live batch (then x1.5, at most 10 minutes)"
+        30.0,
+        "mode: batch: first wait between polls of a live batch (then x1.5, at most 10 minutes)",
+        runtime=True,
     )
     batch_endpoint: str | None = option(
         None, "mode: batch: the path in each batch line and the batch's endpoint. Unset: the profile"
@@ -1217,3 +1232,14 @@ class TeacherPool:
     async def close(self) -> None:
         for endpoint in self.endpoints.values():
             await endpoint.close()
+
+
+def point_at(block: dict, served) -> dict:
+    """A recipe's teacher block (a mapping) pointed at a served teacher (``served``: its
+    ``base_url``, ``model``, ``serve_preset`` and ``structured_output``, as
+    :class:`metachunk.local_teacher.LocalTeacher` has them). A block that asks for structured
+    output gets the way this server takes a schema."""
+    block = {**block, "base_url": served.base_url, "model": served.model, "serve_preset": served.serve_preset}
+    if block.get("structured_output", "none") != "none":
+        block["structured_output"] = served.structured_output
+    return block

@@ -6,8 +6,9 @@
   the CLI and the demo, which import stages inside their functions.
 - No module imports another module's ``_private`` name.
 
-Imports under ``if TYPE_CHECKING:`` are for annotations only and are not counted; imports inside
-functions are (a lazy import is still a dependency).
+Every import counts: at the top, inside a function (a lazy import is still a dependency) and under
+``if TYPE_CHECKING:`` (a type that has to be imported from a module that imports this one says the
+type lives in the wrong module).
 """
 
 from __future__ import annotations
@@ -45,37 +46,21 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imports(path: Path, name: str) -> list[tuple[str, list[str], int]]:
-    """``(imported module, names taken from it, line)`` for every import outside TYPE_CHECKING."""
+    """``(imported module, names taken from it, line)`` for every import in the module."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking_only(child):
-                for other in child.orelse:
-                    visit(other)
-                continue
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, [], child.lineno) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:  # relative: resolve against this module's package
-                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
-                    base = ".".join([*anchor, base] if base else anchor)
-                found.append((base, [alias.name for alias in child.names], child.lineno))
-            visit(child)
-
-    visit(tree)
-    return found
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, [], node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((base, [alias.name for alias in node.names], node.lineno))
+    return sorted(found, key=lambda f: f[2])
 
 
 def project_edges() -> dict[str, set[tuple[str, int]]]:
@@ -170,7 +155,7 @@ def test_no_module_imports_another_modules_private_names():
         ("from metachunk.distill.run import x\n", [("metachunk.distill.run", ["x"], 1)]),
         (
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import metachunk.eval.qa\n",
-            [("typing", ["TYPE_CHECKING"], 1)],
+            [("typing", ["TYPE_CHECKING"], 1), ("metachunk.eval.qa", [], 3)],
         ),
         ("def f():\n    from . import store\n", [("metachunk", ["store"], 2)]),
     ],
@@ -179,3 +164,38 @@ def test_the_import_reader(tmp_path, source, expected):
     path = tmp_path / "mod.py"
     path.write_text(source, encoding="utf-8")
     assert imports(path, "metachunk.mod") == expected
+
+
+def test_the_runner_knows_the_commands_only_through_their_contract():
+    """``metachunk/regen.py`` names no other module's output file, manifest key, config field or
+    command: what a stage reads, writes, reports and costs comes from its command's contract
+    (``metachunk/command.py``), handed to it by the CLI."""
+    path = REPO / "metachunk" / "regen.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    strings = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    }
+    # (Its own recipe and manifest have a `model`, `summary` and `teachers` of their own.)
+    others = {
+        # output files and manifest keys of other commands
+        ".meta.json", "manifest.json", "build_report.json", "metrics.json", "sample.json", "report.json",
+        "metachunk_run.json", "mean_chunk_chars", "length_fit", "rows", "requests_sent", "hits@",
+        # config fields of other commands
+        "out", "output", "output_dir", "cards_dir", "plot", "experts", "generator_teacher", "regen_manifest",
+        "dataset_name", "method", "dry_run",
+        # command words
+        "chunk", "data", "distill", "push", "build-sft", "train", "export", "eval",
+    }  # fmt: skip
+    named = sorted(s for s in strings if s in others or s.endswith((".meta.json", "/manifest.json")))
+    assert named == []
+    assert not any("--dry-run" in s for s in strings)  # no printed output is parsed

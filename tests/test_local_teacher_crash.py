@@ -74,19 +74,31 @@ def test_the_runner_stops_when_the_local_teacher_dies_during_a_stage(
         return served[-1]
 
     monkeypatch.setattr(metachunk.local_teacher, "LocalTeacher", local_teacher)
-    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "Emma."}) + "\n")
+    for name in ("chunks.jsonl", "documents.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"id": "d", "text": "Emma."}) + "\n")
+    teacher = {"model": "anything"}
+    config = {
+        "chunks": str(tmp_path / "chunks.jsonl"),
+        "documents": str(tmp_path / "documents.jsonl"),
+        "out": str(tmp_path / "out"),
+        "teachers": {s: teacher for s in ("reflection", "refinement", "completion")},
+    }
     recipe = {"name": "crash", "state": str(tmp_path / "state"),
-              "stages": [{"name": "ask", "run": "data passages", "local_teacher": True, "allow_exit": [0, 4],
-                          "config": {"input": str(tmp_path / "p.jsonl"), "out": str(tmp_path / "o.jsonl")}}]}  # fmt: skip
+              "stages": [{"name": "ask", "run": "distill rewrite", "local_teacher": True, "allow_exit": [0, 4],
+                          "config": config}]}  # fmt: skip
     path = tmp_path / "regen.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
     def stage_kills_the_server(argv):  # the stage runs while the server dies under it; its status says 4
         served[0].process.kill()
         served[0].process.wait()
-        return 4
+        return Result(4)
 
-    result = Runner(load_recipe(path), stage_kills_the_server).run()
+    from metachunk import cli, config
+    from metachunk.command import Registry, Result
+
+    commands = Registry(cli.COMMANDS, cli.parse, stage_kills_the_server, config.computed)
+    result = Runner(load_recipe(path), commands).run()
     assert result == {"failed": "ask", "exit": 4}
     err = capsys.readouterr().err
     assert "the local teacher was killed by SIGKILL during stage 'ask'" in err

@@ -118,6 +118,7 @@ class ExportConfig:
         False,
         "replace an existing --out folder that is not an earlier export (an earlier export is replaced "
         "anyway); the old folder stays until the new export is complete",
+        runtime=True,
     )
     push: str | None = option(
         None, "then upload the folder to this Hub model repo, 'namespace/name' (HF_TOKEN)"
