@@ -9,12 +9,241 @@ shards and ``manifest.json``, resumable. Both are one implementation
 
 from __future__ import annotations
 
-from metachunk.chunking.pipeline import ChunkConfig
-from metachunk.chunking.shards import chunk_corpus, reads
+import os
+import sys
+import time
+from pathlib import Path
 
+from metachunk.chunking.pipeline import ChunkConfig
+from metachunk.chunking.shards import (
+    DOCS_PER_SHARD,
+    ShardedOutput,
+    ShardPlan,
+    ShardWorker,
+    chunk_shard,
+    default_workers,
+    distributed_rank,
+    is_dataset_dir,
+    manifest_head,
+    reads,
+    run_local,
+    run_ray,
+)
+
+from metachunk import config
+from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line
 from metachunk.command import Reads, Result
+from metachunk.sources import DocumentSource
 
 CONFIG = ChunkConfig
+
+
+# ---- a run: one file, or a folder of shards -------------------------------------------------------
+
+
+def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, progress: bool):
+    """``--mean-chunk-chars``: every document segmented (held in memory), then the one
+    ``target_len`` whose chunks average ``goal`` characters (``cfg.target_len`` is set to it), and
+    every document assembled at it. Returns ``(documents, length_fit)``."""
+    from metachunk.chunking.pipeline import fit_target_len
+    from tqdm import tqdm
+
+    chunker, group = worker.chunker, max(cfg.batch_size * 4, 16)
+    segmented, docs = [], list(source.documents())
+    with tqdm(total=len(docs), unit="doc", desc=f"segment {cfg.method}", dynamic_ncols=True,
+              disable=chunker.own_progress or not progress) as bar:  # fmt: skip
+        for k in range(0, len(docs), group):
+            batch = docs[k : k + group]
+            segmented += chunker.segment([d.id for d in batch], [d.text for d in batch])
+            bar.update(len(batch))
+    length_fit = fit_target_len(chunker, segmented, goal, cfg.mean_chunk_chars_tolerance)
+    cfg.target_len = length_fit["target_len"]
+    for d in segmented:
+        d.chunks = chunker.assemble(d, cfg.target_len)
+    print(f"chunk: --target-len {cfg.target_len} gives a mean of {length_fit['mean_chunk_chars']} chars/chunk "
+          f"for a goal of {length_fit['goal']} ({length_fit['tries']} tries"
+          + ("" if length_fit["within_tolerance"] else f"; NOT within {cfg.mean_chunk_chars_tolerance:.0%}")
+          + ")", file=sys.stderr)  # fmt: skip
+    return segmented, length_fit
+
+
+def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """``metachunk chunk INPUT -o OUTPUT``: scan, plan, (resume,) chunk, finish; returns the run's
+    manifest. ``-o FILE.jsonl`` is the one-shard plan, run here and written with ``FILE.meta.json``
+    as one pair; ``-o DIR`` is the folder of shards (:func:`chunk_folder`). Every method and option
+    works both ways.
+
+    ``restart_if_changed``: a folder another run wrote is started again instead of refused (for a
+    stage's own intermediate folder, such as ``data sample``'s ``OUT/ppl/``)."""
+    from metachunk.chunking.pipeline import goal_mean_chars
+
+    if cfg.input is None or cfg.output is None:
+        raise InputError("command line", "usage: metachunk chunk INPUT -o OUTPUT.jsonl [options]")
+    if Path(cfg.output).resolve() == Path(cfg.input).resolve():  # it would be replaced by its own chunks
+        raise InputError(cfg.output, "-o is the input file; write the chunks to another file")
+    goal = goal_mean_chars(cfg)
+    if is_dataset_dir(cfg.output):
+        return chunk_folder(cfg, goal, progress, restart_if_changed)
+    return chunk_file(cfg, goal, progress)
+
+
+def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
+    """The one-shard case: the output and ``OUTPUT.meta.json`` are replaced together or not at all
+    (:class:`~metachunk.artifacts.OutputPair`)."""
+    from tqdm import tqdm
+
+    source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
+    # Every line checked before any model loads: a bad line 9,000 should not cost a model load
+    # and 8,999 documents of work. Texts are not kept; the run streams them again.
+    index = source.scan()
+    plan = ShardPlan(index.documents, 1)
+    started = time.perf_counter()
+    worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
+    load_s = time.perf_counter() - started
+    segmented, length_fit = (
+        fit_length(worker, cfg, source, goal, progress) if goal is not None else (None, None)
+    )
+    with OutputPair(cfg.output) as pair:
+        with tqdm(total=index.documents, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
+                  disable=worker.chunker.own_progress or not progress) as bar:  # fmt: skip
+            try:
+                stats = chunk_shard(worker, cfg, source, index, plan, 0, lambda r: pair.file.write(jsonl_line(r)),
+                                    bar.update, segmented)  # fmt: skip
+            finally:
+                worker.close()
+        seconds = time.perf_counter() - started
+        summary = {
+            "documents": stats["documents"],
+            "chunks": stats["chunks"],
+            "mean_chunk_chars": round(stats["chunk_chars"] / stats["chunks"], 1) if stats["chunks"] else 0.0,
+            "seconds": round(seconds, 2),
+            "model_load_seconds": round(load_s, 2),
+        }
+        manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.to_dict(cfg),
+                    "threshold": cfg.effective_threshold, "prompt_sha256": worker.chunker.prompt_sha256,
+                    "summary": summary}  # fmt: skip
+        report = worker.report()
+        if "students" in report:  # which rewriter / summarizer (path), prompt versions, context and decoding
+            manifest["students"] = report.pop("students")
+        if length_fit:
+            manifest["length_fit"] = length_fit
+        manifest.update(report)  # the method's own block: moc, lumber
+        pair.commit(manifest)
+    print(f"{cfg.output}: {summary['documents']} documents, {summary['chunks']} chunks, mean "
+          f"{summary['mean_chunk_chars']} chars/chunk, {seconds:.1f}s", file=sys.stderr)  # fmt: skip
+    print_method_lines(worker.chunker.summary_lines(), manifest.get("students", {}))
+    return manifest
+
+
+def print_method_lines(lines: list[str], students: dict) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+    for task, run in students.items():
+        print(f"  {task} ({run['model']}): '{run['field']}' on {run['chunks']} chunks, {run['new_tokens']} new "
+              f"tokens, {run['seconds']:.1f}s", file=sys.stderr)  # fmt: skip
+
+
+def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """A dataset folder, shard by shard, resumable, on one of the engines. With ``--mean-chunk-chars``
+    every document is segmented here first (in memory: an evaluation set, not a corpus) and the
+    shards are written by this process."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    rank, world = distributed_rank()
+    if world > 1 and cfg.overwrite:
+        raise InputError(
+            "--overwrite", "every rank would clear the folder: run once without torchrun to clear it"
+        )
+    if world > 1 and goal is not None:
+        raise InputError(
+            "--mean-chunk-chars", "segments the whole input in one process: run it without torchrun"
+        )
+    # Under torchrun each rank is one worker; otherwise one per visible GPU on GPU, else 1.
+    cfg = replace(cfg, workers=1 if world > 1 else (cfg.workers or default_workers(cfg.device)))
+    if world > 1 and cfg.device in (None, "cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            cfg = replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    started = time.perf_counter()
+    source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
+    index = source.scan()  # every file:line check, before any model loads
+    scan_s = time.perf_counter() - started
+    plan = ShardPlan(index.documents, cfg.shards or max(1, -(-index.documents // DOCS_PER_SHARD)))
+    if cfg.method in ("ppl", "msp"):  # convert a preset once here, not in every worker at once
+        from metachunk.models import resolve
+
+        resolve(cfg.model)
+    output = ShardedOutput(cfg.output, plan, cfg.output_format)
+    head = manifest_head(cfg, source, index, plan)
+    done = output.open(head, cfg.overwrite, restart_if_changed)
+    mine = [i for i in range(plan.shards) if i % world == rank]
+    pending = [i for i in mine if i not in done]
+    output.remove_stale_temps(pending)
+    skip_s = time.perf_counter() - started
+    skipped_docs = sum(plan.bounds(i)[1] - plan.bounds(i)[0] for i in mine if i in done)
+    todo_docs = sum(plan.bounds(i)[1] - plan.bounds(i)[0] for i in pending)
+    who = f" (rank {rank} of {world})" if world > 1 else ""
+    if done:
+        print(f"{cfg.output}: resuming{who}: {len(done)} of {plan.shards} shards done, "
+              f"{len(pending)} to chunk ({todo_docs} documents)", file=sys.stderr)  # fmt: skip
+    worker = segmented = length_fit = None
+    if goal is not None and pending:
+        cfg = replace(cfg, workers=1)
+        worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
+        segmented, length_fit = fit_length(worker, cfg, source, goal, progress)
+    with tqdm(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", dynamic_ncols=True,
+              disable=not progress) as bar:  # fmt: skip
+        if not pending:
+            seconds, reports = {}, []
+        elif cfg.engine == "ray" and worker is None:
+            seconds, reports = run_ray(cfg, index, plan, output, pending, bar)
+        else:
+            seconds, reports = run_local(cfg, source, index, plan, output, pending, bar, worker, segmented)
+    run = {
+        "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
+        "workers": cfg.workers,
+        "threads_per_worker": cfg.threads_per_worker,
+        "device": cfg.device,
+        "this_attempt_seconds": round(time.perf_counter() - started, 2),
+        "scan_seconds": round(scan_s, 2),
+        "resume_check_seconds": round(skip_s, 2),
+        "shards_skipped": len(mine) - len(pending),
+        "documents_skipped": skipped_docs,
+        "documents_chunked": todo_docs,
+        "shard_seconds": {f"{i:05d}": round(s, 2) for i, s in sorted(seconds.items())},
+        # each worker's method and students blocks (moc, lumber: windows, requests, fallbacks ...)
+        **({"workers_report": reports} if any(reports) else {}),
+        **({"length_fit": length_fit} if length_fit else {}),
+    }
+    manifest = output.finish(run)
+    state = (
+        "complete"
+        if manifest["complete"]
+        else f"{len(manifest['shards']['done'])} of {plan.shards} shards done"
+    )
+    summary = manifest.get("summary", {})
+    print(
+        f"{cfg.output}: {plan.shards} shards, {state}; this run chunked {todo_docs} documents "
+        f"({run['shards_skipped']} shards skipped) in {run['this_attempt_seconds']:.1f}s"
+        + (f"; {summary['documents']} documents, {summary['chunks']} chunks, mean "
+           f"{summary['mean_chunk_chars']} chars/chunk" if summary else ""),
+        file=sys.stderr,
+    )  # fmt: skip
+    for report in reports:
+        print_method_lines([], report.get("students", {}))
+    return manifest
+
+
+def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
+    """A dataset folder's run (``data sample``'s intermediate PPL chunks): :func:`chunk_folder`."""
+    from metachunk.chunking.pipeline import goal_mean_chars
+
+    if not is_dataset_dir(cfg.output):
+        raise InputError(cfg.output, "expected a folder for the shards")
+    return chunk_folder(cfg, goal_mean_chars(cfg), progress, restart_if_changed)
 
 
 def run(cfg: ChunkConfig) -> Result:

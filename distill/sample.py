@@ -113,7 +113,8 @@ def choose_chunks(
 def sample(cfg: SampleConfig) -> dict:
     """Draw, chunk and sample; writes the output dir and returns the report."""
     from metachunk.chunking.pipeline import ChunkConfig
-    from metachunk.chunking.shards import read_chunk_records, run_sharded
+    from metachunk.chunking.run import run_sharded
+    from metachunk.chunking.shards import read_chunk_records
 
     started = time.perf_counter()
     out = Path(cfg.out)

@@ -28,7 +28,8 @@ from pathlib import Path
 import metachunk.distill.pipelines
 import pytest
 from metachunk.distill.pipelines import STAGES
-from metachunk.distill.run import run, write_records
+from metachunk.distill.run import run_task as run
+from metachunk.distill.run import write_records
 from support.distill_jobs import KEY_ENV, Job, cli_env, make_job
 from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import THINK_TEXT, serve_in_subprocess

@@ -144,7 +144,7 @@ def test_end_to_end_through_the_parser(tmp_path, tiny_model_dir, capsys):
     cfg = _parse(["--chunks", str(chunks), "--model", str(tiny_model_dir), "--out", str(out),
                   "--max-pairs", "4", "--k", "0.05", "--no-progress"])  # fmt: skip
     assert cfg.max_pairs == 4 and cfg.k == 0.05 and cfg.convention == "paper"
-    assert cq.run(cfg) == 0
+    assert cq.run(cfg).exit == 0
     doc = json.loads((out / "metrics.json").read_text())
     m = doc["metrics"]
     assert doc["command"] == "chunk-quality" and doc["config"]["max_pairs"] == 4
@@ -176,7 +176,7 @@ def test_bad_input_exits_2(tmp_path, tiny_model_dir, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "chunks": [{"start": 0}]}\n')
     cfg = cq.ChunkQualityConfig(chunks=bad, model=str(tiny_model_dir), out=tmp_path / "o", progress=False)
-    assert cq.run(cfg) == 2
+    assert cq.run(cfg).exit == 2
     assert "bad.jsonl:1:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'k' must be in"):
         cq.ChunkQualityConfig(chunks=bad, out=tmp_path, k=1.2)
@@ -186,7 +186,7 @@ def test_matrices_can_be_left_out(tmp_path, tiny_model_dir):
     chunks = _chunks_file(tmp_path / "chunks.jsonl", {"a": TEXTS[:3]})
     cfg = _parse(["--chunks", str(chunks), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r"),
                   "--no-save-matrices", "--convention", "released", "--no-progress"])  # fmt: skip
-    assert cq.run(cfg) == 0
+    assert cq.run(cfg).exit == 0
     doc = json.loads((tmp_path / "r" / "metrics.json").read_text())
     (d,) = doc["details"]["documents"]
     assert "nll_cond" not in d and d["pairs_computed"] == 6 and doc["details"]["convention"] == "released"

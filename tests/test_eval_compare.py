@@ -50,9 +50,9 @@ def test_side_by_side_table_and_one_png_per_metric(tmp_path):
 def test_unequal_lengths_are_refused_unless_forced(tmp_path, capsys):
     dirs = _runs(tmp_path, [400.0, 600.0])
     out = tmp_path / "report.md"
-    assert run(CompareConfig(runs=dirs, out=out)) == 2
+    assert run(CompareConfig(runs=dirs, out=out)).exit == 2
     assert "differ by 50.0%" in capsys.readouterr().err and not out.exists()
-    assert run(CompareConfig(runs=dirs, out=out, force=True, plots=False)) == 0
+    assert run(CompareConfig(runs=dirs, out=out, force=True, plots=False)).exit == 0
     assert out.read_text().splitlines()[2].startswith("**Forced:**")
 
 

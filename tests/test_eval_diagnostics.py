@@ -160,7 +160,7 @@ def test_end_to_end_through_the_parser(tmp_path, tiny, tiny_model_dir, planted_e
     cfg = _parse(["--out", str(out), "--chunks", str(chunks), "--retrieval", str(a.parent), f"rewritten={b}",
                   "--models", str(tiny_model_dir), "--k", "2", "--no-progress"])  # fmt: skip
     assert cfg.retrieval == [str(a.parent), f"rewritten={b}"] and cfg.k == 2
-    assert dg.run(cfg) == 0
+    assert dg.run(cfg).exit == 0
     doc = json.loads((out / "metrics.json").read_text())
     m, name = doc["metrics"], dg.model_label(str(tiny_model_dir))
     assert doc["command"] == "diagnostics"
@@ -188,14 +188,18 @@ def test_input_errors(tmp_path, tiny_model_dir, capsys):
     no_rewrite = tmp_path / "c.jsonl"
     no_rewrite.write_text(json.dumps({"id": "d", "chunks": [{"text": "a", "start": 0, "end": 1}]}) + "\n")
     assert (
-        dg.run(dg.DiagnosticsConfig(out=tmp_path / "o", chunks=no_rewrite, models=[str(tiny_model_dir)])) == 2
+        dg.run(dg.DiagnosticsConfig(out=tmp_path / "o", chunks=no_rewrite, models=[str(tiny_model_dir)])).exit
+        == 2
     )
     assert "no chunk carries a 'rewritten'" in capsys.readouterr().err
-    assert dg.run(dg.DiagnosticsConfig(out=tmp_path / "o", retrieval=[str(tmp_path / "missing.jsonl")])) == 2
+    assert (
+        dg.run(dg.DiagnosticsConfig(out=tmp_path / "o", retrieval=[str(tmp_path / "missing.jsonl")])).exit
+        == 2
+    )
     assert "no such retrieval file" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q"}\n')
-    assert dg.run(dg.DiagnosticsConfig(out=tmp_path / "o", retrieval=[str(bad)])) == 2
+    assert dg.run(dg.DiagnosticsConfig(out=tmp_path / "o", retrieval=[str(bad)])).exit == 2
     assert "bad.jsonl:1:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="give --chunks"):
         dg.DiagnosticsConfig(out=tmp_path)
@@ -215,7 +219,7 @@ def test_items_and_intervals(tmp_path, planted_embedder):
     cfg = dg.DiagnosticsConfig(
         out=out, retrieval=[f"chunk={a}", f"summary={b}"], models=[], k=2, progress=False
     )
-    assert dg.run(cfg) == 0
+    assert dg.run(cfg).exit == 0
     doc = json.loads((out / "metrics.json").read_text())
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
     assert sorted(row["id"] for row in items) == sorted(f"q:{i}" for i in range(12))

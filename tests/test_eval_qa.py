@@ -8,7 +8,6 @@ SmolLM2 as PPL re-ranker and as local generator).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -30,8 +29,6 @@ from metachunk.eval.retrieval import (
     rank_metrics,
     relevant_chunks,
 )
-
-from metachunk import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,19 +140,10 @@ def planted(tmp_path):
 
 
 def parse(argv: list[str]) -> qa.QAConfig:
-    """Through the real ``metachunk eval qa`` parser when the eval CLI imports, else the same flags."""
-    try:
-        from metachunk.eval.cli import add_parser
+    """Through the real ``metachunk eval qa`` parser."""
+    from metachunk.cli import parse as cli_parse
 
-        parser = argparse.ArgumentParser(prog="metachunk")
-        add_parser(parser.add_subparsers(dest="command"))
-        args = parser.parse_args(["eval", "qa", *argv])
-        del args.command, args.action, args.handler
-    except ImportError:  # a sibling eval command is not written yet
-        parser = argparse.ArgumentParser(prog="metachunk eval qa")
-        config.add_arguments(parser, qa.CONFIG)
-        args = parser.parse_args(argv)
-    return config.from_namespace(qa.CONFIG, args)
+    return cli_parse(["eval", "qa", *argv])[1]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -397,7 +385,7 @@ def test_planted_corpus_metrics_through_the_cli(planted, planted_embedder, tmp_p
     cfg = parse(
         ["--chunks", str(chunks), "--qa", str(questions), "--top-k", "3", "--out", str(out), "--no-progress"]
     )
-    assert qa.run(cfg) == 0
+    assert qa.run(cfg).exit == 0
     doc = json.loads((out / "metrics.json").read_text())
     m = doc["metrics"]
     for name, value in EXPECTED.items():

@@ -17,7 +17,8 @@ import urllib.request
 import pytest
 from metachunk.distill.pipelines import parse_items
 from metachunk.distill.prompts import load_prompt, load_schema
-from metachunk.distill.run import run, write_records
+from metachunk.distill.run import run_task as run
+from metachunk.distill.run import write_records
 from support.loopback_server import serve_in_subprocess
 from test_distill_reliability import REWRITE, chunk_text, make_job, one_chunk_per_doc, table
 
@@ -260,7 +261,7 @@ def test_moc_asks_for_its_chunk_list_under_the_schema(
     with serve_in_subprocess(replies={"segment": reply}) as server:
         recipe.write_text(json.dumps({
             "task": "moc", "documents": str(documents), "out": str(tmp_path / "run"), "lang": "en",
-            "tokenizer": str(tiny_model_dir), "progress": False,
+            "moc_tokenizer": str(tiny_model_dir), "progress": False,
             "teachers": {"moc_chunk": {**block, "base_url": server.base_url}},
         }))  # fmt: skip
         from metachunk.cli import main
