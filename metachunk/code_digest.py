@@ -32,7 +32,15 @@ def find_source(name: str) -> Path | None:
     return Path(spec.origin)
 
 
-def imported_names(path: Path, name: str) -> set[str]:
+def imported_names(path: Path, name: str) -> frozenset[str]:
+    """Every module name ``path`` (module ``name``) may import (see :func:`_imported_names`); read
+    once per version of the file, as the commands' closures share most modules."""
+    st = path.stat()
+    return _imported_names(path, st.st_mtime_ns, st.st_size, name)
+
+
+@cache
+def _imported_names(path: Path, mtime_ns: int, size: int, name: str) -> frozenset[str]:
     """Every module name ``path`` (module ``name``) may import, resolved, with ``from P import x``
     counted as both ``P`` and ``P.x`` (the caller keeps those that exist)."""
     tree = ast.parse(path.read_bytes(), filename=str(path))
@@ -48,7 +56,7 @@ def imported_names(path: Path, name: str) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             out.add(base)
             out.update(f"{base}.{alias.name}" for alias in node.names)
-    return out
+    return frozenset(out)
 
 
 def closure(entries: tuple[str, ...], find: Callable[[str], Path | None] = find_source,
