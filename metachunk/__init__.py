@@ -11,3 +11,22 @@ try:
     __version__ = version("metachunk")
 except PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "0+unknown"
+
+# The public surface: the chunkers and the students (metachunk/chunking/api.py), imported when
+# first named, so `import metachunk` and the CLI stay light.
+__all__ = [
+    "Chunk", "TextChunker", "PPLChunker", "MSPChunker", "MoCChunker", "LumberChunker", "FixedChunker",
+    "SentenceChunker", "SemanticChunker", "Rewriter", "Summarizer",
+]  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from metachunk.chunking import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'metachunk' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,242 @@
+"""metachunk from Python: every chunker and both students in a few lines.
+
+Each class is a thin front over the objects ``metachunk chunk`` runs (:class:`ChunkConfig` and
+:class:`~metachunk.chunking.pipeline.Chunker`, :class:`~metachunk.chunking.students.ChunkStudents`),
+so a chunker here and the CLI with the same settings cut the same text the same way. Models load
+once, when the object is made: a preset name (``metachunk models list``), a local folder or a Hub
+id (``ORG/NAME[@REV]``).
+
+A chunker takes a text and returns its chunks; every chunk is a slice of the text, and the chunks
+tile it::
+
+    >>> from metachunk import SentenceChunker
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+    >>> chunker = SentenceChunker(target_len=40, len_unit="char", lang="en")
+    >>> [c.text for c in chunker(doc)]
+    ['Emma was clever. She was rich. ', 'Her home was Hartfield. ', 'She had few troubles.']
+    >>> all(c.text == doc[c.start : c.end] for c in chunker(doc))
+    True
+    >>> "".join(c.text for c in chunker(doc)) == doc
+    True
+
+A text that is empty or only whitespace is one chunk of itself, as in the CLI; a lone surrogate
+(half a UTF-16 pair, not text) is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar
+
+from metachunk.chunking.lumber import LumberOptions
+from metachunk.chunking.moc import MocOptions
+from metachunk.chunking.pipeline import ChunkConfig, ChunkedDocument, Chunker, StudentOptions
+from metachunk.chunking.sentences import detect_lang
+from metachunk.chunking.types import Chunk
+
+__all__ = [
+    "Chunk", "TextChunker", "PPLChunker", "MSPChunker", "MoCChunker", "LumberChunker", "FixedChunker",
+    "SentenceChunker", "SemanticChunker", "Rewriter", "Summarizer",
+]  # fmt: skip
+
+
+def check_text(text: str, where: str = "text") -> str:
+    """``text`` if it is a str that UTF-8 can hold, else a ``ValueError`` that says why."""
+    if not isinstance(text, str):
+        raise TypeError(f"{where} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} "
+            "(half a UTF-16 pair, not text)"
+        ) from None
+    return text
+
+
+class TextChunker:
+    """What every chunker does: ``chunker(text) -> list[Chunk]`` and ``chunker.chunk_batch(texts)``.
+
+    ``settings`` are :class:`~metachunk.chunking.pipeline.ChunkConfig`'s fields (the ``metachunk
+    chunk`` flags without their dashes: ``target_len``, ``len_unit``, ``lang``, ``dtype``,
+    ``device``, ``batch_size``, ...), checked as the CLI checks them.
+    """
+
+    method: ClassVar[str]
+
+    def __init__(self, **settings):
+        self.config = ChunkConfig(method=self.method, **settings)
+        self._chunker = Chunker(self.config, progress=False)
+
+    def __call__(self, text: str) -> list[Chunk]:
+        return self.chunk_batch([text])[0]
+
+    def chunk_batch(self, texts: Iterable[str]) -> list[list[Chunk]]:
+        """The chunks of each text, in order; texts are scored together in groups of
+        ``4 x batch_size``, as the CLI does."""
+        texts = [check_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
+        group = max(self.config.batch_size * 4, 16)
+        out: list[list[Chunk]] = []
+        for k in range(0, len(texts), group):
+            part = texts[k : k + group]
+            out += [d.chunks for d in self._chunker.chunk([str(k + i) for i in range(len(part))], part)]
+        return out
+
+    def close(self) -> None:
+        """Releases what outlives a call (LumberChunker: its teacher pool and answer store)."""
+        self._chunker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(method={self.method!r}, target_len={self.config.target_len})"
+
+
+class PPLChunker(TextChunker):
+    """Meta-Chunking's perplexity chunking: a boundary where a sentence's PPL drops by ``threshold``
+    (or, with ``target_len``, at the local minima, then merged up to ``target_len``).
+
+    >>> chunker = PPLChunker(model, target_len=120, len_unit="char", lang="en")  # model: preset, dir or Hub id
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+    >>> chunks = chunker(doc)
+    >>> "".join(c.text for c in chunks) == doc and all(c.text == doc[c.start : c.end] for c in chunks)
+    True
+    """
+
+    method = "ppl"
+
+    def __init__(self, model: str = "smollm2", *, target_len: int | None = None, threshold: float | None = None,
+                 lang: str = "auto", dtype: str = "auto", device: str | None = None, **settings):  # fmt: skip
+        super().__init__(model=model, target_len=target_len, threshold=threshold, lang=lang, dtype=dtype,
+                         device=device, **settings)  # fmt: skip
+
+
+class MSPChunker(TextChunker):
+    """Meta-Chunking's margin sampling: the model is asked whether two sentences belong together."""
+
+    method = "msp"
+
+    def __init__(self, model: str = "smollm2", *, target_len: int | None = None, threshold: float | None = None,
+                 lang: str = "auto", dtype: str = "auto", device: str | None = None, **settings):  # fmt: skip
+        super().__init__(model=model, target_len=target_len, threshold=threshold, lang=lang, dtype=dtype,
+                         device=device, **settings)  # fmt: skip
+
+
+class FixedChunker(TextChunker):
+    """Fixed-length chunks of ``target_len`` characters (or words, ``len_unit="word"``)."""
+
+    method = "fixed"
+
+    def __init__(self, target_len: int, *, len_unit: str | None = None, lang: str = "auto", **settings):
+        super().__init__(target_len=target_len, len_unit=len_unit, lang=lang, **settings)
+
+
+class SentenceChunker(TextChunker):
+    """Whole sentences, merged up to ``target_len``."""
+
+    method = "sentence"
+
+    def __init__(self, target_len: int, *, len_unit: str | None = None, lang: str = "auto", **settings):
+        super().__init__(target_len=target_len, len_unit=len_unit, lang=lang, **settings)
+
+
+class SemanticChunker(TextChunker):
+    """A boundary where consecutive sentences' embeddings are furthest apart (percentile
+    ``threshold``, default 95), then merged up to ``target_len``."""
+
+    method = "semantic"
+
+    def __init__(self, embedder: str = "minilm", *, target_len: int | None = None, threshold: float | None = None,
+                 lang: str = "auto", device: str | None = None, **settings):  # fmt: skip
+        super().__init__(embedder=embedder, target_len=target_len, threshold=threshold, lang=lang, device=device,
+                         **settings)  # fmt: skip
+
+
+class MoCChunker(TextChunker):
+    """Mixture of Chunkers: the router picks a granularity per window, its expert writes the chunks
+    (``experts``: four models, labels 0-3; the same one may repeat). ``options``:
+    :class:`~metachunk.chunking.moc.MocOptions` fields (``anchored=True``, ``max_new_tokens``, ...)."""
+
+    method = "moc"
+
+    def __init__(self, router: str, experts: Sequence[str] | str, *, lang: str = "auto", target_len: int | None = None,
+                 dtype: str = "auto", device: str | None = None, **options):  # fmt: skip
+        experts = experts if isinstance(experts, str) else ",".join(experts)
+        super().__init__(moc=MocOptions(router=router, experts=experts, **options), lang=lang,
+                         target_len=target_len, dtype=dtype, device=device)  # fmt: skip
+
+
+class LumberChunker(TextChunker):
+    """LumberChunker (Duarte et al. 2024): a teacher LLM reads numbered paragraphs and names where
+    the content shifts. ``teacher``: a teacher block (a mapping of
+    :class:`~metachunk.teacher.TeacherConfig` fields, or a ``TeacherConfig``); ``options``:
+    :class:`~metachunk.chunking.lumber.LumberOptions` fields (``tokens``, ``cache``, ``max_cost``)."""
+
+    method = "lumber"
+
+    def __init__(self, teacher, *, lang: str = "auto", prices: Mapping | None = None, **options):
+        from metachunk import config
+
+        block = teacher if isinstance(teacher, Mapping) else config.to_dict(teacher)
+        block = {k: v for k, v in block.items() if v is not None}
+        if options.get("cache") is None:  # shared and append-only: every answer is paid once, in any process
+            from metachunk.models import cache_dir
+
+            options["cache"] = cache_dir() / "lumber" / "answers.sqlite"
+        super().__init__(lumber=LumberOptions(teachers={"lumber": dict(block)}, prices=dict(prices or {}) or None,
+                                              **options), lang=lang)  # fmt: skip
+
+
+class _Student:
+    """A trained student applied to chunks with their context, as ``chunk --rewrite/--summarize``."""
+
+    task: ClassVar[str]
+    field: ClassVar[str]
+
+    def __init__(self, model: str, *, context: str = "document", context_chars: int = 8000, top_k: int = 4,
+                 max_new_tokens: int | None = None, sample: bool = False, embedder: str = "minilm",
+                 dtype: str = "auto", device: str | None = None, batch_size: int = 8):  # fmt: skip
+        from metachunk.chunking.students import ChunkStudents
+
+        name = "rewrite" if self.task == "rewrite" else "summarize"
+        tokens = {"rewrite_max_new_tokens": max_new_tokens} if self.task == "rewrite" else (
+            {"summary_max_new_tokens": max_new_tokens} if max_new_tokens else {})  # fmt: skip
+        students = StudentOptions(**{name: model}, context=context, context_chars=context_chars, top_k=top_k,
+                                  sample=sample, **tokens)  # fmt: skip
+        self.config = ChunkConfig(method="fixed", target_len=1, students=students, embedder=embedder, dtype=dtype,
+                                  device=device, batch_size=batch_size)  # fmt: skip
+        self._students = ChunkStudents.from_config(self.config, progress=False)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **settings):
+        """The student at a preset, a local folder (``metachunk export``'s) or a Hub id."""
+        return cls(name_or_path, **settings)
+
+    def __call__(self, text: str, chunks: Sequence[Chunk], lang: str = "auto") -> list[str]:
+        """One output per chunk of ``text`` (its chunks, from any chunker), each written with the
+        chunk's context in ``text``; a blank chunk gets ``""``."""
+        text = check_text(text)
+        for c in chunks:
+            if text[c.start : c.end] != c.text:
+                raise ValueError(f"chunk [{c.start}, {c.end}) is not text[{c.start}:{c.end}]")
+        doc = ChunkedDocument("0", text, detect_lang(text) if lang == "auto" else lang, list(chunks))
+        return [fields[self.field] for fields in self._students.apply([doc])[0]]
+
+    def close(self) -> None:
+        self._students.close()
+
+
+class Rewriter(_Student):
+    """Each chunk rewritten to stand on its own (the student of ``distill rewrite``)."""
+
+    task, field = "rewrite", "rewritten"
+
+
+class Summarizer(_Student):
+    """One sentence on each chunk from the document's perspective (the student of ``distill summary``)."""
+
+    task, field = "summary", "summary"

@@ -1,0 +1,137 @@
+"""The Python API (``from metachunk import PPLChunker, ...``): the same chunks as ``metachunk chunk``
+with the same settings, lossless on every text the CLI takes, and the docstrings' examples run."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import metachunk
+from metachunk.cli import main
+
+EN = (
+    "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best blessings of existence. "
+    "She had lived nearly twenty-one years in the world with very little to distress or vex her.\n\n"
+    "She was the youngest of the two daughters of a most affectionate, indulgent father. "
+    "Her mother had died too long ago for her to have more than an indistinct remembrance of her caresses."
+)
+ZH = "今天天气很好。我们去公园散步。公园里有很多人。孩子们在草地上玩耍。老人们在树下下棋。"
+
+
+def cli_chunks(tmp_path: Path, texts: list[str], *flags) -> list[list[dict]]:
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n"
+                           for i, t in enumerate(texts)), encoding="utf-8")  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    assert main(["chunk", str(src), "-o", str(out), *map(str, flags)]) == 0
+    return [r["chunks"] for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())]
+
+
+def as_dicts(chunks) -> list[dict]:
+    return [c.to_json() for c in chunks]
+
+
+def test_the_public_names_import_from_the_package():
+    assert set(metachunk.__all__) <= set(dir(metachunk))
+    for name in metachunk.__all__:
+        assert getattr(metachunk, name).__module__ in ("metachunk.chunking.api", "metachunk.chunking.types")
+    with pytest.raises(AttributeError):
+        metachunk.NoSuchChunker  # noqa: B018
+
+
+def test_the_docstring_examples_run(tiny_model_dir):
+    from metachunk.chunking import api
+
+    result = doctest.testmod(api, extraglobs={"model": str(tiny_model_dir)}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 6 and result.failed == 0
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "flags"),
+    [
+        ("FixedChunker", {"target_len": 80, "len_unit": "char"}, ["--method", "fixed", "--target-len", 80,
+                                                                  "--len-unit", "char"]),
+        ("SentenceChunker", {"target_len": 120, "len_unit": "char"}, ["--method", "sentence", "--target-len", 120,
+                                                                     "--len-unit", "char"]),
+        ("PPLChunker", {"target_len": 150, "len_unit": "char"}, ["--method", "ppl", "--target-len", 150,
+                                                                "--len-unit", "char"]),
+        ("MSPChunker", {"target_len": 150, "len_unit": "char"}, ["--method", "msp", "--target-len", 150,
+                                                                "--len-unit", "char"]),
+    ],
+)  # fmt: skip
+def test_a_chunker_cuts_as_the_cli_does(tmp_path, tiny_model_dir, cls, kwargs, flags):
+    model = {"model": str(tiny_model_dir)} if cls in ("PPLChunker", "MSPChunker") else {}
+    chunker = getattr(metachunk, cls)(**model, **kwargs)
+    texts = [EN, ZH, "", "   \n  "]
+    expected = cli_chunks(tmp_path, texts, *flags, *(["--model", tiny_model_dir] if model else []))
+    assert [as_dicts(chunker(t)) for t in texts] == expected
+    assert [as_dicts(c) for c in chunker.chunk_batch(texts)] == expected
+
+
+def test_blank_texts_are_lossless_and_a_lone_surrogate_is_a_value_error():
+    chunker = metachunk.SentenceChunker(target_len=50, len_unit="char", lang="en")
+    assert chunker("") == []
+    assert [c.text for c in chunker("  \n\t ")] == ["  \n\t "]
+    with pytest.raises(ValueError, match="lone surrogate"):
+        chunker("Emma \ud800 Woodhouse.")
+    with pytest.raises(TypeError, match="str"):
+        chunker(b"bytes")
+    with pytest.raises(ValueError, match="target-len"):  # the CLI's own check, in the same words
+        metachunk.SentenceChunker(target_len=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400))
+def test_every_chunk_is_a_slice_and_the_chunks_tile_the_text(text):
+    for chunker in (FIXED, SENTENCE):
+        chunks = chunker(text)
+        assert all(c.text == text[c.start : c.end] for c in chunks)
+        assert "".join(c.text for c in chunks) == text
+
+
+FIXED = metachunk.FixedChunker(target_len=40, len_unit="char")
+SENTENCE = metachunk.SentenceChunker(target_len=60, len_unit="char")
+
+
+def test_a_model_loads_once_per_object(tiny_model_dir, monkeypatch):
+    from metachunk import models
+
+    loads = []
+    real = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(a) or real(*a, **k))
+    chunker = metachunk.PPLChunker(str(tiny_model_dir), target_len=100, len_unit="char", lang="en")
+    chunker(EN), chunker.chunk_batch([EN, EN]), chunker(EN)
+    assert len(loads) == 1
+
+
+def test_the_students_write_what_chunk_rewrite_and_summarize_write(tmp_path, tiny_model_dir):
+    """Rewriter and Summarizer on the chunks of a chunker: the fields `chunk --rewrite --summarize`
+    writes for the same chunks."""
+    student = tmp_path / "student"
+    shutil.copytree(tiny_model_dir, student)
+    config = json.loads((student / "generation_config.json").read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(student)
+    config["suppress_tokens"] = [i for i in range(len(tok)) if not tok.decode([i]).strip()]
+    (student / "generation_config.json").write_text(json.dumps(config))
+
+    chunker = metachunk.SentenceChunker(target_len=150, len_unit="char", lang="en")
+    chunks = chunker(EN)
+    rewriter = metachunk.Rewriter.from_pretrained(str(student), max_new_tokens=12)
+    summarizer = metachunk.Summarizer(str(student), max_new_tokens=12)
+    rewritten, summaries = rewriter(EN, chunks), summarizer(EN, chunks)
+    assert len(rewritten) == len(summaries) == len(chunks) and all(rewritten) and all(summaries)
+
+    cli = cli_chunks(tmp_path, [EN], "--method", "sentence", "--target-len", 150, "--len-unit", "char",
+                     "--lang", "en", "--rewrite", student, "--summarize", student,
+                     "--rewrite-max-new-tokens", 12, "--summary-max-new-tokens", 12)[0]  # fmt: skip
+    assert [c["rewritten"] for c in cli] == rewritten and [c["summary"] for c in cli] == summaries
+    with pytest.raises(ValueError, match="is not text"):
+        rewriter(EN, [metachunk.Chunk("nope", 0, 4)])
