@@ -409,6 +409,43 @@ def test_lumber_into_a_folder_of_shards_resumes_and_pays_nothing_twice(server, t
     assert server.stats()["requests"] - before == sent
 
 
+def test_the_python_lumberchunker_cuts_as_the_cli_does(server, tmp_path):
+    """`metachunk.LumberChunker(teacher_block)`: the same cuts as `chunk --method lumber`; with the
+    same answer store, the second of them sends nothing."""
+    from metachunk import LumberChunker
+
+    store = tmp_path / "answers.sqlite"
+    before = server.stats()["requests"]
+    with LumberChunker(teacher_block(server), prices=PRICES, cache=store) as chunker:
+        chunks = chunker.chunk_batch([EN_DOC, ZH_DOC])
+    sent = server.stats()["requests"] - before
+    assert sent == 6
+    for text, cs in zip((EN_DOC, ZH_DOC), chunks):
+        assert_tiles(text, [c.to_json() for c in cs])
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": i, "text": t}, ensure_ascii=False) + "\n"
+                            for i, t in [("en", EN_DOC), ("zh", ZH_DOC)]), encoding="utf-8")  # fmt: skip
+    recipe = tmp_path / "lumber.yaml"
+    recipe.write_text(yaml.safe_dump({"teachers": {"lumber": teacher_block(server)}, "prices": PRICES}))
+    out = tmp_path / "cli.jsonl"
+    argv = [
+        "chunk",
+        str(docs),
+        "-o",
+        str(out),
+        "--method",
+        "lumber",
+        "--config",
+        str(recipe),
+        "--lumber-cache",
+        str(store),
+    ]
+    assert metachunk(argv) == 0
+    assert server.stats()["requests"] - before == sent
+    cli = [r["chunks"] for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())]
+    assert cli == [[c.to_json() for c in cs] for cs in chunks]
+
+
 def test_teacher_from_a_distill_recipe_and_config_errors(server, tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
     docs.write_text(json.dumps({"id": "zh", "text": ZH_DOC}, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -432,6 +432,25 @@ def test_cli_chunk_method_moc(tmp_path, tiny_model_dir, capsys):
     assert "PPL fallbacks" in err
 
 
+def test_the_python_mocchunker_cuts_as_the_cli_does(tmp_path, tiny_model_dir):
+    import metachunk
+
+    d = str(tiny_model_dir)
+    texts = [EN, ZH, long_doc(4)]
+    chunker = metachunk.MoCChunker(d, [d] * 4, max_new_tokens=8, retries=0, window_chars=300)
+    chunks = chunker.chunk_batch(texts)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n"
+                           for i, t in enumerate(texts)), encoding="utf-8")  # fmt: skip
+    out = tmp_path / "moc.jsonl"
+    argv = ["chunk", str(src), "-o", str(out), "--method", "moc", "--router", d, "--experts", ",".join([d] * 4),
+            "--moc-max-new-tokens", "8", "--moc-retries", "0", "--moc-window-chars", "300"]  # fmt: skip
+    assert main(argv) == 0
+    cli = [r["chunks"] for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())]
+    assert cli == [[c.to_json() for c in cs] for cs in chunks]
+    assert all("".join(c.text for c in cs) == t for cs, t in zip(chunks, texts))
+
+
 def test_moc_into_a_folder_of_shards_resumes(tmp_path, tiny_model_dir, capsys):
     """`chunk -o DIR --method moc`: the one-shard folder holds the file run's bytes; a two-shard
     folder whose shard was lost (a kill) redoes only that shard, to the same bytes."""
