@@ -27,7 +27,9 @@ class MetachunkTextSplitter(TextSplitter):
     offset in its document's metadata; ``strip_whitespace`` (default True, LangChain's default)
     trims each chunk, and moves ``start_index`` past what was trimmed."""
 
-    def __init__(self, chunker, *, add_start_index: bool = True, strip_whitespace: bool = True, **kwargs: Any):
+    def __init__(
+        self, chunker, *, add_start_index: bool = True, strip_whitespace: bool = True, **kwargs: Any
+    ):
         # chunk_size/overlap are the chunker's business; LangChain's base only checks them.
         super().__init__(chunk_size=max(kwargs.pop("chunk_size", 1), 1), chunk_overlap=0,
                          add_start_index=add_start_index, strip_whitespace=strip_whitespace, **kwargs)  # fmt: skip
@@ -48,7 +50,9 @@ class MetachunkTextSplitter(TextSplitter):
     def split_text(self, text: str) -> list[str]:
         return [piece for piece, _ in self._pieces(text)]
 
-    def create_documents(self, texts: list[str], metadatas: list[dict[Any, Any]] | None = None) -> list[Document]:
+    def create_documents(
+        self, texts: list[str], metadatas: list[dict[Any, Any]] | None = None
+    ) -> list[Document]:
         metadatas = metadatas or [{}] * len(texts)
         documents = []
         for text, metadata in zip(texts, metadatas):

@@ -29,7 +29,9 @@ class MetachunkNodeParser(NodeParser):
     """Nodes from a metachunk chunker's chunks. Whitespace-only chunks (a blank document's) make no node."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    chunker: Any = Field(default=None, exclude=True, description="a metachunk chunker: chunker(text) -> chunks")
+    chunker: Any = Field(
+        default=None, exclude=True, description="a metachunk chunker: chunker(text) -> chunks"
+    )
     _spans: dict = PrivateAttr(default_factory=dict)
 
     @classmethod
@@ -40,10 +42,12 @@ class MetachunkNodeParser(NodeParser):
     def class_name(cls) -> str:
         return "MetachunkNodeParser"
 
-    def _parse_nodes(self, nodes: Sequence[BaseNode], show_progress: bool = False, **kwargs: Any) -> list[BaseNode]:
+    def _parse_nodes(
+        self, nodes: Sequence[BaseNode], show_progress: bool = False, **kwargs: Any
+    ) -> list[BaseNode]:
         out: list[BaseNode] = []
         texts = [node.get_content(metadata_mode=MetadataMode.NONE) for node in nodes]
-        for node, text, chunks in zip(nodes, texts, self.chunker.chunk_batch(texts)):
+        for node, chunks in zip(nodes, self.chunker.chunk_batch(texts)):
             kept = [c for c in chunks if c.text.strip()]
             built = build_nodes_from_splits([c.text for c in kept], node, id_func=self.id_func)
             for child, chunk in zip(built, kept):
@@ -52,7 +56,9 @@ class MetachunkNodeParser(NodeParser):
             out.extend(built)
         return out
 
-    def _postprocess_parsed_nodes(self, nodes: list[BaseNode], parent_doc_map: dict[str, Document]) -> list[BaseNode]:
+    def _postprocess_parsed_nodes(
+        self, nodes: list[BaseNode], parent_doc_map: dict[str, Document]
+    ) -> list[BaseNode]:
         # The base class finds each node's text again in its document (str.find); a chunk knows its span.
         nodes = super()._postprocess_parsed_nodes(nodes, parent_doc_map)
         for node in nodes:
