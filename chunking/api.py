@@ -173,14 +173,21 @@ class MoCChunker(TextChunker):
 class LumberChunker(TextChunker):
     """LumberChunker (Duarte et al. 2024): a teacher LLM reads numbered paragraphs and names where
     the content shifts. ``teacher``: a teacher block (a mapping of
-    :class:`~metachunk.teacher.TeacherConfig` fields, or a ``TeacherConfig``); ``options``:
-    :class:`~metachunk.chunking.lumber.LumberOptions` fields (``tokens``, ``cache``, ``max_cost``)."""
+    :class:`~metachunk.teacher.TeacherConfig` fields), a ``TeacherConfig``, or a
+    :class:`~metachunk.teacher.Teacher` (its config, and its answer store unless ``cache`` is given);
+    ``options``: :class:`~metachunk.chunking.lumber.LumberOptions` fields (``tokens``, ``cache``,
+    ``max_cost``). Every answer is kept in the answer store (default: one under metachunk's cache
+    folder), so a text chunked again costs nothing."""
 
     method = "lumber"
 
     def __init__(self, teacher, *, lang: str = "auto", prices: Mapping | None = None, **options):
         from metachunk import config
 
+        if hasattr(teacher, "cfg") and hasattr(teacher, "store"):  # a Teacher: its config and its store
+            if options.get("cache") is None:
+                options["cache"] = teacher.store.path
+            teacher = teacher.cfg
         block = teacher if isinstance(teacher, Mapping) else config.to_dict(teacher)
         block = {k: v for k, v in block.items() if v is not None}
         if options.get("cache") is None:  # shared and append-only: every answer is paid once, in any process

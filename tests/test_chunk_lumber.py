@@ -445,6 +445,18 @@ def test_the_python_lumberchunker_cuts_as_the_cli_does(server, tmp_path):
     cli = [r["chunks"] for r in map(json.loads, out.read_text(encoding="utf-8").splitlines())]
     assert cli == [[c.to_json() for c in cs] for cs in chunks]
 
+    # A TeacherConfig, or a Teacher (its config and its answer store): the same answers, none sent.
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherConfig, TeacherPool
+
+    cfg = TeacherConfig(**teacher_block(server))
+    pool = TeacherPool({"lumber": cfg}, {}, AnswerStore(store), None, offline=True)
+    for teacher in (cfg, pool.stages["lumber"]):
+        extra = {"cache": store} if teacher is cfg else {}
+        with LumberChunker(teacher, prices=PRICES, **extra) as again:
+            assert again.chunk_batch([EN_DOC, ZH_DOC]) == chunks
+    assert server.stats()["requests"] - before == sent
+
 
 def test_teacher_from_a_distill_recipe_and_config_errors(server, tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
