@@ -19,6 +19,9 @@ from functools import cache
 from pathlib import Path
 
 ALWAYS = ("metachunk.cli",)  # hashed as files, their imports not followed
+# The package's __init__ is every module's parent: hashed, but the public API it imports when
+# first named (chunking/api.py) is not part of a command's code.
+NOT_FOLLOWED = ("metachunk",)
 
 
 def find_source(name: str) -> Path | None:
@@ -74,7 +77,8 @@ def closure(entries: tuple[str, ...], find: Callable[[str], Path | None] = find_
         seen[name] = path
         parts = name.split(".")
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # parents' __init__ run first
-        todo.extend(imported_names(path, name))
+        if name not in NOT_FOLLOWED:
+            todo.extend(imported_names(path, name))
     return seen
 
 
