@@ -190,9 +190,10 @@ class ChunkConfig:
     device: str | None = option(None, "torch device; default cuda when available, else cpu", runtime=True)
     dtype: str = option(
         "auto",
-        "model weights dtype; auto = bfloat16 on GPU, float32 on CPU (exact: equals the per-sentence "
-        "reference within 1e-4); bfloat16 on a CPU with AMX scores ppl 3-4x faster at boundary F1 >= 0.98 "
-        "(bench/ppl_speed.py)",
+        "model weights dtype; auto = bfloat16 on a GPU and on a CPU that computes it natively (AMX or "
+        "AVX-512 BF16 flags: ppl scores 2-4x faster, boundary F1 against float32 in bench/ppl_speed.py), "
+        "float32 elsewhere; float32 is exact (equals the per-sentence reference within 1e-4); the run's "
+        "manifest records what was picked and why",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     long_context: str = option(
@@ -418,6 +419,8 @@ class Chunker:
             return {"moc": self.moc.manifest()}
         if self.lumber is not None:
             return {"lumber": self.lumber.manifest()}
+        if self.model is not None:  # ppl, msp: the weights' dtype, and why (--dtype auto picks it)
+            return {"dtype": dict(getattr(self.model, "metachunk_dtype", {"dtype": str(self.model.dtype)}))}
         return {}
 
     def summary_lines(self) -> list[str]:

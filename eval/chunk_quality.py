@@ -114,8 +114,8 @@ class ChunkQualityConfig:
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)", runtime=True)
     dtype: str = option(
         "auto",
-        "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, or bfloat16 (for CPUs with AMX, as in "
-        "`chunk --dtype`; the scores are then approximate)",
+        "model dtype, as `chunk --dtype`: auto = bfloat16 on a GPU or a CPU with native bfloat16 (AMX, "
+        "AVX-512 BF16), else float32; float32 is exact, bfloat16 scores approximate",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     progress: bool = option(True, "progress bar", runtime=True)
@@ -421,6 +421,7 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     details = {
         "convention": cfg.convention,
         "model": cfg.model,
+        "dtype": getattr(model, "metachunk_dtype", {"dtype": str(model.dtype)}),  # picked, and why
         "matrices": "nll_cond[i][j] = mean NLL (nats) of chunk j read after chunk i; nll_alone[j] of chunk j alone; "
         "ppl = exp(NLL)",
         "documents": per_doc,

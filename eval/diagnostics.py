@@ -99,7 +99,8 @@ class DiagnosticsConfig:
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)", runtime=True)
     dtype: str = option(
         "auto",
-        "model dtype (auto: bf16 on GPU, fp32 on CPU; bfloat16 for CPUs with AMX, scores then approximate)",
+        "model dtype, as `chunk --dtype`: auto = bfloat16 on a GPU or a CPU with native bfloat16 (AMX, "
+        "AVX-512 BF16), else float32 (exact)",
     )
     confidence: float = option(0.95, "bootstrap confidence level of the intervals (0: none)")
     n_resamples: int = option(2000, "bootstrap resamples per interval")
@@ -416,6 +417,7 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     details["ppl"], details["cp"] = {}, {}
     for name, mlabel in zip(cfg.models, labels):
         model, tokenizer = models.load_causal_lm(name, device=cfg.device, dtype=cfg.dtype)
+        details.setdefault("dtype", {})[mlabel] = getattr(model, "metachunk_dtype", {})  # picked, and why
         if rewrites:
             texts = [t for pair in rewrites for t in pair]
             nll = text_nll(

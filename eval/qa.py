@@ -139,7 +139,11 @@ class QAConfig:
     seed: int = option(0, "local generation: sampling seed")
     batch_size: int = option(4, "local generation: prompts per batch")
     device: str | None = option(None, "cpu, cuda, cuda:1 ... (default: cuda when available)", runtime=True)
-    dtype: str = option("auto", "local generator / ppl re-ranker dtype (auto: bf16 on GPU, fp32 on CPU)")
+    dtype: str = option(
+        "auto",
+        "local generator / ppl re-ranker dtype, as `chunk --dtype` (auto: bfloat16 on a GPU or a CPU with native "
+        "bfloat16, else float32)",
+    )
     bertscore_model: str = option("minilm", "BERTScore model for qa_scores, or none")
     score_embedder: str = option("minilm", "embedding-similarity model for qa_scores, or none")
     progress: bool = option(True, "progress bars", runtime=True)

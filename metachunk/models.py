@@ -223,14 +223,49 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# CPU flags (Linux /proc/cpuinfo) of native bfloat16 compute: Intel AMX tiles, or AVX-512 BF16 dot
+# products (Intel Cooper Lake and later, AMD Zen 4 and later). oneDNN, which torch's CPU matmuls
+# run on, uses them for bfloat16 GEMMs (https://oneapi-src.github.io/oneDNN/dev_guide_data_types.html).
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
+    """The first of :data:`NATIVE_BF16_FLAGS` this CPU reports, or None (also where there is no
+    ``/proc/cpuinfo``). ``cpuinfo``: that file's text, for tests."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    flags = next(
+        (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
+    )
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
+
+
+def pick_dtype(dtype: str, device: str, cpuinfo: str | None = None) -> tuple[str, str]:
+    """``(dtype, why)``: what ``dtype="auto"`` means on ``device``. bfloat16 on a GPU, and on a
+    CPU that computes it natively (:func:`native_bf16_flag`); float32 elsewhere, the exact path. A
+    named dtype is taken as given."""
+    if dtype != "auto":
+        return dtype, "asked for"
+    if device.startswith("cuda"):
+        return "bfloat16", "auto: a GPU"
+    flag = native_bf16_flag(cpuinfo)
+    if flag:
+        return "bfloat16", f"auto: the CPU computes bfloat16 natively ({flag})"
+    return "float32", f"auto: the CPU has no native bfloat16 ({' or '.join(NATIVE_BF16_FLAGS)})"
+
+
 def load_causal_lm(
     name_or_dir: str, device: str | None = None, dtype: str = "auto", use_safetensors: bool | None = None
 ):
     """Load (model, tokenizer) for a preset or a local dir, in eval mode.
 
-    ``dtype="auto"`` picks bf16 on a GPU and fp32 on CPU (the per-token scores are then exact
-    enough to compare against the per-sentence reference within 1e-4). ``use_safetensors=True``
-    refuses pickled (``.bin``) weights.
+    ``dtype="auto"`` (:func:`pick_dtype`): bfloat16 on a GPU and on a CPU with native bfloat16
+    (AMX or AVX-512 BF16), float32 elsewhere; ``float32`` is the exact path (per-token scores equal
+    the per-sentence reference within 1e-4). What was picked and why is on the model as
+    ``model.metachunk_dtype``. ``use_safetensors=True`` refuses pickled (``.bin``) weights.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -239,16 +274,16 @@ def load_causal_lm(
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
     path = resolve(name_or_dir)
     device = device or default_device()
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
+    picked, why = pick_dtype(dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = (
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=use_safetensors)
+        AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, picked), use_safetensors=use_safetensors
+        )
         .to(device)
         .eval()
     )
+    model.metachunk_dtype = {"dtype": picked, "why": why}
     return model, tokenizer
 
 

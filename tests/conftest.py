@@ -41,7 +41,7 @@ def smollm2():
     from metachunk.models import ModelNotFoundError, load_causal_lm
 
     try:
-        return load_causal_lm("smollm2", device="cpu")
+        return load_causal_lm("smollm2", device="cpu", dtype="float32")  # exact: the references are fp32
     except ModelNotFoundError as e:
         pytest.skip(str(e))
 

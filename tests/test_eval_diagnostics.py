@@ -99,7 +99,7 @@ def test_avgsim_by_hand(tmp_path, planted_embedder):
 def tiny(tiny_model_dir):
     from metachunk.models import load_causal_lm
 
-    return load_causal_lm(str(tiny_model_dir), device="cpu")
+    return load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def forward_nll(model, ids: list[int], first: int) -> float:
@@ -158,7 +158,7 @@ def test_end_to_end_through_the_parser(tmp_path, tiny, tiny_model_dir, planted_e
     b = write_retrieval(tmp_path / "rewritten.jsonl", SAME)
     out = tmp_path / "diag"
     cfg = _parse(["--out", str(out), "--chunks", str(chunks), "--retrieval", str(a.parent), f"rewritten={b}",
-                  "--models", str(tiny_model_dir), "--k", "2", "--no-progress"])  # fmt: skip
+                  "--models", str(tiny_model_dir), "--k", "2", "--no-progress", "--dtype", "float32"])  # fmt: skip
     assert cfg.retrieval == [str(a.parent), f"rewritten={b}"] and cfg.k == 2
     assert dg.run(cfg).exit == 0
     doc = json.loads((out / "metrics.json").read_text())

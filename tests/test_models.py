@@ -1,5 +1,7 @@
 """Model presets: listing, resolution of names and local dirs, and clear errors."""
 
+import json
+
 import pytest
 
 from metachunk import models
@@ -39,3 +41,48 @@ def test_fetch_smollm2_converts_once_into_a_plain_hf_folder():
     mtime = (path / "model.safetensors").stat().st_mtime
     assert models.fetch("smollm2") == path  # second call loads from the cache, no reconversion
     assert (path / "model.safetensors").stat().st_mtime == mtime
+
+
+AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+OLD = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it_natively():
+    from metachunk.models import native_bf16_flag, pick_dtype
+
+    assert native_bf16_flag(AMX) == "amx_bf16" and native_bf16_flag(ZEN4) == "avx512_bf16"
+    assert native_bf16_flag(OLD) is None and native_bf16_flag("") is None
+    assert pick_dtype("auto", "cpu", AMX) == (
+        "bfloat16",
+        "auto: the CPU computes bfloat16 natively (amx_bf16)",
+    )
+    assert pick_dtype("auto", "cpu", ZEN4)[0] == "bfloat16"
+    assert pick_dtype("auto", "cpu", OLD) == (
+        "float32",
+        "auto: the CPU has no native bfloat16 (amx_bf16 or avx512_bf16)",
+    )
+    assert pick_dtype("auto", "cuda:0", OLD)[0] == "bfloat16"
+    assert pick_dtype("float32", "cpu", AMX) == ("float32", "asked for")  # the exact path stays exact
+
+
+def test_the_chunk_manifest_records_the_dtype_and_why(tmp_path, tiny_model_dir, monkeypatch):
+    from metachunk import models
+
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"id": "a", "text": "Emma was clever. She was rich. Her home was Hartfield."}\n')
+    for cpuinfo, picked in ((AMX, "bfloat16"), (OLD, "float32")):
+        monkeypatch.setattr(models, "native_bf16_flag", lambda text=None, c=cpuinfo: models.NATIVE_BF16_FLAGS[0]
+                            if "amx_bf16" in c else None)  # fmt: skip
+        out = tmp_path / f"{picked}.jsonl"
+        assert main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--lang", "en"]) == 0
+        meta = json.loads(out.with_suffix(".meta.json").read_text())
+        assert meta["dtype"]["dtype"] == picked and meta["dtype"]["why"].startswith("auto:")
+    out = tmp_path / "exact.jsonl"
+    assert (
+        main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32"]) == 0
+    )
+    assert json.loads(out.with_suffix(".meta.json").read_text())["dtype"] == {
+        "dtype": "float32",
+        "why": "asked for",
+    }
