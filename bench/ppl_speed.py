@@ -20,6 +20,15 @@ GPU (H200): engine >= 10x the loop; run with ``--device cuda`` and a 0.5B-class 
 
     python bench/ppl_speed.py                                   # smollm2, 20 Emma chapters
     python bench/ppl_speed.py --model gemma3-270m --corpus crud --docs 50
+
+**Roofline, per dtype** (``--methods engine-fp32,engine-bf16,engine``): ``engine`` runs ``--dtype auto``
+(what ``metachunk chunk`` does with no flag; the line says what auto picked and why), the other two
+force a dtype. Each engine's rate is the FLOPs of an exact pass over its documents (2 x the
+parameters a token meets, LM head included, per token, plus attention: 4 x layers x width x the
+context each token attends to) over its wall time, as a share of this machine's best GEMM rate in
+the same dtype (the best of square and model-shaped ``torch.matmul`` timings, in a child process
+with the same threads). Boundary F1 is against ``engine-fp32`` when it runs (the exact path), else
+against the loop.
 """
 
 from __future__ import annotations
@@ -98,7 +107,11 @@ def worker(args) -> None:
     # normalised in fp32. Shows what reduced precision buys and what it costs in boundary F1.
     # "loop-bf16": the reference loop with the same bf16 weights, so the engine's own gain is
     # measured apart from what the dtype buys.
-    dtype = "bfloat16" if args.worker in ("engine-bf16", "loop-bf16") else args.dtype
+    dtype = {"engine-bf16": "bfloat16", "loop-bf16": "bfloat16", "engine-fp32": "float32"}.get(
+        args.worker, args.dtype
+    )
+    if args.worker == "gemm":
+        return gemm_worker(args)
     model, tok = load_causal_lm(args.model, device=args.device, dtype=dtype)
     sentences = [split_sentences(d, args.lang) for d in docs]
     tokenized = [tokenize_sentences(tok, d, s) for d, s in zip(docs, sentences)]
@@ -143,8 +156,59 @@ def worker(args) -> None:
     np.savez(args.out, *nll)
     result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak, "peak_gpu_mb": peak_gpu,
               "tokens": sum(len(ids) for ids, _ in tokenized), "sentences": sum(len(s) for s in sentences),
-              "spans": [spans for _, spans in tokenized]}  # fmt: skip
+              "spans": [spans for _, spans in tokenized], "dtype": getattr(model, "metachunk_dtype", {}),
+              "flops": exact_pass_flops(model, [len(ids) for ids, _ in tokenized], args.max_context),
+              "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
+
+
+def model_shapes(model) -> dict:
+    c = model.config
+    c = getattr(c, "text_config", None) or c
+    return {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "vocab": c.vocab_size,
+            "layers": c.num_hidden_layers}  # fmt: skip
+
+
+def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
+    """FLOPs of one exact pass over documents of ``lengths`` tokens: every token meets every weight
+    matrix once (2 FLOPs per parameter, the input embedding excluded: a lookup; the LM head included),
+    plus attention's QK^T and AV over the context it attends to (at most ``max_context``)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    params = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if head.data_ptr() == embed.data_ptr():  # tied: the head's matmul still runs once per token
+        params += head.numel()
+    shapes = model_shapes(model)
+    flops = 0.0
+    for n in lengths:
+        flops += 2.0 * params * n
+        flops += 4.0 * shapes["layers"] * shapes["hidden"] * sum(min(t + 1, max_context) for t in range(n))
+    return flops
+
+
+def gemm_worker(args) -> None:
+    """The best ``torch.matmul`` rate (GFLOP/s) of this machine in each dtype, over square shapes and
+    the model's own (tokens x hidden @ hidden x intermediate, tokens x hidden @ hidden x vocab)."""
+    import torch
+
+    shapes = json.loads(args.shapes)
+    m = 512
+    cases = [(1024, 1024, 1024), (2048, 2048, 2048), (m, shapes["hidden"], shapes["intermediate"]),
+             (m, shapes["intermediate"], shapes["hidden"]), (m, shapes["hidden"], min(shapes["vocab"], 32768))]  # fmt: skip
+    out = {}
+    for name in ("float32", "bfloat16"):
+        dtype, best = getattr(torch, name), 0.0
+        for a, b, c in cases:
+            x, w = torch.randn(a, b, dtype=dtype), torch.randn(b, c, dtype=dtype)
+            for _ in range(2):
+                x @ w
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 1.0:
+                x @ w
+                reps += 1
+            best = max(best, 2.0 * a * b * c * reps / (time.perf_counter() - t0) / 1e9)
+        out[name] = best
+    Path(args.out + ".json").write_text(json.dumps(out))
 
 
 def f1(a: set, b: set) -> float:
@@ -163,8 +227,9 @@ def main() -> None:
     p.add_argument(
         "--methods",
         default="engine,loop,plain",
-        help="any of engine, engine-bf16head, engine-bf16, loop, loop-bf16, plain",
+        help="any of engine (--dtype, default auto), engine-fp32, engine-bf16, engine-bf16head, loop, loop-bf16, plain",
     )
+    p.add_argument("--shapes", help=argparse.SUPPRESS)
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--long-context", default="sliding-window", choices=["kv-trim", "sliding-window"])
@@ -199,11 +264,19 @@ def main() -> None:
             flush=True,
         )
 
-    ref = "loop" if "loop" in results else methods[0]
+    engines = [m for m in results if m.startswith("engine")]
+    gemm = {}
+    if engines:  # this machine's best GEMM rate per dtype, measured beside the runs
+        out = os.path.join(tmp, "gemm")
+        cmd = [sys.executable, __file__, "--worker", "gemm", "--out", out,
+               "--shapes", json.dumps(results[engines[0]]["shapes"])]  # fmt: skip
+        subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+        gemm = json.loads(Path(out + ".json").read_text())
+    ref = "engine-fp32" if "engine-fp32" in results else "loop" if "loop" in results else methods[0]
     any_res = next(iter(results.values()))
     print(f"\nmodel={args.model} corpus={args.corpus} docs={args.docs} tokens={any_res['tokens']} "
           f"sentences={any_res['sentences']} max_context={args.max_context} device={args.device or 'auto'} dtype={args.dtype}")  # fmt: skip
-    header = f"{'method':<12} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
+    header = f"{'method':<16} {'dtype':<9} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} {'GFLOP/s':>8} {'roofline':>8} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
     print(header + "\n" + "-" * len(header))
     summary = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "methods": {}}
     for m, r in results.items():
@@ -216,10 +289,24 @@ def main() -> None:
             theirs = {(d, i) for d, ppl in enumerate(results[ref]["ppl"]) for i in ppl_boundaries(ppl, t)}
             f1s.append(f1(mine, theirs))
         extra = r["peak_rss_mb"] - r["load_rss_mb"]
-        print(f"{m:<12} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
-              f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
-        summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl}  # fmt: skip
-    for name in ("engine", "engine-bf16head", "engine-bf16"):
+        dtype = r.get("dtype", {}).get("dtype", "?")
+        rate = r["flops"] / r["wall_s"] / 1e9
+        roof = rate / gemm[dtype] if m.startswith("engine") and dtype in gemm else float("nan")
+        print(f"{m:<16} {dtype:<9} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
+              f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} {rate:>8.1f} {roof:>8.2f} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
+        summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl, "gflops": rate, "roofline": roof}  # fmt: skip
+    if gemm:
+        print("best GEMM on this machine: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items()))
+        summary["best_gemm_gflops"] = gemm
+    if "engine" in results:
+        picked = results["engine"].get("dtype", {})
+        print(f"--dtype auto picked {picked.get('dtype')} ({picked.get('why')})")
+        summary["auto"] = picked
+        if "engine-fp32" in results:
+            x = results["engine-fp32"]["wall_s"] / results["engine"]["wall_s"]
+            print(f"auto vs the float32 engine: {x:.2f}x wall")
+            summary["auto_speedup_vs_fp32_engine"] = x
+    for name in ("engine", "engine-fp32", "engine-bf16head", "engine-bf16"):
         if name not in results:
             continue
         e = results[name]
