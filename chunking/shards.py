@@ -437,6 +437,9 @@ _WORKER: dict = {}
 def _init_worker(cfg, index_json: dict, plan: ShardPlan, slots, progress) -> None:
     from dataclasses import replace
 
+    from metachunk.stopping import die_with_parent
+
+    die_with_parent()  # a SIGKILLed run leaves no worker behind
     slot, device, threads = slots.get()
     _set_threads(threads)
     cfg = replace(cfg, device=device)
@@ -500,12 +503,18 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
     try:
         with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
                                  initargs=(cfg, index.to_json(), plan, slots, progress)) as pool:  # fmt: skip
-            futures = [pool.submit(_worker_shard, i) for i in pending]
-            for future in as_completed(futures):
-                i, data, stats, s, slot, report = future.result()
-                output.commit(i, data, stats)
-                seconds[i] = s
-                reports[slot] = report  # a worker's counts so far: its last shard's report holds them all
+            try:
+                futures = [pool.submit(_worker_shard, i) for i in pending]
+                for future in as_completed(futures):
+                    i, data, stats, s, slot, report = future.result()
+                    output.commit(i, data, stats)
+                    seconds[i] = s
+                    reports[slot] = report  # a worker's counts so far: its last shard's report holds them all
+            except BaseException:  # stopped (Ctrl-C, SIGTERM) or failed: the workers' shards are not awaited
+                pool.shutdown(wait=False, cancel_futures=True)
+                for process in mp.active_children():
+                    process.terminate()
+                raise
     finally:
         stop.set()
         reader.join()
@@ -546,8 +555,17 @@ def run_ray(cfg, index, plan, output: ShardedOutput, pending: list[int], bar) ->
         import ray
     except ImportError:
         raise InputError("--engine ray", "needs Ray: pip install 'metachunk[ray]'") from None
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=cfg.ray_address, log_to_driver=False)
+    try:
+        return _ray_shards(ray, cfg, index, plan, output, pending, bar)
+    finally:
+        if started and cfg.ray_address is None:  # the local cluster this run started goes with it
+            ray.shutdown()
+
+
+def _ray_shards(ray, cfg, index, plan, output: ShardedOutput, pending: list[int], bar) -> tuple[dict, list]:
     gpu = cfg.device in (None, "cuda") and ray.cluster_resources().get("GPU", 0) > 0
     ds = ray.data.from_items([{"shard": i} for i in pending], override_num_blocks=len(pending))
     results = ds.map_batches(

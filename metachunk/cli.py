@@ -216,7 +216,21 @@ def run(command: Command, cfg) -> Result:
 
 
 def invoke(argv: list[str]) -> Result:
-    """Parse and run ``argv``; every error a user can fix is one line and an exit status."""
+    """Parse and run ``argv``; every error a user can fix is one line and an exit status. SIGTERM
+    and SIGHUP stop it as Ctrl-C does (:mod:`metachunk.stopping`): children first, no output replaced."""
+    from metachunk.stopping import Stopped, stop_on_signals
+
+    with stop_on_signals() as outermost:
+        try:
+            return _invoke(argv)
+        except Stopped as e:
+            if not outermost:  # a stage of `metachunk run`: the run itself stops
+                raise
+            print(f"metachunk: stopped by {e}; no output file was replaced", file=sys.stderr)
+            return Result(e.exit_status)
+
+
+def _invoke(argv: list[str]) -> Result:
     try:
         if argv[:1] == ["train"]:  # its own launcher keeps TRL's error lines (python -m metachunk.train)
             command = find(("train",))

@@ -26,6 +26,7 @@ request failed to connect and a tolerant recipe carried on with nothing distille
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -50,6 +51,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> None:
+    """Refuse a port another process holds, naming it: a server a killed run left behind is then
+    "port 8000 is in use by pid 1234 (python -m llama_cpp.server ...)", not a startup timeout."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no holder
+        try:
+            s.bind(("127.0.0.1", port))
+            return
+        except OSError:
+            pass
+    holder = ""
+    with contextlib.suppress(Exception):
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                cmd = " ".join(psutil.Process(conn.pid).cmdline()[:4])
+                holder = f" by pid {conn.pid} ({cmd} ...)"
+                break
+    raise RuntimeError(f"port {port} is in use{holder}; stop it, or pick another --port")
 
 
 def llama_cpp_available() -> bool:
@@ -141,8 +164,13 @@ class LocalTeacher:
         if self.log:
             Path(self.log).parent.mkdir(parents=True, exist_ok=True)
             out = self._log_file = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
+        from metachunk.stopping import guarded
+
+        port_in_use(self.port)
+        # Its own session (a terminal's Ctrl-C goes to metachunk, which stops it in order); guarded:
+        # it dies with metachunk even when metachunk is SIGKILLed.
         self.process = subprocess.Popen(
-            self.command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            guarded(self.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

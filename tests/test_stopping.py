@@ -1,0 +1,187 @@
+"""A command stopped by a scheduler leaves nothing running (``metachunk/stopping.py``).
+
+Each command that starts processes is stopped mid-run by SIGTERM (what Slurm, Kubernetes,
+systemd and ``timeout`` send first) and by SIGKILL (what they send after the grace period); within
+10 s no process of the run remains and its port is free. A SIGTERM exits 143 and leaves the
+outputs as a Ctrl-C does: nothing half-written replaced, and a rerun finishes the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from metachunk.local_teacher import free_port, llama_cpp_available
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+EN = (
+    "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best blessings of existence. "
+    "She had lived nearly twenty-one years in the world with very little to distress or vex her. "
+)
+
+
+def start(*argv, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "metachunk", *map(str, argv)], env=ENV,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def port_free(port: int) -> bool:
+    """Free as a server sees it: bound with SO_REUSEADDR (our polling's TIME_WAIT sockets do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def assert_all_gone(proc: subprocess.Popen, children: list[psutil.Process], port: int | None = None):
+    proc.wait(timeout=30)
+    alive = lambda: [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]  # noqa: E731
+    wait_for(lambda: not alive(), 10, f"the run's processes to end: {[c.cmdline()[:4] for c in alive()]}")
+    if port is not None:
+        wait_for(lambda: port_free(port), 10, f"port {port} to be free")
+
+
+def serving(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
+            return True
+    except Exception:
+        return False
+
+
+def backend() -> str:
+    return "llama.cpp" if llama_cpp_available() else "transformers"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_teacher_serve_leaves_no_server(tmp_path, sig):
+    port = free_port()
+    proc = start("teacher", "serve", "--port", port, "--backend", backend(), log=tmp_path / "log")
+    try:
+        wait_for(lambda: serving(port) or proc.poll() is not None, 240, "the server")
+        assert proc.poll() is None, (tmp_path / "log").read_text()
+        children = descendants(proc)
+        assert children  # the server runs in a child process
+        proc.send_signal(sig)
+        assert_all_gone(proc, children, port)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143
+            assert "stopped by SIGTERM" in (tmp_path / "log").read_text()
+    finally:
+        for c in descendants(proc):
+            c.kill()
+        proc.kill()
+
+
+def test_a_port_left_bound_is_named_with_its_holder(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "metachunk", "teacher", "serve", "--port", str(port),
+                               "--backend", backend()], env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert f"port {port} is in use by pid {os.getpid()}" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{k}", "text": EN * 6}) + "\n" for k in range(40)))
+    return src
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, tiny_model_dir, sig):
+    out = tmp_path / "out"
+    argv = ["chunk", corpus, "-o", out, "--model", tiny_model_dir, "--workers", 2, "--shards", 40,
+            "--threads-per-worker", 1, "--lang", "en"]  # fmt: skip
+    proc = start(*argv, log=tmp_path / "log")
+    try:
+        children = wait_for(lambda: len(descendants(proc)) >= 2 and descendants(proc), 120, "the workers")
+        wait_for(lambda: len(list(out.glob("train-*.jsonl"))) >= 1 or proc.poll() is not None, 120, "a shard")
+        children = descendants(proc)
+        proc.send_signal(sig)
+        assert_all_gone(proc, children)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143
+    finally:
+        for c in descendants(proc):
+            c.kill()
+        proc.kill()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["complete"] and all(
+        (out / e["file"]).is_file() for e in manifest["shards"]["done"].values()
+    )
+    assert not list(out.glob(".*.tmp")) or sig == signal.SIGKILL  # a stop removes its temp files
+    rerun = subprocess.run([sys.executable, "-m", "metachunk", *map(str, argv)], env=ENV, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+
+
+@pytest.mark.skipif(
+    not llama_cpp_available(), reason="the local teacher of `metachunk run` here is llama.cpp"
+)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_regeneration_run_stops_its_local_teacher(tmp_path, sig):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": f"d{k}", "text": EN * 3}) + "\n" for k in range(6)))
+    teacher = {"model": "smollm2", "max_tokens": 256, "concurrency": 1, "timeout": 300, "max_retries": 0}
+    recipe = {"name": "stop", "state": str(tmp_path / "state"), "local_teacher": {"model": "smollm2", "backend": "llama.cpp"},
+              "stages": [{"name": "moc", "run": "distill moc", "local_teacher": True, "allow_exit": [0, 4],
+                          "config": {"documents": str(docs), "out": str(tmp_path / "moc"), "lang": "en",
+                                     "moc_tokenizer": "smollm2", "progress": False,
+                                     "teachers": {"moc_chunk": teacher}}}]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    proc = start("run", path, log=tmp_path / "log")
+    try:
+        server = wait_for(lambda: [c for c in descendants(proc) if "llama_cpp.server" in " ".join(c.cmdline())],
+                          240, "the local teacher")  # fmt: skip
+        port = int(server[0].cmdline()[server[0].cmdline().index("--port") + 1])
+        wait_for(lambda: serving(port), 120, "the local teacher to answer")
+        time.sleep(2)  # mid-stage: requests in flight
+        children = descendants(proc)
+        proc.send_signal(sig)
+        assert_all_gone(proc, children, port)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143, (tmp_path / "log").read_text()[-2000:]
+            assert "stopped by SIGTERM" in (tmp_path / "log").read_text()
+    finally:
+        for c in descendants(proc):
+            c.kill()
+        proc.kill()
+    state = tmp_path / "state" / "state.json"
+    assert not state.exists() or "moc" not in json.loads(state.read_text())["stages"]  # a rerun runs it
