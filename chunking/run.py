@@ -26,14 +26,16 @@ from metachunk.chunking.shards import (
     is_dataset_dir,
     manifest_head,
     reads,
+    rejects_path,
     run_local,
     run_ray,
+    source_of,
 )
 
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line
 from metachunk.command import Reads, Result
-from metachunk.sources import DocumentSource
+from metachunk.sources import EXIT_SKIPPED, DocumentSource, Rejects
 
 CONFIG = ChunkConfig
 
@@ -92,10 +94,12 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     (:class:`~metachunk.artifacts.OutputPair`)."""
     from tqdm import tqdm
 
-    source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
+    rejects = Rejects(rejects_path(cfg.output), cfg.max_bad_rows) if cfg.on_bad_row == "skip" else None
+    source = source_of(cfg, rejects)
     # Every line checked before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the run streams them again.
     index = source.scan()
+    rejected = rejects.write() if rejects else None
     plan = ShardPlan(index.documents, 1)
     started = time.perf_counter()
     worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
@@ -127,6 +131,8 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             manifest["students"] = report.pop("students")
         if length_fit:
             manifest["length_fit"] = length_fit
+        if rejected is not None:  # --on-bad-row skip: how many rows were left out, and where they went
+            manifest["rejects"] = rejected
         manifest.update(report)  # the method's own block: moc, lumber
         pair.commit(manifest)
     print(f"{cfg.output}: {summary['documents']} documents, {summary['chunks']} chunks, mean "
@@ -168,8 +174,10 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         if torch.cuda.is_available():
             cfg = replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     started = time.perf_counter()
-    source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
+    rejects = Rejects(rejects_path(cfg.output), cfg.max_bad_rows) if cfg.on_bad_row == "skip" else None
+    source = source_of(cfg, rejects)
     index = source.scan()  # every file:line check, before any model loads
+    rejected = rejects.write() if rejects else None
     scan_s = time.perf_counter() - started
     plan = ShardPlan(index.documents, cfg.shards or max(1, -(-index.documents // DOCS_PER_SHARD)))
     if cfg.method in ("ppl", "msp"):  # convert a preset once here, not in every worker at once
@@ -217,6 +225,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         # each worker's method and students blocks (moc, lumber: windows, requests, fallbacks ...)
         **({"workers_report": reports} if any(reports) else {}),
         **({"length_fit": length_fit} if length_fit else {}),
+        **({"rejects": rejected} if rejected is not None else {}),
     }
     manifest = output.finish(run)
     state = (
@@ -248,7 +257,13 @@ def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) ->
 
 def run(cfg: ChunkConfig) -> Result:
     manifest = chunk_corpus(cfg)
-    return Result(summary=summary(manifest))
+    rejected = (manifest.get("rejects") or manifest.get("run", {}).get("rejects") or {}).get("rows", 0)
+    if rejected:
+        print(
+            f"chunk: {rejected} bad rows left out (--on-bad-row skip): {rejects_path(cfg.output)}",
+            file=sys.stderr,
+        )
+    return Result(EXIT_SKIPPED if rejected else 0, summary(manifest))
 
 
 def summary(manifest: dict) -> dict:
@@ -259,6 +274,9 @@ def summary(manifest: dict) -> dict:
         for k, v in manifest.get("summary", {}).items()
         if k in ("documents", "chunks", "mean_chunk_chars")
     }
+    rejects = manifest.get("rejects") or manifest.get("run", {}).get("rejects")
+    if rejects:
+        out["rejected_rows"] = rejects["rows"]
     blocks = manifest.get("run", {}).get("workers_report") or [manifest]  # a folder: one per worker
     fit = manifest.get("length_fit") or manifest.get("run", {}).get("length_fit")
     if fit:
@@ -304,5 +322,6 @@ def served(config: dict, teacher) -> dict:
 
 
 def outputs(cfg: ChunkConfig) -> list:
-    """The chunks, and the score plots' folder."""
-    return [cfg.output, *([cfg.plot] if cfg.plot else [])]
+    """The chunks, the score plots' folder, and the rows ``--on-bad-row skip`` left out."""
+    rejects = [rejects_path(cfg.output)] if cfg.on_bad_row == "skip" else []
+    return [cfg.output, *([cfg.plot] if cfg.plot else []), *rejects]

@@ -55,12 +55,28 @@ from pathlib import Path
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, jsonl_line, write_bytes, write_json
 from metachunk.command import Reads
-from metachunk.sources import DocumentSource, SourceIndex
+from metachunk.sources import DocumentSource, Rejects, SourceIndex
 
 DOCS_PER_SHARD = 256
 MANIFEST = "manifest.json"
 # Where a run reads from and writes to: the input is fingerprinted by its bytes, and a folder may move.
 PLACE_FIELDS = ("input", "output")
+
+
+def rejects_path(output: str | Path) -> Path:
+    """Where ``--on-bad-row skip`` writes the rows it left out: ``OUT.rejects.jsonl`` beside the
+    output file (``chunks.jsonl`` -> ``chunks.rejects.jsonl``) or folder (``DIR.rejects.jsonl``)."""
+    path = Path(str(output).rstrip("/" + os.sep))
+    return path.with_name(path.name.removesuffix(".jsonl") + ".rejects.jsonl")
+
+
+def source_of(cfg, rejects: Rejects | None = None) -> DocumentSource:
+    """The run's input. With ``--on-bad-row skip`` bad rows go to ``rejects`` (a worker, which reads
+    ranges the driver already checked, gets a sink of its own: the driver writes the file)."""
+    if cfg.on_bad_row == "skip" and rejects is None:
+        rejects = Rejects(None)
+    return DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field, rejects=rejects,
+                          max_row_bytes=cfg.max_row_bytes)  # fmt: skip
 
 
 def is_dataset_dir(output: str | Path) -> bool:
@@ -444,7 +460,7 @@ def _init_worker(cfg, index_json: dict, plan: ShardPlan, slots, progress) -> Non
     _set_threads(threads)
     cfg = replace(cfg, device=device)
     _WORKER.update(cfg=cfg, plan=plan, progress=progress, slot=slot,
-                   source=DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field),
+                   source=source_of(cfg),
                    index=SourceIndex.from_json(index_json), worker=ShardWorker(cfg, plan.documents))  # fmt: skip
 
 
@@ -531,7 +547,7 @@ class _RayShardChunker:
 
         _set_threads(cfg.threads_per_worker)
         self.cfg, self.plan, self.index = cfg, plan, SourceIndex.from_json(index_json)
-        self.source = DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field)
+        self.source = source_of(cfg)
         self.worker = ShardWorker(cfg, plan.documents)
         self.name = uuid.uuid4().hex  # which actor a report came from
 

@@ -33,6 +33,7 @@ class InputError(ValueError):
     def __init__(self, path: str | Path, problem: str, line: int | None = None):
         where = f"{path}:{line}" if line is not None else str(path)
         super().__init__(f"{where}: {problem}")
+        self.path, self.reason, self.line = path, problem, line
 
 
 class EmptyInput(InputError):

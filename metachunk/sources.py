@@ -23,6 +23,14 @@ cannot seek: gzip, parquet, Arrow). :meth:`DocumentSource.documents` then stream
 positions from the nearest checkpoint, so a shard of a 20K-document corpus is read without
 reading the 19K documents before it. Only the ids are held (for the duplicate check), never the
 texts.
+
+**Bad rows.** By default (``on_bad_row="error"``) a bad row stops the read with its ``file:line``
+error, before any model loads: right for a hand-made file. ``on_bad_row="skip"`` is for a crawl
+where a few rows are broken: each bad row (invalid UTF-8 or JSON, a missing or non-string text, a
+lone surrogate, a duplicate id, a row over ``max_row_bytes``) is left out, once, and handed to
+:class:`Rejects` with its ``file:line`` and reason; the good rows keep their order and ids, so
+their output is what the good rows alone give. ``max_bad_rows`` still stops a read whose input is
+mostly broken.
 """
 
 from __future__ import annotations
@@ -40,6 +48,51 @@ from metachunk.artifacts import Document, InputError, check_unicode
 FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
 SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 CHECKPOINT_EVERY = 256  # documents between two recorded read positions
+MAX_ROW_BYTES = 64 << 20  # a larger line is not a document but a broken or hostile row
+BAD_ROW_POLICIES = ("error", "skip")
+EXIT_SKIPPED = 6  # the command finished, leaving out rows its --on-bad-row skip policy rejected
+
+
+class BadRow(InputError):
+    """One row that cannot be a document (the others may be)."""
+
+
+class Rejects:
+    """The rows a read left out (``on_bad_row="skip"``), written as JSONL (``file``, ``line``,
+    ``reason``, ``row``: the row's first 2,000 characters) to ``path``, each row once.
+    ``max_bad_rows``: more than this many stops the read (None: no limit)."""
+
+    def __init__(self, path: str | Path | None, max_bad_rows: int | None = None):
+        self.path = Path(path) if path else None
+        self.max_bad_rows = max_bad_rows
+        self.rows: dict[tuple[str, int], dict] = {}
+
+    def add(self, error: InputError, raw: bytes | str | None) -> None:
+        key = (str(error.path), error.line or 0)
+        if key in self.rows:
+            return
+        row = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else (raw or "")
+        self.rows[key] = {
+            "file": str(error.path),
+            "line": error.line,
+            "reason": error.reason,
+            "row": row[:2000],
+        }
+        if self.max_bad_rows is not None and len(self.rows) > self.max_bad_rows:
+            raise InputError(error.path, f"more than --max-bad-rows {self.max_bad_rows} bad rows; the last: "
+                             f"{error.reason}", error.line)  # fmt: skip
+
+    def write(self) -> dict:
+        """The rejects file (only when there are rejects) and what a manifest records of it."""
+        if not self.rows or self.path is None:
+            return {"rows": len(self.rows)}
+        from metachunk.artifacts import AtomicWriter
+
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.rows.values())
+        with AtomicWriter(self.path) as f:
+            f.write(lines)
+        return {"rows": len(self.rows), "file": str(self.path),
+                "sha256": hashlib.sha256(lines.encode("utf-8")).hexdigest()}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,14 +111,17 @@ class SourceIndex:
     sha256: str = ""
     # (position, file number, byte offset, records before): see DocumentSource._records
     checkpoints: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # (file number, records before) of the duplicates a skipping scan left out (bounded by max_bad_rows)
+    skipped: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"documents": self.documents, "chars": self.chars, "sha256": self.sha256,
-                "checkpoints": self.checkpoints}  # fmt: skip
+                "checkpoints": self.checkpoints, "skipped": self.skipped}  # fmt: skip
 
     @classmethod
     def from_json(cls, obj: dict) -> SourceIndex:
-        return cls(obj["documents"], obj["chars"], obj["sha256"], [tuple(c) for c in obj["checkpoints"]])
+        return cls(obj["documents"], obj["chars"], obj["sha256"], [tuple(c) for c in obj["checkpoints"]],
+                   [tuple(s) for s in obj.get("skipped", [])])  # fmt: skip
 
 
 def _kind(path: Path, input_format: str) -> str | None:
@@ -102,7 +158,10 @@ class DocumentSource:
     """A corpus on disk, as documents in a fixed order (see the module docstring)."""
 
     def __init__(self, path: str | Path, input_format: str = "auto", text_field: str = "text",
-                 id_field: str = "id"):  # fmt: skip
+                 id_field: str = "id", rejects: Rejects | None = None,
+                 max_row_bytes: int = MAX_ROW_BYTES):  # fmt: skip
+        self.rejects = rejects  # on_bad_row skip: where bad rows go; None: a bad row is an error
+        self.max_row_bytes = max_row_bytes
         if input_format not in FORMATS:
             raise InputError(path, f"unknown input format {input_format!r}; one of {', '.join(FORMATS)}")
         self.path, self.input_format = hub_dataset(path), input_format
@@ -184,7 +243,17 @@ class DocumentSource:
                 number += 1
                 if gz and number <= lines_before:
                     continue
-                doc = self._parse_line(file, raw, number)
+                try:
+                    if len(raw) > self.max_row_bytes:
+                        raise BadRow(
+                            file.path, f"a row of {len(raw):,} bytes, over {self.max_row_bytes:,}", number
+                        )
+                    doc = self._parse_line(file, raw, number)
+                except InputError as e:
+                    if self.rejects is None or e.line is None:
+                        raise
+                    self.rejects.add(e, raw)
+                    continue
                 if doc is not None:
                     yield (0 if gz else start), number - 1, doc
 
@@ -262,24 +331,32 @@ class DocumentSource:
 
     # ---- the two public passes -----------------------------------------------------------------
 
-    def checked(self) -> Iterator[tuple[int, int, int, Document]]:
+    def checked(self, index: SourceIndex | None = None) -> Iterator[tuple[int, int, int, Document]]:
         """Every document in order, with its file number and read position, every check applied
-        (duplicate ids too: only the ids are held)."""
+        (duplicate ids too: only the ids are held). A duplicate skipped (``on_bad_row="skip"``)
+        is noted in ``index``, so that :meth:`documents` skips it too."""
         first_seen: dict[str, str] = {}
         for k, file in enumerate(self.files):
             for cursor, before, doc in self._records(k):
                 number = before + 1
                 if doc.id in first_seen:
-                    raise InputError(
+                    error = BadRow(
                         file.path, f"duplicate id {doc.id!r}: first seen at {first_seen[doc.id]}", number
                     )
+                    if self.rejects is None:
+                        raise error
+                    self.rejects.add(error, json.dumps({self.id_field: doc.id, self.text_field: doc.text[:2000]},
+                                                       ensure_ascii=False))  # fmt: skip
+                    if index is not None:
+                        index.skipped.append((k, before))
+                    continue
                 first_seen[doc.id] = f"{file.name}:{number}" if len(self.files) > 1 else f"line {number}"
                 yield k, cursor, before, doc
 
     def scan(self, every: int = CHECKPOINT_EVERY) -> SourceIndex:
         """Read and check everything once; see the module docstring."""
         index = SourceIndex()
-        for k, cursor, before, doc in self.checked():
+        for k, cursor, before, doc in self.checked(index):
             if index.documents % every == 0:
                 index.checkpoints.append((index.documents, k, cursor, before))
             index.documents += 1
@@ -300,13 +377,15 @@ class DocumentSource:
                 if cp[0] > start:
                     break
                 position, k, cursor, before = cp
-        docs = self._from(k, cursor, before)
+        skipped = {tuple(s) for s in index.skipped} if index is not None else set()
+        docs = self._from(k, cursor, before, skipped)
         yield from islice(docs, start - position, None if stop is None else stop - position)
 
-    def _from(self, k: int, cursor: int, before: int) -> Iterator[Document]:
+    def _from(self, k: int, cursor: int, before: int, skipped: set = frozenset()) -> Iterator[Document]:
         for j in range(k, len(self.files)):
-            for _, _, doc in self._records(j, *((cursor, before) if j == k else (0, 0))):
-                yield doc
+            for _, row, doc in self._records(j, *((cursor, before) if j == k else (0, 0))):
+                if (j, row) not in skipped:  # a duplicate the scan left out
+                    yield doc
 
     def __iter__(self) -> Iterator[Document]:
         return (doc for *_, doc in self.checked())
