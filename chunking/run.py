@@ -26,7 +26,6 @@ from metachunk.chunking.shards import (
     is_dataset_dir,
     manifest_head,
     reads,
-    rejects_path,
     run_local,
     run_ray,
     source_of,
@@ -35,7 +34,7 @@ from metachunk.chunking.shards import (
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line
 from metachunk.command import Reads, Result
-from metachunk.sources import EXIT_SKIPPED, DocumentSource, Rejects
+from metachunk.sources import EXIT_SKIPPED, DocumentSource, Rejects, rejects_path
 
 CONFIG = ChunkConfig
 

@@ -63,13 +63,6 @@ MANIFEST = "manifest.json"
 PLACE_FIELDS = ("input", "output")
 
 
-def rejects_path(output: str | Path) -> Path:
-    """Where ``--on-bad-row skip`` writes the rows it left out: ``OUT.rejects.jsonl`` beside the
-    output file (``chunks.jsonl`` -> ``chunks.rejects.jsonl``) or folder (``DIR.rejects.jsonl``)."""
-    path = Path(str(output).rstrip("/" + os.sep))
-    return path.with_name(path.name.removesuffix(".jsonl") + ".rejects.jsonl")
-
-
 def source_of(cfg, rejects: Rejects | None = None) -> DocumentSource:
     """The run's input. With ``--on-bad-row skip`` bad rows go to ``rejects`` (a worker, which reads
     ranges the driver already checked, gets a sink of its own: the driver writes the file)."""

@@ -37,7 +37,14 @@ from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, write_json
 from metachunk.command import Reads, Result
 from metachunk.config import option
-from metachunk.sources import read_documents
+from metachunk.sources import (
+    BAD_ROW_POLICIES,
+    EXIT_SKIPPED,
+    MAX_ROW_BYTES,
+    Rejects,
+    read_documents,
+    rejects_path,
+)
 
 
 @dataclass
@@ -71,6 +78,14 @@ class SampleConfig:
     )
     ray_address: str | None = option(None, "--engine ray: the cluster to join", runtime=True)
     progress: bool = option(True, "show a progress bar", runtime=True)
+    on_bad_row: str = option(
+        "error",
+        "a bad pool row: error stops before anything is drawn (file:line); skip leaves it out, writes it "
+        "with file:line and reason to OUT.rejects.jsonl, counts it in sample.json, and exits 6",
+        choices=list(BAD_ROW_POLICIES),
+    )
+    max_bad_rows: int | None = option(None, "--on-bad-row skip: stop (exit 2) past this many bad rows")
+    max_row_bytes: int = option(MAX_ROW_BYTES, "a longer pool row is a bad row")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -118,10 +133,11 @@ def sample(cfg: SampleConfig) -> dict:
 
     started = time.perf_counter()
     out = Path(cfg.out)
+    rejects = Rejects(rejects_path(out), cfg.max_bad_rows) if cfg.on_bad_row == "skip" else None
     # A whitespace-only document is one blank chunk, nothing a teacher could rewrite: never drawn.
     long_positions = [
         k
-        for k, d in enumerate(read_documents(cfg.pool))
+        for k, d in enumerate(read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.max_row_bytes))
         if len(d.text) >= cfg.min_doc_chars and not d.text.isspace()
     ]
     pool_size = len(long_positions)
@@ -130,7 +146,7 @@ def sample(cfg: SampleConfig) -> dict:
     del long_positions
     n_docs = 0
     with AtomicWriter(out / "documents.jsonl") as docs_file:
-        for k, d in enumerate(read_documents(cfg.pool)):
+        for k, d in enumerate(read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.max_row_bytes)):
             if k in picked:
                 docs_file.write(jsonl_line({"id": d.id, "text": d.text}))
                 n_docs += 1
@@ -190,6 +206,7 @@ def sample(cfg: SampleConfig) -> dict:
         "chunks": n_chunks,
         "selected_chunks": n_selected,
         "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},
+        **({"rejects": rejects.write()} if rejects else {}),
         "seconds": round(time.perf_counter() - started, 2),
     }
     write_json(out / "sample.json", report)
@@ -216,7 +233,13 @@ def run(cfg: SampleConfig) -> Result:
     print_report(report)
     print(f"{cfg.out}: chunks.jsonl (with 'selected'), documents.jsonl, sample.json", file=sys.stderr)
     keys = ("pool_long_documents", "documents", "chunks", "selected_chunks")
-    return Result(summary={k: report.get(k) for k in keys})
+    summary = {k: report.get(k) for k in keys}
+    rejected = (report.get("rejects") or {}).get("rows", 0)
+    if rejected:
+        summary["rejected_rows"] = rejected
+        print(f"data sample: {rejected} bad pool rows left out (--on-bad-row skip): {rejects_path(cfg.out)}",
+              file=sys.stderr)  # fmt: skip
+    return Result(EXIT_SKIPPED if rejected else 0, summary)
 
 
 def inputs(cfg: SampleConfig) -> Reads:
@@ -224,4 +247,4 @@ def inputs(cfg: SampleConfig) -> Reads:
 
 
 def outputs(cfg: SampleConfig) -> list:
-    return [cfg.out]
+    return [cfg.out, *([rejects_path(cfg.out)] if cfg.on_bad_row == "skip" else [])]

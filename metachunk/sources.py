@@ -57,6 +57,13 @@ class BadRow(InputError):
     """One row that cannot be a document (the others may be)."""
 
 
+def rejects_path(output: str | Path) -> Path:
+    """Where ``--on-bad-row skip`` writes the rows it left out: ``OUT.rejects.jsonl`` beside the
+    output file (``chunks.jsonl`` -> ``chunks.rejects.jsonl``) or folder (``DIR.rejects.jsonl``)."""
+    path = Path(str(output).rstrip("/\\"))
+    return path.with_name(path.name.removesuffix(".jsonl") + ".rejects.jsonl")
+
+
 class Rejects:
     """The rows a read left out (``on_bad_row="skip"``), written as JSONL (``file``, ``line``,
     ``reason``, ``row``: the row's first 2,000 characters) to ``path``, each row once.
@@ -397,9 +404,13 @@ class DocumentSource:
 
 
 def read_documents(path: str | Path, input_format: str = "auto", text_field: str = "text",
-                   id_field: str = "id") -> Iterator[Document]:  # fmt: skip
-    """The documents of any input :class:`DocumentSource` reads, streamed and checked."""
-    return iter(DocumentSource(path, input_format, text_field, id_field))
+                   id_field: str = "id", rejects: Rejects | None = None,
+                   max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[Document]:  # fmt: skip
+    """The documents of any input :class:`DocumentSource` reads, streamed and checked (bad rows to
+    ``rejects`` when given)."""
+    return iter(
+        DocumentSource(path, input_format, text_field, id_field, rejects=rejects, max_row_bytes=max_row_bytes)
+    )
 
 
 def _hash_file(digest, file: SourceFile) -> None:

@@ -103,3 +103,23 @@ def test_by_default_a_bad_row_is_an_error_and_a_broken_input_stops(tmp_path, cap
     )
     assert rc == 2 and "more than --max-bad-rows 2 bad rows" in err and f"{mixed}:9" in err
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.rejects.jsonl").exists()
+
+
+def test_data_sample_skips_bad_pool_rows(tmp_path, capsys, corpora, tiny_model_dir):
+    good, mixed = corpora
+    args = ["--n-docs", 6, "--min-doc-chars", 10, "--model", tiny_model_dir, "--lang", "en", "--target-len", 60,
+            "--len-unit", "char", "--no-progress", "--max-row-bytes", 1000]  # fmt: skip
+
+    def sample(pool, out, *extra):
+        capsys.readouterr()
+        rc = main(["data", "sample", "--pool", str(pool), "--out", str(out), *map(str, args), *extra])
+        return rc, capsys.readouterr().err
+
+    assert sample(good, tmp_path / "good")[0] == 0
+    rc, err = sample(mixed, tmp_path / "mixed", "--on-bad-row", "skip")
+    assert rc == 6 and "5 bad pool rows left out" in err, err
+    for name in ("documents.jsonl", "chunks.jsonl"):
+        assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "good" / name).read_bytes()
+    assert len((tmp_path / "mixed.rejects.jsonl").read_text().splitlines()) == 5
+    assert json.loads((tmp_path / "mixed" / "sample.json").read_text())["rejects"]["rows"] == 5
+    assert sample(mixed, tmp_path / "strict")[0] == 2
