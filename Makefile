@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test lint install bench clean docs
 
 # llama.cpp's default build is -march=native, which on a CPU with AMX compiles ggml's AMX matmul,
 # and that crashed the server on its first request (SIGSEGV in ggml_backend_amx_mul_mat,
@@ -46,8 +46,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The documentation site (mkdocs.yml, docs/): --strict turns a broken link, a page missing from the
+# nav or an API page that no longer renders into a failure, so `make test` builds it too.
 test: lint
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 	$(VENV)/bin/pytest -q
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(PY) bench/ppl_speed.py --methods loop,engine,engine-bf16,loop-bf16,plain

@@ -19,8 +19,8 @@ tile it::
     >>> "".join(c.text for c in chunker(doc)) == doc
     True
 
-A text that is empty or only whitespace is one chunk of itself, as in the CLI; a lone surrogate
-(half a UTF-16 pair, not text) is a ``ValueError``.
+As in the CLI, an empty text has no chunks and a whitespace-only text is one chunk of itself; a
+lone surrogate (half a UTF-16 pair, not text) is a ``ValueError``.
 """
 
 from __future__ import annotations
