@@ -27,8 +27,8 @@ from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
 from metachunk.config import block, check_choices, option
-from metachunk.sources import BAD_ROW_POLICIES, MAX_ROW_BYTES
 from metachunk.sources import FORMATS as INPUT_FORMATS
+from metachunk.sources import BadRows
 
 METHODS = ("ppl", "msp", "fixed", "sentence", "semantic", "moc", "lumber")
 LM_METHODS = ("ppl", "msp")
@@ -100,15 +100,7 @@ class ChunkConfig:
     )
     text_field: str = option("text", "the input's field (column) holding the document text")
     id_field: str = option("id", "the input's field holding the document id; without one, the line number")
-    on_bad_row: str = option(
-        "error",
-        "a bad input row (invalid UTF-8 or JSON, no text, a lone surrogate, a duplicate id, over --max-row-bytes): "
-        "error stops before any model loads (file:line); skip leaves it out, writes it with file:line and "
-        "the reason to OUTPUT.rejects.jsonl, counts it in the manifest, and exits 6",
-        choices=list(BAD_ROW_POLICIES),
-    )
-    max_bad_rows: int | None = option(None, "--on-bad-row skip: stop (exit 2) past this many bad rows")
-    max_row_bytes: int = option(MAX_ROW_BYTES, "a longer input row is a bad row")
+    bad_rows: BadRows = block(BadRows, "what a bad input row does", prefix="")
     output_format: str = option(
         "jsonl",
         "-o DIR: shard format; both load with datasets.load_dataset(FORMAT, data_dir=DIR)",

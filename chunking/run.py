@@ -34,7 +34,7 @@ from metachunk.chunking.shards import (
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line
 from metachunk.command import Reads, Result
-from metachunk.sources import EXIT_SKIPPED, DocumentSource, Rejects, rejects_path
+from metachunk.sources import DocumentSource, finish_rejects, skipped_exit
 
 CONFIG = ChunkConfig
 
@@ -93,12 +93,12 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     (:class:`~metachunk.artifacts.OutputPair`)."""
     from tqdm import tqdm
 
-    rejects = Rejects(rejects_path(cfg.output), cfg.max_bad_rows) if cfg.on_bad_row == "skip" else None
+    rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
     # Every line checked before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the run streams them again.
     index = source.scan()
-    rejected = rejects.write() if rejects else None
+    rejected = finish_rejects(rejects, "chunk")
     plan = ShardPlan(index.documents, 1)
     started = time.perf_counter()
     worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
@@ -173,10 +173,10 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         if torch.cuda.is_available():
             cfg = replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     started = time.perf_counter()
-    rejects = Rejects(rejects_path(cfg.output), cfg.max_bad_rows) if cfg.on_bad_row == "skip" else None
+    rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
     index = source.scan()  # every file:line check, before any model loads
-    rejected = rejects.write() if rejects else None
+    rejected = finish_rejects(rejects, "chunk")
     scan_s = time.perf_counter() - started
     plan = ShardPlan(index.documents, cfg.shards or max(1, -(-index.documents // DOCS_PER_SHARD)))
     if cfg.method in ("ppl", "msp"):  # convert a preset once here, not in every worker at once
@@ -256,13 +256,8 @@ def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) ->
 
 def run(cfg: ChunkConfig) -> Result:
     manifest = chunk_corpus(cfg)
-    rejected = (manifest.get("rejects") or manifest.get("run", {}).get("rejects") or {}).get("rows", 0)
-    if rejected:
-        print(
-            f"chunk: {rejected} bad rows left out (--on-bad-row skip): {rejects_path(cfg.output)}",
-            file=sys.stderr,
-        )
-    return Result(EXIT_SKIPPED if rejected else 0, summary(manifest))
+    rejected = manifest.get("rejects") or manifest.get("run", {}).get("rejects")
+    return Result(skipped_exit(rejected), summary(manifest), rejects=rejected)
 
 
 def summary(manifest: dict) -> dict:
@@ -322,5 +317,4 @@ def served(config: dict, teacher) -> dict:
 
 def outputs(cfg: ChunkConfig) -> list:
     """The chunks, the score plots' folder, and the rows ``--on-bad-row skip`` left out."""
-    rejects = [rejects_path(cfg.output)] if cfg.on_bad_row == "skip" else []
-    return [cfg.output, *([cfg.plot] if cfg.plot else []), *rejects]
+    return [cfg.output, *([cfg.plot] if cfg.plot else []), *cfg.bad_rows.outputs(cfg.output)]

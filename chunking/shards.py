@@ -55,7 +55,7 @@ from pathlib import Path
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, jsonl_line, write_bytes, write_json
 from metachunk.command import Reads
-from metachunk.sources import DocumentSource, Rejects, SourceIndex
+from metachunk.sources import DocumentSource, Rejects, SourceIndex, read_records
 
 DOCS_PER_SHARD = 256
 MANIFEST = "manifest.json"
@@ -66,10 +66,10 @@ PLACE_FIELDS = ("input", "output")
 def source_of(cfg, rejects: Rejects | None = None) -> DocumentSource:
     """The run's input. With ``--on-bad-row skip`` bad rows go to ``rejects`` (a worker, which reads
     ranges the driver already checked, gets a sink of its own: the driver writes the file)."""
-    if cfg.on_bad_row == "skip" and rejects is None:
+    if cfg.bad_rows.on_bad_row == "skip" and rejects is None:
         rejects = Rejects(None)
     return DocumentSource(cfg.input, cfg.input_format, cfg.text_field, cfg.id_field, rejects=rejects,
-                          max_row_bytes=cfg.max_row_bytes)  # fmt: skip
+                          max_row_bytes=cfg.bad_rows.max_row_bytes)  # fmt: skip
 
 
 def is_dataset_dir(output: str | Path) -> bool:
@@ -600,10 +600,11 @@ def distributed_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def chunk_rows(path: str | Path):
+def chunk_rows(path: str | Path, rejects: Rejects | None = None):
     """``(file, line, record)`` for every record of a ``metachunk chunk`` output: a ``.jsonl`` file,
     or a dataset folder's shards in order (jsonl or parquet). A folder whose manifest says the run is
-    not complete is refused; a line that is not UTF-8 JSON is a ``file:line`` error."""
+    not complete is refused; a line that is not UTF-8 JSON is a ``file:line`` error, or with
+    ``rejects`` (``--on-bad-row skip``) left out."""
     path = Path(path)
     if path.is_dir():
         manifest_path = path / MANIFEST
@@ -629,18 +630,8 @@ def chunk_rows(path: str | Path):
                     number += 1
                     yield file, number, row
             continue
-        with file.open("rb") as f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise InputError(file, f"invalid UTF-8 at byte {e.start} of the line", number) from None
-                if not line.strip():
-                    continue
-                try:
-                    yield file, number, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(file, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+        for number, _, record in read_records(file, rejects):
+            yield file, number, record
 
 
 def read_chunk_records(path: str | Path):

@@ -13,6 +13,7 @@ from metachunk.chunking.moc import DEFAULT_PLACEHOLDER, PLACEHOLDERS
 
 from metachunk import config
 from metachunk.config import option
+from metachunk.sources import BadRows
 from metachunk.teacher import Price, TeacherConfig
 
 # Each task's teacher stages; `moc` (distill/moc.py) asks one teacher to chunk raw text (MoC Table 6).
@@ -86,6 +87,7 @@ class DistillConfig:
     threshold: float = option(7.0, "rewrite: keep refinement items scoring at least this (scores are 1-10)")
     parse_retries: int = option(2, "ask again this many times when an answer is empty or unparseable")
     limit: int | None = option(None, "only the first N chunks (moc: documents)")
+    bad_rows: BadRows = config.block(BadRows, "what a bad chunks record or document row does", prefix="")
     max_cost: float | None = option(
         None,
         "stop cleanly before the total spend on this answer store passes USD: every run, past and "

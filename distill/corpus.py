@@ -65,13 +65,22 @@ from metachunk.artifacts import (
     AtomicWriter,
     Document,
     InputError,
+    check_unicode,
     jsonl_line,
     write_json,
 )
 from metachunk.command import Reads, Result
-from metachunk.config import option
+from metachunk.config import block, option
 from metachunk.crud import informative, normalize  # shared with eval: how CRUD's QA pairs are read
-from metachunk.sources import read_documents
+from metachunk.sources import (
+    BadRows,
+    Rejects,
+    finish_rejects,
+    read_documents,
+    read_records,
+    refuse_or_skip,
+    skipped_exit,
+)
 
 # datasketch (which imports scipy) is imported where used: `metachunk --help` must not pay for it.
 if TYPE_CHECKING:
@@ -196,8 +205,10 @@ class QAEntry:
     answers: tuple[str, ...]
 
 
-def read_qa(path: str | Path) -> dict[str, QAEntry]:
-    """CRUD's QA file: ``{qa_id: {"key_info": [...], "question": [...], "answers": [...]}}``."""
+def read_qa(path: str | Path, rejects: Rejects | None = None) -> dict[str, QAEntry]:
+    """CRUD's QA file: ``{qa_id: {"key_info": [...], "question": [...], "answers": [...]}}``. A
+    malformed entry is an error, or with ``rejects`` (``--on-bad-row skip``) left out; the file
+    itself must be one JSON object."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")
@@ -211,16 +222,25 @@ def read_qa(path: str | Path) -> dict[str, QAEntry]:
         raise InputError(path, "expected a JSON object mapping QA ids to entries")
     entries = {}
     for qa_id, entry in data.items():
-        if not isinstance(entry, dict):
-            raise InputError(path, f"entry {qa_id!r} must be an object")
-        fields = {}
-        for name in ("key_info", "question", "answers"):
-            value = entry.get(name)
-            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                raise InputError(path, f"entry {qa_id!r}: field {name!r} must be a list of strings")
-            fields[name] = tuple(value)
-        entries[qa_id] = QAEntry(qa_id, fields["key_info"], fields["question"], fields["answers"])
+        try:
+            entries[qa_id] = _qa_entry(path, qa_id, entry)
+        except InputError as e:
+            refuse_or_skip(rejects, e, json.dumps({qa_id: entry}, ensure_ascii=False))
     return entries
+
+
+def _qa_entry(path: Path, qa_id: str, entry) -> QAEntry:
+    if not isinstance(entry, dict):
+        raise InputError(path, f"entry {qa_id!r} must be an object")
+    fields = {}
+    for name in ("key_info", "question", "answers"):
+        value = entry.get(name)
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise InputError(path, f"entry {qa_id!r}: field {name!r} must be a list of strings")
+        for s in value:
+            check_unicode(path, None, f"{qa_id}.{name}", s)
+        fields[name] = tuple(value)
+    return QAEntry(qa_id, fields["key_info"], fields["question"], fields["answers"])
 
 
 # ---------------------------------------------------------------------------------------- matching
@@ -466,6 +486,7 @@ class PrepareCrudConfig:
         0.8, "drop pool articles whose character 5-gram Jaccard with a test article reaches this"
     )
     num_perm: int = option(128, "MinHash permutations for the near-duplicate search")
+    bad_rows: BadRows = block(BadRows, "what a bad article row or QA entry does", prefix="")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -482,16 +503,16 @@ class PrepareCrudConfig:
             raise ValueError(f"field 'num_perm' must be at least 2, got {self.num_perm}")
 
 
-def _sources(path: Path) -> dict[str, str | None]:
-    """The ``source`` field of each article (read_documents keeps only id and text)."""
+def _sources(path: Path, keep: set[str]) -> dict[str, str | None]:
+    """The ``source`` field of the articles ``keep`` names (read_documents keeps only id and text;
+    the rows it left out are left out here too, silently: they are in its rejects already)."""
     if path.suffix != ".jsonl":
         return {}
     sources = {}
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                record = json.loads(line)  # already validated by read_documents
-                sources[str(record.get("id", number))] = record.get("source")
+    for number, _, record in read_records(path, Rejects(None)):
+        doc_id = str(record.get("id", number))
+        if doc_id in keep and doc_id not in sources:
+            sources[doc_id] = record.get("source")
     return sources
 
 
@@ -511,22 +532,21 @@ def prepare_crud(
     margin: float = DEFAULT_MARGIN,
     near_dup_threshold: float = 0.8,
     num_perm: int = 128,
+    bad_rows: BadRows | None = None,
 ) -> dict:
     """Match the QA entries to the articles and write the test set, the training pool and a report.
 
     Writes (each atomically) ``test_documents.jsonl`` and ``train_pool.jsonl`` (``{id, text,
     source}``, corpus order), ``qa_matches.jsonl`` (one line per QA entry) and ``report.json``;
-    returns the report.
+    returns the report. ``bad_rows``: what a bad article row or QA entry does (default: an error;
+    a duplicate article id is one, :class:`metachunk.sources.DocumentSource`).
     """
     news_path, qa_path, out = Path(news_path), Path(qa_path), Path(out_dir)
-    docs = list(read_documents(news_path))
-    seen_ids: set[str] = set()
-    for d in docs:
-        if d.id in seen_ids:
-            raise InputError(news_path, f"duplicate document id {d.id!r}")
-        seen_ids.add(d.id)
-    sources = _sources(news_path)
-    qa = read_qa(qa_path)
+    bad_rows = bad_rows or BadRows()
+    rejects = bad_rows.rejects(out)
+    docs = list(read_documents(news_path, rejects=rejects, max_row_bytes=bad_rows.max_row_bytes))
+    sources = _sources(news_path, {d.id for d in docs})
+    qa = read_qa(qa_path, rejects)
 
     # Exact copies: match against the first copy only; the others follow it below.
     first_copy: dict[str, str] = {}
@@ -623,6 +643,9 @@ def prepare_crud(
         },
         "confidence_histogram": _histogram(m.confidence for m in matches),
     }
+    rejected = finish_rejects(rejects, "data prepare-crud")
+    if rejected is not None:
+        report["rejects"] = rejected
     write_json(out / "report.json", report)
     return report
 
@@ -665,12 +688,16 @@ def run(cfg: PrepareCrudConfig) -> Result:
     import sys
 
     report = prepare_crud(cfg.news, cfg.qa, cfg.out, match_threshold=cfg.match_threshold, margin=cfg.margin,
-                          near_dup_threshold=cfg.near_dup_threshold, num_perm=cfg.num_perm)  # fmt: skip
+                          near_dup_threshold=cfg.near_dup_threshold, num_perm=cfg.num_perm,
+                          bad_rows=cfg.bad_rows)  # fmt: skip
     print_report(report)
     print(
         f"{cfg.out}: test_documents.jsonl, train_pool.jsonl, qa_matches.jsonl, report.json", file=sys.stderr
     )
-    return Result(summary={k: report[k] for k in SUMMARY_KEYS if k in report})
+    summary = {k: report[k] for k in SUMMARY_KEYS if k in report}
+    if report.get("rejects"):
+        summary["rejected_rows"] = report["rejects"]["rows"]
+    return Result(skipped_exit(report.get("rejects")), summary, rejects=report.get("rejects"))
 
 
 def inputs(cfg: PrepareCrudConfig) -> Reads:
@@ -678,4 +705,4 @@ def inputs(cfg: PrepareCrudConfig) -> Reads:
 
 
 def outputs(cfg: PrepareCrudConfig) -> list:
-    return [cfg.out]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]

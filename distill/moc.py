@@ -97,8 +97,8 @@ from metachunk.distill.config import DistillConfig, MocDistillOptions
 from metachunk.distill.pipelines import Pending, StageFailed, StageRunner, json_answers, json_line, tally
 from metachunk.distill.prompts import load_prompt
 
-from metachunk.artifacts import SCHEMA_VERSION, InputError
-from metachunk.sources import read_documents
+from metachunk.artifacts import SCHEMA_VERSION
+from metachunk.sources import Rejects, read_documents
 from metachunk.teacher import estimate_tokens, is_transport_failure
 
 TASK = "moc"
@@ -515,13 +515,11 @@ class MocDocument(NamedTuple):
     lang: str
 
 
-def read_moc_documents(cfg: DistillConfig) -> list[MocDocument]:
-    """The documents to chunk (the first ``limit``); ids must be unique."""
-    docs, seen = [], set()
-    for doc in read_documents(cfg.documents):
-        if doc.id in seen:
-            raise InputError(cfg.documents, f"document id {doc.id!r} appears twice")
-        seen.add(doc.id)
+def read_moc_documents(cfg: DistillConfig, rejects: Rejects | None = None) -> list[MocDocument]:
+    """The documents to chunk (the first ``limit``); ids must be unique (a duplicate is a bad
+    row, :class:`metachunk.sources.DocumentSource`); bad rows to ``rejects`` when given."""
+    docs = []
+    for doc in read_documents(cfg.documents, rejects=rejects, max_row_bytes=cfg.bad_rows.max_row_bytes):
         lang = detect_lang(doc.text) if cfg.lang == "auto" else cfg.lang
         docs.append(MocDocument(doc.id, doc.text, lang))
         if cfg.limit is not None and len(docs) >= cfg.limit:
@@ -542,8 +540,8 @@ class MocTask:
         self.cfg = cfg
         self.counter: TokenCounter | None = None  # loaded with the documents
 
-    def read(self) -> list[MocDocument]:
-        docs = read_moc_documents(self.cfg)
+    def read(self, rejects: Rejects | None = None) -> list[MocDocument]:
+        docs = read_moc_documents(self.cfg, rejects)
         self.counter = TokenCounter(self.cfg.moc.tokenizer)
         return docs
 

@@ -11,6 +11,10 @@ each line is a document of its own (``--limit 5``: the first five articles).
 
 Ids: a whole group is named by its group (``CHAPTER I``); a passage by its group and position
 (``CHAPTER X #2``); an ungrouped line keeps its id. The output is written atomically.
+
+A bad line (not UTF-8 or JSON, no text or group string, a lone surrogate) stops the run with its
+``file:line``, or with ``--on-bad-row skip`` is left out and written to ``OUT.rejects.jsonl``
+(:class:`metachunk.sources.BadRows`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.artifacts import AtomicWriter, InputError, jsonl_line, read_jsonl
+from metachunk.artifacts import AtomicWriter, InputError, check_unicode, jsonl_line
 from metachunk.command import Reads, Result
-from metachunk.config import option
+from metachunk.config import block, option
+from metachunk.sources import (
+    BadRow,
+    BadRows,
+    Rejects,
+    finish_rejects,
+    read_records,
+    refuse_or_skip,
+    skipped_exit,
+)
 
 
 @dataclass
@@ -45,6 +58,7 @@ class PassagesConfig:
     max_chars: int = option(0, "cut each document to its first N characters (0: no cut)")
     skip: int = option(0, "drop the first N documents")
     limit: int = option(0, "keep at most N documents (0: all)")
+    bad_rows: BadRows = block(BadRows, "what a bad input line does", prefix="")
 
     def __post_init__(self):
         for name in ("input", "out"):
@@ -67,19 +81,25 @@ def parse_slice(text: str) -> slice:
     return slice(start, stop)
 
 
-def read_groups(cfg: PassagesConfig) -> Iterator[tuple[str, list[str]]]:
-    """``(name, paragraphs)`` per group of consecutive lines (a line per group when ungrouped)."""
+def read_groups(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator[tuple[str, list[str]]]:
+    """``(name, paragraphs)`` per group of consecutive lines (a line per group when ungrouped); bad
+    lines to ``rejects`` (None: a bad line is an error)."""
     path = Path(cfg.input)
     name, paragraphs = None, []
-    for number, row in read_jsonl(path):
-        if not isinstance(row, dict) or not isinstance(row.get(cfg.text_field), str):
-            raise InputError(path, f"field '{cfg.text_field}': a string is required", number)
+    for number, raw, row in read_records(path, rejects, cfg.bad_rows.max_row_bytes):
+        try:
+            if not isinstance(row.get(cfg.text_field), str):
+                raise BadRow(path, f"field '{cfg.text_field}': a string is required", number)
+            check_unicode(path, number, cfg.text_field, row[cfg.text_field])
+            group = row.get(cfg.group_field) if cfg.group_field else None
+            if cfg.group_field and (not isinstance(group, str) or not group):
+                raise BadRow(path, f"field '{cfg.group_field}': a non-empty string is required", number)
+        except InputError as e:
+            refuse_or_skip(rejects, e, raw)
+            continue
         if cfg.group_field is None:
             yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]]
             continue
-        group = row.get(cfg.group_field)
-        if not isinstance(group, str) or not group:
-            raise InputError(path, f"field '{cfg.group_field}': a non-empty string is required", number)
         if group != name and paragraphs:
             yield name, paragraphs
             paragraphs = []
@@ -89,8 +109,8 @@ def read_groups(cfg: PassagesConfig) -> Iterator[tuple[str, list[str]]]:
         yield name, paragraphs
 
 
-def documents(cfg: PassagesConfig) -> Iterator[dict]:
-    groups = read_groups(cfg)
+def documents(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator[dict]:
+    groups = read_groups(cfg, rejects)
     if cfg.group_prefix:
         groups = (g for g in groups if g[0].startswith(cfg.group_prefix))
     if cfg.groups:
@@ -110,8 +130,9 @@ def documents(cfg: PassagesConfig) -> Iterator[dict]:
 
 def write_passages(cfg: PassagesConfig) -> dict:
     n = chars = 0
+    rejects = cfg.bad_rows.rejects(cfg.out)
     with AtomicWriter(cfg.out) as out:
-        for i, doc in enumerate(documents(cfg)):
+        for i, doc in enumerate(documents(cfg, rejects)):
             if i < cfg.skip:
                 continue
             if cfg.limit and n >= cfg.limit:
@@ -122,7 +143,7 @@ def write_passages(cfg: PassagesConfig) -> dict:
             n, chars = n + 1, chars + len(doc["text"])
         if not n:  # raised inside: the writer keeps whatever file was there
             raise InputError(cfg.input, "no document matched (check groups, group_prefix, skip and limit)")
-    return {"documents": n, "characters": chars}
+    return {"documents": n, "characters": chars, "rejects": finish_rejects(rejects, "data passages")}
 
 
 CONFIG = PassagesConfig
@@ -132,7 +153,10 @@ def run(cfg: PassagesConfig) -> Result:
     """``metachunk data passages``."""
     report = write_passages(cfg)
     print(f"{cfg.out}: {report['documents']} documents, {report['characters']:,} characters", file=sys.stderr)
-    return Result(summary={"documents": report["documents"]})
+    summary = {"documents": report["documents"]}
+    if report["rejects"]:
+        summary["rejected_rows"] = report["rejects"]["rows"]
+    return Result(skipped_exit(report["rejects"]), summary, rejects=report["rejects"])
 
 
 def inputs(cfg: PassagesConfig) -> Reads:
@@ -140,4 +164,4 @@ def inputs(cfg: PassagesConfig) -> Reads:
 
 
 def outputs(cfg: PassagesConfig) -> list:
-    return [cfg.out]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]

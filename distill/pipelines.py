@@ -32,7 +32,7 @@ from metachunk.distill.config import STAGES, DistillConfig
 from metachunk.distill.prompts import load_prompt, load_schema
 
 from metachunk.artifacts import SCHEMA_VERSION, InputError
-from metachunk.sources import read_documents
+from metachunk.sources import Rejects, read_documents, read_records, refuse_or_skip
 from metachunk.structured import OUTCOMES, read_json
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
@@ -305,85 +305,80 @@ def estimate_pending(
 # ---------------------------------------------------------------------------------------- inputs
 
 
-def read_jobs(cfg: DistillConfig) -> list[ChunkJob]:
-    """Chunks to distil, checked against their documents; the context of each is built here."""
+def read_jobs(cfg: DistillConfig, rejects: Rejects | None = None) -> list[ChunkJob]:
+    """Chunks to distil, checked against their documents; the context of each is built here. A
+    bad record (or document row) is an error, or with ``rejects`` (``--on-bad-row skip``) left out
+    whole: none of its chunks is distilled."""
     from metachunk.chunking.sentences import detect_lang
 
-    docs = {d.id: d.text for d in read_documents(cfg.documents)}
+    docs = {d.id: d.text for d in read_documents(cfg.documents, rejects=rejects,
+                                                 max_row_bytes=cfg.bad_rows.max_row_bytes)}  # fmt: skip
     jobs, related = [], []
-    path = Path(cfg.chunks)
-    if not path.is_file():
-        raise InputError(path, "no such file")
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                doc_id, chunks = str(record["id"]), record["chunks"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(
-                    path, f"expected a chunks record with 'id' and 'chunks' ({e})", number
-                ) from None
-            if doc_id not in docs:
-                raise InputError(path, f"document {doc_id!r} is not in {cfg.documents}", number)
-            text = docs[doc_id]
-            # Every chunk is checked, not only the selected ones: related context reads them all.
-            if not isinstance(chunks, list):
-                raise InputError(path, "'chunks' must be a list of {text, start, end} objects", number)
-            for i, c in enumerate(chunks):
-                if not isinstance(c, dict):
-                    raise InputError(
-                        path, f"chunks[{i}] must be an object with 'text', 'start', 'end'", number
-                    )
-                for key in ("text", "start", "end"):
-                    if key not in c:
-                        raise InputError(path, f"chunks[{i}]: missing field {key!r}", number)
-                if not isinstance(c["text"], str):
-                    raise InputError(path, f"chunks[{i}]: 'text' must be a string", number)
-                for key in ("start", "end"):
-                    if isinstance(c[key], bool) or not isinstance(c[key], int):
-                        raise InputError(
-                            path, f"chunks[{i}]: {key!r} must be an integer, got {c[key]!r}", number
-                        )
-                if not 0 <= c["start"] <= c["end"] <= len(text):
-                    raise InputError(
-                        path,
-                        f"chunks[{i}]: {c['start']}:{c['end']} is outside the document (0:{len(text)})",
-                        number,
-                    )
-                if text[c["start"] : c["end"]] != c["text"]:
-                    raise InputError(
-                        path,
-                        f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}",
-                        number,
-                    )
-            lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
-            selected = record.get("selected", list(range(len(chunks))))
-            if not isinstance(selected, list):
-                raise InputError(path, "'selected' must be a list of chunk indices", number)
-            for i in selected:
-                # A negative index would silently pick a chunk from the end; a bool is not an index.
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(chunks):
-                    valid = f"0-{len(chunks) - 1}" if chunks else "the record has no chunks"
-                    raise InputError(path, f"'selected': {i!r} is not a chunk index ({valid})", number)
-            for i in selected:
-                c = chunks[i]
-                left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
-                jobs.append(
-                    ChunkJob(
-                        doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),)
-                    )
-                )
-                if cfg.context == "related":  # the chunks are kept only to find each one's related ones
-                    related.append(chunks)
-                if cfg.limit is not None and len(jobs) >= cfg.limit:
-                    break
+    for number, raw, record in read_records(cfg.chunks, rejects, cfg.bad_rows.max_row_bytes):
+        try:
+            doc_id, text, chunks, selected = _chunks_record(cfg, docs, record, number)
+        except InputError as e:
+            refuse_or_skip(rejects, e, raw)
+            continue
+        lang = detect_lang(text) if cfg.lang == "auto" else cfg.lang
+        for i in selected:
+            c = chunks[i]
+            left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
+            jobs.append(
+                ChunkJob(doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),))
+            )
+            if cfg.context == "related":  # the chunks are kept only to find each one's related ones
+                related.append(chunks)
             if cfg.limit is not None and len(jobs) >= cfg.limit:
                 break
+        if cfg.limit is not None and len(jobs) >= cfg.limit:
+            break
     if cfg.context == "related":
         jobs = with_related_context(jobs, related, cfg)
     return jobs
+
+
+def _chunks_record(cfg: DistillConfig, docs: dict[str, str], record: dict, number: int):
+    """``(doc_id, text, chunks, selected)`` of one chunks record, every chunk checked against its
+    document (related context reads them all, not only the selected ones)."""
+    path = Path(cfg.chunks)
+    try:
+        doc_id, chunks = str(record["id"]), record["chunks"]
+    except (KeyError, TypeError) as e:
+        raise InputError(path, f"expected a chunks record with 'id' and 'chunks' ({e})", number) from None
+    if doc_id not in docs:
+        raise InputError(path, f"document {doc_id!r} is not in {cfg.documents}", number)
+    text = docs[doc_id]
+    if not isinstance(chunks, list):
+        raise InputError(path, "'chunks' must be a list of {text, start, end} objects", number)
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict):
+            raise InputError(path, f"chunks[{i}] must be an object with 'text', 'start', 'end'", number)
+        for key in ("text", "start", "end"):
+            if key not in c:
+                raise InputError(path, f"chunks[{i}]: missing field {key!r}", number)
+        if not isinstance(c["text"], str):
+            raise InputError(path, f"chunks[{i}]: 'text' must be a string", number)
+        for key in ("start", "end"):
+            if isinstance(c[key], bool) or not isinstance(c[key], int):
+                raise InputError(path, f"chunks[{i}]: {key!r} must be an integer, got {c[key]!r}", number)
+        if not 0 <= c["start"] <= c["end"] <= len(text):
+            raise InputError(
+                path, f"chunks[{i}]: {c['start']}:{c['end']} is outside the document (0:{len(text)})", number
+            )
+        if text[c["start"] : c["end"]] != c["text"]:
+            raise InputError(
+                path, f"chunks[{i}]: text differs from the document at {c['start']}:{c['end']}", number
+            )
+    selected = record.get("selected", list(range(len(chunks))))
+    if not isinstance(selected, list):
+        raise InputError(path, "'selected' must be a list of chunk indices", number)
+    for i in selected:
+        # A negative index would silently pick a chunk from the end; a bool is not an index.
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(chunks):
+            valid = f"0-{len(chunks) - 1}" if chunks else "the record has no chunks"
+            raise InputError(path, f"'selected': {i!r} is not a chunk index ({valid})", number)
+    return doc_id, text, chunks, selected
 
 
 def with_related_context(
@@ -489,8 +484,8 @@ class ChunkTask:
     def __init__(self, cfg: DistillConfig):
         self.cfg, self.name, self.stages = cfg, cfg.task, STAGES[cfg.task]
 
-    def read(self) -> list[ChunkJob]:
-        return read_jobs(self.cfg)
+    def read(self, rejects: Rejects | None = None) -> list[ChunkJob]:
+        return read_jobs(self.cfg, rejects)
 
     async def work(self, job: ChunkJob, runner: StageRunner) -> dict:
         if self.name == "rewrite":

@@ -36,6 +36,7 @@ from metachunk.distill.prompts import load_prompt, load_schema
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
 from metachunk.command import Reads, Result
+from metachunk.sources import Rejects, finish_rejects, skipped_exit
 from metachunk.store import AnswerStore
 from metachunk.teacher import Price, TeacherPool, is_transport_failure, wire_body
 
@@ -51,8 +52,9 @@ class Task(Protocol):
     unit: str  # what one item, and its record, is: "chunk", "document"
     workers_per_slot: int  # items in flight per request slot of the endpoints
 
-    def read(self) -> list:
-        """The items, checked (each has a ``lang``); a bad input raises InputError."""
+    def read(self, rejects: Rejects | None = None) -> list:
+        """The items, checked (each has a ``lang``); a bad input row raises InputError, or with
+        ``rejects`` (``--on-bad-row skip``) is handed to it and left out."""
 
     async def work(self, item, runner: StageRunner) -> dict:
         """The item's record. A stage the budget refused, or (offline) not answered yet, leaves it pending."""
@@ -100,12 +102,19 @@ class RunResult:
     spent: float = 0.0  # the whole answer store's spend when the run ended (every process)
     batch: dict | None = None  # mode: batch: rounds, batches, requests, answered, failed, expired
     bodies: dict | None = None  # dry run: each stage's first request body, as it would be sent
+    rejects: dict | None = None  # --on-bad-row skip: the input rows left out (sources.Rejects.write)
 
 
 def run_task(cfg: DistillConfig, offline: bool = False) -> RunResult:
-    """Run (or, offline, replay) the task's pipeline over every item; returns the records."""
+    """Run (or, offline, replay) the task's pipeline over every item; returns the records. Rows
+    ``--on-bad-row skip`` leaves out go to ``OUT/TASK.rejects.jsonl`` (not on a replay), written
+    before any request is sent."""
     task = make_task(cfg)
-    items = task.read()
+    rejects = cfg.bad_rows.rejects(records_path(cfg))
+    if offline and rejects is not None:
+        rejects = Rejects(None, cfg.bad_rows.max_bad_rows)
+    items = task.read(rejects)
+    rejected = None if offline else finish_rejects(rejects, f"distill {cfg.task}")
     for stage in task.stages:  # fail on a broken prompt or schema file before anything is sent
         load_schema(stage)
         for lang in {item.lang for item in items}:
@@ -114,10 +123,18 @@ def run_task(cfg: DistillConfig, offline: bool = False) -> RunResult:
     try:
         if offline or all(t.mode == "online" for t in cfg.teachers.values()):
             pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
-            return asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline))
-        return run_batch_rounds(cfg, task, items, store)
+            result = asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline))
+        else:
+            result = run_batch_rounds(cfg, task, items, store)
     finally:
         store.close()
+    result.rejects = rejected
+    return result
+
+
+def records_path(cfg: DistillConfig) -> Path:
+    """``OUT/TASK.jsonl``: the task's records (its ``.meta.json`` and ``.rejects.jsonl`` beside it)."""
+    return Path(cfg.out) / f"{cfg.task}.jsonl"
 
 
 def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerStore) -> RunResult:
@@ -260,6 +277,8 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     )
     if result.batch is not None:
         summary["batch"] = result.batch
+    if result.rejects is not None:
+        summary["rejects"] = result.rejects
     prompts = {
         f"{stage}.{lang}": load_prompt(stage, lang).sha256
         for stage in task.stages
@@ -267,7 +286,7 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     }
     # The answer schemas of the JSON stages (one per stage, for every language).
     schemas = {stage: schema.sha256 for stage in task.stages if (schema := load_schema(stage)) is not None}
-    with OutputPair(Path(cfg.out) / f"{task.name}.jsonl") as pair:
+    with OutputPair(records_path(cfg)) as pair:
         for record in result.records:
             pair.file.write(jsonl_line(record))
         pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {task.name}", "config": config.to_dict(cfg),
@@ -299,7 +318,11 @@ def run(cfg: DistillConfig) -> Result:
     result = run_task(cfg)
     summary = write_records(cfg, result)
     print(result.task.summary_line(summary), file=sys.stderr)
-    return Result(exit_status(cfg, result), {k: summary[k] for k in SUMMARY_KEYS if k in summary})
+    counts = {k: summary[k] for k in SUMMARY_KEYS if k in summary}
+    if result.rejects:
+        counts["rejected_rows"] = result.rejects["rows"]
+    # A teacher's trouble (3, 4) says more than the rows left out (6).
+    return Result(exit_status(cfg, result) or skipped_exit(result.rejects), counts, rejects=result.rejects)
 
 
 def estimate(cfg: DistillConfig) -> Result:
@@ -341,8 +364,9 @@ def served(config: dict, teacher) -> dict:
 
 
 def outputs(cfg: DistillConfig) -> list:
-    """The task's records (the run folder is shared with the other tasks and the answer store)."""
-    return [Path(cfg.out) / f"{cfg.task}.jsonl"]
+    """The task's records and rejects (the run folder is shared with the other tasks and the answer
+    store)."""
+    return [records_path(cfg), *cfg.bad_rows.outputs(records_path(cfg))]
 
 
 # `metachunk distill` exit statuses (also in its --help: EPILOG).
@@ -354,7 +378,8 @@ EXIT_CODES_HELP = """exit status:
   3  the budget: stopped before the store's spend would pass --max-cost; rerun with a higher cap
   4  failures: every record failed, more than --max-failure-rate of them did, the endpoint
      could not be reached, or it refused the requests for a reason that repeats (its message is
-     printed); the records are written and a rerun retries the transport failures"""
+     printed); the records are written and a rerun retries the transport failures
+  6  done, leaving out the input rows --on-bad-row skip rejected (in OUT/TASK.rejects.jsonl)"""
 EPILOG = EXIT_CODES_HELP
 
 

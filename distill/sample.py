@@ -36,15 +36,8 @@ from pathlib import Path
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, write_json
 from metachunk.command import Reads, Result
-from metachunk.config import option
-from metachunk.sources import (
-    BAD_ROW_POLICIES,
-    EXIT_SKIPPED,
-    MAX_ROW_BYTES,
-    Rejects,
-    read_documents,
-    rejects_path,
-)
+from metachunk.config import block, option
+from metachunk.sources import BadRows, finish_rejects, read_documents, skipped_exit
 
 
 @dataclass
@@ -78,14 +71,7 @@ class SampleConfig:
     )
     ray_address: str | None = option(None, "--engine ray: the cluster to join", runtime=True)
     progress: bool = option(True, "show a progress bar", runtime=True)
-    on_bad_row: str = option(
-        "error",
-        "a bad pool row: error stops before anything is drawn (file:line); skip leaves it out, writes it "
-        "with file:line and reason to OUT.rejects.jsonl, counts it in sample.json, and exits 6",
-        choices=list(BAD_ROW_POLICIES),
-    )
-    max_bad_rows: int | None = option(None, "--on-bad-row skip: stop (exit 2) past this many bad rows")
-    max_row_bytes: int = option(MAX_ROW_BYTES, "a longer pool row is a bad row")
+    bad_rows: BadRows = block(BadRows, "what a bad pool row does", prefix="")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -133,11 +119,13 @@ def sample(cfg: SampleConfig) -> dict:
 
     started = time.perf_counter()
     out = Path(cfg.out)
-    rejects = Rejects(rejects_path(out), cfg.max_bad_rows) if cfg.on_bad_row == "skip" else None
+    rejects = cfg.bad_rows.rejects(out)
     # A whitespace-only document is one blank chunk, nothing a teacher could rewrite: never drawn.
     long_positions = [
         k
-        for k, d in enumerate(read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.max_row_bytes))
+        for k, d in enumerate(
+            read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.bad_rows.max_row_bytes)
+        )
         if len(d.text) >= cfg.min_doc_chars and not d.text.isspace()
     ]
     pool_size = len(long_positions)
@@ -146,7 +134,9 @@ def sample(cfg: SampleConfig) -> dict:
     del long_positions
     n_docs = 0
     with AtomicWriter(out / "documents.jsonl") as docs_file:
-        for k, d in enumerate(read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.max_row_bytes)):
+        for k, d in enumerate(
+            read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.bad_rows.max_row_bytes)
+        ):
             if k in picked:
                 docs_file.write(jsonl_line({"id": d.id, "text": d.text}))
                 n_docs += 1
@@ -206,9 +196,11 @@ def sample(cfg: SampleConfig) -> dict:
         "chunks": n_chunks,
         "selected_chunks": n_selected,
         "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},
-        **({"rejects": rejects.write()} if rejects else {}),
         "seconds": round(time.perf_counter() - started, 2),
     }
+    rejected = finish_rejects(rejects, "data sample")
+    if rejected is not None:
+        report["rejects"] = rejected
     write_json(out / "sample.json", report)
     return report
 
@@ -234,12 +226,9 @@ def run(cfg: SampleConfig) -> Result:
     print(f"{cfg.out}: chunks.jsonl (with 'selected'), documents.jsonl, sample.json", file=sys.stderr)
     keys = ("pool_long_documents", "documents", "chunks", "selected_chunks")
     summary = {k: report.get(k) for k in keys}
-    rejected = (report.get("rejects") or {}).get("rows", 0)
-    if rejected:
-        summary["rejected_rows"] = rejected
-        print(f"data sample: {rejected} bad pool rows left out (--on-bad-row skip): {rejects_path(cfg.out)}",
-              file=sys.stderr)  # fmt: skip
-    return Result(EXIT_SKIPPED if rejected else 0, summary)
+    if report.get("rejects"):
+        summary["rejected_rows"] = report["rejects"]["rows"]
+    return Result(skipped_exit(report.get("rejects")), summary, rejects=report.get("rejects"))
 
 
 def inputs(cfg: SampleConfig) -> Reads:
@@ -247,4 +236,4 @@ def inputs(cfg: SampleConfig) -> Reads:
 
 
 def outputs(cfg: SampleConfig) -> list:
-    return [cfg.out, *([rejects_path(cfg.out)] if cfg.on_bad_row == "skip" else [])]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]

@@ -41,7 +41,14 @@ from metachunk import config
 from metachunk.artifacts import InputError, replace_dir, write_json
 from metachunk.command import Reads, Result
 from metachunk.config import option
-from metachunk.sources import read_documents
+from metachunk.sources import (
+    BadRows,
+    finish_rejects,
+    read_documents,
+    read_records,
+    refuse_or_skip,
+    skipped_exit,
+)
 
 SPLITS = ("train", "validation")
 
@@ -87,6 +94,7 @@ class BuildSftConfig:
     granularity: list[int] | None = option(
         None, "moc-expert: labels (0-3) to build, one dataset OUT-k with card NAME-k each; default all four"
     )
+    bad_rows: BadRows = config.block(BadRows, "what a bad distilled record or document row does", prefix="")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -199,11 +207,29 @@ class Inputs:
     teachers: dict = field(default_factory=dict)  # stage -> models
     teacher_prompts: dict = field(default_factory=dict)  # (prompt name, sha256) -> stage
     usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0})
+    rejects: dict | None = None  # --on-bad-row skip: the record rows left out (sources.Rejects.write)
 
 
 def _distill_meta(cfg: BuildSftConfig) -> dict:
     meta_path = Path(cfg.distilled).with_suffix(".meta.json")
     return json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+
+
+def _record_rows(maker, record: dict, distilled: Path, line_no: int, document) -> tuple:
+    """``(record, rows)`` of one distilled record, or the ``file:line`` error that makes it a bad row."""
+    try:
+        rec = maker.read(record)
+    except (KeyError, TypeError) as e:
+        raise InputError(distilled, f"not a {maker.kind} record ({type(e).__name__}: {e})", line_no) from None
+    if maker.wrong_task(record):
+        raise InputError(
+            distilled, f"field 'task' is {record.get('task')!r}, not {maker.record_task!r}", line_no
+        )
+    rows = list(maker.rows(rec, partial(document, line_no=line_no)))
+    for row in rows:  # each kept row's document is there (the leakage check reads it)
+        if row.reason is None:
+            document(row.doc_id, line_no)
+    return rec, rows
 
 
 def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
@@ -232,7 +258,9 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         raise InputError(
             distilled, f"no documents: pass --documents (no {maker.meta_name} next to the records)"
         )
-    docs = {d.id: d.text for d in read_documents(documents_path)}
+    rejects = cfg.bad_rows.rejects(cfg.out)
+    docs = {d.id: d.text for d in read_documents(documents_path, rejects=rejects,
+                                                 max_row_bytes=cfg.bad_rows.max_row_bytes)}  # fmt: skip
 
     def document(doc_id: str, line_no: int) -> str:
         text = docs.get(doc_id)
@@ -262,32 +290,19 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         name = cfg.name if key is None else f"{cfg.name}-{key}"
         targets[key] = Target(key, where, name, staging, writers, NearDuplicateIndex(cfg.near_dup_threshold))
     try:
-        with (
-            distilled.open(encoding="utf-8") as f,
-            tqdm(unit="rec", desc=f"build-sft {cfg.task}", disable=not progress) as bar,
-        ):
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
+        with tqdm(unit="rec", desc=f"build-sft {cfg.task}", disable=not progress) as bar:
+            for line_no, raw, record in read_records(distilled, rejects, cfg.bad_rows.max_row_bytes):
+                try:  # the whole record is checked, its rows made, before any row is kept
+                    rec, rows = _record_rows(maker, record, distilled, line_no, document)
+                except InputError as e:
+                    refuse_or_skip(rejects, e, raw)
                     continue
-                try:
-                    record = json.loads(line)
-                    rec = maker.read(record)
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise InputError(
-                        distilled, f"not a {maker.kind} record ({type(e).__name__}: {e})", line_no
-                    ) from None
-                if maker.wrong_task(record):
-                    raise InputError(
-                        distilled,
-                        f"field 'task' is {record.get('task')!r}, not {maker.record_task!r}",
-                        line_no,
-                    )
                 inputs.n_records += 1
                 inputs.record_langs[rec.lang] += 1
                 bar.update(1)
                 _add_usage(inputs, maker.entries(rec), rec.lang)
 
-                for row in maker.rows(rec, partial(document, line_no=line_no)):
+                for row in rows:
                     target = targets[row.target]
                     target.inputs += 1
                     reason = row.reason
@@ -331,6 +346,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                             "source_record": f"{distilled.name}:{line_no}",
                         }
                     )
+        inputs.rejects = finish_rejects(rejects, "data build-sft")
         all_stats = {}
         for key, target in targets.items():
             all_stats[key] = _finish(cfg, maker, target, inputs, time.perf_counter() - started)
@@ -440,6 +456,7 @@ def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seco
             "contaminated": filters["contaminated"],
         },
         "teacher_usage": {**inputs.usage, "cost_usd": round(inputs.usage["cost_usd"], 6)},
+        **({"rejects": inputs.rejects} if inputs.rejects is not None else {}),
         "build": build_entry(command + maker.command_args(target.key), cfg.seed, seconds, total),
         "limitations": maker.limitations(
             target.key, target.labels, total, inputs.n_records, len(inputs.test_ids), inputs.teachers
@@ -489,9 +506,15 @@ def run(cfg: BuildSftConfig) -> Result:
         )
     if "datasets" in stats:  # moc-expert: one set per granularity
         sets = stats["datasets"]
-        return Result(summary={"train_rows": {f"expert {k}": (sets.get(str(k)) or {}).get("rows", {}).get("train")
-                                              for k in range(4)}})  # fmt: skip
-    return Result(summary={k: stats.get(k) for k in ("input_records", "rows", "filters")})
+        rejected = next(iter(sets.values()), {}).get("rejects")
+        summary = {"train_rows": {f"expert {k}": (sets.get(str(k)) or {}).get("rows", {}).get("train")
+                                  for k in range(4)}}  # fmt: skip
+    else:
+        rejected = stats.get("rejects")
+        summary = {k: stats.get(k) for k in ("input_records", "rows", "filters")}
+    if rejected:
+        summary["rejected_rows"] = rejected["rows"]
+    return Result(skipped_exit(rejected), summary, rejects=rejected)
 
 
 def inputs(cfg: BuildSftConfig) -> Reads:
@@ -506,5 +529,5 @@ def outputs(cfg: BuildSftConfig) -> list:
     """The dataset folder (moc-expert: one per granularity, OUT-0 .. OUT-3); the cards folder
     holds every dataset's card, so it is not one run's output."""
     if cfg.task == "moc-expert":
-        return [f"{cfg.out}-{k}" for k in (cfg.granularity or range(4))]
-    return [cfg.out]
+        return [*(f"{cfg.out}-{k}" for k in (cfg.granularity or range(4))), *cfg.bad_rows.outputs(cfg.out)]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]

@@ -71,6 +71,7 @@ one document (the first with two or more chunks, or ``--plot-doc``).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -84,6 +85,7 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.command import Reads, Result
 from metachunk.config import option
+from metachunk.sources import BadRows, Rejects, finish_rejects, refuse_or_skip, skipped_exit
 
 CONVENTIONS = ("paper", "released")
 
@@ -119,6 +121,7 @@ class ChunkQualityConfig:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     progress: bool = option(True, "progress bar", runtime=True)
+    bad_rows: BadRows = config.block(BadRows, "what a bad chunks record does", prefix="")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -301,10 +304,12 @@ def mean_nll_matrix(
 # ------------------------------------------------------------------------------------ the run
 
 
-def read_chunk_docs(path: Path, limit: int | None = None) -> list[tuple[str, list[str]]]:
-    """``[(doc id, [chunk text, ...])]`` from a ``metachunk chunk`` output (a file or a folder)."""
+def read_chunk_docs(path: Path, limit: int | None = None, rejects: Rejects | None = None
+                    ) -> list[tuple[str, list[str]]]:  # fmt: skip
+    """``[(doc id, [chunk text, ...])]`` from a ``metachunk chunk`` output (a file or a folder); a
+    bad record is an error or, with ``rejects`` (``--on-bad-row skip``), left out."""
     docs: list[tuple[str, list[str]]] = []
-    for where, number, row in chunk_rows(path):
+    for where, number, row in chunk_rows(path, rejects):
         if limit is not None and len(docs) >= limit:
             break
         try:
@@ -313,9 +318,9 @@ def read_chunk_docs(path: Path, limit: int | None = None) -> list[tuple[str, lis
                 raise TypeError("a chunk's 'text' is not a string")
             docs.append((str(row["id"]), texts))
         except (KeyError, TypeError) as e:
-            raise InputError(
+            refuse_or_skip(rejects, InputError(
                 where, f"expected a chunks record with 'id' and 'chunks' of texts ({e})", number
-            ) from None
+            ), json.dumps(row, ensure_ascii=False))  # fmt: skip
     if not docs:
         raise InputError(path, "no documents in the file")
     return docs
@@ -339,7 +344,9 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
 
     from metachunk.models import load_causal_lm
 
-    docs = read_chunk_docs(cfg.chunks, cfg.limit)
+    rejects = cfg.bad_rows.rejects(cfg.out)
+    docs = read_chunk_docs(cfg.chunks, cfg.limit, rejects)
+    rejected = finish_rejects(rejects, "eval chunk-quality")
     model, tokenizer = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
     plans = []
     for doc_id, texts in docs:
@@ -433,6 +440,8 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
         value = _mean([d["conventions"][name] for d in scored])
         if value is not None:
             metrics[name] = value
+    if rejected is not None:
+        details["rejects"] = rejected
     return {"metrics": metrics, "details": details, "bc_values": bcs, "items": items}
 
 
@@ -510,7 +519,11 @@ def run(cfg: ChunkQualityConfig) -> Result:
     )
     from metachunk.eval.report import summary
 
-    return Result(summary=summary(m))
+    rejected = result["details"].get("rejects")
+    counts = summary(m)
+    if rejected:
+        counts["rejected_rows"] = rejected["rows"]
+    return Result(skipped_exit(rejected), counts, rejects=rejected)
 
 
 def inputs(cfg: ChunkQualityConfig) -> Reads:
@@ -518,4 +531,4 @@ def inputs(cfg: ChunkQualityConfig) -> Reads:
 
 
 def outputs(cfg: ChunkQualityConfig) -> list:
-    return [cfg.out]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]

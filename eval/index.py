@@ -32,6 +32,7 @@ from pathlib import Path
 from metachunk.chunking.shards import chunk_rows
 
 from metachunk.artifacts import AtomicWriter, InputError
+from metachunk.sources import Rejects, refuse_or_skip
 
 INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
 INDEX_SCHEMA = 1
@@ -67,44 +68,58 @@ def indexed_text(chunk: dict, mode: str) -> tuple[str, bool]:
     raise ValueError(f"unknown index_text {mode!r}; have {', '.join(INDEX_TEXTS)}")
 
 
-def read_chunks(path: Path, mode: str = "chunk") -> tuple[list[ChunkRecord], dict[str, str], int]:
+def read_chunks(path: Path, mode: str = "chunk", rejects: Rejects | None = None
+                ) -> tuple[list[ChunkRecord], dict[str, str], int]:  # fmt: skip
     """``(chunks, documents, n_lacking)``: every chunk of the file, the documents rebuilt from their
     chunks (chunk texts at their offsets; these tile the document, see ``metachunk chunk``), and how
-    many chunks lacked the field ``mode`` asks for."""
+    many chunks lacked the field ``mode`` asks for. A bad record is an error, or with ``rejects``
+    (``--on-bad-row skip``) left out whole."""
     chunks: list[ChunkRecord] = []
     docs: dict[str, str] = {}
     lacking = 0
-    for where, number, row in chunk_rows(path):  # a .jsonl file, or a chunk dataset folder's shards
+    for where, number, row in chunk_rows(path, rejects):  # a .jsonl file, or a chunk dataset folder's shards
         try:
-            doc_id, rows = str(row["id"]), row["chunks"]
-            if not isinstance(rows, list):
-                raise TypeError("'chunks' is not a list")
-        except (KeyError, TypeError) as e:
-            raise InputError(
-                where, f"expected a chunks record with 'id' and 'chunks' ({e})", number
-            ) from None
-        if doc_id in docs:
-            raise InputError(where, f"duplicate document id {doc_id!r}", number)
-        buffer: list[str] = []
-        for i, c in enumerate(rows):
-            try:
-                text, start, end = c["text"], int(c["start"]), int(c["end"])
-                if not isinstance(text, str):
-                    raise TypeError("'text' is not a string")
-            except (KeyError, TypeError, ValueError) as e:
-                raise InputError(where, f"chunks[{i}] needs text, start and end ({e})", number) from None
-            if end - start != len(text):
-                raise InputError(where, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
-            shown, missing = indexed_text(c, mode)
-            lacking += missing
-            chunks.append(ChunkRecord(len(chunks), doc_id, i, start, end, text, shown))
-            if len(buffer) < end:
-                buffer.extend("\0" * (end - len(buffer)))
-            buffer[start:end] = text
-        docs[doc_id] = "".join(buffer)
+            doc_id, records, text, missing = _document_chunks(where, number, row, mode, docs)
+        except InputError as e:
+            refuse_or_skip(rejects, e, json.dumps(row, ensure_ascii=False))
+            continue
+        for i, (start, end, chunk_text, shown) in enumerate(records):
+            chunks.append(ChunkRecord(len(chunks), doc_id, i, start, end, chunk_text, shown))
+        docs[doc_id] = text
+        lacking += missing
     if not chunks:
         raise InputError(path, "no chunks in the output")
     return chunks, docs, lacking
+
+
+def _document_chunks(where: Path, number: int, row: dict, mode: str, docs: dict):
+    """``(doc id, [(start, end, text, indexed text)], document, n lacking)`` of one chunks record."""
+    try:
+        doc_id, rows = str(row["id"]), row["chunks"]
+        if not isinstance(rows, list):
+            raise TypeError("'chunks' is not a list")
+    except (KeyError, TypeError) as e:
+        raise InputError(where, f"expected a chunks record with 'id' and 'chunks' ({e})", number) from None
+    if doc_id in docs:
+        raise InputError(where, f"duplicate document id {doc_id!r}", number)
+    buffer: list[str] = []
+    records, lacking = [], 0
+    for i, c in enumerate(rows):
+        try:
+            text, start, end = c["text"], int(c["start"]), int(c["end"])
+            if not isinstance(text, str):
+                raise TypeError("'text' is not a string")
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(where, f"chunks[{i}] needs text, start and end ({e})", number) from None
+        if end - start != len(text):
+            raise InputError(where, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
+        shown, missing = indexed_text(c, mode)
+        lacking += missing
+        records.append((start, end, text, shown))
+        if len(buffer) < end:
+            buffer.extend("\0" * (end - len(buffer)))
+        buffer[start:end] = text
+    return doc_id, records, "".join(buffer), lacking
 
 
 def file_sha256(path: Path) -> str:

@@ -39,6 +39,7 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.config import option
+from metachunk.sources import BadRows, finish_rejects, skipped_exit
 from metachunk.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
 
 DEFAULT_PPL_RERANKER = {"en": "smollm2", "zh": "gemma3-270m"}
@@ -147,6 +148,7 @@ class QAConfig:
     bertscore_model: str = option("minilm", "BERTScore model for qa_scores, or none")
     score_embedder: str = option("minilm", "embedding-similarity model for qa_scores, or none")
     progress: bool = option(True, "progress bars", runtime=True)
+    bad_rows: BadRows = config.block(BadRows, "what a bad chunks record or question row does", prefix="")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -202,7 +204,11 @@ def run(cfg: QAConfig) -> Result:
 
     result = evaluate(cfg)
     print_summary(result, cfg)
-    return Result(summary=summary(result["metrics"]))
+    rejected = result["details"].get("rejects")
+    counts = summary(result["metrics"])
+    if rejected:
+        counts["rejected_rows"] = rejected["rows"]
+    return Result(skipped_exit(rejected), counts, rejects=rejected)
 
 
 def inputs(cfg: QAConfig) -> Reads:
@@ -233,7 +239,7 @@ def served(config: dict, teacher) -> dict:
 
 
 def outputs(cfg: QAConfig) -> list:
-    return [cfg.out]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]
 
 
 def evaluate(cfg: QAConfig) -> dict:
@@ -253,7 +259,8 @@ def evaluate(cfg: QAConfig) -> dict:
     out = Path(cfg.out)
 
     # ---- inputs, before any model loads
-    chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text)
+    rejects = cfg.bad_rows.rejects(out)
+    chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text, rejects)
     if cfg.index_text != "chunk" and lacking == len(chunks):
         field_name = "rewritten" if cfg.index_text == "rewritten" else "summary"
         raise InputError(
@@ -262,7 +269,8 @@ def evaluate(cfg: QAConfig) -> dict:
             f"(make one with `metachunk chunk --{'rewrite' if field_name == 'rewritten' else 'summarize'} MODEL`)",
         )
     statuses = ("matched",) if cfg.crud_status == "matched" else ("matched", "ambiguous")
-    fmt, questions, skipped = load_questions(cfg.qa, cfg.qa_format, statuses)
+    fmt, questions, skipped = load_questions(cfg.qa, cfg.qa_format, statuses, rejects)
+    rejected = finish_rejects(rejects, "eval qa")
     if not questions:
         raise InputError(cfg.qa, "no questions to ask (CRUD: no matched entries?)")
     lang = cfg.lang if cfg.lang != "auto" else ("en" if fmt == "gutenqa" else "zh")
@@ -429,6 +437,7 @@ def evaluate(cfg: QAConfig) -> dict:
         "lang": lang,
         "questions_in_file": n_all,
         "questions_skipped": skipped,
+        **({"rejects": rejected} if rejected is not None else {}),
         "answerable_in_file": n_answerable,
         "evidence_found_by": _count_how(evidence_rows),
         "relevance": (

@@ -39,14 +39,14 @@ not chunked) has none; it counts as a miss (``--questions answerable`` leaves su
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from metachunk.artifacts import InputError
 from metachunk.crud import informative
+from metachunk.sources import Rejects, read_records, refuse_or_skip
 
 FORMATS = ("gutenqa", "crud")
 QUOTES = frozenset("'\"‘’“”„‟‚‛«»「」『』`´")  # dropped by the normaliser
@@ -112,8 +112,8 @@ class Evidence:
     how: str  # verbatim | normalized | fuzzy:SCORE
 
 
-def detect_format(path: Path) -> str:
-    """``gutenqa`` or ``crud`` from the first record of ``path``."""
+def detect_format(path: Path, rejects: Rejects | None = None) -> str:
+    """``gutenqa`` or ``crud`` from the first record of ``path`` (its first good one, with ``rejects``)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")
@@ -125,39 +125,31 @@ def detect_format(path: Path) -> str:
                 "this looks like CRUD's raw QA file; run `metachunk data prepare-crud` and pass its "
                 "qa_matches.jsonl (questions matched to their evidence articles)",
             )
-        f.seek(0)
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
-            if isinstance(row, dict) and "chunk_must_contain" in row:
-                return "gutenqa"
-            if isinstance(row, dict) and "qa_id" in row:
-                return "crud"
-            raise InputError(
-                path,
-                "cannot tell the QA format: expected GutenQA rows (question, answer, chunk_must_contain) "
-                "or qa_matches.jsonl rows from `metachunk data prepare-crud` (qa_id, ...)",
-                number,
-            )
+    # The rows this pass skips are skipped again, and recorded, by the pass that reads the questions.
+    for number, _, row in read_records(path, None if rejects is None else Rejects(None)):
+        if "chunk_must_contain" in row:
+            return "gutenqa"
+        if "qa_id" in row:
+            return "crud"
+        raise InputError(
+            path,
+            "cannot tell the QA format: expected GutenQA rows (question, answer, chunk_must_contain) "
+            "or qa_matches.jsonl rows from `metachunk data prepare-crud` (qa_id, ...)",
+            number,
+        )
     raise InputError(path, "no questions in the file")
 
 
-def _rows(path: Path) -> Iterable[tuple[int, dict]]:
-    with Path(path).open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
-            if not isinstance(row, dict):
-                raise InputError(path, "expected a JSON object", number)
-            yield number, row
+def _rows(path: Path, rejects: Rejects | None = None, make=None) -> Iterable:
+    """What ``make(number, row)`` gives for each row (``(number, row)`` without one); a bad line, or
+    a row ``make`` refuses with an :class:`InputError`, is an error or, with ``rejects``, left out."""
+    for number, raw, row in read_records(path, rejects):
+        try:
+            made = make(number, row) if make else (number, row)
+        except InputError as e:
+            refuse_or_skip(rejects, e, raw)
+            continue
+        yield made
 
 
 def _field(path, number, row, name, kind):
@@ -167,16 +159,18 @@ def _field(path, number, row, name, kind):
     return value
 
 
-def load_gutenqa(path: Path) -> list[Question]:
-    out = []
-    for i, (number, row) in enumerate(_rows(path)):
+def load_gutenqa(path: Path, rejects: Rejects | None = None) -> list[Question]:
+    def question(number: int, row: dict) -> Question:
         q = _field(path, number, row, "question", str)
         a = _field(path, number, row, "answer", str)
         must = _field(path, number, row, "chunk_must_contain", str)
         if not must.strip():
             raise InputError(path, "field 'chunk_must_contain' is empty", number)
-        out.append(Question(f"gutenqa-{i}", q, a, [[must]], None, {"line": number}))
-    return out
+        return Question("", q, a, [[must]], None, {"line": number})
+
+    # Numbered among the good rows, so a skipped row does not renumber the ones after it differently
+    # from a file without it.
+    return [replace(q, qid=f"gutenqa-{i}") for i, q in enumerate(_rows(path, rejects, question))]
 
 
 def crud_needle_levels(question: str, answer: str, key_info: Sequence[str]) -> list[list[str]]:
@@ -193,21 +187,27 @@ def crud_needle_levels(question: str, answer: str, key_info: Sequence[str]) -> l
     return [level for level in levels if level]
 
 
-def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None) -> list[Question]:
+def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None,
+              rejects: Rejects | None = None) -> list[Question]:  # fmt: skip
     """One question per (question, answer) pair of each entry with one of ``statuses``. An entry
     whose question and answer lists differ in length (40 of CRUD's 800) cannot be paired safely
     (its answers skip questions): it is left out and counted in ``skipped``."""
     out = []
     skipped = {} if skipped is None else skipped
-    for number, row in _rows(path):
-        qa_id = str(_field(path, number, row, "qa_id", str))
-        status = _field(path, number, row, "status", str)
+
+    def entry(number: int, row: dict) -> tuple:
+        fields = {name: _field(path, number, row, name, kind) for name, kind in
+                  (("qa_id", str), ("status", str), ("doc_ids", list), ("key_info", list),
+                   ("questions", list), ("answers", list))}  # fmt: skip
+        return number, fields
+
+    for number, fields in _rows(path, rejects, entry):
+        qa_id, status = fields["qa_id"], fields["status"]
         if status not in statuses:
             continue
-        doc_ids = _field(path, number, row, "doc_ids", list)
-        keys = _field(path, number, row, "key_info", list)
-        questions = _field(path, number, row, "questions", list)
-        answers = _field(path, number, row, "answers", list)
+        doc_ids, keys, questions, answers = (
+            fields[k] for k in ("doc_ids", "key_info", "questions", "answers")
+        )
         if len(questions) != len(answers):
             skipped["crud_entries_unpaired"] = skipped.get("crud_entries_unpaired", 0) + 1
             skipped["crud_questions_unpaired"] = skipped.get("crud_questions_unpaired", 0) + len(questions)
@@ -227,15 +227,17 @@ def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None) 
 
 
 def load_questions(
-    path: Path, fmt: str = "auto", crud_statuses: Sequence[str] = ("matched", "ambiguous")
-) -> tuple[str, list[Question], dict]:
-    """``(format, questions, skipped)``; ``skipped`` counts what could not be asked, by reason."""
-    fmt = detect_format(path) if fmt == "auto" else fmt
+    path: Path, fmt: str = "auto", crud_statuses: Sequence[str] = ("matched", "ambiguous"),
+    rejects: Rejects | None = None,
+) -> tuple[str, list[Question], dict]:  # fmt: skip
+    """``(format, questions, skipped)``; ``skipped`` counts what could not be asked, by reason.
+    Bad rows go to ``rejects`` when given (``--on-bad-row skip``)."""
+    fmt = detect_format(path, rejects) if fmt == "auto" else fmt
     skipped: dict = {}
     if fmt == "gutenqa":
-        return fmt, load_gutenqa(path), skipped
+        return fmt, load_gutenqa(path, rejects), skipped
     if fmt == "crud":
-        return fmt, load_crud(path, crud_statuses, skipped), skipped
+        return fmt, load_crud(path, crud_statuses, skipped, rejects), skipped
     raise ValueError(f"unknown QA format {fmt!r}; have {', '.join(FORMATS)}")
 
 

@@ -54,12 +54,15 @@ class Reads:
 @dataclass
 class Result:
     """What a run did: its exit status, the counts it reports (``summary``, a flat mapping a
-    regeneration manifest records) and, for a teacher stage's dry run, its ``estimate``
-    (``calls``, ``prompt_tokens``, ``completion_tokens``, ``cost``)."""
+    regeneration manifest records), for a teacher stage's dry run, its ``estimate``
+    (``calls``, ``prompt_tokens``, ``completion_tokens``, ``cost``) and, under ``--on-bad-row
+    skip``, its ``rejects`` (``rows``, and where there were any, the rejects ``file`` and its
+    ``sha256``: :meth:`metachunk.sources.Rejects.write`)."""
 
     exit: int = 0
     summary: dict = field(default_factory=dict)
     estimate: dict | None = None
+    rejects: dict | None = None
 
 
 @dataclass(frozen=True)

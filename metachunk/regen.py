@@ -22,6 +22,12 @@ stage is done and *empty*: it wrote nothing. A later stage that reads what an em
 have written is skipped as empty too, and so on downstream, unless it says
 ``on_empty_inputs: run`` (its command copes: ``chunk --method moc --moc-stand-in``).
 
+**Bad rows.** A stage's ``config:`` may say ``on_bad_row: skip`` (and ``max_bad_rows``), as its
+command's flags do. Such a stage that leaves rows out exits with
+:data:`~metachunk.sources.EXIT_SKIPPED` and is done: the manifest's stage entry carries its
+``rejects`` (the count, the rejects file and its sha256), and ``metachunk run`` itself exits with
+that status once every stage is done, so that a scheduler sees rows were left out.
+
 **Fingerprints.** Before a stage runs, its fingerprint is taken: the sha256 of its command, its
 config (less the runtime settings in :data:`RUNTIME_KEYS`), the content hash of every existing
 path its config names (less its outputs, :data:`OUTPUT_KEYS`, and answer stores), the fingerprint
@@ -66,6 +72,7 @@ from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.redaction import redact
+from metachunk.sources import EXIT_SKIPPED, skipped_exit, total_rejects
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -448,7 +455,8 @@ class Runner:
                           f"{self._teacher.log}); the stage is not recorded as done, a rerun runs it again",
                           file=sys.stderr)  # fmt: skip
                     return {"failed": stage.name, "exit": code or 1}
-                if code not in stage.allow_exit:
+                left_out = code == EXIT_SKIPPED and result.rejects is not None  # its on_bad_row: skip
+                if code not in stage.allow_exit and not left_out:
                     self._save_state()
                     print(f"metachunk: stage {stage.name!r} exited with status {code}; fix it and rerun: "
                           "the stages before it are skipped", file=sys.stderr)  # fmt: skip
@@ -462,6 +470,7 @@ class Runner:
                     "seconds": round(time.perf_counter() - t0, 2),  # what making it took, for later manifests
                     "summary": result.summary,
                     **({"empty": fp.outputs} if nothing else {}),
+                    **({"rejects": result.rejects} if result.rejects else {}),
                 }
                 if nothing:
                     empty.update(map(os.path.normpath, fp.outputs))
@@ -477,7 +486,8 @@ class Runner:
         return {"name": stage.name, "run": stage.run, "fingerprint": fp.sha256, "status": status,
                 "seconds": round(seconds, 2), "inputs": fp.inputs, "models": fp.models,
                 "outputs": done.get("outputs", {}), "teachers": fp.teachers,
-                "summary": done.get("summary", {})}  # fmt: skip
+                "summary": done.get("summary", {}),
+                **({"rejects": done["rejects"]} if done.get("rejects") else {})}  # fmt: skip
 
     def write_manifest(self, report: list[dict], seconds: float) -> dict:
         what = {
@@ -545,4 +555,7 @@ def run(cfg: RunConfig, registry: Registry) -> Result:
         runner.plan()
         return Result()
     result = runner.run()
-    return Result(result.get("exit", 0) if "failed" in result else 0)
+    if "failed" in result:
+        return Result(result.get("exit", 0))
+    left_out = total_rejects([stage.get("rejects") for stage in result["stages"]])
+    return Result(skipped_exit(left_out), rejects=left_out)

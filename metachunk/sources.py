@@ -44,6 +44,7 @@ from itertools import islice
 from pathlib import Path
 
 from metachunk.artifacts import Document, InputError, check_unicode
+from metachunk.config import option
 
 FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
 SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
@@ -72,10 +73,11 @@ class Rejects:
     def __init__(self, path: str | Path | None, max_bad_rows: int | None = None):
         self.path = Path(path) if path else None
         self.max_bad_rows = max_bad_rows
-        self.rows: dict[tuple[str, int], dict] = {}
+        self.rows: dict[tuple[str, int | str], dict] = {}
 
     def add(self, error: InputError, raw: bytes | str | None) -> None:
-        key = (str(error.path), error.line or 0)
+        # A row is named by its line; a record of a JSON file that has no lines, by the reason (its key).
+        key = (str(error.path), error.line if error.line is not None else error.reason)
         if key in self.rows:
             return
         row = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else (raw or "")
@@ -100,6 +102,95 @@ class Rejects:
             f.write(lines)
         return {"rows": len(self.rows), "file": str(self.path),
                 "sha256": hashlib.sha256(lines.encode("utf-8")).hexdigest()}  # fmt: skip
+
+
+def refuse_or_skip(rejects: Rejects | None, error: InputError, raw: bytes | str | None = None) -> None:
+    """A bad row: raised as the ``file:line`` error it is (``--on-bad-row error``), or handed to
+    ``rejects`` and left out (``skip``)."""
+    if rejects is None:
+        raise error
+    rejects.add(error, raw)
+
+
+@dataclass
+class BadRows:
+    """What a command does with a bad row of what it reads; a flat block (its keys and flags are
+    top-level) in every command that reads a corpus or records."""
+
+    on_bad_row: str = option(
+        "error",
+        "a bad input row (invalid UTF-8 or JSON, a missing or wrong field, a lone surrogate, a duplicate "
+        "id, over --max-row-bytes): error stops with its file:line before any model loads; skip leaves it "
+        "out, writes it with file:line and the reason to OUTPUT.rejects.jsonl beside the output, counts "
+        "it in the summary and the manifest, and exits 6",
+        choices=list(BAD_ROW_POLICIES),
+    )
+    max_bad_rows: int | None = option(None, "--on-bad-row skip: stop (exit 2) past this many bad rows")
+    max_row_bytes: int = option(MAX_ROW_BYTES, "a longer input row is a bad row")
+
+    def rejects(self, output: str | Path) -> Rejects | None:
+        """Where the rows left out go for a run writing ``output``; None under ``error``."""
+        return Rejects(rejects_path(output), self.max_bad_rows) if self.on_bad_row == "skip" else None
+
+    def outputs(self, output: str | Path) -> list[Path]:
+        """The rejects file a run writing ``output`` may write (for the command's ``outputs``)."""
+        return [rejects_path(output)] if self.on_bad_row == "skip" else []
+
+
+def finish_rejects(rejects: Rejects | None, command: str) -> dict | None:
+    """Write the rejects file and say on stderr how many rows were left out; what the summary and
+    the manifest record of it (None under ``--on-bad-row error``)."""
+    if rejects is None:
+        return None
+    written = rejects.write()
+    if written["rows"]:
+        import sys
+
+        print(f"{command}: {written['rows']} bad rows left out (--on-bad-row skip): {written['file']}",
+              file=sys.stderr)  # fmt: skip
+    return written
+
+
+def total_rejects(rejected: list[dict | None]) -> dict | None:
+    """Several runs' rejects as one count (``metachunk run``'s stages); None when none left rows out."""
+    rows = sum((r or {}).get("rows", 0) for r in rejected)
+    return {"rows": rows} if rows else None
+
+
+def skipped_exit(rejected: dict | None) -> int:
+    """:data:`EXIT_SKIPPED` when a run left rows out, else 0."""
+    return EXIT_SKIPPED if rejected and rejected.get("rows") else 0
+
+
+def read_records(path: str | Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES
+                 ) -> Iterator[tuple[int, bytes, dict]]:  # fmt: skip
+    """``(line number, raw line, object)`` for each non-blank line of a JSONL file of records
+    (chunks, distilled records, questions), streamed. A line over ``max_row_bytes``, not UTF-8, not
+    JSON or not an object is a bad row (:func:`refuse_or_skip`); field checks are the caller's."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, "no such file")
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                if len(raw) > max_row_bytes:
+                    raise BadRow(path, f"a row of {len(raw):,} bytes, over {max_row_bytes:,}", number)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadRow(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BadRow(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+                if not isinstance(record, dict):
+                    raise BadRow(path, "expected a JSON object", number)
+            except BadRow as e:
+                refuse_or_skip(rejects, e, raw)
+                continue
+            yield number, raw, record
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
-"""``--on-bad-row skip``: a corpus with broken rows mixed into good ones (``metachunk/sources.py``).
+"""``--on-bad-row skip``: inputs with broken rows mixed into good ones (``metachunk/sources.py``).
 
-The good rows' output is byte-identical to the run on the good rows alone (one file, or a folder
-of shards); the rejects file names each bad row once, with its ``file:line`` and reason; the
-manifest counts them; the exit status is 6. The default (``error``) stops at the first bad row with
-its ``file:line``, and ``--max-bad-rows`` stops a mostly broken input.
+For every command that reads a corpus or records (``chunk``, ``data sample``, ``data passages``,
+``data prepare-crud``, ``distill``, ``data build-sft`` in tests/test_sft.py, ``eval qa`` in
+tests/test_eval_qa.py, ``eval chunk-quality``) and for ``metachunk run``'s stages: the good rows'
+output is byte-identical to the run on the good rows alone (one file, or a folder of shards); the
+rejects file names each bad row once, with its ``file:line`` and reason; the manifest counts them;
+the exit status is 6. The default (``error``) stops at the first bad row with its ``file:line``,
+and ``--max-bad-rows`` stops a mostly broken input.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.loopback_server import serve_in_subprocess
 
 from metachunk.cli import main
 
@@ -117,9 +121,186 @@ def test_data_sample_skips_bad_pool_rows(tmp_path, capsys, corpora, tiny_model_d
 
     assert sample(good, tmp_path / "good")[0] == 0
     rc, err = sample(mixed, tmp_path / "mixed", "--on-bad-row", "skip")
-    assert rc == 6 and "5 bad pool rows left out" in err, err
+    assert rc == 6 and "data sample: 5 bad rows left out" in err, err
     for name in ("documents.jsonl", "chunks.jsonl"):
         assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "good" / name).read_bytes()
     assert len((tmp_path / "mixed.rejects.jsonl").read_text().splitlines()) == 5
     assert json.loads((tmp_path / "mixed" / "sample.json").read_text())["rejects"]["rows"] == 5
     assert sample(mixed, tmp_path / "strict")[0] == 2
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main([*map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+def rejected_lines(path: Path) -> list[int | None]:
+    return [json.loads(line)["line"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def mix(good: list[bytes], bad: dict[int, bytes]) -> list[bytes]:
+    """``good`` with ``bad[line]`` put at each 1-based ``line``."""
+    it, rows = iter(good), []
+    for line in range(1, len(good) + len(bad) + 1):
+        rows.append(bad[line] if line in bad else next(it))
+    return rows
+
+
+def test_data_passages_skips_bad_paragraph_lines(tmp_path, capsys):
+    paragraphs = [{"chapter": f"CHAPTER {k // 3}", "text": f"Paragraph {k} of Emma."} for k in range(9)]
+    good = [json.dumps(p).encode() + b"\n" for p in paragraphs]
+    bad = {2: b'{"chapter": "CHAPTER 0", "text": \n', 5: b'{"chapter": "CHAPTER 1", "text": "caf\xe9"}\n',
+           7: b'{"chapter": "CHAPTER 1"}\n', 9: b'{"chapter": "CHAPTER 2", "text": "\\ud800"}\n',
+           11: json.dumps({"chapter": "CHAPTER 2", "text": "x" * 2000}).encode() + b"\n"}  # fmt: skip
+    write(tmp_path / "good.jsonl", good)
+    write(tmp_path / "mixed.jsonl", mix(good, bad))
+    args = ["--group-field", "chapter", "--max-row-bytes", 1000]
+    assert run_cli(capsys, "data", "passages", "--input", tmp_path / "good.jsonl", "--out", tmp_path / "good_out.jsonl", *args)[0] == 0  # fmt: skip
+    rc, err = run_cli(capsys, "data", "passages", "--input", tmp_path / "mixed.jsonl", "--out",
+                      tmp_path / "mixed_out.jsonl", *args, "--on-bad-row", "skip")  # fmt: skip
+    assert rc == 6 and "data passages: 5 bad rows left out" in err, err
+    assert (tmp_path / "mixed_out.jsonl").read_bytes() == (tmp_path / "good_out.jsonl").read_bytes()
+    assert rejected_lines(tmp_path / "mixed_out.rejects.jsonl") == sorted(bad)
+    rc, err = run_cli(capsys, "data", "passages", "--input", tmp_path / "mixed.jsonl", "--out",
+                      tmp_path / "strict.jsonl", *args)  # fmt: skip
+    assert rc == 2 and "mixed.jsonl:2: invalid JSON" in err and not (tmp_path / "strict.jsonl").exists()
+
+
+def test_data_prepare_crud_skips_bad_articles_and_qa_entries(tmp_path, capsys, shared_data):
+    news = (shared_data / "crud-news" / "news.jsonl").read_bytes().splitlines(keepends=True)[:40]
+    qa_all = json.loads((shared_data / "crud-news" / "questanswer_1doc.json").read_text(encoding="utf-8"))
+    qa = dict(list(qa_all.items())[:60])
+    write(tmp_path / "news_good.jsonl", news)
+    first = json.loads(news[0])
+    bad = {4: b"{not json\n", 9: news[1][:-1] + b"\xff\n", 14: json.dumps({"id": "no-text"}).encode() + b"\n",
+           20: json.dumps({"id": first["id"], "text": "A copy of the first id."}).encode() + b"\n"}  # fmt: skip
+    write(tmp_path / "news_mixed.jsonl", mix(news, bad))
+    (tmp_path / "qa_good.json").write_text(json.dumps(qa, ensure_ascii=False), encoding="utf-8")
+    (tmp_path / "qa_mixed.json").write_text(json.dumps({**qa, "broken-entry": {"question": "no lists"}},
+                                                       ensure_ascii=False), encoding="utf-8")  # fmt: skip
+
+    def prepare(news_file, qa_file, out, *extra):
+        return run_cli(
+            capsys, "data", "prepare-crud", "--news", news_file, "--qa", qa_file, "--out", out, *extra
+        )
+
+    assert prepare(tmp_path / "news_good.jsonl", tmp_path / "qa_good.json", tmp_path / "good")[0] == 0
+    rc, err = prepare(tmp_path / "news_mixed.jsonl", tmp_path / "qa_mixed.json", tmp_path / "mixed",
+                      "--on-bad-row", "skip")  # fmt: skip
+    assert rc == 6 and "data prepare-crud: 5 bad rows left out" in err, err
+    for name in ("test_documents.jsonl", "train_pool.jsonl", "qa_matches.jsonl"):
+        assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "good" / name).read_bytes(), name
+    rejects = [
+        json.loads(x) for x in (tmp_path / "mixed.rejects.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
+    assert [r["line"] for r in rejects] == [*sorted(bad), None]
+    assert "broken-entry" in rejects[-1]["reason"] and "duplicate id" in rejects[3]["reason"]
+    assert json.loads((tmp_path / "mixed" / "report.json").read_text())["rejects"]["rows"] == 5
+    rc, err = prepare(tmp_path / "news_mixed.jsonl", tmp_path / "qa_good.json", tmp_path / "strict")
+    assert rc == 2 and "news_mixed.jsonl:4: invalid JSON" in err
+
+
+ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
+
+
+def distill_job(root: Path, base_url: str, chunks_rows: list[bytes], docs: list[dict]) -> Path:
+    import yaml
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "documents.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    write(root / "chunks.jsonl", chunks_rows)
+    block = {"model": "loopback", "base_url": base_url, "max_tokens": 64, "timeout": 10.0, "max_retries": 1}
+    recipe = {"task": "rewrite", "documents": str(root / "documents.jsonl"), "chunks": str(root / "chunks.jsonl"),
+              "out": str(root / "run"), "lang": "en", "progress": False,
+              "teachers": {s: dict(block) for s in ("reflection", "refinement", "completion")}}  # fmt: skip
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return root / "recipe.yaml"
+
+
+def test_distill_skips_bad_chunk_records_before_anything_is_sent(tmp_path, capsys):
+    docs = [
+        {"id": f"d{i}", "text": f"Passage {i}. Emma Woodhouse had lived {i} years in Highbury."}
+        for i in range(5)
+    ]
+    good = [json.dumps({"id": d["id"], "chunks": [{"text": d["text"], "start": 0, "end": len(d["text"])}]}).encode()
+            + b"\n" for d in docs]  # fmt: skip
+    bad = {2: b'{"id": "d0", "chunks": [\n', 4: json.dumps({"id": "nowhere", "chunks": []}).encode() + b"\n",
+           6: json.dumps({"id": "d1", "chunks": [{"text": "not in d1", "start": 0, "end": 9}]}).encode() + b"\n"}  # fmt: skip
+    with serve_in_subprocess(replies={'"score"': ITEMS}) as server:
+        good_recipe = distill_job(tmp_path / "good", server.base_url, good, docs)
+        mixed_recipe = distill_job(tmp_path / "mixed", server.base_url, mix(good, bad), docs)
+        assert run_cli(capsys, "distill", "rewrite", "--config", good_recipe)[0] == 0
+        sent = server.stats()["requests"]
+        rc, err = run_cli(capsys, "distill", "rewrite", "--config", mixed_recipe, "--on-bad-row", "skip")
+        assert rc == 6 and "distill rewrite: 3 bad rows left out" in err, err
+        assert server.stats()["requests"] == 2 * sent  # the good chunks only, as many as alone
+        rc, err = run_cli(
+            capsys, "distill", "rewrite", "--config", mixed_recipe, "--out", tmp_path / "strict"
+        )
+        assert rc == 2 and "chunks.jsonl:2: invalid JSON" in err
+        assert server.stats()["requests"] == 2 * sent  # refused before any request
+    good_records = (tmp_path / "good" / "run" / "rewrite.jsonl").read_bytes()
+    assert (tmp_path / "mixed" / "run" / "rewrite.jsonl").read_bytes() == good_records
+    assert rejected_lines(tmp_path / "mixed" / "run" / "rewrite.rejects.jsonl") == sorted(bad)
+    meta = json.loads((tmp_path / "mixed" / "run" / "rewrite.meta.json").read_text())
+    assert meta["summary"]["rejects"]["rows"] == 3
+
+
+def test_eval_chunk_quality_skips_bad_chunk_records(tmp_path, capsys, tiny_model_dir):
+    texts = ["Emma walked to Highbury. ", "She met Harriet there. ", "They talked of Mr. Elton. "]
+    good = []
+    for k in range(3):
+        chunks, start = [], 0
+        for t in texts:
+            chunks.append({"text": t, "start": start, "end": start + len(t)})
+            start += len(t)
+        good.append(json.dumps({"id": f"d{k}", "chunks": chunks}).encode() + b"\n")
+    bad = {2: b"[1, 2]\n", 4: json.dumps({"id": "x", "chunks": [{"start": 0}]}).encode() + b"\n"}
+    write(tmp_path / "good.jsonl", good)
+    write(tmp_path / "mixed.jsonl", mix(good, bad))
+    args = [
+        "--model",
+        tiny_model_dir,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--no-save-matrices",
+    ]
+    assert run_cli(capsys, "eval", "chunk-quality", "--chunks", tmp_path / "good.jsonl", "--out", tmp_path / "good", *args)[0] == 0  # fmt: skip
+    rc, err = run_cli(capsys, "eval", "chunk-quality", "--chunks", tmp_path / "mixed.jsonl", "--out", tmp_path / "mixed",
+                      *args, "--on-bad-row", "skip")  # fmt: skip
+    assert rc == 6 and "eval chunk-quality: 2 bad rows left out" in err, err
+    assert (tmp_path / "mixed" / "items.jsonl").read_bytes() == (
+        tmp_path / "good" / "items.jsonl"
+    ).read_bytes()
+    assert rejected_lines(tmp_path / "mixed.rejects.jsonl") == sorted(bad)
+    assert json.loads((tmp_path / "mixed" / "metrics.json").read_text())["details"]["rejects"]["rows"] == 2
+
+
+def test_a_regeneration_stage_may_skip_bad_rows_and_its_manifest_carries_them(tmp_path, capsys, corpora):
+    import yaml
+
+    _, mixed = corpora
+    recipe = {"name": "bad-rows", "state": str(tmp_path / "state"), "stages": [
+        {"name": "chunk", "run": "chunk", "config": {
+            "input": str(mixed), "output": str(tmp_path / "chunks.jsonl"), "method": "sentence", "target_len": 60,
+            "len_unit": "char", "lang": "en", "max_row_bytes": 1000, "on_bad_row": "skip"}},
+        {"name": "passages", "run": "data passages", "config": {
+            "input": str(tmp_path / "chunks.jsonl"), "out": str(tmp_path / "docs.jsonl"), "text_field": "id"}},
+    ]}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    rc, err = run_cli(capsys, "run", tmp_path / "recipe.yaml")
+    assert rc == 6, err
+    manifest = json.loads((tmp_path / "state" / "regen_manifest.json").read_text())
+    chunk_stage, passages_stage = manifest["stages"]
+    rejects = tmp_path / "chunks.rejects.jsonl"
+    assert chunk_stage["rejects"]["rows"] == 5 and chunk_stage["rejects"]["file"] == str(rejects)
+    import hashlib
+
+    assert chunk_stage["rejects"]["sha256"] == hashlib.sha256(rejects.read_bytes()).hexdigest()
+    assert "rejects" not in passages_stage
+    rc, err = run_cli(capsys, "run", tmp_path / "recipe.yaml")  # cached: still says rows were left out
+    assert rc == 6 and "chunk (chunk): cached, skipped" in err

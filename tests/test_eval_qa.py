@@ -654,3 +654,34 @@ def test_real_minilm_finds_the_planted_answer(planted, tmp_path):
     assert doc["metrics"]["n_chunks"] == 8 and doc["metrics"]["avg_chunk_tokens"] > 0
     row = read_jsonl(tmp_path / "m" / "retrieval.jsonl")[1]
     assert row["hits"][0]["text"].startswith("apple cherry")  # "Which cherry?" -> the cherriest chunk
+
+
+def test_bad_chunk_records_and_question_rows_are_skipped_on_request(planted, planted_embedder, tmp_path):
+    """``--on-bad-row skip`` (tests/test_bad_rows.py has the other commands): the retrieval over the
+    good rows is the one they give alone; the bad rows are in OUT.rejects.jsonl; exit status 6."""
+    chunks, questions = planted
+    bad_chunks = tmp_path / "bad_chunks.jsonl"
+    bad_chunks.write_text(chunks.read_text() + '{"id": "C", "chunks": [{"text": "abc", "start": 0, "end": 2}]}\n'
+                          + json.dumps({"id": "A", "chunks": []}) + "\n")  # fmt: skip
+    bad_questions = tmp_path / "bad_questions.jsonl"
+    lines = questions.read_text().splitlines(keepends=True)
+    bad_questions.write_text("".join([lines[0], '{"question": "no evidence field"}\n', *lines[1:], "[]\n"]))
+    common = ["--top-k", "3", "--no-progress"]
+    good = parse(["--chunks", str(chunks), "--qa", str(questions), "--out", str(tmp_path / "good"), *common])
+    assert qa.run(good).exit == 0
+    mixed = parse(["--chunks", str(bad_chunks), "--qa", str(bad_questions), "--out", str(tmp_path / "mixed"),
+                   "--on-bad-row", "skip", *common])  # fmt: skip
+    result = qa.run(mixed)
+    assert result.exit == 6 and result.rejects["rows"] == 4
+    for name in ("retrieval.jsonl", "items.jsonl"):
+        assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "good" / name).read_bytes(), name
+    rejects = read_jsonl(tmp_path / "mixed.rejects.jsonl")
+    assert [(Path(r["file"]).name, r["line"]) for r in rejects] == [
+        ("bad_chunks.jsonl", 3), ("bad_chunks.jsonl", 4), ("bad_questions.jsonl", 2), ("bad_questions.jsonl", 6)]  # fmt: skip
+    assert "duplicate document id 'A'" in rejects[1]["reason"]
+    assert json.loads((tmp_path / "mixed" / "metrics.json").read_text())["details"]["rejects"]["rows"] == 4
+    strict = parse(
+        ["--chunks", str(bad_chunks), "--qa", str(questions), "--out", str(tmp_path / "strict"), *common]
+    )
+    with pytest.raises(Exception, match=r"bad_chunks\.jsonl:3"):
+        qa.run(strict)

@@ -1,5 +1,6 @@
 """Sampling for distillation and the SFT set builder: filters, splits, features, chat rendering."""
 
+import json
 import random
 
 import pytest
@@ -143,6 +144,45 @@ def test_bad_record_names_file_and_line(planted, tiny_model_dir):
     (planted / "bad.jsonl").write_text((planted / "rewrite.jsonl").read_text().splitlines()[0] + "\n{oops\n")
     cfg = BuildSftConfig(task="rewrite", distilled=planted / "bad.jsonl", out=planted / "ds2",
                          documents=planted / "docs.jsonl", cards_dir=planted / "cards", tokenizer=str(tiny_model_dir))  # fmt: skip
-    with pytest.raises(InputError, match=r"bad\.jsonl:2: not a distill record"):
+    with pytest.raises(InputError, match=r"bad\.jsonl:2: invalid JSON"):
         build_sft(cfg, progress=False)
     assert not (planted / "ds2").exists()  # nothing half-written
+
+
+def test_bad_records_are_skipped_on_request(planted, tiny_model_dir, capsys):
+    """``--on-bad-row skip`` (tests/test_bad_rows.py has the other commands): the bad records go to
+    OUT.rejects.jsonl, the dataset is the one the good records alone make, the exit status is 6."""
+    from metachunk.cli import main
+
+    good = (planted / "rewrite.jsonl").read_text().splitlines(keepends=True)
+    record = json.loads(good[0])
+    bad = ["{oops\n", json.dumps({**record, "doc_id": "nowhere"}) + "\n",
+           json.dumps({**record, "task": "summary"}) + "\n"]  # fmt: skip
+    # Appended, so that the good records keep their line numbers (each row names its source line).
+    for name, lines in (("good", good), ("mixed", [*good, *bad])):
+        (planted / name).mkdir()
+        (planted / name / "rewrite.jsonl").write_text("".join(lines))
+    args = ["--documents", planted / "docs.jsonl", "--cards-dir", planted / "cards", "--tokenizer", tiny_model_dir,
+            "--max-tokens", 2048, "--name", "same"]  # fmt: skip
+
+    def build(name, *extra):
+        capsys.readouterr()
+        rc = main(["data", "build-sft", "rewrite", "--distilled", str(planted / name / "rewrite.jsonl"),
+                   "--out", str(planted / f"ds-{name}"), *map(str, args), *extra])  # fmt: skip
+        return rc, capsys.readouterr().err
+
+    assert build("good")[0] == 0
+    rc, err = build("mixed", "--on-bad-row", "skip")
+    assert rc == 6 and "data build-sft: 3 bad rows left out" in err, err
+    shards = sorted(
+        p.relative_to(planted / "ds-good") for p in (planted / "ds-good" / "data").glob("*.parquet")
+    )
+    assert shards
+    for shard in shards:
+        assert (planted / "ds-mixed" / shard).read_bytes() == (planted / "ds-good" / shard).read_bytes()
+    rejects = [json.loads(x) for x in (planted / "ds-mixed.rejects.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejects] == [len(good) + 1, len(good) + 2, len(good) + 3]
+    assert "not in" in rejects[1]["reason"] and "'task'" in rejects[2]["reason"]
+    assert json.loads((planted / "ds-mixed" / "build_report.json").read_text())["rejects"]["rows"] == 3
+    rc, err = build("mixed")
+    assert rc == 2 and f"rewrite.jsonl:{len(good) + 1}: invalid JSON" in err
