@@ -54,7 +54,6 @@ was computed.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -68,6 +67,7 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.command import Reads, Result
 from metachunk.config import option
+from metachunk.sources import BadRows, Rejects, finish_rejects, read_records, refuse_or_skip, skipped_exit
 
 
 @dataclass
@@ -106,6 +106,7 @@ class DiagnosticsConfig:
     n_resamples: int = option(2000, "bootstrap resamples per interval")
     seed: int = option(0, "the bootstrap's random seed: the same items give the same intervals")
     progress: bool = option(True, "progress bars", runtime=True)
+    bad_rows: BadRows = config.block(BadRows, "what a bad retrieval row or chunks record does", prefix="")
 
     def __post_init__(self):
         config.check_choices(self)
@@ -149,62 +150,57 @@ def parse_retrieval(specs: list[str]) -> dict[str, Path]:
     return out
 
 
-def read_retrieval(path: Path, ranking: str = "dense", limit: int | None = None) -> list[dict]:
+def read_retrieval(path: Path, ranking: str = "dense", limit: int | None = None,
+                   rejects: Rejects | None = None) -> list[dict]:  # fmt: skip
     """Rows of a retrieval.jsonl: ``{"qid", "question", "answer", "hits": [{"text", "indexed_text",
-    "score"}...]}`` in rank order (``hits``, or ``reranked`` when asked and present)."""
+    "score"}...]}`` in rank order (``hits``, or ``reranked`` when asked and present). A bad row is
+    an error or, with ``rejects`` (``--on-bad-row skip``), left out."""
     rows = []
-    with Path(path).open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-                question = row["question"]
-                hits = row["hits"]
-                if ranking == "reranked" and row.get("reranked") is not None:
-                    hits = row["reranked"]
-                if not isinstance(question, str) or not isinstance(hits, list):
-                    raise TypeError("'question' must be a string and 'hits' a list")
-                hits = sorted(hits, key=lambda h: h.get("rank", 0))
-                parsed = [{"text": h.get("indexed_text") or h["text"], "score": h.get("score")} for h in hits]
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise InputError(
-                    path, f"expected an eval qa retrieval row ({type(e).__name__}: {e})", number
-                ) from None
-            answer = row.get("answer")
-            rows.append({
-                "qid": row.get("qid", number), "question": question,
-                "answer": answer if isinstance(answer, str) else None, "hits": parsed,
-            })  # fmt: skip
+    for number, raw, row in read_records(path, rejects):
+        if limit is not None and len(rows) >= limit:
+            break
+        try:
+            question = row["question"]
+            hits = row["hits"]
+            if ranking == "reranked" and row.get("reranked") is not None:
+                hits = row["reranked"]
+            if not isinstance(question, str) or not isinstance(hits, list):
+                raise TypeError("'question' must be a string and 'hits' a list")
+            hits = sorted(hits, key=lambda h: h.get("rank", 0))
+            parsed = [{"text": h.get("indexed_text") or h["text"], "score": h.get("score")} for h in hits]
+        except (KeyError, TypeError, AttributeError) as e:
+            error = InputError(path, f"expected an eval qa retrieval row ({type(e).__name__}: {e})", number)
+            refuse_or_skip(rejects, error, raw)
+            continue
+        answer = row.get("answer")
+        rows.append({
+            "qid": row.get("qid", number), "question": question,
+            "answer": answer if isinstance(answer, str) else None, "hits": parsed,
+        })  # fmt: skip
     if not rows:
         raise InputError(path, "no questions in the file")
     return rows
 
 
-def read_rewrites(path: Path) -> tuple[list[tuple[str, str]], int]:
-    """``([(original, rewritten)], n_without)``: every chunk with a non-empty ``rewritten``."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "no such file")
+def read_rewrites(path: Path, rejects: Rejects | None = None) -> tuple[list[tuple[str, str]], int]:
+    """``([(original, rewritten)], n_without)``: every chunk with a non-empty ``rewritten``; a bad
+    record is an error or, with ``rejects``, left out whole."""
     pairs, without = [], 0
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                chunks = json.loads(raw.decode("utf-8"))["chunks"]
-                for c in chunks:
-                    text, rewritten = c["text"], c.get("rewritten")
-                    if isinstance(rewritten, str) and rewritten.strip():
-                        pairs.append((text, rewritten))
-                    else:
-                        without += 1
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(
-                    path, f"expected a chunks record ({type(e).__name__}: {e})", number
-                ) from None
+    for number, raw, record in read_records(path, rejects):
+        try:
+            mine, lacking = [], 0
+            for c in record["chunks"]:
+                text, rewritten = c["text"], c.get("rewritten")
+                if isinstance(rewritten, str) and rewritten.strip():
+                    mine.append((text, rewritten))
+                else:
+                    lacking += 1
+        except (KeyError, TypeError, AttributeError) as e:
+            refuse_or_skip(rejects, InputError(path, f"expected a chunks record ({type(e).__name__}: {e})", number),
+                           raw)  # fmt: skip
+            continue
+        pairs += mine
+        without += lacking
     if not pairs:
         raise InputError(
             path, "no chunk carries a 'rewritten' text (chunk with `metachunk chunk --rewrite MODEL`)"
@@ -367,8 +363,10 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     from metachunk import models
 
     retrieval = parse_retrieval(cfg.retrieval) if cfg.retrieval else {}
-    rows = {label: read_retrieval(path, cfg.ranking, cfg.limit) for label, path in retrieval.items()}
-    rewrites, without = read_rewrites(cfg.chunks) if cfg.chunks else ([], 0)
+    rejects = cfg.bad_rows.rejects(cfg.out)
+    rows = {label: read_retrieval(path, cfg.ranking, cfg.limit, rejects) for label, path in retrieval.items()}
+    rewrites, without = read_rewrites(cfg.chunks, rejects) if cfg.chunks else ([], 0)
+    rejected = finish_rejects(rejects, "eval diagnostics")
     labels = [model_label(m) for m in cfg.models]
     if len(set(labels)) != len(labels):
         raise InputError("--models", f"two models share a label: {labels}")
@@ -460,6 +458,8 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
         details["statistics"] = intervals(item_rows, paired_names(list(rows), labels, cfg.k), cfg.confidence,
                                           cfg.n_resamples, cfg.seed)  # fmt: skip
     metrics["seconds"] = round(time.perf_counter() - t0, 2)
+    if rejected is not None:
+        details["rejects"] = rejected
     return {
         "metrics": {k: v for k, v in metrics.items() if v is not None},
         "details": details,
@@ -618,7 +618,11 @@ def run(cfg: DiagnosticsConfig) -> Result:
     )
     from metachunk.eval.report import summary
 
-    return Result(summary=summary(result["metrics"]))
+    rejected = result["details"].get("rejects")
+    counts = summary(result["metrics"])
+    if rejected:
+        counts["rejected_rows"] = rejected["rows"]
+    return Result(skipped_exit(rejected), counts, rejects=rejected)
 
 
 def inputs(cfg: DiagnosticsConfig) -> Reads:
@@ -629,4 +633,4 @@ def inputs(cfg: DiagnosticsConfig) -> Reads:
 
 
 def outputs(cfg: DiagnosticsConfig) -> list:
-    return [cfg.out]
+    return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]

@@ -238,3 +238,25 @@ def test_items_and_intervals(tmp_path, planted_embedder):
     assert "## 95% bootstrap intervals" in report and "avgsim@2_summary − avgsim@2_chunk" in report
     again = dg.evaluate(cfg)["details"]["statistics"]
     assert again == doc["details"]["statistics"]
+
+
+def test_bad_retrieval_rows_are_skipped_on_request(tmp_path, planted_embedder):
+    """``--on-bad-row skip`` (tests/test_bad_rows.py has the other commands)."""
+    good = write_retrieval(tmp_path / "good.jsonl", MIXED)
+    lines = good.read_text().splitlines(keepends=True)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join([lines[0], '{"question": "no hits"}\n', lines[1], "{oops\n"]))
+    run = lambda path, out, **kw: dg.run(  # noqa: E731
+        dg.DiagnosticsConfig(
+            out=tmp_path / out, retrieval=[f"a={path}"], models=[], k=2, progress=False, **kw
+        )
+    )
+    assert run(good, "good").exit == 0
+    result = run(mixed, "mixed", bad_rows=dg.BadRows(on_bad_row="skip"))
+    assert result.exit == 6 and result.rejects["rows"] == 2
+    assert (tmp_path / "mixed" / "items.jsonl").read_bytes() == (
+        tmp_path / "good" / "items.jsonl"
+    ).read_bytes()
+    rejects = [json.loads(x) for x in (tmp_path / "mixed.rejects.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejects] == [2, 4]
+    assert run(mixed, "strict").exit == 2

@@ -151,6 +151,33 @@ def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, t
     assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny_model_dir, sig):
+    """``chunk --engine ray`` without ``--ray-address`` starts a local Ray cluster (GCS, raylet, the
+    actors' workers): a SIGTERM shuts it down (``ray.shutdown``); after a SIGKILL Ray's own reaper
+    (a child that watches the driver) takes it down."""
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    argv = ["chunk", corpus, "-o", out, "--model", tiny_model_dir, "--engine", "ray", "--workers", 1, "--shards", 40,
+            "--threads-per-worker", 1, "--lang", "en"]  # fmt: skip
+    proc = start(*argv, log=tmp_path / "log")
+    try:
+        wait_for(lambda: len(list(out.glob("train-*.jsonl"))) >= 1 or proc.poll() is not None, 300, "a shard")
+        assert proc.poll() is None, (tmp_path / "log").read_text()[-3000:]
+        children = descendants(proc)
+        assert any("raylet" in " ".join(c.cmdline()) for c in children)
+        proc.send_signal(sig)
+        assert_all_gone(proc, children)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143
+    finally:
+        for c in descendants(proc):
+            c.kill()
+        proc.kill()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["complete"] and manifest["shards"]["done"]
+
+
 @pytest.mark.skipif(
     not llama_cpp_available(), reason="the local teacher of `metachunk run` here is llama.cpp"
 )
