@@ -55,7 +55,7 @@ from pathlib import Path
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, jsonl_line, write_bytes, write_json
 from metachunk.command import Reads
-from metachunk.sources import DocumentSource, Rejects, SourceIndex, read_records
+from metachunk.sources import MAX_ROW_BYTES, DocumentSource, Rejects, SourceIndex, read_records
 
 DOCS_PER_SHARD = 256
 MANIFEST = "manifest.json"
@@ -600,7 +600,7 @@ def distributed_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def chunk_rows(path: str | Path, rejects: Rejects | None = None):
+def chunk_rows(path: str | Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES):
     """``(file, line, record)`` for every record of a ``metachunk chunk`` output: a ``.jsonl`` file,
     or a dataset folder's shards in order (jsonl or parquet). A folder whose manifest says the run is
     not complete is refused; a line that is not UTF-8 JSON is a ``file:line`` error, or with
@@ -630,7 +630,7 @@ def chunk_rows(path: str | Path, rejects: Rejects | None = None):
                     number += 1
                     yield file, number, row
             continue
-        for number, _, record in read_records(file, rejects):
+        for number, _, record in read_records(file, rejects, max_row_bytes):
             yield file, number, record
 
 

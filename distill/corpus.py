@@ -503,15 +503,19 @@ class PrepareCrudConfig:
             raise ValueError(f"field 'num_perm' must be at least 2, got {self.num_perm}")
 
 
-def _sources(path: Path, keep: set[str]) -> dict[str, str | None]:
-    """The ``source`` field of the articles ``keep`` names (read_documents keeps only id and text;
-    the rows it left out are left out here too, silently: they are in its rejects already)."""
+def _sources(
+    path: Path, keep: set[str], rejects: Rejects | None, max_row_bytes: int
+) -> dict[str, str | None]:
+    """The ``source`` field of the articles ``keep`` names (read_documents keeps only id and text).
+    The rows read_documents left out (``rejects``) are passed over here, silently: a rejected
+    duplicate of a kept id must not lend it its source."""
     if path.suffix != ".jsonl":
         return {}
+    left_out = {line for file, line in (rejects.rows if rejects else {}) if file == str(path)}
     sources = {}
-    for number, _, record in read_records(path, Rejects(None)):
+    for number, _, record in read_records(path, Rejects(None), max_row_bytes):
         doc_id = str(record.get("id", number))
-        if doc_id in keep and doc_id not in sources:
+        if number not in left_out and doc_id in keep and doc_id not in sources:
             sources[doc_id] = record.get("source")
     return sources
 
@@ -545,7 +549,7 @@ def prepare_crud(
     bad_rows = bad_rows or BadRows()
     rejects = bad_rows.rejects(out)
     docs = list(read_documents(news_path, rejects=rejects, max_row_bytes=bad_rows.max_row_bytes))
-    sources = _sources(news_path, {d.id for d in docs})
+    sources = _sources(news_path, {d.id for d in docs}, rejects, bad_rows.max_row_bytes)
     qa = read_qa(qa_path, rejects)
 
     # Exact copies: match against the first copy only; the others follow it below.

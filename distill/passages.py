@@ -94,6 +94,10 @@ def read_groups(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator
             group = row.get(cfg.group_field) if cfg.group_field else None
             if cfg.group_field and (not isinstance(group, str) or not group):
                 raise BadRow(path, f"field '{cfg.group_field}': a non-empty string is required", number)
+            if group:
+                check_unicode(path, number, cfg.group_field, group)
+            if isinstance(row.get(cfg.id_field), str):
+                check_unicode(path, number, cfg.id_field, row[cfg.id_field])
         except InputError as e:
             refuse_or_skip(rejects, e, raw)
             continue

@@ -216,20 +216,33 @@ def _distill_meta(cfg: BuildSftConfig) -> dict:
 
 
 def _record_rows(maker, record: dict, distilled: Path, line_no: int, document) -> tuple:
-    """``(record, rows)`` of one distilled record, or the ``file:line`` error that makes it a bad row."""
+    """``(record, rows, entries)`` of one distilled record, every part of it made (the kept rows'
+    columns too) before any of it is kept; or the ``file:line`` error that makes it a bad row."""
     try:
         rec = maker.read(record)
-    except (KeyError, TypeError) as e:
+        if maker.wrong_task(record):
+            raise InputError(
+                distilled, f"field 'task' is {record.get('task')!r}, not {maker.record_task!r}", line_no
+            )
+        if not isinstance(rec.lang, str):
+            raise TypeError(f"'lang' must be a string, got {rec.lang!r}")
+        rows = list(maker.rows(rec, partial(document, line_no=line_no)))
+        for row in rows:
+            if row.reason is None:  # kept so far: its document (the leakage check) and its columns
+                document(row.doc_id, line_no)
+                columns = row.columns()
+                row.columns = lambda columns=columns: columns
+        entries = [(stage, entry) for stage, entry in maker.entries(rec)]
+        for stage, entry in entries:  # what _add_usage reads of it
+            if not isinstance(entry, dict):
+                raise TypeError(f"stage {stage!r}: its entry is not an object")
+            spent = entry.get("spent") or {**entry.get("usage", {}), "cost": entry.get("cost", 0.0)}
+            for key in ("prompt_tokens", "completion_tokens", "cost"):
+                if not isinstance(spent.get(key, 0), (int, float)):
+                    raise TypeError(f"stage {stage!r}: {key} is not a number")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(distilled, f"not a {maker.kind} record ({type(e).__name__}: {e})", line_no) from None
-    if maker.wrong_task(record):
-        raise InputError(
-            distilled, f"field 'task' is {record.get('task')!r}, not {maker.record_task!r}", line_no
-        )
-    rows = list(maker.rows(rec, partial(document, line_no=line_no)))
-    for row in rows:  # each kept row's document is there (the leakage check reads it)
-        if row.reason is None:
-            document(row.doc_id, line_no)
-    return rec, rows
+    return rec, rows, entries
 
 
 def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
@@ -293,14 +306,14 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         with tqdm(unit="rec", desc=f"build-sft {cfg.task}", disable=not progress) as bar:
             for line_no, raw, record in read_records(distilled, rejects, cfg.bad_rows.max_row_bytes):
                 try:  # the whole record is checked, its rows made, before any row is kept
-                    rec, rows = _record_rows(maker, record, distilled, line_no, document)
+                    rec, rows, entries = _record_rows(maker, record, distilled, line_no, document)
                 except InputError as e:
                     refuse_or_skip(rejects, e, raw)
                     continue
                 inputs.n_records += 1
                 inputs.record_langs[rec.lang] += 1
                 bar.update(1)
-                _add_usage(inputs, maker.entries(rec), rec.lang)
+                _add_usage(inputs, entries, rec.lang)
 
                 for row in rows:
                     target = targets[row.target]

@@ -82,10 +82,10 @@ import numpy as np
 from metachunk.chunking.shards import chunk_rows
 
 from metachunk import config
-from metachunk.artifacts import AtomicWriter, InputError, write_figure
+from metachunk.artifacts import AtomicWriter, InputError, check_unicode, write_figure
 from metachunk.command import Reads, Result
 from metachunk.config import option
-from metachunk.sources import BadRows, Rejects, finish_rejects, refuse_or_skip, skipped_exit
+from metachunk.sources import MAX_ROW_BYTES, BadRows, Rejects, finish_rejects, refuse_or_skip, skipped_exit
 
 CONVENTIONS = ("paper", "released")
 
@@ -304,23 +304,27 @@ def mean_nll_matrix(
 # ------------------------------------------------------------------------------------ the run
 
 
-def read_chunk_docs(path: Path, limit: int | None = None, rejects: Rejects | None = None
-                    ) -> list[tuple[str, list[str]]]:  # fmt: skip
+def read_chunk_docs(path: Path, limit: int | None = None, rejects: Rejects | None = None,
+                    max_row_bytes: int = MAX_ROW_BYTES) -> list[tuple[str, list[str]]]:  # fmt: skip
     """``[(doc id, [chunk text, ...])]`` from a ``metachunk chunk`` output (a file or a folder); a
     bad record is an error or, with ``rejects`` (``--on-bad-row skip``), left out."""
     docs: list[tuple[str, list[str]]] = []
-    for where, number, row in chunk_rows(path, rejects):
-        if limit is not None and len(docs) >= limit:
-            break
+    for where, number, row in chunk_rows(path, rejects, max_row_bytes):
         try:
-            texts = [c["text"] for c in row["chunks"]]
-            if not all(isinstance(t, str) for t in texts):
-                raise TypeError("a chunk's 'text' is not a string")
+            try:
+                texts = [c["text"] for c in row["chunks"]]
+                if not all(isinstance(t, str) for t in texts):
+                    raise TypeError("a chunk's 'text' is not a string")
+            except (KeyError, TypeError) as e:
+                raise InputError(where, f"expected a chunks record with 'id' and 'chunks' of texts ({e})",
+                                 number) from None  # fmt: skip
+            for t in texts:
+                check_unicode(where, number, "text", t)
             docs.append((str(row["id"]), texts))
-        except (KeyError, TypeError) as e:
-            refuse_or_skip(rejects, InputError(
-                where, f"expected a chunks record with 'id' and 'chunks' of texts ({e})", number
-            ), json.dumps(row, ensure_ascii=False))  # fmt: skip
+        except InputError as e:
+            refuse_or_skip(rejects, e, json.dumps(row, ensure_ascii=False))
+        if limit is not None and len(docs) >= limit:  # stop before reading (and judging) a row not used
+            break
     if not docs:
         raise InputError(path, "no documents in the file")
     return docs
@@ -345,7 +349,7 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     from metachunk.models import load_causal_lm
 
     rejects = cfg.bad_rows.rejects(cfg.out)
-    docs = read_chunk_docs(cfg.chunks, cfg.limit, rejects)
+    docs = read_chunk_docs(cfg.chunks, cfg.limit, rejects, cfg.bad_rows.max_row_bytes)
     rejected = finish_rejects(rejects, "eval chunk-quality")
     model, tokenizer = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
     plans = []

@@ -67,7 +67,15 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.command import Reads, Result
 from metachunk.config import option
-from metachunk.sources import BadRows, Rejects, finish_rejects, read_records, refuse_or_skip, skipped_exit
+from metachunk.sources import (
+    MAX_ROW_BYTES,
+    BadRows,
+    Rejects,
+    finish_rejects,
+    read_records,
+    refuse_or_skip,
+    skipped_exit,
+)
 
 
 @dataclass
@@ -151,14 +159,12 @@ def parse_retrieval(specs: list[str]) -> dict[str, Path]:
 
 
 def read_retrieval(path: Path, ranking: str = "dense", limit: int | None = None,
-                   rejects: Rejects | None = None) -> list[dict]:  # fmt: skip
+                   rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> list[dict]:  # fmt: skip
     """Rows of a retrieval.jsonl: ``{"qid", "question", "answer", "hits": [{"text", "indexed_text",
     "score"}...]}`` in rank order (``hits``, or ``reranked`` when asked and present). A bad row is
     an error or, with ``rejects`` (``--on-bad-row skip``), left out."""
     rows = []
-    for number, raw, row in read_records(path, rejects):
-        if limit is not None and len(rows) >= limit:
-            break
+    for number, raw, row in read_records(path, rejects, max_row_bytes):
         try:
             question = row["question"]
             hits = row["hits"]
@@ -177,16 +183,19 @@ def read_retrieval(path: Path, ranking: str = "dense", limit: int | None = None,
             "qid": row.get("qid", number), "question": question,
             "answer": answer if isinstance(answer, str) else None, "hits": parsed,
         })  # fmt: skip
+        if limit is not None and len(rows) >= limit:  # stop before reading (and judging) a row not used
+            break
     if not rows:
         raise InputError(path, "no questions in the file")
     return rows
 
 
-def read_rewrites(path: Path, rejects: Rejects | None = None) -> tuple[list[tuple[str, str]], int]:
+def read_rewrites(path: Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES
+                  ) -> tuple[list[tuple[str, str]], int]:  # fmt: skip
     """``([(original, rewritten)], n_without)``: every chunk with a non-empty ``rewritten``; a bad
     record is an error or, with ``rejects``, left out whole."""
     pairs, without = [], 0
-    for number, raw, record in read_records(path, rejects):
+    for number, raw, record in read_records(path, rejects, max_row_bytes):
         try:
             mine, lacking = [], 0
             for c in record["chunks"]:
@@ -364,8 +373,12 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
 
     retrieval = parse_retrieval(cfg.retrieval) if cfg.retrieval else {}
     rejects = cfg.bad_rows.rejects(cfg.out)
-    rows = {label: read_retrieval(path, cfg.ranking, cfg.limit, rejects) for label, path in retrieval.items()}
-    rewrites, without = read_rewrites(cfg.chunks, rejects) if cfg.chunks else ([], 0)
+    limit = cfg.bad_rows.max_row_bytes
+    rows = {
+        label: read_retrieval(path, cfg.ranking, cfg.limit, rejects, limit)
+        for label, path in retrieval.items()
+    }
+    rewrites, without = read_rewrites(cfg.chunks, rejects, limit) if cfg.chunks else ([], 0)
     rejected = finish_rejects(rejects, "eval diagnostics")
     labels = [model_label(m) for m in cfg.models]
     if len(set(labels)) != len(labels):

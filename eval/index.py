@@ -31,8 +31,8 @@ from pathlib import Path
 
 from metachunk.chunking.shards import chunk_rows
 
-from metachunk.artifacts import AtomicWriter, InputError
-from metachunk.sources import Rejects, refuse_or_skip
+from metachunk.artifacts import AtomicWriter, InputError, check_unicode
+from metachunk.sources import MAX_ROW_BYTES, Rejects, refuse_or_skip
 
 INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
 INDEX_SCHEMA = 1
@@ -68,7 +68,7 @@ def indexed_text(chunk: dict, mode: str) -> tuple[str, bool]:
     raise ValueError(f"unknown index_text {mode!r}; have {', '.join(INDEX_TEXTS)}")
 
 
-def read_chunks(path: Path, mode: str = "chunk", rejects: Rejects | None = None
+def read_chunks(path: Path, mode: str = "chunk", rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES
                 ) -> tuple[list[ChunkRecord], dict[str, str], int]:  # fmt: skip
     """``(chunks, documents, n_lacking)``: every chunk of the file, the documents rebuilt from their
     chunks (chunk texts at their offsets; these tile the document, see ``metachunk chunk``), and how
@@ -77,7 +77,8 @@ def read_chunks(path: Path, mode: str = "chunk", rejects: Rejects | None = None
     chunks: list[ChunkRecord] = []
     docs: dict[str, str] = {}
     lacking = 0
-    for where, number, row in chunk_rows(path, rejects):  # a .jsonl file, or a chunk dataset folder's shards
+    # a .jsonl file, or a chunk dataset folder's shards
+    for where, number, row in chunk_rows(path, rejects, max_row_bytes):
         try:
             doc_id, records, text, missing = _document_chunks(where, number, row, mode, docs)
         except InputError as e:
@@ -111,6 +112,7 @@ def _document_chunks(where: Path, number: int, row: dict, mode: str, docs: dict)
                 raise TypeError("'text' is not a string")
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(where, f"chunks[{i}] needs text, start and end ({e})", number) from None
+        check_unicode(where, number, f"chunks[{i}].text", text)
         if end - start != len(text):
             raise InputError(where, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
         shown, missing = indexed_text(c, mode)

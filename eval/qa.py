@@ -260,7 +260,7 @@ def evaluate(cfg: QAConfig) -> dict:
 
     # ---- inputs, before any model loads
     rejects = cfg.bad_rows.rejects(out)
-    chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text, rejects)
+    chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text, rejects, cfg.bad_rows.max_row_bytes)
     if cfg.index_text != "chunk" and lacking == len(chunks):
         field_name = "rewritten" if cfg.index_text == "rewritten" else "summary"
         raise InputError(
@@ -269,7 +269,9 @@ def evaluate(cfg: QAConfig) -> dict:
             f"(make one with `metachunk chunk --{'rewrite' if field_name == 'rewritten' else 'summarize'} MODEL`)",
         )
     statuses = ("matched",) if cfg.crud_status == "matched" else ("matched", "ambiguous")
-    fmt, questions, skipped = load_questions(cfg.qa, cfg.qa_format, statuses, rejects)
+    fmt, questions, skipped = load_questions(
+        cfg.qa, cfg.qa_format, statuses, rejects, cfg.bad_rows.max_row_bytes
+    )
     rejected = finish_rejects(rejects, "eval qa")
     if not questions:
         raise InputError(cfg.qa, "no questions to ask (CRUD: no matched entries?)")

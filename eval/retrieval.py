@@ -44,9 +44,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, check_unicode
 from metachunk.crud import informative
-from metachunk.sources import Rejects, read_records, refuse_or_skip
+from metachunk.sources import MAX_ROW_BYTES, Rejects, read_records, refuse_or_skip
 
 FORMATS = ("gutenqa", "crud")
 QUOTES = frozenset("'\"‘’“”„‟‚‛«»「」『』`´")  # dropped by the normaliser
@@ -112,38 +112,40 @@ class Evidence:
     how: str  # verbatim | normalized | fuzzy:SCORE
 
 
-def detect_format(path: Path, rejects: Rejects | None = None) -> str:
-    """``gutenqa`` or ``crud`` from the first record of ``path`` (its first good one, with ``rejects``)."""
+def detect_format(path: Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> str:
+    """``gutenqa`` or ``crud`` from the first record of ``path``; with ``rejects``, from its first
+    record that is either (the pass that reads the questions rejects the others)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")
-    with path.open(encoding="utf-8") as f:
-        head = f.read(1)
-        if head == "{" and path.suffix == ".json":
+    with path.open("rb") as f:
+        if f.read(1) == b"{" and path.suffix == ".json":
             raise InputError(
                 path,
                 "this looks like CRUD's raw QA file; run `metachunk data prepare-crud` and pass its "
                 "qa_matches.jsonl (questions matched to their evidence articles)",
             )
-    # The rows this pass skips are skipped again, and recorded, by the pass that reads the questions.
-    for number, _, row in read_records(path, None if rejects is None else Rejects(None)):
+    for number, _, row in read_records(path, None if rejects is None else Rejects(None), max_row_bytes):
         if "chunk_must_contain" in row:
             return "gutenqa"
         if "qa_id" in row:
             return "crud"
-        raise InputError(
-            path,
-            "cannot tell the QA format: expected GutenQA rows (question, answer, chunk_must_contain) "
-            "or qa_matches.jsonl rows from `metachunk data prepare-crud` (qa_id, ...)",
-            number,
-        )
+        if rejects is None:
+            raise InputError(
+                path,
+                "cannot tell the QA format: expected GutenQA rows (question, answer, chunk_must_contain) "
+                "or qa_matches.jsonl rows from `metachunk data prepare-crud` (qa_id, ...)",
+                number,
+            )
     raise InputError(path, "no questions in the file")
 
 
-def _rows(path: Path, rejects: Rejects | None = None, make=None) -> Iterable:
+def _rows(
+    path: Path, rejects: Rejects | None = None, make=None, max_row_bytes: int = MAX_ROW_BYTES
+) -> Iterable:
     """What ``make(number, row)`` gives for each row (``(number, row)`` without one); a bad line, or
     a row ``make`` refuses with an :class:`InputError`, is an error or, with ``rejects``, left out."""
-    for number, raw, row in read_records(path, rejects):
+    for number, raw, row in read_records(path, rejects, max_row_bytes):
         try:
             made = make(number, row) if make else (number, row)
         except InputError as e:
@@ -156,10 +158,15 @@ def _field(path, number, row, name, kind):
     value = row.get(name)
     if not isinstance(value, kind):
         raise InputError(path, f"field {name!r} must be a {kind.__name__}", number)
+    for s in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(s, str):
+            check_unicode(path, number, name, s)
     return value
 
 
-def load_gutenqa(path: Path, rejects: Rejects | None = None) -> list[Question]:
+def load_gutenqa(
+    path: Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES
+) -> list[Question]:
     def question(number: int, row: dict) -> Question:
         q = _field(path, number, row, "question", str)
         a = _field(path, number, row, "answer", str)
@@ -170,7 +177,9 @@ def load_gutenqa(path: Path, rejects: Rejects | None = None) -> list[Question]:
 
     # Numbered among the good rows, so a skipped row does not renumber the ones after it differently
     # from a file without it.
-    return [replace(q, qid=f"gutenqa-{i}") for i, q in enumerate(_rows(path, rejects, question))]
+    return [
+        replace(q, qid=f"gutenqa-{i}") for i, q in enumerate(_rows(path, rejects, question, max_row_bytes))
+    ]
 
 
 def crud_needle_levels(question: str, answer: str, key_info: Sequence[str]) -> list[list[str]]:
@@ -188,7 +197,7 @@ def crud_needle_levels(question: str, answer: str, key_info: Sequence[str]) -> l
 
 
 def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None,
-              rejects: Rejects | None = None) -> list[Question]:  # fmt: skip
+              rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> list[Question]:  # fmt: skip
     """One question per (question, answer) pair of each entry with one of ``statuses``. An entry
     whose question and answer lists differ in length (40 of CRUD's 800) cannot be paired safely
     (its answers skip questions): it is left out and counted in ``skipped``."""
@@ -201,7 +210,7 @@ def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None,
                    ("questions", list), ("answers", list))}  # fmt: skip
         return number, fields
 
-    for number, fields in _rows(path, rejects, entry):
+    for number, fields in _rows(path, rejects, entry, max_row_bytes):
         qa_id, status = fields["qa_id"], fields["status"]
         if status not in statuses:
             continue
@@ -228,16 +237,16 @@ def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None,
 
 def load_questions(
     path: Path, fmt: str = "auto", crud_statuses: Sequence[str] = ("matched", "ambiguous"),
-    rejects: Rejects | None = None,
+    rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES,
 ) -> tuple[str, list[Question], dict]:  # fmt: skip
     """``(format, questions, skipped)``; ``skipped`` counts what could not be asked, by reason.
     Bad rows go to ``rejects`` when given (``--on-bad-row skip``)."""
-    fmt = detect_format(path, rejects) if fmt == "auto" else fmt
+    fmt = detect_format(path, rejects, max_row_bytes) if fmt == "auto" else fmt
     skipped: dict = {}
     if fmt == "gutenqa":
-        return fmt, load_gutenqa(path, rejects), skipped
+        return fmt, load_gutenqa(path, rejects, max_row_bytes), skipped
     if fmt == "crud":
-        return fmt, load_crud(path, crud_statuses, skipped, rejects), skipped
+        return fmt, load_crud(path, crud_statuses, skipped, rejects, max_row_bytes), skipped
     raise ValueError(f"unknown QA format {fmt!r}; have {', '.join(FORMATS)}")
 
 

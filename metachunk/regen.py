@@ -72,7 +72,7 @@ from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.redaction import redact
-from metachunk.sources import EXIT_SKIPPED, skipped_exit, total_rejects
+from metachunk.sources import EXIT_SKIPPED, rows_left_out, skipped_exit, total_rejects
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -455,7 +455,7 @@ class Runner:
                           f"{self._teacher.log}); the stage is not recorded as done, a rerun runs it again",
                           file=sys.stderr)  # fmt: skip
                     return {"failed": stage.name, "exit": code or 1}
-                left_out = code == EXIT_SKIPPED and result.rejects is not None  # its on_bad_row: skip
+                left_out = code == EXIT_SKIPPED and rows_left_out(result.rejects) > 0  # its on_bad_row: skip
                 if code not in stage.allow_exit and not left_out:
                     self._save_state()
                     print(f"metachunk: stage {stage.name!r} exited with status {code}; fix it and rerun: "
@@ -470,7 +470,7 @@ class Runner:
                     "seconds": round(time.perf_counter() - t0, 2),  # what making it took, for later manifests
                     "summary": result.summary,
                     **({"empty": fp.outputs} if nothing else {}),
-                    **({"rejects": result.rejects} if result.rejects else {}),
+                    **({"rejects": result.rejects} if rows_left_out(result.rejects) else {}),
                 }
                 if nothing:
                     empty.update(map(os.path.normpath, fp.outputs))

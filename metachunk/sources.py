@@ -38,6 +38,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -61,7 +62,9 @@ class BadRow(InputError):
 def rejects_path(output: str | Path) -> Path:
     """Where ``--on-bad-row skip`` writes the rows it left out: ``OUT.rejects.jsonl`` beside the
     output file (``chunks.jsonl`` -> ``chunks.rejects.jsonl``) or folder (``DIR.rejects.jsonl``)."""
-    path = Path(str(output).rstrip("/\\"))
+    path = Path(output)
+    if path.name in ("", ".."):  # `.` and `..` have no name of their own to put the file beside
+        path = Path(os.path.abspath(output))
     return path.with_name(path.name.removesuffix(".jsonl") + ".rejects.jsonl")
 
 
@@ -92,8 +95,11 @@ class Rejects:
                              f"{error.reason}", error.line)  # fmt: skip
 
     def write(self) -> dict:
-        """The rejects file (only when there are rejects) and what a manifest records of it."""
+        """The rejects file (only when there are rejects: one from an earlier run is removed, so
+        the file always belongs to the output beside it) and what a manifest records of it."""
         if not self.rows or self.path is None:
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
             return {"rows": len(self.rows)}
         from metachunk.artifacts import AtomicWriter
 
@@ -151,15 +157,20 @@ def finish_rejects(rejects: Rejects | None, command: str) -> dict | None:
     return written
 
 
+def rows_left_out(rejected: dict | None) -> int:
+    """How many rows a run's rejects (:meth:`Rejects.write`, or None) say it left out."""
+    return (rejected or {}).get("rows", 0)
+
+
 def total_rejects(rejected: list[dict | None]) -> dict | None:
     """Several runs' rejects as one count (``metachunk run``'s stages); None when none left rows out."""
-    rows = sum((r or {}).get("rows", 0) for r in rejected)
+    rows = sum(map(rows_left_out, rejected))
     return {"rows": rows} if rows else None
 
 
 def skipped_exit(rejected: dict | None) -> int:
     """:data:`EXIT_SKIPPED` when a run left rows out, else 0."""
-    return EXIT_SKIPPED if rejected and rejected.get("rows") else 0
+    return EXIT_SKIPPED if rows_left_out(rejected) else 0
 
 
 def read_records(path: str | Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES
@@ -387,6 +398,14 @@ class DocumentSource:
         check_unicode(file.path, number, tf, text)
         return Document(doc_id, text)
 
+    def _checked_document(self, file: SourceFile, record: dict, number: int) -> Document | None:
+        """A row of a parquet or Arrow file as a document, or None when it is a bad row skipped."""
+        try:
+            return self._document(file, record, number)
+        except InputError as e:
+            refuse_or_skip(self.rejects, e, json.dumps(record, ensure_ascii=False, default=str))
+            return None
+
     def _parquet_records(self, file: SourceFile, cursor: int) -> Iterator[tuple[int, int, Document]]:
         import pyarrow.parquet as pq
 
@@ -407,8 +426,8 @@ class DocumentSource:
             return
         for batch in pf.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
             for record in batch.to_pylist():
-                if row >= cursor:
-                    yield 0, row, self._document(file, record, row + 1)
+                if row >= cursor and (doc := self._checked_document(file, record, row + 1)):
+                    yield 0, row, doc
                 row += 1
 
     def _datasets_records(self, file: SourceFile, cursor: int) -> Iterator[tuple[int, int, Document]]:
@@ -425,7 +444,8 @@ class DocumentSource:
             batch = ds[first : first + 1024]
             for j in range(len(batch[self.text_field])):
                 row = first + j
-                yield 0, row, self._document(file, {c: batch[c][j] for c in columns}, row + 1)
+                if doc := self._checked_document(file, {c: batch[c][j] for c in columns}, row + 1):
+                    yield 0, row, doc
 
     # ---- the two public passes -----------------------------------------------------------------
 

@@ -173,7 +173,11 @@ def test_data_prepare_crud_skips_bad_articles_and_qa_entries(tmp_path, capsys, s
     qa = dict(list(qa_all.items())[:60])
     write(tmp_path / "news_good.jsonl", news)
     first = json.loads(news[0])
-    bad = {4: b"{not json\n", 9: news[1][:-1] + b"\xff\n", 14: json.dumps({"id": "no-text"}).encode() + b"\n",
+    second = json.loads(news[1])
+    # Line 2 is a lone surrogate under the id of a good row that comes after it: left out, it must
+    # not lend that row its source either.
+    bad = {2: b'{"id": "' + second["id"].encode() + b'", "text": "\\ud800", "source": "BAD"}\n',
+           4: b"{not json\n", 9: news[1][:-1] + b"\xff\n", 14: json.dumps({"id": "no-text"}).encode() + b"\n",
            20: json.dumps({"id": first["id"], "text": "A copy of the first id."}).encode() + b"\n"}  # fmt: skip
     write(tmp_path / "news_mixed.jsonl", mix(news, bad))
     (tmp_path / "qa_good.json").write_text(json.dumps(qa, ensure_ascii=False), encoding="utf-8")
@@ -188,17 +192,17 @@ def test_data_prepare_crud_skips_bad_articles_and_qa_entries(tmp_path, capsys, s
     assert prepare(tmp_path / "news_good.jsonl", tmp_path / "qa_good.json", tmp_path / "good")[0] == 0
     rc, err = prepare(tmp_path / "news_mixed.jsonl", tmp_path / "qa_mixed.json", tmp_path / "mixed",
                       "--on-bad-row", "skip")  # fmt: skip
-    assert rc == 6 and "data prepare-crud: 5 bad rows left out" in err, err
+    assert rc == 6 and "data prepare-crud: 6 bad rows left out" in err, err
     for name in ("test_documents.jsonl", "train_pool.jsonl", "qa_matches.jsonl"):
         assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "good" / name).read_bytes(), name
     rejects = [
         json.loads(x) for x in (tmp_path / "mixed.rejects.jsonl").read_text(encoding="utf-8").splitlines()
     ]
     assert [r["line"] for r in rejects] == [*sorted(bad), None]
-    assert "broken-entry" in rejects[-1]["reason"] and "duplicate id" in rejects[3]["reason"]
-    assert json.loads((tmp_path / "mixed" / "report.json").read_text())["rejects"]["rows"] == 5
+    assert "broken-entry" in rejects[-1]["reason"] and "duplicate id" in rejects[4]["reason"]
+    assert json.loads((tmp_path / "mixed" / "report.json").read_text())["rejects"]["rows"] == 6
     rc, err = prepare(tmp_path / "news_mixed.jsonl", tmp_path / "qa_good.json", tmp_path / "strict")
-    assert rc == 2 and "news_mixed.jsonl:4: invalid JSON" in err
+    assert rc == 2 and "news_mixed.jsonl:2: field 'text' holds a lone surrogate" in err
 
 
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
@@ -304,3 +308,32 @@ def test_a_regeneration_stage_may_skip_bad_rows_and_its_manifest_carries_them(tm
     assert "rejects" not in passages_stage
     rc, err = run_cli(capsys, "run", tmp_path / "recipe.yaml")  # cached: still says rows were left out
     assert rc == 6 and "chunk (chunk): cached, skipped" in err
+
+
+def test_parquet_rows_are_skipped_too_and_a_clean_rerun_removes_old_rejects(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = [{"id": r["id"], "text": r["text"]} for r in GOOD]
+    mixed = [
+        *good[:3],
+        {"id": "n1", "text": None},
+        *good[3:7],
+        {"id": "g2", "text": "A second g2."},
+        *good[7:],
+    ]
+    pq.write_table(pa.Table.from_pylist(good), tmp_path / "good.parquet")
+    pq.write_table(pa.Table.from_pylist(mixed), tmp_path / "mixed.parquet")
+    assert chunk(capsys, tmp_path / "good.parquet", "-o", tmp_path / "good.jsonl", *ARGS)[0] == 0
+    rc, err = chunk(
+        capsys, tmp_path / "mixed.parquet", "-o", tmp_path / "out.jsonl", *ARGS, "--on-bad-row", "skip"
+    )
+    assert rc == 6, err
+    assert (tmp_path / "out.jsonl").read_bytes() == (tmp_path / "good.jsonl").read_bytes()
+    assert rejected_lines(tmp_path / "out.rejects.jsonl") == [4, 9]
+    # the same output made again from clean input: the old rejects file would describe another run
+    rc, err = chunk(
+        capsys, tmp_path / "good.parquet", "-o", tmp_path / "out.jsonl", *ARGS, "--on-bad-row", "skip"
+    )
+    assert rc == 0, err
+    assert not (tmp_path / "out.rejects.jsonl").exists()

@@ -665,7 +665,8 @@ def test_bad_chunk_records_and_question_rows_are_skipped_on_request(planted, pla
                           + json.dumps({"id": "A", "chunks": []}) + "\n")  # fmt: skip
     bad_questions = tmp_path / "bad_questions.jsonl"
     lines = questions.read_text().splitlines(keepends=True)
-    bad_questions.write_text("".join([lines[0], '{"question": "no evidence field"}\n', *lines[1:], "[]\n"]))
+    # the first row is bad too: the format is told from the first good one
+    bad_questions.write_text("".join(['{"question": "no evidence field"}\n', *lines, "[]\n"]))
     common = ["--top-k", "3", "--no-progress"]
     good = parse(["--chunks", str(chunks), "--qa", str(questions), "--out", str(tmp_path / "good"), *common])
     assert qa.run(good).exit == 0
@@ -677,7 +678,7 @@ def test_bad_chunk_records_and_question_rows_are_skipped_on_request(planted, pla
         assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "good" / name).read_bytes(), name
     rejects = read_jsonl(tmp_path / "mixed.rejects.jsonl")
     assert [(Path(r["file"]).name, r["line"]) for r in rejects] == [
-        ("bad_chunks.jsonl", 3), ("bad_chunks.jsonl", 4), ("bad_questions.jsonl", 2), ("bad_questions.jsonl", 6)]  # fmt: skip
+        ("bad_chunks.jsonl", 3), ("bad_chunks.jsonl", 4), ("bad_questions.jsonl", 1), ("bad_questions.jsonl", 6)]  # fmt: skip
     assert "duplicate document id 'A'" in rejects[1]["reason"]
     assert json.loads((tmp_path / "mixed" / "metrics.json").read_text())["details"]["rejects"]["rows"] == 4
     strict = parse(
