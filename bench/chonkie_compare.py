@@ -82,6 +82,9 @@ CORPORA = {  # the model of metachunk's LM chunkers (and SlumberChunker's LLM), 
 ZH_SENTENCE_DELIMS = ["。", "！", "？", "\n"]
 ZH_PAUSES = ["；", "，", "、", "：", "“", "”", "（", "）"]
 QA_CUTOFFS = ["1", "3", "5", "8"]
+PAIRS = [("chonkie-token", "metachunk-fixed"), ("chonkie-sentence", "metachunk-sentence"),
+         ("chonkie-semantic", "metachunk-semantic")]  # fmt: skip
+PAIR_METRICS = ["hits@1", "hits@3", "hits@8", "mrr@8"]
 METRICS = ["avg_chunk_chars", "n_chunks", "n_questions", "hits@1", "hits@3", "hits@5", "hits@8", "mrr@8"]
 
 
@@ -706,8 +709,37 @@ def run_eval(args, corpus: str, results: list[dict], out: Path) -> dict:
     cli("eval", "compare", *runs, "--labels", *labels, "--metrics", *METRICS, "--baseline", baseline,
         "--out", report)  # fmt: skip
     seconds["compare"] = round(time.perf_counter() - t, 1)
+    pairs = {}  # each chonkie chunker against metachunk's of the same kind, item by item
+    for a, b in PAIRS:
+        if a in labels and b in labels:
+            pair_report = out / "eval" / f"compare_{corpus}_{a}_vs_{b}.md"
+            cli("eval", "compare", runs[labels.index(a)], runs[labels.index(b)], "--labels", a, b,
+                "--metrics", *METRICS, "--baseline", a, "--no-plots", "--out", pair_report)  # fmt: skip
+            diffs = json.loads(pair_report.with_suffix(".json").read_text())["statistics"]["differences"]
+            pairs[f"{b} vs {a}"] = {m: diffs[m][b] for m in PAIR_METRICS if m in diffs}
     return {"report": str(report), "compare": json.loads(report.with_suffix(".json").read_text()),
-            "baseline": baseline, "skipped": skipped, "seconds": seconds}  # fmt: skip
+            "baseline": baseline, "pairs": pairs, "skipped": skipped, "seconds": seconds}  # fmt: skip
+
+
+def pairs_table(pairs: dict) -> str:
+    """``pairs``: ``{"METACHUNK vs CHONKIE": {metric: eval compare's difference of METACHUNK from
+    the CHONKIE baseline}}``, one row each: metachunk's chunker minus chonkie's."""
+    lines = ["| difference (metachunk minus chonkie) | " + " | ".join(PAIR_METRICS) + " |",
+             "|---|" + "---|" * len(PAIR_METRICS)]  # fmt: skip
+    for name, diffs in pairs.items():
+        ours, theirs = name.split(" vs ")
+        cells = []
+        for m in PAIR_METRICS:
+            d = diffs.get(m)
+            if not d or d.get("interval") is None:
+                cells.append("–")
+                continue
+            lo, hi = d["interval"]
+            cells.append(
+                f"{d['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}]" + (" **resolved**" if d["resolved"] else "")
+            )
+        lines.append(f"| {ours} − {theirs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def fmt(x, nd=1) -> str:
@@ -763,6 +795,14 @@ def parent(args) -> None:
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.eval_only:  # the chunks of an earlier run, evaluated again
+        report = json.loads((out / "chonkie_compare.json").read_text(encoding="utf-8"))
+        report["eval_command"] = " ".join(["python", "bench/chonkie_compare.py", *sys.argv[1:]])
+        for corpus, entry in report["corpora"].items():
+            if corpus in args.eval_corpora:
+                entry["eval"] = run_eval(args, corpus, entry["results"], out)
+        write_report(report, out, report["wall_s"])
+        return
     chunkers = args.chunkers.split(",") if args.chunkers else DEFAULT_CHUNKERS
     unknown = [c for c in chunkers if c not in CHUNKERS]
     if unknown:
@@ -773,10 +813,7 @@ def parent(args) -> None:
               "dtype": pick_dtype(args.dtype), "inputs_s": round(time.perf_counter() - t, 1),
               "not_run": {c: OPT_IN.get(c, "not in --chunkers") for c in CHUNKERS if c not in chunkers},
               "corpora": {}}  # fmt: skip
-    md = [f"# metachunk beside chonkie ({report['machine']['date']}, {report['machine']['cpu']}, "
-          f"{report['machine']['cores']} cores)", ""]  # fmt: skip
     for corpus, path in docs.items():
-        goal = getattr(args, f"{corpus}_chars")
         results = []
         for name in chunkers:
             r = run_child(args, name, corpus, path, out)
@@ -785,33 +822,42 @@ def parent(args) -> None:
                      f"{r.get('peak_rss_mib')} MiB, lossless {r.get('lossless')}") if r.get("status") == "ok" else (
                      r.get("reason") or r.get("error", ""))[:300]  # fmt: skip
             print(f"[{corpus}] {name}: {r.get('status')}: {brief}", file=sys.stderr, flush=True)
-        entry = {"goal": goal, "documents": results[0].get("docs") if results else 0, "results": results}
+        entry = {
+            "goal": getattr(args, f"{corpus}_chars"),
+            "documents": sum(1 for _ in open(path)),
+            "results": results,
+        }
         if not args.no_eval and corpus in args.eval_corpora:
             entry["eval"] = run_eval(args, corpus, results, out)
         report["corpora"][corpus] = entry
-        md += [
-            f"## {corpus}: goal {goal} chars, {sum(1 for _ in open(path))} documents",
-            "",
-            table(results),
-            "",
-        ]
-        if entry.get("eval", {}).get("report"):
-            md += [Path(entry["eval"]["report"]).read_text(encoding="utf-8"), ""]
-        for name, why in entry.get("eval", {}).get("skipped", {}).items():
+    write_report(report, out, round(time.perf_counter() - started, 1))
+
+
+def write_report(report: dict, out: Path, wall_s: float) -> None:
+    """``chonkie_compare.json`` and ``chonkie_compare.md`` (printed too)."""
+    report["wall_s"] = wall_s
+    m = report["machine"]
+    md = [f"# metachunk beside chonkie ({m['date']}, {m['cpu']}, {m['cores']} cores)", ""]
+    for corpus, entry in report["corpora"].items():
+        md += [f"## {corpus}: goal {entry['goal']} chars, {entry['documents']} documents", "",
+               table(entry["results"]), ""]  # fmt: skip
+        ev = entry.get("eval", {})
+        if ev.get("report"):
+            md += [Path(ev["report"]).read_text(encoding="utf-8"), ""]
+        if ev.get("pairs"):
+            md += ["**chonkie against metachunk, kind for kind** (paired bootstrap over the same questions):", "",
+                   pairs_table(ev["pairs"]), ""]  # fmt: skip
+        for name, why in ev.get("skipped", {}).items():
             md.append(f"- not evaluated: {name}: {why}")
     for name, why in report["not_run"].items():
         md.append(f"- not run: {name}: {why}")
-    report["wall_s"] = round(time.perf_counter() - started, 1)
     (out / "chonkie_compare.json").write_text(
         json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    md.append(f"\nWall time: {report['wall_s']} s. Command: `{report['command']}`")
+    md.append(f"\nWall time: {wall_s} s. Command: `{report['command']}`")
     (out / "chonkie_compare.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     print("\n".join(md))
-    print(
-        f"\n{out / 'chonkie_compare.json'}, {out / 'chonkie_compare.md'}: {report['wall_s']} s",
-        file=sys.stderr,
-    )
+    print(f"\n{out / 'chonkie_compare.json'}, {out / 'chonkie_compare.md'}: {wall_s} s", file=sys.stderr)
 
 
 def main(argv=None) -> None:
@@ -846,6 +892,7 @@ def main(argv=None) -> None:
     p.add_argument("--slumber-max-tokens", type=int, default=16, help="SlumberChunker: answer tokens")
     p.add_argument("--semantic-tries", type=int, default=12, help="chonkie SemanticChunker: threshold tries")
     p.add_argument("--no-eval", action="store_true", help="chunk only: no eval qa / compare")
+    p.add_argument("--eval-only", action="store_true", help="evaluate the chunks of the run in --out again")
     p.add_argument("--eval-corpora", default="emma,crud", help="the corpora to run eval qa on")
     p.add_argument("--baseline", default="chonkie-token", help="eval compare's paired baseline")
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per chunker")
