@@ -193,8 +193,12 @@ def gemm_worker(args) -> None:
 
     shapes = json.loads(args.shapes)
     m = 512
-    cases = [(1024, 1024, 1024), (2048, 2048, 2048), (m, shapes["hidden"], shapes["intermediate"]),
-             (m, shapes["intermediate"], shapes["hidden"]), (m, shapes["hidden"], min(shapes["vocab"], 32768))]  # fmt: skip
+    # The head's shapes too: its CPU tile (metachunk.scoring.CPU_HEAD_TILE) and a big one, which
+    # AMX runs faster than any square shape (so leaving them out would flatter the ratio).
+    hidden, vocab = shapes["hidden"], shapes["vocab"]
+    cases = [(1024, 1024, 1024), (2048, 2048, 2048), (m, hidden, shapes["intermediate"]),
+             (m, shapes["intermediate"], hidden), (m, hidden, min(vocab, 32768)),
+             (128, hidden, min(vocab, 4096)), (1024, hidden, min(vocab, 8192))]  # fmt: skip
     out = {}
     for name in ("float32", "bfloat16"):
         dtype, best = getattr(torch, name), 0.0
