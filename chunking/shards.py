@@ -564,14 +564,19 @@ def run_ray(cfg, index, plan, output: ShardedOutput, pending: list[int], bar) ->
         import ray
     except ImportError:
         raise InputError("--engine ray", "needs Ray: pip install 'metachunk[ray]'") from None
+    from metachunk.stopping import keep_signal_handlers, reap_on_death
+
     started = not ray.is_initialized()
-    if started:
-        ray.init(address=cfg.ray_address, log_to_driver=False)
-    try:
-        return _ray_shards(ray, cfg, index, plan, output, pending, bar)
-    finally:
-        if started and cfg.ray_address is None:  # the local cluster this run started goes with it
-            ray.shutdown()
+    local = started and cfg.ray_address is None  # a cluster this run starts, and so stops
+    with reap_on_death() if local else contextlib.nullcontext():
+        if started:
+            with keep_signal_handlers():  # ray.init's own SIGTERM handler would exit 15, not stop the run
+                ray.init(address=cfg.ray_address, log_to_driver=False)
+        try:
+            return _ray_shards(ray, cfg, index, plan, output, pending, bar)
+        finally:
+            if local:  # the local cluster this run started goes with it
+                ray.shutdown()
 
 
 def _ray_shards(ray, cfg, index, plan, output: ShardedOutput, pending: list[int], bar) -> tuple[dict, list]:

@@ -13,6 +13,12 @@ keep running. So:
   SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, see prctl(2)). A server is
   started through :func:`guarded` (this module as a launcher: set the signal, then exec the server);
   a worker process calls it first thing.
+* :func:`reap_on_death`: for processes that are not our children and so cannot be asked to die
+  with us (a local Ray cluster's agents and workers are the raylet's children): a watchdog process
+  notes our descendants twice a second and, if we die without saying so (SIGKILL), stops the ones
+  it last saw.
+* :func:`keep_signal_handlers`: a library that installs its own SIGTERM handler (``ray.init``
+  exits with status 15) is put back in its place.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
+import subprocess
 import sys
 import threading
+import time
 
 CAUGHT = (signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -88,8 +97,99 @@ def guarded(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "metachunk.stopping", str(os.getpid()), *command]
 
 
-if (
-    __name__ == "__main__"
-):  # python -m metachunk.stopping PARENT_PID COMMAND...: die with PARENT, exec COMMAND
-    die_with_parent(int(sys.argv[1]))
-    os.execvp(sys.argv[2], sys.argv[2:])
+@contextlib.contextmanager
+def keep_signal_handlers():
+    """The SIGTERM and SIGHUP handlers as they were before the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in CAUGHT}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def reap_on_death():
+    """While the block runs, a watchdog (this module with ``--reap``) stops our descendants if we
+    die by SIGKILL; at the block's end it leaves without touching anything (see the module
+    docstring). Linux only (it reads ``/proc``); elsewhere it does nothing."""
+    if not os.path.isdir("/proc/self"):
+        yield
+        return
+    watchdog = subprocess.Popen([sys.executable, "-m", "metachunk.stopping", "--reap", str(os.getpid())],
+                                stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            watchdog.stdin.write(b"done\n")
+            watchdog.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watchdog.wait(timeout=5)
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """``{pid: (parent pid, start time)}`` of every process, from ``/proc/PID/stat``."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        out[int(name)] = (int(fields[1]), int(fields[19]))  # ppid (field 4), starttime (field 22)
+    return out
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """``{pid: start time}`` of every descendant of ``root``."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = table[pid][1]
+            todo += children.get(pid, [])
+    return found
+
+
+def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
+    """The watchdog: note ``parent``'s descendants every ``every`` seconds until the parent says
+    "done" on stdin (leave) or dies (its pipe closes): then SIGTERM the ones last seen that are
+    still the same processes, and SIGKILL those left after ``grace`` seconds."""
+    me, seen = os.getpid(), {}
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], every)
+        if ready:
+            if sys.stdin.buffer.readline().strip() == b"done":
+                return
+            break  # end of file: the parent is gone
+        seen = {pid: start for pid, start in _descendants(parent).items() if pid != me}
+
+    def same(pid: int, start: int) -> bool:  # not a new process that took a freed pid
+        return _processes().get(pid, (0, None))[1] == start
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, start in seen.items():
+            if same(pid, start):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(same(*p) for p in seen.items()):
+            time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--reap":  # python -m metachunk.stopping --reap PARENT_PID
+        _reap(int(sys.argv[2]))
+    else:  # python -m metachunk.stopping PARENT_PID COMMAND...: die with PARENT, exec COMMAND
+        die_with_parent(int(sys.argv[1]))
+        os.execvp(sys.argv[2], sys.argv[2:])

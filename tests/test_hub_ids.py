@@ -123,3 +123,19 @@ def test_offline_an_id_outside_the_cache_is_a_clear_error(monkeypatch, tmp_path)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(models.ModelNotFoundError, match="not in the local Hub cache"):
         models.resolve("someone/nowhere")
+
+
+def test_the_python_api_takes_hub_ids(hub, tiny_model_dir):
+    """The README's three lines with Hub ids: the same chunks and rewrites as from the local folder."""
+    import metachunk
+
+    push_model(tiny_model_dir, "someone/lm-tiny")
+    local = metachunk.PPLChunker(str(tiny_model_dir), target_len=80, len_unit="char", lang="en")
+    remote = metachunk.PPLChunker("someone/lm-tiny", target_len=80, len_unit="char", lang="en")
+    chunks = remote(TEXT)
+    assert chunks == local(TEXT) and "".join(c.text for c in chunks) == TEXT
+    assert remote.chunk_batch([TEXT, TEXT[:40]]) == local.chunk_batch([TEXT, TEXT[:40]])
+    rewriter = metachunk.Rewriter.from_pretrained("someone/lm-tiny", max_new_tokens=4)
+    same = metachunk.Rewriter.from_pretrained(str(tiny_model_dir), max_new_tokens=4)
+    assert rewriter(TEXT, chunks) == same(TEXT, chunks)
+    assert any("/resolve/" in url for _, url, _, _ in hub.requests)  # downloaded through the Hub
