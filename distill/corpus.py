@@ -79,7 +79,6 @@ from metachunk.sources import (
     read_documents,
     read_records,
     refuse_or_skip,
-    skipped_exit,
 )
 
 # datasketch (which imports scipy) is imported where used: `metachunk --help` must not pay for it.
@@ -698,10 +697,7 @@ def run(cfg: PrepareCrudConfig) -> Result:
     print(
         f"{cfg.out}: test_documents.jsonl, train_pool.jsonl, qa_matches.jsonl, report.json", file=sys.stderr
     )
-    summary = {k: report[k] for k in SUMMARY_KEYS if k in report}
-    if report.get("rejects"):
-        summary["rejected_rows"] = report["rejects"]["rows"]
-    return Result(skipped_exit(report.get("rejects")), summary, rejects=report.get("rejects"))
+    return Result.with_rejects({k: report[k] for k in SUMMARY_KEYS if k in report}, report.get("rejects"))
 
 
 def inputs(cfg: PrepareCrudConfig) -> Reads:

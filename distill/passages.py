@@ -34,7 +34,6 @@ from metachunk.sources import (
     finish_rejects,
     read_records,
     refuse_or_skip,
-    skipped_exit,
 )
 
 
@@ -157,10 +156,7 @@ def run(cfg: PassagesConfig) -> Result:
     """``metachunk data passages``."""
     report = write_passages(cfg)
     print(f"{cfg.out}: {report['documents']} documents, {report['characters']:,} characters", file=sys.stderr)
-    summary = {"documents": report["documents"]}
-    if report["rejects"]:
-        summary["rejected_rows"] = report["rejects"]["rows"]
-    return Result(skipped_exit(report["rejects"]), summary, rejects=report["rejects"])
+    return Result.with_rejects({"documents": report["documents"]}, report["rejects"])
 
 
 def inputs(cfg: PassagesConfig) -> Reads:

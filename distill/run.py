@@ -36,7 +36,7 @@ from metachunk.distill.prompts import load_prompt, load_schema
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
 from metachunk.command import Reads, Result
-from metachunk.sources import Rejects, finish_rejects, skipped_exit
+from metachunk.sources import Rejects, finish_rejects
 from metachunk.store import AnswerStore
 from metachunk.teacher import Price, TeacherPool, is_transport_failure, wire_body
 
@@ -319,10 +319,7 @@ def run(cfg: DistillConfig) -> Result:
     summary = write_records(cfg, result)
     print(result.task.summary_line(summary), file=sys.stderr)
     counts = {k: summary[k] for k in SUMMARY_KEYS if k in summary}
-    if result.rejects:
-        counts["rejected_rows"] = result.rejects["rows"]
-    # A teacher's trouble (3, 4) says more than the rows left out (6).
-    return Result(exit_status(cfg, result) or skipped_exit(result.rejects), counts, rejects=result.rejects)
+    return Result.with_rejects(counts, result.rejects, exit_status(cfg, result))
 
 
 def estimate(cfg: DistillConfig) -> Result:

@@ -37,7 +37,7 @@ from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, write_json
 from metachunk.command import Reads, Result
 from metachunk.config import block, option
-from metachunk.sources import BadRows, finish_rejects, read_documents, skipped_exit
+from metachunk.sources import BadRows, finish_rejects, read_documents
 
 
 @dataclass
@@ -225,10 +225,7 @@ def run(cfg: SampleConfig) -> Result:
     print_report(report)
     print(f"{cfg.out}: chunks.jsonl (with 'selected'), documents.jsonl, sample.json", file=sys.stderr)
     keys = ("pool_long_documents", "documents", "chunks", "selected_chunks")
-    summary = {k: report.get(k) for k in keys}
-    if report.get("rejects"):
-        summary["rejected_rows"] = report["rejects"]["rows"]
-    return Result(skipped_exit(report.get("rejects")), summary, rejects=report.get("rejects"))
+    return Result.with_rejects({k: report.get(k) for k in keys}, report.get("rejects"))
 
 
 def inputs(cfg: SampleConfig) -> Reads:

@@ -47,7 +47,6 @@ from metachunk.sources import (
     read_documents,
     read_records,
     refuse_or_skip,
-    skipped_exit,
 )
 
 SPLITS = ("train", "validation")
@@ -525,9 +524,7 @@ def run(cfg: BuildSftConfig) -> Result:
     else:
         rejected = stats.get("rejects")
         summary = {k: stats.get(k) for k in ("input_records", "rows", "filters")}
-    if rejected:
-        summary["rejected_rows"] = rejected["rows"]
-    return Result(skipped_exit(rejected), summary, rejects=rejected)
+    return Result.with_rejects(summary, rejected)
 
 
 def inputs(cfg: BuildSftConfig) -> Reads:

@@ -85,7 +85,7 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, check_unicode, write_figure
 from metachunk.command import Reads, Result
 from metachunk.config import option
-from metachunk.sources import MAX_ROW_BYTES, BadRows, Rejects, finish_rejects, refuse_or_skip, skipped_exit
+from metachunk.sources import MAX_ROW_BYTES, BadRows, Rejects, finish_rejects, refuse_or_skip
 
 CONVENTIONS = ("paper", "released")
 
@@ -524,10 +524,7 @@ def run(cfg: ChunkQualityConfig) -> Result:
     from metachunk.eval.report import summary
 
     rejected = result["details"].get("rejects")
-    counts = summary(m)
-    if rejected:
-        counts["rejected_rows"] = rejected["rows"]
-    return Result(skipped_exit(rejected), counts, rejects=rejected)
+    return Result.with_rejects(summary(m), rejected)
 
 
 def inputs(cfg: ChunkQualityConfig) -> Reads:

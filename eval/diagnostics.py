@@ -74,7 +74,6 @@ from metachunk.sources import (
     finish_rejects,
     read_records,
     refuse_or_skip,
-    skipped_exit,
 )
 
 
@@ -632,10 +631,7 @@ def run(cfg: DiagnosticsConfig) -> Result:
     from metachunk.eval.report import summary
 
     rejected = result["details"].get("rejects")
-    counts = summary(result["metrics"])
-    if rejected:
-        counts["rejected_rows"] = rejected["rows"]
-    return Result(skipped_exit(rejected), counts, rejects=rejected)
+    return Result.with_rejects(summary(result["metrics"]), rejected)
 
 
 def inputs(cfg: DiagnosticsConfig) -> Reads:

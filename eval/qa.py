@@ -39,7 +39,7 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.config import option
-from metachunk.sources import BadRows, finish_rejects, skipped_exit
+from metachunk.sources import BadRows, finish_rejects
 from metachunk.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
 
 DEFAULT_PPL_RERANKER = {"en": "smollm2", "zh": "gemma3-270m"}
@@ -205,10 +205,7 @@ def run(cfg: QAConfig) -> Result:
     result = evaluate(cfg)
     print_summary(result, cfg)
     rejected = result["details"].get("rejects")
-    counts = summary(result["metrics"])
-    if rejected:
-        counts["rejected_rows"] = rejected["rows"]
-    return Result(skipped_exit(rejected), counts, rejects=rejected)
+    return Result.with_rejects(summary(result["metrics"]), rejected)
 
 
 def inputs(cfg: QAConfig) -> Reads:

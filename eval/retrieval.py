@@ -158,7 +158,8 @@ def _field(path, number, row, name, kind):
     value = row.get(name)
     if not isinstance(value, kind):
         raise InputError(path, f"field {name!r} must be a {kind.__name__}", number)
-    for s in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+    strings = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    for s in strings:
         if isinstance(s, str):
             check_unicode(path, number, name, s)
     return value

@@ -25,6 +25,7 @@ SCHEMA_VERSION = 1
 # Exit status of a stage that had nothing to do: its input holds no rows (a training set that
 # filtering left empty). `metachunk run` records such a stage as empty, and skips what needs its output.
 EXIT_EMPTY = 5
+EXIT_SKIPPED = 6  # finished, leaving out the bad input rows --on-bad-row skip rejected (metachunk.sources)
 
 
 class InputError(ValueError):

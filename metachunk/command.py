@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from metachunk.artifacts import EXIT_SKIPPED
+
 
 @dataclass(frozen=True)
 class Reads:
@@ -63,6 +65,16 @@ class Result:
     summary: dict = field(default_factory=dict)
     estimate: dict | None = None
     rejects: dict | None = None
+
+    @classmethod
+    def with_rejects(cls, summary: dict, rejects: dict | None, exit: int = 0) -> Result:
+        """A run that read under ``--on-bad-row``: its summary counts the rows it left out
+        (``rejected_rows``), and it exits :data:`~metachunk.artifacts.EXIT_SKIPPED` when there were
+        any, unless ``exit`` already says something (a teacher's trouble says more)."""
+        if rejects:
+            summary = {**summary, "rejected_rows": rejects["rows"]}
+        left_out = bool(rejects and rejects.get("rows"))
+        return cls(exit or (EXIT_SKIPPED if left_out else 0), summary, rejects=rejects)
 
 
 @dataclass(frozen=True)

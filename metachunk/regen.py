@@ -24,7 +24,7 @@ have written is skipped as empty too, and so on downstream, unless it says
 
 **Bad rows.** A stage's ``config:`` may say ``on_bad_row: skip`` (and ``max_bad_rows``), as its
 command's flags do. Such a stage that leaves rows out exits with
-:data:`~metachunk.sources.EXIT_SKIPPED` and is done: the manifest's stage entry carries its
+:data:`~metachunk.artifacts.EXIT_SKIPPED` and is done: the manifest's stage entry carries its
 ``rejects`` (the count, the rejects file and its sha256), and ``metachunk run`` itself exits with
 that status once every stage is done, so that a scheduler sees rows were left out.
 

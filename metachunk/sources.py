@@ -39,12 +39,13 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from metachunk.artifacts import Document, InputError, check_unicode
+from metachunk.artifacts import EXIT_SKIPPED, AtomicWriter, Document, InputError, check_unicode
 from metachunk.config import option
 
 FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
@@ -52,7 +53,6 @@ SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 CHECKPOINT_EVERY = 256  # documents between two recorded read positions
 MAX_ROW_BYTES = 64 << 20  # a larger line is not a document but a broken or hostile row
 BAD_ROW_POLICIES = ("error", "skip")
-EXIT_SKIPPED = 6  # the command finished, leaving out rows its --on-bad-row skip policy rejected
 
 
 class BadRow(InputError):
@@ -101,8 +101,6 @@ class Rejects:
             if self.path is not None:
                 self.path.unlink(missing_ok=True)
             return {"rows": len(self.rows)}
-        from metachunk.artifacts import AtomicWriter
-
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.rows.values())
         with AtomicWriter(self.path) as f:
             f.write(lines)
@@ -150,8 +148,6 @@ def finish_rejects(rejects: Rejects | None, command: str) -> dict | None:
         return None
     written = rejects.write()
     if written["rows"]:
-        import sys
-
         print(f"{command}: {written['rows']} bad rows left out (--on-bad-row skip): {written['file']}",
               file=sys.stderr)  # fmt: skip
     return written

@@ -72,6 +72,21 @@ def assert_all_gone(proc: subprocess.Popen, children: list[psutil.Process], port
         wait_for(lambda: port_free(port), 10, f"port {port} to be free")
 
 
+def stop_and_check(proc: subprocess.Popen, sig: int, children: list[psutil.Process], port: int | None = None):
+    """Send ``sig``; every process of the run ends within 10 s (the port freed); SIGTERM exits 143."""
+    proc.send_signal(sig)
+    assert_all_gone(proc, children, port)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143, f"exit status {proc.returncode}"
+
+
+def kill_what_is_left(proc: subprocess.Popen) -> None:
+    """After a failed test: nothing of the run outlives it."""
+    for c in descendants(proc):
+        c.kill()
+    proc.kill()
+
+
 def serving(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
@@ -93,15 +108,11 @@ def test_teacher_serve_leaves_no_server(tmp_path, sig):
         assert proc.poll() is None, (tmp_path / "log").read_text()
         children = descendants(proc)
         assert children  # the server runs in a child process
-        proc.send_signal(sig)
-        assert_all_gone(proc, children, port)
+        stop_and_check(proc, sig, children, port)
         if sig == signal.SIGTERM:
-            assert proc.returncode == 143
             assert "stopped by SIGTERM" in (tmp_path / "log").read_text()
     finally:
-        for c in descendants(proc):
-            c.kill()
-        proc.kill()
+        kill_what_is_left(proc)
 
 
 def test_a_port_left_bound_is_named_with_its_holder(tmp_path):
@@ -129,17 +140,11 @@ def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, t
             "--threads-per-worker", 1, "--lang", "en"]  # fmt: skip
     proc = start(*argv, log=tmp_path / "log")
     try:
-        children = wait_for(lambda: len(descendants(proc)) >= 2 and descendants(proc), 120, "the workers")
+        wait_for(lambda: len(descendants(proc)) >= 2 and descendants(proc), 120, "the workers")
         wait_for(lambda: len(list(out.glob("train-*.jsonl"))) >= 1 or proc.poll() is not None, 120, "a shard")
-        children = descendants(proc)
-        proc.send_signal(sig)
-        assert_all_gone(proc, children)
-        if sig == signal.SIGTERM:
-            assert proc.returncode == 143
+        stop_and_check(proc, sig, descendants(proc))
     finally:
-        for c in descendants(proc):
-            c.kill()
-        proc.kill()
+        kill_what_is_left(proc)
     manifest = json.loads((out / "manifest.json").read_text())
     assert not manifest["complete"] and all(
         (out / e["file"]).is_file() for e in manifest["shards"]["done"].values()
@@ -154,8 +159,9 @@ def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, t
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny_model_dir, sig):
     """``chunk --engine ray`` without ``--ray-address`` starts a local Ray cluster (GCS, raylet, the
-    actors' workers): a SIGTERM shuts it down (``ray.shutdown``); after a SIGKILL Ray's own reaper
-    (a child that watches the driver) takes it down."""
+    actors' workers): a SIGTERM shuts it down (``ray.shutdown``, exit 143 although ``ray.init``
+    installs a SIGTERM handler of its own); after a SIGKILL, Ray's fate sharing ends the GCS and the
+    raylet, and our watchdog (``stopping.reap_on_death``) the agents and workers under the raylet."""
     pytest.importorskip("ray")
     out = tmp_path / "out"
     argv = ["chunk", corpus, "-o", out, "--model", tiny_model_dir, "--engine", "ray", "--workers", 1, "--shards", 40,
@@ -166,14 +172,9 @@ def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny
         assert proc.poll() is None, (tmp_path / "log").read_text()[-3000:]
         children = descendants(proc)
         assert any("raylet" in " ".join(c.cmdline()) for c in children)
-        proc.send_signal(sig)
-        assert_all_gone(proc, children)
-        if sig == signal.SIGTERM:
-            assert proc.returncode == 143
+        stop_and_check(proc, sig, children)
     finally:
-        for c in descendants(proc):
-            c.kill()
-        proc.kill()
+        kill_what_is_left(proc)
     manifest = json.loads((out / "manifest.json").read_text())
     assert not manifest["complete"] and manifest["shards"]["done"]
 
@@ -200,15 +201,10 @@ def test_a_regeneration_run_stops_its_local_teacher(tmp_path, sig):
         port = int(server[0].cmdline()[server[0].cmdline().index("--port") + 1])
         wait_for(lambda: serving(port), 120, "the local teacher to answer")
         time.sleep(2)  # mid-stage: requests in flight
-        children = descendants(proc)
-        proc.send_signal(sig)
-        assert_all_gone(proc, children, port)
+        stop_and_check(proc, sig, descendants(proc), port)
         if sig == signal.SIGTERM:
-            assert proc.returncode == 143, (tmp_path / "log").read_text()[-2000:]
             assert "stopped by SIGTERM" in (tmp_path / "log").read_text()
     finally:
-        for c in descendants(proc):
-            c.kill()
-        proc.kill()
+        kill_what_is_left(proc)
     state = tmp_path / "state" / "state.json"
     assert not state.exists() or "moc" not in json.loads(state.read_text())["stages"]  # a rerun runs it
