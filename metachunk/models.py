@@ -271,14 +271,22 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from metachunk import attention
+
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
     path = resolve(name_or_dir)
     device = device or default_device()
     picked, why = pick_dtype(dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    # On CPU, attention in blocks of queries (metachunk.attention): eager's arithmetic, faster than
+    # torch's SDPA kernel there; elsewhere transformers' default.
+    implementation = attention.register() if device == "cpu" else None
     model = (
         AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, picked), use_safetensors=use_safetensors
+            path,
+            dtype=getattr(torch, picked),
+            use_safetensors=use_safetensors,
+            attn_implementation=implementation,
         )
         .to(device)
         .eval()
