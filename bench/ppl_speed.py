@@ -165,14 +165,19 @@ def worker(args) -> None:
 def model_shapes(model) -> dict:
     c = model.config
     c = getattr(c, "text_config", None) or c
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    window = getattr(c, "sliding_window", None)
+    layer_types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
     return {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "vocab": c.vocab_size,
-            "layers": c.num_hidden_layers}  # fmt: skip
+            "layers": c.num_hidden_layers, "attention_width": c.num_attention_heads * head_dim,
+            "windows": [window if kind == "sliding_attention" and window else None for kind in layer_types]}  # fmt: skip
 
 
 def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
     """FLOPs of one exact pass over documents of ``lengths`` tokens: every token meets every weight
     matrix once (2 FLOPs per parameter, the input embedding excluded: a lookup; the LM head included),
-    plus attention's QK^T and AV over the context it attends to (at most ``max_context``)."""
+    plus attention's QK^T and AV, 2 FLOPs each per query width (heads x head dim) per key it
+    attends to: its context, at most ``max_context`` and, in a sliding-window layer, the window."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     params = sum(p.numel() for p in model.parameters()) - embed.numel()
@@ -182,7 +187,9 @@ def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
     flops = 0.0
     for n in lengths:
         flops += 2.0 * params * n
-        flops += 4.0 * shapes["layers"] * shapes["hidden"] * sum(min(t + 1, max_context) for t in range(n))
+        for window in shapes["windows"]:
+            span = min(max_context, window or max_context)
+            flops += 4.0 * shapes["attention_width"] * sum(min(t + 1, span) for t in range(n))
     return flops
 
 
@@ -193,8 +200,9 @@ def gemm_worker(args) -> None:
 
     shapes = json.loads(args.shapes)
     m = 512
-    # The head's shapes too: its CPU tile (metachunk.scoring.CPU_HEAD_TILE) and a big one, which
-    # AMX runs faster than any square shape (so leaving them out would flatter the ratio).
+    # The head's shapes too: its tile (metachunk.scoring.DEFAULT_HEAD_ROWS x DEFAULT_VOCAB_BLOCK)
+    # and a small one; AMX runs them faster than any square shape (leaving them out would flatter
+    # the ratio).
     hidden, vocab = shapes["hidden"], shapes["vocab"]
     cases = [(1024, 1024, 1024), (2048, 2048, 2048), (m, hidden, shapes["intermediate"]),
              (m, shapes["intermediate"], hidden), (m, hidden, min(vocab, 32768)),

@@ -1,23 +1,34 @@
-"""Causal attention for CPU in blocks of queries: what ``load_causal_lm`` uses on a CPU.
+"""Attention on CPU: torch's SDPA kernel where it is fast, causal attention in blocks of queries
+where it is not. What ``load_causal_lm`` uses on a CPU.
 
 Profiled on a 2-core AVX-512 BF16 CPU (Gemma-3-270m, bf16, 50 CRUD articles), torch's SDPA CPU
-kernel took a quarter of the decoder's time for 8% of its FLOPs, and ``eager`` (one full
-``n x n`` score matrix) is faster only up to ~1K tokens. This is eager's arithmetic (bf16 or fp32
-matmuls, a float32 softmax) over blocks of :data:`QUERY_BLOCK` queries, each against only the keys
-its mask lets it see: the causal triangle's upper half and everything outside a sliding window
-are never computed, grouped-query heads read their shared key/value head without copies, and
-memory is one block's scores, never the whole matrix.
+kernel took a quarter of the decoder's time for 8% of its FLOPs: with Gemma's 256-wide heads it
+is slow at every length, and it computes a sliding-window layer's whole causal triangle. With
+SmolLM2's 64-wide heads and no windows it is the fastest there is (faster than eager and than
+the blocks below at 300 to 4,096 tokens). So :func:`cpu_attention` sends a layer to
+:func:`blocked_attention` when its heads are wider than :data:`SDPA_MAX_HEAD_DIM` or its sliding
+window is shorter than the keys, and to SDPA otherwise.
 
-It is registered under :data:`NAME` through transformers' ``AttentionInterface``, with the same
-boolean masks that ``sdpa`` gets (https://huggingface.co/docs/transformers/attention_interface),
-so padding, sliding windows and KV caches are handled by transformers' own mask builders.
+:func:`blocked_attention` is eager's arithmetic (bf16 or fp32 matmuls, a float32 softmax) over
+blocks of :data:`QUERY_BLOCK` queries, each against only the keys its mask lets it see: the causal
+triangle's upper half and everything outside a sliding window are never computed, grouped-query
+heads read their shared key/value head without copies, and memory is one block's scores, never
+the whole matrix.
+
+Both get the boolean masks that ``sdpa`` gets: :data:`NAME` is registered through transformers'
+``AttentionInterface`` (https://huggingface.co/docs/transformers/attention_interface) with the
+``sdpa`` mask builder, so padding, sliding windows and KV caches are transformers' own.
 """
 
 from __future__ import annotations
 
 import torch
 
-NAME = "metachunk_blocked"
+NAME = "metachunk_cpu"
+
+# The widest heads SDPA's CPU kernel gets (64: SmolLM2, 128: Llama and Qwen; Gemma's 256 go to
+# the blocks).
+SDPA_MAX_HEAD_DIM = 128
 
 # Queries per block: small enough that a block's float32 scores stay in cache, large enough that
 # each block's two matmuls run at the GEMM rate (128 and 256 were within noise on the bench).
@@ -76,11 +87,28 @@ def blocked_attention(
     return out, None
 
 
+def cpu_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """:func:`blocked_attention` for wide heads or a window shorter than the keys, else SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    window = getattr(module, "sliding_window", None)
+    if query.shape[-1] > SDPA_MAX_HEAD_DIM or (window and key.shape[2] > window):
+        return blocked_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register() -> str:
     """Make :data:`NAME` a valid ``attn_implementation`` (idempotent); returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, blocked_attention)
+    AttentionInterface.register(NAME, cpu_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME

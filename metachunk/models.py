@@ -278,8 +278,8 @@ def load_causal_lm(
     device = device or default_device()
     picked, why = pick_dtype(dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # On CPU, attention in blocks of queries (metachunk.attention): eager's arithmetic, faster than
-    # torch's SDPA kernel there; elsewhere transformers' default.
+    # On CPU, metachunk.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
+    # is slow (wide heads, sliding windows); elsewhere transformers' default.
     implementation = attention.register() if device == "cpu" else None
     model = (
         AutoModelForCausalLM.from_pretrained(

@@ -74,3 +74,17 @@ def test_load_causal_lm_uses_it_on_cpu_and_matches_sdpa(tiny_model_dir):
         )
         greedy = dict(max_new_tokens=12, do_sample=False)
         torch.testing.assert_close(model.generate(**batch, **greedy), sdpa.generate(**batch, **greedy))
+
+
+@pytest.mark.parametrize("dim,window", [(16, None), (16, 50), (256, None)])
+def test_cpu_attention_sends_wide_heads_and_short_windows_to_the_blocks(monkeypatch, dim, window):
+    calls = []
+    monkeypatch.setattr(
+        attention, "blocked_attention", lambda *a, **k: calls.append(1) or (a[1].transpose(1, 2), None)
+    )
+    module = torch.nn.Module()
+    module.sliding_window = window
+    q, k, v = torch.randn(1, 4, 80, dim), torch.randn(1, 2, 80, dim), torch.randn(1, 2, 80, dim)
+    module.num_key_value_groups = 2
+    attention.cpu_attention(module, q, k, v, None, scaling=dim**-0.5)
+    assert calls == ([1] if dim > attention.SDPA_MAX_HEAD_DIM or window else [])
