@@ -65,11 +65,12 @@ def blocked_attention(
     # Without a mask, queries start..end-1 see keys 0..end-1: keys before start are before every
     # query of the block, so only the n x n diagonal square needs the triangle (masking whole
     # blocks cost a tenth of this function's time).
-    future = torch.ones(QUERY_BLOCK, QUERY_BLOCK, dtype=torch.bool, device=query.device).triu_(1)
+    causal = attention_mask is None and q_len > 1
+    if causal:
+        future = torch.ones(QUERY_BLOCK, QUERY_BLOCK, dtype=torch.bool, device=query.device).triu_(1)
     for start in range(0, q_len, QUERY_BLOCK):
         end = min(q_len, start + QUERY_BLOCK)
         n = end - start
-        causal = attention_mask is None and q_len > 1
         if attention_mask is None:
             lo, hi = 0, (min(end, k_len) if causal else k_len)
         else:
