@@ -25,10 +25,10 @@ GPU (H200): engine >= 10x the loop; run with ``--device cuda`` and a 0.5B-class 
 (what ``metachunk chunk`` does with no flag; the line says what auto picked and why), the other two
 force a dtype. Each engine's rate is the FLOPs of an exact pass over its documents (2 x the
 parameters a token meets, LM head included, per token, plus attention: 4 x layers x heads x head
-dim x the keys each token attends to, within the window in a sliding-window layer) over its wall time, as a share of this machine's best GEMM rate in
-the same dtype (the best of square and model-shaped ``torch.matmul`` timings, in a child process
-with the same threads). Boundary F1 is against ``engine-fp32`` when it runs (the exact path), else
-against the loop.
+dim x the keys each token attends to, within the window in a sliding-window layer) over its wall
+time, as a share of this machine's best GEMM rate in the same dtype (the best of square and
+model-shaped ``torch.matmul`` timings, in a child process with the same threads). Boundary F1 is
+against ``engine-fp32`` when it runs (the exact path), else against the loop.
 """
 
 from __future__ import annotations
