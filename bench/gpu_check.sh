@@ -11,6 +11,7 @@
 #   bash bench/gpu_check.sh --dry-run  # anywhere: the same steps on CPU, tiny sizes (the test suite runs it)
 #
 # Every step's output goes to $OUT (default bench_out/gpu_check) and the summary to its summary.txt.
+# GPU_CHECK_STEP_TIMEOUT (seconds, default none) stops a step that hangs, so the rest still fit the slot.
 # The corpora are read from ../shared/data (or METACHUNK_DATA); a step that fails is reported and
 # the others still run, so one bad step does not cost the whole device slot.
 set -uo pipefail
@@ -21,6 +22,12 @@ PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo pytho
 OUT=${OUT:-bench_out/gpu_check}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+# The package maps its top-level folders under metachunk. (pyproject's package-dir), so it must be
+# installed (`pip install -e .`; `make install` does it): a bare checkout on PYTHONPATH has no metachunk.chunking.
+if ! "$PY" -c "import metachunk.chunking" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import metachunk.chunking; install the package first: $PY -m pip install -e ." >&2
+  exit 2
+fi
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 status=0
@@ -29,7 +36,7 @@ step() {  # step NAME COMMAND...: run, keep the log, note the result
   local name=$1; shift
   echo "== $name: $*" | tee -a "$SUMMARY"
   local started=$SECONDS
-  if "$@" > "$OUT/$name.log" 2>&1; then
+  if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" > "$OUT/$name.log" 2>&1; then
     echo "   ok in $((SECONDS - started)) s" | tee -a "$SUMMARY"
   else
     echo "   FAILED (exit $?) in $((SECONDS - started)) s; see $OUT/$name.log" | tee -a "$SUMMARY"
@@ -71,12 +78,14 @@ for workers in 1 2; do
   step "chunk_${workers}_workers" "$PY" -m metachunk.cli chunk "$OUT/crud.jsonl" -o "$OUT/chunks_w$workers" \
     --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
 done
-if cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
+if [[ ! -f "$OUT/chunks_w1/manifest.json" || ! -f "$OUT/chunks_w2/manifest.json" ]]; then
+  echo "== chunk: a run wrote no manifest; nothing to compare" | tee -a "$SUMMARY"; status=1
+elif cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
   echo "== chunk: 1 and 2 workers wrote identical shards" | tee -a "$SUMMARY"
 else
   echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
 fi
-"$PY" - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+[[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]] && "$PY" - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 s = {w: json.load(open(f"{sys.argv[1]}/chunks_w{w}/manifest.json"))["run"]["this_attempt_seconds"] for w in (1, 2)}
 print(f"== chunk: 1 worker {s[1]} s, 2 workers on one device {s[2]} s: {s[1] / s[2]:.2f}x")

@@ -51,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
+DATA = Path(os.environ.get("METACHUNK_DATA", ROOT.parent / "shared" / "data"))
 
 DEFAULT_MODEL = {"en": "smollm2", "zh": "gemma3-270m"}
 

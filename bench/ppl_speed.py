@@ -27,8 +27,8 @@ force a dtype. Each engine's rate is the FLOPs of an exact pass over its documen
 parameters a token meets, LM head included, per token, plus attention: 4 x layers x heads x head
 dim x the keys each token attends to, within the window in a sliding-window layer) over its wall
 time, as a share of this machine's best GEMM rate in the same dtype (the best of square and
-model-shaped ``torch.matmul`` timings, in a child process with the same threads). Boundary F1 is
-against ``engine-fp32`` when it runs (the exact path), else against the loop.
+model-shaped ``torch.matmul`` timings on the run's device, in a child process with the same
+threads). Boundary F1 is against ``engine-fp32`` when it runs (the exact path), else against the loop.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
+DATA = Path(os.environ.get("METACHUNK_DATA", ROOT.parent / "shared" / "data"))
 
 
 def load_docs(corpus: str, n: int) -> list[str]:
@@ -194,10 +194,15 @@ def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
 
 
 def gemm_worker(args) -> None:
-    """The best ``torch.matmul`` rate (GFLOP/s) of this machine in each dtype, over square shapes and
+    """The best ``torch.matmul`` rate (GFLOP/s) of the run's device in each dtype, over square shapes and
     the model's own (tokens x hidden @ hidden x intermediate, tokens x hidden @ hidden x vocab)."""
     import torch
 
+    from metachunk.models import default_device
+
+    device = torch.device(args.device or default_device())
+    # CUDA launches are asynchronous: time between synchronisations, or the rate counts queued calls.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     shapes = json.loads(args.shapes)
     m = 512
     # The head's shapes too: its tile (metachunk.scoring.DEFAULT_HEAD_ROWS x DEFAULT_VOCAB_BLOCK)
@@ -207,17 +212,24 @@ def gemm_worker(args) -> None:
     cases = [(1024, 1024, 1024), (2048, 2048, 2048), (m, hidden, shapes["intermediate"]),
              (m, shapes["intermediate"], hidden), (m, hidden, min(vocab, 32768)),
              (128, hidden, min(vocab, 4096)), (1024, hidden, min(vocab, 8192))]  # fmt: skip
+    if device.type == "cuda":  # a GPU reaches its peak only on shapes that fill every multiprocessor
+        cases += [(4096, 4096, 4096), (8192, 8192, 8192)]
     out = {}
     for name in ("float32", "bfloat16"):
         dtype, best = getattr(torch, name), 0.0
         for a, b, c in cases:
-            x, w = torch.randn(a, b, dtype=dtype), torch.randn(b, c, dtype=dtype)
+            x = torch.randn(a, b, dtype=dtype, device=device)
+            w = torch.randn(b, c, dtype=dtype, device=device)
             for _ in range(2):
                 x @ w
+            sync()
             reps, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < 1.0:
                 x @ w
                 reps += 1
+                if reps % 8 == 0:
+                    sync()
+            sync()
             best = max(best, 2.0 * a * b * c * reps / (time.perf_counter() - t0) / 1e9)
         out[name] = best
     Path(args.out + ".json").write_text(json.dumps(out))
@@ -282,6 +294,8 @@ def main() -> None:
         out = os.path.join(tmp, "gemm")
         cmd = [sys.executable, __file__, "--worker", "gemm", "--out", out,
                "--shapes", json.dumps(results[engines[0]]["shapes"])]  # fmt: skip
+        if args.device:
+            cmd += ["--device", args.device]
         subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
         gemm = json.loads(Path(out + ".json").read_text())
     ref = "engine-fp32" if "engine-fp32" in results else "loop" if "loop" in results else methods[0]
@@ -308,7 +322,12 @@ def main() -> None:
               f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} {rate:>8.1f} {roof:>8.2f} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
         summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl, "gflops": rate, "roofline": roof}  # fmt: skip
     if gemm:
-        print("best GEMM on this machine: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items()))
+        print(
+            "best GEMM on "
+            + (args.device or "this machine")
+            + ": "
+            + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items())
+        )
         summary["best_gemm_gflops"] = gemm
     if "engine" in results:
         picked = results["engine"].get("dtype", {})

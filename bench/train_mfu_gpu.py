@@ -3,13 +3,17 @@
 Self-contained (torch, transformers, and TRL's fused LM head if TRL is installed); no data, no checkpoint: the model
 is randomly initialised from a ``Qwen2Config`` shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV
 heads, MLP 4,864, vocabulary 151,936, tied embeddings), bf16 weights (as ``dtype: bfloat16`` + ``bf16: true`` in
-our recipes), AdamW (fused on CUDA), flash_attention_2 when ``flash_attn`` is importable, else sdpa.
+our recipes), AdamW (fused on CUDA), flash_attention_2 when ``flash_attn`` is importable, else flex_attention
+on CUDA, else sdpa. Without flash-attn, flex_attention is the varlen path: transformers turns the packed
+``position_ids`` into a ``BlockMask`` (``transformers.masking_utils.flex_attention_mask``), and flex attention skips
+the blocks it masks out whole (https://docs.pytorch.org/docs/stable/nn.attention.flex_attention.html), where sdpa
+computes the whole row's attention under a dense block-diagonal mask.
 
 Batches: one padding-free row per step, as TRL's collator builds it with ``packing``/``padding_free``: sequences of
 random lengths (uniform in ``--min-len``..``--max-len``, an SFT-like mix) concatenated up to exactly
 ``--tokens`` tokens (the last one cut to fit, so every step has the same shape), ``position_ids`` restarting at 0
 for each sequence and the varlen boundaries ``cu_seq_lens_q/k`` + ``max_length_q/k`` (what flash-attention uses; with
-sdpa, transformers builds a block-diagonal causal mask from the ``position_ids``). The loss is the next-token
+flex_attention or sdpa, transformers builds a block-diagonal causal mask from the ``position_ids``). The loss is the next-token
 cross-entropy on every token but each sequence's first (TRL's padding-free labels), through TRL's fused LM head
 (``add_fused_lm_head``: no ``(tokens, vocab)`` logits tensor) when TRL is importable, else the model's own loss.
 
@@ -30,10 +34,8 @@ attention blocks):
 Peak: 989 TFLOP/s, the H200 (SXM) dense bf16 tensor-core peak (the same as the H100 SXM; ``--peak-tflops`` to
 change). Prints tokens/s, TFLOP/s, MFU, and the peak GPU memory.
 
-Not run on a GPU yet (none here). Rough expectation, not a measurement: ~109 TFLOP per 32K-token step (97 dense +
-~12 attention), so ~0.3 s a step at 40% MFU; ~40 GB of GPU memory (bf16 weights, gradients and AdamW state ~4 GB,
-activations of 32K tokens x 24 layers the rest). Checked on CPU: ``--tiny`` (3 steps, ~5 s), and the full
-0.5B shape for one 256-token step (494.0M parameters, as Qwen2.5-0.5B).
+A 32K-token step is ~109 TFLOP of model FLOPs (97 dense + ~12 attention): ~0.3 s at 40% MFU. The figures measured
+on an H200 (sdpa, flex_attention, 32K and 64K tokens) are on docs/performance.md. ``--tiny`` (3 steps) runs anywhere.
 
     python bench/train_mfu_gpu.py                     # H200: 35 steps of 32K tokens after model init
     python bench/train_mfu_gpu.py --tokens 65536      # a bigger packed step
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-len", type=int, help="shortest sequence (default 256; 16 with --tiny)")
     ap.add_argument("--max-len", type=int, help="longest sequence (default 4096; 128 with --tiny)")
     ap.add_argument(
-        "--attn", help="attention: default flash_attention_2 if flash_attn is importable, else sdpa"
+        "--attn",
+        help="attention (default on CUDA: flash_attention_2 if flash_attn is importable, else flex_attention; sdpa on CPU)",
     )
     ap.add_argument("--dtype", default="bfloat16", help="weights dtype (default bfloat16)")
     ap.add_argument("--device", help="default cuda if available, else cpu")
@@ -127,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     tokens, lo, hi = args.tokens or d(32768, 512), args.min_len or d(256, 16), args.max_len or d(4096, 128)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    attn = args.attn or ("flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa")
+    if args.attn:
+        attn = args.attn
+    elif cuda:
+        attn = "flash_attention_2" if is_flash_attn_2_available() else "flex_attention"
+    else:
+        attn = "sdpa"
     dtype = getattr(torch, args.dtype)
     peak_tflops = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else None)
 
@@ -217,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; peak GPU memory {peak_mem:.1f} GiB" if peak_mem is not None else "")
     )
     print(f"loss first/last timed step: {losses[0]:.3f} / {losses[-1]:.3f}")
-    if cuda and "flash" not in attn:
+    if cuda and attn not in ("flash_attention_2", "flex_attention"):
         print(
             f"note: {attn} attends the whole {tokens:,}-token row under a block-diagonal mask (the masked blocks are "
-            "computed, not counted as model FLOPs): install flash-attn for the varlen kernel, or use a smaller --tokens"
+            "computed, not counted as model FLOPs): use --attn flex_attention, or install flash-attn for the varlen kernel"
         )
     result = {
         "bench": "train_mfu_gpu", "tiny": args.tiny, "device": name, "attn_implementation": attn, "dtype": args.dtype,

@@ -360,8 +360,7 @@ def reads(cfg) -> Reads:
 
 def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan) -> dict:
     """The deterministic part of the manifest, with the fingerprint that resume compares."""
-    from importlib.metadata import version
-
+    from metachunk import __version__
     from metachunk.models import fingerprint as model_fingerprint
     from metachunk.models import is_model
     from metachunk.prompts import file_hashes
@@ -375,7 +374,7 @@ def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPl
         "input": index.sha256,
         "models": _json_sha(models),
         "prompts": _json_sha(prompts),
-        "metachunk": version("metachunk"),
+        "metachunk": __version__,
     }
     return {
         "schema_version": SCHEMA_VERSION,

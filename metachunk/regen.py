@@ -205,7 +205,7 @@ class Digests:
 
 
 def metachunk_version() -> dict:
-    from importlib.metadata import version
+    from metachunk import __version__  # "0+unknown" from a checkout that was never installed
 
     commit = None
     with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -213,7 +213,7 @@ def metachunk_version() -> dict:
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
         )
         commit = done.stdout.strip() or None if done.returncode == 0 else None
-    return {"version": version("metachunk"), "git_commit": commit}
+    return {"version": __version__, "git_commit": commit}
 
 
 @dataclass
