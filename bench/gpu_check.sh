@@ -78,17 +78,19 @@ for workers in 1 2; do
   step "chunk_${workers}_workers" "$PY" -m metachunk.cli chunk "$OUT/crud.jsonl" -o "$OUT/chunks_w$workers" \
     --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
 done
-if [[ ! -f "$OUT/chunks_w1/manifest.json" || ! -f "$OUT/chunks_w2/manifest.json" ]]; then
-  echo "== chunk: a run wrote no manifest; nothing to compare" | tee -a "$SUMMARY"; status=1
-elif cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
-  echo "== chunk: 1 and 2 workers wrote identical shards" | tee -a "$SUMMARY"
-else
-  echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
-fi
-[[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]] && "$PY" - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+if [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]]; then
+  if cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
+    echo "== chunk: 1 and 2 workers wrote identical shards" | tee -a "$SUMMARY"
+  else
+    echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
+  fi
+  "$PY" - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 s = {w: json.load(open(f"{sys.argv[1]}/chunks_w{w}/manifest.json"))["run"]["this_attempt_seconds"] for w in (1, 2)}
 print(f"== chunk: 1 worker {s[1]} s, 2 workers on one device {s[2]} s: {s[1] / s[2]:.2f}x")
 PYEOF
+else
+  echo "== chunk: a run wrote no manifest; nothing to compare" | tee -a "$SUMMARY"; status=1
+fi
 echo "summary: $SUMMARY"
 exit $status

@@ -322,12 +322,8 @@ def main() -> None:
               f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} {rate:>8.1f} {roof:>8.2f} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
         summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl, "gflops": rate, "roofline": roof}  # fmt: skip
     if gemm:
-        print(
-            "best GEMM on "
-            + (args.device or "this machine")
-            + ": "
-            + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items())
-        )
+        rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items())
+        print(f"best GEMM on {args.device or 'this machine'}: {rates}")
         summary["best_gemm_gflops"] = gemm
     if "engine" in results:
         picked = results["engine"].get("dtype", {})
