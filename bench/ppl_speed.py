@@ -28,7 +28,8 @@ parameters a token meets, LM head included, per token, plus attention: 4 x layer
 dim x the keys each token attends to, within the window in a sliding-window layer) over its wall
 time, as a share of this machine's best GEMM rate in the same dtype (the best of square and
 model-shaped ``torch.matmul`` timings on the run's device, in a child process with the same
-threads). Boundary F1 is against ``engine-fp32`` when it runs (the exact path), else against the loop.
+threads: one GEMM on all of them and, on CPU, one per thread side by side, as the engine's streams
+run). ``streams`` is how many batches the engine ran side by side. Boundary F1 is against ``engine-fp32`` when it runs (the exact path), else against the loop.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def worker(args) -> None:
     from metachunk.chunking.sentences import split_sentences
 
     from metachunk.models import load_causal_lm
-    from metachunk.scoring import token_nll, token_nll_incremental
+    from metachunk.scoring import default_streams, token_nll, token_nll_incremental
 
     docs = load_docs(args.corpus, args.docs)
     # "engine-bf16": the same engine with bf16 weights (AMX / tensor cores); logits are still
@@ -139,6 +140,7 @@ def worker(args) -> None:
             max_batch_size=args.batch_size,
             head_dtype=head_dtype,
             long_context=args.long_context,
+            streams=args.streams,
         )
     elif args.worker.startswith("loop"):
         nll = []
@@ -157,6 +159,8 @@ def worker(args) -> None:
     result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak, "peak_gpu_mb": peak_gpu,
               "tokens": sum(len(ids) for ids, _ in tokenized), "sentences": sum(len(s) for s in sentences),
               "spans": [spans for _, spans in tokenized], "dtype": getattr(model, "metachunk_dtype", {}),
+              "streams": (args.streams or default_streams(next(model.parameters()).device)
+                          if args.worker.startswith("engine") else 1),
               "flops": exact_pass_flops(model, [len(ids) for ids, _ in tokenized], args.max_context),
               "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
@@ -214,25 +218,59 @@ def gemm_worker(args) -> None:
              (128, hidden, min(vocab, 4096)), (1024, hidden, min(vocab, 8192))]  # fmt: skip
     if device.type == "cuda":  # a GPU reaches its peak only on shapes that fill every multiprocessor
         cases += [(4096, 4096, 4096), (8192, 8192, 8192)]
+    # One GEMM on all threads, and (on CPU) one per thread side by side, as the engine's streams
+    # run: the best of either is the machine's rate, so streams cannot flatter the ratio.
+    threads = torch.get_num_threads()
+    lanes = [1] + ([threads] if device.type == "cpu" and threads > 1 else [])
     out = {}
-    for name in ("float32", "bfloat16"):
-        dtype, best = getattr(torch, name), 0.0
-        for a, b, c in cases:
-            x = torch.randn(a, b, dtype=dtype, device=device)
-            w = torch.randn(b, c, dtype=dtype, device=device)
-            for _ in range(2):
-                x @ w
-            sync()
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 1.0:
-                x @ w
-                reps += 1
-                if reps % 8 == 0:
-                    sync()
-            sync()
-            best = max(best, 2.0 * a * b * c * reps / (time.perf_counter() - t0) / 1e9)
-        out[name] = best
+    for name in args.gemm_dtypes.split(","):
+        dtype = getattr(torch, name)
+        # Twice each: a CPU's clock and its neighbours vary by several percent from second to second,
+        # and the ratio is to the best this machine can do.
+        out[name] = max(
+            gemm_rate(a, b, c, dtype, device, sync, n) for a, b, c in cases for n in lanes for _ in range(2)
+        )
     Path(args.out + ".json").write_text(json.dumps(out))
+
+
+def gemm_rate(a: int, b: int, c: int, dtype, device, sync, lanes: int = 1) -> float:
+    """GFLOP/s of ``(a x b) @ (b x c)`` repeated for a second; with ``lanes`` > 1, that many
+    threads side by side, each on its own operands with one torch thread, their FLOPs summed."""
+    import threading
+
+    import torch
+
+    threads, flops = torch.get_num_threads(), [0.0] * lanes
+
+    def lane(k: int) -> None:
+        if lanes > 1:
+            torch.set_num_threads(1)
+        x = torch.randn(a, b, dtype=dtype, device=device)
+        w = torch.randn(b, c, dtype=dtype, device=device)
+        for _ in range(2):
+            x @ w
+        sync()
+        barrier.wait()
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:
+            x @ w
+            reps += 1
+            if reps % 8 == 0:
+                sync()
+        sync()
+        flops[k] = 2.0 * a * b * c * reps / (time.perf_counter() - t0)
+
+    barrier = threading.Barrier(lanes)
+    if lanes == 1:
+        lane(0)
+    else:
+        workers = [threading.Thread(target=lane, args=(k,)) for k in range(lanes)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        torch.set_num_threads(threads)
+    return sum(flops) / 1e9
 
 
 def f1(a: set, b: set) -> float:
@@ -254,10 +292,14 @@ def main() -> None:
         help="any of engine (--dtype, default auto), engine-fp32, engine-bf16, engine-bf16head, loop, loop-bf16, plain",
     )
     p.add_argument("--shapes", help=argparse.SUPPRESS)
+    p.add_argument("--gemm-dtypes", default="float32,bfloat16", help=argparse.SUPPRESS)
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--long-context", default="sliding-window", choices=["kv-trim", "sliding-window"])
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--streams", type=int, default=None, help="engine: batches side by side (default: token_nll's)"
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -293,7 +335,9 @@ def main() -> None:
     if engines:  # this machine's best GEMM rate per dtype, measured beside the runs
         out = os.path.join(tmp, "gemm")
         cmd = [sys.executable, __file__, "--worker", "gemm", "--out", out,
-               "--shapes", json.dumps(results[engines[0]]["shapes"])]  # fmt: skip
+               "--shapes", json.dumps(results[engines[0]]["shapes"]),
+               # only the engines' dtypes: an emulated bf16 GEMM (a CPU without it) takes minutes
+               "--gemm-dtypes", ",".join(sorted({results[m]["dtype"].get("dtype", "float32") for m in engines}))]  # fmt: skip
         if args.device:
             cmd += ["--device", args.device]
         subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
@@ -302,7 +346,7 @@ def main() -> None:
     any_res = next(iter(results.values()))
     print(f"\nmodel={args.model} corpus={args.corpus} docs={args.docs} tokens={any_res['tokens']} "
           f"sentences={any_res['sentences']} max_context={args.max_context} device={args.device or 'auto'} dtype={args.dtype}")  # fmt: skip
-    header = f"{'method':<16} {'dtype':<9} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} {'GFLOP/s':>8} {'roofline':>8} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
+    header = f"{'method':<16} {'dtype':<9} {'streams':>7} {'wall s':>8} {'cpu s':>8} {'tok/s':>8} {'load MB':>8} {'peak MB':>8} {'+MB':>6} {'max|dPPL|':>10} {'GFLOP/s':>8} {'roofline':>8} " + " ".join(f"{'F1@' + str(t):>7}" for t in args.threshold)  # fmt: skip
     print(header + "\n" + "-" * len(header))
     summary = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "methods": {}}
     for m, r in results.items():
@@ -318,7 +362,7 @@ def main() -> None:
         dtype = r.get("dtype", {}).get("dtype", "?")
         rate = r["flops"] / r["wall_s"] / 1e9
         roof = rate / gemm[dtype] if m.startswith("engine") and dtype in gemm else float("nan")
-        print(f"{m:<16} {dtype:<9} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
+        print(f"{m:<16} {dtype:<9} {r['streams']:>7} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
               f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} {rate:>8.1f} {roof:>8.2f} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
         summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl, "gflops": rate, "roofline": roof}  # fmt: skip
     if gemm:

@@ -181,6 +181,13 @@ class ChunkConfig:
         4096, "ppl: tokens of context per window; older text is dropped, each token keeps >= half of it"
     )
     batch_size: int = option(8, "sequences per forward pass")
+    streams: int | None = option(
+        None,
+        "ppl: forward batches run side by side, in threads that share the model and split the torch "
+        "threads; default one per torch thread on CPU (up to 8: faster than one batch on all threads), "
+        "1 on GPU. Which batch runs in which stream is fixed by the plan: output does not depend on it",
+        runtime=True,
+    )
     emit_sentences: bool = option(False, "also write per-sentence spans and the score used for the decision")
     plot: Path | None = option(
         None, "write one PNG per document (score profile with boundaries) into this dir"
@@ -255,7 +262,14 @@ class ChunkConfig:
         st = self.students
         sizes = {
             name: getattr(self, name)
-            for name in ("target_len", "max_context", "batch_size", "max_sentence_chars", "threshold_window")
+            for name in (
+                "target_len",
+                "max_context",
+                "batch_size",
+                "streams",
+                "max_sentence_chars",
+                "threshold_window",
+            )
         }
         sizes.update(student_context_chars=st.context_chars, student_top_k=st.top_k,
                      rewrite_max_new_tokens=st.rewrite_max_new_tokens,
@@ -421,9 +435,17 @@ class Chunker:
             return {"moc": self.moc.manifest()}
         if self.lumber is not None:
             return {"lumber": self.lumber.manifest()}
-        if self.model is not None:  # ppl, msp: the weights' dtype, and why (--dtype auto picks it)
-            return {"dtype": dict(getattr(self.model, "metachunk_dtype", {"dtype": str(self.model.dtype)}))}
-        return {}
+        if self.model is None:
+            return {}
+        # ppl, msp: the weights' dtype, and why (--dtype auto picks it)
+        out = {"dtype": dict(getattr(self.model, "metachunk_dtype", {"dtype": str(self.model.dtype)}))}
+        if self.cfg.method == "ppl":  # how the scorer ran: its streams, and the C kernels it built or not
+            from metachunk import kernels
+            from metachunk.scoring import default_streams
+
+            streams = self.cfg.streams or default_streams(next(self.model.parameters()).device)
+            out["scoring"] = {"streams": streams, "kernels": kernels.status()}
+        return out
 
     def summary_lines(self) -> list[str]:
         return [m.summary_line() for m in (self.moc, self.lumber) if m is not None]
@@ -472,6 +494,7 @@ class Chunker:
                 cfg.batch_size,
                 head_dtype=head_dtype,
                 long_context=cfg.long_context,
+                streams=cfg.streams,
             )
             for d, ppl in zip(out, scores):
                 d.sentences = _with_scores(d.sentences, ppl)

@@ -85,6 +85,7 @@ def score_documents(
     on_batch: Callable[[int], None] | None = None,
     head_dtype=None,
     long_context: str = "sliding-window",
+    streams: int | None = None,
 ) -> list[np.ndarray]:
     """Sentence PPLs for several documents, scored together in batched windows."""
     from metachunk.scoring import token_nll
@@ -99,5 +100,6 @@ def score_documents(
         on_batch=on_batch,
         head_dtype=head_dtype,
         long_context=long_context,
+        streams=streams,
     )
     return [sentence_ppl(nll, spans) for nll, (_, spans) in zip(nlls, tokenized)]

@@ -213,6 +213,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
         "workers": cfg.workers,
         "threads_per_worker": cfg.threads_per_worker,
+        "streams": cfg.streams,
         "device": cfg.device,
         "this_attempt_seconds": round(time.perf_counter() - started, 2),
         "scan_seconds": round(scan_s, 2),

@@ -229,17 +229,23 @@ def default_device() -> str:
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
-    """The first of :data:`NATIVE_BF16_FLAGS` this CPU reports, or None (also where there is no
-    ``/proc/cpuinfo``). ``cpuinfo``: that file's text, for tests."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The flags the CPU reports in ``/proc/cpuinfo`` (none where there is no such file).
+    ``cpuinfo``: that file's text, for tests."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
         except OSError:
-            return None
-    flags = next(
-        (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
+            return set()
+    return set(
+        next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     )
+
+
+def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
+    """The first of :data:`NATIVE_BF16_FLAGS` this CPU reports, or None (also where there is no
+    ``/proc/cpuinfo``). ``cpuinfo``: that file's text, for tests."""
+    flags = cpu_flags(cpuinfo)
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
 
 

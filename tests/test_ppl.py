@@ -348,6 +348,91 @@ def test_long_document_independent_of_batch(tiny_lm, long_ids, padding, long_con
 
 
 # --------------------------------------------------------------------------------------------
+# Streams: batches side by side, in threads that share the model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streams_give_the_same_bytes(tiny_lm, tiny_model_dir: Path, long_ids, dtype):
+    import torch
+
+    from metachunk.models import load_causal_lm
+
+    model, tok = (
+        tiny_lm if dtype == "float32" else load_causal_lm(str(tiny_model_dir), device="cpu", dtype=dtype)
+    )
+    sequences = [tok(d, add_special_tokens=False)["input_ids"] for d in DOCS] + [long_ids, long_ids[:150]]
+    threads = torch.get_num_threads()
+    runs = {}
+    for streams in (1, 2, 3, 2):
+        calls = []
+        out = token_nll(model, sequences, max_context=64, max_batch_size=2, head_rows=16,
+                        streams=streams, on_batch=calls.append)  # fmt: skip
+        assert sum(calls) == sum(max(0, len(s) - 1) for s in sequences)
+        assert torch.get_num_threads() == threads  # each stream's share is given back
+        if streams in runs:  # a rerun: the same batches in the same streams
+            assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(out, runs[streams]))
+        runs[streams] = out
+    for streams in (2, 3):
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(runs[streams], runs[1]))
+
+
+def test_streams_stop_on_a_failure(tiny_lm):
+    import torch
+
+    model, tok = tiny_lm
+    sequences = [tok(d, add_special_tokens=False)["input_ids"] for d in DOCS]
+    sequences[2] = [*sequences[2][:5], model.config.vocab_size + 7]  # no such token: its batch fails
+    threads = torch.get_num_threads()
+    with pytest.raises(IndexError):
+        token_nll(model, sequences, max_context=64, max_batch_size=1, streams=2)
+    assert torch.get_num_threads() == threads
+
+
+def test_streams_stop_on_a_signal(tiny_lm, long_ids):
+    """A signal handler that raises in the waiting thread (as SIGTERM's does under
+    metachunk.stopping) ends the call within a batch per stream, not after the whole plan."""
+    import signal
+    import threading
+
+    model, _ = tiny_lm
+    calls = []
+
+    def on_batch(n):  # from a stream's thread: the first scored batch signals the caller's
+        calls.append(n)
+        if len(calls) == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            token_nll(model, [long_ids] * 40, max_context=32, max_batch_size=1, head_rows=16, streams=2,
+                      on_batch=on_batch)  # fmt: skip
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert 0 < sum(calls) < 40 * (len(long_ids) - 1) / 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(2, 50)), max_size=30), st.integers(1, 5))
+def test_assign_batches_deals_each_batch_once(shapes, streams):
+    from metachunk.scoring import assign_batches
+
+    batches = [[Window(k, 0, n, 1)] * rows for k, (rows, n) in enumerate(shapes)]
+    lanes = assign_batches(batches, streams)
+    assert len(lanes) == streams
+    dealt = [b[0].seq for lane in lanes for b in lane]
+    assert sorted(dealt) == list(range(len(batches)))
+    assert all([b[0].seq for b in lane] == sorted(b[0].seq for b in lane) for lane in lanes)  # plan order
+    work = [sum(len(b) * b[0].end for b in lane) for lane in lanes]
+    assert max(work) - min(work) <= max((r * n for r, n in shapes), default=0)
+    assert lanes == assign_batches(batches, streams)
+
+
+# --------------------------------------------------------------------------------------------
 # Real model (integration)
 # --------------------------------------------------------------------------------------------
 

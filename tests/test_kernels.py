@@ -1,0 +1,102 @@
+"""The C kernels of metachunk/kernels: built on first use, equal to torch's ops, and torch's ops
+wherever they cannot be built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from metachunk import kernels
+from metachunk.models import cpu_flags
+
+needs_avx512 = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the kernel is AVX-512F code")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path: Path):
+    """A cache of its own and no kernel loaded yet in this process."""
+    monkeypatch.setenv("METACHUNK_CACHE", str(tmp_path))
+    kernels.lse_rows_bf16.cache_clear()
+    yield tmp_path
+    kernels.lse_rows_bf16.cache_clear()
+
+
+@needs_avx512
+def test_lse_rows_bf16_equals_torch(fresh):
+    lse = kernels.lse_rows_bf16()
+    assert lse is not None, kernels.status()
+    assert kernels.status()["lse_rows_bf16"].startswith("compiled")
+    assert len(list((fresh / "kernels").glob("lse_rows_bf16-*.so"))) == 1
+    g = torch.Generator().manual_seed(0)
+    for rows, cols, scale in [
+        (5, 8192, 1.0),
+        (3, 8192 + 13, 8.0),
+        (7, 31, 30.0),
+        (1, 1, 1.0),
+        (4, 4480, 0.01),
+    ]:
+        x = (torch.randn(rows, cols, generator=g) * scale).bfloat16()
+        out = torch.full((rows,), float("nan"))
+        lse(x, out)
+        np.testing.assert_allclose(out, torch.logsumexp(x.float(), -1), rtol=1e-6, atol=1e-5)
+    # a tile's view (rows longer than its columns) into a column of a wider matrix, as the head uses them
+    big = (torch.randn(6, 100, generator=g) * 5).bfloat16()
+    table = torch.zeros(6, 3)
+    lse(big[:, :40], table[:, 1])
+    np.testing.assert_allclose(table[:, 1], torch.logsumexp(big[:, :40].float(), -1), rtol=1e-6, atol=1e-5)
+    assert not table[:, [0, 2]].any()
+    # rows of -inf (a masked vocabulary) and one far-off entry
+    x = torch.full((2, 64), float("-inf")).bfloat16()
+    x[1, 5] = -300.0
+    out = torch.empty(2)
+    lse(x, out)
+    assert out[0] == float("-inf") and out[1] == pytest.approx(-300.0)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        lse(big.T, torch.empty(100))
+
+
+@needs_avx512
+def test_a_second_load_reuses_the_built_library(fresh):
+    assert kernels.lse_rows_bf16() is not None
+    (built,) = (fresh / "kernels").glob("*.so")
+    stamp = built.stat().st_mtime_ns
+    kernels.lse_rows_bf16.cache_clear()
+    assert kernels.lse_rows_bf16() is not None
+    assert built.stat().st_mtime_ns == stamp and len(list((fresh / "kernels").iterdir())) == 1
+
+
+@pytest.mark.parametrize(
+    "setup, why",
+    [
+        ({"env": {"METACHUNK_KERNELS": "0"}}, "off (METACHUNK_KERNELS=0)"),
+        ({"env": {"CC": "no-such-compiler-here"}}, "no C compiler"),
+        ({"flags": {"fpu", "avx2"}}, "no AVX-512F"),
+        ({"env": {"CC": "false"}}, "false failed"),
+    ],
+)
+def test_without_a_kernel_the_reason_is_kept(fresh, monkeypatch, setup, why):
+    for k, v in setup.get("env", {}).items():
+        monkeypatch.setenv(k, v)
+    flags = setup.get("flags", cpu_flags() | {"avx512f"})
+    monkeypatch.setattr("metachunk.models.cpu_flags", lambda cpuinfo=None: flags)
+    assert kernels.lse_rows_bf16() is None
+    assert why in kernels.status()["lse_rows_bf16"]
+    assert not list((fresh / "kernels").glob("*.so")) if (fresh / "kernels").exists() else True
+
+
+@needs_avx512
+def test_bf16_scoring_with_and_without_the_kernel(tiny_model_dir: Path, monkeypatch):
+    from metachunk.models import load_causal_lm
+    from metachunk.scoring import token_nll
+
+    model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    texts = ["Emma Woodhouse, handsome, clever, and rich.", "She was the youngest of the two daughters."]
+    sequences = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    with_kernel = token_nll(model, sequences, max_context=64, head_rows=4)
+    monkeypatch.setattr("metachunk.scoring.lse_rows_bf16", lambda: None)
+    with_torch = token_nll(model, sequences, max_context=64, head_rows=4)
+    for a, b in zip(with_kernel, with_torch):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
