@@ -245,11 +245,15 @@ def gemm_rate(a: int, b: int, c: int, dtype, device, sync, lanes: int = 1) -> fl
     def lane(k: int) -> None:
         if lanes > 1:
             torch.set_num_threads(1)
-        x = torch.randn(a, b, dtype=dtype, device=device)
-        w = torch.randn(b, c, dtype=dtype, device=device)
-        for _ in range(2):
-            x @ w
-        sync()
+        try:
+            x = torch.randn(a, b, dtype=dtype, device=device)
+            w = torch.randn(b, c, dtype=dtype, device=device)
+            for _ in range(2):
+                x @ w
+            sync()
+        except BaseException:
+            barrier.abort()  # the other lanes stop waiting for this one
+            raise
         barrier.wait()
         reps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 1.0:
@@ -265,11 +269,13 @@ def gemm_rate(a: int, b: int, c: int, dtype, device, sync, lanes: int = 1) -> fl
         lane(0)
     else:
         workers = [threading.Thread(target=lane, args=(k,)) for k in range(lanes)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-        torch.set_num_threads(threads)
+        try:
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+        finally:
+            torch.set_num_threads(threads)
     return sum(flops) / 1e9
 
 

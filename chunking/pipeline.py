@@ -184,8 +184,8 @@ class ChunkConfig:
     streams: int | None = option(
         None,
         "ppl: forward batches run side by side, in threads that share the model and split the torch "
-        "threads; default one per torch thread on CPU (up to 8: faster than one batch on all threads), "
-        "1 on GPU. Which batch runs in which stream is fixed by the plan: output does not depend on it",
+        "threads evenly; default one per torch thread on CPU (up to 8: faster than one batch on all "
+        "threads), 1 on GPU. Which batch runs in which stream is fixed by the plan, so a rerun gives the same output",
         runtime=True,
     )
     emit_sentences: bool = option(False, "also write per-sentence spans and the score used for the decision")

@@ -114,8 +114,10 @@ def _sliced_nll(
     rows = min(head_rows, n)
     cols = min(vocab_block or DEFAULT_VOCAB_BLOCK, vocab)
     cap = getattr(model.config, "final_logit_softcapping", None)
+    # The kernel runs on one thread: 1.9 ms a tile against torch's 6.5 on one, so it wins up to
+    # two threads (a stream's share by default) and torch's split of the work wins beyond.
     native = weight.dtype == torch.bfloat16 and hidden.device.type == "cpu" and not cap
-    lse_rows = lse_rows_bf16() if native else None
+    lse_rows = lse_rows_bf16() if native and torch.get_num_threads() <= 2 else None
     logits_buf = torch.empty(rows, cols, dtype=weight.dtype, device=hidden.device)
     work_buf = (
         logits_buf
@@ -264,10 +266,11 @@ def token_nll(
     ``torch.bfloat16`` for speed on CPUs with AMX; see :func:`_sliced_nll` for what stays exact.
 
     ``streams`` (default :func:`default_streams`: one per torch thread on CPU, one on a GPU)
-    scores that many batches at a time, in threads that share the model and split the torch
-    threads between them. Each document's result does not depend on the timing; with fp32
-    weights it does not depend on the number of streams either (tested). ``on_batch`` is then
-    called from those threads, one call at a time.
+    scores that many batches at a time, in threads that share the model and each take
+    ``threads // streams`` torch threads. A document's result does not depend on the timing, and
+    in the tests (fp32 and bf16, one thread a stream) not on the number of streams either; the
+    BLAS does not promise the same bits at every thread count. ``on_batch`` is then called from
+    those threads, one call at a time.
     """
     device = next(model.parameters()).device
     if allow_padding is None:
@@ -301,11 +304,14 @@ def token_nll(
         _score_batches(model, sequences, batches, _HeadQueue(model, head_rows, low, results), on_batch)
         return results
 
-    # Streams: each scores its own batches, with its own head queue and a share of the threads;
-    # which stream takes which batch is fixed by the plan, never by timing, so a rerun is
-    # byte-identical. The model's weights are shared; torch ops release the GIL.
+    # Streams: each scores its own batches, with its own head queue and an equal share of the
+    # threads (torch keeps one process-wide count, which a new thread re-applies on its first
+    # parallel op: unequal shares would race). Which stream takes which batch is fixed by the plan,
+    # never by timing, so the same count reruns byte-identically. The weights are shared; torch ops
+    # release the GIL.
     lanes = assign_batches(batches, streams)
     threads = torch.get_num_threads()
+    share = max(1, threads // streams)
     lock, stop = threading.Lock(), threading.Event()
 
     def progress(n: int) -> None:
@@ -313,35 +319,37 @@ def token_nll(
             on_batch(n)
 
     def stream(k: int) -> None:
-        torch.set_num_threads(max(1, threads // streams + (k < threads % streams)))
+        torch.set_num_threads(share)
         with torch.inference_mode():
             head = _HeadQueue(model, head_rows, low, results)
             _score_batches(model, sequences, lanes[k], head, progress if on_batch else None, stop)
 
+    pool = ThreadPoolExecutor(streams, thread_name_prefix="token_nll")
+    futures = []
     try:
-        with ThreadPoolExecutor(streams, thread_name_prefix="token_nll") as pool:
-            futures = [pool.submit(stream, k) for k in range(streams)]
-            try:
-                wait(futures, return_when=FIRST_EXCEPTION)
-            finally:  # after a failure, or a signal in this thread (SIGTERM, Ctrl-C) while waiting,
-                stop.set()  # the other streams end after their current batch
-        for future in futures:
-            future.result()  # a stream's failure is raised here
-    finally:
+        futures = [pool.submit(stream, k) for k in range(streams)]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:  # after a failure, or a signal in this thread (SIGTERM, Ctrl-C), the other streams
+        stop.set()  # end after their current batch
+        pool.shutdown(wait=True)
         torch.set_num_threads(threads)
+    for future in futures:
+        future.result()  # a stream's failure is raised here
     return results
 
 
 def default_streams(device: torch.device) -> int:
     """Streams :func:`token_nll` runs when not told: one per torch thread on CPU, up to
-    ``MAX_AUTO_STREAMS``, and one on a GPU. On CPU one forward pass over a ~500-token window
+    ``MAX_AUTO_STREAMS`` and in equal shares of the threads, and one on a GPU. On CPU one forward pass over a ~500-token window
     does not keep two threads busy (RMSNorm, rotary, GELU, casts and the attention's small
     matmuls split poorly), where two windows side by side, one thread each, do: Gemma-3-270m in
     bf16 on 50 CRUD articles, 2 cores, 51.2 s with one stream of two threads, 42.8 s with two
     streams of one (docs/performance.md)."""
     if device.type != "cpu":
         return 1
-    return max(1, min(torch.get_num_threads(), MAX_AUTO_STREAMS))
+    threads = torch.get_num_threads()
+    # the most streams that split the threads evenly (12 threads: 6 streams of 2)
+    return max(n for n in range(1, min(threads, MAX_AUTO_STREAMS) + 1) if threads % n == 0)
 
 
 # Each stream holds its own activations and head tiles (~0.3 GB for Gemma-3-270m in bf16), so

@@ -21,13 +21,14 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("lse_rows_bf16.c")
-FLAGS = ("-O2", "-mavx512f", "-mfma", "-shared", "-fPIC")
+FLAGS = ("-O2", "-mavx512f", "-mfma", "-shared", "-fPIC", "-lm")
 _why: dict[str, str] = {}
 
 
@@ -51,9 +52,14 @@ def lse_rows_bf16():
     fn.restype = None
 
     def lse(x, out) -> None:
-        if x.dim() != 2 or x.stride(1) != 1 or out.dim() != 1 or len(out) != len(x):
-            raise ValueError(f"lse_rows_bf16: a row-contiguous 2-D tile and a vector of its rows, got "
-                             f"{tuple(x.shape)} (strides {x.stride()}) and {tuple(out.shape)}")  # fmt: skip
+        import torch
+
+        ok = (x.dtype == torch.bfloat16 and out.dtype == torch.float32 and x.device.type == out.device.type == "cpu"
+              and x.dim() == 2 and x.stride(1) == 1 and out.dim() == 1 and len(out) == len(x))  # fmt: skip
+        if not ok:  # the C code trusts its pointers: anything else would read or write out of bounds
+            raise ValueError(f"lse_rows_bf16: a row-contiguous 2-D bfloat16 CPU tile and a float32 CPU vector "
+                             f"of its rows, got {x.dtype} {tuple(x.shape)} (strides {x.stride()}) on {x.device} "
+                             f"and {out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
         fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), out.stride(0))
 
     return lse
@@ -68,35 +74,28 @@ def _compiled(name: str) -> ctypes.CDLL | None:
     if "avx512f" not in cpu_flags():
         _why[name] = "the CPU has no AVX-512F"
         return None
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        _why[name] = f"no C compiler ({cc!r} not found; set CC)"
+    cc = shlex.split(os.environ.get("CC", "")) or ["cc"]  # "ccache gcc" too
+    if shutil.which(cc[0]) is None:
+        _why[name] = f"no C compiler ({cc[0]!r} not found; set CC)"
         return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        _why[name] = f"{cc} --version failed: {e}"
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version)).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"{name}-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            command = [cc, *FLAGS, str(SOURCE), "-o", str(built)]
-            try:
-                run = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as e:
-                _why[name] = f"{cc} failed: {e}"
-                return None
-            if run.returncode != 0:
-                _why[name] = f"{cc} failed: {(run.stderr or run.stdout).strip()[-500:]}"
-                return None
-            os.replace(built, target)
-    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version)).encode()).hexdigest()[:16]
+        target = cache_dir() / "kernels" / f"{name}-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                run = subprocess.run([*cc, str(SOURCE), *FLAGS, "-o", str(built)],
+                                     capture_output=True, text=True, timeout=300)  # fmt: skip
+                if run.returncode != 0:
+                    _why[name] = f"{' '.join(cc)} failed: {(run.stderr or run.stdout).strip()[-500:]}"
+                    return None
+                # atomic: a run started alongside loads a whole library or builds its own
+                os.replace(built, target)
         lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        _why[name] = f"loading {target} failed: {e}"
+    except (OSError, subprocess.SubprocessError) as e:  # a read-only cache, a hung compiler, a bad library
+        _why[name] = f"building or loading the kernel failed: {e}"
         return None
     _why[name] = f"compiled ({target})"
     return lib

@@ -51,11 +51,20 @@ void lse_rows_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t row_st
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *p = x + r * row_stride;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t c = 0; c < body; c += 16) vmax = _mm512_max_ps(vmax, load_bf16x16(p + c));
+        __mmask16 nan = 0; /* max_ps drops a NaN; torch's log-sum-exp of a row with one is NaN */
+        for (int64_t c = 0; c < body; c += 16) {
+            __m512 v = load_bf16x16(p + c);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vmax = _mm512_max_ps(vmax, v);
+        }
         float m = _mm512_reduce_max_ps(vmax);
-        for (int64_t c = body; c < cols; c++) m = fmaxf(m, bf16_to_float(p[c]));
-        if (isinf(m)) { /* all -inf (or a +inf): no finite normaliser to shift by */
-            out[r * out_stride] = m;
+        for (int64_t c = body; c < cols; c++) {
+            float v = bf16_to_float(p[c]);
+            nan |= isnan(v);
+            m = fmaxf(m, v);
+        }
+        if (nan || isinf(m)) { /* NaN; all -inf (or a +inf): no finite normaliser to shift by */
+            out[r * out_stride] = nan ? NAN : m;
             continue;
         }
         /* two accumulators: consecutive adds do not wait on each other */
