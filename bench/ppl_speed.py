@@ -29,7 +29,8 @@ dim x the keys each token attends to, within the window in a sliding-window laye
 time, as a share of this machine's best GEMM rate in the same dtype (the best of square and
 model-shaped ``torch.matmul`` timings on the run's device, in a child process with the same
 threads: one GEMM on all of them and, on CPU, one per thread side by side, as the engine's streams
-run). ``streams`` is how many batches the engine ran side by side. Boundary F1 is against ``engine-fp32`` when it runs (the exact path), else against the loop.
+run). ``streams`` is how many batches the engine ran side by side. Boundary F1 is against
+``engine-fp32`` when it runs (the exact path), else against the loop.
 """
 
 from __future__ import annotations

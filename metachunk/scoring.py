@@ -340,11 +340,11 @@ def token_nll(
 
 def default_streams(device: torch.device) -> int:
     """Streams :func:`token_nll` runs when not told: one per torch thread on CPU, up to
-    ``MAX_AUTO_STREAMS`` and in equal shares of the threads, and one on a GPU. On CPU one forward pass over a ~500-token window
-    does not keep two threads busy (RMSNorm, rotary, GELU, casts and the attention's small
-    matmuls split poorly), where two windows side by side, one thread each, do: Gemma-3-270m in
-    bf16 on 50 CRUD articles, 2 cores, 51.2 s with one stream of two threads, 42.8 s with two
-    streams of one (docs/performance.md)."""
+    ``MAX_AUTO_STREAMS`` and in equal shares of the threads, and one on a GPU. On CPU one
+    forward pass over a ~500-token window does not keep two threads busy (RMSNorm, rotary, GELU,
+    casts and the attention's small matmuls split poorly), where two windows side by side, one
+    thread each, do: Gemma-3-270m in bf16 on 50 CRUD articles, 2 cores, 51.2 s with one stream
+    of two threads, 42.8 s with two streams of one (docs/performance.md)."""
     if device.type != "cpu":
         return 1
     threads = torch.get_num_threads()
