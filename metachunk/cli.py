@@ -54,6 +54,20 @@ COMMANDS = [
         "draw training documents, PPL-chunk them, sample chunks stratified by length",
     ),  # fmt: skip
     Command(
+        ("data", "list"),
+        "metachunk.named_data",
+        "the named datasets (data:NAME/FILE): where each is, whether its sums match, its source and licence",
+        config="ListConfig",
+        run="run_list",
+    ),  # fmt: skip
+    Command(
+        ("data", "fetch"),
+        "metachunk.named_data",
+        "download a named dataset from its public source into the cache, checked against shipped sums",
+        config="FetchConfig",
+        run="run_fetch",
+    ),  # fmt: skip
+    Command(
         ("data", "build-sft"),
         "metachunk.distill.sft",
         "distilled records -> prompt-completion dataset (parquet) + card",

@@ -263,6 +263,8 @@ def check_choices(cfg) -> None:
 def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
     """Build ``cls`` from parsed args: dataclass defaults <- ``defaults`` <- YAML (``--config``) <-
     explicit flags."""
+    from metachunk import named_data
+
     values = dict(vars(ns))
     config_path = values.pop("config", None)
     merged = {**(defaults or {}), **(load_yaml(cls, config_path) if config_path else {})}
@@ -275,6 +277,13 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
             merged[block_name] = dataclasses.replace(
                 merged.get(block_name) or kinds[block_name](), **{inner.name: given[name]}
             )
+    # `data:NAME/FILE` names a file of a named dataset (metachunk.named_data): the run reads the
+    # file it resolves to, so a missing dataset is one line that names its fetch command.
+    for key, value in merged.items():
+        try:
+            merged[key] = named_data.resolve_all(value)
+        except InputError as e:
+            raise InputError(config_path or "command line", f"field {key!r}: {e}") from None
     try:
         return cls(**merged)
     except (TypeError, ValueError) as e:  # a required field is missing, or __post_init__ rejected a value
