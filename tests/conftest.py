@@ -1,5 +1,5 @@
-"""Shared pytest fixtures: an offline tiny Qwen2 model, the path to the real corpora, a fake Hub; and those of
-``support/fixtures.py``."""
+"""Shared pytest fixtures: an offline tiny Qwen2 model, a fake Hub; and those of ``support/fixtures.py``.
+The real corpora are named datasets: ``support.data.data_file``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 # planted distilled records, the SFT dataset built from them (session-scoped)
 pytest_plugins = ["support.fixtures"]
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """Folder holding the real corpora (crud-news, gutenqa-emma), next to the repo checkout."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

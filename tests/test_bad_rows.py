@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.data import data_file
 from support.loopback_server import serve_in_subprocess
 
 from metachunk.cli import main
@@ -167,9 +168,9 @@ def test_data_passages_skips_bad_paragraph_lines(tmp_path, capsys):
     assert rc == 2 and "mixed.jsonl:2: invalid JSON" in err and not (tmp_path / "strict.jsonl").exists()
 
 
-def test_data_prepare_crud_skips_bad_articles_and_qa_entries(tmp_path, capsys, shared_data):
-    news = (shared_data / "crud-news" / "news.jsonl").read_bytes().splitlines(keepends=True)[:40]
-    qa_all = json.loads((shared_data / "crud-news" / "questanswer_1doc.json").read_text(encoding="utf-8"))
+def test_data_prepare_crud_skips_bad_articles_and_qa_entries(tmp_path, capsys):
+    news = data_file("crud-news/news.jsonl").read_bytes().splitlines(keepends=True)[:40]
+    qa_all = json.loads(data_file("crud-news/questanswer_1doc.json").read_text(encoding="utf-8"))
     qa = dict(list(qa_all.items())[:60])
     write(tmp_path / "news_good.jsonl", news)
     first = json.loads(news[0])

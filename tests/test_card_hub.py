@@ -76,7 +76,7 @@ def full_stats() -> dict:
         "input_records": 131,
         "source": {
             "corpus": "gutenqa-emma",
-            "path": "shared/data/emma.jsonl",
+            "path": "corpora/emma.jsonl",
             "provenance": "Project Gutenberg",
         },
         "teachers": [

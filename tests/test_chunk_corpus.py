@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.data import data_file
 
 from metachunk.artifacts import InputError
 from metachunk.cli import main
@@ -25,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def emma(shared_data) -> list[dict]:
+def emma() -> list[dict]:
     """60 real Emma paragraphs as {id, text}."""
     rows = []
-    with open(shared_data / "gutenqa-emma" / "paragraphs.jsonl", encoding="utf-8") as f:
+    with open(data_file("gutenqa-emma/paragraphs.jsonl"), encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             rows.append({"id": f"emma-{row['paragraph']}", "text": row["text"]})

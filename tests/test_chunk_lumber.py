@@ -28,6 +28,7 @@ from metachunk.chunking.lumber import (
 )
 from metachunk.chunking.pipeline import ChunkConfig, Chunker
 from metachunk.chunking.sentences import split_sentences
+from support.data import data_file
 from support.loopback_server import serve_in_subprocess
 
 from metachunk.cli import main as metachunk
@@ -494,7 +495,7 @@ def test_teacher_from_a_distill_recipe_and_config_errors(server, tmp_path, capsy
 
 
 @pytest.mark.integration
-def test_against_the_local_smollm2_teacher(shared_data, tmp_path):
+def test_against_the_local_smollm2_teacher(tmp_path):
     from metachunk.local_teacher import LocalTeacher
     from metachunk.models import ModelNotFoundError
 
@@ -503,7 +504,7 @@ def test_against_the_local_smollm2_teacher(shared_data, tmp_path):
     except ModelNotFoundError as e:
         pytest.skip(str(e))
     paragraphs = []
-    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         for line, _ in zip(f, range(8)):
             paragraphs.append(json.loads(line)["text"])
     text = "\n\n".join(paragraphs)

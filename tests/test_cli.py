@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.data import data_file
 
 from metachunk.artifacts import SCHEMA_VERSION
 from metachunk.cli import main
@@ -581,11 +582,8 @@ def test_data_build_sft_names_a_missing_file(tmp_path, capsys):
 
 
 def emma_texts(n: int = 12) -> list[str]:
-    """Real text: the first ``n`` paragraphs of Emma, as shared in ../shared/data."""
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenqa-emma" / "paragraphs.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    with path.open(encoding="utf-8") as f:
+    """Real text: the first ``n`` paragraphs of Emma (the named dataset gutenqa-emma)."""
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         return [json.loads(line)["text"] for line, _ in zip(f, range(n))]
 
 

@@ -14,6 +14,7 @@ from metachunk.distill.corpus import (
     print_report,
     read_qa,
 )
+from support.data import data_file
 
 from metachunk.artifacts import Document, InputError
 
@@ -28,10 +29,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def crud(shared_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    news, qa = shared_data / "crud-news" / "news.jsonl", shared_data / "crud-news" / "questanswer_1doc.json"
-    if not news.is_file() or not qa.is_file():
-        pytest.skip(f"CRUD data not found under {shared_data}")
+def crud(tmp_path_factory: pytest.TempPathFactory):
+    news, qa = data_file("crud-news/news.jsonl"), data_file("crud-news/questanswer_1doc.json")
     first, again = tmp_path_factory.mktemp("crud_a"), tmp_path_factory.mktemp("crud_b")
     return news, prepare_crud(news, qa, first), first, prepare_crud(news, qa, again), again
 

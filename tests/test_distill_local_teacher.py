@@ -9,6 +9,7 @@ import json
 
 import pytest
 import yaml
+from support.data import data_file
 from support.fixtures import write_emma_chunks
 
 from metachunk.cli import main as metachunk
@@ -29,8 +30,8 @@ def local_teacher():
         yield teacher
 
 
-def test_both_pipelines_against_smollm2(local_teacher, shared_data, tmp_path):
-    write_emma_chunks(shared_data, tmp_path, n_chunks=2)
+def test_both_pipelines_against_smollm2(local_teacher, tmp_path):
+    write_emma_chunks(tmp_path, n_chunks=2)
     block = {
         "model": "smollm2",
         "serve_preset": True,
@@ -75,12 +76,12 @@ def test_both_pipelines_against_smollm2(local_teacher, shared_data, tmp_path):
     assert meta["summary"]["requests_sent"] == 0 and meta["summary"]["answers_from_store"] >= 2
 
 
-def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, shared_data, tmp_path):
+def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, tmp_path):
     """`metachunk eval qa` end to end: real MiniLM retrieval from an embedded Milvus index, the
     local teacher answering through the teacher client, every metric scored; a rerun pays nothing."""
-    write_emma_chunks(shared_data, tmp_path, n_chunks=6)
+    write_emma_chunks(tmp_path, n_chunks=6)
     questions = tmp_path / "questions.jsonl"
-    with (shared_data / "gutenqa-emma" / "questions.jsonl").open(encoding="utf-8") as f:
+    with data_file("gutenqa-emma/questions.jsonl").open(encoding="utf-8") as f:
         questions.write_text(
             f.readline(), encoding="utf-8"
         )  # a chapter I question; retrieval may miss it here
@@ -102,10 +103,10 @@ def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, shared_data,
     assert again["metrics"]["bleu_avg"] == metrics["bleu_avg"]
 
 
-def test_a_streamed_rewrite_against_transformers_serve(local_teacher, shared_data, tmp_path):
+def test_a_streamed_rewrite_against_transformers_serve(local_teacher, tmp_path):
     """``transformers serve`` streams too: the rewrite's answers arrive as SSE chunks, assembled
     into chat completions, with no stream cut or error."""
-    write_emma_chunks(shared_data, tmp_path, n_chunks=1)
+    write_emma_chunks(tmp_path, n_chunks=1)
     block = {"model": "smollm2", "serve_preset": True, "base_url": local_teacher.base_url, "stream": True,
              "temperature": 0.0, "max_tokens": 48, "concurrency": 1, "timeout": 300, "max_retries": 1}  # fmt: skip
     recipe = {"chunks": str(tmp_path / "chunks.jsonl"), "documents": str(tmp_path / "docs.jsonl"),

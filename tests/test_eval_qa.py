@@ -29,6 +29,7 @@ from metachunk.eval.retrieval import (
     rank_metrics,
     relevant_chunks,
 )
+from support.data import data_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +228,7 @@ def test_gutenqa_must_contain_cut_in_two_or_three():
     assert _relevant(_gq(must), "d", ["xxabc", "defg", "hijyy"], min_share=0.3) == {0, 1, 2}
 
 
-def test_gutenqa_normalised_and_fuzzy_matches(shared_data):
+def test_gutenqa_normalised_and_fuzzy_matches():
     # curly quotes, NBSP and a paragraph break, as in the book vs GutenQA's straight quotes
     pieces = ["Intro. ", "It was the end of an old pencil,\u2014the part without any lead.\n\n\u201cThis was really his,\u201d said Harriet. ", "End."]  # fmt: skip
     must = "It was the end of an old pencil,\u2014the part without any lead. 'This was really his,' said Harriet."
@@ -256,15 +257,15 @@ def test_gutenqa_normalised_and_fuzzy_matches(shared_data):
     assert _relevant(_gq("a sentence that is nowhere in this text at all"), "d", pieces) == set()
 
 
-def test_real_gutenqa_questions_are_all_located(shared_data):
+def test_real_gutenqa_questions_are_all_located():
     """Every one of the 30 GutenQA questions for Emma is found in the book (5 need normalising, 1 fuzzy)."""
     chapters: dict[str, list[str]] = {}
-    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             chapters.setdefault(row["chapter"], []).append(row["text"])
     docs = {c: NormalizedDoc(c, "\n\n".join(p)) for c, p in chapters.items()}
-    _, questions, _ = load_questions(shared_data / "gutenqa-emma" / "questions.jsonl")
+    _, questions, _ = load_questions(data_file("gutenqa-emma/questions.jsonl"))
     hows = [find_evidence(q, docs, fuzzy=True) for q in questions]
     assert all(len(h) >= 1 for h in hows)
     kinds = [h[0].how.split(":")[0] for h in hows]

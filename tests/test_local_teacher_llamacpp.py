@@ -11,6 +11,7 @@ import json
 
 import pytest
 import yaml
+from support.data import data_file
 from support.fixtures import write_emma_chunks
 
 from metachunk.cli import main as metachunk
@@ -41,11 +42,11 @@ def test_the_backend_serves_the_gguf_as_it_ships(llama_teacher):
     assert llama_teacher.structured_output == "json_object_schema"
 
 
-def test_refinement_under_the_schema_always_parses(llama_teacher, shared_data, tmp_path):
+def test_refinement_under_the_schema_always_parses(llama_teacher, tmp_path):
     """distill rewrite with the refinement schema sent as llama.cpp takes it: every refinement
     answer is JSON with an ``items`` list (none unparseable, none repaired from prose), and the
     rewrite reaches the completion stage for the chunks whose items pass the threshold."""
-    write_emma_chunks(shared_data, tmp_path, n_chunks=3, min_chars=150, n_paragraphs=4)
+    write_emma_chunks(tmp_path, n_chunks=3, min_chars=150, n_paragraphs=4)
     block = {"model": "smollm2", "base_url": llama_teacher.base_url, "temperature": 0.0, "max_tokens": 96,
              "max_tokens_limit": 192, "concurrency": 1, "timeout": 300, "max_retries": 1, "stop": ["\n\n"]}  # fmt: skip
     teachers = {
@@ -80,9 +81,9 @@ def test_refinement_under_the_schema_always_parses(llama_teacher, shared_data, t
     assert again["summary"]["requests_sent"] == 0
 
 
-def test_moc_chunk_list_under_the_schema(llama_teacher, shared_data, tmp_path):
+def test_moc_chunk_list_under_the_schema(llama_teacher, tmp_path):
     """distill moc with the chunk-list schema: each window's answer is {"chunks": [strings]}."""
-    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         text = "\n\n".join(json.loads(line)["text"] for line, _ in zip(f, range(4)))
     docs = tmp_path / "docs.jsonl"
     docs.write_text(json.dumps({"id": "emma", "text": text[:700]}) + "\n", encoding="utf-8")
@@ -99,10 +100,10 @@ def test_moc_chunk_list_under_the_schema(llama_teacher, shared_data, tmp_path):
     assert counts["unparseable"] == 0 and counts["valid"] >= 1, counts
 
 
-def test_metachunk_run_starts_the_local_teacher_only_for_a_stage_that_runs(shared_data, tmp_path, capsys):
+def test_metachunk_run_starts_the_local_teacher_only_for_a_stage_that_runs(tmp_path, capsys):
     """A regeneration recipe's ``local_teacher:``: started for the stage that asks for it, its
     blocks pointed at it; on a rerun the stage is cached and no teacher is started."""
-    write_emma_chunks(shared_data, tmp_path, n_chunks=2, min_chars=150, n_paragraphs=3)
+    write_emma_chunks(tmp_path, n_chunks=2, min_chars=150, n_paragraphs=3)
     block = {"model": "smollm2", "temperature": 0.0, "max_tokens": 64, "concurrency": 1, "timeout": 300,
              "max_retries": 1, "stop": ["\n\n"]}  # fmt: skip
     recipe = {
@@ -135,12 +136,12 @@ def test_metachunk_run_starts_the_local_teacher_only_for_a_stage_that_runs(share
     assert "rewrite (distill rewrite): cached, skipped" in err and "local teacher:" not in err
 
 
-def test_a_streamed_rewrite_matches_the_plain_one(llama_teacher, shared_data, tmp_path):
+def test_a_streamed_rewrite_matches_the_plain_one(llama_teacher, tmp_path):
     """The same rewrite against the real server, streamed and not, each into its own store: at
     temperature 0 the assembled streams give the same answers, reasoning and finish reasons as the
     plain bodies. llama-cpp-python's server sends no usage in a stream (it has no stream_options),
     so a streamed answer's tokens are the client's estimate, marked ``usage_estimated``."""
-    write_emma_chunks(shared_data, tmp_path, n_chunks=2, min_chars=150, n_paragraphs=3)
+    write_emma_chunks(tmp_path, n_chunks=2, min_chars=150, n_paragraphs=3)
     records = {}
     for stream in (False, True):
         block = {"provider": "llamacpp", "model": "smollm2", "base_url": llama_teacher.base_url, "stream": stream,

@@ -1,7 +1,7 @@
 """Dynamic merging, PPL overlap and the baseline chunkers: offsets, tiling and length rules.
 
-Properties are checked on generated text (hypothesis) and on the real corpora in
-``../shared/data``: CRUD news (Chinese) and Jane Austen's Emma (English).
+Properties are checked on generated text (hypothesis) and on the real corpora, the named datasets
+crud-news (Chinese) and gutenqa-emma (English).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from metachunk.chunking.baselines import fixed_chunks, minilm_embedder, semantic
 from metachunk.chunking.merge import add_sentence_overlap, merge_chunks, text_length
 from metachunk.chunking.sentences import split_sentences
 from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from support.data import data_file
 
 # Whitespace of several kinds (incl. the ideographic space U+3000), sentence ends of both languages.
 ALPHABET = "ab c\n\t.。！?中文\u3000"
@@ -64,14 +63,14 @@ Corpus = list[tuple[str, list[Sentence]]]
 @cache
 def news_corpus() -> Corpus:
     return [
-        (doc, split_sentences(doc, lang="zh")) for doc in read_texts(DATA / "crud-news" / "news.jsonl", 40)
+        (doc, split_sentences(doc, lang="zh")) for doc in read_texts(data_file("crud-news/news.jsonl"), 40)
     ]
 
 
 @cache
 def emma_corpus() -> Corpus:
     # Paragraphs are short; twenty of them joined make a document of a few thousand characters.
-    paragraphs = read_texts(DATA / "gutenqa-emma" / "paragraphs.jsonl", 200)
+    paragraphs = read_texts(data_file("gutenqa-emma/paragraphs.jsonl"), 200)
     docs = ["\n\n".join(paragraphs[i : i + 20]) for i in range(0, len(paragraphs), 20)]
     return [(doc, split_sentences(doc, lang="en")) for doc in docs]
 

@@ -16,6 +16,7 @@ from metachunk.chunking import msp
 from metachunk.chunking.msp import MarginScorer, Threshold, load_msp_prompt, msp_decisions
 from metachunk.chunking.sentences import split_sentences
 from metachunk.chunking.types import Sentence
+from support.data import data_file
 
 # --------------------------------------------------------------------------------------------
 # Decisions with a stub scorer
@@ -362,11 +363,8 @@ def test_chunker_msp_tiny_tiles(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def emma_15(shared_data: Path) -> str:
-    path = shared_data / "gutenqa-emma" / "paragraphs.jsonl"
-    if not path.is_file():
-        pytest.skip("shared corpora not present")
-    with path.open(encoding="utf-8") as f:
+def emma_15() -> str:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         paragraphs = [json.loads(line)["text"] for line in f][21:40]
     doc = "\n\n".join(paragraphs)
     sents = split_sentences(doc, "en")

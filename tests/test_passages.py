@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from support.data import data_file
 
 from metachunk.cli import main
 
-EMMA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenqa-emma" / "paragraphs.jsonl"
+EMMA = "data:gutenqa-emma/paragraphs.jsonl"  # a named dataset, as a recipe names it: the CLI resolves it
 
 
 def passages(capsys, *argv) -> tuple[int, str]:
@@ -24,10 +25,8 @@ def rows(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def chapters() -> dict[str, list[str]]:
-    if not EMMA.is_file():
-        pytest.skip(f"{EMMA} is missing")
     out: dict[str, list[str]] = {}
-    for line in EMMA.open(encoding="utf-8"):
+    for line in data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8"):
         row = json.loads(line)
         out.setdefault(row["chapter"], []).append(row["text"])
     return out

@@ -1,5 +1,5 @@
 """PPL chunking (Meta-Chunking §3.1.1): the minima rule, token geometry, the windowed NLL engine
-against the per-sentence reference, and end-to-end properties on the shared corpora."""
+against the per-sentence reference, and end-to-end properties on the real corpora (named datasets)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from metachunk.chunking.merge import text_length
 from metachunk.chunking.ppl import ppl_boundaries, scoring_pieces, sentence_ppl, tokenize_sentences
 from metachunk.chunking.sentences import split_sentences
 from metachunk.chunking.types import Sentence, chunks_from_boundaries
+from support.data import data_file
 
 from metachunk.scoring import Window, plan_windows, token_nll, token_nll_incremental
 
@@ -290,13 +291,9 @@ def test_sentence_ppl_skips_unscored():
 
 
 @pytest.fixture(scope="module")
-def long_ids(tiny_tokenizer, shared_data: Path) -> list[int]:
-    path = shared_data / "gutenqa-emma" / "paragraphs.jsonl"
-    if path.is_file():
-        with path.open(encoding="utf-8") as f:
-            text = "\n\n".join(json.loads(line)["text"] for _, line in zip(range(8), f))
-    else:
-        text = " ".join(DOCS) * 4
+def long_ids(tiny_tokenizer) -> list[int]:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
+        text = "\n\n".join(json.loads(line)["text"] for _, line in zip(range(8), f))
     ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(ids) >= 400
     return ids[:400]
@@ -438,12 +435,9 @@ def test_assign_batches_deals_each_batch_once(shapes, streams):
 
 
 @pytest.mark.integration
-def test_engine_matches_reference_smollm2(smollm2, shared_data: Path):
+def test_engine_matches_reference_smollm2(smollm2):
     model, tok = smollm2
-    path = shared_data / "gutenqa-emma" / "paragraphs.jsonl"
-    if not path.is_file():
-        pytest.skip("shared corpora not present")
-    with path.open(encoding="utf-8") as f:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         paragraphs = [json.loads(line)["text"] for line in f][21:33]  # 12 short paragraphs, dialogue
     doc = "\n\n".join(paragraphs)
     sents = split_sentences(doc, "en")
@@ -458,15 +452,13 @@ def test_engine_matches_reference_smollm2(smollm2, shared_data: Path):
 
 
 # --------------------------------------------------------------------------------------------
-# End to end on the shared corpora: Chunker(method="ppl")
+# End to end on the real corpora: Chunker(method="ppl")
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def corpus(shared_data: Path) -> tuple[list[str], list[str]]:
-    news, emma = shared_data / "crud-news" / "news.jsonl", shared_data / "gutenqa-emma" / "paragraphs.jsonl"
-    if not (news.is_file() and emma.is_file()):
-        pytest.skip("shared corpora not present")
+def corpus() -> tuple[list[str], list[str]]:
+    news, emma = data_file("crud-news/news.jsonl"), data_file("gutenqa-emma/paragraphs.jsonl")
     with news.open(encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for _, line in zip(range(10), f)]
     with emma.open(encoding="utf-8") as f:

@@ -7,6 +7,7 @@ import pytest
 from metachunk.distill.sample import SampleConfig, choose_chunks, sample
 from metachunk.distill.sft import BuildSftConfig, build_sft, in_validation
 from metachunk.distill.sft_rows import FILTERS, content_kept, features, off_format
+from support.data import data_file
 from support.fixtures import sentence  # the planted records' sentences (the `planted` fixture)
 
 # ------------------------------------------------------------------------------------- sampling
@@ -24,9 +25,9 @@ def test_choose_chunks_takes_the_wanted_bucket_else_the_nearest():
     assert 4 not in choose_chunks(lengths, [0, 0], edges, rng, min_chars=30)  # too short to rewrite
 
 
-def test_sample_is_deterministic_and_feeds_distill(tiny_model_dir, shared_data, tmp_path):
+def test_sample_is_deterministic_and_feeds_distill(tiny_model_dir, tmp_path):
     pool = tmp_path / "pool.jsonl"
-    with (shared_data / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+    with data_file("crud-news/news.jsonl").open(encoding="utf-8") as f:
         pool.write_text("".join(line for line, _ in zip(f, range(30))), encoding="utf-8")
 
     def run(out, seed):

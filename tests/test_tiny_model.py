@@ -40,7 +40,7 @@ def test_tokenizer_round_trip_is_lossless(tok):
 def test_tokenizer_specials_and_digits(tok):
     assert tok.eos_token == "<|im_end|>"
     assert tok.pad_token == "<|endoftext|>"
-    # 1536 when ../shared/data is present; ~935 from the built-in sentences alone.
+    # 1536: the vocabulary it trains to, from the text the repository holds.
     assert 259 < len(tok) <= 2000
     for digit in ("1", "2"):
         ids = tok.encode(digit, add_special_tokens=False)
@@ -109,8 +109,15 @@ def test_greedy_generate_runs(tok, model):
     )
 
 
-def test_shared_data_fixture(shared_data: Path):
-    assert shared_data.name == "data" and shared_data.parent.name == "shared"
-    if not shared_data.is_dir():
-        pytest.skip("shared corpora not present")
-    assert (shared_data / "crud-news" / "news.jsonl").is_file()
+def test_the_tokenizer_trains_on_text_the_repository_holds(monkeypatch, tmp_path):
+    """The same tokenizer wherever the clone sits: no named dataset elsewhere changes its corpus."""
+    from tiny_model import training_corpus
+
+    before = training_corpus()
+    planted = tmp_path / "gutenqa-emma"
+    planted.mkdir()
+    (planted / "paragraphs.jsonl").write_text('{"text": "not Emma"}\n', encoding="utf-8")
+    monkeypatch.setenv("METACHUNK_DATA", str(tmp_path))
+    monkeypatch.setenv("METACHUNK_CACHE", str(tmp_path))
+    assert training_corpus() == before
+    assert "not Emma" not in before and any("Emma Woodhouse" in t for t in before)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from support.data import data_file
+
 WORDS = (
     "river meadow lantern harvest village market orchard bridge chapel letter carriage garden winter "
     "candle parcel ribbon shilling sermon pony basket ladder kettle window blanket journey cottage "
@@ -105,14 +107,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_emma_chunks(
-    shared_data: Path, folder: Path, n_chunks: int, min_chars: int = 0, n_paragraphs: int = 6
-) -> None:
+def write_emma_chunks(folder: Path, n_chunks: int, min_chars: int = 0, n_paragraphs: int = 6) -> None:
     """``docs.jsonl`` (Emma's first ``n_paragraphs`` paragraphs of at least ``min_chars`` characters,
     among the first 8, as one document) and ``chunks.jsonl`` (its first ``n_chunks`` paragraphs as
     chunks, offsets exact) in ``folder``."""
     paragraphs = []
-    with (shared_data / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with data_file("gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         for line, _ in zip(f, range(8)):
             paragraphs.append(json.loads(line)["text"])
     paragraphs = [p for p in paragraphs if len(p) >= min_chars][:n_paragraphs]
