@@ -36,7 +36,9 @@ chunker's chunks and ``metachunk eval compare`` puts them side by side with boot
 
 The *Emma* documents are made by ``metachunk data passages`` with the demo's settings (one
 document per chapter, ``--groups 0:N``); the CRUD documents are the first ``--crud-docs`` of the
-QA-matched test articles ``data prepare-crud`` writes. Everything goes under ``--out``
+QA-matched test articles ``data prepare-crud`` writes. The inputs are the named datasets
+``data:gutenqa-emma/...`` (ships with metachunk) and ``data:crud-news/...`` (``metachunk data fetch
+crud-news`` once). Everything goes under ``--out``
 (``bench_out/chonkie_compare/``): ``chonkie_compare.json`` and ``.md`` (the table and the metrics),
 ``chunks/``, ``eval/`` (each run, ``compare_*.md``/``.json``/PNGs) and ``results/`` (each child's).
 
@@ -57,7 +59,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "bench_out" / "chonkie_compare"
 MIB = 2**20
 
@@ -563,13 +564,13 @@ def make_inputs(args, out: Path) -> dict[str, Path]:
     inputs = out / "inputs"
     if "emma" in args.corpora:  # the demo's emma_eval stage, with --emma-chapters chapters
         docs["emma"] = inputs / "emma.jsonl"
-        cli("data", "passages", "--input", DATA / "gutenqa-emma" / "paragraphs.jsonl", "--out", docs["emma"],
+        cli("data", "passages", "--input", "data:gutenqa-emma/paragraphs.jsonl", "--out", docs["emma"],
             "--group-field", "chapter", "--groups", f"0:{args.emma_chapters}")  # fmt: skip
     if "crud" in args.corpora:  # the QA-matched test articles (recipes/experiments/crud.yaml), the first N
         crud_data = out / "crud_data"
         if not (crud_data / "qa_matches.jsonl").is_file():
-            cli("data", "prepare-crud", "--news", DATA / "crud-news" / "news.jsonl",
-                "--qa", DATA / "crud-news" / "questanswer_1doc.json", "--out", crud_data)  # fmt: skip
+            cli("data", "prepare-crud", "--news", "data:crud-news/news.jsonl",
+                "--qa", "data:crud-news/questanswer_1doc.json", "--out", crud_data)  # fmt: skip
         docs["crud"] = inputs / "crud.jsonl"
         lines = (
             (crud_data / "test_documents.jsonl").read_text(encoding="utf-8").splitlines()[: args.crud_docs]
@@ -691,7 +692,7 @@ def run_eval(args, corpus: str, results: list[dict], out: Path) -> dict:
         run_dir = out / "eval" / corpus / r["name"] / "qa"
         chunks = out / "chunks" / corpus / f"{r['name']}.jsonl"
         if corpus == "emma":  # as the demo's qa stages
-            qa = ["--qa", DATA / "gutenqa-emma" / "questions.jsonl", "--qa-format", "gutenqa", "--lang", "en"]
+            qa = ["--qa", "data:gutenqa-emma/questions.jsonl", "--qa-format", "gutenqa", "--lang", "en"]
         else:  # as recipes/experiments/crud.yaml's
             qa = ["--qa", out / "crud_data" / "qa_matches.jsonl", "--qa-format", "crud", "--lang", "zh",
                   "--crud-status", "matched+ambiguous"]  # fmt: skip

@@ -20,6 +20,9 @@ so what is timed and measured is exactly what a user runs. Results: ``bench_out/
   what to skip (scan + fingerprint + shard hashes), and whether the folder is byte-identical to
   the uninterrupted one.
 
+Data: ``data:crud-news/news.jsonl`` (``metachunk data fetch crud-news`` once) and
+``data:gutenqa-emma/paragraphs.jsonl`` (ships with metachunk).
+
     python bench/chunk_scale.py                     # all three, about 10 minutes here
     python bench/chunk_scale.py --only memory --mem-docs 10000,100000
 """
@@ -37,8 +40,10 @@ import sys
 import time
 from pathlib import Path
 
+from metachunk.artifacts import InputError
+from metachunk.named_data import resolve
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "bench_out" / "chunk_scale"
 MIB = 2**20
 
@@ -53,7 +58,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 def crud_articles(n: int) -> list[dict]:
     rows = []
-    with (DATA / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+    with resolve("data:crud-news/news.jsonl").open(encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             rows.append({"id": row["id"], "text": row["text"]})
@@ -63,7 +68,7 @@ def crud_articles(n: int) -> list[dict]:
 
 
 def emma_paragraphs() -> list[str]:
-    with (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with resolve("data:gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f]
 
 
@@ -197,4 +202,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"chunk_scale: {e}")

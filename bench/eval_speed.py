@@ -38,7 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
+
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
 
 
 def emma_chunks(paragraphs: int, target_words: int, n: int) -> list[str]:
@@ -46,7 +48,7 @@ def emma_chunks(paragraphs: int, target_words: int, n: int) -> list[str]:
     from metachunk.chunking.sentences import split_sentences
 
     texts = []
-    with (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with resolve("data:gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8") as f:
         for _, line in zip(range(paragraphs), f):
             texts.append(json.loads(line)["text"])
     doc = "\n\n".join(texts)
@@ -165,4 +167,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"eval_speed: {e}")

@@ -39,7 +39,6 @@ def main() -> None:
         raise SystemExit(f"{out} is not empty: give a fresh --out (a rerun there would be all cached)")
     out.mkdir(parents=True, exist_ok=True)
     text = args.recipe.read_text(encoding="utf-8").replace("runs/experiments/emma", str(out))
-    text = text.replace("../shared/", str(ROOT.parent / "shared") + "/")
     recipe = out / "recipe.yaml"
     recipe.write_text(text, encoding="utf-8")
 

@@ -12,8 +12,16 @@
 #
 # Every step's output goes to $OUT (default bench_out/gpu_check) and the summary to its summary.txt.
 # GPU_CHECK_STEP_TIMEOUT (seconds, default none) stops a step that hangs, so the rest still fit the slot.
-# The corpora are read from ../shared/data (or METACHUNK_DATA); a step that fails is reported and
-# the others still run, so one bad step does not cost the whole device slot.
+# A step that fails is reported and the others still run, so one bad step does not cost the whole
+# device slot.
+#
+# Data: named datasets (metachunk/named_data.py). Steps 1 and 2 read data:gutenqa-emma/paragraphs.jsonl,
+# which ships with the package; step 4 chunks the first 200 articles of data:crud-news/news.jsonl,
+# which is fetched, not shipped. The GPU machine has no network, so `metachunk data fetch crud-news`
+# cannot run there: carry a copy and point METACHUNK_DATA at it (a folder holding crud-news/), or a
+# cache that has it (~/.cache/metachunk/data/crud-news). Without it the script stops at once, before
+# any step, with the resolver's message. --dry-run chunks Emma's paragraphs instead, so it needs no
+# fetched data and runs in a fresh clone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -51,12 +59,29 @@ if [[ $DRY == 1 ]]; then
   MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
   MFU_ARGS=(--tiny --device cpu --dtype float32)
   CHUNK_DOCS=6
+  CHUNK_CORPUS=data:gutenqa-emma/paragraphs.jsonl  # ships with the package: no fetch, no network
 else
   DEVICE=cuda; SHAPE=qwen2-0.5b
   PPL_ARGS=(--docs 20 --methods engine,loop)
   MSP_ARGS=()
   MFU_ARGS=()
   CHUNK_DOCS=200
+  CHUNK_CORPUS=data:crud-news/news.jsonl  # METACHUNK_DATA or the cache: the machine has no network
+fi
+# The chunk step's corpus, resolved before any step runs: a missing dataset costs seconds, not the slot.
+if ! CHUNK_FILE=$("$PY" - "$CHUNK_CORPUS" <<'PYEOF'
+import sys
+
+from metachunk.artifacts import InputError
+from metachunk.named_data import resolve
+
+try:
+    print(resolve(sys.argv[1]))
+except InputError as e:
+    sys.exit(f"gpu_check: {e} (offline: point METACHUNK_DATA at a copy)")
+PYEOF
+); then
+  exit 2
 fi
 MODEL=${GPU_CHECK_MODEL:-$OUT/random-$SHAPE}
 [[ -n "${GPU_CHECK_MODEL:-}" ]] || step random_model "$PY" bench/random_model.py --shape "$SHAPE" --out "$MODEL"
@@ -65,17 +90,16 @@ step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" "${P
 step msp_speed "$PY" bench/msp_speed.py --model "$MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
 step train_mfu "$PY" bench/train_mfu_gpu.py --out "$OUT/train_mfu.json" "${MFU_ARGS[@]}"
 
-DATA=${METACHUNK_DATA:-../shared/data}
-"$PY" - "$DATA" "$CHUNK_DOCS" "$OUT/crud.jsonl" <<'PYEOF'
+"$PY" - "$CHUNK_FILE" "$CHUNK_DOCS" "$OUT/corpus.jsonl" <<'PYEOF'
 import json, sys
-data, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-with open(f"{data}/crud-news/news.jsonl", encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
-    for _, line in zip(range(n), f):
-        row = json.loads(line)
-        o.write(json.dumps({"id": row["id"], "text": row["text"]}, ensure_ascii=False) + "\n")
+path, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with open(path, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
+    for k, line in zip(range(n), f):
+        row = json.loads(line)  # CRUD articles have ids; Emma's paragraphs are numbered
+        o.write(json.dumps({"id": str(row.get("id", k)), "text": row["text"]}, ensure_ascii=False) + "\n")
 PYEOF
 for workers in 1 2; do
-  step "chunk_${workers}_workers" "$PY" -m metachunk.cli chunk "$OUT/crud.jsonl" -o "$OUT/chunks_w$workers" \
+  step "chunk_${workers}_workers" "$PY" -m metachunk.cli chunk "$OUT/corpus.jsonl" -o "$OUT/chunks_w$workers" \
     --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
 done
 if [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]]; then

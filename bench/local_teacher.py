@@ -35,17 +35,17 @@ sys.path.insert(0, str(REPO))
 
 from metachunk.distill.prompts import load_prompt, load_schema  # noqa: E402
 
+from metachunk.artifacts import InputError  # noqa: E402
 from metachunk.local_teacher import LocalTeacher, llama_cpp_available  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
 from metachunk.store import AnswerStore  # noqa: E402
 from metachunk.structured import is_valid  # noqa: E402
 from metachunk.teacher import TeacherConfig, TeacherPool  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
-
 
 def emma_jobs(n: int) -> list[dict]:
     """``n`` paragraphs of 200-700 characters from chapter X on, each with its neighbours as context."""
-    rows = [json.loads(line) for line in (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8")]
+    rows = [json.loads(line) for line in resolve("data:gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8")]
     start = next(i for i, r in enumerate(rows) if r["chapter"] == "VOLUME I. CHAPTER X")
     jobs = []
     for i in range(start + 1, len(rows) - 1):
@@ -169,4 +169,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"bench/local_teacher.py: {e}")

@@ -14,8 +14,9 @@ What is compared, on the same documents and the same synthetic expert answers:
   as ours (10% of the fragment, at least one edit from 8 characters) and the tail does not end
   before the head; no ordering, no cursor.
 
-Synthetic answers: each document (the first ``--docs`` CRUD articles, ~700 characters, i.e. one
-expert window each) is split into sentences and cut into chunks of 1-4 sentences; each chunk gives
+Synthetic answers: each document (the first ``--docs`` CRUD articles of ``data:crud-news/news.jsonl``,
+``metachunk data fetch crud-news`` once; ~700 characters, i.e. one expert window each) is split
+into sentences and cut into chunks of 1-4 sentences; each chunk gives
 ``head[MASK]tail`` with heads and tails of ``--min-anchor``..``--max-anchor`` characters. A share
 ``--noise`` of heads and of tails (drawn independently) gets one random edit (substitution,
 deletion or insertion: a light typo, within the 10% budget for anchors of >= 10 characters), and
@@ -42,11 +43,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
 
 from metachunk.chunking.moc_answers import recover_spans, split_element  # noqa: E402
 from metachunk.chunking.sentences import split_sentences  # noqa: E402
 from rapidfuzz.distance import Levenshtein  # noqa: E402
+
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
 
 
 def typo(s: str, rng: random.Random, alphabet: str) -> str:
@@ -148,7 +151,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench_out" / "moc_recovery.json")
     args = ap.parse_args()
 
-    with open(DATA / "crud-news" / "news.jsonl", encoding="utf-8") as f:
+    with open(resolve("data:crud-news/news.jsonl"), encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line, _ in zip(f, range(args.docs))]
     rng = random.Random(args.seed)
     cases = [make_case(d, docs[(k + 1) % len(docs)], rng, args) for k, d in enumerate(docs)]
@@ -227,4 +230,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"moc_recovery: {e}")

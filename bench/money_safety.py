@@ -3,7 +3,9 @@ same cap, and two runs started together on one answer store.
 
 Each scenario runs the real CLI (``python -m metachunk.cli distill rewrite``) in subprocesses
 against the loopback server (``tests/support/loopback_server.py``, ``--billing``) on real texts: the first
-Emma paragraphs and the first CRUD news articles (cut to 600 characters), one chunk per document.
+Emma paragraphs and the first CRUD news articles (cut to 600 characters), one chunk per document
+(``data:gutenqa-emma/paragraphs.jsonl`` and ``data:crud-news/news.jsonl``: ``metachunk data fetch
+crud-news`` once).
 Prices are $10 per 1M tokens each way; the cap is ``--cap`` (default $0.10).
 
 1. Per billing mode (``byte``: a token per prompt byte, ``none``: no usage at all, ``low``: a token
@@ -39,7 +41,9 @@ sys.path.insert(0, str(REPO / "tests"))  # support.loopback_server: test and ben
 
 from support.loopback_server import serve_in_subprocess  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
+
 PRICES = {"loopback": {"input": 10.0, "output": 10.0}}
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
 REPLIES = {'"score"': ITEMS}
@@ -47,9 +51,12 @@ CONCURRENCY = 8
 
 
 def texts(n: int) -> list[str]:
-    emma = [json.loads(line)["text"] for line in (DATA / "gutenqa-emma" / "paragraphs.jsonl").open()]
+    emma = [
+        json.loads(line)["text"]
+        for line in resolve("data:gutenqa-emma/paragraphs.jsonl").open(encoding="utf-8")
+    ]
     news = []
-    with (DATA / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+    with resolve("data:crud-news/news.jsonl").open(encoding="utf-8") as f:
         for line in f:
             news.append(json.loads(line)["text"][:600])
             if len(news) >= n // 2:
@@ -181,4 +188,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"money_safety: {e}")

@@ -27,9 +27,10 @@ printed too. Decisions are then taken from the margins of both paths with the sa
 largest ``|margin_batched - margin_single|``. PASS needs the target speed-up at
 ``--headline-batch`` (default 8, ``msp_decisions``' default) and all decisions identical.
 
-Pairs: the sentences of the first Emma paragraphs (``--lang en``, SmolLM2 by default) or of the
-first CRUD news articles (``--lang zh``, Gemma-3-270m by default: a base model without a chat
-template, which MarginScorer prompts as plain completion), joined with blank lines into one
+Pairs: the sentences of the first Emma paragraphs (``--lang en``, SmolLM2 by default;
+``data:gutenqa-emma/paragraphs.jsonl``) or of the first CRUD news articles (``--lang zh``,
+Gemma-3-270m by default: a base model without a chat template, which MarginScorer prompts as plain
+completion; ``data:crud-news/news.jsonl``, ``metachunk data fetch crud-news`` once), joined with blank lines into one
 document and split with :func:`metachunk.chunking.sentences.split_sentences`; the first ``--pairs``
 consecutive pairs are used. The same script runs on a GPU (``--device cuda``, the default when
 one is available; the model dtype then defaults to bf16, see ``--dtype``).
@@ -51,7 +52,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = Path(os.environ.get("METACHUNK_DATA", ROOT.parent / "shared" / "data"))
+
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
 
 DEFAULT_MODEL = {"en": "smollm2", "zh": "gemma3-270m"}
 
@@ -61,9 +64,9 @@ def build_pairs(lang: str, n_pairs: int) -> list[tuple[str, str]]:
     from metachunk.chunking.sentences import split_sentences
 
     if lang == "en":
-        path, key = DATA / "gutenqa-emma" / "paragraphs.jsonl", "text"
+        path, key = resolve("data:gutenqa-emma/paragraphs.jsonl"), "text"
     else:
-        path, key = DATA / "crud-news" / "news.jsonl", "text"
+        path, key = resolve("data:crud-news/news.jsonl"), "text"
     texts: list[str] = []
     sentences: list[str] = []
     with open(path, encoding="utf-8") as f:
@@ -317,4 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"msp_speed: {e}")

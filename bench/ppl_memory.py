@@ -6,8 +6,9 @@ Issue requirement: "peak RSS for documents of 20K and 200K characters. Target: r
 What is measured: the PPL chunking path, ``split_sentences`` -> ``score_documents`` (token NLL in
 sliding windows of ``--max-context`` tokens, default 4096, batched, LM head in slices), on one
 document per size. Documents are the first N characters of Emma's paragraphs joined by blank
-lines (``--lang en``, SmolLM2 by default) or of the CRUD news articles joined the same way
-(``--lang zh``, Gemma-3-270m by default); the smaller document is a prefix of the larger one.
+lines (``--lang en``, SmolLM2 by default; ``data:gutenqa-emma/paragraphs.jsonl``) or of the CRUD news
+articles joined the same way (``--lang zh``, Gemma-3-270m by default; ``data:crud-news/news.jsonl``,
+``metachunk data fetch crud-news`` once); the smaller document is a prefix of the larger one.
 
 Every size runs in a fresh child process (this script re-invoked with ``--child``), so the numbers
 are independent and the parent, which never imports torch, adds nothing to them. The child loads
@@ -51,15 +52,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
+
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
+
+CORPUS = {"en": "data:gutenqa-emma/paragraphs.jsonl", "zh": "data:crud-news/news.jsonl"}
 DEFAULT_MODEL = {"en": "smollm2", "zh": "gemma3-270m"}
 MIB = 2**20
 
 
 def build_document(lang: str, n_chars: int) -> str:
     """The first ``n_chars`` characters of Emma (en) or the CRUD news (zh), texts joined by blank lines."""
-    path = DATA / ("gutenqa-emma/paragraphs.jsonl" if lang == "en" else "crud-news/news.jsonl")
-    with open(path, encoding="utf-8") as f:
+    with open(resolve(CORPUS[lang]), encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
     parts, total = [], 0
     while total < n_chars:  # the corpus is repeated if it is shorter than asked (it is not by default)
@@ -280,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if len(sizes) < 2:
         ap.error("--sizes needs at least two sizes")
+    resolve(CORPUS[args.lang])  # a missing dataset stops here, before the first child
     print(
         f"model={args.model} lang={args.lang} device={args.device} max_context={args.max_context} "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
@@ -359,4 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"ppl_memory: {e}")

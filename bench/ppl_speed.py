@@ -8,6 +8,9 @@ Three ways to get the per-token NLL that PPL chunking needs, on the same documen
   of the paper's Eq. 1 (:func:`metachunk.scoring.token_nll_incremental`).
 * ``plain``: one forward per document with full fp32 logits and a full log-softmax.
 
+Documents: ``data:gutenqa-emma/paragraphs.jsonl`` (``--corpus emma``) or ``data:crud-news/news.jsonl``
+(``--corpus crud``).
+
 Each runs in a fresh child process, so its peak RSS is its own (VmHWM, reset after the model loaded), next to the RSS
 right after the model loaded. The parent prints wall and CPU seconds, speed ratios, peak memory,
 and the agreement of the chunk boundaries (F1 of the boundary sets at the same θ) with the loop.
@@ -19,7 +22,7 @@ Issue targets (CPU, this 2-core machine):
 GPU (H200): engine >= 10x the loop; run with ``--device cuda`` and a 0.5B-class model dir.
 
     python bench/ppl_speed.py                                   # smollm2, 20 Emma chapters
-    python bench/ppl_speed.py --model gemma3-270m --corpus crud --docs 50
+    python bench/ppl_speed.py --model gemma3-270m --corpus crud --docs 50   # after metachunk data fetch crud-news
 
 **Roofline, per dtype** (``--methods engine-fp32,engine-bf16,engine``): ``engine`` runs ``--dtype auto``
 (what ``metachunk chunk`` does with no flag; the line says what auto picked and why), the other two
@@ -49,15 +52,19 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = Path(os.environ.get("METACHUNK_DATA", ROOT.parent / "shared" / "data"))
+
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
+
+CORPUS = {"emma": "data:gutenqa-emma/paragraphs.jsonl", "crud": "data:crud-news/news.jsonl"}
 
 
 def load_docs(corpus: str, n: int) -> list[str]:
     if corpus == "crud":
-        with (DATA / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+        with resolve(CORPUS["crud"]).open(encoding="utf-8") as f:
             return [json.loads(line)["text"] for _, line in zip(range(n), f)]
     chapters: dict[str, list[str]] = {}
-    with (DATA / "gutenqa-emma" / "paragraphs.jsonl").open(encoding="utf-8") as f:
+    with resolve(CORPUS["emma"]).open(encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             if row["chapter"] not in chapters and len(chapters) == n:
@@ -315,6 +322,7 @@ def main() -> None:
     args.lang = args.lang or ("zh" if args.corpus == "crud" else "en")
     if args.worker:
         return worker(args)
+    resolve(CORPUS[args.corpus])  # a missing dataset stops here, before the first worker
 
     from metachunk.chunking.ppl import ppl_boundaries, sentence_ppl
 
@@ -402,4 +410,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"ppl_speed: {e}")

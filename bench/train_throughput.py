@@ -7,7 +7,7 @@ Rows: shaped like the summary SFT set (``metachunk data build-sft summary``; ``d
 holds only a few rows, too few for a length distribution, so its rows are not used). Each row is
 the student summary prompt (the template is read from the demo set's ``build_report.json``, a copy
 below if it is missing) filled with one CRUD news article as the document context
-(``../shared/data/crud-news/news.jsonl``, 1,200 articles of 291-1,181 characters) and a chunk of it
+(``data:crud-news/news.jsonl``, 1,200 articles of 291-1,181 characters) and a chunk of it
 (a run of whole sentences from a random one on, at least 178 characters: the demo's chunk merge
 length), and a short completion (the chunk's first clause, <= 24 characters). Token lengths are
 measured with the ``smollm2`` tokenizer's chat template, the tokenizer the demo set was built with;
@@ -71,6 +71,7 @@ blocks: that is where packing pays (``bench/train_mfu_gpu.py``; not measured her
 could buy about the 1.16x computed-token ratio plus the padded batch's dense-mask attention, which
 ``unpadded`` (1.22x) already shows.
 
+    metachunk data fetch crud-news                          # once: the CRUD articles
     python bench/train_throughput.py                        # ~3.5 minutes on 1 core
     python bench/train_throughput.py --rows 12 --modes padded,packed
     python bench/train_throughput.py --model smollm2 --rows 8 --batch 2   # the real 135M preset (slow)
@@ -96,7 +97,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data"
+
+from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.named_data import resolve  # noqa: E402
+
 DEMO = ROOT / "demo_out" / "sft" / "summary"
 MIB = 2**20
 MODES = ("padded", "padding_free", "packed", "unpadded")
@@ -130,7 +134,7 @@ def student_template() -> tuple[str, str, str]:
 
 def build_rows(n: int, seed: int, chunk_chars: int = 178, completion_chars: int = 24) -> list[dict]:
     system, user, _ = student_template()
-    with (DATA / "crud-news" / "news.jsonl").open(encoding="utf-8") as f:
+    with resolve("data:crud-news/news.jsonl").open(encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f]
     rng = random.Random(seed)
     rows = []
@@ -464,4 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except InputError as e:  # a named dataset that is not here: the fetch command to run
+        sys.exit(f"train_throughput: {e}")

@@ -282,6 +282,10 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
     for key, value in merged.items():
         try:
             merged[key] = named_data.resolve_all(value)
+        except named_data.MissingDataset as e:
+            raise named_data.MissingDataset(
+                config_path or "command line", f"field {key!r}: {e}", e.dataset
+            ) from None
         except InputError as e:
             raise InputError(config_path or "command line", f"field {key!r}: {e}") from None
     try:

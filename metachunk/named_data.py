@@ -64,6 +64,14 @@ class Dataset:
         return next((f for f in self.files if f.name == name), None)
 
 
+class MissingDataset(InputError):
+    """A ``data:`` name whose dataset is in none of the places :func:`resolve` looks."""
+
+    def __init__(self, path, problem: str, dataset: str):
+        super().__init__(path, problem)
+        self.dataset = dataset
+
+
 class FetchError(OSError):
     """A download that failed or did not convert to the shipped sums; nothing was installed (the
     CLI prints it as one line and exits 1, as for any other I/O error)."""
@@ -188,7 +196,7 @@ def resolve(ref: str | Path) -> Path:
         if (folder / file).is_file():
             return folder / file
     where = f"${ENV}/{name} nor " if os.environ.get(ENV) else ""
-    raise InputError(ref, f"not in {where}{cache_root() / name}; run `metachunk data fetch {name}`")
+    raise MissingDataset(ref, f"not in {where}{cache_root() / name}; run `metachunk data fetch {name}`", name)
 
 
 def resolve_all(value):

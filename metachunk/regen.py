@@ -71,6 +71,7 @@ from pathlib import Path
 from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
+from metachunk.named_data import MissingDataset
 from metachunk.redaction import redact
 from metachunk.sources import EXIT_SKIPPED, rows_left_out, skipped_exit, total_rejects
 
@@ -348,7 +349,15 @@ class Runner:
         print(f"plan: {self.recipe.name} ({self.recipe.path}), state {self.state_dir}", file=out)
         for stage in self.recipe.stages:
             stage = self.fitted(stage)
-            fp = self.fingerprint(stage, suffix=".plan.yaml")
+            try:
+                fp = self.fingerprint(stage, suffix=".plan.yaml")
+            except MissingDataset as e:  # the plan says what to fetch; the run itself stops there
+                upstream_runs.append(stage.name)
+                rows.append({"stage": stage.name, "run": stage.run, "status": "needs data", "estimate": None})
+                print(
+                    f"  {stage.name:<20} {stage.run:<26} needs `metachunk data fetch {e.dataset}`", file=out
+                )
+                continue
             if self.cached(stage, fp) and not upstream_runs:
                 status = "cached"
             elif stage.name in self.rerun:

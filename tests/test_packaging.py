@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -67,7 +68,9 @@ def test_the_wheel_holds_one_namespace_with_its_data(wheel):
         assert zipfile.ZipFile(wheel).read(toplevel).decode().split() == ["metachunk"]
     for expected in ("metachunk/chunking/ppl.py", "metachunk/distill/run.py", "metachunk/train/__main__.py",
                      "metachunk/eval/qa.py", "metachunk/py.typed", "metachunk/distill/prompts/refinement.schema.json",
-                     "metachunk/eval/metrics/crud_bleu/crud_bleu.py", "metachunk/kernels/lse_rows_bf16.c"):  # fmt: skip
+                     "metachunk/eval/metrics/crud_bleu/crud_bleu.py", "metachunk/kernels/lse_rows_bf16.c",
+                     "metachunk/data/gutenqa-emma/paragraphs.jsonl", "metachunk/data/gutenqa-emma/questions.jsonl",
+                     "metachunk/data/gutenqa-emma/LICENSE", "metachunk/data/crud-news.sources.txt"):  # fmt: skip
         assert expected in names, expected
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
@@ -92,7 +95,9 @@ def test_the_installed_wheel_runs_where_train_py_and_eval_would_shadow_it(wheel,
     (user / "train.py").write_text("raise SystemExit('the user train.py ran')\n")
     (user / "eval" / "__init__.py").write_text("raise SystemExit('the user eval/ ran')\n")
     (user / "doc.txt").write_text("Emma was clever. She was rich. It was late. They met at noon.\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{env_dir / 'bin'}:{os.environ['PATH']}"}
+    # no named dataset but the one the wheel ships (an empty cache, no $METACHUNK_DATA)
+    env = {**{k: v for k, v in os.environ.items() if k != "METACHUNK_DATA"}, "OMP_NUM_THREADS": "1",
+           "METACHUNK_CACHE": str(tmp_path / "cache"), "PATH": f"{env_dir / 'bin'}:{os.environ['PATH']}"}  # fmt: skip
 
     def run(*argv: str) -> subprocess.CompletedProcess:
         done = subprocess.run(argv, cwd=user, env=env, capture_output=True, text=True, timeout=300)
@@ -105,9 +110,12 @@ def test_the_installed_wheel_runs_where_train_py_and_eval_would_shadow_it(wheel,
     assert str(env_dir) in where  # the wheel's copy, not the checkout's
     assert "--model_name_or_path" in run(str(py), "-m", "metachunk.train", "--help").stdout
     assert "regen/demo.yaml" in run("metachunk", "recipes", "list").stdout.split()
-    assert (
-        "emma_eval" in run("metachunk", "run", "demo", "--plan").stdout
-    )  # planned; its inputs are missing here
+    listed = run("metachunk", "data", "list").stdout
+    assert f"gutenqa-emma  present (shipped): {env_dir}" in listed  # the wheel's copy, sums checked
+    assert "crud-news     absent: metachunk data fetch crud-news" in listed
+    plan = run("metachunk", "run", "demo", "--plan").stdout
+    assert re.search(r"emma_eval +data passages +runs\n", plan)  # Emma is read from the wheel
+    assert re.search(r"crud_news +data passages +needs `metachunk data fetch crud-news`\n", plan)
     assert "chunk" in run(str(py), "-m", "metachunk", "--help").stdout
     run("metachunk", "chunk", "doc.txt", "-o", "chunks.jsonl", "--method", "sentence", "--target-len", "30")
     (record,) = [json.loads(line) for line in (user / "chunks.jsonl").read_text().splitlines()]
