@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 import re
 from itertools import islice
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Sentence
+from support.data import data_file
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-NEWS = DATA / "crud-news" / "news.jsonl"
-EMMA = DATA / "gutenqa-emma" / "paragraphs.jsonl"
+NEWS = "crud-news/news.jsonl"
+EMMA = "gutenqa-emma/paragraphs.jsonl"
 
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 ZH_TERMINATORS = "。！？；…"
@@ -95,10 +94,8 @@ def test_max_chars_is_exact_without_long_whitespace(text: str, max_chars: int):
 # Real corpora
 
 
-def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
-    if not path.exists():
-        pytest.skip(f"corpus not found: {path}")
-    with path.open(encoding="utf-8") as f:
+def read_jsonl(name: str, limit: int | None = None) -> list[dict]:
+    with data_file(name).open(encoding="utf-8") as f:
         return [json.loads(line) for line in islice(f, limit)]
 
 
