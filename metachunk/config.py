@@ -322,7 +322,9 @@ def to_dict(cfg) -> dict:
 
 def computed(cfg) -> dict:
     """The settings that decide what a run makes: :func:`to_dict` less every field marked
-    ``runtime=True``, in nested blocks (teacher blocks) too. Fingerprints hash this."""
+    ``runtime=True``, in nested blocks (teacher blocks) too. Fingerprints hash this. A file of a
+    named dataset is recorded by its ``data:`` name, wherever it was found."""
+    from metachunk import named_data
 
     def plain(v):
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -331,7 +333,9 @@ def computed(cfg) -> dict:
             return {k: plain(x) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
-        return str(v) if isinstance(v, Path) else v
+        if isinstance(v, Path):
+            return named_data.name_of(v) or str(v)
+        return v
 
     flat = _flat_fields(type(cfg))
     out = {}

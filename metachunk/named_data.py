@@ -28,12 +28,11 @@ import tempfile
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.artifacts import InputError
 from metachunk.command import Result
-from metachunk.config import option
 
 PREFIX = "data:"
 SHIPPED = Path(__file__).resolve().parent / "data"
@@ -156,9 +155,9 @@ DATASETS = {
 
 
 def cache_root() -> Path:
-    from metachunk.models import cache_dir
-
-    return cache_dir() / "data"
+    # metachunk.models.cache_dir's folder, spelled out: models imports the config loader, which
+    # imports this module.
+    return Path(os.environ.get("METACHUNK_CACHE", Path.home() / ".cache" / "metachunk")) / "data"
 
 
 def roots(dataset: Dataset) -> list[tuple[str, Path]]:
@@ -197,6 +196,16 @@ def resolve(ref: str | Path) -> Path:
             return folder / file
     where = f"${ENV}/{name} nor " if os.environ.get(ENV) else ""
     raise MissingDataset(ref, f"not in {where}{cache_root() / name}; run `metachunk data fetch {name}`", name)
+
+
+def name_of(path: str | Path) -> str | None:
+    """The ``data:NAME/FILE`` that ``path`` is where :func:`resolve` looks, or None: fingerprints
+    record the name, so moving a dataset (from ``$METACHUNK_DATA`` to the cache) reruns nothing."""
+    path = Path(path)
+    for d in DATASETS.values():
+        if d.file(path.name) is not None and any(path == folder / path.name for _, folder in roots(d)):
+            return f"{PREFIX}{d.name}/{path.name}"
+    return None
 
 
 def resolve_all(value):
@@ -311,12 +320,12 @@ class ListConfig:
 
 @dataclass
 class FetchConfig:
-    names: list[str] = option(None, f"datasets to fetch ({', '.join(DATASETS)})", positional=True)
-    base_url: str | None = option(
-        None,
-        "download from this mirror of the dataset's source instead (the same relative paths)",
-        runtime=True,
-    )
+    # Plain field metadata (metachunk.config's format): metachunk.config resolves names through this module.
+    names: list[str] = field(default=None, metadata={"help": f"datasets to fetch ({', '.join(DATASETS)})",
+                                                     "positional": True})  # fmt: skip
+    base_url: str | None = field(default=None, metadata={
+        "help": "download from this mirror of the dataset's source instead (the same relative paths)",
+        "runtime": True})  # fmt: skip
 
 
 def run_list(cfg: ListConfig) -> Result:

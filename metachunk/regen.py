@@ -71,7 +71,7 @@ from pathlib import Path
 from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
-from metachunk.named_data import MissingDataset
+from metachunk.named_data import MissingDataset, name_of
 from metachunk.redaction import redact
 from metachunk.sources import EXIT_SKIPPED, rows_left_out, skipped_exit, total_rejects
 
@@ -253,7 +253,9 @@ def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Di
         else:
             inputs[name] = digests.path(name)
     prompts = file_hashes(reads.prompts)
-    material = {"run": stage.run, "config": registry.identity(command, cfg), "inputs": inputs,
+    # a named dataset's file by its name: where it was found does not change what the stage makes
+    named = {name_of(p) or p: d for p, d in inputs.items()}
+    material = {"run": stage.run, "config": registry.identity(command, cfg), "inputs": named,
                 "models": model_prints, "prompts": prompts, "code": code_digest.command_code((command.module,))}  # fmt: skip
     sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     teachers = command.load().teachers(cfg) if hasattr(command.load(), "teachers") else {}

@@ -100,11 +100,12 @@ def test_batched_conditional_nll_equals_pair_by_pair(tiny):
     pairs = cq.select_pairs(len(TEXTS))
     fast = cq.mean_nll_matrix(model, tokenizer, TEXTS, pairs, batched=True, batch_size=3)
     slow = cq.mean_nll_matrix(model, tokenizer, TEXTS, pairs, batched=False)
-    np.testing.assert_allclose(fast[0], slow[0], atol=1e-4)
-    np.testing.assert_allclose(fast[1], slow[1], atol=1e-4)  # NaN on the diagonal in both
+    # float32 sums in another order once rows are padded into a batch: a few parts in 1e5
+    np.testing.assert_allclose(fast[0], slow[0], atol=1e-4, rtol=5e-5)
+    np.testing.assert_allclose(fast[1], slow[1], atol=1e-4, rtol=5e-5)  # NaN on the diagonal in both
     assert np.isnan(np.diag(fast[1])).all() and not np.isnan(fast[1][~np.eye(4, dtype=bool)]).any()
-    # and in ppl, which the metrics use
-    np.testing.assert_allclose(np.exp(fast[1]), np.exp(slow[1]), rtol=1e-4)
+    # and in ppl, which the metrics use (exp turns the NLL's absolute tolerance into a relative one)
+    np.testing.assert_allclose(np.exp(fast[1]), np.exp(slow[1]), rtol=2e-4)
 
 
 def test_continuation_nll_per_token_matches_one_pass(tiny):

@@ -512,7 +512,8 @@ def test_ppl_scores_match_a_plain_forward_pass(tiny_model_dir):
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0].float()
             nll = torch.nn.functional.cross_entropy(logits[first - 1 : -1], torch.tensor(ids[first:]))
-            assert score == pytest.approx(-float(nll), abs=1e-4)
+            # float32 sums in another order in the batched pass: a few parts in 1e5
+            assert score == pytest.approx(-float(nll), abs=1e-4, rel=5e-5)
     assert len(ppl_pair_ids(tok, "x" * 200, "q", "en", 16)[0]) < 16 + 30  # long passages keep their head
 
 

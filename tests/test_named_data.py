@@ -11,6 +11,7 @@ sums check.
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import json
 import threading
@@ -216,3 +217,59 @@ def test_the_shipped_sample_is_the_one_our_copy_holds():
         named_data.crud_article(r["text"], r["source"]) == json.dumps(r, ensure_ascii=False) + "\n"
         for r in rows
     )
+
+
+# ---- without CRUD: the fetch's guarantees on a toy dataset, and fingerprints by name -------------------
+
+
+def toy_dataset(text: str) -> named_data.Dataset:
+    """A dataset of one file, ``toy.txt``, converted from the source ``src/toy.txt`` by upper-casing it."""
+
+    def build(download, folder):
+        (folder / "toy.txt").write_text(download("src/toy.txt").read_text(encoding="utf-8").upper())
+
+    data = text.upper().encode()
+    checked = named_data.DataFile("toy.txt", hashlib.sha256(data).hexdigest(), len(data))
+    return named_data.Dataset("toy", (checked,), source="a test", licence="none", build=build)
+
+
+def test_a_fetch_is_checked_whole_and_atomic_without_any_real_data(no_data, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(named_data.DATASETS, "toy", toy_dataset("hello"))
+    (tmp_path / "up" / "src").mkdir(parents=True)
+    (tmp_path / "up" / "src" / "toy.txt").write_text("hellO", encoding="utf-8")  # converts to the right sum
+    server = Server(tmp_path / "up")
+    try:
+        assert main(["data", "fetch", "toy", "--base-url", server.url]) == 0
+        assert (no_data / "toy" / "toy.txt").read_text() == "HELLO" and server.gets == ["/src/toy.txt"]
+        assert main(["data", "fetch", "toy", "--base-url", server.url]) == 0
+        assert server.gets == ["/src/toy.txt"]  # present: nothing downloaded
+        (no_data / "toy" / "toy.txt").write_text("changed")
+        (tmp_path / "up" / "src" / "toy.txt").write_text("bye", encoding="utf-8")  # a different source
+        capsys.readouterr()
+        assert main(["data", "fetch", "toy", "--base-url", server.url]) == 1
+    finally:
+        server.close()
+    assert "toy.txt (sha256" in capsys.readouterr().err
+    assert (no_data / "toy" / "toy.txt").read_text() == "changed"  # the old copy stays as it was
+    assert sorted(p.name for p in no_data.iterdir()) == [".toy.lock", "toy"]  # and no staging is left
+
+
+def test_a_stage_stays_cached_when_its_dataset_moves(no_data, monkeypatch, tmp_path, capsys):
+    """Fingerprints name the dataset's file, not the folder it was found in."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"state: {tmp_path / 'state'}\nstages:\n  - name: ch1\n    run: data passages\n"
+        f"    config: {{input: 'data:gutenqa-emma/paragraphs.jsonl', out: {tmp_path / 'ch1.jsonl'}, "
+        "group_field: chapter, groups: '0:1'}\n",
+        encoding="utf-8",
+    )
+    assert main(["run", str(recipe)]) == 0  # the shipped copy
+    copy = tmp_path / "mine" / "gutenqa-emma"
+    copy.mkdir(parents=True)
+    for f in ("paragraphs.jsonl", "questions.jsonl"):
+        (copy / f).write_bytes((named_data.SHIPPED / "gutenqa-emma" / f).read_bytes())
+    monkeypatch.setenv(named_data.ENV, str(tmp_path / "mine"))
+    assert named_data.resolve("data:gutenqa-emma/paragraphs.jsonl").parent == copy
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 0
+    assert "ch1 (data passages): cached, skipped" in capsys.readouterr().err
