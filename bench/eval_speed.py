@@ -5,10 +5,10 @@ chunk and ``ppl(q|d)`` of up to ``N (N - 1)`` ordered chunk pairs. Compared, on 
 real Emma chunks and the same model:
 
 * **pair-by-pair**: one forward pass over ``d + q`` per pair (and one over each chunk alone),
-  :func:`metachunk.scoring.token_nll` on that one sequence: what a literal loop does.
+  :func:`metachunk.engine.scoring.token_nll` on that one sequence: what a literal loop does.
 * **kv B=b**: :func:`metachunk.eval.chunk_quality.mean_nll_matrix` as ``eval chunk-quality`` runs it: each
   context ``d`` runs once and its KV cache is reused by the ``q`` read after it, up to ``b`` of
-  them per forward pass (right-padded; :func:`metachunk.scoring.continuation_nll`).
+  them per forward pass (right-padded; :func:`metachunk.engine.scoring.continuation_nll`).
 
 Chunks: the first ``--paragraphs`` paragraphs of *Emma* joined with blank lines, split into
 sentences and packed to at most ``--target-words`` words (:func:`metachunk.chunking.baselines.sentence_chunks`,

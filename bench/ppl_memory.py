@@ -138,8 +138,8 @@ def child(args: argparse.Namespace) -> None:
     from metachunk.chunking.ppl import score_documents
     from metachunk.chunking.sentences import split_sentences
 
+    from metachunk.engine.scoring import plan_windows, token_nll
     from metachunk.models import load_causal_lm
-    from metachunk.scoring import plan_windows, token_nll
 
     if args.threads:
         torch.set_num_threads(args.threads)

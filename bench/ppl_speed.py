@@ -2,10 +2,10 @@
 
 Three ways to get the per-token NLL that PPL chunking needs, on the same documents and model:
 
-* ``engine``: :func:`metachunk.scoring.token_nll`: batched windows of several documents, the LM
+* ``engine``: :func:`metachunk.engine.scoring.token_nll`: batched windows of several documents, the LM
   head and log-softmax applied in slices, only the target log-probs gathered.
 * ``loop``: one forward per sentence over the KV cache of the preceding text, the literal reading
-  of the paper's Eq. 1 (:func:`metachunk.scoring.token_nll_incremental`).
+  of the paper's Eq. 1 (:func:`metachunk.engine.scoring.token_nll_incremental`).
 * ``plain``: one forward per document with full fp32 logits and a full log-softmax.
 
 Documents: ``data:gutenqa-emma/paragraphs.jsonl`` (``--corpus emma``) or ``data:crud-news/news.jsonl``
@@ -108,8 +108,8 @@ def worker(args) -> None:
     from metachunk.chunking.ppl import tokenize_sentences
     from metachunk.chunking.sentences import split_sentences
 
+    from metachunk.engine.scoring import default_streams, token_nll, token_nll_incremental
     from metachunk.models import load_causal_lm
-    from metachunk.scoring import default_streams, token_nll, token_nll_incremental
 
     docs = load_docs(args.corpus, args.docs)
     # "engine-bf16": the same engine with bf16 weights (AMX / tensor cores); logits are still
@@ -217,7 +217,7 @@ def gemm_worker(args) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     shapes = json.loads(args.shapes)
     m = 512
-    # The head's shapes too: its tile (metachunk.scoring.DEFAULT_HEAD_ROWS x DEFAULT_VOCAB_BLOCK)
+    # The head's shapes too: its tile (metachunk.engine.scoring.DEFAULT_HEAD_ROWS x DEFAULT_VOCAB_BLOCK)
     # and a small one; AMX runs them faster than any square shape (leaving them out would flatter
     # the ratio).
     hidden, vocab = shapes["hidden"], shapes["vocab"]

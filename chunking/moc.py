@@ -81,7 +81,7 @@ from metachunk.chunking.students import student_dir
 from metachunk.chunking.types import Sentence
 
 from metachunk.config import option
-from metachunk.generation import (
+from metachunk.engine.generation import (
     Generation,
     chat_prompt_ids,
     generate_batched,

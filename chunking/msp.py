@@ -151,7 +151,7 @@ class MarginScorer:
         """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches."""
         import torch
 
-        from metachunk.scoring import lm_head_logits
+        from metachunk.engine.scoring import lm_head_logits
 
         with torch.inference_mode():
             if not pairs:

@@ -440,8 +440,8 @@ class Chunker:
         # ppl, msp: the weights' dtype, and why (--dtype auto picks it)
         out = {"dtype": dict(getattr(self.model, "metachunk_dtype", {"dtype": str(self.model.dtype)}))}
         if self.cfg.method == "ppl":  # how the scorer ran: its streams, and the C kernels it built or not
-            from metachunk import kernels
-            from metachunk.scoring import default_streams
+            from metachunk.engine import kernels
+            from metachunk.engine.scoring import default_streams
 
             streams = self.cfg.streams or default_streams(next(self.model.parameters()).device)
             out["scoring"] = {"streams": streams, "kernels": kernels.status()}

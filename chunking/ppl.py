@@ -88,7 +88,7 @@ def score_documents(
     streams: int | None = None,
 ) -> list[np.ndarray]:
     """Sentence PPLs for several documents, scored together in batched windows."""
-    from metachunk.scoring import token_nll
+    from metachunk.engine.scoring import token_nll
 
     tokenized = [tokenize_sentences(tokenizer, d, s) for d, s in zip(docs, sentences)]
     nlls = token_nll(

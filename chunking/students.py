@@ -18,7 +18,7 @@ rows and the chunker build it with the same functions:
 :func:`student_messages`; the chunker calls the same ones with the same settings (the defaults
 are distill's), so the prompt at inference is the training prompt, byte for byte.
 
-Generation (:class:`Student`, with :func:`metachunk.generation.generate_batched`): the model's
+Generation (:class:`Student`, with :func:`metachunk.engine.generation.generate_batched`): the model's
 chat template with the generation prompt, prompts of similar length batched and padded on the
 left, the model's own ``generation_config`` with ``do_sample=False`` on top (greedy,
 reproducible) unless sampling is asked for; only the new tokens are decoded. Weights load from
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
+from metachunk.engine.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
 from metachunk.prompts import Prompt, load_prompt_file
 
 FIELDS = {"rewrite": "rewritten", "summary": "summary"}  # task -> the field it adds to each chunk
@@ -231,7 +231,7 @@ class Student:
         on_batch: Callable[[int], object] | None = None,
     ) -> list[str]:
         """One answer per prompt (new text only, stripped), in the order given
-        (:func:`metachunk.generation.generate_batched`: a batch generates up to its largest budget
+        (:func:`metachunk.engine.generation.generate_batched`: a batch generates up to its largest budget
         and each answer is cut to its own budget, so an answer does not depend on its batch
         neighbours)."""
         started = time.perf_counter()

@@ -11,7 +11,7 @@ Three diagnostics, each optional (give ``--chunks``, ``--retrieval`` or both):
 * **PPL of rewritten vs original chunks** (Meta-Chunking Figure 5), from ``--chunks``: a
   ``metachunk chunk --rewrite MODEL`` output, whose chunks carry ``rewritten``. Under every
   ``--models`` LM, each chunk that has a non-empty rewrite is read alone, as text and as rewrite:
-  ``ppl = exp(mean token NLL)`` over its tokens (:func:`metachunk.scoring.token_nll`; read after
+  ``ppl = exp(mean token NLL)`` over its tokens (:func:`metachunk.engine.scoring.token_nll`; read after
   the tokenizer's lead tokens, or a single space where it has none, as in ``eval chunk-quality``;
   texts longer than ``--max-context`` tokens go by sliding windows). Reported per model: the mean
   and median ppl of originals and of rewrites over the same chunks, and the share of chunks whose
@@ -236,7 +236,7 @@ def text_nll(model, tokenizer, texts, max_context: int = 2048, batch_tokens: int
     """Mean token NLL (nats) of each text read alone (after the lead tokens, see ``eval chunk-quality``)."""
     from metachunk.eval.chunk_quality import lead_ids
 
-    from metachunk.scoring import token_nll
+    from metachunk.engine.scoring import token_nll
 
     _, lead = lead_ids(tokenizer)
     ids = [lead + list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
@@ -269,7 +269,7 @@ def cp_ids(tokenizer, chunks, answer: str, question: str | None = None, max_cont
 def cp_scores(model, tokenizer, rows, k: int, cp_prompt: str = "chunks", max_context: int = 2048,
               batch_tokens: int = 8192, progress: bool = False, desc: str = "cp") -> list[float | None]:  # fmt: skip
     """Per question: mean NLL (nats) of the answer's tokens given its top-k chunks; None without an answer."""
-    from metachunk.scoring import token_nll
+    from metachunk.engine.scoring import token_nll
 
     seqs, owners = [], []
     for q, row in enumerate(rows):

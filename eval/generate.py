@@ -10,7 +10,7 @@ every answer. The context lists the passages best first, numbered ``[1]``, ``[2]
   ``max_tokens`` (``finish_reason == "length"``) keeps its text and is marked ``length``.
 * **Local** (``--generator-model PRESET_OR_DIR``): transformers ``generate`` on the chat template
   (or, for a base model without one, the system and user parts joined by a blank line), prompts of
-  similar length batched and padded on the left (:func:`metachunk.generation.generate_batched`),
+  similar length batched and padded on the left (:func:`metachunk.engine.generation.generate_batched`),
   sampling with the run's settings from one seed.
 
 Default sampling is the paper's (§4.3): top_p 0.9, top_k 5, temperature 0.1, 1280 new tokens. The
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
+from metachunk.engine.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
 from metachunk.prompts import Prompt, load_prompt_file
 
 PROMPT_NAME = "rag_answer"

@@ -5,7 +5,7 @@ the paper's PPLRerank uses: a small causal LM reads the candidate passage, then 
 followed by a restrictive statement ("We can get the answer to this question in the given
 documents."); the passage's score is the negative mean NLL (nats) of the question + statement
 tokens. A passage that makes the question likely comes first. NLLs come from
-:func:`metachunk.scoring.token_nll` (the one scoring function), all (passage, question) pairs of
+:func:`metachunk.engine.scoring.token_nll` (the one scoring function), all (passage, question) pairs of
 all questions in one call, which batches them. A passage longer than ``max_passage_tokens`` keeps
 its first tokens.
 
@@ -53,7 +53,7 @@ def ppl_scores(
     import numpy as np
     from tqdm import tqdm
 
-    from metachunk.scoring import token_nll
+    from metachunk.engine.scoring import token_nll
 
     pairs, owners = [], []
     for q, (question, passages) in enumerate(queries):

@@ -277,14 +277,14 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from metachunk import attention
+    from metachunk.engine import attention
 
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
     path = resolve(name_or_dir)
     device = device or default_device()
     picked, why = pick_dtype(dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # On CPU, metachunk.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
+    # On CPU, metachunk.engine.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
     # is slow (wide heads, sliding windows); elsewhere transformers' default.
     implementation = attention.register() if device == "cpu" else None
     model = (

@@ -1,4 +1,4 @@
-"""The CPU attention in query blocks (metachunk.attention) computes what torch's SDPA computes, for
+"""The CPU attention in query blocks (metachunk.engine.attention) computes what torch's SDPA computes, for
 every mask transformers hands it: none (causal, or one query over a cache), sliding windows,
 padding, and queries that continue a cache."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metachunk import attention
+from metachunk.engine import attention
 
 
 def reference(query, key, value, mask, causal):

@@ -109,7 +109,7 @@ def test_batched_conditional_nll_equals_pair_by_pair(tiny):
 
 
 def test_continuation_nll_per_token_matches_one_pass(tiny):
-    from metachunk.scoring import continuation_nll, token_nll
+    from metachunk.engine.scoring import continuation_nll, token_nll
 
     model, tokenizer = tiny
     prefix = tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""The C kernels of metachunk/kernels: built on first use, equal to torch's ops, and torch's ops
+"""The C kernels of metachunk/engine/kernels: built on first use, equal to torch's ops, and torch's ops
 wherever they cannot be built."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from metachunk import kernels
+from metachunk.engine import kernels
 from metachunk.models import cpu_flags
 
 needs_avx512 = pytest.mark.skipif(
@@ -108,8 +108,8 @@ def test_without_a_kernel_the_reason_is_kept(fresh, monkeypatch, setup, why):
 
 @needs_avx512
 def test_bf16_scoring_with_and_without_the_kernel(fresh, tiny_model_dir: Path, monkeypatch):
+    from metachunk.engine.scoring import token_nll
     from metachunk.models import load_causal_lm
-    from metachunk.scoring import token_nll
 
     model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="bfloat16")
     texts = ["Emma Woodhouse, handsome, clever, and rich.", "She was the youngest of the two daughters."]
@@ -117,11 +117,11 @@ def test_bf16_scoring_with_and_without_the_kernel(fresh, tiny_model_dir: Path, m
     lse, calls = kernels.lse_rows_bf16(), []
     assert lse is not None, kernels.status()
     monkeypatch.setattr(
-        "metachunk.scoring.lse_rows_bf16", lambda: lambda x, out: (calls.append(len(x)), lse(x, out))
+        "metachunk.engine.scoring.lse_rows_bf16", lambda: lambda x, out: (calls.append(len(x)), lse(x, out))
     )
     with_kernel = token_nll(model, sequences, max_context=64, head_rows=4)
     assert sum(calls) == sum(len(s) - 1 for s in sequences) * -(-model.config.vocab_size // 8192)
-    monkeypatch.setattr("metachunk.scoring.lse_rows_bf16", lambda: None)
+    monkeypatch.setattr("metachunk.engine.scoring.lse_rows_bf16", lambda: None)
     with_torch = token_nll(model, sequences, max_context=64, head_rows=4)
     for a, b in zip(with_kernel, with_torch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

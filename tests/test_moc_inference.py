@@ -35,7 +35,7 @@ from metachunk.chunking.moc_answers import (
 from metachunk.chunking.sentences import split_sentences
 
 from metachunk.cli import main
-from metachunk.generation import Generation
+from metachunk.engine.generation import Generation
 
 EN = (
     "The committee met on Tuesday (in the old hall) to discuss the budget. It lasted three hours. "

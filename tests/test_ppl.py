@@ -18,7 +18,7 @@ from metachunk.chunking.sentences import split_sentences
 from metachunk.chunking.types import Sentence, chunks_from_boundaries
 from support.data import data_file
 
-from metachunk.scoring import Window, plan_windows, token_nll, token_nll_incremental
+from metachunk.engine.scoring import Window, plan_windows, token_nll, token_nll_incremental
 
 NAN = math.nan
 
@@ -416,7 +416,7 @@ def test_streams_stop_on_a_signal(tiny_lm, long_ids):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(2, 50)), max_size=30), st.integers(1, 5))
 def test_assign_batches_deals_each_batch_once(shapes, streams):
-    from metachunk.scoring import assign_batches
+    from metachunk.engine.scoring import assign_batches
 
     batches = [[Window(k, 0, n, 1)] * rows for k, (rows, n) in enumerate(shapes)]
     lanes = assign_batches(batches, streams)
@@ -555,7 +555,7 @@ def test_chunker_ppl_overlap(chunk_ppl):
 def test_bf16_head_keeps_target_exact_and_normaliser_close(tiny_lm, long_ids):
     import torch
 
-    from metachunk.scoring import token_nll
+    from metachunk.engine.scoring import token_nll
 
     model, _ = tiny_lm
     ids = long_ids[:300]
@@ -576,7 +576,7 @@ def test_sliced_head_equals_a_full_log_softmax_with_bias_and_softcap(rows, cols)
 
     import torch
 
-    from metachunk.scoring import _sliced_nll
+    from metachunk.engine.scoring import _sliced_nll
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=True)
@@ -601,7 +601,7 @@ def test_sliced_head_equals_a_full_log_softmax_with_bias_and_softcap(rows, cols)
 def test_kv_trim_blocks_stitch_exactly_before_any_trimming(tiny_lm, long_ids):
     """Blocks of 32 against a cache that is not trimmed yet must equal one full pass: this checks
     positions, the causal mask across the cache and the prediction of each block's first token."""
-    from metachunk.scoring import supports_kv_trimming, token_nll_kv_trim
+    from metachunk.engine.scoring import supports_kv_trimming, token_nll_kv_trim
 
     model, _ = tiny_lm
     assert supports_kv_trimming(model)
@@ -612,7 +612,7 @@ def test_kv_trim_blocks_stitch_exactly_before_any_trimming(tiny_lm, long_ids):
 
 
 def test_kv_trim_really_drops_old_context_and_scores_everything(tiny_lm, long_ids):
-    from metachunk.scoring import token_nll_kv_trim
+    from metachunk.engine.scoring import token_nll_kv_trim
 
     model, _ = tiny_lm
     (full,) = token_nll(model, [long_ids], max_context=len(long_ids))

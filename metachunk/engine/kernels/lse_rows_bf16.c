@@ -6,7 +6,7 @@
  * tile; this makes two over each 16 KB row while it sits in L1: the max, then the sum of exps.
  *
  * AVX-512F only: a CPU with native bfloat16 compute (AVX-512 BF16 or AMX, the CPUs on which
- * --dtype auto picks bfloat16) has it. metachunk/kernels/__init__.py compiles and loads this file
+ * --dtype auto picks bfloat16) has it. metachunk/engine/kernels/__init__.py compiles and loads this file
  * and checks the flag; the caller keeps torch's ops everywhere else.
  *
  * exp is a degree-5 polynomial for 2^f on [0, 1) scaled by 2^n (vscalefps): relative error

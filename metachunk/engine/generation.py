@@ -2,8 +2,8 @@
 (:class:`metachunk.chunking.students.Student`), the MoC router and experts (:mod:`metachunk.chunking.moc`) and eval's
 local answer generator (:class:`metachunk.eval.generate.LocalGenerator`).
 
-It lives in the core, next to :mod:`metachunk.models` (which loads the models), because both
-``chunking/`` and ``eval/`` run it and neither may import the other's rooms for it.
+It lives in the engine, beside scoring, because both ``chunking/`` and ``eval/`` run it and neither
+may import the other's rooms for it.
 
 Prompts are token ids (the caller applies its chat template). They are batched longest first, so
 memory trouble shows in the first batch and rows of similar length share a batch (little

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metachunk.kernels import lse_rows_bf16
+from metachunk.engine.kernels import lse_rows_bf16
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,7 @@ def _sliced_nll(
     (1,024 x 8,192 fp32 tile, AVX-512).
 
     With bf16 logits on CPU, each tile's log-sum-exp comes from a C kernel instead
-    (:func:`metachunk.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32; 1.9
+    (:func:`metachunk.engine.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32; 1.9
     against 6.5 ms for the copy and ``log_softmax`` per 1,024 x 8,192 tile on one thread), where
     it can be compiled; torch's ops otherwise.
 
