@@ -4,6 +4,9 @@
 #   2. bench/msp_speed.py --device cuda     MSP batched pairs vs one call per pair (target >= 5x)
 #   3. bench/train_mfu_gpu.py               training MFU, Qwen2.5-0.5B shape (target >= 40%)
 #   4. metachunk chunk -o DIR on one GPU    1 worker, then 2 workers sharing it; same shards
+#   5. bench/ppl_speed.py --methods engine,plain-batched at the 0.5B, 1.5B and 7B shapes, on the
+#      1,200 CRUD articles: the engine against the batched transformers pass a user would write,
+#      each with its FLOP rate against the GEMM measured in the same run
 # Steps 1, 2 and 4 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
 # GPU_CHECK_MODEL names a model dir: speed does not need trained weights.
 #
@@ -58,6 +61,8 @@ if [[ $DRY == 1 ]]; then
   PPL_ARGS=(--docs 2 --methods engine,loop --max-context 512)
   MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
   MFU_ARGS=(--tiny --device cpu --dtype float32)
+  PLAIN_SHAPES=(tiny)
+  PLAIN_ARGS=(--corpus emma --docs 2 --max-context 512)
   CHUNK_DOCS=6
   CHUNK_CORPUS=data:gutenqa-emma/paragraphs.jsonl  # ships with the package: no fetch, no network
 else
@@ -65,6 +70,8 @@ else
   PPL_ARGS=(--docs 20 --methods engine,loop)
   MSP_ARGS=()
   MFU_ARGS=()
+  PLAIN_SHAPES=(qwen2-0.5b qwen2-1.5b qwen2-7b)
+  PLAIN_ARGS=(--corpus crud --docs 1200)
   CHUNK_DOCS=200
   CHUNK_CORPUS=data:crud-news/news.jsonl  # METACHUNK_DATA or the cache: the machine has no network
 fi
@@ -116,5 +123,12 @@ PYEOF
 else
   echo "== chunk: a run wrote no manifest; nothing to compare" | tee -a "$SUMMARY"; status=1
 fi
+for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16 (seconds, even at 7B)
+  dir=$OUT/random-$shape
+  [[ $shape == "$SHAPE" && -n "${GPU_CHECK_MODEL:-}" ]] && dir=$MODEL
+  [[ -f $dir/config.json ]] || step "random_$shape" "$PY" bench/random_model.py --shape "$shape" --out "$dir"
+  step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
+    --methods engine,plain-batched "${PLAIN_ARGS[@]}"
+done
 echo "summary: $SUMMARY"
 exit $status

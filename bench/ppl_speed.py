@@ -7,6 +7,9 @@ Three ways to get the per-token NLL that PPL chunking needs, on the same documen
 * ``loop``: one forward per sentence over the KV cache of the preceding text, the literal reading
   of the paper's Eq. 1 (:func:`metachunk.engine.scoring.token_nll_incremental`).
 * ``plain``: one forward per document with full fp32 logits and a full log-softmax.
+* ``plain-batched``: the batched transformers pass a user would write (:func:`plain_batched`),
+  timed from the raw text (tokenize + score); its FLOP rate counts the scoring time only. It sums
+  NLL over its own tokenization, so it has no sentence PPL to compare (dPPL and F1 are blank).
 
 Documents: ``data:gutenqa-emma/paragraphs.jsonl`` (``--corpus emma``) or ``data:crud-news/news.jsonl``
 (``--corpus crud``).
@@ -103,6 +106,90 @@ def plain_nll(model, ids: list[int]) -> np.ndarray:
     return np.concatenate([[np.nan], nll.cpu().numpy()]).astype(np.float32)
 
 
+def plain_batched(
+    model,
+    tok,
+    docs: list[str],
+    window: int = 4096,
+    stride: int = 2048,
+    budget: int = 65536,
+    head_rows: int = 8192,
+) -> tuple[list[float], dict]:
+    """The batched pass a user would write (issue 47's ``plain``), timed apart from the engine: each
+    document tokenized whole without special tokens; one window up to ``window`` tokens, longer ones
+    in windows of ``window`` every ``stride`` tokens, each token scored once with at least
+    ``window - stride`` tokens of context (a window's first ``window - stride`` targets are context
+    only, except in the first window); windows sorted by length and batched up to ``budget`` padded
+    tokens, right-padded under an attention mask; ``model.model`` for the hidden states, the LM head
+    on the scored positions in ``head_rows``-row chunks, in float32, into
+    ``F.cross_entropy(reduction="sum")``. Returns each document's summed NLL and the counts."""
+    import torch
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    tokenize_s = time.perf_counter() - t0
+    windows = []  # (doc, start, end, first target)
+    for k, x in enumerate(ids):
+        start = 0
+        while True:
+            end = min(start + window, len(x))
+            windows.append((k, start, end, start + (stride if start else 1)))
+            if end == len(x):
+                break
+            start += stride
+    windows.sort(key=lambda w: w[2] - w[1], reverse=True)
+    batches, batch = [], []
+    for w in windows:  # longest first: the first window of a batch sets its padded length
+        if batch and (len(batch) + 1) * (batch[0][2] - batch[0][1]) > budget:
+            batches.append(batch)
+            batch = []
+        batch.append(w)
+    batches.append(batch)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    body, head = model.model, model.get_output_embeddings()
+    nll = torch.zeros(len(docs), dtype=torch.float64)
+    processed = scored = 0
+    with torch.inference_mode():
+        for batch in batches:
+            width = batch[0][2] - batch[0][1]
+            x = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            rows, cols, targets, owner = [], [], [], []
+            for r, (k, a, b, first) in enumerate(batch):
+                x[r, : b - a] = torch.tensor(ids[k][a:b])
+                mask[r, : b - a] = 1
+                for t in range(first, b):  # target t is predicted at position t - 1
+                    rows.append(r)
+                    cols.append(t - 1 - a)
+                    targets.append(ids[k][t])
+                    owner.append(k)
+                processed += b - a
+            scored += len(targets)
+            hidden = body(input_ids=x.to(device), attention_mask=mask.to(device)).last_hidden_state
+            picked = hidden[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
+            targets_t, owner_t = torch.tensor(targets, device=device), torch.tensor(owner)
+            for c in range(0, len(targets), head_rows):
+                logits = head(picked[c : c + head_rows]).float()
+                losses = F.cross_entropy(logits, targets_t[c : c + head_rows], reduction="none")
+                nll.index_add_(0, owner_t[c : c + head_rows], losses.double().cpu())
+    return nll.tolist(), {"tokenize_s": tokenize_s, "processed": processed, "scored": scored,
+                          "batches": len(batches), "windows": len(windows)}  # fmt: skip
+
+
+def plain_flops(model, processed: int, scored: int) -> float:
+    """Issue 47's count for both sides: 2 x (matmul parameters without the input embedding or the
+    head) x tokens processed + 2 x (head parameters) x tokens scored; a tied head counts once.
+    Attention is not counted."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    body = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if head.data_ptr() != embed.data_ptr():
+        body -= head.numel()
+    return 2.0 * body * processed + 2.0 * head.numel() * scored
+
+
 def worker(args) -> None:
     import torch
     from metachunk.chunking.ppl import tokenize_sentences
@@ -121,6 +208,8 @@ def worker(args) -> None:
     )
     if args.worker == "gemm":
         return gemm_worker(args)
+    if args.worker == "plain-batched":
+        return plain_batched_worker(args, docs)
     model, tok = load_causal_lm(args.model, device=args.device, dtype=dtype)
     sentences = [split_sentences(d, args.lang) for d in docs]
     tokenized = [tokenize_sentences(tok, d, s) for d, s in zip(docs, sentences)]
@@ -170,6 +259,38 @@ def worker(args) -> None:
               "streams": (args.streams or default_streams(next(model.parameters()).device)
                           if args.worker.startswith("engine") else 1),
               "flops": exact_pass_flops(model, [len(ids) for ids, _ in tokenized], args.max_context),
+              "shapes": model_shapes(model)}  # fmt: skip
+    Path(args.out + ".json").write_text(json.dumps(result))
+
+
+def plain_batched_worker(args, docs: list[str]) -> None:
+    """``plain-batched``: transformers' own model, SDPA attention, bf16 weights on a GPU (``--dtype``
+    elsewhere, float32 for auto on CPU), timed from the raw text: tokenize + score."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from metachunk.models import default_device, resolve
+
+    device = args.device or default_device()
+    name = {"auto": "bfloat16" if device.startswith("cuda") else "float32"}.get(args.dtype, args.dtype)
+    path = resolve(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, name), attn_implementation="sdpa")
+    model = model.to(device).eval()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    plain_batched(model, tok, docs[:1])  # first-call setup (cuBLAS, oneDNN) is not the method's
+    sync()
+    load_rss = rss_mb()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    nll, counts = plain_batched(model, tok, docs)
+    sync()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+    np.savez(args.out, *[np.array([v], dtype=np.float64) for v in nll])
+    result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak_rss_mb(),
+              "peak_gpu_mb": peak_gpu, "tokens": counts["processed"], "sentences": 0, "spans": None,
+              "dtype": {"dtype": name, "why": "plain-batched: bf16 on a GPU, --dtype elsewhere"}, "streams": 1,
+              "flops": plain_flops(model, counts["processed"], counts["scored"]), "plain": counts,
               "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
@@ -303,7 +424,8 @@ def main() -> None:
     p.add_argument(
         "--methods",
         default="engine,loop,plain",
-        help="any of engine (--dtype, default auto), engine-fp32, engine-bf16, engine-bf16head, loop, loop-bf16, plain",
+        help="any of engine (--dtype, default auto), engine-fp32, engine-bf16, engine-bf16head, loop, loop-bf16, "
+        "plain, plain-batched (the batched transformers pass a user would write: tokenize + score)",
     )
     p.add_argument("--shapes", help=argparse.SUPPRESS)
     p.add_argument("--gemm-dtypes", default="float32,bfloat16", help=argparse.SUPPRESS)
@@ -338,14 +460,18 @@ def main() -> None:
         subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
         res = json.loads(Path(out + ".json").read_text())
         arrays = np.load(out + ".npz")
-        res["ppl"] = [sentence_ppl(arrays[f"arr_{i}"], spans) for i, spans in enumerate(res.pop("spans"))]
+        spans = res.pop("spans")
+        # plain-batched sums each document's NLL over its own tokenization: no sentence PPL to compare
+        res["ppl"] = (
+            None if spans is None else [sentence_ppl(arrays[f"arr_{i}"], s) for i, s in enumerate(spans)]
+        )
         results[m] = res
         print(
             f"[{m}] {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s cpu, peak RSS {res['peak_rss_mb']:.0f} MB",
             flush=True,
         )
 
-    engines = [m for m in results if m.startswith("engine")]
+    engines = [m for m in results if m.startswith("engine") or m == "plain-batched"]
     gemm = {}
     if engines:  # this machine's best GEMM rate per dtype, measured beside the runs
         out = os.path.join(tmp, "gemm")
@@ -357,7 +483,14 @@ def main() -> None:
             cmd += ["--device", args.device]
         subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
         gemm = json.loads(Path(out + ".json").read_text())
-    ref = "engine-fp32" if "engine-fp32" in results else "loop" if "loop" in results else methods[0]
+    compared = [m for m in methods if results[m]["ppl"] is not None]
+    ref = (
+        "engine-fp32"
+        if "engine-fp32" in results
+        else "loop"
+        if "loop" in results
+        else (compared or methods)[0]
+    )
     any_res = next(iter(results.values()))
     print(f"\nmodel={args.model} corpus={args.corpus} docs={args.docs} tokens={any_res['tokens']} "
           f"sentences={any_res['sentences']} max_context={args.max_context} device={args.device or 'auto'} dtype={args.dtype}")  # fmt: skip
@@ -365,18 +498,22 @@ def main() -> None:
     print(header + "\n" + "-" * len(header))
     summary = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "methods": {}}
     for m, r in results.items():
-        dppl = max(
+        comparable = r["ppl"] is not None and results[ref]["ppl"] is not None
+        dppl = float("nan") if not comparable else max(
             float(np.nanmax(np.abs(a - b))) if len(a) else 0.0 for a, b in zip(r["ppl"], results[ref]["ppl"])
-        )
+        )  # fmt: skip
         f1s = []
         for t in args.threshold:
+            if not comparable:
+                f1s.append(float("nan"))
+                continue
             mine = {(d, i) for d, ppl in enumerate(r["ppl"]) for i in ppl_boundaries(ppl, t)}
             theirs = {(d, i) for d, ppl in enumerate(results[ref]["ppl"]) for i in ppl_boundaries(ppl, t)}
             f1s.append(f1(mine, theirs))
         extra = r["peak_rss_mb"] - r["load_rss_mb"]
         dtype = r.get("dtype", {}).get("dtype", "?")
-        rate = r["flops"] / r["wall_s"] / 1e9
-        roof = rate / gemm[dtype] if m.startswith("engine") and dtype in gemm else float("nan")
+        rate = r["flops"] / (r["wall_s"] - r.get("plain", {}).get("tokenize_s", 0.0)) / 1e9
+        roof = rate / gemm[dtype] if m in engines and dtype in gemm else float("nan")
         print(f"{m:<16} {dtype:<9} {r['streams']:>7} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['tokens'] / r['wall_s']:>8.0f} {r['load_rss_mb']:>8.0f} "
               f"{r['peak_rss_mb']:>8.0f} {extra:>6.0f} {dppl:>10.2e} {rate:>8.1f} {roof:>8.2f} " + " ".join(f"{x:>7.4f}" for x in f1s))  # fmt: skip
         summary["methods"][m] = {k: v for k, v in r.items() if k != "ppl"} | {"boundary_f1_vs_" + ref: dict(zip(map(str, args.threshold), f1s)), "max_abs_ppl_diff": dppl, "gflops": rate, "roofline": roof}  # fmt: skip
@@ -396,7 +533,7 @@ def main() -> None:
         if name not in results:
             continue
         e = results[name]
-        for other in ("loop", "loop-bf16", "plain"):
+        for other in ("loop", "loop-bf16", "plain", "plain-batched"):
             if other in results:
                 o = results[other]
                 wall, cpu = o["wall_s"] / e["wall_s"], o["cpu_s"] / e["cpu_s"]

@@ -18,7 +18,15 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     summary = (tmp_path / "summary.txt").read_text()
     assert proc.returncode == 0, summary + proc.stderr[-2000:]
-    for step in ("random_model", "ppl_speed", "msp_speed", "train_mfu", "chunk_1_workers", "chunk_2_workers"):
+    for step in (
+        "random_model",
+        "ppl_speed",
+        "msp_speed",
+        "train_mfu",
+        "chunk_1_workers",
+        "chunk_2_workers",
+        "plain_vs_engine_tiny",
+    ):
         assert f"== {step}:" in summary
     assert "FAILED" not in summary
     assert "1 and 2 workers wrote identical shards" in summary

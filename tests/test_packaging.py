@@ -68,7 +68,7 @@ def test_the_wheel_holds_one_namespace_with_its_data(wheel):
         assert zipfile.ZipFile(wheel).read(toplevel).decode().split() == ["metachunk"]
     for expected in ("metachunk/chunking/ppl.py", "metachunk/distill/run.py", "metachunk/train/__main__.py",
                      "metachunk/eval/qa.py", "metachunk/py.typed", "metachunk/distill/prompts/refinement.schema.json",
-                     "metachunk/eval/metrics/crud_bleu/crud_bleu.py", "metachunk/engine/kernels/lse_rows_bf16.c",
+                     "metachunk/eval/metrics/crud_bleu/crud_bleu.py", "metachunk/engine/kernels/lse_rows_bf16.c", "metachunk/engine/scoring.py",
                      "metachunk/data/gutenqa-emma/paragraphs.jsonl", "metachunk/data/gutenqa-emma/questions.jsonl",
                      "metachunk/data/gutenqa-emma/LICENSE", "metachunk/data/crud-news.sources.txt"):  # fmt: skip
         assert expected in names, expected

@@ -230,10 +230,13 @@ def build_tiny_qwen2(out_dir: Path, seed: int = 0) -> Path:
 
 
 def build_random_qwen2(out_dir: Path, shape: dict, seed: int = 0, vocab_size: int | None = None,
-                       max_positions: int = 32768) -> Path:  # fmt: skip
+                       max_positions: int = 32768, device: str = "cpu", dtype: str = "float32",
+                       tie: bool = True) -> Path:  # fmt: skip
     """A random Qwen2 causal LM of ``shape`` (hidden/intermediate sizes, layers, heads) with this
     module's tokenizer, saved into ``out_dir``; ``vocab_size`` defaults to the tokenizer's (a
-    larger one keeps a real model's LM-head cost: the tokenizer uses only its first ids)."""
+    larger one keeps a real model's LM-head cost: the tokenizer uses only its first ids). The
+    weights are made on ``device`` in ``dtype`` (a 7B model is built in seconds on a GPU in bf16,
+    in minutes in fp32 on a CPU); ``tie`` ties the LM head to the input embedding."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -251,14 +254,15 @@ def build_random_qwen2(out_dir: Path, shape: dict, seed: int = 0, vocab_size: in
         max_position_embeddings=max_positions,
         max_window_layers=shape["num_hidden_layers"],
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         bos_token_id=endoftext_id,
         eos_token_id=im_end_id,
         pad_token_id=endoftext_id,
-        dtype="float32",
+        dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=endoftext_id,
         eos_token_id=[im_end_id, endoftext_id],
