@@ -73,9 +73,9 @@ class TextChunker:
 
     def chunk_batch(self, texts: Iterable[str]) -> list[list[Chunk]]:
         """The chunks of each text, in order; texts are scored together in groups of
-        ``4 x batch_size``, as the CLI does."""
+        :meth:`ChunkConfig.documents_per_call`, as the CLI does."""
         texts = [check_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
-        group = max(self.config.batch_size * 4, 16)
+        group = self.config.documents_per_call()
         out: list[list[Chunk]] = []
         for k in range(0, len(texts), group):
             part = texts[k : k + group]

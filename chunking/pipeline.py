@@ -22,7 +22,7 @@ from metachunk.chunking.lumber import LumberChunker, LumberOptions
 from metachunk.chunking.merge import add_sentence_overlap, merge_chunks
 from metachunk.chunking.moc import MocChunker, MocOptions
 from metachunk.chunking.msp import PROMPT_VARIANTS, MarginScorer, load_msp_prompt, msp_decisions
-from metachunk.chunking.ppl import ppl_boundaries, score_documents
+from metachunk.chunking.ppl import CPU_ROWS, ppl_boundaries, score_documents
 from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
@@ -76,6 +76,10 @@ class StudentOptions:
         "--rewrite/--summarize: decode with the models' own generation_config (sampling if it says so) "
         "instead of greedy",
     )
+
+
+# Documents per Chunker call on a GPU (ChunkConfig.documents_per_call): their text stays in memory.
+GPU_DOCUMENTS_PER_CALL = 1024
 
 
 @dataclass
@@ -180,7 +184,9 @@ class ChunkConfig:
     max_context: int = option(
         4096, "ppl: tokens of context per window; older text is dropped, each token keeps >= half of it"
     )
-    batch_size: int = option(8, "sequences per forward pass")
+    batch_size: int | None = option(
+        None, "sequences per forward pass (default: 8 on CPU; ppl on a GPU: what its free memory holds)"
+    )
     streams: int | None = option(
         None,
         "ppl: forward batches run side by side, in threads that share the model and split the torch "
@@ -244,6 +250,16 @@ class ChunkConfig:
         "--method lumber: the teacher that finds the cuts (chunking/lumber.py)",
         prefix="lumber_",
     )
+
+    def documents_per_call(self) -> int:
+        """How many documents a corpus run hands the chunker at once (scored together): four
+        batches' worth on CPU, at least 16; on a GPU ``GPU_DOCUMENTS_PER_CALL``, so that its
+        memory-sized batches fill (a batch there holds ~100K tokens, a few hundred articles)."""
+        from metachunk.models import default_device
+
+        if str(self.device or default_device()).startswith("cuda"):
+            return GPU_DOCUMENTS_PER_CALL
+        return max((self.batch_size or CPU_ROWS) * 4, 16)
 
     def __post_init__(self):
         check_choices(self)
@@ -394,7 +410,7 @@ class Chunker:
                 cfg.moc,
                 fallback_threshold=cfg.effective_threshold,
                 max_context=cfg.max_context,
-                batch_size=cfg.batch_size,
+                batch_size=cfg.batch_size or CPU_ROWS,
                 device=cfg.device,
                 dtype=cfg.dtype,
             )
@@ -510,7 +526,7 @@ class Chunker:
                     threshold=theta,
                     dynamic=cfg.dynamic_threshold,
                     window=cfg.threshold_window,
-                    batch_size=cfg.batch_size,
+                    batch_size=cfg.batch_size or CPU_ROWS,
                 )
                 for k, res in zip(idx, results):
                     out[k].sentences = _with_scores(out[k].sentences, res.margins)

@@ -75,28 +75,35 @@ def ppl_boundaries(ppl: Sequence[float], threshold: float) -> list[int]:
     return boundaries
 
 
+# Rows per forward pass on CPU when not told: the plan every CPU figure was measured with.
+CPU_ROWS = 8
+
+
 def score_documents(
     model,
     tokenizer,
     docs: Sequence[str],
     sentences: Sequence[Sequence[Sentence]],
     max_context: int = 4096,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     on_batch: Callable[[int], None] | None = None,
     head_dtype=None,
     long_context: str = "sliding-window",
     streams: int | None = None,
 ) -> list[np.ndarray]:
-    """Sentence PPLs for several documents, scored together in batched windows."""
+    """Sentence PPLs for several documents, scored together in batched windows: ``batch_size``
+    rows per forward pass (default: 8 on CPU; on a GPU, the engine's budget from its free memory)."""
     from metachunk.engine.scoring import token_nll
 
+    if batch_size is None and next(model.parameters()).device.type != "cuda":
+        batch_size = CPU_ROWS
     tokenized = [tokenize_sentences(tokenizer, d, s) for d, s in zip(docs, sentences)]
     nlls = token_nll(
         model,
         [ids for ids, _ in tokenized],
         max_context=max_context,
         max_batch_size=batch_size,
-        batch_tokens=max(max_context, 8192),
+        batch_tokens=None if batch_size is None else max(max_context, 8192),
         on_batch=on_batch,
         head_dtype=head_dtype,
         long_context=long_context,

@@ -49,7 +49,7 @@ def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, pr
     from metachunk.chunking.pipeline import fit_target_len
     from tqdm import tqdm
 
-    chunker, group = worker.chunker, max(cfg.batch_size * 4, 16)
+    chunker, group = worker.chunker, cfg.documents_per_call()
     segmented, docs = [], list(source.documents())
     with tqdm(total=len(docs), unit="doc", desc=f"segment {cfg.method}", dynamic_ncols=True,
               disable=chunker.own_progress or not progress) as bar:  # fmt: skip

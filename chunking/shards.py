@@ -148,7 +148,7 @@ def chunk_shard(worker: ShardWorker, cfg, source: DocumentSource, index: SourceI
     from metachunk.chunking.plots import plot_profile
 
     start, stop = plan.bounds(i)
-    group = max(cfg.batch_size * 4, 16)  # documents scored together; bounds memory for huge corpora
+    group = cfg.documents_per_call()  # documents scored together; bounds memory for huge corpora
     stats = {"documents": stop - start, "chunks": 0, "chunk_chars": 0}
     position = start
 

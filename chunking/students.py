@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from metachunk.chunking.ppl import CPU_ROWS
+
 from metachunk.engine.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
 from metachunk.prompts import Prompt, load_prompt_file
 
@@ -325,7 +327,7 @@ class ChunkStudents:
             embedder=cfg.embedder,
             device=cfg.device,
             dtype=cfg.dtype,
-            batch_size=cfg.batch_size,
+            batch_size=cfg.batch_size or CPU_ROWS,
             max_new_tokens={"rewrite": st.rewrite_max_new_tokens, "summary": st.summary_max_new_tokens},
             sample=st.sample,
             expected_docs=expected_docs,

@@ -229,13 +229,51 @@ def token_nll_kv_trim(
     return out
 
 
+# What a forward batch may hold on CPU (the default plan), and a GPU's cap: past ~128K tokens a
+# batch fills an H200 no better, and a plan of fewer, bigger batches leaves the last one ragged.
+CPU_BATCH_TOKENS = 8192
+CPU_BATCH_ROWS = 16
+GPU_BATCH_TOKENS_MAX = 131_072
+# The share of a GPU's free memory a batch's activations may take: the rest covers the allocator's
+# fragmentation, the LM head's fp32 tiles, and what another process on the device allocates.
+GPU_MEMORY_SHARE = 0.5
+
+
+def activation_bytes_per_token(model) -> int:
+    """Peak bytes one token's activations take in an inference forward pass, generously: a layer's
+    residual stream, norms, projections and attention output (8 x hidden) and its MLP's gate, up and
+    activation (3 x intermediate), in the weights' dtype; one layer at a time is alive (no cache,
+    no autograd). SDPA's fused kernels keep no attention matrix."""
+    c = model.config
+    c = getattr(c, "text_config", None) or c
+    width = next(model.parameters()).element_size()
+    return width * (8 * c.hidden_size + 3 * c.intermediate_size)
+
+
+def batch_budget(
+    model, max_context: int, device: torch.device, free_bytes: int | None = None
+) -> tuple[int, int]:
+    """``(batch_tokens, max_batch_size)`` for :func:`token_nll` on ``device``: on CPU, one window
+    at least and 8,192 tokens in at most 16 rows (the plan every CPU figure was measured with); on
+    a GPU, what ``GPU_MEMORY_SHARE`` of its free memory holds (``free_bytes``, default
+    ``torch.cuda.mem_get_info``), between one window and ``GPU_BATCH_TOKENS_MAX`` tokens, in rows
+    of at least 128 tokens each."""
+    if device.type != "cuda":
+        return max(max_context, CPU_BATCH_TOKENS), CPU_BATCH_ROWS
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    fits = int(free_bytes * GPU_MEMORY_SHARE) // activation_bytes_per_token(model)
+    tokens = max(max_context, min(GPU_BATCH_TOKENS_MAX, fits))
+    return tokens, max(CPU_BATCH_ROWS, tokens // 128)
+
+
 @torch.inference_mode()
 def token_nll(
     model,
     sequences: Sequence[Sequence[int]],
     max_context: int = 4096,
-    batch_tokens: int = 8192,
-    max_batch_size: int = 16,
+    batch_tokens: int | None = None,
+    max_batch_size: int | None = None,
     head_rows: int | None = None,
     head_dtype: torch.dtype | None = None,
     on_batch: Callable[[int], None] | None = None,
@@ -247,7 +285,9 @@ def token_nll(
 
     Returns one float32 array per sequence, of the sequence's length; entry 0 is NaN because the
     first token has nothing to be predicted from. ``batch_tokens`` caps padded tokens per forward
-    pass, ``max_batch_size`` caps rows. ``on_batch(n_scored_tokens)`` is called after each batch.
+    pass, ``max_batch_size`` caps rows; either left out is :func:`batch_budget`'s for the model's
+    device (on a GPU, sized by its free memory). ``on_batch(n_scored_tokens)`` is called after each
+    batch.
 
     ``allow_padding`` (default: only on CUDA) lets windows of different lengths share a batch. On
     CPU a padding mask pushes SDPA off its causal kernel onto the math path, which materialises
@@ -273,6 +313,10 @@ def token_nll(
     those threads, one call at a time.
     """
     device = next(model.parameters()).device
+    if batch_tokens is None or max_batch_size is None:
+        budget_tokens, budget_rows = batch_budget(model, max_context, device)
+        batch_tokens = batch_tokens or budget_tokens
+        max_batch_size = max_batch_size or budget_rows
     if allow_padding is None:
         allow_padding = device.type == "cuda"
     head_rows = head_rows or DEFAULT_HEAD_ROWS
