@@ -1,17 +1,19 @@
 """Edit-distance alignment of a (possibly garbled) fragment to the text it was copied from.
 
 Generative chunkers (MoC experts, teacher answers) quote the document, and a small model quotes
-it with typos: a dropped character, a changed quote mark, a re-spaced line. :func:`locate` finds
+it with typos: a dropped character, a changed quote mark, a re-spaced line. `locate` finds
 where such a fragment sits in the source, as exact offsets of the source, by minimum edit
-(Levenshtein) distance over substrings::
+(Levenshtein) distance over substrings:
 
-    locate("quick brwn fox", "The quick brown fox") == Match(start=4, end=19, distance=1)
+```
+locate("quick brwn fox", "The quick brown fox") == Match(start=4, end=19, distance=1)
+```
 
 How (never a quadratic scan of the document):
 
 1. exact ``str.find`` in the window first (distance 0, the common case);
 2. ``rapidfuzz.fuzz.partial_ratio_alignment`` (C++) over the window as a cheap reject: its score
-   bounds the best edit distance from below (see :func:`_partial_cutoff`), so a window that
+   bounds the best edit distance from below (see `_partial_cutoff`), so a window that
    cannot hold a match within ``max_ratio`` is skipped without any Python-level work;
 3. otherwise the exact best ends are found by Myers' bit-parallel approximate string matching
    (semi-global edit distance, one pass over the window with the pattern as a Python int), and

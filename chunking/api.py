@@ -1,23 +1,26 @@
 """metachunk from Python: every chunker and both students in a few lines.
 
-Each class is a thin front over the objects ``metachunk chunk`` runs (:class:`ChunkConfig` and
-:class:`~metachunk.chunking.pipeline.Chunker`, :class:`~metachunk.chunking.students.ChunkStudents`),
+Each class is a thin front over the objects ``metachunk chunk`` runs ([`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] and
+[`Chunker`][metachunk.chunking.pipeline.Chunker], `ChunkStudents`),
 so a chunker here and the CLI with the same settings cut the same text the same way. Models load
 once, when the object is made: a preset name (``metachunk models list``), a local folder or a Hub
 id (``ORG/NAME[@REV]``).
 
 A chunker takes a text and returns its chunks; every chunk is a slice of the text, and the chunks
-tile it::
+tile it:
 
-    >>> from metachunk import SentenceChunker
-    >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
-    >>> chunker = SentenceChunker(target_len=40, len_unit="char", lang="en")
-    >>> [c.text for c in chunker(doc)]
-    ['Emma was clever. She was rich. ', 'Her home was Hartfield. ', 'She had few troubles.']
-    >>> all(c.text == doc[c.start : c.end] for c in chunker(doc))
-    True
-    >>> "".join(c.text for c in chunker(doc)) == doc
-    True
+```pycon
+>>> from metachunk import SentenceChunker
+>>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+>>> chunker = SentenceChunker(target_len=40, len_unit="char", lang="en")
+>>> [c.text for c in chunker(doc)]
+['Emma was clever. She was rich. ', 'Her home was Hartfield. ', 'She had few troubles.']
+>>> all(c.text == doc[c.start : c.end] for c in chunker(doc))
+True
+>>> "".join(c.text for c in chunker(doc)) == doc
+True
+
+```
 
 As in the CLI, an empty text has no chunks and a whitespace-only text is one chunk of itself; a
 lone surrogate (half a UTF-16 pair, not text) is a ``ValueError``.
@@ -57,7 +60,7 @@ def check_text(text: str, where: str = "text") -> str:
 class TextChunker:
     """What every chunker does: ``chunker(text) -> list[Chunk]`` and ``chunker.chunk_batch(texts)``.
 
-    ``settings`` are :class:`~metachunk.chunking.pipeline.ChunkConfig`'s fields (the ``metachunk
+    ``settings`` are [`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig]'s fields (the ``metachunk
     chunk`` flags without their dashes: ``target_len``, ``len_unit``, ``lang``, ``dtype``,
     ``device``, ``batch_size``, ...), checked as the CLI checks them.
     """
@@ -73,7 +76,7 @@ class TextChunker:
 
     def chunk_batch(self, texts: Iterable[str]) -> list[list[Chunk]]:
         """The chunks of each text, in order; texts are scored together in groups of
-        :meth:`ChunkConfig.documents_per_call`, as the CLI does."""
+        [`ChunkConfig.documents_per_call`][metachunk.chunking.pipeline.ChunkConfig.documents_per_call], as the CLI does."""
         texts = [check_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
         group = self.config.documents_per_call()
         out: list[list[Chunk]] = []
@@ -100,11 +103,14 @@ class PPLChunker(TextChunker):
     """Meta-Chunking's perplexity chunking: a boundary where a sentence's PPL drops by ``threshold``
     (or, with ``target_len``, at the local minima, then merged up to ``target_len``).
 
+    ```pycon
     >>> chunker = PPLChunker(model, target_len=120, len_unit="char", lang="en")  # model: preset, dir or Hub id
     >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
     >>> chunks = chunker(doc)
     >>> "".join(c.text for c in chunks) == doc and all(c.text == doc[c.start : c.end] for c in chunks)
     True
+
+    ```
     """
 
     method = "ppl"
@@ -116,7 +122,17 @@ class PPLChunker(TextChunker):
 
 
 class MSPChunker(TextChunker):
-    """Meta-Chunking's margin sampling: the model is asked whether two sentences belong together."""
+    """Meta-Chunking's margin sampling: the model is asked whether two sentences belong together.
+
+    ```pycon
+    >>> chunker = MSPChunker(model, target_len=40, len_unit="char", lang="en")  # model: preset, dir or Hub id
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+    >>> chunks = chunker(doc)
+    >>> "".join(c.text for c in chunks) == doc and all(c.text == doc[c.start : c.end] for c in chunks)
+    True
+
+    ```
+    """
 
     method = "msp"
 
@@ -127,7 +143,14 @@ class MSPChunker(TextChunker):
 
 
 class FixedChunker(TextChunker):
-    """Fixed-length chunks of ``target_len`` characters (or words, ``len_unit="word"``)."""
+    """Fixed-length chunks of ``target_len`` characters (or words, ``len_unit="word"``).
+
+    ```pycon
+    >>> [c.text for c in FixedChunker(24, len_unit="char")("Emma was clever. She was rich. Her home was Hartfield.")]
+    ['Emma was clever. She was', ' rich. Her home was Hart', 'field.']
+
+    ```
+    """
 
     method = "fixed"
 
@@ -136,7 +159,15 @@ class FixedChunker(TextChunker):
 
 
 class SentenceChunker(TextChunker):
-    """Whole sentences, merged up to ``target_len``."""
+    """Whole sentences, merged up to ``target_len``.
+
+    ```pycon
+    >>> chunker = SentenceChunker(40, len_unit="char", lang="en")
+    >>> [c.text for c in chunker("Emma was clever. She was rich. Her home was Hartfield.")]
+    ['Emma was clever. She was rich. ', 'Her home was Hartfield.']
+
+    ```
+    """
 
     method = "sentence"
 
@@ -146,7 +177,16 @@ class SentenceChunker(TextChunker):
 
 class SemanticChunker(TextChunker):
     """A boundary where consecutive sentences' embeddings are furthest apart (percentile
-    ``threshold``, default 95), then merged up to ``target_len``."""
+    ``threshold``, default 95), then merged up to ``target_len``.
+
+    ```pycon
+    >>> chunker = SemanticChunker("minilm", target_len=40, len_unit="char", lang="en")  # an embedder preset or dir
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+    >>> "".join(c.text for c in chunker(doc)) == doc
+    True
+
+    ```
+    """
 
     method = "semantic"
 
@@ -159,7 +199,16 @@ class SemanticChunker(TextChunker):
 class MoCChunker(TextChunker):
     """Mixture of Chunkers: the router picks a granularity per window, its expert writes the chunks
     (``experts``: four models, labels 0-3; the same one may repeat). ``options``:
-    :class:`~metachunk.chunking.moc.MocOptions` fields (``anchored=True``, ``max_new_tokens``, ...)."""
+    `MocOptions` fields (``anchored=True``, ``max_new_tokens``, ...).
+
+    ```pycon
+    >>> chunker = MoCChunker(router=model, experts=[model] * 4, target_len=40, lang="en")  # trained students
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+    >>> "".join(c.text for c in chunker(doc)) == doc  # what an expert wrote, aligned back to the text
+    True
+
+    ```
+    """
 
     method = "moc"
 
@@ -173,11 +222,22 @@ class MoCChunker(TextChunker):
 class LumberChunker(TextChunker):
     """LumberChunker (Duarte et al. 2024): a teacher LLM reads numbered paragraphs and names where
     the content shifts. ``teacher``: a teacher block (a mapping of
-    :class:`~metachunk.teacher.TeacherConfig` fields), a ``TeacherConfig``, or a
-    :class:`~metachunk.teacher.Teacher` (its config, and its answer store unless ``cache`` is given);
-    ``options``: :class:`~metachunk.chunking.lumber.LumberOptions` fields (``tokens``, ``cache``,
+    `TeacherConfig` fields), a ``TeacherConfig``, or a
+    `Teacher` (its config, and its answer store unless ``cache`` is given);
+    ``options``: `LumberOptions` fields (``tokens``, ``cache``,
     ``max_cost``). Every answer is kept in the answer store (default: one under metachunk's cache
-    folder), so a text chunked again costs nothing."""
+    folder), so a text chunked again costs nothing.
+
+    ```pycon
+    >>> teacher = {"model": teacher_model, "base_url": teacher_url}  # the key comes from the environment
+    >>> chunker = LumberChunker(teacher, lang="en", cache=answers)  # answers: an answer store's path
+    >>> doc = "Emma was clever.\\n\\nShe was rich.\\n\\nHer home was Hartfield.\\n\\nShe had few troubles."
+    >>> "".join(c.text for c in chunker(doc)) == doc
+    True
+    >>> chunker.close()
+
+    ```
+    """
 
     method = "lumber"
 
@@ -238,12 +298,31 @@ class _Student:
 
 
 class Rewriter(_Student):
-    """Each chunk rewritten to stand on its own (the student of ``distill rewrite``)."""
+    """Each chunk rewritten to stand on its own (the student of ``distill rewrite``).
+
+    ```pycon
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield."
+    >>> chunks = SentenceChunker(40, len_unit="char", lang="en")(doc)
+    >>> rewriter = Rewriter.from_pretrained(model, max_new_tokens=16)  # `metachunk export`'s folder
+    >>> len(rewriter(doc, chunks)) == len(chunks)  # one rewritten text per chunk
+    True
+
+    ```
+    """
 
     task, field = "rewrite", "rewritten"
 
 
 class Summarizer(_Student):
-    """One sentence on each chunk from the document's perspective (the student of ``distill summary``)."""
+    """One sentence on each chunk from the document's perspective (the student of ``distill summary``).
+
+    ```pycon
+    >>> doc = "Emma was clever. She was rich. Her home was Hartfield."
+    >>> chunks = SentenceChunker(40, len_unit="char", lang="en")(doc)
+    >>> len(Summarizer.from_pretrained(model, max_new_tokens=16)(doc, chunks)) == len(chunks)
+    True
+
+    ```
+    """
 
     task, field = "summary", "summary"

@@ -1,15 +1,15 @@
 """The paper's baseline chunkers (Appendix D), behind the same interface as Meta-Chunking.
 
-* :func:`fixed_chunks` - "Original": fixed-length pieces that ignore sentence boundaries.
-* :func:`sentence_chunks` - "Llama_index": packs whole sentences up to a length budget, like
+* `fixed_chunks` - "Original": fixed-length pieces that ignore sentence boundaries.
+* `sentence_chunks` - "Llama_index": packs whole sentences up to a length budget, like
   LlamaIndex's ``SentenceSplitter``.
-* :func:`semantic_chunks` - "Similarity Chunking": cuts where the embeddings of neighbouring
+* `semantic_chunks` - "Similarity Chunking": cuts where the embeddings of neighbouring
   sentence windows drift apart, like LlamaIndex's ``SemanticSplitterNodeParser``.
 
 Each returns chunks that tile the document: their texts concatenate to ``doc``, none is empty
 and ``chunk.text == doc[chunk.start:chunk.end]``. Only the empty document gives ``[]``; a
 whitespace-only one is one chunk (nothing is dropped). Sentences come from
-:func:`metachunk.chunking.sentences.split_sentences` and must tile ``doc``.
+`metachunk.chunking.sentences.split_sentences` and must tile ``doc``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def sentence_chunks(
     This is dynamic merging with sentences as the units: a sentence joins the current chunk while
     the chunk stays ``<= target_len``; a sentence longer than that stands alone, because the
     sentence splitter has already capped sentence length and we never cut inside a sentence.
-    Lengths follow :func:`metachunk.chunking.merge.merge_chunks` (tokens: sum of per-sentence counts).
+    Lengths follow `metachunk.chunking.merge.merge_chunks` (tokens: sum of per-sentence counts).
     """
     return merge_chunks(doc, _sentence_spans(doc, sentences), target_len, unit, tokenizer)
 

@@ -7,12 +7,12 @@ the current one and holding up to ``--lumber-tokens`` tokens (the paper's 550, c
 start the next window at that unit. Here:
 
 * **Units** are the document's paragraphs (text between blank lines) when it has at least two, else
-  its sentences (:func:`metachunk.chunking.sentences.split_sentences`). A paragraph over the token budget on
+  its sentences (`metachunk.chunking.sentences.split_sentences`). A paragraph over the token budget on
   its own is replaced by its sentences, so a window always has room for a choice. Units are groups
   of the tiled sentences, so every cut is a sentence boundary and the chunks tile the document:
   ``chunk.text == doc[chunk.start:chunk.end]``, whitespace included. In the prompt each unit is
   one line, its whitespace collapsed; IDs count units from 0 over the whole document.
-* **Tokens** are estimated, not counted with a tokenizer (:func:`lumber_token_estimate`): 1.2 per
+* **Tokens** are estimated, not counted with a tokenizer (`lumber_token_estimate`): 1.2 per
   whitespace-separated word (the paper's rule) plus 1 per CJK character. A window holds at least two units, even when that
   passes the budget (a single unit over it, e.g. a very long Chinese sentence).
 * **The answer** is read as the number after ``Answer:`` / ``答案：`` (with or without ``ID``), else
@@ -24,26 +24,26 @@ start the next window at that unit. Here:
   fallback is counted by reason in the run's ``.meta.json``.
 * **Structured answers.** With the teacher's ``structured_output`` other than ``none``, each
   window asks for ``{"id": n}`` (``chunking/prompts/lumber.schema.json``) with ``id`` narrowed to an
-  enum of the window's later IDs (:func:`window_schema`), so a server that decodes under the schema
+  enum of the window's later IDs (`window_schema`), so a server that decodes under the schema
   (llama.cpp, vLLM, OpenAI) can only name a usable cut. Each answer's outcome (valid, repaired: an
   ID read from text, unparseable) is counted in the ``.meta.json``, and its range is judged as above.
 * **The teacher** is the block named ``--lumber-teacher`` (default ``lumber``) of a ``teachers:``
-  mapping, written as in a distill recipe (:class:`metachunk.teacher.TeacherConfig`: any
+  mapping, written as in a distill recipe (`metachunk.teacher.TeacherConfig`: any
   OpenAI-compatible endpoint, or the local ``metachunk teacher serve`` with ``serve_preset``),
   either inline in the chunk recipe or read from ``--teacher-config`` (a distill recipe works; its
   other keys are ignored; inline blocks win). ``prices:`` gives the cost per model. Requests go
   through the teacher client with its retries, rate limits and budget (``--lumber-max-cost``), and
   every answer is kept in the answer store (``--lumber-cache``, default ``answers.sqlite`` next to
   the output), keyed by the request and the prompt file's sha256: a rerun sends nothing.
-* **The prompt** is ``chunking/prompts/lumber.{en,zh}.txt`` (:mod:`metachunk.prompts`), the paper's
+* **The prompt** is ``chunking/prompts/lumber.{en,zh}.txt`` (`metachunk.prompts`), the paper's
   instruction with the window after ``Document:``; its sha256 goes into the run's ``.meta.json``.
 
-It runs behind :class:`metachunk.chunking.pipeline.Chunker` like every method, which splits the sentences
+It runs behind [`metachunk.chunking.pipeline.Chunker`][metachunk.chunking.pipeline.Chunker] like every method, which splits the sentences
 and builds the chunks from the boundaries found here. With ``--target-len`` (or
 ``--mean-chunk-chars``) the teacher's chunks are merged up to that length, as every method's
 meta-chunks are (dynamic merging): the papers compare chunkers at one average length, and a small
 teacher cuts too often. Documents are chunked concurrently (each
-one's windows in order) by the teacher pool's workers (:meth:`metachunk.teacher.TeacherPool.map`);
+one's windows in order) by the teacher pool's workers (`metachunk.teacher.TeacherPool.map`);
 the progress bar counts characters, with the request rate, answers from the store, fallbacks and
 cost.
 """
@@ -79,7 +79,7 @@ STAGE = "lumber"  # the stage name inside this run's TeacherPool
 @dataclass
 class LumberOptions:
     """``lumber:`` (flat: ``teachers:``, ``prices:``, ``--teacher-config``, ``--lumber-*``):
-    LumberChunker's teacher, window budget and answer store (:mod:`metachunk.chunking.lumber`)."""
+    LumberChunker's teacher, window budget and answer store (`metachunk.chunking.lumber`)."""
 
     teachers: dict[str, dict] | None = option(
         None,
@@ -118,9 +118,9 @@ class LumberOptions:
 
     def check(self) -> None:
         """The options a ``--method lumber`` run can use, or a ValueError naming the flag: the one
-        check, called by :class:`metachunk.chunking.pipeline.ChunkConfig` for ``--method lumber`` and
-        by :class:`LumberChunker`. (The teacher block itself is checked when it is read,
-        :func:`resolve_teacher`.)"""
+        check, called by [`metachunk.chunking.pipeline.ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] for ``--method lumber`` and
+        by `LumberChunker`. (The teacher block itself is checked when it is read,
+        `resolve_teacher`.)"""
         if self.tokens < 1:
             raise ValueError(f"--lumber-tokens must be >= 1, got {self.tokens}")
         if not (self.teachers or self.teacher_config):
@@ -160,7 +160,7 @@ _LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 def lumber_token_estimate(text: str) -> int:
     """LumberChunker's token count, which ``--lumber-tokens`` budgets: 1.2 tokens per
     whitespace-separated word (the paper's ``count_words``), plus 1 per CJK character (each counted
-    apart from the words around it). Not the teacher client's :func:`metachunk.teacher.estimate_tokens`
+    apart from the words around it). Not the teacher client's `metachunk.teacher.estimate_tokens`
     (bytes / 3, for budget tables)."""
     cjk = len(_CJK_RE.findall(text))
     return cjk + round(1.2 * len(_CJK_RE.sub(" ", text).split()))
@@ -239,7 +239,7 @@ def parse_answer(text: str) -> int | None:
 
 
 def parse_structured_answer(text: str) -> int | None:
-    """The unit ID of an answer asked for as JSON: ``{"id": n}``, else what :func:`parse_answer`
+    """The unit ID of an answer asked for as JSON: ``{"id": n}``, else what `parse_answer`
     reads in the text (an endpoint that ignored the schema)."""
     try:
         data = json.loads(text)
@@ -312,12 +312,12 @@ def resolve_teacher(opts: LumberOptions) -> tuple[str, TeacherConfig, dict[str, 
 
 
 class LumberChunker:
-    """The teacher's cuts for :class:`metachunk.chunking.pipeline.Chunker` (``--method lumber``):
+    """The teacher's cuts for [`metachunk.chunking.pipeline.Chunker`][metachunk.chunking.pipeline.Chunker] (``--method lumber``):
     ``opts`` is the run's ``lumber:`` block, ``output`` the run's output (the answer store defaults
     to ``answers.sqlite`` beside it), ``total_chars`` the size of the progress bar.
 
-    One event loop (an :class:`asyncio.Runner`), one teacher pool and one answer store serve every
-    batch of the run; :meth:`close` releases them. :meth:`manifest` is the run's ``lumber`` block.
+    One event loop (an `asyncio.Runner`), one teacher pool and one answer store serve every
+    batch of the run; `close` releases them. `manifest` is the run's ``lumber`` block.
     """
 
     def __init__(

@@ -8,9 +8,9 @@ never cut.
 
 The overlapping variant of PPL chunking (paper §5.3, Appendix D) gives the sentence at each PPL
 minimum, i.e. the last sentence of a chunk, to the following chunk as well; see
-:func:`add_sentence_overlap`.
+`add_sentence_overlap`.
 
-Lengths are measured in one of three units (:func:`text_length`): ``"char"`` (code points of the
+Lengths are measured in one of three units (`text_length`): ``"char"`` (code points of the
 stripped text; the paper's unit for Chinese), ``"word"`` (whitespace-separated words) or
 ``"token"`` (tokens of a Hugging Face tokenizer).
 """

@@ -4,40 +4,40 @@ against the text as exact spans.
 
 ``metachunk chunk --method moc --router DIR --experts DIR0,DIR1,DIR2,DIR3``
 
-Three modules: this one (the ``moc:`` options, the prompts, the router and :class:`MocChunker`:
-windows, routing, retries, fallback), :mod:`metachunk.chunking.moc_answers` (the experts' answer
-format and its recovery against the text: pure functions) and :mod:`metachunk.chunking.moc_grammar`
+Three modules: this one (the ``moc:`` options, the prompts, the router and `MocChunker`:
+windows, routing, retries, fallback), `metachunk.chunking.moc_answers` (the experts' answer
+format and its recovery against the text: pure functions) and `metachunk.chunking.moc_grammar`
 (constrained decoding: the answer schema, xgrammar, the anchored grammar).
 
-* **Options** (:class:`MocOptions`): the ``moc:`` block of a chunk recipe (flat: ``--router``,
-  ``--experts``, ``--moc-*``), checked in one place (:meth:`MocOptions.check`).
+* **Options** (`MocOptions`): the ``moc:`` block of a chunk recipe (flat: ``--router``,
+  ``--experts``, ``--moc-*``), checked in one place (`MocOptions.check`).
 * **Prompts** (one home, shared with training): ``chunking/prompts/moc_router.{lang}.txt`` and
-  ``moc_expert.{lang}.txt`` in the ``<<<system>>>/<<<user>>>`` format of :mod:`metachunk.prompts`
-  (their sha256 is their version). :func:`router_messages` and :func:`expert_messages` build the
+  ``moc_expert.{lang}.txt`` in the ``<<<system>>>/<<<user>>>`` format of `metachunk.prompts`
+  (their sha256 is their version). `router_messages` and `expert_messages` build the
   chat messages; ``data build-sft moc-router`` / ``moc-expert`` build training rows with the same
   functions, so the prompt at inference is the training prompt byte for byte.
 * **Router** (Eq. 5): a causal LM fine-tuned to answer one label token ``"0".."3"`` (granularity
-  bins of the mean chunk length: ≤120, ≤150, ≤180, >180 characters, :func:`granularity_label`).
+  bins of the mean chunk length: ≤120, ≤150, ≤180, >180 characters, `granularity_label`).
   The label is the argmax of the logits of the four label tokens at the first generated position
-  (:func:`router_label`); nothing is generated.
+  (`router_label`); nothing is generated.
 * **Experts**: causal LMs fine-tuned to answer a JSON list of ``head{placeholder}tail`` strings
-  (:mod:`metachunk.chunking.moc_answers`), decoded with sampling at temperature 0.1, top-p 0.1 (the
+  (`metachunk.chunking.moc_answers`), decoded with sampling at temperature 0.1, top-p 0.1 (the
   paper's low-randomness setting), under their answer schema by default (``--moc-constrained``,
-  :mod:`metachunk.chunking.moc_grammar`). ``--no-moc-constrained`` decodes freely and reads the
-  outermost ``[...]`` of the answer (:func:`~metachunk.chunking.moc_answers.parse_expert_answer`).
+  `metachunk.chunking.moc_grammar`). ``--no-moc-constrained`` decodes freely and reads the
+  outermost ``[...]`` of the answer (`parse_expert_answer`).
 * **Failures and fallback**: an answer cut by the token budget before it parses (``truncated``),
   one that ends but is no JSON list of strings (``invalid_json``; none under the grammar), and one
   of which no element can be found in the text (``unrecovered``) are counted by cause and retried
   (each retry adds 0.4 to temperature and top-p, capped at 1); after the last retry the window is
-  chunked by PPL chunking (:mod:`metachunk.chunking.ppl`) with the router's model or
+  chunked by PPL chunking (`metachunk.chunking.ppl`) with the router's model or
   ``--moc-fallback-model``, counted in the run's ``.meta.json`` with the cause of its last failure.
 * **Windows** (Appendix A.3's sliding window with chunk buffer): a document longer than
   ``window_chars`` is processed window by window, cut at sentence ends
-  (:func:`metachunk.chunking.sentences.split_sentences`); the last chunk of each window (when shorter than
+  (`metachunk.chunking.sentences.split_sentences`); the last chunk of each window (when shorter than
   half a window) is carried over as the start of the next window and chunked again there.
   Documents advance in lockstep, so the router and each expert see batches of windows.
 
-Weights load from safetensors only (:func:`metachunk.chunking.students.student_dir`).
+Weights load from safetensors only (`metachunk.chunking.students.student_dir`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ FAILURES = ("invalid_json", "truncated", "unrecovered")  # why an expert's answe
 @dataclass
 class MocOptions:
     """``moc:`` (flat: ``--router``, ``--experts``, ``--moc-*``): Mixture-of-Chunkers inference
-    (:mod:`metachunk.chunking.moc`)."""
+    (`metachunk.chunking.moc`)."""
 
     router: str | None = option(
         None,
@@ -174,8 +174,8 @@ class MocOptions:
 
     def check(self) -> None:
         """The options a ``--method moc`` run can use, or a ValueError naming the flag: the one
-        check, called by :class:`metachunk.chunking.pipeline.ChunkConfig` for ``--method moc`` and
-        by :class:`MocChunker`. (Not ``__post_init__``: a recipe of another method may carry a
+        check, called by [`metachunk.chunking.pipeline.ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] for ``--method moc`` and
+        by `MocChunker`. (Not ``__post_init__``: a recipe of another method may carry a
         ``moc:`` block, and the config loader applies flags to a block one at a time.)"""
         check_placeholder(self.placeholder)
         if not (self.router and self.experts):
@@ -243,14 +243,14 @@ def load_moc_prompt(role: str, lang: str) -> Prompt:
 
 def router_messages(text: str, lang: str) -> list[dict]:
     """The router's prompt for ``text`` (about 1024 characters): [system, user] messages. The
-    answer it is trained on is one of :data:`ROUTER_LABELS`."""
+    answer it is trained on is one of `ROUTER_LABELS`."""
     return load_moc_prompt("router", lang).messages(text=text)
 
 
 def expert_messages(text: str, lang: str, placeholder: str = DEFAULT_PLACEHOLDER) -> list[dict]:
     """An expert's prompt for ``text``: [system, user] messages (the paper's Table 7 prompt). The
     answer it is trained on is a JSON list of ``head + placeholder + tail`` strings
-    (:func:`format_elements`)."""
+    (`format_elements`)."""
     check_placeholder(placeholder)
     return load_moc_prompt("expert", lang).messages(text=text, placeholder=placeholder)
 
@@ -374,11 +374,11 @@ class _LM:
 class MocChunker:
     """Router + four experts, loaded once (each distinct model dir once; experts on first use).
 
-    ``options`` is the run's ``moc:`` block (checked here, :meth:`MocOptions.check`); the rest are
+    ``options`` is the run's ``moc:`` block (checked here, `MocOptions.check`); the rest are
     the run's settings it shares with other methods: the PPL fallback's threshold and context
     (``--threshold``, ``--max-context``), ``--batch-size``, ``--device``, ``--dtype``, and the seed
     of the experts' sampling. A role whose dir holds no model gets its stand-in here
-    (``--moc-stand-in``, :func:`stand_in_models`), named on stderr and in :meth:`manifest`."""
+    (``--moc-stand-in``, `stand_in_models`), named on stderr and in `manifest`."""
 
     def __init__(
         self,
@@ -486,7 +486,7 @@ class MocChunker:
         """One sampled answer per prompt (new text only); every batch is seeded with ``seed + attempt``.
         Constrained (``--moc-constrained``): each answer decodes under the expert schema, answer
         ``i`` with at most ``max_items[i]`` items (None: no bound), or under the EBNF grammar
-        ``grammars[i]`` when given (``--moc-anchored``, :func:`anchored_grammar`)."""
+        ``grammars[i]`` when given (``--moc-anchored``, `anchored_grammar`)."""
         temperature, top_p = self.sampling(attempt)
         config = copy.deepcopy(lm.model.generation_config)
         config.do_sample = True

@@ -2,17 +2,17 @@
 functions: no model, no torch.
 
 * **The answer** is a JSON list of ``head + placeholder + tail`` strings, one per chunk
-  (:func:`format_elements`, as the experts are trained to write it; :func:`expert_element` writes one
+  (`format_elements`, as the experts are trained to write it; `expert_element` writes one
   chunk's rule, for the training targets of ``distill/moc.py`` and the anchored grammar of
-  :mod:`metachunk.chunking.moc_grammar` alike). :func:`parse_expert_answer` reads the outermost
-  ``[...]`` of an answer; :func:`split_element` cuts an element at its placeholder.
-* **Recovery** (§3.2.4, :func:`recover_spans`): each element is split at the placeholder and
+  `metachunk.chunking.moc_grammar` alike). `parse_expert_answer` reads the outermost
+  ``[...]`` of an answer; `split_element` cuts an element at its placeholder.
+* **Recovery** (§3.2.4, `recover_spans`): each element is split at the placeholder and
   ``re.escape(head) + ".*?" + re.escape(tail)`` (DOTALL, shortest) is searched in the text after
   the previous match. When that fails, head and tail are found by edit distance
-  (:func:`metachunk.chunking.align.locate`, at most ``max_ratio`` = 10% edits, as in Appendix A.3, and
+  (`metachunk.chunking.align.locate`, at most ``max_ratio`` = 10% edits, as in Appendix A.3, and
   at least one edit for anchors of 8 characters or more).
   Elements found nowhere are skipped and counted. Chunks start where the recovered elements start
-  and tile the window (:func:`tile`): text before the first match joins the first chunk, text
+  and tile the window (`tile`): text before the first match joins the first chunk, text
   between or after matches joins the chunk before it, so ``chunk.text == doc[start:end]``.
 """
 
@@ -120,7 +120,7 @@ def expert_element(
 
 
 def anchor_head(text: str, chars: int) -> str:
-    """The head of a chunk ``text`` as the experts' targets write it (:func:`expert_element`): its first
+    """The head of a chunk ``text`` as the experts' targets write it (`expert_element`): its first
     ``chars`` characters, widened to the end of a word, without surrounding whitespace."""
     text = text.strip()
     return text[: _snap_right(text, chars)].rstrip()
@@ -197,7 +197,7 @@ def recover_spans(
 
 
 def _edit_ratio(fragment: str, max_ratio: float) -> float:
-    """``max_ratio``, but at least one edit for an anchor of :data:`MIN_TYPO_CHARS` or more (10%
+    """``max_ratio``, but at least one edit for an anchor of `MIN_TYPO_CHARS` or more (10%
     of a 9-character anchor would allow no typo at all)."""
     if len(fragment) >= MIN_TYPO_CHARS:
         return max(max_ratio, 1.0 / len(fragment))

@@ -2,17 +2,17 @@
 
 * **The schema**: the experts decode under their answer schema,
   ``chunking/prompts/moc_expert.schema.json`` (a JSON array of strings, at least one;
-  sha256-versioned like the prompts, :func:`load_moc_schema`), with at most one item per sentence of
-  the window (:func:`expert_schema`), compiled for each expert's tokenizer by xgrammar
-  (:class:`ExpertGrammar`) and applied as a logits processor before temperature and top-p. The
+  sha256-versioned like the prompts, `load_moc_schema`), with at most one item per sentence of
+  the window (`expert_schema`), compiled for each expert's tokenizer by xgrammar
+  (`ExpertGrammar`) and applied as a logits processor before temperature and top-p. The
   array is written as the experts are trained to write it (``json.dumps``: ``", "`` between items,
   no other whitespace); no stop token may come before the closing ``]`` and only a stop token after
   it, so an answer that stops always parses. An answer that ``--moc-max-new-tokens`` cuts before its
   ``]`` is *truncated*.
-* **Anchored** (``--moc-anchored``, :func:`anchored_grammar`): an EBNF grammar built from the
-  window's own sentences (:func:`window_segments`), whose every answer is a partition of the window
+* **Anchored** (``--moc-anchored``, `anchored_grammar`): an EBNF grammar built from the
+  window's own sentences (`window_segments`), whose every answer is a partition of the window
   into runs of sentences, each written as the experts' targets write a chunk
-  (:func:`metachunk.chunking.moc_answers.expert_element`), so it recovers exactly.
+  (`metachunk.chunking.moc_answers.expert_element`), so it recovers exactly.
 
 The teacher side never constrains locally: it asks the endpoint (``structured_output``).
 """
@@ -77,7 +77,7 @@ def grammar_library():
 
 @cache
 def _timed_processor_class():
-    """xgrammar's transformers logits processor, timing its calls into its :class:`ExpertGrammar`."""
+    """xgrammar's transformers logits processor, timing its calls into its `ExpertGrammar`."""
     from xgrammar.contrib.hf import LogitsProcessor
 
     class TimedLogitsProcessor(LogitsProcessor):
@@ -102,7 +102,7 @@ class ExpertGrammar:
     processor that holds a batch of answers to it.
 
     Every row of a batch has its own grammar: the schema with ``maxItems`` = the sentences of its
-    window (compiled once per count). The array is written as :func:`format_elements` writes it,
+    window (compiled once per count). The array is written as `format_elements` writes it,
     the form the experts are trained on (``", "`` between items, no other whitespace, so no token is
     spent on layout). The model's stop tokens are the grammar's: none is allowed before the closing
     ``]``, and only they after it, so generation ends cleanly once the array closes.
@@ -132,7 +132,7 @@ class ExpertGrammar:
         return self._compiled[max_items]
 
     def compiled_ebnf(self, grammar: str):
-        """An EBNF grammar (:func:`anchored_grammar`) compiled, once per grammar text."""
+        """An EBNF grammar (`anchored_grammar`) compiled, once per grammar text."""
         if grammar not in self._anchored:
             started = time.perf_counter()
             self._anchored[grammar] = self._compiler.compile_grammar(grammar)
@@ -188,15 +188,15 @@ def anchored_grammar(
     chars: int = DEFAULT_ANCHOR_CHARS,
 ) -> str:
     """The EBNF grammar (xgrammar) of the answers an expert may give for a window ``text`` whose
-    sentences are ``segments`` (spans tiling it, :func:`window_segments`), for ``--moc-anchored``.
+    sentences are ``segments`` (spans tiling it, `window_segments`), for ``--moc-anchored``.
 
-    An answer is a JSON array written as :func:`format_elements` writes it (``", "`` between items)
+    An answer is a JSON array written as `format_elements` writes it (``", "`` between items)
     of one element per chunk, the chunks being runs of whole sentences that cover the window in
-    order: sentences ``i..j`` are written as the experts' targets write a chunk (:func:`expert_element`):
+    order: sentences ``i..j`` are written as the experts' targets write a chunk (`expert_element`):
     ``head(i) + placeholder + tail(j)``, or the chunk quoted whole when it is at most
     ``2 * chars`` characters. The head of sentence ``i`` is its first ``chars`` characters (widened
     to a word's end), doubled then quadrupled until its first occurrence after the window's first
-    character is sentence ``i``'s start, so :func:`recover_spans` finds every element exactly where
+    character is sentence ``i``'s start, so `recover_spans` finds every element exactly where
     its chunk starts; the tail is the last ``chars`` characters of sentence ``j`` (to a word's
     start). The expert chooses only the tails: where its chunks end. At most one element per
     sentence, as ``maxItems`` in the schema mode.

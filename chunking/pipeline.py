@@ -1,14 +1,14 @@
 """One entry point for every chunking method: config in, chunked documents out.
 
 ``metachunk chunk`` and every later stage that needs chunks (dataset sampling, evaluation) go
-through :class:`Chunker`, so each method is configured, loaded and run the same way everywhere:
-ppl, msp, fixed, sentence, semantic, moc (:mod:`metachunk.chunking.moc`) and lumber (:mod:`metachunk.chunking.lumber`,
-which asks a teacher through :mod:`metachunk.teacher`).
+through [`Chunker`][metachunk.chunking.pipeline.Chunker], so each method is configured, loaded and run the same way everywhere:
+ppl, msp, fixed, sentence, semantic, moc (`metachunk.chunking.moc`) and lumber (`metachunk.chunking.lumber`,
+which asks a teacher through `metachunk.teacher`).
 
-:class:`ChunkConfig` holds the settings every method shares, plus one block per concern that
+[`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] holds the settings every method shares, plus one block per concern that
 needs more: ``students:`` (--rewrite/--summarize), ``moc:`` and ``lumber:``. A block's fields also
 work flat, as the recipe keys and flags they always had (``--router``, ``--moc-window-chars``,
-``lumber_tokens:``; :func:`metachunk.config.block`), and a run's manifest records them flat.
+``lumber_tokens:``; [`metachunk.config.block`][metachunk.config.block]), and a run's manifest records them flat.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LM_METHODS = ("ppl", "msp")
 @dataclass
 class StudentOptions:
     """``students:`` (flat: ``--rewrite``, ``--summarize``, ``--student-*``): trained students that
-    add fields to every chunk (:mod:`metachunk.chunking.students`)."""
+    add fields to every chunk (`metachunk.chunking.students`)."""
 
     rewrite: str | None = option(
         None,
@@ -343,7 +343,7 @@ def fit_target_len(chunker: Chunker, docs: Sequence[ChunkedDocument], goal: floa
     """The ``target_len`` whose chunks average closest to ``goal`` characters over ``docs``.
 
     The mean chunk length grows with ``target_len``, so: double an upper bound until the mean passes
-    the goal, then bisect. Each try is one :meth:`Chunker.assemble` of every document (no model call).
+    the goal, then bisect. Each try is one [`Chunker.assemble`][metachunk.chunking.pipeline.Chunker.assemble] of every document (no model call).
     Returns ``{goal, tolerance, target_len, mean_chunk_chars, within_tolerance, tries}``."""
     tried: dict[int, float] = {}
 
@@ -393,10 +393,10 @@ def _with_scores(sentences: Sequence[Sentence], scores: Sequence[float | None]) 
 class Chunker:
     """Loads what the configured method needs once, then chunks batches of documents.
 
-    Every method is run the same way: :meth:`chunk` each batch, :meth:`close` at the end, then
-    :attr:`prompt_sha256`, :meth:`manifest` (the method's part of the run's ``.meta.json``) and
-    :meth:`summary_lines` (for the terminal). A method that shows its own progress bar
-    (:attr:`own_progress`: lumber, in characters with the teacher's requests and cost) takes the
+    Every method is run the same way: [`chunk`][metachunk.chunking.pipeline.Chunker.chunk] each batch, [`close`][metachunk.chunking.pipeline.Chunker.close] at the end, then
+    `prompt_sha256`, `manifest` (the method's part of the run's ``.meta.json``) and
+    `summary_lines` (for the terminal). A method that shows its own progress bar
+    (`own_progress`: lumber, in characters with the teacher's requests and cost) takes the
     run's size as ``total_chars``; the caller then shows none.
     """
 
@@ -482,7 +482,7 @@ class Chunker:
         return self.cfg.len_unit or ("char" if lang == "zh" else "word")
 
     def chunk(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
-        """Each document cut and merged to ``target_len``: :meth:`segment`, then :meth:`assemble`."""
+        """Each document cut and merged to ``target_len``: [`segment`][metachunk.chunking.pipeline.Chunker.segment], then [`assemble`][metachunk.chunking.pipeline.Chunker.assemble]."""
         out = self.segment(ids, texts)
         for d in out:
             d.chunks = self.assemble(d, self.cfg.target_len)

@@ -1,8 +1,8 @@
-"""``metachunk chunk``: the command, over :mod:`metachunk.chunking.shards`.
+"""``metachunk chunk``: the command, over `metachunk.chunking.shards`.
 
 ``-o FILE.jsonl`` writes one file and ``FILE.meta.json``; ``-o DIR`` writes a dataset folder of
 shards and ``manifest.json``, resumable. Both are one implementation
-(:func:`metachunk.chunking.shards.chunk_corpus`: a file is the one-shard plan), so every method
+(`metachunk.chunking.shards.chunk_corpus`: a file is the one-shard plan), so every method
 (moc and lumber too) and every option (``--rewrite``/``--summarize``, ``--plot``,
 ``--mean-chunk-chars``) works with either.
 """
@@ -71,7 +71,7 @@ def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, pr
 def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
     """``metachunk chunk INPUT -o OUTPUT``: scan, plan, (resume,) chunk, finish; returns the run's
     manifest. ``-o FILE.jsonl`` is the one-shard plan, run here and written with ``FILE.meta.json``
-    as one pair; ``-o DIR`` is the folder of shards (:func:`chunk_folder`). Every method and option
+    as one pair; ``-o DIR`` is the folder of shards (`chunk_folder`). Every method and option
     works both ways.
 
     ``restart_if_changed``: a folder another run wrote is started again instead of refused (for a
@@ -90,7 +90,7 @@ def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -
 
 def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     """The one-shard case: the output and ``OUTPUT.meta.json`` are replaced together or not at all
-    (:class:`~metachunk.artifacts.OutputPair`)."""
+    (`OutputPair`)."""
     from tqdm import tqdm
 
     rejects = cfg.bad_rows.rejects(cfg.output)
@@ -247,7 +247,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
 
 
 def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
-    """A dataset folder's run (``data sample``'s intermediate PPL chunks): :func:`chunk_folder`."""
+    """A dataset folder's run (``data sample``'s intermediate PPL chunks): `chunk_folder`."""
     from metachunk.chunking.pipeline import goal_mean_chars
 
     if not is_dataset_dir(cfg.output):

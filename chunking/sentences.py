@@ -1,6 +1,6 @@
 """Sentence splitting for Chinese, English and mixed text, as exact character spans.
 
-:func:`split_sentences` returns :class:`~metachunk.chunking.types.Sentence` spans that tile the document:
+`split_sentences` returns `Sentence` spans that tile the document:
 the first starts at 0, each ends where the next starts, the last ends at ``len(text)``, and no
 sentence is whitespace-only. Whitespace between two sentences is trailing whitespace of the one
 before it; only the document's leading whitespace belongs to the sentence after it (the first).
@@ -9,10 +9,10 @@ every chunker built on these sentences keeps it; only the empty string has no se
 
 How boundaries are found:
 
-* Line breaks (any character :meth:`str.splitlines` splits on, e.g. ``\\n``, ``\\r``,
+* Line breaks (any character `str.splitlines` splits on, e.g. ``\\n``, ``\\r``,
   ``\\u2029``) always end a sentence. The text between line breaks is a *paragraph*.
 * Each paragraph gets a language: the ``lang`` argument, or with ``lang="auto"``
-  :func:`detect_lang` of that paragraph, so mixed documents get the right rule per paragraph.
+  `detect_lang` of that paragraph, so mixed documents get the right rule per paragraph.
 * Chinese paragraphs end a sentence after a run of ``。！？；…`` plus any closing quotes or
   brackets. ASCII ``!``/``?`` also end one when Chinese text or a capitalised word follows, and
   ``.`` when whitespace and then Chinese text or a capitalised word follows, unless the word before
@@ -109,7 +109,7 @@ def detect_lang(text: str) -> str:
 def split_sentences(text: str, lang: str = "auto", max_chars: int = 1500) -> list[Sentence]:
     """Split ``text`` into sentences that tile it exactly (see the module docstring).
 
-    ``lang`` is ``"zh"``, ``"en"`` or ``"auto"`` (decide per paragraph with :func:`detect_lang`).
+    ``lang`` is ``"zh"``, ``"en"`` or ``"auto"`` (decide per paragraph with `detect_lang`).
     No sentence is longer than ``max_chars`` characters, with one exception forced by the ban on
     whitespace-only sentences: a whitespace run is never cut, so a sentence may run past the
     limit with its trailing whitespace (and the first one with the document's leading
@@ -281,7 +281,7 @@ def _cap(text: str, start: int, end: int, max_chars: int) -> list[Sentence]:
     """Cut the sentence ``text[start:end]`` into pieces of at most ``max_chars`` characters.
 
     Cuts go at the last word start within the limit, else hard at the limit. Whitespace is never
-    split off on its own (see :func:`split_sentences`), so the limit counts from the first
+    split off on its own (see `split_sentences`), so the limit counts from the first
     non-whitespace character and a piece may end with extra whitespace.
     """
     last_non_ws = len(text[start:end].rstrip()) + start

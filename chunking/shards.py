@@ -1,17 +1,19 @@
 """Corpus-scale chunking: one config over a whole corpus, into a dataset folder, shard by shard.
 
-``metachunk chunk CORPUS -o DIR/`` writes::
+``metachunk chunk CORPUS -o DIR/`` writes:
 
-    DIR/train-00000-of-00008.jsonl      (or .parquet with --output-format parquet)
-    ...
-    DIR/manifest.json                   config, θ, prompt hashes, fingerprints, shards done, counts
+```
+DIR/train-00000-of-00008.jsonl      (or .parquet with --output-format parquet)
+...
+DIR/manifest.json                   config, θ, prompt hashes, fingerprints, shards done, counts
+```
 
 The shard names follow the ``datasets`` split convention, so ``load_dataset("json", data_dir=DIR)``
 reads the shards and leaves ``manifest.json`` alone (with ``part-*`` names it would try to read the
 manifest as data).
 
 **Which document goes where.** ``--shards N`` is fixed up front (default: one shard per
-:data:`DOCS_PER_SHARD` documents). Shard ``i`` holds the documents at input positions
+`DOCS_PER_SHARD` documents). Shard ``i`` holds the documents at input positions
 ``floor(i*n/N)`` to ``floor((i+1)*n/N) - 1``: contiguous, so the shards read in name order are the
 input in order. The assignment depends on the input alone, never on how many workers run.
 
@@ -22,7 +24,7 @@ prompts, metachunk version), keeps every done shard whose file still has its has
 rest. So a kill -9 costs at most the shards in flight: one per worker. A changed config, model or
 input is refused (``--overwrite`` starts again).
 
-**Engines**, all running :func:`chunk_shard` on shards and :meth:`ShardedOutput.commit` on the
+**Engines**, all running `chunk_shard` on shards and `ShardedOutput.commit` on the
 results, so they write the same bytes:
 
 * ``local`` (default): ``--workers N`` processes (spawned, each with its own model, threads and
@@ -111,7 +113,7 @@ def _parquet_schema(emit_sentences: bool):
 
 
 class ShardWorker:
-    """What one worker holds, loaded once: the method's :class:`~metachunk.chunking.pipeline.Chunker`
+    """What one worker holds, loaded once: the method's [`Chunker`][metachunk.chunking.pipeline.Chunker]
     and the students (``--rewrite``/``--summarize``: their model dirs are checked before any model
     loads). ``documents`` and ``total_chars`` size the students' and the method's own progress."""
 
@@ -468,7 +470,7 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
               worker: ShardWorker | None = None, segmented: list | None = None) -> tuple[dict, list]:  # fmt: skip
     """The shards in ``pending``, by ``cfg.workers`` processes (this one when 1, or when ``worker``
     is given: the run's own, which holds ``segmented``). Returns each shard's seconds and each
-    worker's report (:meth:`ShardWorker.report`)."""
+    worker's report (`ShardWorker.report`)."""
     seconds: dict[int, float] = {}
     devices = worker_devices(cfg.device, cfg.workers)
     threads = cfg.threads_per_worker
@@ -639,5 +641,5 @@ def chunk_rows(path: str | Path, rejects: Rejects | None = None, max_row_bytes: 
 
 
 def read_chunk_records(path: str | Path):
-    """The records of a ``metachunk chunk`` output, file or folder (see :func:`chunk_rows`)."""
+    """The records of a ``metachunk chunk`` output, file or folder (see `chunk_rows`)."""
     return (record for _, _, record in chunk_rows(path))

@@ -9,16 +9,16 @@ rows and the chunker build it with the same functions:
 * the instruction: ``chunking/prompts/student_{task}.{lang}.txt`` (its sha256 is its version,
   recorded on every SFT row and in the manifest of every chunk run that uses it);
 * the context, as spans of the document (what distill records store as ``context_spans``): the
-  document around the chunk (:func:`window_span`: all of it when it fits in ``max_context_chars``,
+  document around the chunk (`window_span`: all of it when it fits in ``max_context_chars``,
   else a window centred on the chunk), or the chunk's ``top_k`` most similar chunks of the same
-  document (:func:`related_chunks`), turned into text by :func:`context_from_spans`;
-* :func:`student_messages`: the [system, user] chat messages from the two.
+  document (`related_chunks`), turned into text by `context_from_spans`;
+* `student_messages`: the [system, user] chat messages from the two.
 
 ``distill`` builds its contexts with these functions and ``build-sft`` its prompts with
-:func:`student_messages`; the chunker calls the same ones with the same settings (the defaults
+`student_messages`; the chunker calls the same ones with the same settings (the defaults
 are distill's), so the prompt at inference is the training prompt, byte for byte.
 
-Generation (:class:`Student`, with :func:`metachunk.engine.generation.generate_batched`): the model's
+Generation (`Student`, with `metachunk.engine.generation.generate_batched`): the model's
 chat template with the generation prompt, prompts of similar length batched and padded on the
 left, the model's own ``generation_config`` with ``do_sample=False`` on top (greedy,
 reproducible) unless sampling is asked for; only the new tokens are decoded. Weights load from
@@ -149,7 +149,7 @@ def chunk_prompts(
 def student_dir(name_or_dir: str) -> Path:
     """A student's model folder: a preset or a local HF dir holding safetensors weights.
 
-    Raises :class:`~metachunk.models.ModelNotFoundError` (a clear one-line error) otherwise.
+    Raises `ModelNotFoundError` (a clear one-line error) otherwise.
     """
     from metachunk.models import ModelNotFoundError, resolve
 
@@ -233,7 +233,7 @@ class Student:
         on_batch: Callable[[int], object] | None = None,
     ) -> list[str]:
         """One answer per prompt (new text only, stripped), in the order given
-        (:func:`metachunk.engine.generation.generate_batched`: a batch generates up to its largest budget
+        (`metachunk.engine.generation.generate_batched`: a batch generates up to its largest budget
         and each answer is cut to its own budget, so an answer does not depend on its batch
         neighbours)."""
         started = time.perf_counter()
@@ -313,7 +313,7 @@ class ChunkStudents:
     def from_config(
         cls, cfg, expected_docs: int | None = None, progress: bool = True
     ) -> ChunkStudents | None:
-        """The students a :class:`~metachunk.chunking.pipeline.ChunkConfig` asks for (its ``students:``
+        """The students a [`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] asks for (its ``students:``
         block), or None."""
         st = cfg.students
         models = {

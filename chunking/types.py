@@ -14,7 +14,7 @@ from dataclasses import dataclass
 class Sentence:
     """A sentence span ``[start, end)``.
 
-    Sentences from :func:`metachunk.chunking.sentences.split_sentences` tile the document: the first starts
+    Sentences from `metachunk.chunking.sentences.split_sentences` tile the document: the first starts
     at 0, each ends where the next starts, and whitespace between sentences belongs to the
     sentence before it. ``score`` is the value a method decided on (PPL in nats, or MSP margin).
     """
@@ -26,6 +26,8 @@ class Sentence:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
+    """A piece of a document: its ``text`` and its offsets, ``text == doc[start:end]``."""
+
     text: str
     start: int
     end: int

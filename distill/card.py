@@ -1,7 +1,7 @@
 """The dataset card (README.md) of a distilled SFT set, written from measured numbers only.
 
 The SFT builder measures everything it reports (rows, filters, token lengths, the leakage check,
-teacher spend) into a ``stats`` dict and calls :func:`write_dataset_card`. The card says only what
+teacher spend) into a ``stats`` dict and calls `write_dataset_card`. The card says only what
 ``stats`` says: a number that is missing is printed as "not measured", never estimated, so the
 card can be trusted as a record of the build. The YAML header is built with
 ``huggingface_hub.DatasetCardData`` and ``datasets``' own ``MetadataConfigs`` / ``DatasetInfosDict``,
@@ -9,35 +9,37 @@ so ``load_dataset(DIR)`` and the Hub read the same ``configs`` and ``dataset_inf
 ``dataset_info`` carries split sizes, ``load_dataset`` checks the row counts against them.
 
 The ``stats`` schema. Only ``name``, ``task`` and ``rows`` are required; every other key may be
-missing, at any depth::
+missing, at any depth:
 
-    {"name": "metachunk-rewrite-demo",            # file name of the card in data_cards/
-     "task": "rewrite" | "summary",
-     "pretty_name": str,                          # default: name
-     "license": str,                              # default: "apache-2.0"
-     "language": ["zh", "en"],
-     "demo": bool,                                # True: teacher was the local SmolLM2-135M demo model
-     "rows": {"train": int, "validation": int},   # one entry per split that has a parquet file
-     "documents": {"train": int, "validation": int},
-     "input_records": int,                        # distilled records read by the builder
-     "source": {"corpus": str, "path": str, "provenance": str},
-     "teachers": [{"stage": str, "model": str}],
-     "prompts": [{"name": str, "sha256": str, "text": str, "role": "student" | "teacher"}],
-     "filters": {"failed_or_empty": int, "refusal_or_off_format": int, "too_long": int,
-                 "exact_duplicate": int, "near_duplicate": int, "lost_content": int,
-                 "contaminated": int},            # rows removed by each filter
-     "token_lengths": {"tokenizer": str, "max_tokens": int,
-                       "prompt": {"min", "mean", "p50", "p95", "max"},
-                       "completion": {"min", "mean", "p50", "p95", "max"},
-                       "histogram": "token_lengths.png"},   # relative to the dataset dir
-     "leakage": {"method": str, "threshold": float, "test_documents": int, "rows_checked": int,
-                 "contaminated": int},
-     "teacher_usage": {"prompt_tokens": int, "completion_tokens": int, "cost_usd": float},
-     "build": {"command": str, "seed": int, "seconds": float, "rows_per_s": float},
-     "limitations": [str],
-     "sizes": {"train": {"num_bytes": int, "download_size": int}, ...}}
+```
+{"name": "metachunk-rewrite-demo",            # file name of the card in data_cards/
+ "task": "rewrite" | "summary",
+ "pretty_name": str,                          # default: name
+ "license": str,                              # default: "apache-2.0"
+ "language": ["zh", "en"],
+ "demo": bool,                                # True: teacher was the local SmolLM2-135M demo model
+ "rows": {"train": int, "validation": int},   # one entry per split that has a parquet file
+ "documents": {"train": int, "validation": int},
+ "input_records": int,                        # distilled records read by the builder
+ "source": {"corpus": str, "path": str, "provenance": str},
+ "teachers": [{"stage": str, "model": str}],
+ "prompts": [{"name": str, "sha256": str, "text": str, "role": "student" | "teacher"}],
+ "filters": {"failed_or_empty": int, "refusal_or_off_format": int, "too_long": int,
+             "exact_duplicate": int, "near_duplicate": int, "lost_content": int,
+             "contaminated": int},            # rows removed by each filter
+ "token_lengths": {"tokenizer": str, "max_tokens": int,
+                   "prompt": {"min", "mean", "p50", "p95", "max"},
+                   "completion": {"min", "mean", "p50", "p95", "max"},
+                   "histogram": "token_lengths.png"},   # relative to the dataset dir
+ "leakage": {"method": str, "threshold": float, "test_documents": int, "rows_checked": int,
+             "contaminated": int},
+ "teacher_usage": {"prompt_tokens": int, "completion_tokens": int, "cost_usd": float},
+ "build": {"command": str, "seed": int, "seconds": float, "rows_per_s": float},
+ "limitations": [str],
+ "sizes": {"train": {"num_bytes": int, "download_size": int}, ...}}
+```
 
-``sizes`` is not the builder's business: :func:`write_dataset_card` measures it from the parquet
+``sizes`` is not the builder's business: `write_dataset_card` measures it from the parquet
 files (Arrow bytes in memory, bytes on disk). Without it the ``dataset_info`` block lists the
 features only, since ``datasets`` wants a byte count next to every split size.
 """

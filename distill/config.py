@@ -1,6 +1,6 @@
-"""``metachunk distill``'s config: :class:`DistillConfig`, its ``moc:`` block and each task's
-teacher stages. Its own module, so that the driver (:mod:`metachunk.distill.run`) and the tasks
-(:mod:`metachunk.distill.pipelines`, :mod:`metachunk.distill.moc`) all import it and none of them
+"""``metachunk distill``'s config: `DistillConfig`, its ``moc:`` block and each task's
+teacher stages. Its own module, so that the driver (`metachunk.distill.run`) and the tasks
+(`metachunk.distill.pipelines`, `metachunk.distill.moc`) all import it and none of them
 imports another to learn a config's type.
 """
 
@@ -27,7 +27,7 @@ TASK_STAGES = {**STAGES, "moc": ("moc_chunk",)}
 @dataclass
 class MocDistillOptions:
     """``distill moc``'s own options (distill/moc.py, MoC §3.2.1 and Appendix A.3): a block of
-    :class:`DistillConfig`, ``moc: {window_tokens: 512}`` or ``moc_window_tokens: 512`` in a recipe,
+    `DistillConfig`, ``moc: {window_tokens: 512}`` or ``moc_window_tokens: 512`` in a recipe,
     ``--moc-window-tokens 512`` on the command line, spelled as ``chunk --method moc`` spells the
     same settings (``--moc-placeholder``, ``--moc-max-ratio``)."""
 

@@ -23,9 +23,11 @@ The key coverage ``K`` is the mean credit weighted by key length, capped at 10 c
 The answer coverage ``A`` is the unweighted mean credit of the informative answers (not 无法推断 and
 the like, at least 2 characters), scored the same way: answers are often paraphrased whole
 sentences (28% of the answers of clear matches are not verbatim), so verbatim-only would punish the
-true source. Then::
+true source. Then:
 
-    confidence = 0.8 * K + 0.2 * A     (confidence = K when no answer is informative)
+```
+confidence = 0.8 * K + 0.2 * A     (confidence = K when no answer is informative)
+```
 
 An entry is ``matched`` when its best article reaches ``match_threshold`` and the runner-up is at
 least ``margin`` lower; ``ambiguous`` when it reaches the threshold but other articles are within the
@@ -124,11 +126,13 @@ class NearDuplicateIndex:
     instead cost ~50 KB per 350-character text, ~1 GB for build-sft's 20K chunks.)
 
     Used by prepare-crud (pool articles vs. test articles) and by build-sft (decontamination and
-    near-duplicate rows)::
+    near-duplicate rows):
 
-        index = NearDuplicateIndex(threshold=0.8)
-        index.add("doc-1", text)
-        index.query(other_text)  # -> ["doc-1"] when they are near duplicates
+    ```
+    index = NearDuplicateIndex(threshold=0.8)
+    index.add("doc-1", text)
+    index.query(other_text)  # -> ["doc-1"] when they are near duplicates
+    ```
     """
 
     def __init__(self, threshold: float = 0.8, num_perm: int = 128, shingle: int = 5, seed: int = 1):
@@ -542,7 +546,7 @@ def prepare_crud(
     Writes (each atomically) ``test_documents.jsonl`` and ``train_pool.jsonl`` (``{id, text,
     source}``, corpus order), ``qa_matches.jsonl`` (one line per QA entry) and ``report.json``;
     returns the report. ``bad_rows``: what a bad article row or QA entry does (default: an error;
-    a duplicate article id is one, :class:`metachunk.sources.DocumentSource`).
+    a duplicate article id is one, `metachunk.sources.DocumentSource`).
     """
     news_path, qa_path, out = Path(news_path), Path(qa_path), Path(out_dir)
     bad_rows = bad_rows or BadRows()

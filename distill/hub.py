@@ -4,7 +4,7 @@ Only what the card describes is sent: ``README.md`` (the card, whose ``configs``
 ``load_dataset`` where the splits are), ``data/*.parquet``, the PNG plots and any
 ``dataset_info*.json``. Everything is checked locally before the first request: the directory
 holds a card and parquet files and a token is set. The upload itself, the token and the offline
-switch are :func:`metachunk.hub.push_folder`'s, shared with ``metachunk export --push``: the token
+switch are `metachunk.hub.push_folder`'s, shared with ``metachunk export --push``: the token
 comes from the argument or ``HF_TOKEN`` and is never logged or printed, and a push refuses
 ``HF_HUB_OFFLINE=1``. A pushed dataset is read back by its id: ``dataset_name: ORG/NAME`` in a
 training recipe.
@@ -180,7 +180,7 @@ def provenance_section(manifest: dict) -> str:
 
 
 def push(cfg: PushConfig) -> str:
-    """:func:`push_dataset` from a config (flags or a recipe)."""
+    """`push_dataset` from a config (flags or a recipe)."""
     if cfg.dataset_dir is None or cfg.repo_id is None:
         raise InputError("command line", "push needs a dataset directory and --repo-id")
     return push_dataset(cfg.dataset_dir, cfg.repo_id, private=cfg.private, commit_message=cfg.commit_message,

@@ -3,18 +3,18 @@
 ``metachunk distill moc --config recipes/distill/moc.yaml`` asks a GPT-4o-class teacher to chunk
 documents without changing them (the paper's Table 6 prompt, ``distill/prompts/moc_chunk.{lang}.txt``,
 chunks separated by ``\\n—\\n``; an endpoint that takes a schema decodes under
-``moc_chunk.schema.json``, ``{"chunks": [...]}``, and :func:`answer_chunks` reads both), through
-the same driver (:mod:`metachunk.distill.run`, :class:`MocTask`), teacher client, answer store, limits, budget and resume as
+``moc_chunk.schema.json``, ``{"chunks": [...]}``, and `answer_chunks` reads both), through
+the same driver (`metachunk.distill.run`, `MocTask`), teacher client, answer store, limits, budget and resume as
 ``distill rewrite|summary``: the store is the source of truth, ``OUT/moc.jsonl`` is rebuilt from it
 by every run, and a rerun (or a run after a crash) sends only the requests that never got an answer.
 ``metachunk data build-sft moc-router|moc-expert`` turns the records into the router's and the
-experts' SFT sets (:mod:`metachunk.distill.sft_rows`), with the prompts of :mod:`metachunk.chunking.moc` (the ones
+experts' SFT sets (`metachunk.distill.sft_rows`), with the prompts of `metachunk.chunking.moc` (the ones
 ``chunk --method moc`` sends at inference).
 
 **Windows.** A document is sent in windows of at most ``window_tokens`` (1024) tokens of the
 ``tokenizer`` (a preset or local HF dir; the teacher's own tokenizer is not needed, only a
 comparable count; sentences are counted one by one, which comes out a few tokens over a count of
-the whole window, never under). A window ends at a sentence end (:func:`metachunk.chunking.sentences.split_sentences`),
+the whole window, never under). A window ends at a sentence end (`metachunk.chunking.sentences.split_sentences`),
 preferably at a paragraph end (a sentence followed by a line break) when one lies in the second
 half of the budget. Every window reaches past the previous window's end, so every request brings
 new text; a single sentence over the budget is sent alone and counted (``over_budget``).
@@ -27,7 +27,7 @@ boundary is forced by a window edge, except when a single chunk fills a whole-bu
 (kept, counted as ``forced_edges``). The document's last window keeps all its chunks.
 
 **Cleaning.** Each returned chunk is located in the window by edit distance
-(:func:`metachunk.chunking.align.locate`, searched forward from the previous chunk's end). A chunk whose
+(`metachunk.chunking.align.locate`, searched forward from the previous chunk's end). A chunk whose
 best match needs more than ``moc_max_ratio`` (10%) of its length in edits is *flagged*: kept in
 the record with the teacher's text (for review) and excluded from training. Accepted chunks are
 stored as exact offsets of the document (with their edit distance), never as teacher text: the
@@ -39,35 +39,37 @@ HTTP error) stops the document there; the next run resumes it. An answer cut at 
 buffer, whatever the window.
 
 **Labels and samples.** A completed document's label is the granularity of the mean length (in
-characters) of its accepted chunks (:func:`metachunk.chunking.moc.granularity_label`: (0,120] → 0,
+characters) of its accepted chunks (`metachunk.chunking.moc.granularity_label`: (0,120] → 0,
 (120,150] → 1, (150,180] → 2, (180,∞) → 3). Samples are texts of about ``sample_chars`` (1024)
 characters made of whole consecutive chunks (§3.2.2: long texts truncated, short ones
 concatenated, always at chunk boundaries), never spanning a gap. Each sample carries the document's
 label (the router's target) and its expert target: one ``head + placeholder + tail`` string per
 chunk (``head_chars`` / ``tail_chars`` characters, widened to whole ASCII words; a chunk shorter
 than both is quoted whole). A target is checked by recovering it with the inference algorithm
-(:func:`metachunk.chunking.moc.recover_spans`): when its chunk starts do not come back, the anchors are
+(`metachunk.chunking.moc.recover_spans`): when its chunk starts do not come back, the anchors are
 doubled (twice), else the sample is marked ``recoverable: false`` and kept out of the expert set.
 
-Record (one per document, ``OUT/moc.jsonl``)::
+Record (one per document, ``OUT/moc.jsonl``):
 
-    {"schema_version": 1, "task": "moc", "doc_id", "lang", "chars",
-     "status": "ok" | "pending" | "failed", "reason",     # failed: transport reason or "no_chunks"
-     "windows": [{"start", "end", "tokens", "over_budget", "status": "ok"|"failed"|"pending", "reason",
-                  "answer": {stage entry: teacher, params, prompt_sha256, schema_sha256, request_key,
-                             cached, usage, cost, spent, attempts, raw, text, finish_reason,
-                             json_outcomes: ["valid" | "repaired" | "unparseable", one per answer]},
-                  "returned", "accepted": [[start, end, distance]], "carried": [start, end] | null,
-                  "flagged": [{"index", "text", "near": [start, end, score]}], "forced_edge", "widened",
-                  "fallback", "truncated"}],
-     "chunks": [{"start", "end", "distance"}],             # accepted, document offsets, in order
-     "gaps": [[start, end]],                               # text no accepted chunk covers
-     "counts": {"windows", "returned", "accepted", "flagged", "fuzzy", "fallbacks", "forced_edges",
-                "widened", "over_budget"},
-     "mean_chunk_chars", "label",                          # null unless status is ok
-     "placeholder", "head_chars", "tail_chars",
-     "samples": [{"start", "end", "chunks": [[start, end]], "mean_chunk_chars", "elements": [str],
-                  "recoverable"}]}
+```
+{"schema_version": 1, "task": "moc", "doc_id", "lang", "chars",
+ "status": "ok" | "pending" | "failed", "reason",     # failed: transport reason or "no_chunks"
+ "windows": [{"start", "end", "tokens", "over_budget", "status": "ok"|"failed"|"pending", "reason",
+              "answer": {stage entry: teacher, params, prompt_sha256, schema_sha256, request_key,
+                         cached, usage, cost, spent, attempts, raw, text, finish_reason,
+                         json_outcomes: ["valid" | "repaired" | "unparseable", one per answer]},
+              "returned", "accepted": [[start, end, distance]], "carried": [start, end] | null,
+              "flagged": [{"index", "text", "near": [start, end, score]}], "forced_edge", "widened",
+              "fallback", "truncated"}],
+ "chunks": [{"start", "end", "distance"}],             # accepted, document offsets, in order
+ "gaps": [[start, end]],                               # text no accepted chunk covers
+ "counts": {"windows", "returned", "accepted", "flagged", "fuzzy", "fallbacks", "forced_edges",
+            "widened", "over_budget"},
+ "mean_chunk_chars", "label",                          # null unless status is ok
+ "placeholder", "head_chars", "tail_chars",
+ "samples": [{"start", "end", "chunks": [[start, end]], "mean_chunk_chars", "elements": [str],
+              "recoverable"}]}
+```
 
 ``OUT/moc.meta.json`` holds the config, the prompt and schema hashes, the tokenizer and the run's
 counts (requests sent, answers from the store, tokens, cost, chunks returned / accepted / flagged,
@@ -116,7 +118,7 @@ _ECHO = re.compile(r"^\s*(the segmented text chunks are|分割后的文本块为
 
 def answer_chunks(answer: str) -> list[str]:
     """The chunks of a teacher answer: the ``"chunks"`` strings of its JSON object (or a bare JSON
-    list of strings), else the pieces between separator lines (:func:`split_answer`)."""
+    list of strings), else the pieces between separator lines (`split_answer`)."""
     try:
         data = json.loads(answer.strip().removeprefix("```json").removeprefix("```").removesuffix("```"))
     except ValueError:
@@ -279,7 +281,7 @@ def expert_target(
     text: str, chunks: Sequence[tuple[int, int]], head_chars: int, tail_chars: int, placeholder: str
 ) -> tuple[list[str], bool]:
     """``(elements, recoverable)`` for a sample ``text`` whose chunks are ``chunks`` (offsets in
-    ``text``). Recoverable: the inference recovery (:func:`metachunk.chunking.moc.recover_spans`) finds every
+    ``text``). Recoverable: the inference recovery (`metachunk.chunking.moc.recover_spans`) finds every
     element exactly, at its chunk's start. Anchors are doubled until it does (ANCHOR_SCALES)."""
     first = None
     for scale in ANCHOR_SCALES:
@@ -517,7 +519,7 @@ class MocDocument(NamedTuple):
 
 def read_moc_documents(cfg: DistillConfig, rejects: Rejects | None = None) -> list[MocDocument]:
     """The documents to chunk (the first ``limit``); ids must be unique (a duplicate is a bad
-    row, :class:`metachunk.sources.DocumentSource`); bad rows to ``rejects`` when given."""
+    row, `metachunk.sources.DocumentSource`); bad rows to ``rejects`` when given."""
     docs = []
     for doc in read_documents(cfg.documents, rejects=rejects, max_row_bytes=cfg.bad_rows.max_row_bytes):
         lang = detect_lang(doc.text) if cfg.lang == "auto" else cfg.lang
@@ -528,7 +530,7 @@ def read_moc_documents(cfg: DistillConfig, rejects: Rejects | None = None) -> li
 
 
 class MocTask:
-    """``distill moc`` as the driver (:mod:`metachunk.distill.run`) runs it: one record per document. A
+    """``distill moc`` as the driver (`metachunk.distill.run`) runs it: one record per document. A
     document's windows are sequential, so the driver keeps one document in flight per request slot."""
 
     name = TASK

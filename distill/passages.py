@@ -14,7 +14,7 @@ Ids: a whole group is named by its group (``CHAPTER I``); a passage by its group
 
 A bad line (not UTF-8 or JSON, no text or group string, a lone surrogate) stops the run with its
 ``file:line``, or with ``--on-bad-row skip`` is left out and written to ``OUT.rejects.jsonl``
-(:class:`metachunk.sources.BadRows`).
+(`metachunk.sources.BadRows`).
 """
 
 from __future__ import annotations

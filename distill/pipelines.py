@@ -4,17 +4,17 @@
 -> completion (fuse the kept items into the chunk). ``summary``: a global supplementary summary
 and a local summary (concurrently) -> one fused, enhanced summary sentence.
 
-Each function takes a :class:`ChunkJob` and returns the chunk's output record. Parsing lives here
+Each function takes a `ChunkJob` and returns the chunk's output record. Parsing lives here
 and reads what the teacher client returns, which on a rerun comes from the answer store: editing
 a parser re-reads stored answers and sends nothing. A stage whose answer is empty or cannot be
 parsed is asked again (``attempt`` + 1, a new cached request) up to ``parse_retries`` times,
 then the record fails with that stage's raw text kept. A stage whose answer is JSON
 (``refinement``) has an answer schema beside its prompts: its requests carry it as the teacher's
-``structured_output`` says, and each answer is read against it (:func:`metachunk.structured.read_json`:
+``structured_output`` says, and each answer is read against it (`metachunk.structured.read_json`:
 valid by the schema, repaired, or unparseable, counted per stage in the summary and the status table).
 
-:class:`ChunkTask` is both pipelines as the driver (:mod:`metachunk.distill.run`) runs them: the chunks
-file read and checked against its documents (:func:`read_jobs`, with each chunk's context), the
+`ChunkTask` is both pipelines as the driver (`metachunk.distill.run`) runs them: the chunks
+file read and checked against its documents (`read_jobs`, with each chunk's context), the
 work per chunk, and the summary, status and dry-run rows of the records.
 """
 
@@ -147,7 +147,7 @@ class StageRunner:
         return await self.ask_into(entry, stage, lang, parse, **values)
 
     async def ask_into(self, entry: dict, stage: str, lang: str, parse=None, **values: str):
-        """:meth:`ask`, recording into ``entry`` (MoC keeps one entry per window of a record)."""
+        """`ask`, recording into ``entry`` (MoC keeps one entry per window of a record)."""
         prompt, schema, teacher = load_prompt(stage, lang), load_schema(stage), self.teachers[stage]
         messages = prompt.messages(**values)
         entry.update(prompt_sha256=prompt.sha256, attempts=0)
@@ -474,7 +474,7 @@ def tally(counts: dict, skip: tuple[str, ...] = ()) -> str:
 
 
 class ChunkTask:
-    """``distill rewrite|summary`` as the driver (:mod:`metachunk.distill.run`) runs it: one record per chunk
+    """``distill rewrite|summary`` as the driver (`metachunk.distill.run`) runs it: one record per chunk
     of a chunks file. A chunk's stages are a chain, one request at a time, so the driver keeps two
     chunks in flight per request slot."""
 

@@ -1,10 +1,10 @@
 """The teacher prompts of the distill pipelines: ``distill/prompts/{name}.{lang}.txt``, in the one
-prompt-file format (:mod:`metachunk.prompts`; the file's sha256 is the prompt's version). A stage
+prompt-file format (`metachunk.prompts`; the file's sha256 is the prompt's version). A stage
 whose answer is JSON (``refinement``, ``moc_chunk``) has its answer schema beside its prompts,
-``distill/prompts/{name}.schema.json`` (:func:`load_schema`).
+``distill/prompts/{name}.schema.json`` (`load_schema`).
 
 The students' instructions (``student_rewrite``, ``student_summary``) live with the chunker that
-runs the trained students (``chunking/prompts/``, :mod:`metachunk.chunking.students`); ``load_prompt``
+runs the trained students (``chunking/prompts/``, `metachunk.chunking.students`); ``load_prompt``
 finds them there too, so the SFT rows and inference share one prompt.
 """
 

@@ -1,10 +1,10 @@
 """``metachunk distill rewrite|summary|moc|status``: one driver for every teacher pipeline.
 
-A task (:class:`Task`) supplies how to read its items, the work per item, and the summary,
-status and dry-run rows of its records: rewrite and summary (:class:`metachunk.distill.pipelines.ChunkTask`,
-one record per chunk) and moc (:class:`metachunk.distill.moc.MocTask`, one record per document). The driver
+A task (`Task`) supplies how to read its items, the work per item, and the summary,
+status and dry-run rows of its records: rewrite and summary (`metachunk.distill.pipelines.ChunkTask`,
+one record per chunk) and moc (`metachunk.distill.moc.MocTask`, one record per document). The driver
 does the rest the same way for each: check the prompt files, run the work over the items with the
-teacher pool's workers (:meth:`metachunk.teacher.TeacherPool.map`), replay against the store the
+teacher pool's workers (`metachunk.teacher.TeacherPool.map`), replay against the store the
 items a stop (budget, unreachable endpoint) left unstarted, write the records and the manifest,
 and choose the exit status.
 
@@ -44,8 +44,8 @@ from metachunk.teacher import Price, TeacherPool, is_transport_failure, wire_bod
 
 
 class Task(Protocol):
-    """One teacher pipeline, as the driver runs it: :class:`metachunk.distill.pipelines.ChunkTask` (rewrite,
-    summary) and :class:`metachunk.distill.moc.MocTask`."""
+    """One teacher pipeline, as the driver runs it: `metachunk.distill.pipelines.ChunkTask` (rewrite,
+    summary) and `metachunk.distill.moc.MocTask`."""
 
     name: str  # the task: `distill NAME` writes OUT/NAME.jsonl and OUT/NAME.meta.json
     stages: tuple[str, ...]  # its teacher stages, each with a prompt file per language
@@ -66,7 +66,7 @@ class Task(Protocol):
         """What the manifest holds besides the config, the prompt hashes and the summary."""
 
     def summary_line(self, summary: dict) -> str:
-        """The line printed after a run, from its summary (:func:`write_records`)."""
+        """The line printed after a run, from its summary (`write_records`)."""
 
     def status(self, records: list[dict]) -> list[str]:
         """``distill status``: the lines printed."""
@@ -312,7 +312,7 @@ SUMMARY_KEYS = (
 
 
 def run(cfg: DistillConfig) -> Result:
-    """Run the task and write its records (``--dry-run``: :func:`estimate`)."""
+    """Run the task and write its records (``--dry-run``: `estimate`)."""
     if cfg.dry_run:
         return estimate(cfg)
     result = run_task(cfg)

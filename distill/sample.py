@@ -18,7 +18,7 @@ the sampled chunk indices, plus ``documents.jsonl`` and ``sample.json`` (the cou
 seed, pool and model give the same output.
 
 The pool is streamed twice (which documents are long, then those drawn), so memory does not grow
-with it. The PPL chunking goes through the corpus-scale path (:mod:`metachunk.chunking.shards`) into
+with it. The PPL chunking goes through the corpus-scale path (`metachunk.chunking.shards`) into
 ``OUT/ppl/``: shard by shard, resumed by a rerun after a crash, with ``--workers`` processes, under
 torchrun, or on Ray (``--engine ray``).
 """

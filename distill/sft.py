@@ -1,7 +1,7 @@
 """``metachunk data build-sft TASK``: distilled records -> a prompt–completion dataset, streamed.
 
 One builder for every task (rewrite, summary, moc-router, moc-expert). What differs per task is
-its row maker (:mod:`metachunk.distill.sft_rows`): how a record reads, which rows it gives and the task's
+its row maker (`metachunk.distill.sft_rows`): how a record reads, which rows it gives and the task's
 own filters, the row's prompt and metadata columns, and the task's lines of the card. Everything
 else is here, once: the distill run's meta file and the documents, the contamination check
 against the test documents, exact and near duplicates, the student chat-template length filter,

@@ -1,16 +1,16 @@
 """The row makers of ``metachunk data build-sft``: what each task turns a distilled record into.
 
-The shared builder (:mod:`metachunk.distill.sft`) reads the records, checks contamination, drops duplicates
+The shared builder (`metachunk.distill.sft`) reads the records, checks contamination, drops duplicates
 and over-long rows, splits, writes the shards and the card. A row maker knows only its task: how
 to read one record, which rows it gives (with the reason the task drops one, if any), the row's
 prompt and metadata columns, and what the task's card says. One class per kind of record:
 
-``rewrite`` / ``summary`` (:class:`TextRows`, records of ``distill rewrite|summary``): one row per
+``rewrite`` / ``summary`` (`TextRows`, records of ``distill rewrite|summary``): one row per
 record. The student does not learn the teacher's three stages. It learns to go from chunk plus
 context straight to the final answer (Meta-Chunking §3.2, trained with the loss of Eq. 3 on the
 completion), with one versioned student instruction per task and language
 (``chunking/prompts/student_{task}.{lang}.txt``). Its context is the one the teacher saw, rebuilt
-from the record's ``context_spans``. The prompt is built by :func:`metachunk.chunking.students.student_messages`,
+from the record's ``context_spans``. The prompt is built by `metachunk.chunking.students.student_messages`,
 the function ``metachunk chunk --rewrite/--summarize`` builds the inference prompt with. The
 task's own filters, before the shared ones:
 
@@ -20,8 +20,8 @@ task's own filters, before the shared ones:
 3. ``lost_content`` (rewrite): under ``min_overlap`` of the chunk's words (en) or character
    bigrams (zh) survive in the rewrite.
 
-``moc-router`` / ``moc-expert`` (:class:`MocRows`, records of ``distill moc``): one row per sample
-of whole teacher chunks, with the prompts of :mod:`metachunk.chunking.moc` (the ones ``chunk --method moc``
+``moc-router`` / ``moc-expert`` (`MocRows`, records of ``distill moc``): one row per sample
+of whole teacher chunks, with the prompts of `metachunk.chunking.moc` (the ones ``chunk --method moc``
 sends at inference). ``moc-router``: one dataset at OUT; completion = the label token.
 ``moc-expert``: one dataset per granularity label in ``granularity`` (default all four) at
 ``OUT-k`` with the card ``NAME-k``; completion = the JSON list of the sample's
@@ -30,8 +30,8 @@ finish or gave no sample: counted once per record) and ``unrecoverable`` (expert
 rules do not recover its chunk starts).
 
 Rows are TRL's conversational prompt–completion format: ``prompt`` = [system, user] messages,
-``completion`` = [assistant] message, plus the metadata columns of :func:`features` /
-:func:`moc_features`.
+``completion`` = [assistant] message, plus the metadata columns of `features` /
+`moc_features`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class RowMaker:
     ``features()`` (the dataset's columns); ``read(record)`` (the record's fields, with ``.lang``;
     KeyError / TypeError: not a record of this kind); ``entries(rec)`` (``(stage, entry)`` of every
     teacher answer, for usage and prompt versions); ``rows(rec, document)`` (its candidate
-    :class:`Row` s; ``document(doc_id)`` is the text, an input error when missing);
+    `Row` s; ``document(doc_id)`` is the text, an input error when missing);
     ``students(langs)`` (``(name, Prompt)`` of the prompts the rows use) and ``limitations(...)``
     for the card. The methods below are the defaults: one dataset, no run settings, no labels."""
 

@@ -7,7 +7,7 @@ metachunk eval chunk-quality --chunks CHUNKS.jsonl --model PRESET_OR_DIR --out D
 
 Both metrics come from perplexities of one chunk ``q`` read alone, ``ppl(q)``, and read right
 after another chunk ``d`` of the same document, ``ppl(q|d)``. ``ppl = exp(mean token NLL)`` over
-``q``'s tokens, each NLL from :mod:`metachunk.engine.scoring`. Every token of ``q`` is scored in both:
+``q``'s tokens, each NLL from `metachunk.engine.scoring`. Every token of ``q`` is scored in both:
 "alone" means after the tokens the tokenizer puts before any text (Gemma's ``<bos>``), or after a
 single space where it puts none (SmolLM2, Qwen), as the authors' scripts do; "after ``d``" means
 after those same lead tokens and ``d``'s tokens. Chunks are tokenized one by one and the ids
@@ -57,14 +57,14 @@ too), beside the unsuffixed metrics of ``--convention``.
 **Cost and the cap.** The complete graph needs ``N (N - 1)`` conditional perplexities per
 document. They are batched: each context ``d`` runs once and its KV cache is reused by batches of
 all the ``q`` read after it, ``--batch-size`` of them per forward pass
-(:func:`metachunk.engine.scoring.continuation_nll`). On the 2-core CPU bench this is 1.3-1.5x faster than
+(`metachunk.engine.scoring.continuation_nll`). On the 2-core CPU bench this is 1.3-1.5x faster than
 one forward pass per pair, at 1 or 8 rows alike (``bench/eval_speed.py``). ``--max-pairs`` caps the
 ordered pairs per document; beyond it the nearest pairs are kept (by ``|i - j|``, forward before
 backward, then by position), so adjacent pairs, which BC needs, always come first. Pairs not
 computed are no edge. ``pairs_computed``, ``pairs_total`` and ``docs_capped`` say what the cap
 left out.
 
-Writes ``OUT/metrics.json`` + ``report.md`` (:func:`metachunk.eval.report.write_run`) and
+Writes ``OUT/metrics.json`` + ``report.md`` (`metachunk.eval.report.write_run`) and
 ``OUT/chunk_quality.png``: the histogram of BC over all boundaries and the edge-weight matrix of
 one document (the first with two or more chunks, or ``--plot-doc``).
 """
@@ -255,8 +255,8 @@ def mean_nll_matrix(
     ``cond[i, j]`` of ``c_j`` read after ``c_i`` for the given ``pairs`` (NaN elsewhere).
 
     ``batched`` reuses each context's KV cache over batches of the chunks read after it
-    (:func:`metachunk.engine.scoring.continuation_nll`); otherwise every pair is one forward pass over its
-    concatenation (:func:`metachunk.engine.scoring.token_nll`), the reference. ``score_alone=False`` leaves
+    (`metachunk.engine.scoring.continuation_nll`); otherwise every pair is one forward pass over its
+    concatenation (`metachunk.engine.scoring.token_nll`), the reference. ``score_alone=False`` leaves
     ``alone`` NaN (``bench/eval_speed.py`` times the two parts in separate blocks).
     """
     from metachunk.engine.scoring import continuation_nll, token_nll

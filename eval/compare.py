@@ -1,7 +1,7 @@
 """``metachunk eval compare RUN_DIR... --out report.md``: eval runs side by side.
 
 Reads each run's ``metrics.json`` (written by every ``metachunk eval`` command, see
-:mod:`metachunk.eval.report`), writes one Markdown table (a row per metric, a column per run) and one PNG
+`metachunk.eval.report`), writes one Markdown table (a row per metric, a column per run) and one PNG
 bar chart per metric next to the report, and ``compare.json`` with the same numbers.
 
 Chunk length decides much of a RAG score: longer chunks carry more context into the top-k. The
@@ -346,7 +346,7 @@ FAMILIES = {
 
 def plot_families(table: dict[str, dict[str, float | None]], prefix: Path,
                   intervals: dict[str, dict[str, list | None]] | None = None) -> dict[str, Path]:  # fmt: skip
-    """One grouped bar chart per metric family (:data:`FAMILIES`) with two or more metrics:
+    """One grouped bar chart per metric family (`FAMILIES`) with two or more metrics:
     ``{prefix}_family_{family}.png``, a bar per run in each metric's group, the intervals drawn."""
     import re
 

@@ -11,7 +11,7 @@ Three diagnostics, each optional (give ``--chunks``, ``--retrieval`` or both):
 * **PPL of rewritten vs original chunks** (Meta-Chunking Figure 5), from ``--chunks``: a
   ``metachunk chunk --rewrite MODEL`` output, whose chunks carry ``rewritten``. Under every
   ``--models`` LM, each chunk that has a non-empty rewrite is read alone, as text and as rewrite:
-  ``ppl = exp(mean token NLL)`` over its tokens (:func:`metachunk.engine.scoring.token_nll`; read after
+  ``ppl = exp(mean token NLL)`` over its tokens (`metachunk.engine.scoring.token_nll`; read after
   the tokenizer's lead tokens, or a single space where it has none, as in ``eval chunk-quality``;
   texts longer than ``--max-context`` tokens go by sliding windows). Reported per model: the mean
   and median ppl of originals and of rewrites over the same chunks, and the share of chunks whose
@@ -47,7 +47,7 @@ fixed ``--seed``), and so does each paired difference: a rewrite's PPL minus its
 retrieval label's AVGSim, pairsim and CP minus the first label's, over the questions both have.
 A difference whose interval excludes 0 is *resolved*, the others are inside the noise.
 
-Writes ``OUT/metrics.json`` + ``report.md`` (:func:`metachunk.eval.report.write_run`, with a table per
+Writes ``OUT/metrics.json`` + ``report.md`` (`metachunk.eval.report.write_run`, with a table per
 diagnostic added), ``items.jsonl``, and ``ppl_rewrite.png``, ``avgsim.png``, ``cp.png`` for what
 was computed.
 """

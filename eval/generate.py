@@ -5,12 +5,12 @@ with ``{context}`` and ``{question}``); its sha256 is recorded in the run's metr
 every answer. The context lists the passages best first, numbered ``[1]``, ``[2]``, ...
 
 * **Endpoint** (``--generator BASE_URL:MODEL``): every request goes through the teacher client
-  (:mod:`metachunk.teacher`: retries, rate limits, budget) and its answer store (``answers.sqlite``):
+  (`metachunk.teacher`: retries, rate limits, budget) and its answer store (``answers.sqlite``):
   an answered request is never sent again, so a rerun pays nothing. An answer cut at
   ``max_tokens`` (``finish_reason == "length"``) keeps its text and is marked ``length``.
 * **Local** (``--generator-model PRESET_OR_DIR``): transformers ``generate`` on the chat template
   (or, for a base model without one, the system and user parts joined by a blank line), prompts of
-  similar length batched and padded on the left (:func:`metachunk.engine.generation.generate_batched`),
+  similar length batched and padded on the left (`metachunk.engine.generation.generate_batched`),
   sampling with the run's settings from one seed.
 
 Default sampling is the paper's (§4.3): top_p 0.9, top_k 5, temperature 0.1, 1280 new tokens. The
@@ -77,7 +77,7 @@ class Generated:
 
 
 class EndpointGenerator:
-    """Answers through :class:`metachunk.teacher.Teacher`, cached in an :class:`AnswerStore`."""
+    """Answers through `metachunk.teacher.Teacher`, cached in an `AnswerStore`."""
 
     def __init__(
         self, teacher_cfg, store_path: Path, max_cost: float | None = None, extra: dict | None = None

@@ -7,18 +7,18 @@ metachunk eval qa --chunks CHUNKS.jsonl --qa QA --embedder PRESET_OR_DIR --top-k
 
 1. **Chunks** (``metachunk chunk`` output) are embedded (``--index-text chunk|rewritten|summary+
    chunk``) into ``INDEX_DIR/index.db``, one collection per (chunks file sha256, embedder, indexed
-   text), reused across runs (:mod:`metachunk.eval.index`).
+   text), reused across runs (`metachunk.eval.index`).
 2. **Questions** (GutenQA ``questions.jsonl`` or CRUD ``qa_matches.jsonl``) are located in the
-   documents and each chunk is judged relevant or not (:mod:`metachunk.eval.retrieval` states the rules).
+   documents and each chunk is judged relevant or not (`metachunk.eval.retrieval` states the rules).
 3. **Retrieval**: the ``top_k`` (or, with ``--rerank``, ``rerank_depth``) nearest chunks per
    question; Hits@k, MRR@k, MAP@k need no generator.
 4. **Re-ranking** (Appendix E): ``ppl`` or ``cross-encoder`` reorders the dense top ``rerank_depth``
    (10); metrics are reported before (``hits@8``) and after (``reranked_hits@8``).
 5. **Generation** (optional): the final ``top_k`` passages and the question in the versioned prompt
    ``eval/prompts/rag_answer.{lang}.txt``, answered by an endpoint (cached in ``answers.sqlite``)
-   or a local model (:mod:`metachunk.eval.generate`); answers are scored by :func:`metachunk.eval.metrics.qa_scores`.
+   or a local model (`metachunk.eval.generate`); answers are scored by `metachunk.eval.metrics.qa_scores`.
 
-Writes ``OUT/metrics.json`` + ``report.md`` (:func:`metachunk.eval.report.write_run`), ``OUT/retrieval.jsonl``
+Writes ``OUT/metrics.json`` + ``report.md`` (`metachunk.eval.report.write_run`), ``OUT/retrieval.jsonl``
 (one row per question: ``qid, question, answer, lang, relevant_any, hits, reranked``),
 ``OUT/evidence.jsonl`` (where each question's evidence was found, and which chunks are relevant)
 and, when generating, ``OUT/answers.jsonl``.
@@ -534,7 +534,7 @@ def rerank(cfg: QAConfig, lang: str, judged, found, chunks) -> tuple[list[list[i
 
 
 def teacher_config(cfg: QAConfig):
-    """The endpoint's :class:`TeacherConfig`: the YAML block (or defaults), ``--generator``'s URL and
+    """The endpoint's `TeacherConfig`: the YAML block (or defaults), ``--generator``'s URL and
     model on top, the run's sampling settings always."""
     from metachunk.eval.generate import parse_generator
 

@@ -95,7 +95,7 @@ SUMMARY_PREFIXES = (
 
 
 def summary(metrics: dict) -> dict:
-    """The metrics a run's summary shows (:data:`SUMMARY_PREFIXES`), floats to 4 places."""
+    """The metrics a run's summary shows (`SUMMARY_PREFIXES`), floats to 4 places."""
     return {
         k: round(v, 4) if isinstance(v, float) else v
         for k, v in metrics.items()

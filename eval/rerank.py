@@ -5,7 +5,7 @@ the paper's PPLRerank uses: a small causal LM reads the candidate passage, then 
 followed by a restrictive statement ("We can get the answer to this question in the given
 documents."); the passage's score is the negative mean NLL (nats) of the question + statement
 tokens. A passage that makes the question likely comes first. NLLs come from
-:func:`metachunk.engine.scoring.token_nll` (the one scoring function), all (passage, question) pairs of
+`metachunk.engine.scoring.token_nll` (the one scoring function), all (passage, question) pairs of
 all questions in one call, which batches them. A passage longer than ``max_passage_tokens`` keeps
 its first tokens.
 

@@ -144,7 +144,7 @@ def _rows(
     path: Path, rejects: Rejects | None = None, make=None, max_row_bytes: int = MAX_ROW_BYTES
 ) -> Iterable:
     """What ``make(number, row)`` gives for each row (``(number, row)`` without one); a bad line, or
-    a row ``make`` refuses with an :class:`InputError`, is an error or, with ``rejects``, left out."""
+    a row ``make`` refuses with an `InputError`, is an error or, with ``rejects``, left out."""
     for number, raw, row in read_records(path, rejects, max_row_bytes):
         try:
             made = make(number, row) if make else (number, row)

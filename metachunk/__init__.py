@@ -1,7 +1,7 @@
 """metachunk: distil big teacher LLMs into small, fast models for RAG text chunking.
 
-The stages install under this one namespace: :mod:`metachunk.chunking`, :mod:`metachunk.distill`,
-:mod:`metachunk.train` and :mod:`metachunk.eval`; the rest of this package is their shared core
+The stages install under this one namespace: `metachunk.chunking`, `metachunk.distill`,
+`metachunk.train` and `metachunk.eval`; the rest of this package is their shared core
 (CLI, config loader, model presets, token scoring, the teacher client and artifact I/O).
 """
 

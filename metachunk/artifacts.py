@@ -4,11 +4,11 @@ Every artifact is a file a person can open. Readers name the file, line and fiel
 parse; writers go through a temp file and a rename, so a crash never leaves a half-written file
 in place of a good one:
 
-* :class:`AtomicWriter` - one file, through a temp file beside it and :func:`os.replace`.
-* :class:`OutputPair` - an output and its ``.meta.json`` manifest, which must describe each other:
+* `AtomicWriter` - one file, through a temp file beside it and `os.replace`.
+* `OutputPair` - an output and its ``.meta.json`` manifest, which must describe each other:
   both are written in full to temp files first, so running out of space (or any error) leaves the
-  previous pair untouched; only then are they renamed in (see :meth:`OutputPair.commit`).
-* :func:`replace_dir` - a finished folder (dataset, exported model) swapped in for the previous one.
+  previous pair untouched; only then are they renamed in (see `OutputPair.commit`).
+* `replace_dir` - a finished folder (dataset, exported model) swapped in for the previous one.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class InputError(ValueError):
 
 
 class EmptyInput(InputError):
-    """Well-formed input with nothing in it to work on (exit status :data:`EXIT_EMPTY`)."""
+    """Well-formed input with nothing in it to work on (exit status `EXIT_EMPTY`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +111,19 @@ def _close_durably(file, path: Path) -> None:
 class OutputPair:
     """An output file and its manifest ``OUTPUT.meta.json``, replaced together or not at all.
 
-    ::
+    ```
+    with OutputPair(path) as pair:
+        pair.file.write(...)  # a temp file beside ``path``
+        pair.commit(manifest)
+    ```
 
-        with OutputPair(path) as pair:
-            pair.file.write(...)  # a temp file beside ``path``
-            pair.commit(manifest)
-
-    :meth:`commit` writes the manifest to a temp file too and syncs both, so a full disk or any
+    `commit` writes the manifest to a temp file too and syncs both, so a full disk or any
     other error up to then leaves the previous output and manifest exactly as they were. Then,
     with everything on disk, three steps that need no space: remove the previous manifest, rename
     the new output in, rename the new manifest in. A crash between them can leave an output with
     no manifest, never an output beside another run's manifest: a manifest always describes the
     output next to it, and an output without one is unfinished (rerun the command). Leaving the
-    block without :meth:`commit` (an error, Ctrl-C) removes the temp files.
+    block without `commit` (an error, Ctrl-C) removes the temp files.
     """
 
     def __init__(self, path: str | Path):
@@ -221,7 +221,7 @@ def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
 
 
 def write_json(path: str | Path, obj, default=None) -> None:
-    """``obj`` as indented JSON, atomically; ``default`` as in :func:`json.dump` (e.g. ``str``)."""
+    """``obj`` as indented JSON, atomically; ``default`` as in `json.dump` (e.g. ``str``)."""
     with AtomicWriter(path) as f:
         json.dump(obj, f, ensure_ascii=False, indent=2, default=default)
         f.write("\n")
@@ -229,7 +229,7 @@ def write_json(path: str | Path, obj, default=None) -> None:
 
 def read_jsonl(path: str | Path):
     """``(line number, object)`` for every non-blank line of a JSONL file; a line that is not JSON
-    raises :class:`InputError` naming the file and the line. Streamed: one line in memory."""
+    raises `InputError` naming the file and the line. Streamed: one line in memory."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")

@@ -2,12 +2,12 @@
 provider's discount, polled, and stored in the same answer store as online answers.
 
 A teacher with ``mode: batch`` does not send a request it has no stored answer for: it puts the
-request in its spool (:attr:`metachunk.teacher.Teacher.spool`) and the item stays pending. After
-the round, :func:`submit` writes the spooled requests as OpenAI Batch JSONL lines
+request in its spool (`metachunk.teacher.Teacher.spool`) and the item stays pending. After
+the round, `submit` writes the spooled requests as OpenAI Batch JSONL lines
 (``custom_id`` = the request's cache key, ``method``, ``url`` = the teacher's ``batch_endpoint``,
 ``body``), at most
 ``batch_max_requests`` lines and ``batch_max_bytes`` per file, uploads each with the openai client
-(``files.create(purpose="batch")``, ``batches.create``) and :func:`wait` polls every live batch
+(``files.create(purpose="batch")``, ``batches.create``) and `wait` polls every live batch
 with backoff, downloads its output and error files, and stores every answer. The next round finds
 those answers and asks the next stage: chained stages (reflection -> refinement -> completion)
 take one round each.

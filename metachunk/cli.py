@@ -1,4 +1,4 @@
-"""The ``metachunk`` command: a table of commands over one contract (:mod:`metachunk.command`).
+"""The ``metachunk`` command: a table of commands over one contract ([`metachunk.command`][metachunk.command]).
 
 Each row names a verb, the module that implements it and its help; the module owns its config
 dataclass and ``run(cfg) -> Result``. This file only builds the parser from the table, turns
@@ -6,7 +6,7 @@ argv into a config, runs it, and maps errors to exit statuses. It holds no stage
 
 Stage modules are imported when their verb is parsed or used (``metachunk --version`` imports
 none), and never import this module: it is the composition root. ``metachunk run`` hands the
-table to the regeneration runner (:func:`registry`), which runs each stage through it.
+table to the regeneration runner (`registry`), which runs each stage through it.
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def find(words: tuple[str, ...]) -> Command:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One sub-parser per row of :data:`COMMANDS`, its flags from the module's config class.
-    ``train`` is listed for ``--help`` only: TRL's own parser reads its flags (:func:`parse`)."""
+    """One sub-parser per row of `COMMANDS`, its flags from the module's config class.
+    ``train`` is listed for ``--help`` only: TRL's own parser reads its flags (`parse`)."""
     from metachunk import __version__
 
     parser = argparse.ArgumentParser(
@@ -231,7 +231,7 @@ def run(command: Command, cfg) -> Result:
 
 def invoke(argv: list[str]) -> Result:
     """Parse and run ``argv``; every error a user can fix is one line and an exit status. SIGTERM
-    and SIGHUP stop it as Ctrl-C does (:mod:`metachunk.stopping`): children first, no output replaced."""
+    and SIGHUP stop it as Ctrl-C does (`metachunk.stopping`): children first, no output replaced."""
     from metachunk.stopping import Stopped, stop_on_signals
 
     with stop_on_signals() as outermost:

@@ -2,7 +2,7 @@
 of a version number.
 
 A command's code is the import closure of its module (the one its row of the CLI's table names,
-:class:`metachunk.command.Command`): every metachunk module it imports, at the top or inside a function, read from the source with ``ast`` (nothing
+[`metachunk.command.Command`][metachunk.command.Command]): every metachunk module it imports, at the top or inside a function, read from the source with ``ast`` (nothing
 is imported but the packages' ``__init__``). The digest hashes those files' bytes, so a change to
 ``chunking/ppl.py`` reruns the stages that chunk and not the training stage, and an edit to the
 README reruns nothing. ``metachunk/cli.py`` is hashed as a file for every command (it holds the
@@ -36,7 +36,7 @@ def find_source(name: str) -> Path | None:
 
 
 def imported_names(path: Path, name: str) -> frozenset[str]:
-    """Every module name ``path`` (module ``name``) may import (see :func:`_imported_names`); read
+    """Every module name ``path`` (module ``name``) may import (see `_imported_names`); read
     once per version of the file, as the commands' closures share most modules."""
     st = path.stat()
     return _imported_names(path, st.st_mtime_ns, st.st_size, name)

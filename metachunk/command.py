@@ -2,7 +2,7 @@
 
 A command is a module (``metachunk.distill.sample``, ``metachunk.eval.qa``, ...) that exports:
 
-* ``CONFIG``: its config dataclass (:mod:`metachunk.config`: YAML recipe and CLI flags);
+* ``CONFIG``: its config dataclass ([`metachunk.config`][metachunk.config]: YAML recipe and CLI flags);
 * ``run(cfg) -> Result``: the work, returning its exit status and what it made;
 * ``inputs(cfg) -> Reads``: the files, folders, models and prompt or schema files it reads;
 * ``outputs(cfg) -> list[str]``: the paths it writes, which a later run checks are still as it left them.
@@ -14,11 +14,11 @@ teacher: ``metachunk run``'s ``local_teacher: true``), ``with_run_manifest(confi
 (its recipe mapping taking a regeneration run's manifest along: ``data push``),
 ``parse_config(argv)`` (``train`` reads its config with TRL's own parser) and
 ``identity(cfg) -> dict``, the settings that decide what the run makes (default:
-:func:`metachunk.config.computed`, the config less its runtime fields).
+[`metachunk.config.computed`][metachunk.config.computed], the config less its runtime fields).
 
-The CLI (:mod:`metachunk.cli`) is a table of :class:`Command` rows over these modules, and the
-regeneration runner (:mod:`metachunk.regen`) fingerprints, skips, summarises and estimates stages
-through the same contract, handed to it as a :class:`Registry`: it never parses a command's
+The CLI (`metachunk.cli`) is a table of [`Command`][metachunk.command.Command] rows over these modules, and the
+regeneration runner (`metachunk.regen`) fingerprints, skips, summarises and estimates stages
+through the same contract, handed to it as a [`Registry`][metachunk.command.Registry]: it never parses a command's
 printed output nor reads another module's manifest.
 """
 
@@ -36,8 +36,8 @@ from metachunk.artifacts import EXIT_SKIPPED
 @dataclass(frozen=True)
 class Reads:
     """What a run reads: ``paths`` (files and folders, hashed by content), ``models`` (presets,
-    local model folders or Hub ids, fingerprinted by :func:`metachunk.models.fingerprint`) and
-    ``prompts`` (prompt and answer-schema files, hashed by :func:`metachunk.prompts.file_hashes`)."""
+    local model folders or Hub ids, fingerprinted by `metachunk.models.fingerprint`) and
+    ``prompts`` (prompt and answer-schema files, hashed by `metachunk.prompts.file_hashes`)."""
 
     paths: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
@@ -59,7 +59,7 @@ class Result:
     regeneration manifest records), for a teacher stage's dry run, its ``estimate``
     (``calls``, ``prompt_tokens``, ``completion_tokens``, ``cost``) and, under ``--on-bad-row
     skip``, its ``rejects`` (``rows``, and where there were any, the rejects ``file`` and its
-    ``sha256``: :meth:`metachunk.sources.Rejects.write`)."""
+    ``sha256``: `metachunk.sources.Rejects.write`)."""
 
     exit: int = 0
     summary: dict = field(default_factory=dict)
@@ -69,7 +69,7 @@ class Result:
     @classmethod
     def with_rejects(cls, summary: dict, rejects: dict | None, exit: int = 0) -> Result:
         """A run that read under ``--on-bad-row``: its summary counts the rows it left out
-        (``rejected_rows``), and it exits :data:`~metachunk.artifacts.EXIT_SKIPPED` when there were
+        (``rejected_rows``), and it exits `EXIT_SKIPPED` when there were
         any, unless ``exit`` already says something (a teacher's trouble says more)."""
         if rejects:
             summary = {**summary, "rejected_rows": rejects["rows"]}
@@ -107,8 +107,8 @@ class Command:
 
 
 class Registry:
-    """The commands, and the two things a runner asks of them: a stage's config (:meth:`config`)
-    and its run (:meth:`run`), both from the argv the stage would be run with."""
+    """The commands, and the two things a runner asks of them: a stage's config ([`config`][metachunk.command.Registry.config])
+    and its run (`run`), both from the argv the stage would be run with."""
 
     def __init__(self, commands: list[Command], parse: Callable, run: Callable, computed: Callable):
         self.commands = commands

@@ -11,16 +11,16 @@ A ``list[T]`` field takes a YAML list; a list of scalars also gets a flag taking
 values (``--models a b``), or is positional with ``positional=True``. Nested fields and lists of
 mappings have no CLI flag; errors name the dotted key (``teachers.reflection.model``).
 
-A *flat block* (:func:`block`) is a nested dataclass whose fields also work flat: each field
+A *flat block* ([`block`][metachunk.config.block]) is a nested dataclass whose fields also work flat: each field
 ``name`` of the block is a top-level key and a flag spelled ``prefix + name`` (or the field's
 own ``flat`` name in its metadata). ``moc: MocOptions = block(MocOptions, "...", prefix="moc_")``
 takes ``moc: {window_chars: 512}`` or ``moc_window_chars: 512`` in YAML (a key given both ways
 is an error) and ``--moc-window-chars 512`` on the command line; a field declared with
-``flat="router"`` is ``router:`` / ``--router``. Errors, ``choices`` checks and :func:`to_dict`
+``flat="router"`` is ``router:`` / ``--router``. Errors, ``choices`` checks and [`to_dict`][metachunk.config.to_dict]
 name a flat key by its flat spelling, so a run's manifest lists every setting as its flag does.
 
 A field marked ``runtime=True`` says how a run goes (workers, device, endpoints, timeouts), not what
-it makes: :func:`computed` leaves it out, and so do the fingerprints built on it. A config class may
+it makes: [`computed`][metachunk.config.computed] leaves it out, and so do the fingerprints built on it. A config class may
 list old spellings of its keys in a ``RENAMED`` class attribute (``{"placeholder": "moc_placeholder"}``):
 the old key in a recipe, or its old flag, is refused with one line naming the new one.
 """
@@ -195,7 +195,7 @@ def _coerce(value, kind, where: Path, key: str):
 
 
 def load_yaml(cls, path: Path) -> dict:
-    """The recipe at ``path``, or the shipped recipe ``path`` names (:mod:`metachunk.shipped`)."""
+    """The recipe at ``path``, or the shipped recipe ``path`` names (`metachunk.shipped`)."""
     from metachunk import shipped
 
     path = shipped.resolve(path)
@@ -321,7 +321,7 @@ def to_dict(cfg) -> dict:
 
 
 def computed(cfg) -> dict:
-    """The settings that decide what a run makes: :func:`to_dict` less every field marked
+    """The settings that decide what a run makes: [`to_dict`][metachunk.config.to_dict] less every field marked
     ``runtime=True``, in nested blocks (teacher blocks) too. Fingerprints hash this. A file of a
     named dataset is recorded by its ``data:`` name, wherever it was found."""
     from metachunk import named_data

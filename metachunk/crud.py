@@ -1,6 +1,6 @@
 """How the CRUD-News QA pairs are read, shared by the stage that prepares the corpus
-(``metachunk data prepare-crud``, :mod:`metachunk.distill.corpus`: which article each QA entry comes from)
-and the one that evaluates on it (:mod:`metachunk.eval.retrieval`: the evidence a retrieved chunk must hold).
+(``metachunk data prepare-crud``, `metachunk.distill.corpus`: which article each QA entry comes from)
+and the one that evaluates on it (`metachunk.eval.retrieval`: the evidence a retrieved chunk must hold).
 
 Both compare texts in one normal form and skip the same answers that state no fact to look for
 (无法推断, 是的, a single character, ...), so a question that has evidence for one has it for both.

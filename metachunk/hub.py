@@ -6,7 +6,7 @@ token, and the offline switch: a push refuses ``HF_HUB_OFFLINE=1``.
 
 Wherever a model, a student or a dataset is named, a Hub id is taken too, as transformers and TRL
 take one: ``ORG/NAME``, ``ORG/NAME@REVISION`` (a branch, a tag or a commit), or for a dataset repo
-``hf://datasets/ORG/NAME[@REVISION]``. :func:`snapshot` downloads the repo at that revision into
+``hf://datasets/ORG/NAME[@REVISION]``. `snapshot` downloads the repo at that revision into
 the Hub cache (``huggingface_hub.snapshot_download``; with ``HF_HUB_OFFLINE=1`` only the cache is
 read) and returns the local folder, named by the commit it resolved to, which is what a
 regeneration fingerprint records. metachunk never switches the Hub off itself: the Makefile, the
@@ -70,7 +70,7 @@ class HubNotFound(ValueError):
 
 
 def snapshot(text: str, repo_type: str = "model", token: str | None = None) -> Path:
-    """The local folder of the Hub repo ``text`` names (:func:`parse_hub_id`), downloaded into the
+    """The local folder of the Hub repo ``text`` names (`parse_hub_id`), downloaded into the
     Hub cache at its revision; its name is the commit it resolved to."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled

@@ -9,19 +9,19 @@ Two backends, one interface (``with LocalTeacher(...) as t: t.base_url, t.model`
 - ``llama.cpp``: llama-cpp-python's server (``pip install 'metachunk[llamacpp]'``, compiled from
   source once per machine). It serves the preset's GGUF file as it ships, quantised, and applies
   a request's JSON schema as a grammar while decoding (``response_format: {"type":
-  "json_object", "schema": ...}``: :attr:`structured_output` is ``json_object_schema``). Its
+  "json_object", "schema": ...}``: `structured_output` is ``json_object_schema``). Its
   ``json_schema`` form answered HTTP 500 when probed (0.3.36), so it is not used.
 - ``transformers``: ``transformers serve DIR``, which needs no compiler. It runs the dequantised
   fp32 folder, does not constrain decoding (``structured_output: none``) and answers only
-  requests whose ``model`` equals ``DIR`` exactly, so :attr:`model` is the folder path there.
+  requests whose ``model`` equals ``DIR`` exactly, so `model` is the folder path there.
 
 ``auto`` takes llama.cpp when it is installed.
 
 A server that answers its health check can still die on its first real request: a llama.cpp built
 with ``-march=native`` on a CPU with AMX crashed in ggml's AMX matmul (SIGSEGV), after which every
 request failed to connect and a tolerant recipe carried on with nothing distilled. So
-:meth:`LocalTeacher.start` sends one one-token completion before it says the server is ready, and
-:meth:`LocalTeacher.failure` tells the runner whether the server has died since.
+`LocalTeacher.start` sends one one-token completion before it says the server is ready, and
+`LocalTeacher.failure` tells the runner whether the server has died since.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ class LocalTeacher:
     """``with LocalTeacher("smollm2") as t: t.base_url, t.model`` — a served preset.
 
     ``model``: a preset name, or for ``transformers`` a local HF dir, for ``llama.cpp`` a
-    ``.gguf`` file. :attr:`model` is the name requests must send; :attr:`serve_preset` says
+    ``.gguf`` file. `model` is the name requests must send; `serve_preset` says
     whether a recipe naming the preset needs ``serve_preset: true`` to send it; and
-    :attr:`structured_output` is the recipe setting under which this backend decodes a schema.
+    `structured_output` is the recipe setting under which this backend decodes a schema.
     """
 
     def __init__(

@@ -2,8 +2,8 @@
 
 One table writer serves the dataset card, the model card and the eval reports; the cell rule is the
 caller's, because their outputs differ (and are compared byte for byte): the cards put every cell on one
-line with its whitespace runs collapsed (:func:`cell`), the eval reports keep a value's own spacing and
-only take the newlines out (:func:`report_cell`).
+line with its whitespace runs collapsed (`cell`), the eval reports keep a value's own spacing and
+only take the newlines out (`report_cell`).
 """
 
 from __future__ import annotations

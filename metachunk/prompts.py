@@ -7,20 +7,20 @@ output record and run manifest, so editing a prompt re-asks exactly the requests
 every answer says which text produced it.
 
 Each stage keeps its own files and a small loader that knows its names: the teacher prompts
-(``distill/prompts/``, :func:`metachunk.distill.prompts.load_prompt`), the students' and MoC's prompts
-(``chunking/prompts/``, :func:`metachunk.chunking.students.load_student_prompt`,
-:func:`metachunk.chunking.moc.load_moc_prompt`), LumberChunker's (:func:`metachunk.chunking.lumber.load_lumber_prompt`)
-and the RAG answer prompt (``eval/prompts/``, :func:`metachunk.eval.generate.load_rag_prompt`). MSP's
+(``distill/prompts/``, `metachunk.distill.prompts.load_prompt`), the students' and MoC's prompts
+(``chunking/prompts/``, `metachunk.chunking.students.load_student_prompt`,
+`metachunk.chunking.moc.load_moc_prompt`), LumberChunker's (`metachunk.chunking.lumber.load_lumber_prompt`)
+and the RAG answer prompt (``eval/prompts/``, `metachunk.eval.generate.load_rag_prompt`). MSP's
 Table 6/7 prompts are plain completion text, not chat, and keep their own reader
-(:func:`metachunk.chunking.msp.load_msp_prompt`).
+(`metachunk.chunking.msp.load_msp_prompt`).
 
 A stage whose answer must be JSON also has ``PACKAGE/prompts/{name}.schema.json``, the JSON Schema
 of its answer (one per stage, for every language), versioned the same way: its sha256 is recorded
 on every stage entry and run manifest, and joins a request's cache key when the request sends the
-schema to the endpoint (:class:`metachunk.teacher.TeacherConfig` ``structured_output``).
+schema to the endpoint (`metachunk.teacher.TeacherConfig` ``structured_output``).
 A teacher's answer schema has an object at its root (what OpenAI's strict mode and every
 ``json_object`` mode answer with); a schema that constrains a local model's decoding (the MoC
-experts' ``chunking/prompts/moc_expert.schema.json``, :mod:`metachunk.chunking.moc`) may have any root.
+experts' ``chunking/prompts/moc_expert.schema.json``, `metachunk.chunking.moc`) may have any root.
 """
 
 from __future__ import annotations

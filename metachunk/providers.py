@@ -4,9 +4,9 @@ A teacher block that names ``provider:`` needs nothing else to work against that
 profile says how a stage's JSON schema is asked for, which field carries the token limit, which
 sampling parameters a model refuses, which models answer only in stream mode, where the reasoning
 arrives, the Batch API's path, per-file limits and discount, and which error codes mean a request
-will be refused however often it is sent. :meth:`metachunk.teacher.TeacherConfig.__post_init__`
-fills every key the recipe left unset from the profile (:func:`resolve`); a key the recipe sets
-wins. With no ``provider`` the generic behaviour applies (:data:`GENERIC`).
+will be refused however often it is sent. `metachunk.teacher.TeacherConfig.__post_init__`
+fills every key the recipe left unset from the profile (`resolve`); a key the recipe sets
+wins. With no ``provider`` the generic behaviour applies (`GENERIC`).
 
 Each profile is written from the provider's own documentation, cited beside it. What a page did
 not say is said as such; ``tests/support/providers.py`` is the wire-level fake of each profile, and
@@ -207,7 +207,7 @@ PROVIDERS: dict[str, Provider] = {
 
 
 def resolve(provider: str | None, model: str) -> dict:
-    """The profile's settings for ``model`` under ``provider`` (None: :data:`GENERIC`)."""
+    """The profile's settings for ``model`` under ``provider`` (None: `GENERIC`)."""
     if provider is None:
         return GENERIC.settings(model)
     if provider not in PROVIDERS:

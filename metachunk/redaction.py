@@ -1,7 +1,7 @@
 """Secrets never reach a file, a log or the terminal.
 
 Every API key the toolkit reads from the environment is registered here the moment it is read;
-:func:`redact` then replaces it, wherever it appears, by ``[REDACTED]``, together with the value
+`redact` then replaces it, wherever it appears, by ``[REDACTED]``, together with the value
 of any ``Authorization`` / ``api-key`` / ``x-api-key`` header quoted in a text (a server that
 echoes the request headers in an error body) and the password part of a URL. Writers call it
 before writing, not after: the answer store, records, exception messages, the CLI's error lines
@@ -27,7 +27,7 @@ _URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
 
 
 def register_secret(value: str | None) -> None:
-    """Remember ``value`` (an API key, a token) so that :func:`redact` removes it everywhere.
+    """Remember ``value`` (an API key, a token) so that `redact` removes it everywhere.
     Short values are refused as secrets: masking every "x" or "EMPTY" would garble real text."""
     if value and len(value) >= 8:
         _secrets.add(value)

@@ -1,39 +1,41 @@
 """``metachunk run RECIPE.yaml``: a dataset regeneration job, from corpus to published dataset.
 
 A regeneration recipe names its stages in order. Each stage is an existing ``metachunk`` command
-and its ``config:`` block is exactly the YAML that command's ``--config`` reads::
+and its ``config:`` block is exactly the YAML that command's ``--config`` reads:
 
-    name: crud-rewrite-summary
-    state: runs/regen/crud            # the run's state.json, stage configs, regen_manifest.json
-    local_teacher: {model: smollm2}   # optional: `metachunk teacher serve`, started when needed
-    stages:
-      - name: sample
-        run: data sample
-        config: {pool: runs/crud/train_pool.jsonl, out: runs/regen/crud/sample, n_docs: 20000}
-      - name: rewrite
-        run: distill rewrite
-        local_teacher: true           # optional: its teacher blocks point at it (the command's `served`)
-        allow_exit: [0, 4]            # optional: exit statuses that count as done (default [0])
-        config: {chunks: runs/regen/crud/sample/chunks.jsonl, ...}
+```
+name: crud-rewrite-summary
+state: runs/regen/crud            # the run's state.json, stage configs, regen_manifest.json
+local_teacher: {model: smollm2}   # optional: `metachunk teacher serve`, started when needed
+stages:
+  - name: sample
+    run: data sample
+    config: {pool: runs/crud/train_pool.jsonl, out: runs/regen/crud/sample, n_docs: 20000}
+  - name: rewrite
+    run: distill rewrite
+    local_teacher: true           # optional: its teacher blocks point at it (the command's `served`)
+    allow_exit: [0, 4]            # optional: exit statuses that count as done (default [0])
+    config: {chunks: runs/regen/crud/sample/chunks.jsonl, ...}
+```
 
 **Empty stages.** A command that finds nothing to do (a training set its filters left without
-rows) exits with :data:`~metachunk.artifacts.EXIT_EMPTY`; with that status in ``allow_exit`` the
+rows) exits with `EXIT_EMPTY`; with that status in ``allow_exit`` the
 stage is done and *empty*: it wrote nothing. A later stage that reads what an empty stage would
 have written is skipped as empty too, and so on downstream, unless it says
 ``on_empty_inputs: run`` (its command copes: ``chunk --method moc --moc-stand-in``).
 
 **Bad rows.** A stage's ``config:`` may say ``on_bad_row: skip`` (and ``max_bad_rows``), as its
 command's flags do. Such a stage that leaves rows out exits with
-:data:`~metachunk.artifacts.EXIT_SKIPPED` and is done: the manifest's stage entry carries its
+`EXIT_SKIPPED` and is done: the manifest's stage entry carries its
 ``rejects`` (the count, the rejects file and its sha256), and ``metachunk run`` itself exits with
 that status once every stage is done, so that a scheduler sees rows were left out.
 
 **Fingerprints.** Before a stage runs, its fingerprint is taken: the sha256 of its command, its
-config (less the runtime settings in :data:`RUNTIME_KEYS`), the content hash of every existing
-path its config names (less its outputs, :data:`OUTPUT_KEYS`, and answer stores), the fingerprint
-of every local model it names (:func:`metachunk.models.fingerprint`), the hashes of the prompt
-and schema files its command can read (:func:`stage_prompts`: a new LumberChunker schema does not
-rerun a day of PPL chunking), and the code its command runs (:func:`metachunk.code_digest.command_code`:
+config (less the runtime settings in `RUNTIME_KEYS`), the content hash of every existing
+path its config names (less its outputs, `OUTPUT_KEYS`, and answer stores), the fingerprint
+of every local model it names (`metachunk.models.fingerprint`), the hashes of the prompt
+and schema files its command can read (`stage_prompts`: a new LumberChunker schema does not
+rerun a day of PPL chunking), and the code its command runs (`metachunk.code_digest.command_code`:
 the import closure of its entry modules, hashed). A stage whose fingerprint matches the last successful
 run, and whose outputs still hash as they did, is skipped. A stage downstream of one that wrote
 new bytes sees a changed input and runs; one downstream of a stage that reran to the same bytes
@@ -236,7 +238,7 @@ class Fingerprint:
 
 def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Digests) -> Fingerprint:
     """The stage's fingerprint, from what its command says it reads and writes (the contract,
-    :mod:`metachunk.command`): its config less runtime settings, the content hash of every path it
+    [`metachunk.command`][metachunk.command]): its config less runtime settings, the content hash of every path it
     reads, the fingerprint of every model, the hash of every prompt and schema file, and its code."""
     from metachunk import code_digest, models
     from metachunk.prompts import file_hashes
@@ -274,7 +276,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 class Runner:
-    """Runs a :class:`Recipe`'s stages in order, skipping those whose fingerprint is unchanged."""
+    """Runs a `Recipe`'s stages in order, skipping those whose fingerprint is unchanged."""
 
     def __init__(self, recipe: Recipe, registry: Registry, rerun: Sequence[str] = ()):
         self.recipe = recipe
@@ -389,7 +391,7 @@ class Runner:
 
     def estimate(self, stage: Stage) -> dict | None:
         """A teacher stage's requests, tokens and worst-case cost (its command's dry run, whose
-        :class:`~metachunk.command.Result` carries the estimate); None for any other stage."""
+        [`Result`][metachunk.command.Result] carries the estimate); None for any other stage."""
         path = self.state_dir / "stages" / f"{stage.name}.plan.yaml"
         with contextlib.redirect_stdout(io.StringIO()):  # the dry run's own table is for a person
             try:

@@ -1,6 +1,6 @@
-"""Document sources: the corpora users have, read as a stream of :class:`Document`.
+"""Document sources: the corpora users have, read as a stream of `Document`.
 
-One :class:`DocumentSource` covers every input layout the toolkit accepts:
+One `DocumentSource` covers every input layout the toolkit accepts:
 
 * ``.jsonl`` and ``.jsonl.gz`` (one JSON object per line, ``text`` and optional ``id``);
 * ``.parquet`` (read with pyarrow, one row group at a time);
@@ -14,12 +14,12 @@ One :class:`DocumentSource` covers every input layout the toolkit accepts:
 ``id``. A record without an id is named by its line (or row) number; in a folder of shards, by
 ``FILE:LINE`` so that two shards never collide.
 
-:meth:`DocumentSource.scan` reads everything once, in order and in bounded memory, and checks it:
+`DocumentSource.scan` reads everything once, in order and in bounded memory, and checks it:
 invalid UTF-8 or JSON, a missing or non-string text, a lone surrogate, a duplicate id, each a
-``file:line`` :class:`~metachunk.artifacts.InputError` before any model loads. It returns a
-:class:`SourceIndex`: the count, the characters, the content hash of the input bytes and, every
+``file:line`` `InputError` before any model loads. It returns a
+`SourceIndex`: the count, the characters, the content hash of the input bytes and, every
 ``every`` documents, where that document starts (a byte offset, or a record number where a file
-cannot seek: gzip, parquet, Arrow). :meth:`DocumentSource.documents` then streams any range of
+cannot seek: gzip, parquet, Arrow). `DocumentSource.documents` then streams any range of
 positions from the nearest checkpoint, so a shard of a 20K-document corpus is read without
 reading the 19K documents before it. Only the ids are held (for the duplicate check), never the
 texts.
@@ -28,7 +28,7 @@ texts.
 error, before any model loads: right for a hand-made file. ``on_bad_row="skip"`` is for a crawl
 where a few rows are broken: each bad row (invalid UTF-8 or JSON, a missing or non-string text, a
 lone surrogate, a duplicate id, a row over ``max_row_bytes``) is left out, once, and handed to
-:class:`Rejects` with its ``file:line`` and reason; the good rows keep their order and ids, so
+`Rejects` with its ``file:line`` and reason; the good rows keep their order and ids, so
 their output is what the good rows alone give. ``max_bad_rows`` still stops a read whose input is
 mostly broken.
 """
@@ -154,7 +154,7 @@ def finish_rejects(rejects: Rejects | None, command: str) -> dict | None:
 
 
 def rows_left_out(rejected: dict | None) -> int:
-    """How many rows a run's rejects (:meth:`Rejects.write`, or None) say it left out."""
+    """How many rows a run's rejects (`Rejects.write`, or None) say it left out."""
     return (rejected or {}).get("rows", 0)
 
 
@@ -165,7 +165,7 @@ def total_rejects(rejected: list[dict | None]) -> dict | None:
 
 
 def skipped_exit(rejected: dict | None) -> int:
-    """:data:`EXIT_SKIPPED` when a run left rows out, else 0."""
+    """`EXIT_SKIPPED` when a run left rows out, else 0."""
     return EXIT_SKIPPED if rows_left_out(rejected) else 0
 
 
@@ -173,7 +173,7 @@ def read_records(path: str | Path, rejects: Rejects | None = None, max_row_bytes
                  ) -> Iterator[tuple[int, bytes, dict]]:  # fmt: skip
     """``(line number, raw line, object)`` for each non-blank line of a JSONL file of records
     (chunks, distilled records, questions), streamed. A line over ``max_row_bytes``, not UTF-8, not
-    JSON or not an object is a bad row (:func:`refuse_or_skip`); field checks are the caller's."""
+    JSON or not an object is a bad row (`refuse_or_skip`); field checks are the caller's."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "no such file")
@@ -246,7 +246,7 @@ def _kind(path: Path, input_format: str) -> str | None:
 
 def hub_dataset(path: str | Path) -> Path:
     """``hf://datasets/ORG/NAME[@REV]`` (a ``Path`` has folded its ``//``): the dataset repo's local
-    snapshot (:func:`metachunk.hub.snapshot`), read as a folder of shards; any other path as is."""
+    snapshot (`metachunk.hub.snapshot`), read as a folder of shards; any other path as is."""
     text = str(path)
     if not text.startswith(("hf://", "hf:/")):
         return Path(path)
@@ -319,7 +319,7 @@ class DocumentSource:
         """``(cursor, before, document)`` for file ``k``, validated, from the document that
         ``(cursor, before)`` names: a byte offset and the lines before it in a plain file; the
         lines (gzip) or rows (parquet, Arrow) before it otherwise. Each document comes with its own
-        pair, which :meth:`documents` resumes from."""
+        pair, which `documents` resumes from."""
         file = self.files[k]
         if file.kind in ("jsonl", "jsonl.gz", "lines"):
             yield from self._text_records(file, cursor, before)
@@ -448,7 +448,7 @@ class DocumentSource:
     def checked(self, index: SourceIndex | None = None) -> Iterator[tuple[int, int, int, Document]]:
         """Every document in order, with its file number and read position, every check applied
         (duplicate ids too: only the ids are held). A duplicate skipped (``on_bad_row="skip"``)
-        is noted in ``index``, so that :meth:`documents` skips it too."""
+        is noted in ``index``, so that `documents` skips it too."""
         first_seen: dict[str, str] = {}
         for k, file in enumerate(self.files):
             for cursor, before, doc in self._records(k):
@@ -513,7 +513,7 @@ class DocumentSource:
 def read_documents(path: str | Path, input_format: str = "auto", text_field: str = "text",
                    id_field: str = "id", rejects: Rejects | None = None,
                    max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[Document]:  # fmt: skip
-    """The documents of any input :class:`DocumentSource` reads, streamed and checked (bad rows to
+    """The documents of any input `DocumentSource` reads, streamed and checked (bad rows to
     ``rejects`` when given)."""
     return iter(
         DocumentSource(path, input_format, text_field, id_field, rejects=rejects, max_row_bytes=max_row_bytes)

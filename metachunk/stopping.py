@@ -5,19 +5,19 @@ period; a closed terminal sends SIGHUP. Python's default for SIGTERM and SIGHUP 
 once: no ``finally`` runs, so a local teacher server, chunking workers or a Ray cluster it started
 keep running. So:
 
-* :func:`stop_on_signals`: while a command runs, SIGTERM and SIGHUP raise :class:`Stopped` in the
+* `stop_on_signals`: while a command runs, SIGTERM and SIGHUP raise `Stopped` in the
   main thread, as Ctrl-C raises ``KeyboardInterrupt``. Every ``with`` and ``finally`` then runs:
   children are stopped (SIGTERM, a timeout, then SIGKILL), temp files removed, no output replaced.
   The exit status is 128 + the signal's number (143 for SIGTERM, 129 for SIGHUP; 130 for SIGINT).
-* :func:`die_with_parent`: a SIGKILL cannot be caught, so each child asks the kernel to send it
+* `die_with_parent`: a SIGKILL cannot be caught, so each child asks the kernel to send it
   SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, see prctl(2)). A server is
-  started through :func:`guarded` (this module as a launcher: set the signal, then exec the server);
+  started through `guarded` (this module as a launcher: set the signal, then exec the server);
   a worker process calls it first thing.
-* :func:`reap_on_death`: for processes that are not our children and so cannot be asked to die
+* `reap_on_death`: for processes that are not our children and so cannot be asked to die
   with us (a local Ray cluster's agents and workers are the raylet's children): a watchdog process
   notes our descendants twice a second and, if we die without saying so (SIGKILL), stops the ones
   it last saw.
-* :func:`keep_signal_handlers`: a library that installs its own SIGTERM handler (``ray.init``
+* `keep_signal_handlers`: a library that installs its own SIGTERM handler (``ray.init``
   exits with status 15) is put back in its place.
 """
 
@@ -59,7 +59,7 @@ _depth = 0  # nested commands (`metachunk run`'s stages): only the outermost rep
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """SIGTERM and SIGHUP raise :class:`Stopped` while the block runs (main thread only: Python
+    """SIGTERM and SIGHUP raise `Stopped` while the block runs (main thread only: Python
     delivers signals there; elsewhere this does nothing). Yields True for the outermost block."""
     global _depth
     if threading.current_thread() is not threading.main_thread():

@@ -18,9 +18,9 @@ first run still goes), and none pays for a request another one is paying for:
   lock makes check-and-claim atomic across processes.
 - A process that wants a key someone else holds waits for the answer. It takes the claim over only
   when the owner is dead: the owner's pid is gone (same host), or its lease was not renewed in
-  time (:meth:`AnswerStore.renew_claims` runs every few seconds in the owner).
+  time (`AnswerStore.renew_claims` runs every few seconds in the owner).
 - The answer row and the claim's release are one transaction.
-- The budget is shared the same way: :meth:`claim` refuses a reservation when the cost of every
+- The budget is shared the same way: `claim` refuses a reservation when the cost of every
   row in the store plus every live claim's reservation (all processes) would pass the cap.
 
 Calibration: per endpoint, the largest ratio of billed prompt tokens to prompt bytes seen so far
@@ -108,7 +108,7 @@ class StoredAnswer:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """What :meth:`AnswerStore.claim` found: ``claimed`` (send it), ``answered`` (read it),
+    """What `AnswerStore.claim` found: ``claimed`` (send it), ``answered`` (read it),
     ``busy`` (another live process is sending it: wait) or ``over_budget`` (do not send)."""
 
     outcome: str
@@ -295,7 +295,7 @@ class AnswerStore:
 
     def _reserved(self, excluding: str = "") -> float:
         """The reservations of every unexpired claim, this process's and others'. A dead owner's
-        count until :meth:`claims_in_flight` clears them: erring high, and one query per request
+        count until `claims_in_flight` clears them: erring high, and one query per request
         instead of a liveness check per claim."""
         (total,) = self._db.execute(
             "SELECT COALESCE(SUM(reserved), 0) FROM claims WHERE expires >= ? AND key != ?",

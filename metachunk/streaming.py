@@ -6,11 +6,11 @@ carries a piece of ``content`` and, on reasoning servers, of ``reasoning_content
 DeepSeek, SGLang, llama.cpp) or ``reasoning`` (vLLM); the last choice chunk carries
 ``finish_reason``. With ``stream_options: {"include_usage": true}`` one more chunk comes before
 ``data: [DONE]``, with ``usage`` and an empty ``choices`` list (every earlier chunk has
-``usage: null``). :class:`ChatStream` folds the chunks into ``{"id", "object": "chat.completion",
+``usage: null``). `ChatStream` folds the chunks into ``{"id", "object": "chat.completion",
 "created", "model", "choices": [{"index": 0, "message": {...}, "finish_reason"}], "usage"}``, so the
 answer store, the parsers, the cost and the records read a streamed answer exactly as any other.
 
-A stream that ends without a ``finish_reason`` was cut: :attr:`ChatStream.finished` is False, and
+A stream that ends without a ``finish_reason`` was cut: `ChatStream.finished` is False, and
 the teacher client treats it as a transport failure (retried, never a short ok answer).
 """
 
@@ -23,7 +23,7 @@ REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 class ChatStream:
-    """Feed it each parsed chunk (:meth:`add`), then read :meth:`body`."""
+    """Feed it each parsed chunk (`add`), then read `body`."""
 
     def __init__(self):
         self.head: dict = {}

@@ -1,6 +1,6 @@
 """Reading a JSON stage's answer: valid by its schema, repaired, or unparseable.
 
-A stage whose answer must be JSON (its schema: :class:`metachunk.prompts.Schema`) reads each answer
+A stage whose answer must be JSON (its schema: `metachunk.prompts.Schema`) reads each answer
 here, and every answer gets one of three outcomes, counted per stage in the run's summary:
 
 * ``valid``: the answer is JSON (all of it, nothing around it) and the schema's validator
@@ -44,7 +44,7 @@ def read_json(
     text: str, schema: Schema, parse: Callable[[str], T | None], repair: bool
 ) -> tuple[T | None, str]:
     """``(value, outcome)`` of an answer ``text``: ``parse``'s value (None when nothing could be read)
-    and one of :data:`OUTCOMES`. ``repair``: try ``json-repair`` before the stage's own reader."""
+    and one of `OUTCOMES`. ``repair``: try ``json-repair`` before the stage's own reader."""
     try:
         data = json.loads(text)
     except ValueError:

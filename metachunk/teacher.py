@@ -1,11 +1,11 @@
 """The teacher client: every LLM call in metachunk goes through here.
 
-One :class:`Teacher` per pipeline stage (its model and generation params); stages that name the
-same ``base_url`` + ``model`` share one :class:`Endpoint` (HTTP client, concurrency, rate limits).
+One `Teacher` per pipeline stage (its model and generation params); stages that name the
+same ``base_url`` + ``model`` share one `Endpoint` (HTTP client, concurrency, rate limits).
 
 The request path, in order:
 1. The request's content hash (model, messages, generation params, prompt-template hash, attempt
-   number) is looked up in the :class:`~metachunk.store.AnswerStore`. An answered request is never
+   number) is looked up in the `AnswerStore`. An answered request is never
    sent again; a request that only ever failed in transport is sent again.
 2. The key is claimed in the store, and in the same transaction the request's worst-case cost is
    reserved against ``--max-cost`` (the spend and reservations of every process on the store). A
@@ -30,12 +30,12 @@ in flight when the cap is reached were billed above their reservations: never mo
 concurrency window of requests.
 
 **Structured outputs.** A stage whose answer must be JSON passes its answer schema
-(:class:`~metachunk.prompts.Schema`) with the request, and the teacher's ``structured_output`` says
-how its endpoint takes it (:func:`response_format`): ``json_schema`` (OpenAI's
+(`Schema`) with the request, and the teacher's ``structured_output`` says
+how its endpoint takes it (`response_format`): ``json_schema`` (OpenAI's
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict": true}}``, which vLLM and
 SGLang decode under too), ``json_object_schema`` (llama.cpp's server: ``{"type": "json_object",
 "schema"}``), ``json_object`` (any JSON object) or ``none`` (nothing is sent: the stage reads and
-repairs the answer, :mod:`metachunk.structured`). The ``response_format`` is part of the payload,
+repairs the answer, `metachunk.structured`). The ``response_format`` is part of the payload,
 so of the cache key; the schema's sha256 joins the key too when the request sends the schema. A
 request with no ``response_format`` (a stage answering text, or ``none``) is keyed exactly as
 before structured outputs existed, so the answers a store holds for it are found again.
@@ -47,13 +47,13 @@ failed with reason ``length``. ``finish_reason == "content_filter"`` is a failur
 kept, ``<think>…</think>`` is stripped for the clean text, and a separate ``reasoning_content``
 (DashScope, DeepSeek, SGLang) or ``reasoning`` (vLLM) field is kept too.
 
-**Providers.** A teacher's ``provider`` names a profile (:mod:`metachunk.providers`) that fills
+**Providers.** A teacher's ``provider`` names a profile (`metachunk.providers`) that fills
 every key the recipe left unset: ``structured_output``, ``max_tokens_field``, ``refused_params``,
 ``stream`` and the batch keys. ``stream`` asks for SSE with ``include_usage`` and assembles the
-chunks into one chat completion (:mod:`metachunk.streaming`); a stream that breaks is a transport
+chunks into one chat completion (`metachunk.streaming`); a stream that breaks is a transport
 failure, retried here. ``extra_body`` joins the payload, so the key. A refusal that will repeat
 (HTTP 400/422 with a code the profile knows to be permanent, or the same provider error on
-``refusals_to_stop`` requests in a row) stops the run (:class:`RequestsRefused`).
+``refusals_to_stop`` requests in a row) stops the run (`RequestsRefused`).
 """
 
 from __future__ import annotations
@@ -377,7 +377,7 @@ def estimate_tokens(text: str) -> int:
     """A length estimate (UTF-8 bytes / 3) for sizing windows and dry-run tables: ~4 bytes per
     English token and ~3 bytes per Chinese character put real counts 25-40% below it. It is not
     an upper bound (byte-level BPE can spend a token per byte): budget reservations use
-    :func:`prompt_bytes` and the endpoint's calibration instead."""
+    `prompt_bytes` and the endpoint's calibration instead."""
     return len(text.encode("utf-8")) // 3 + 1
 
 
@@ -617,7 +617,7 @@ class Endpoint:
 
     async def post(self, payload: dict, key: str, estimated_tokens: int) -> str:
         """The response body: as received, or assembled from the stream when the teacher streams.
-        A stream that breaks after its headers raises :class:`StreamBroken`."""
+        A stream that breaks after its headers raises `StreamBroken`."""
         import httpx2
         import openai
 
@@ -679,7 +679,7 @@ class Endpoint:
 
 
 class EndpointGroup:
-    """A teacher's endpoints (one, or ``base_urls``): the :class:`Endpoint` interface over all of
+    """A teacher's endpoints (one, or ``base_urls``): the `Endpoint` interface over all of
     them. A request goes to the endpoint with the fewest in flight among those not paused; one that
     fails to connect is paused (1 s, doubling up to a minute, until it answers again) and the request
     goes to another. The run stops as unreachable only when requests fail on every endpoint."""
@@ -709,7 +709,7 @@ class EndpointGroup:
     def note_refusal(self, error: openai.APIStatusError | None) -> None:
         """Count requests in a row refused with the same provider error (anything else resets it).
         A code the profile knows to be permanent, or ``refusals_to_stop`` of the same refusal in a
-        row, means every request like them will be refused: :meth:`check_reachable` stops the run."""
+        row, means every request like them will be refused: `check_reachable` stops the run."""
         if error is None:
             self.refusal, self.refusals = (), 0
             return
@@ -776,7 +776,7 @@ class EndpointGroup:
 class Budget:
     """The cap on the spend of every run on one answer store, all processes together.
 
-    The reservations themselves live in the store (:meth:`AnswerStore.claim`), so that two jobs
+    The reservations themselves live in the store (`AnswerStore.claim`), so that two jobs
     sharing a store share the cap; this object holds the limit, whether it was reached, and what
     this process paid."""
 
@@ -1100,7 +1100,7 @@ def _short(text: str, limit: int = 500) -> str:
 
 @dataclass
 class MapResult:
-    """What :meth:`TeacherPool.map` returns."""
+    """What `TeacherPool.map` returns."""
 
     results: list  # fn(item) for each item, in input order; None for an item that never finished
     stopped: str = (
@@ -1112,7 +1112,7 @@ class MapResult:
 
 
 class TeacherPool:
-    """Builds one :class:`Teacher` per stage, sharing endpoints and the budget; :meth:`map` runs a
+    """Builds one `Teacher` per stage, sharing endpoints and the budget; `map` runs a
     function over many items with a pool of workers, the one worker loop every caller uses."""
 
     def __init__(
@@ -1169,7 +1169,7 @@ class TeacherPool:
         close: bool = True,
         results: MutableSequence | None = None,
     ) -> MapResult:
-        """``await fn(item)`` for every item, ``workers`` (default :attr:`slots`) at a time, with a
+        """``await fn(item)`` for every item, ``workers`` (default `slots`) at a time, with a
         progress bar (rate and ETA; ``postfix``: requests per second, tokens and dollars paid).
 
         Each item is taken by exactly one worker, in input order, so a run sends its requests in the
@@ -1237,7 +1237,7 @@ class TeacherPool:
 def point_at(block: dict, served) -> dict:
     """A recipe's teacher block (a mapping) pointed at a served teacher (``served``: its
     ``base_url``, ``model``, ``serve_preset`` and ``structured_output``, as
-    :class:`metachunk.local_teacher.LocalTeacher` has them). A block that asks for structured
+    `metachunk.local_teacher.LocalTeacher` has them). A block that asks for structured
     output gets the way this server takes a schema."""
     block = {**block, "base_url": served.base_url, "model": served.model, "serve_preset": served.serve_preset}
     if block.get("structured_output", "none") != "none":

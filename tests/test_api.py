@@ -45,11 +45,20 @@ def test_the_public_names_import_from_the_package():
         metachunk.NoSuchChunker  # noqa: B018
 
 
-def test_the_docstring_examples_run(tiny_model_dir):
+def test_the_docstring_examples_run(tiny_model_dir, tmp_path):
+    """Every chunker's and student's example on the API page, with the tiny model as every model
+    (router, experts and students too) and a loopback server as LumberChunker's teacher."""
     from metachunk.chunking import api
+    from support.loopback_server import serve_in_subprocess
 
-    result = doctest.testmod(api, extraglobs={"model": str(tiny_model_dir)}, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 6 and result.failed == 0
+    with serve_in_subprocess(replies={r"Document:\nID 0: Emma": "Answer: ID 2"}) as server:
+        names = {"model": str(tiny_model_dir), "teacher_model": "loopback-teacher", "teacher_url": server.base_url,
+                 "answers": str(tmp_path / "answers.sqlite")}  # fmt: skip
+        result = doctest.testmod(api, extraglobs=names, optionflags=doctest.ELLIPSIS)
+    documented = [n for n in metachunk.__all__ if n not in ("Chunk", "TextChunker")]
+    with_examples = [n for n in documented if ">>>" in (getattr(api, n).__doc__ or "")]
+    assert with_examples == documented  # every chunker and both students show one
+    assert result.attempted >= 30 and result.failed == 0
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The model card of an export: README.md, written from what the run recorded.
 
-:func:`render_model_card` says only what :class:`Run` holds, as ``metachunk.train.export`` read it from the checkpoint:
+`render_model_card` says only what `Run` holds, as ``metachunk.train.export`` read it from the checkpoint:
 ``metachunk_run.json`` (``metachunk.train.sft.run_facts``: base model, dataset build report, hyperparameters, counts)
 and the trainer's log history (``train_log.json``, or a ``checkpoint-N``'s ``trainer_state.json``, whose
 losses and step are that checkpoint's, not the run's end), plus the export's own facts (the weights it

@@ -1,11 +1,13 @@
 """DeepSpeed ZeRO for ``train/sft.py``: config validation at start-up and the CPU launch path.
 
-Launch forms (``recipes/train/README.md`` has them all)::
+Launch forms (``recipes/train/README.md`` has them all):
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module metachunk.train --config recipes/train/cpu_smoke.yaml \
-        --deepspeed recipes/deepspeed/zero3.json --ddp_backend gloo ...
-    DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate/zero3.yaml -m metachunk.train \
-        --config recipes/train/cpu_smoke.yaml --ddp_backend gloo ...
+```
+DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module metachunk.train --config recipes/train/cpu_smoke.yaml \
+    --deepspeed recipes/deepspeed/zero3.json --ddp_backend gloo ...
+DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate/zero3.yaml -m metachunk.train \
+    --config recipes/train/cpu_smoke.yaml --ddp_backend gloo ...
+```
 
 On CPU the process group must be gloo, and for ZeRO-3 it must exist *before* ``from_pretrained``
 so that ``deepspeed.zero.Init`` partitions the weights while they load (transformers takes that
@@ -83,7 +85,7 @@ def check_deepspeed_flag(argv: list[str]) -> None:
 
     ``SFTConfig.__post_init__`` loads the JSON itself, and its errors (a bare JSON decode error, "not
     an existing deepspeed config") name neither the file nor the flag. A ``deepspeed:`` key in the
-    recipe YAML is checked later, by :func:`check_deepspeed`.
+    recipe YAML is checked later, by `check_deepspeed`.
     """
     for i, arg in enumerate(argv):
         if arg == "--deepspeed" and i + 1 < len(argv):

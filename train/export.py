@@ -2,9 +2,9 @@
 
 ``metachunk export --checkpoint runs/train/rewriter --out models/rewriter [--merge-lora] [--push ORG/NAME]``
 
-The flow, top to bottom (:func:`export`):
+The flow, top to bottom (`export`):
 
-1. **Check everything before any model loads.** :func:`find_weights` says what the checkpoint
+1. **Check everything before any model loads.** `find_weights` says what the checkpoint
    holds, one of:
 
    * ``full``: ``model.safetensors`` (or sharded ``model-*.safetensors`` + index). A training
@@ -33,15 +33,15 @@ The flow, top to bottom (:func:`export`):
    ``generation_config.json`` (else the base model's, else one derived from the tokenizer's
    eos/pad tokens), ``loss.png`` (copied, or plotted from a ``checkpoint-N``'s own log),
    ``eval_results.json`` when the checkpoint has one, and ``README.md``, the model card.
-4. **Swap it into place** (:func:`metachunk.artifacts.replace_dir`): a previous export at ``--out`` (any other
+4. **Swap it into place** (`metachunk.artifacts.replace_dir`): a previous export at ``--out`` (any other
    folder only with ``--overwrite``) is renamed aside, the new folder renamed in, the old one deleted. An
    interrupted export leaves ``--out`` as it was; only a hidden ``.NAME.export-*`` temp folder
    can remain next to it.
-5. **Push** (``--push ORG/NAME``): :func:`metachunk.hub.push_folder` (shared with ``metachunk
+5. **Push** (``--push ORG/NAME``): `metachunk.hub.push_folder` (shared with ``metachunk
    data push``) uploads exactly the exported files to a model repo; the token comes from
    ``HF_TOKEN`` only and is never printed.
 
-The card (``metachunk.train.card.render_model_card``) says only what the run recorded: :func:`read_run` reads
+The card (``metachunk.train.card.render_model_card``) says only what the run recorded: `read_run` reads
 ``metachunk_run.json`` (``metachunk.train.sft.run_facts``: base model, dataset build report, hyperparameters,
 counts) and the trainer's log history (``train_log.json``, or a ``checkpoint-N``'s
 ``trainer_state.json``, whose losses and step are that checkpoint's, not the run's end); the export adds
@@ -372,7 +372,7 @@ def _lora_base(cfg: ExportConfig, facts: dict) -> Path:
 def _load_zero(folder: Path):
     """DeepSpeed's consolidation of the ZeRO shards (fp32 masters) into the model of ``config.json``.
 
-    Trust boundary: this unpickles the shards (see the module docstring); :func:`check` lets us
+    Trust boundary: this unpickles the shards (see the module docstring); `check` lets us
     here only with ``--trust-zero-shards``.
     """
     import torch

@@ -3,7 +3,7 @@
 One recipe, top to bottom: parse the config, check it, load the dataset and the model, train,
 save, plot the loss. ``python -m metachunk.train --config recipes/train/cpu_smoke.yaml [--flag value ...]``.
 
-The config is TRL's own: :class:`ModelDataArguments` (what to train, on what) plus TRL's
+The config is TRL's own: `ModelDataArguments` (what to train, on what) plus TRL's
 ``SFTConfig`` (how), read by TRL's ``TrlParser`` from the recipe YAML with command-line flags on
 top, every field with its help text (``--help``). TRL users know these flags; a recipe is the
 same file ``trl sft`` reads: the model and dataset fields carry TRL's names (``model_name_or_path``,
@@ -73,7 +73,7 @@ class ModelDataArguments:
 @dataclass
 class TrainConfig:
     """What ``metachunk train`` runs: TRL's two config objects, and the argv they were read from
-    (the run's facts record it). Read by :func:`parse_config`, with TRL's own parser."""
+    (the run's facts record it). Read by `parse_config`, with TRL's own parser."""
 
     model_args: ModelDataArguments
     sft_args: object  # trl.SFTConfig
@@ -81,7 +81,7 @@ class TrainConfig:
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
-    """The config alone (the dataset is checked when the run starts, :func:`run`); a bad field is a ValueError."""
+    """The config alone (the dataset is checked when the run starts, `run`); a bad field is a ValueError."""
     model_args, sft_args = parse_args(argv, check_inputs=False)
     return TrainConfig(model_args, sft_args, list(argv))
 
@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
 
 def shipped_config(argv: list[str]) -> list[str]:
     """``argv`` with ``--config NAME`` pointing at the shipped recipe NAME when no such file exists
-    (:mod:`metachunk.shipped`); one whose paths to shipped configs must point at the shipped copies
+    (`metachunk.shipped`); one whose paths to shipped configs must point at the shipped copies
     is read through a localized temporary copy (TrlParser reads the file itself)."""
     import tempfile
 
@@ -526,7 +526,7 @@ RUNTIME_FIELDS = ("report_to", "logging_dir")
 
 
 def identity(cfg: TrainConfig) -> dict:
-    """The recipe and flags as given, less :data:`RUNTIME_FIELDS` (TRL's SFTConfig has hundreds of
+    """The recipe and flags as given, less `RUNTIME_FIELDS` (TRL's SFTConfig has hundreds of
     derived fields; what a recipe says is what decides the run)."""
     argv = shipped_config(cfg.argv)
     recipe = {k: v for k, v in read_recipe(argv).items() if k not in RUNTIME_FIELDS}

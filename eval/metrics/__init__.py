@@ -10,7 +10,7 @@ reference it reproduces:
 * ``embedding_similarity``: sentence-embedding cosine, what CRUD-RAG's code calls "bertScore".
 * ``longbench_f1``: LongBench ``qa_f1_score`` / ``qa_f1_zh_score``.
 
-:func:`qa_scores` runs them all and returns the flat means ``eval qa`` reports.
+`qa_scores` runs them all and returns the flat means ``eval qa`` reports.
 """
 
 from __future__ import annotations

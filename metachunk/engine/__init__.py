@@ -1,16 +1,16 @@
 """The scoring engine: what turns a causal LM into per-token numbers, fast, on CPU and GPU.
 
-- :mod:`metachunk.engine.scoring`: per-token NLL over many documents (``token_nll``): length-sorted
+- `metachunk.engine.scoring`: per-token NLL over many documents (``token_nll``): length-sorted
   batch plans under a token budget, windows with a shared context for long documents, the LM head
   in tiles with an exact target logit, batches run side by side in streams; continuation NLL for
   margin sampling and re-ranking.
-- :mod:`metachunk.engine.attention`: attention on CPU (SDPA where its kernel is fast, blocks of
-  queries elsewhere), registered with transformers by :func:`metachunk.models.load_causal_lm`.
-- :mod:`metachunk.engine.kernels`: C kernels compiled on first use (the bf16 head's log-sum-exp),
+- `metachunk.engine.attention`: attention on CPU (SDPA where its kernel is fast, blocks of
+  queries elsewhere), registered with transformers by `metachunk.models.load_causal_lm`.
+- `metachunk.engine.kernels`: C kernels compiled on first use (the bf16 head's log-sum-exp),
   with torch's ops as the fallback.
-- :mod:`metachunk.engine.generation`: batched greedy generation, the one loop behind the chunk
+- `metachunk.engine.generation`: batched greedy generation, the one loop behind the chunk
   students, the MoC router and experts, and eval's local answer generator.
 
 The chunkers (``metachunk.chunking``) and the evaluation (``metachunk.eval``) call it; it imports
-neither, and loads no model itself (:mod:`metachunk.models` does).
+neither, and loads no model itself (`metachunk.models` does).
 """

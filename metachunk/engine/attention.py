@@ -5,17 +5,17 @@ Profiled on a 2-core AVX-512 BF16 CPU (Gemma-3-270m, bf16, 50 CRUD articles), to
 kernel took a quarter of the decoder's time for 8% of its FLOPs: with Gemma's 256-wide heads it
 is slow at every length, and it computes a sliding-window layer's whole causal triangle. With
 SmolLM2's 64-wide heads and no windows it is the fastest there is (faster than eager and than
-the blocks below at 300 to 4,096 tokens). So :func:`cpu_attention` sends a layer to
-:func:`blocked_attention` when its heads are wider than :data:`SDPA_MAX_HEAD_DIM` or its sliding
+the blocks below at 300 to 4,096 tokens). So `cpu_attention` sends a layer to
+`blocked_attention` when its heads are wider than `SDPA_MAX_HEAD_DIM` or its sliding
 window is shorter than the keys, and to SDPA otherwise.
 
-:func:`blocked_attention` is eager's arithmetic (bf16 or fp32 matmuls, a float32 softmax) over
-blocks of :data:`QUERY_BLOCK` queries, each against only the keys its mask lets it see: the causal
+`blocked_attention` is eager's arithmetic (bf16 or fp32 matmuls, a float32 softmax) over
+blocks of `QUERY_BLOCK` queries, each against only the keys its mask lets it see: the causal
 triangle's upper half and everything outside a sliding window are never computed, grouped-query
 heads read their shared key/value head without copies, and memory is one block's scores, never
 the whole matrix.
 
-Both get the boolean masks that ``sdpa`` gets: :data:`NAME` is registered through transformers'
+Both get the boolean masks that ``sdpa`` gets: `NAME` is registered through transformers'
 ``AttentionInterface`` (https://huggingface.co/docs/transformers/attention_interface) with the
 ``sdpa`` mask builder, so padding, sliding windows and KV caches are transformers' own.
 """
@@ -101,7 +101,7 @@ def cpu_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """:func:`blocked_attention` for wide heads or a window shorter than the keys, else SDPA."""
+    """`blocked_attention` for wide heads or a window shorter than the keys, else SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     window = getattr(module, "sliding_window", None)
@@ -111,7 +111,7 @@ def cpu_attention(
 
 
 def register() -> str:
-    """Make :data:`NAME` a valid ``attn_implementation`` (idempotent); returns the name."""
+    """Make `NAME` a valid ``attn_implementation`` (idempotent); returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -1,6 +1,6 @@
 """Batched generation with a local causal LM: the one loop behind the chunk students
-(:class:`metachunk.chunking.students.Student`), the MoC router and experts (:mod:`metachunk.chunking.moc`) and eval's
-local answer generator (:class:`metachunk.eval.generate.LocalGenerator`).
+(`metachunk.chunking.students.Student`), the MoC router and experts (`metachunk.chunking.moc`) and eval's
+local answer generator (`metachunk.eval.generate.LocalGenerator`).
 
 It lives in the engine, beside scoring, because both ``chunking/`` and ``eval/`` run it and neither
 may import the other's rooms for it.
@@ -71,7 +71,7 @@ def generate_batched(
     on_batch: Callable[[int], object] | None = None,
     logits_processor: Callable[[list[int]], list] | None = None,
 ) -> list[Generation]:
-    """One :class:`Generation` per prompt of ``ids``, in the order given.
+    """One `Generation` per prompt of ``ids``, in the order given.
 
     ``budgets``: each prompt's most new tokens; a batch then generates up to its largest budget
     and each row is cut to its own (else ``generation_config.max_new_tokens`` holds for all).

@@ -6,7 +6,7 @@ bounded memory comes down to three choices:
 
 * **Windows, not one call per sentence.** A sequence that fits in ``max_context`` tokens is
   scored in one pass. A longer one is scored by recomputed windows (or, on request, in blocks
-  against a trimmed KV cache, see :func:`token_nll_kv_trim`): a sequence of ``n`` tokens is
+  against a trimmed KV cache, see `token_nll_kv_trim`): a sequence of ``n`` tokens is
   scored by forward passes
   over windows of at most ``max_context`` tokens. The first window scores its own tokens; every
   later window re-reads the previous ``max_context // 2`` tokens as context and scores the next
@@ -96,7 +96,7 @@ def _sliced_nll(
     (1,024 x 8,192 fp32 tile, AVX-512).
 
     With bf16 logits on CPU, each tile's log-sum-exp comes from a C kernel instead
-    (:func:`metachunk.engine.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32; 1.9
+    (`metachunk.engine.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32; 1.9
     against 6.5 ms for the copy and ``log_softmax`` per 1,024 x 8,192 tile on one thread), where
     it can be compiled; torch's ops otherwise.
 
@@ -185,7 +185,7 @@ def token_nll_kv_trim(
     """NLL of one long sequence, each token computed once, in bounded memory.
 
     Blocks of ``max_context // 2`` new tokens run against a KV cache that is trimmed after every
-    block to the last ``max_context // 2`` tokens plus the first :data:`ATTENTION_SINKS`. Keys
+    block to the last ``max_context // 2`` tokens plus the first `ATTENTION_SINKS`. Keys
     keep the rotary positions they were computed at and new tokens get their true positions, so
     relative distances stay correct. Unlike recomputed windows, no token is run twice.
     """
@@ -253,7 +253,7 @@ def activation_bytes_per_token(model) -> int:
 def batch_budget(
     model, max_context: int, device: torch.device, free_bytes: int | None = None
 ) -> tuple[int, int]:
-    """``(batch_tokens, max_batch_size)`` for :func:`token_nll` on ``device``: on CPU, one window
+    """``(batch_tokens, max_batch_size)`` for `token_nll` on ``device``: on CPU, one window
     at least and 8,192 tokens in at most 16 rows (the plan every CPU figure was measured with); on
     a GPU, what ``GPU_MEMORY_SHARE`` of its free memory holds (``free_bytes``, default
     ``torch.cuda.mem_get_info``), between one window and ``GPU_BATCH_TOKENS_MAX`` tokens, in rows
@@ -285,7 +285,7 @@ def token_nll(
 
     Returns one float32 array per sequence, of the sequence's length; entry 0 is NaN because the
     first token has nothing to be predicted from. ``batch_tokens`` caps padded tokens per forward
-    pass, ``max_batch_size`` caps rows; either left out is :func:`batch_budget`'s for the model's
+    pass, ``max_batch_size`` caps rows; either left out is `batch_budget`'s for the model's
     device (on a GPU, sized by its free memory). ``on_batch(n_scored_tokens)`` is called after each
     batch.
 
@@ -295,17 +295,17 @@ def token_nll(
     windows of equal length are batched and no mask is passed.
 
     ``long_context`` picks how sequences longer than ``max_context`` are scored:
-    ``sliding-window`` (default: recomputed windows, :func:`plan_windows`, batched with the rest,
-    any model) or ``kv-trim`` (:func:`token_nll_kv_trim`: every token computed once, for models
+    ``sliding-window`` (default: recomputed windows, `plan_windows`, batched with the rest,
+    any model) or ``kv-trim`` (`token_nll_kv_trim`: every token computed once, for models
     with a plain KV cache). Both give every token at least ``max_context // 2`` tokens of context.
     On the 2-core CPU bench they ran at the same speed (the trimmed cache needs an explicit
     attention mask, which costs what the saved recomputation gains), so the default is the mode
     that works for every model.
 
     ``head_dtype`` (default: the weights' dtype) runs the LM head's matmul in another dtype, e.g.
-    ``torch.bfloat16`` for speed on CPUs with AMX; see :func:`_sliced_nll` for what stays exact.
+    ``torch.bfloat16`` for speed on CPUs with AMX; see `_sliced_nll` for what stays exact.
 
-    ``streams`` (default :func:`default_streams`: one per torch thread on CPU, one on a GPU)
+    ``streams`` (default `default_streams`: one per torch thread on CPU, one on a GPU)
     scores that many batches at a time, in threads that share the model and each take
     ``threads // streams`` torch threads. A document's result does not depend on the timing, and
     in the tests (fp32 and bf16, one thread a stream) not on the number of streams either; the
@@ -383,7 +383,7 @@ def token_nll(
 
 
 def default_streams(device: torch.device) -> int:
-    """Streams :func:`token_nll` runs when not told: one per torch thread on CPU, up to
+    """Streams `token_nll` runs when not told: one per torch thread on CPU, up to
     ``MAX_AUTO_STREAMS`` and in equal shares of the threads, and one on a GPU. On CPU one
     forward pass over a ~500-token window does not keep two threads busy (RMSNorm, rotary, GELU,
     casts and the attention's small matmuls split poorly), where two windows side by side, one
@@ -516,7 +516,7 @@ def token_nll_incremental(model, pieces: Sequence[Sequence[int]]) -> np.ndarray:
     """Reference implementation: one forward pass per piece over the KV cache of all earlier pieces.
 
     This is the literal reading of the paper's Eq. 1 (each sentence scored given all preceding
-    text). It is slow and its memory grows with the document; it exists to check :func:`token_nll`
+    text). It is slow and its memory grows with the document; it exists to check `token_nll`
     against and as the baseline in ``bench/ppl_speed.py``.
     """
     device = next(model.parameters()).device

@@ -1,7 +1,7 @@
 """C kernels for the CPU work that torch's own ops leave slow, compiled on first use.
 
-One so far, :func:`lse_rows_bf16` (``lse_rows_bf16.c``): the log-sum-exp of each row of the LM
-head's bfloat16 logits, in float32, for :mod:`metachunk.engine.scoring`. Torch's way, a float32 copy of
+One so far, `lse_rows_bf16` (``lse_rows_bf16.c``): the log-sum-exp of each row of the LM
+head's bfloat16 logits, in float32, for `metachunk.engine.scoring`. Torch's way, a float32 copy of
 the tile then ``log_softmax`` in place, took 6.5 ms per 1,024 x 8,192 tile on one thread of an AMD
 EPYC (Zen 4); the kernel 1.9 ms, equal to float32 ``logsumexp`` within 2e-6 (docs/performance.md).
 
@@ -9,10 +9,10 @@ The source ships with the package and is compiled with the system's C compiler (
 ``cc``) into ``$METACHUNK_CACHE/kernels/`` (default ``~/.cache/metachunk/engine/kernels``), named by a
 hash of the source, the flags and the compiler, so a changed file or compiler builds anew, and
 written atomically, so runs started together never load half a library. ctypes releases the GIL
-for the call, so :func:`metachunk.engine.scoring.token_nll`'s streams run it side by side.
+for the call, so `metachunk.engine.scoring.token_nll`'s streams run it side by side.
 
 Where a kernel cannot be had, the caller keeps torch's ops: the loader returns None and
-:func:`status` says why (no AVX-512F, no compiler, a failed build, or ``METACHUNK_KERNELS=0``).
+`status` says why (no AVX-512F, no compiler, a failed build, or ``METACHUNK_KERNELS=0``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def status() -> dict[str, str]:
 def lse_rows_bf16():
     """``f(x, out)``: ``out[r] = logsumexp(x[r])`` in float32 for a 2-D bfloat16 CPU tensor ``x``
     whose rows are contiguous, into ``out``, a float32 CPU vector of ``len(x)`` (any stride); or
-    None where the kernel is not available (see :func:`status`)."""
+    None where the kernel is not available (see `status`)."""
     name = "lse_rows_bf16"
     lib = _compiled(name)
     if lib is None:
