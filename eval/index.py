@@ -10,8 +10,19 @@ Chunks come from ``metachunk chunk`` output (one JSONL row per document: ``{id, 
 
 The index lives in ``INDEX_DIR/index.db`` (a Milvus Lite database). One collection per index key,
 the sha256 of (the chunks file's bytes, the embedder's resolved path, ``index_text``, the schema
-version), so a rerun, or another eval run on the same chunks, reuses the vectors; any edit of the
-chunks file, another embedder or another indexed text gives a new collection. A collection is built
+version, and for a lexical index its retriever, analyzer, analyzer mode, k1 and b), so a rerun, or
+another eval run on the same chunks, reuses the index; any edit of the chunks file, another
+embedder, another indexed text or other BM25 settings gives a new collection.
+
+Three retrievers (``RETRIEVERS``): ``dense`` (the embedder's vectors), ``bm25`` (Milvus's full-text
+search: a ``BM25`` function from the indexed text, a ``VARCHAR`` field, into a sparse field with a
+``SPARSE_INVERTED_INDEX``; :class:`Lexical` picks the analyzer, ``jieba`` for Chinese in a mode you
+name, ``standard`` for English), and ``hybrid`` (both in one collection, fused by Milvus's
+reciprocal-rank ranker). Only a lexical index stores the indexed text, in a field of at most
+``LEXICAL_MAX_BYTES``: a longer chunk is refused, never cut (:func:`check_lexical_lengths`). Milvus
+Lite's BM25 (pymilvus 3.0 / milvus-lite 3.2) scores with k1 = 1.5 and b = 0.75 unless the index
+says otherwise, IDF ``ln((N - df + 0.5) / (df + 0.5) + 1)``, and statistics per segment: one
+collection built in one insert and flush here is one segment. A collection is built
 under a temporary name and renamed when complete, so an interrupted build is never reused (its
 leftover is dropped by the next build). Vectors are unit-normalised and searched exactly (FLAT,
 inner product = cosine). Milvus stores only ids, document ids and chunk indices: the texts are read
@@ -35,6 +46,9 @@ from metachunk.artifacts import AtomicWriter, InputError, check_unicode
 from metachunk.sources import MAX_ROW_BYTES, Rejects, refuse_or_skip
 
 INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
+RETRIEVERS = ("dense", "bm25", "hybrid")
+# Milvus's largest VARCHAR (bytes): a lexical index keeps each chunk's indexed text in one.
+LEXICAL_MAX_BYTES = 65_535
 INDEX_SCHEMA = 1
 DB_NAME = "index.db"
 MANIFEST = "index.collections.json"
@@ -135,9 +149,51 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def index_key(chunks_sha256: str, embedder: str, mode: str) -> str:
+@dataclass(frozen=True, slots=True)
+class Lexical:
+    """A BM25 index's settings: the analyzer (``jieba``, with its ``mode``: ``exact`` is jieba's
+    ``cut``, ``search`` its finer ``cut_for_search``; or ``standard``: ``\\w+``, lower-cased) and
+    BM25's ``k1`` and ``b``. Milvus Lite runs only these two analyzers, and of the filters only
+    ``stop`` (its ``milvus_lite/analyzer/factory.py``); Milvus's ``{"type": "chinese"}`` raises. It
+    also scores with k1 = 1.5 and b = 0.75 whatever the index's ``bm25_k1`` and ``bm25_b`` say
+    (measured: ``tests/test_eval_bm25.py``), so those are the values here; the index still names
+    them, for a Milvus server, and the cache key holds them."""
+
+    analyzer: str
+    mode: str | None = None
+    k1: float = 1.5
+    b: float = 0.75
+
+    @classmethod
+    def for_lang(cls, lang: str, jieba_mode: str = "exact") -> Lexical:
+        return cls("jieba", jieba_mode) if lang == "zh" else cls("standard")
+
+    def analyzer_params(self) -> dict:
+        if self.analyzer == "jieba":
+            return {"tokenizer": {"type": "jieba", "mode": self.mode or "exact"}}
+        return {"tokenizer": self.analyzer}
+
+    def key(self) -> dict:
+        return {"analyzer": self.analyzer, "mode": self.mode, "k1": self.k1, "b": self.b}
+
+
+def index_key(chunks_sha256: str, embedder: str | None, mode: str, retriever: str = "dense",
+              lexical: Lexical | None = None) -> str:  # fmt: skip
     keyed = {"chunks_sha256": chunks_sha256, "embedder": embedder, "index_text": mode, "schema": INDEX_SCHEMA}
+    if retriever != "dense":  # a dense index keeps the key it always had
+        keyed.update(retriever=retriever, **lexical.key())
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def check_lexical_lengths(chunks: Sequence[ChunkRecord], path: Path) -> None:
+    """A lexical index stores each chunk's indexed text: one longer than ``LEXICAL_MAX_BYTES`` is
+    refused with the chunk it is, never cut."""
+    for c in chunks:
+        size = len(c.indexed_text.encode("utf-8"))
+        if size > LEXICAL_MAX_BYTES:
+            raise InputError(path, f"document {c.doc_id!r}, chunk {c.chunk_index}: {size:,} bytes to index, more "
+                             f"than the {LEXICAL_MAX_BYTES:,} a BM25 index's text field holds; nothing is cut: "
+                             "use --retriever dense, or chunk smaller")  # fmt: skip
 
 
 def collection_name(key: str) -> str:
@@ -197,9 +253,12 @@ class ChunkIndex:
         count = int(self.client.get_collection_stats(name).get("row_count", -1))
         return count == rows
 
-    def build(self, name: str, chunks: Sequence[ChunkRecord], vectors, info: dict, batch: int = 2048) -> None:
-        """Create collection ``name`` from ``vectors`` (one row per chunk); atomic by renaming."""
-        from pymilvus import DataType, MilvusClient
+    def build(self, name: str, chunks: Sequence[ChunkRecord], vectors, info: dict, batch: int = 2048,
+              lexical: Lexical | None = None) -> None:  # fmt: skip
+        """Create collection ``name`` from ``vectors`` (one row per chunk; None: no dense field)
+        and, with ``lexical``, a BM25 index over each chunk's indexed text; atomic by renaming.
+        Call :func:`check_lexical_lengths` first: Milvus refuses a longer text."""
+        from pymilvus import DataType, Function, FunctionType, MilvusClient
 
         client, tmp = self.client, f"tmp_{name}"
         for stale in (tmp, name):
@@ -207,11 +266,23 @@ class ChunkIndex:
                 client.drop_collection(stale)
         schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
         schema.add_field("id", DataType.INT64, is_primary=True)
-        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=int(vectors.shape[1]))
+        if vectors is not None:
+            schema.add_field("vector", DataType.FLOAT_VECTOR, dim=int(vectors.shape[1]))
         schema.add_field("doc_id", DataType.VARCHAR, max_length=4096)
         schema.add_field("chunk_index", DataType.INT64)
         params = client.prepare_index_params()
-        params.add_index(field_name="vector", index_type="FLAT", metric_type="IP")
+        if vectors is not None:
+            params.add_index(field_name="vector", index_type="FLAT", metric_type="IP")
+        if lexical is not None:
+            # Milvus full-text search (https://milvus.io/docs/full-text-search.md): the BM25 function
+            # turns the analysed text into a sparse vector; the index scores it with k1 and b.
+            schema.add_field("text", DataType.VARCHAR, max_length=LEXICAL_MAX_BYTES, enable_analyzer=True,
+                             analyzer_params=lexical.analyzer_params())  # fmt: skip
+            schema.add_field("sparse", DataType.SPARSE_FLOAT_VECTOR)
+            schema.add_function(Function(name="bm25", function_type=FunctionType.BM25, input_field_names=["text"],
+                                         output_field_names=["sparse"]))  # fmt: skip
+            params.add_index(field_name="sparse", index_type="SPARSE_INVERTED_INDEX", metric_type="BM25",
+                             params={"bm25_k1": lexical.k1, "bm25_b": lexical.b})  # fmt: skip
         # pymilvus asks the server for a timestamp on create; Milvus Lite does not implement that call
         # and its in-process gRPC server logs a traceback at ERROR, although the create succeeds.
         grpc_log = logging.getLogger("grpc._server")
@@ -227,7 +298,8 @@ class ChunkIndex:
                 [
                     {
                         "id": c.id,
-                        "vector": vectors[c.id].tolist(),
+                        **({"vector": vectors[c.id].tolist()} if vectors is not None else {}),
+                        **({"text": c.indexed_text} if lexical is not None else {}),
                         "doc_id": c.doc_id[:4096],
                         "chunk_index": c.chunk_index,
                     }
@@ -236,7 +308,8 @@ class ChunkIndex:
             )
         client.flush(tmp)
         client.rename_collection(tmp, name)
-        self._note(name, {**info, "rows": len(chunks), "dim": int(vectors.shape[1]), "built": time.time()})
+        dim = None if vectors is None else int(vectors.shape[1])
+        self._note(name, {**info, "rows": len(chunks), "dim": dim, "built": time.time()})
 
     def _note(self, name: str, info: dict) -> None:
         """A human-readable list of the collections and what each holds (not read by the code)."""
@@ -266,6 +339,52 @@ class ChunkIndex:
             )
             for hits in results:
                 out.append([(int(h["id"]), float(h["distance"])) for h in hits])
+            if on_batch:
+                on_batch(len(rows))
+        return out
+
+    def search_text(
+        self,
+        name: str,
+        texts: Sequence[str],
+        limit: int,
+        batch: int = 64,
+        on_batch: Callable[[int], object] | None = None,
+    ) -> list[list[tuple[int, float]]]:
+        """Per query text, ``[(chunk id, BM25 score), ...]`` best first (full-text search)."""
+        self.client.load_collection(name)
+        out: list[list[tuple[int, float]]] = []
+        for a in range(0, len(texts), batch):
+            rows = list(texts[a : a + batch])
+            results = self.client.search(name, data=rows, anns_field="sparse", limit=limit, output_fields=[],
+                                         search_params={"metric_type": "BM25"})  # fmt: skip
+            # Milvus Lite returns the score negated (smaller is better: milvus_lite/index/sparse_inverted.py),
+            # Milvus the score itself; a BM25 score is never negative, so its size is the score.
+            out += [[(int(h["id"]), abs(float(h["distance"]))) for h in hits] for hits in results]
+            if on_batch:
+                on_batch(len(rows))
+        return out
+
+    def search_hybrid(self, name: str, vectors, texts: Sequence[str], limit: int, fetch: int, rrf_k: int,
+                      batch: int = 64, on_batch: Callable[[int], object] | None = None) -> list[list[tuple[int, float]]]:  # fmt: skip
+        """Per query, ``[(chunk id, RRF score), ...]`` best first: the dense and the BM25 route each
+        fetch ``fetch`` chunks, fused by reciprocal rank, ``sum(1 / (rrf_k + rank))`` (Milvus's
+        ``RRFRanker``, https://milvus.io/docs/rrf-ranker.md)."""
+        from pymilvus import AnnSearchRequest, RRFRanker
+
+        self.client.load_collection(name)
+        out: list[list[tuple[int, float]]] = []
+        for a in range(0, len(texts), batch):
+            rows = list(texts[a : a + batch])
+            requests = [
+                AnnSearchRequest(data=[v.tolist() for v in vectors[a : a + batch]], anns_field="vector",
+                                 param={"metric_type": "IP"}, limit=fetch),
+                AnnSearchRequest(data=rows, anns_field="sparse", param={"metric_type": "BM25"}, limit=fetch),
+            ]  # fmt: skip
+            results = self.client.hybrid_search(
+                name, requests, ranker=RRFRanker(rrf_k), limit=limit, output_fields=[]
+            )
+            out += [[(int(h["id"]), float(h["distance"])) for h in hits] for hits in results]
             if on_batch:
                 on_batch(len(rows))
         return out

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.eval.index import INDEX_TEXTS
+from metachunk.eval.index import INDEX_TEXTS, RETRIEVERS
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
@@ -88,6 +88,19 @@ class QAConfig:
         None, "where index.db lives; share it between runs (not at once); default OUT"
     )
     index_text: str = option("chunk", "what is embedded for each chunk", choices=list(INDEX_TEXTS))
+    retriever: str = option(
+        "dense",
+        "dense: the embedder; bm25: Milvus full-text search (jieba for zh, the standard analyzer for en, by "
+        "--lang); hybrid: reciprocal-rank fusion of both",
+        choices=list(RETRIEVERS),
+    )
+    jieba_mode: str = option(
+        "exact",
+        "bm25 on Chinese: jieba's exact cut, or its finer cut for search",
+        choices=["exact", "search"],
+    )
+    rrf_k: int = option(60, "hybrid: the k of reciprocal-rank fusion, sum of 1 / (k + rank)")
+    fusion_limit: int = option(50, "hybrid: chunks each route fetches before fusion")
     top_k: int = option(8, "chunks retrieved per question and given to the generator (paper: 8 for CRUD)")
     cutoffs: list[int] | None = option(
         None,
@@ -212,7 +225,7 @@ def inputs(cfg: QAConfig) -> Reads:
     from metachunk.prompts import prompt_files
 
     generates = bool(cfg.generator or cfg.generator_model or cfg.generator_teacher)
-    models = [cfg.embedder, cfg.generator_model]
+    models = [cfg.embedder if cfg.retriever != "bm25" else None, cfg.generator_model]
     if cfg.rerank != "none":
         models.append(cfg.reranker)
     if generates:
@@ -241,7 +254,16 @@ def outputs(cfg: QAConfig) -> list:
 
 def evaluate(cfg: QAConfig) -> dict:
     """The whole command; returns the metrics.json object."""
-    from metachunk.eval.index import ChunkIndex, collection_name, embed, file_sha256, index_key, read_chunks
+    from metachunk.eval.index import (
+        ChunkIndex,
+        Lexical,
+        check_lexical_lengths,
+        collection_name,
+        embed,
+        file_sha256,
+        index_key,
+        read_chunks,
+    )
     from metachunk.eval.retrieval import (
         NormalizedDoc,
         aggregate,
@@ -309,53 +331,61 @@ def evaluate(cfg: QAConfig) -> dict:
     from metachunk.models import load_sentence_embedder, resolve
 
     t = time.perf_counter()
-    embedder_path = str(resolve(cfg.embedder).resolve())
-    embedder = load_sentence_embedder(cfg.embedder, device=cfg.device)
+    dense = cfg.retriever in ("dense", "hybrid")
+    lexical = None if cfg.retriever == "dense" else Lexical.for_lang(lang, cfg.jieba_mode)
+    if lexical is not None:
+        check_lexical_lengths(chunks, Path(cfg.chunks))  # a chunk too long to index is refused, never cut
+    embedder_path = str(resolve(cfg.embedder).resolve()) if dense else None
+    embedder = load_sentence_embedder(cfg.embedder, device=cfg.device) if dense else None
     timings["embedder_load"] = time.perf_counter() - t
-    key = index_key(file_sha256(cfg.chunks), embedder_path, cfg.index_text)
+    key = index_key(file_sha256(cfg.chunks), embedder_path, cfg.index_text, cfg.retriever, lexical)
     name = collection_name(key)
     index = ChunkIndex(cfg.index_dir)
     try:
         t = time.perf_counter()
         built = not index.has(name, len(chunks))
         if built:
-            vectors = embed(
-                embedder,
-                [c.indexed_text for c in chunks],
-                cfg.embed_batch_size,
-                cfg.progress,
-                desc="embed chunks",
-            )
-            index.build(
-                name,
-                chunks,
-                vectors,
-                {
-                    "chunks": str(Path(cfg.chunks).resolve()),
-                    "embedder": embedder_path,
-                    "index_text": cfg.index_text,
-                    "key": key,
-                },
-            )
+            vectors = None
+            if dense:
+                vectors = embed(
+                    embedder,
+                    [c.indexed_text for c in chunks],
+                    cfg.embed_batch_size,
+                    cfg.progress,
+                    desc="embed chunks",
+                )
+            info = {"chunks": str(Path(cfg.chunks).resolve()), "embedder": embedder_path,
+                    "index_text": cfg.index_text, "retriever": cfg.retriever,
+                    **({"lexical": lexical.key()} if lexical else {}), "key": key}  # fmt: skip
+            index.build(name, chunks, vectors, info, lexical=lexical)
         timings["index"] = time.perf_counter() - t
 
         # ---- retrieval
         t = time.perf_counter()
         depth = max(cfg.top_k, cfg.rerank_depth if cfg.rerank != "none" else 0)
-        query_vectors = embed(
-            embedder,
-            [q.question for q, _, _ in judged],
-            cfg.embed_batch_size,
-            cfg.progress,
-            "embed questions",
-            cfg.query_prefix,
-        )
+        questions = [q.question for q, _, _ in judged]
+        query_vectors = None
+        if dense:
+            query_vectors = embed(
+                embedder,
+                questions,
+                cfg.embed_batch_size,
+                cfg.progress,
+                "embed questions",
+                cfg.query_prefix,
+            )
         from tqdm import tqdm
 
         with tqdm(
             total=len(judged), unit="q", desc="retrieve", disable=not cfg.progress, dynamic_ncols=True
         ) as bar:
-            found = index.search(name, query_vectors, depth, on_batch=bar.update)
+            if cfg.retriever == "dense":
+                found = index.search(name, query_vectors, depth, on_batch=bar.update)
+            elif cfg.retriever == "bm25":
+                found = index.search_text(name, questions, depth, on_batch=bar.update)
+            else:
+                found = index.search_hybrid(name, query_vectors, questions, depth, max(cfg.fusion_limit, depth),
+                                            cfg.rrf_k, on_batch=bar.update)  # fmt: skip
         timings["retrieval"] = time.perf_counter() - t
     finally:
         index.close()
@@ -449,6 +479,9 @@ def evaluate(cfg: QAConfig) -> dict:
             "collection": name,
             "key": key,
             "built": built,
+            "retriever": cfg.retriever,
+            **({"lexical": lexical.key()} if lexical else {}),
+            **({"rrf_k": cfg.rrf_k, "fusion_limit": cfg.fusion_limit} if cfg.retriever == "hybrid" else {}),
             "embedder": embedder_path,
             "index_text": cfg.index_text,
             "chunks_lacking_field": lacking,
@@ -621,7 +654,8 @@ def print_summary(doc: dict, cfg: QAConfig, file=None) -> None:
           f"{m['n_chunks']} chunks in {m['n_documents']} documents, avg {m['avg_chunk_chars']:.0f} chars / "
           f"{m['avg_chunk_tokens']:.0f} tokens", file=file)  # fmt: skip
     print(
-        f"index: {index['collection']} in {index['db']} ({'built' if index['built'] else 'reused'})",
+        f"index: {index.get('retriever', 'dense')} {index['collection']} in {index['db']} "
+        f"({'built' if index['built'] else 'reused'})",
         file=file,
     )
     shown = [
