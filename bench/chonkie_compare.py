@@ -689,7 +689,13 @@ def run_eval(args, corpus: str, results: list[dict], out: Path) -> dict:
                 f"mean {r['mean_chunk_chars']} chars, not within {args.tolerance:.0%} of {r['goal']}"
             )
             continue
-        run_dir = out / "eval" / corpus / r["name"] / "qa"
+        run_dir = (
+            out
+            / "eval"
+            / corpus
+            / r["name"]
+            / ("qa" if args.retriever == "dense" else f"qa_{args.retriever}")
+        )
         chunks = out / "chunks" / corpus / f"{r['name']}.jsonl"
         if corpus == "emma":  # as the demo's qa stages
             qa = ["--qa", "data:gutenqa-emma/questions.jsonl", "--qa-format", "gutenqa", "--lang", "en"]
@@ -698,13 +704,14 @@ def run_eval(args, corpus: str, results: list[dict], out: Path) -> dict:
                   "--crud-status", "matched+ambiguous"]  # fmt: skip
         t = time.perf_counter()
         cli("eval", "qa", "--chunks", chunks, *qa, "--top-k", "8", "--questions", "answerable",
-            "--cutoffs", *QA_CUTOFFS, "--out", run_dir, "--no-progress")  # fmt: skip
+            "--cutoffs", *QA_CUTOFFS, "--retriever", args.retriever, "--out", run_dir, "--no-progress")  # fmt: skip
         seconds[r["name"]] = round(time.perf_counter() - t, 1)
         runs.append(run_dir)
         labels.append(r["name"])
     if not runs:
         return {"skipped": skipped}
-    report = out / "eval" / f"compare_{corpus}.md"
+    suffix = "" if args.retriever == "dense" else f"_{args.retriever}"
+    report = out / "eval" / f"compare_{corpus}{suffix}.md"
     baseline = args.baseline if args.baseline in labels else labels[0]
     t = time.perf_counter()
     cli("eval", "compare", *runs, "--labels", *labels, "--metrics", *METRICS, "--baseline", baseline,
@@ -713,7 +720,7 @@ def run_eval(args, corpus: str, results: list[dict], out: Path) -> dict:
     pairs = {}  # each chonkie chunker against metachunk's of the same kind, item by item
     for a, b in PAIRS:
         if a in labels and b in labels:
-            pair_report = out / "eval" / f"compare_{corpus}_{a}_vs_{b}.md"
+            pair_report = out / "eval" / f"compare_{corpus}{suffix}_{a}_vs_{b}.md"
             cli("eval", "compare", runs[labels.index(a)], runs[labels.index(b)], "--labels", a, b,
                 "--metrics", *METRICS, "--baseline", a, "--no-plots", "--out", pair_report)  # fmt: skip
             diffs = json.loads(pair_report.with_suffix(".json").read_text())["statistics"]["differences"]
@@ -800,8 +807,10 @@ def parent(args) -> None:
         report = json.loads((out / "chonkie_compare.json").read_text(encoding="utf-8"))
         report["eval_command"] = " ".join(["python", "bench/chonkie_compare.py", *sys.argv[1:]])
         for corpus, entry in report["corpora"].items():
-            if corpus in args.eval_corpora:
-                entry["eval"] = run_eval(args, corpus, entry["results"], out)
+            if corpus in args.eval_corpora:  # each retriever's evaluation kept beside the others
+                entry["eval" if args.retriever == "dense" else f"eval_{args.retriever}"] = run_eval(
+                    args, corpus, entry["results"], out
+                )
         write_report(report, out, report["wall_s"])
         return
     chunkers = args.chunkers.split(",") if args.chunkers else DEFAULT_CHUNKERS
@@ -829,7 +838,9 @@ def parent(args) -> None:
             "results": results,
         }
         if not args.no_eval and corpus in args.eval_corpora:
-            entry["eval"] = run_eval(args, corpus, results, out)
+            entry["eval" if args.retriever == "dense" else f"eval_{args.retriever}"] = run_eval(
+                args, corpus, results, out
+            )
         report["corpora"][corpus] = entry
     write_report(report, out, round(time.perf_counter() - started, 1))
 
@@ -842,14 +853,16 @@ def write_report(report: dict, out: Path, wall_s: float) -> None:
     for corpus, entry in report["corpora"].items():
         md += [f"## {corpus}: goal {entry['goal']} chars, {entry['documents']} documents", "",
                table(entry["results"]), ""]  # fmt: skip
-        ev = entry.get("eval", {})
-        if ev.get("report"):
-            md += [Path(ev["report"]).read_text(encoding="utf-8"), ""]
-        if ev.get("pairs"):
-            md += ["**chonkie against metachunk, kind for kind** (paired bootstrap over the same questions):", "",
-                   pairs_table(ev["pairs"]), ""]  # fmt: skip
-        for name, why in ev.get("skipped", {}).items():
-            md.append(f"- not evaluated: {name}: {why}")
+        for key in [k for k in entry if k.startswith("eval")]:  # eval (dense), eval_bm25, eval_hybrid
+            ev = entry[key]
+            md += [f"### Retriever: {key.removeprefix('eval_') if key != 'eval' else 'dense (MiniLM)'}", ""]
+            if ev.get("report"):
+                md += [Path(ev["report"]).read_text(encoding="utf-8"), ""]
+            if ev.get("pairs"):
+                md += ["**chonkie against metachunk, kind for kind** (paired bootstrap over the same questions):",
+                       "", pairs_table(ev["pairs"]), ""]  # fmt: skip
+            for name, why in ev.get("skipped", {}).items():
+                md.append(f"- not evaluated: {name}: {why}")
     for name, why in report["not_run"].items():
         md.append(f"- not run: {name}: {why}")
     (out / "chonkie_compare.json").write_text(
@@ -896,6 +909,8 @@ def main(argv=None) -> None:
     p.add_argument("--eval-only", action="store_true", help="evaluate the chunks of the run in --out again")
     p.add_argument("--eval-corpora", default="emma,crud", help="the corpora to run eval qa on")
     p.add_argument("--baseline", default="chonkie-token", help="eval compare's paired baseline")
+    p.add_argument("--retriever", default="dense", choices=["dense", "bm25", "hybrid"],
+                   help="eval qa's retriever (with --eval-only: the same chunks under BM25 or hybrid)")  # fmt: skip
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per chunker")
     p.add_argument(
         "--quiet-wait", type=float, default=900, help="seconds to wait for other jobs before a chunker"
