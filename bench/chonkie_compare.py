@@ -461,7 +461,7 @@ def run_metachunk(
     load_s = time.perf_counter() - t0
     inner = chunker._chunker  # metachunk.chunking.pipeline.Chunker: segment (costly, once), assemble (cheap)
 
-    group = max(chunker.config.batch_size * 4, 16)  # as TextChunker.chunk_batch groups them
+    group = chunker.config.documents_per_call()  # as TextChunker.chunk_batch groups them
 
     def segment():
         segmented = []
