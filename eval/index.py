@@ -16,10 +16,10 @@ embedder, another indexed text or other BM25 settings gives a new collection.
 
 Three retrievers (``RETRIEVERS``): ``dense`` (the embedder's vectors), ``bm25`` (Milvus's full-text
 search: a ``BM25`` function from the indexed text, a ``VARCHAR`` field, into a sparse field with a
-``SPARSE_INVERTED_INDEX``; :class:`Lexical` picks the analyzer, ``jieba`` for Chinese in a mode you
+``SPARSE_INVERTED_INDEX``; `Lexical` picks the analyzer, ``jieba`` for Chinese in a mode you
 name, ``standard`` for English), and ``hybrid`` (both in one collection, fused by Milvus's
 reciprocal-rank ranker). Only a lexical index stores the indexed text, in a field of at most
-``LEXICAL_MAX_BYTES``: a longer chunk is refused, never cut (:func:`check_lexical_lengths`). Milvus
+``LEXICAL_MAX_BYTES``: a longer chunk is refused, never cut (`check_lexical_lengths`). Milvus
 Lite's BM25 (pymilvus 3.0 / milvus-lite 3.2) scores with k1 = 1.5 and b = 0.75 unless the index
 says otherwise, IDF ``ln((N - df + 0.5) / (df + 0.5) + 1)``, and statistics per segment: one
 collection built in one insert and flush here is one segment. A collection is built
@@ -257,7 +257,7 @@ class ChunkIndex:
               lexical: Lexical | None = None) -> None:  # fmt: skip
         """Create collection ``name`` from ``vectors`` (one row per chunk; None: no dense field)
         and, with ``lexical``, a BM25 index over each chunk's indexed text; atomic by renaming.
-        Call :func:`check_lexical_lengths` first: Milvus refuses a longer text."""
+        Call `check_lexical_lengths` first: Milvus refuses a longer text."""
         from pymilvus import DataType, Function, FunctionType, MilvusClient
 
         client, tmp = self.client, f"tmp_{name}"
