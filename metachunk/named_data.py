@@ -221,11 +221,8 @@ def resolve_all(value):
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def mismatches(dataset: Dataset, folder: Path) -> list[str]:
@@ -235,8 +232,8 @@ def mismatches(dataset: Dataset, folder: Path) -> list[str]:
         path = folder / f.name
         if not path.is_file():
             bad.append(f"{f.name} (missing)")
-        elif file_sha256(path) != f.sha256:
-            bad.append(f"{f.name} (sha256 {file_sha256(path)[:12]}..., expected {f.sha256[:12]}...)")
+        elif (got := file_sha256(path)) != f.sha256:
+            bad.append(f"{f.name} (sha256 {got[:12]}..., expected {f.sha256[:12]}...)")
     return bad
 
 
