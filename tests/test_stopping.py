@@ -66,8 +66,24 @@ def port_free(port: int) -> bool:
 
 def assert_all_gone(proc: subprocess.Popen, children: list[psutil.Process], port: int | None = None):
     proc.wait(timeout=30)
-    alive = lambda: [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]  # noqa: E731
-    wait_for(lambda: not alive(), 10, f"the run's processes to end: {[c.cmdline()[:4] for c in alive()]}")
+
+    def running(c: psutil.Process) -> bool:
+        try:
+            return c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # it ended (or became a zombie) between the two calls
+            return False
+
+    def names(procs: list[psutil.Process]) -> list:
+        out = []
+        for c in procs:
+            try:
+                out.append(c.cmdline()[:4])
+            except psutil.Error:  # ended while the message was being written
+                out.append(c.pid)
+        return out
+
+    alive = lambda: [c for c in children if running(c)]  # noqa: E731
+    wait_for(lambda: not alive(), 10, f"the run's processes to end: {names(alive())}")
     if port is not None:
         wait_for(lambda: port_free(port), 10, f"port {port} to be free")
 
