@@ -13,6 +13,8 @@ work flat, as the recipe keys and flags they always had (``--router``, ``--moc-w
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from metachunk.chunking.lumber import LumberChunker, LumberOptions
 from metachunk.chunking.merge import add_sentence_overlap, merge_chunks
 from metachunk.chunking.moc import MocChunker, MocOptions
 from metachunk.chunking.msp import PROMPT_VARIANTS, MarginScorer, load_msp_prompt, msp_decisions
-from metachunk.chunking.ppl import CPU_ROWS, ppl_boundaries, score_documents
+from metachunk.chunking.ppl import CPU_ROWS, ppl_boundaries, score_tokenized, tokenize_documents
 from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
@@ -80,6 +82,9 @@ class StudentOptions:
 
 # Documents per Chunker call on a GPU (ChunkConfig.documents_per_call): their text stays in memory.
 GPU_DOCUMENTS_PER_CALL = 1024
+# Groups read ahead of a GPU and written behind it (ChunkConfig.prefetch_depth): one in the queue
+# while the next is prepared hides the CPU's work, and a second absorbs one slow group.
+GPU_PREFETCH = 2
 
 
 @dataclass
@@ -194,6 +199,20 @@ class ChunkConfig:
         "threads), 1 on GPU. Which batch runs in which stream is fixed by the plan, so a rerun gives the same output",
         runtime=True,
     )
+    attn_implementation: str = option(
+        "auto",
+        "ppl/msp: the model's attention (transformers' attn_implementation); auto: metachunk's on CPU, "
+        "flash_attention_2 on a GPU where flash-attn is installed, else sdpa. With flash_attention_2 or "
+        "flex_attention, ppl packs windows end to end without padding",
+        runtime=True,
+    )
+    prefetch: int | None = option(
+        None,
+        "groups of documents read, split and tokenized ahead of the model in a thread, and merged and "
+        "written behind it in another (chunking/overlap.py); 0 runs them in turn. Default 2 on a GPU, 0 on "
+        "CPU, where the threads would take the model's cores. The output is the same bytes either way",
+        runtime=True,
+    )
     emit_sentences: bool = option(False, "also write per-sentence spans and the score used for the decision")
     plot: Path | None = option(
         None, "write one PNG per document (score profile with boundaries) into this dir"
@@ -261,8 +280,18 @@ class ChunkConfig:
             return GPU_DOCUMENTS_PER_CALL
         return max((self.batch_size or CPU_ROWS) * 4, 16)
 
+    def prefetch_depth(self) -> int:
+        """``prefetch``, or its default for the device (2 on a GPU, 0 on CPU)."""
+        from metachunk.models import default_device
+
+        if self.prefetch is not None:
+            return self.prefetch
+        return GPU_PREFETCH if str(self.device or default_device()).startswith("cuda") else 0
+
     def __post_init__(self):
         check_choices(self)
+        if self.prefetch is not None and self.prefetch < 0:
+            raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
         for name in ("shards", "workers", "threads_per_worker"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -383,6 +412,14 @@ class ChunkedDocument:
         return record
 
 
+@dataclass
+class PreparedDocuments:
+    """Documents read, split into sentences and, for ppl, tokenized: what `Chunker.decide` takes."""
+
+    docs: list[ChunkedDocument]
+    tokenized: list[tuple[list[int], list[tuple[int, int]]]] | None = None
+
+
 def _with_scores(sentences: Sequence[Sentence], scores: Sequence[float | None]) -> list[Sentence]:
     def clean(x):
         return None if x is None or x != x else float(x)  # NaN (unscored) -> None in JSON
@@ -403,6 +440,7 @@ class Chunker:
     def __init__(self, cfg: ChunkConfig, *, total_chars: int | None = None, progress: bool = True):
         self.cfg = cfg
         self.model = self.tokenizer = self._embed = None
+        self._owner, self._local = threading.current_thread(), threading.local()
         self._scorers: dict[str, MarginScorer] = {}
         self.moc = self.lumber = None
         if cfg.method == "moc":
@@ -421,7 +459,9 @@ class Chunker:
         if cfg.method in LM_METHODS:
             from metachunk.models import load_causal_lm
 
-            self.model, self.tokenizer = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
+            self.model, self.tokenizer = load_causal_lm(
+                cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation
+            )
         elif cfg.len_unit == "token" and cfg.method != "lumber":  # lumber estimates its own tokens
             from transformers import AutoTokenizer
 
@@ -457,10 +497,15 @@ class Chunker:
         out = {"dtype": dict(getattr(self.model, "metachunk_dtype", {"dtype": str(self.model.dtype)}))}
         if self.cfg.method == "ppl":  # how the scorer ran: its streams, and the C kernels it built or not
             from metachunk.engine import kernels
-            from metachunk.engine.scoring import default_streams
+            from metachunk.engine.scoring import default_streams, packs_windows
 
             streams = self.cfg.streams or default_streams(next(self.model.parameters()).device)
-            out["scoring"] = {"streams": streams, "kernels": kernels.status()}
+            out["scoring"] = {
+                "streams": streams,
+                "kernels": kernels.status(),
+                "attention": self.model.config._attn_implementation,
+                "packed_windows": packs_windows(self.model),
+            }
         return out
 
     def summary_lines(self) -> list[str]:
@@ -478,6 +523,17 @@ class Chunker:
             )
         return self._scorers[lang]
 
+    def thread_tokenizer(self):
+        """The tokenizer for the calling thread. transformers sets truncation and padding on the
+        shared Rust tokenizer at every call, which an encoding running in another thread refuses
+        ("Already borrowed", huggingface/transformers#47085), so a thread other than the one that
+        loaded it encodes with its own copy (a corpus run reads ahead and writes behind in threads)."""
+        if self.tokenizer is None or threading.current_thread() is self._owner:
+            return self.tokenizer
+        if getattr(self._local, "tokenizer", None) is None:
+            self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return self._local.tokenizer
+
     def unit(self, lang: str) -> str:
         return self.cfg.len_unit or ("char" if lang == "zh" else "word")
 
@@ -490,22 +546,39 @@ class Chunker:
 
     def segment(self, ids: Sequence[str], texts: Sequence[str]) -> list[ChunkedDocument]:
         """The method's decisions for each document (its sentences, boundaries or the model's own
-        spans), before any merging: the costly part, done once per document."""
+        spans), before any merging: the costly part, done once per document.
+        [`prepare`][metachunk.chunking.pipeline.Chunker.prepare], then
+        [`decide`][metachunk.chunking.pipeline.Chunker.decide]."""
+        return self.decide(self.prepare(ids, texts))
+
+    def prepare(self, ids: Sequence[str], texts: Sequence[str]) -> PreparedDocuments:
+        """What needs no model: each document's language and sentences, and for ppl its tokens. A
+        corpus run calls it in a thread of its own, ahead of the model (`metachunk.chunking.overlap`)."""
         cfg = self.cfg
         langs = [detect_lang(t) if cfg.lang == "auto" else cfg.lang for t in texts]
         sentences = [split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) for t in texts]
+        docs = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
+        tokenized = (
+            tokenize_documents(self.thread_tokenizer(), texts, sentences) if cfg.method == "ppl" else None
+        )
+        return PreparedDocuments(docs, tokenized)
+
+    def decide(self, prepared: PreparedDocuments) -> list[ChunkedDocument]:
+        """The method's decisions for documents from [`prepare`][metachunk.chunking.pipeline.Chunker.prepare]:
+        the model's (or the teacher's) work."""
+        cfg, out = self.cfg, prepared.docs
+        texts = [d.text for d in out]
+        langs = [d.lang for d in out]
+        sentences = [d.sentences for d in out]
         theta = cfg.effective_threshold
-        out = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
 
         if cfg.method == "ppl":
             import torch  # imported here: `metachunk --help` must not pay for it
 
             head_dtype = None if cfg.head_dtype == "auto" else getattr(torch, cfg.head_dtype)
-            scores = score_documents(
+            scores = score_tokenized(
                 self.model,
-                self.tokenizer,
-                texts,
-                sentences,
+                prepared.tokenized,
                 cfg.max_context,
                 cfg.batch_size,
                 head_dtype=head_dtype,
@@ -555,10 +628,10 @@ class Chunker:
         if cfg.method == "fixed":
             return fixed_chunks(d.text, target_len, unit)
         if cfg.method == "sentence":
-            return sentence_chunks(d.text, d.sentences, target_len, unit, self.tokenizer)
+            return sentence_chunks(d.text, d.sentences, target_len, unit, self.thread_tokenizer())
         chunks = d.spans if cfg.method == "moc" else chunks_from_boundaries(d.text, d.sentences, d.boundaries)
         if target_len:
-            chunks = merge_chunks(d.text, chunks, target_len, unit, self.tokenizer)
+            chunks = merge_chunks(d.text, chunks, target_len, unit, self.thread_tokenizer())
         if cfg.overlap:
             chunks = add_sentence_overlap(d.text, chunks, d.sentences)
         return chunks

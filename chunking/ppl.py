@@ -92,12 +92,36 @@ def score_documents(
     streams: int | None = None,
 ) -> list[np.ndarray]:
     """Sentence PPLs for several documents, scored together in batched windows: ``batch_size``
-    rows per forward pass (default: 8 on CPU; on a GPU, the engine's budget from its free memory)."""
+    rows per forward pass (default: 8 on CPU; on a GPU, the engine's budget from its free memory).
+    `tokenize_documents`, then `score_tokenized`: a corpus run calls the two in different threads."""
+    tokenized = tokenize_documents(tokenizer, docs, sentences)
+    return score_tokenized(
+        model, tokenized, max_context, batch_size, on_batch, head_dtype, long_context, streams
+    )
+
+
+def tokenize_documents(
+    tokenizer, docs: Sequence[str], sentences: Sequence[Sequence[Sentence]]
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Each document's token ids and its sentences' token spans (`tokenize_sentences`)."""
+    return [tokenize_sentences(tokenizer, d, s) for d, s in zip(docs, sentences)]
+
+
+def score_tokenized(
+    model,
+    tokenized: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+    max_context: int = 4096,
+    batch_size: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+    head_dtype=None,
+    long_context: str = "sliding-window",
+    streams: int | None = None,
+) -> list[np.ndarray]:
+    """Sentence PPLs of documents already tokenized by `tokenize_documents` (see `score_documents`)."""
     from metachunk.engine.scoring import token_nll
 
     if batch_size is None and next(model.parameters()).device.type != "cuda":
         batch_size = CPU_ROWS
-    tokenized = [tokenize_sentences(tokenizer, d, s) for d, s in zip(docs, sentences)]
     nlls = token_nll(
         model,
         [ids for ids, _ in tokenized],

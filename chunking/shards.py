@@ -47,12 +47,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from metachunk.chunking.overlap import overlapped
 
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, InputError, jsonl_line, write_bytes, write_json
@@ -154,9 +157,12 @@ def chunk_shard(worker: ShardWorker, cfg, source: DocumentSource, index: SourceI
     stats = {"documents": stop - start, "chunks": 0, "chunk_chars": 0}
     position = start
 
-    def emit(chunked) -> None:
+    def with_students(chunked) -> tuple[list, list]:  # each chunk's "rewritten" and "summary"
+        return chunked, worker.students.apply(chunked) if worker.students else [[] for _ in chunked]
+
+    def emit(chunked_with_students) -> None:
         nonlocal position
-        added = worker.students.apply(chunked) if worker.students else [[] for _ in chunked]
+        chunked, added = chunked_with_students
         for doc, fields in zip(chunked, added):
             record = doc.to_json(cfg.method, cfg.emit_sentences)
             for chunk, extra in zip(record["chunks"], fields):  # "rewritten", "summary"
@@ -174,16 +180,29 @@ def chunk_shard(worker: ShardWorker, cfg, source: DocumentSource, index: SourceI
 
     if segmented is not None:
         for k in range(start, stop, group):
-            emit(segmented[k : min(k + group, stop)])
+            emit(with_students(segmented[k : min(k + group, stop)]))
         return stats
-    docs = []
-    for doc in source.documents(start, stop, index):
-        docs.append(doc)
-        if len(docs) == group:
-            emit(worker.chunker.chunk([d.id for d in docs], [d.text for d in docs]))
-            docs = []
-    if docs:
-        emit(worker.chunker.chunk([d.id for d in docs], [d.text for d in docs]))
+
+    chunker = worker.chunker
+
+    def prepare(docs):
+        return chunker.prepare([d.id for d in docs], [d.text for d in docs])
+
+    def assemble(segmented_docs):  # merged to the target length: the chunks a record holds
+        for d in segmented_docs:
+            d.chunks = chunker.assemble(d, cfg.target_len)
+        return segmented_docs
+
+    # Read, split and tokenized ahead of the model; merged and written behind it (chunking/overlap.py).
+    # The students generate on the merged chunks with their own models: in the thread that drives
+    # the device, so a stop never waits for a group's generation in another thread.
+    if worker.students:
+        score, finish = lambda prepared: with_students(assemble(chunker.decide(prepared))), emit
+    else:
+        score, finish = chunker.decide, lambda decided: emit(with_students(assemble(decided)))
+    documents = source.documents(start, stop, index)
+    groups = iter(lambda: list(itertools.islice(documents, group)), [])
+    overlapped(groups, prepare, score, finish, depth=cfg.prefetch_depth())
     return stats
 
 

@@ -263,8 +263,31 @@ def pick_dtype(dtype: str, device: str, cpuinfo: str | None = None) -> tuple[str
     return "float32", f"auto: the CPU has no native bfloat16 ({' or '.join(NATIVE_BF16_FLAGS)})"
 
 
+def pick_attention(requested: str, device: str) -> str | None:
+    """The ``attn_implementation`` `load_causal_lm` asks transformers for. ``auto``: on CPU,
+    `metachunk.engine.attention`'s; on a GPU, flash-attention 2 where the ``flash_attn`` package is
+    installed (its varlen kernel reads the engine's packed windows, no padding), else transformers'
+    default (SDPA). Any other value is passed as given (``sdpa``, ``eager``, ``flex_attention``,
+    ``flash_attention_2``; https://huggingface.co/docs/transformers/attention_interface)."""
+    import importlib.util
+
+    from metachunk.engine import attention
+
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        return attention.register()
+    if device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return None
+
+
 def load_causal_lm(
-    name_or_dir: str, device: str | None = None, dtype: str = "auto", use_safetensors: bool | None = None
+    name_or_dir: str,
+    device: str | None = None,
+    dtype: str = "auto",
+    use_safetensors: bool | None = None,
+    attn_implementation: str = "auto",
 ):
     """Load (model, tokenizer) for a preset or a local dir, in eval mode.
 
@@ -272,12 +295,11 @@ def load_causal_lm(
     (AMX or AVX-512 BF16), float32 elsewhere; ``float32`` is the exact path (per-token scores equal
     the per-sentence reference within 1e-4). What was picked and why is on the model as
     ``model.metachunk_dtype``. ``use_safetensors=True`` refuses pickled (``.bin``) weights.
+    ``attn_implementation``: see `pick_attention`.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    from metachunk.engine import attention
 
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
     path = resolve(name_or_dir)
@@ -285,8 +307,8 @@ def load_causal_lm(
     picked, why = pick_dtype(dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     # On CPU, metachunk.engine.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
-    # is slow (wide heads, sliding windows); elsewhere transformers' default.
-    implementation = attention.register() if device == "cpu" else None
+    # is slow (wide heads, sliding windows); on a GPU flash-attention where installed.
+    implementation = pick_attention(attn_implementation, device)
     model = (
         AutoModelForCausalLM.from_pretrained(
             path,

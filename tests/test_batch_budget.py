@@ -66,3 +66,82 @@ def test_documents_per_call(tiny_model_dir):
     assert cfg(device="cpu").documents_per_call() == 32  # 4 x the 8 rows of a CPU batch
     assert cfg(device="cpu", batch_size=2).documents_per_call() == 16
     assert cfg(device="cuda").documents_per_call() == GPU_DOCUMENTS_PER_CALL
+
+
+# ---- packed windows (padding-free rows, for flash-attention's varlen and flex attention) ---------
+
+
+def test_a_packed_plan_puts_windows_end_to_end_in_order_under_the_budget():
+    windows = [Window(i, 0, n, 1) for i, n in enumerate([900, 700, 700, 400, 300, 300, 120, 5])]
+    batches = scoring.plan_packed(windows, 1024)
+    assert [w for b in batches for w in b] == windows  # every window once, in the plan's order
+    assert all(sum(w.end - w.start for w in b) <= 1024 for b in batches)
+    assert [len(b) for b in batches] == [1, 1, 1, 3, 2]  # 900 | 700 | 700 | 400+300+300 | 120+5
+    assert scoring.plan_packed([Window(0, 0, 4096, 1)], 1024) == [[Window(0, 0, 4096, 1)]]  # a long one alone
+
+
+def test_packed_rows_score_as_padded_batches_do(tiny):
+    """fp32: the windows of documents of every length, end to end in rows with positions restarting
+    (attention kept inside each window by transformers' packed-sequence mask), give the NLL of the
+    padded plan, every token scored once."""
+    model, tok = tiny
+    docs = ["Emma Woodhouse, handsome, clever, and rich. She had lived nearly twenty-one years. " * (k % 5 + 1)
+            for k in range(14)]  # fmt: skip
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    kw = dict(max_context=64, batch_tokens=256, max_batch_size=8, streams=1)
+    padded = token_nll(model, ids, pack=False, allow_padding=True, **kw)
+    packed = token_nll(model, ids, pack=True, **kw)
+    for a, b, seq in zip(padded, packed, ids):
+        assert np.isnan(a[0]) and np.isnan(b[0]) and not np.isnan(b[1:]).any() and len(b) == len(seq)
+        np.testing.assert_allclose(b[1:], a[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_packing_is_the_default_only_where_attention_reads_packed_rows(tiny):
+    model, _ = tiny
+    before = model.config._attn_implementation
+    try:
+        assert not scoring.packs_windows(model)  # the CPU attention: padded batches, as measured
+        for name in scoring.PACKED_ATTENTION:
+            model.config._attn_implementation = name
+            assert scoring.packs_windows(model)
+        model.config._attn_implementation = "sdpa"
+        assert not scoring.packs_windows(model)
+    finally:
+        model.config._attn_implementation = before
+
+
+def test_flex_attention_reads_the_packed_rows_as_the_padded_plan(tiny_model_dir):
+    """The GPU's packed path through a real packed-row attention: flex attention, whose block mask
+    transformers builds from the position ids (compiled by torch on CPU here too)."""
+    from metachunk.models import load_causal_lm
+
+    padded_model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
+    flex_model, _ = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32",
+                                   attn_implementation="flex_attention")  # fmt: skip
+    assert scoring.packs_windows(flex_model) and not scoring.packs_windows(padded_model)
+    docs = ["Emma Woodhouse, handsome, clever, and rich. She had lived nearly twenty-one years. " * k
+            for k in (1, 2, 3, 4)]  # fmt: skip
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    kw = dict(max_context=64, batch_tokens=1024, max_batch_size=8, streams=1)
+    padded = token_nll(padded_model, ids, allow_padding=True, **kw)
+    packed = token_nll(flex_model, ids, **kw)
+    for a, b in zip(padded, packed):
+        np.testing.assert_allclose(b[1:], a[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_is_picked_for_the_device(monkeypatch):
+    import importlib.util
+
+    from metachunk.engine import attention
+    from metachunk.models import pick_attention
+
+    assert pick_attention("auto", "cpu") == attention.NAME
+    assert (
+        pick_attention("sdpa", "cpu") == "sdpa"
+        and pick_attention("flex_attention", "cuda") == "flex_attention"
+    )
+    real = importlib.util.find_spec
+    for installed, expected in ((True, "flash_attention_2"), (False, None)):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, on=installed: object() if name == "flash_attn" and on else real(name))  # fmt: skip
+        assert pick_attention("auto", "cuda") == expected

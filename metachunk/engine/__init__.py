@@ -1,7 +1,8 @@
 """The scoring engine: what turns a causal LM into per-token numbers, fast, on CPU and GPU.
 
 - `metachunk.engine.scoring`: per-token NLL over many documents (``token_nll``): length-sorted
-  batch plans under a token budget, windows with a shared context for long documents, the LM head
+  batch plans under a token budget (padded, or packed end to end where the attention reads packed
+  rows), windows with a shared context for long documents, the LM head
   in tiles with an exact target logit, batches run side by side in streams; continuation NLL for
   margin sampling and re-ranking.
 - `metachunk.engine.attention`: attention on CPU (SDPA where its kernel is fast, blocks of

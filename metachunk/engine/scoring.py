@@ -280,6 +280,7 @@ def token_nll(
     allow_padding: bool | None = None,
     long_context: str = "sliding-window",
     streams: int | None = None,
+    pack: bool | None = None,
 ) -> list[np.ndarray]:
     """NLL in nats of every token given all preceding tokens of its sequence (within the window).
 
@@ -301,6 +302,12 @@ def token_nll(
     On the 2-core CPU bench they ran at the same speed (the trimmed cache needs an explicit
     attention mask, which costs what the saved recomputation gains), so the default is the mode
     that works for every model.
+
+    ``pack`` (default `packs_windows`: where the model's attention reads packed rows natively)
+    puts a batch's windows end to end in one row, with positions restarting at 0 in each window and
+    no padding (`plan_packed`); transformers then confines attention to each window (flash-attention's
+    varlen kernel, or flex attention's block mask, from the position ids). Otherwise windows of
+    similar length share a padded batch (`plan_batches`).
 
     ``head_dtype`` (default: the weights' dtype) runs the LM head's matmul in another dtype, e.g.
     ``torch.bfloat16`` for speed on CPUs with AMX; see `_sliced_nll` for what stays exact.
@@ -342,10 +349,17 @@ def token_nll(
         for w in plan_windows(len(s), max_context, i)
     ]
     windows.sort(key=lambda w: w.end - w.start, reverse=True)
-    batches = plan_batches(windows, batch_tokens, max_batch_size, allow_padding)
+    if pack is None:
+        pack = packs_windows(model)
+    if pack:
+        batches = plan_packed(windows, batch_tokens)
+    else:
+        batches = plan_batches(windows, batch_tokens, max_batch_size, allow_padding)
     streams = min(streams or default_streams(device), max(1, len(batches)))
     if streams == 1:
-        _score_batches(model, sequences, batches, _HeadQueue(model, head_rows, low, results), on_batch)
+        _score_batches(
+            model, sequences, batches, _HeadQueue(model, head_rows, low, results), on_batch, pack=pack
+        )
         return results
 
     # Streams: each scores its own batches, with its own head queue and an equal share of the
@@ -366,7 +380,7 @@ def token_nll(
         torch.set_num_threads(share)
         with torch.inference_mode():
             head = _HeadQueue(model, head_rows, low, results)
-            _score_batches(model, sequences, lanes[k], head, progress if on_batch else None, stop)
+            _score_batches(model, sequences, lanes[k], head, progress if on_batch else None, stop, pack)
 
     pool = ThreadPoolExecutor(streams, thread_name_prefix="token_nll")
     futures = []
@@ -418,6 +432,36 @@ def plan_batches(
     return batches
 
 
+# Attention implementations that read packed rows natively: from the position ids, transformers
+# gives flash-attention its varlen offsets and flex attention a block mask (masking_utils'
+# find_packed_sequence_indices), so no FLOP is spent on padding or across windows. SDPA would get a
+# dense block-diagonal mask instead (rows x rows per batch), so it keeps padded batches.
+PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def packs_windows(model) -> bool:
+    """Whether `token_nll` packs windows for ``model`` by default: where its attention is one of
+    ``PACKED_ATTENTION``."""
+    return getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
+
+
+def plan_packed(windows: Sequence[Window], batch_tokens: int) -> list[list[Window]]:
+    """Windows (longest first) put end to end in rows of at most ``batch_tokens`` tokens, one row
+    a batch, in the plan's order: no padding, and the same windows in the same order as a padded
+    plan would score them."""
+    batches, row, used = [], [], 0
+    for w in windows:
+        n = w.end - w.start
+        if row and used + n > batch_tokens:
+            batches.append(row)
+            row, used = [], 0
+        row.append(w)
+        used += n
+    if row:
+        batches.append(row)
+    return batches
+
+
 def assign_batches(batches: Sequence[list[Window]], streams: int) -> list[list[list[Window]]]:
     """Batches dealt to ``streams`` lanes, each to the lane with the least work so far (padded
     tokens; ties to the lower lane), keeping the plan's order within a lane. Depends only on the
@@ -438,29 +482,38 @@ def _score_batches(
     head: _HeadQueue,
     on_batch: Callable[[int], None] | None,
     stop: threading.Event | None = None,
+    pack: bool = False,
 ) -> None:
-    """One stream's forward passes, each batch's scored positions queued for the LM head."""
+    """One stream's forward passes, each batch's scored positions queued for the LM head. A batch
+    is padded rows, one window each, or with ``pack`` one row of its windows end to end."""
     device = next(model.parameters()).device
     decoder = model.get_decoder()
     for n, batch in enumerate(batches):
         if stop is not None and stop.is_set():
             return
-        longest = max(w.end - w.start for w in batch)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros(len(batch), longest, dtype=torch.long)
-        for r, w in enumerate(batch):
-            ids[r, : w.end - w.start] = torch.as_tensor(sequences[w.seq][w.start : w.end])
-            mask[r, : w.end - w.start] = 1
-        padded = bool((mask == 0).any())
-        hidden = decoder(
-            input_ids=ids.to(device), attention_mask=mask.to(device) if padded else None, use_cache=False
-        )
-        hidden = hidden.last_hidden_state
+        # Each window's row and its first column in the batch's input.
+        if pack:
+            lengths = [w.end - w.start for w in batch]
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+            places = [(0, a) for a in starts]
+            ids = torch.as_tensor([t for w in batch for t in sequences[w.seq][w.start : w.end]])[None]
+            positions = torch.cat([torch.arange(k) for k in lengths])[None]
+            inputs = {"position_ids": positions.to(device)}
+        else:
+            longest = max(w.end - w.start for w in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            mask = torch.zeros(len(batch), longest, dtype=torch.long)
+            for r, w in enumerate(batch):
+                ids[r, : w.end - w.start] = torch.as_tensor(sequences[w.seq][w.start : w.end])
+                mask[r, : w.end - w.start] = 1
+            places = [(r, 0) for r in range(len(batch))]
+            inputs = {"attention_mask": mask.to(device)} if bool((mask == 0).any()) else {}
+        hidden = decoder(input_ids=ids.to(device), use_cache=False, **inputs).last_hidden_state
 
         # Position p is predicted by the hidden state at p - 1 (window-relative).
         rows_idx, cols_idx, targets = [], [], []
-        for r, w in enumerate(batch):
-            cols = torch.arange(w.score_from - w.start - 1, w.end - w.start - 1)
+        for (r, a), w in zip(places, batch):
+            cols = torch.arange(a + w.score_from - w.start - 1, a + w.end - w.start - 1)
             rows_idx.append(torch.full_like(cols, r))
             cols_idx.append(cols)
             targets.append(ids[r, cols + 1])
