@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU figures, as one prepared script (about 6-8 minutes on an H200; well under 8):
 #   1. bench/ppl_speed.py --device cuda     PPL engine vs the per-sentence loop (target >= 10x)
-#   2. bench/msp_speed.py --device cuda     MSP batched pairs vs one call per pair (target >= 5x)
+#   2. bench/msp_speed.py --device cuda     MSP batched pairs vs one call per pair at the 1.5B shape,
+#                                           GPU-sized batches (target >= 5x)
 #   3. bench/train_mfu_gpu.py               training MFU, Qwen2.5-0.5B shape (target >= 40%)
 #   4. metachunk chunk -o DIR on one GPU    1 worker, then 2 workers sharing it; same shards
-#   5. bench/ppl_speed.py --methods engine,plain-batched at the 0.5B, 1.5B and 7B shapes, on the
-#      1,200 CRUD articles: the engine against the batched transformers pass a user would write,
-#      each with its FLOP rate against the GEMM measured in the same run
-# Steps 1, 2 and 4 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
-# GPU_CHECK_MODEL names a model dir: speed does not need trained weights.
+#   5. bench/ppl_speed.py --methods engine,chunk,plain-batched at the 0.5B, 1.5B and 7B shapes, on the
+#      1,200 CRUD articles: the engine's scoring and the whole `metachunk chunk` command (less its
+#      model load) against the batched transformers pass a user would write (tokenize + score), each
+#      with its FLOP rate against the GEMM measured in the same run
+# Steps 1 and 4 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
+# GPU_CHECK_MODEL names a model dir, step 2 the 1.5B shape: speed does not need trained weights.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine
 #   bash bench/gpu_check.sh --dry-run  # anywhere: the same steps on CPU, tiny sizes (the test suite runs it)
@@ -60,6 +62,7 @@ if [[ $DRY == 1 ]]; then
   DEVICE=cpu; SHAPE=tiny
   PPL_ARGS=(--docs 2 --methods engine,loop --max-context 512)
   MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
+  MSP_SHAPE=tiny
   MFU_ARGS=(--tiny --device cpu --dtype float32)
   PLAIN_SHAPES=(tiny)
   PLAIN_ARGS=(--corpus emma --docs 2 --max-context 512)
@@ -68,7 +71,8 @@ if [[ $DRY == 1 ]]; then
 else
   DEVICE=cuda; SHAPE=qwen2-0.5b
   PPL_ARGS=(--docs 20 --methods engine,loop)
-  MSP_ARGS=()
+  MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --block 64)
+  MSP_SHAPE=qwen2-1.5b
   MFU_ARGS=()
   PLAIN_SHAPES=(qwen2-0.5b qwen2-1.5b qwen2-7b)
   PLAIN_ARGS=(--corpus crud --docs 1200)
@@ -94,7 +98,12 @@ MODEL=${GPU_CHECK_MODEL:-$OUT/random-$SHAPE}
 [[ -n "${GPU_CHECK_MODEL:-}" ]] || step random_model "$PY" bench/random_model.py --shape "$SHAPE" --out "$MODEL"
 
 step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" "${PPL_ARGS[@]}"
-step msp_speed "$PY" bench/msp_speed.py --model "$MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
+MSP_MODEL=$MODEL
+if [[ $MSP_SHAPE != "$SHAPE" ]]; then
+  MSP_MODEL=$OUT/random-$MSP_SHAPE
+  [[ -f $MSP_MODEL/config.json ]] || step "random_$MSP_SHAPE" "$PY" bench/random_model.py --shape "$MSP_SHAPE" --out "$MSP_MODEL"
+fi
+step msp_speed "$PY" bench/msp_speed.py --model "$MSP_MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
 step train_mfu "$PY" bench/train_mfu_gpu.py --out "$OUT/train_mfu.json" "${MFU_ARGS[@]}"
 
 "$PY" - "$CHUNK_FILE" "$CHUNK_DOCS" "$OUT/corpus.jsonl" <<'PYEOF'
@@ -128,7 +137,7 @@ for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16
   [[ $shape == "$SHAPE" && -n "${GPU_CHECK_MODEL:-}" ]] && dir=$MODEL
   [[ -f $dir/config.json ]] || step "random_$shape" "$PY" bench/random_model.py --shape "$shape" --out "$dir"
   step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
-    --methods engine,plain-batched "${PLAIN_ARGS[@]}"
+    --methods engine,chunk,plain-batched "${PLAIN_ARGS[@]}"
 done
 echo "summary: $SUMMARY"
 exit $status

@@ -210,6 +210,8 @@ def worker(args) -> None:
         return gemm_worker(args)
     if args.worker == "plain-batched":
         return plain_batched_worker(args, docs)
+    if args.worker == "chunk":
+        return chunk_worker(args, docs)
     model, tok = load_causal_lm(args.model, device=args.device, dtype=dtype)
     sentences = [split_sentences(d, args.lang) for d in docs]
     tokenized = [tokenize_sentences(tok, d, s) for d, s in zip(docs, sentences)]
@@ -292,6 +294,47 @@ def plain_batched_worker(args, docs: list[str]) -> None:
               "dtype": {"dtype": name, "why": "plain-batched: bf16 on a GPU, --dtype elsewhere"}, "streams": 1,
               "flops": plain_flops(model, counts["processed"], counts["scored"]), "plain": counts,
               "shapes": model_shapes(model)}  # fmt: skip
+    Path(args.out + ".json").write_text(json.dumps(result))
+
+
+def chunk_worker(args, docs: list[str]) -> None:
+    """``chunk``: the whole ``metachunk chunk --method ppl`` command on the documents, as a user runs
+    it (reading, splitting, tokenizing, scoring, deciding, writing; on a GPU the reading ahead and
+    writing behind of chunking/overlap.py), timed as its summary's seconds minus its model load."""
+    import torch
+
+    from metachunk.cli import main as cli
+    from metachunk.models import load_causal_lm
+
+    folder = Path(args.out + ".run")
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(k), "text": d}, ensure_ascii=False) + "\n"
+                              for k, d in enumerate(docs)), encoding="utf-8")  # fmt: skip
+    argv = ["chunk", str(corpus), "-o", str(folder / "chunks.jsonl"), "--method", "ppl", "--model", args.model,
+            "--lang", args.lang, "--dtype", args.dtype, "--max-context", str(args.max_context), "--overwrite"]  # fmt: skip
+    for flag, value in (
+        ("--device", args.device),
+        ("--batch-size", args.batch_size),
+        ("--streams", args.streams),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    cpu0 = time.process_time()
+    if cli(argv) != 0:
+        raise SystemExit("ppl_speed: metachunk chunk failed")
+    cpu = time.process_time() - cpu0
+    meta = json.loads((folder / "chunks.meta.json").read_text())
+    summary = meta["summary"]
+    model, tok = load_causal_lm(args.model, device="cpu", dtype="float32")  # for the token count only
+    lengths = [len(x) for x in tok(docs, add_special_tokens=False)["input_ids"]]
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    np.savez(args.out)
+    result = {"wall_s": summary["seconds"] - summary["model_load_seconds"], "cpu_s": cpu,
+              "load_rss_mb": 0.0, "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu, "tokens": sum(lengths),
+              "sentences": 0, "spans": None, "dtype": meta.get("dtype", {}), "streams": 1,
+              "flops": exact_pass_flops(model, lengths, args.max_context), "shapes": model_shapes(model),
+              "chunk_summary": summary}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
 
@@ -425,14 +468,20 @@ def main() -> None:
         "--methods",
         default="engine,loop,plain",
         help="any of engine (--dtype, default auto), engine-fp32, engine-bf16, engine-bf16head, loop, loop-bf16, "
-        "plain, plain-batched (the batched transformers pass a user would write: tokenize + score)",
+        "plain, plain-batched (the batched transformers pass a user would write: tokenize + score), "
+        "chunk (the whole `metachunk chunk --method ppl` command, less its model load)",
     )
     p.add_argument("--shapes", help=argparse.SUPPRESS)
     p.add_argument("--gemm-dtypes", default="float32,bfloat16", help=argparse.SUPPRESS)
     p.add_argument("--threshold", type=float, nargs="+", default=[0.0, 0.5], help="θ values for boundary F1")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--long-context", default="sliding-window", choices=["kv-trim", "sliding-window"])
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="engine rows per batch (default: the engine's, for the device)",
+    )
     p.add_argument(
         "--streams", type=int, default=None, help="engine: batches side by side (default: token_nll's)"
     )
@@ -471,7 +520,7 @@ def main() -> None:
             flush=True,
         )
 
-    engines = [m for m in results if m.startswith("engine") or m == "plain-batched"]
+    engines = [m for m in results if m.startswith("engine") or m in ("plain-batched", "chunk")]
     gemm = {}
     if engines:  # this machine's best GEMM rate per dtype, measured beside the runs
         out = os.path.join(tmp, "gemm")
@@ -529,7 +578,7 @@ def main() -> None:
             x = results["engine-fp32"]["wall_s"] / results["engine"]["wall_s"]
             print(f"auto vs the float32 engine: {x:.2f}x wall")
             summary["auto_speedup_vs_fp32_engine"] = x
-    for name in ("engine", "engine-fp32", "engine-bf16head", "engine-bf16"):
+    for name in ("engine", "chunk", "engine-fp32", "engine-bf16head", "engine-bf16"):
         if name not in results:
             continue
         e = results[name]

@@ -43,6 +43,10 @@ ACCUMULATED_MAX_CHARS = 1500
 # pair lengths have a long tail: with fixed rows only, 16 rows of 64 Emma pairs were 32% padding
 # and slower on CPU than 4 rows (bench/msp_speed.py).
 MAX_PADDING = 0.1
+# Pairs per batch on CPU, and the tokens a pair is counted as when a GPU's budget is divided into
+# rows (Emma's pairs are 40-120 tokens after the prompt's prefix).
+CPU_PAIR_ROWS = 8
+GPU_PAIR_TOKENS = 128
 
 
 def length_batches(
@@ -147,8 +151,23 @@ class MarginScorer:
         probs = torch.softmax(logits.float(), dim=-1)
         return (probs[:, self.keep_id] - probs[:, self.split_id]).cpu().numpy().astype(np.float64)
 
-    def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int = 8) -> np.ndarray:
-        """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches."""
+    def default_rows(self, free_bytes: int | None = None) -> int:
+        """Pairs per forward pass when not told: 8 on CPU (the plan every CPU figure was measured
+        with); on a GPU, what the engine's token budget for its free memory holds
+        (`metachunk.engine.scoring.batch_budget`), counting each row as the shared prefix (whose
+        KV cache every row copies) plus ``GPU_PAIR_TOKENS`` of pair. ``free_bytes``: as for
+        ``batch_budget`` (default: the device's)."""
+        from metachunk.engine.scoring import batch_budget
+
+        if self.device.type != "cuda":
+            return CPU_PAIR_ROWS
+        row = len(self.prefix_ids) + GPU_PAIR_TOKENS
+        tokens, _ = batch_budget(self.model, row, self.device, free_bytes)
+        return max(CPU_PAIR_ROWS, tokens // row)
+
+    def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int | None = None) -> np.ndarray:
+        """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches of
+        at most ``batch_size`` rows (default `default_rows`)."""
         import torch
 
         from metachunk.engine.scoring import lm_head_logits
@@ -164,7 +183,7 @@ class MarginScorer:
             suffixes = [self.pair_ids(a, b) for a, b in pairs]
             out = np.empty(len(pairs))
             # similar lengths share a batch
-            for idx in length_batches([len(s) for s in suffixes], batch_size):
+            for idx in length_batches([len(s) for s in suffixes], batch_size or self.default_rows()):
                 longest = max(len(suffixes[i]) for i in idx)
                 ids = torch.zeros(len(idx), longest, dtype=torch.long)
                 mask = torch.zeros(len(idx), n_prefix + longest, dtype=torch.long)
@@ -235,7 +254,7 @@ def msp_decisions(
     threshold: float = 0.0,
     dynamic: bool = False,
     window: int | None = None,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> list[MspResult]:
     if mode not in ("pair", "accumulated"):

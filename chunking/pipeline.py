@@ -599,7 +599,7 @@ class Chunker:
                     threshold=theta,
                     dynamic=cfg.dynamic_threshold,
                     window=cfg.threshold_window,
-                    batch_size=cfg.batch_size or CPU_ROWS,
+                    batch_size=cfg.batch_size,  # default: the scorer's, sized for the device
                 )
                 for k, res in zip(idx, results):
                     out[k].sentences = _with_scores(out[k].sentences, res.margins)

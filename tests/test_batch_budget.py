@@ -145,3 +145,16 @@ def test_attention_is_picked_for_the_device(monkeypatch):
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, on=installed: object() if name == "flash_attn" and on else real(name))  # fmt: skip
         assert pick_attention("auto", "cuda") == expected
+
+
+def test_a_gpu_reads_the_head_in_bigger_tiles_and_the_tile_changes_no_score(tiny):
+    assert scoring.head_tile(torch.device("cpu")) == (scoring.DEFAULT_HEAD_ROWS, scoring.DEFAULT_VOCAB_BLOCK)
+    assert scoring.head_tile(CUDA) == (scoring.GPU_HEAD_ROWS, scoring.GPU_VOCAB_BLOCK)
+    model, _ = tiny
+    torch.manual_seed(0)
+    hidden = torch.randn(300, model.config.hidden_size)
+    targets = torch.randint(0, model.config.vocab_size, (300,))
+    with torch.inference_mode():  # as token_nll calls it
+        small = scoring._sliced_nll(model, hidden, targets, head_rows=64, vocab_block=100)
+        whole = scoring._sliced_nll(model, hidden, targets, head_rows=8192, vocab_block=32768)  # one tile
+    torch.testing.assert_close(small, whole, rtol=1e-5, atol=1e-5)

@@ -422,3 +422,21 @@ def test_length_batches_cover_every_pair_once_within_limits(lengths, batch_size)
         if len(b) > 1:
             longest = max(lengths[i] for i in b)
             assert len(b) * longest <= (1 + MAX_PADDING) * sum(lengths[i] for i in b) + 1e-9
+
+
+def test_pairs_per_batch_follow_the_device(scorers, monkeypatch):
+    """8 pairs a batch on CPU (every CPU figure's plan); on a GPU what the engine's budget for its
+    free memory holds, each row counted as the prefix plus GPU_PAIR_TOKENS (a fake free-memory
+    figure: no GPU needed)."""
+    import torch
+
+    from metachunk.chunking import msp
+    from metachunk.engine.scoring import batch_budget
+
+    scorer = scorers["en"]
+    assert scorer.default_rows() == msp.CPU_PAIR_ROWS == 8
+    monkeypatch.setattr(scorer, "device", torch.device("cuda"))
+    row = len(scorer.prefix_ids) + msp.GPU_PAIR_TOKENS
+    for free in (10 * 2**30, 80 * 2**30):
+        tokens, _ = batch_budget(scorer.model, row, torch.device("cuda"), free)
+        assert scorer.default_rows(free_bytes=free) == max(8, tokens // row) > 8
