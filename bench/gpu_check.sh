@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures, as one prepared script (about 6-8 minutes on an H200; well under 8):
+# The GPU figures, as one prepared script, sized for a 15-minute device slot (GPU_CHECK_STEP_TIMEOUT bounds each step):
 #   1. bench/ppl_speed.py --device cuda     PPL engine vs the per-sentence loop (target >= 10x)
 #   2. bench/msp_speed.py --device cuda     MSP batched pairs vs one call per pair at the 1.5B shape,
 #                                           GPU-sized batches (target >= 5x)
@@ -9,6 +9,8 @@
 #      1,200 CRUD articles: the engine's scoring and the whole `metachunk chunk` command (less its
 #      model load) against the batched transformers pass a user would write (tokenize + score), each
 #      with its FLOP rate against the GEMM measured in the same run
+#   6. bench/scoring_parity.py              fp32 on the GPU within 1e-3 nats of the CPU reference, and
+#                                           a bf16 rerun with the same plan byte-identical
 # Steps 1 and 4 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
 # GPU_CHECK_MODEL names a model dir, step 2 the 1.5B shape: speed does not need trained weights.
 #
@@ -63,6 +65,7 @@ if [[ $DRY == 1 ]]; then
   PPL_ARGS=(--docs 2 --methods engine,loop --max-context 512)
   MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
   MSP_SHAPE=tiny
+  PARITY_ARGS=(--gpu-plan --corpus emma --docs 6 --max-context 512)
   MFU_ARGS=(--tiny --device cpu --dtype float32)
   PLAIN_SHAPES=(tiny)
   PLAIN_ARGS=(--corpus emma --docs 2 --max-context 512)
@@ -73,6 +76,7 @@ else
   PPL_ARGS=(--docs 20 --methods engine,loop)
   MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --block 64)
   MSP_SHAPE=qwen2-1.5b
+  PARITY_ARGS=(--corpus crud --docs 200)
   MFU_ARGS=()
   PLAIN_SHAPES=(qwen2-0.5b qwen2-1.5b qwen2-7b)
   PLAIN_ARGS=(--corpus crud --docs 1200)
@@ -139,5 +143,7 @@ for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16
   step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
     --methods engine,chunk,plain-batched "${PLAIN_ARGS[@]}"
 done
+step scoring_parity "$PY" bench/scoring_parity.py --model "$MODEL" --device "$DEVICE" \
+  --out "$OUT/scoring_parity.json" "${PARITY_ARGS[@]}"
 echo "summary: $SUMMARY"
 exit $status
