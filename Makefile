@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test lint install bench clean docs
+.PHONY: demo test lint install bench clean docs wheelhouse
 
 # llama.cpp's default build is -march=native, which on a CPU with AMX compiles ggml's AMX matmul,
 # and that crashed the server on its first request (SIGSEGV in ggml_backend_amx_mul_mat,
@@ -56,6 +56,22 @@ test: lint
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# An offline GPU node's install (tools/wheelhouse.py, docs/install.md): the wheels that
+# `pip install --no-index --find-links $(WHEELHOUSE) --no-build-isolation 'metachunk[train]'` needs
+# there, for its Python and platform, at the pins of constraints.txt; never torch, which the node
+# keeps. NODE_FREEZE (the node's `pip list --format=freeze`) leaves out what it has at a good version;
+# DRY_RUN=1 lists what would be fetched and why, and fetches nothing.
+WHEELHOUSE     ?= dist/wheelhouse
+PYTHON_VERSION ?= 3.12
+PLATFORM       ?= manylinux_2_28_x86_64
+EXTRAS         ?= train
+NODE_FREEZE    ?=
+DRY_RUN        ?=
+
+wheelhouse: $(STAMP)
+	$(PY) tools/wheelhouse.py --dest $(WHEELHOUSE) --python-version $(PYTHON_VERSION) --platform $(PLATFORM) \
+	  --extras $(EXTRAS) $(if $(NODE_FREEZE),--node-freeze $(NODE_FREEZE)) $(if $(filter-out 0,$(DRY_RUN)),--dry-run)
 
 bench: $(STAMP)
 	$(PY) bench/ppl_speed.py --methods loop,engine,engine-bf16,loop-bf16,plain

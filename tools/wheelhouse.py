@@ -1,0 +1,587 @@
+"""``make wheelhouse``: a folder of wheels from which an offline GPU node installs ``metachunk[train]``.
+
+A GPU node in a cluster often reaches no package index and no Hub. This script collects, on a
+machine that does, what ``pip install --no-index --find-links DIR 'metachunk[train]'`` needs there,
+for the node's Python version and platform:
+
+- metachunk's own wheel, built from this checkout;
+- the wheels of the core dependencies and of the extras asked for (``train`` by default), and of
+  everything they need, at exactly the versions the suite runs on: ``constraints.txt``'s pins, and
+  for the packages it does not pin, the versions installed in this venv (installed under those pins);
+- DeepSpeed as its sdist, which the node builds against its own torch (``--no-build-isolation``).
+
+Never torch, nor what comes with a torch build (triton, the ``nvidia-*`` CUDA runtime wheels,
+torchvision): the node keeps its own CUDA build, and the core only asks for ``torch>=2.6``.
+
+Given the node's ``pip list --format=freeze`` or ``pip freeze`` (``--node-freeze``), a package the
+node already has at a version that meets every requirement on it is left out, so the folder holds
+only what the node lacks. The dependency closure is computed offline, from ``pyproject.toml``,
+``constraints.txt`` and the requirements of the packages installed in this venv, with markers
+evaluated for the node's Python and platform; ``--dry-run`` prints it (what is fetched and why,
+what is left out and why) and touches no network.
+
+Exit status: 0 done, 1 a download or build failed (nothing is written), 2 bad input (a missing or
+malformed freeze file, a bad option), named in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    canonicalize_name,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
+from packaging.version import InvalidVersion, Version
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = "metachunk"
+
+# Built on the node from the sdist: its setup.py reads the installed torch (its version and CUDA go
+# into the package, and DS_BUILD_OPS=1 pre-compiles the ops with the node's nvcc), and torch must be
+# installed before it, which pip's isolated build environment would not see
+# (https://www.deepspeed.ai/tutorials/advanced-install/: "PyTorch must be installed before
+# pre-compiling any DeepSpeed C++/CUDA ops"). Hence --no-build-isolation on the node.
+FROM_SDIST = {"deepspeed"}
+# What those builds add that this venv's metadata cannot show. DeepSpeed's setup.py appends
+# nvidia-ml-py to its requirements when the torch it builds against is a CUDA build (not so on a
+# CPU machine like this one). Building it without isolation and without the `wheel` package needs
+# setuptools' own bdist_wheel, which setuptools has had since 70.1; that requirement lapses where
+# the node already has DeepSpeed and nothing is built.
+ADDED_ON_NODE = {"deepspeed": [("nvidia-ml-py", "deepspeed built against a CUDA torch")]}
+BUILD_REQUIRES = {"deepspeed": [("setuptools>=70.1", "building deepspeed's sdist")]}
+# Packages that declare no requirements of their own, though this venv does not have them
+# installed to read it from (checked against the wheel's METADATA).
+NO_REQUIREMENTS = {"nvidia-ml-py"}
+# The node's torch build brings these, matched to it; a wheel from here would replace them.
+TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "triton", "pytorch-triton"}
+
+
+def comes_with_torch(name: str) -> bool:
+    # nvidia-ml-py is NVML's Python binding, no CUDA runtime library: DeepSpeed asks for it.
+    return (
+        name in TORCH_FAMILY
+        or name.startswith("cuda-")
+        or (name.startswith("nvidia-") and name != "nvidia-ml-py")
+    )
+
+
+class BadInput(Exception):
+    """Input the user can fix: printed as one line, exit status 2."""
+
+
+class FetchFailed(Exception):
+    """A download or build that failed: printed as one line, exit status 1."""
+
+
+# ---------------------------------------------------------------------------------------- input
+
+
+@dataclass(frozen=True)
+class Target:
+    python_version: str  # "3.12"
+    platform: str  # "manylinux_2_28_x86_64"
+
+    @property
+    def tag(self) -> str:
+        return "cp" + self.python_version.replace(".", "")
+
+    @property
+    def machine(self) -> str:
+        return re.sub(r"^(manylinux(_\d+_\d+|\d+)|linux)_", "", self.platform)
+
+    @property
+    def platforms(self) -> list[str]:
+        """The ``--platform`` tags pip may take for this node: the manylinux tag given and every
+        older one (pip does not widen a ``manylinux_2_X`` tag by itself), with the legacy aliases."""
+        m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", self.platform)
+        if not m:
+            return [self.platform]
+        newest, arch = int(m.group(1)), m.group(2)
+        aliases = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+        tags = []
+        for minor in range(newest, 4, -1):
+            tags.append(f"manylinux_2_{minor}_{arch}")
+            if minor in aliases:
+                tags.append(f"{aliases[minor]}_{arch}")
+        return tags
+
+    def environment(self) -> dict[str, str]:
+        """PEP 508 marker values on the node."""
+        return {
+            "python_version": self.python_version,
+            "python_full_version": f"{self.python_version}.0",
+            "implementation_name": "cpython",
+            "implementation_version": f"{self.python_version}.0",
+            "platform_python_implementation": "CPython",
+            "os_name": "posix",
+            "sys_platform": "linux",
+            "platform_system": "Linux",
+            "platform_machine": self.machine,
+            "platform_release": "",
+            "platform_version": "",
+        }
+
+
+def parse_target(python_version: str, platform: str) -> Target:
+    if not re.fullmatch(r"3\.\d+", python_version):
+        raise BadInput(f"--python-version {python_version!r}: give MAJOR.MINOR, e.g. 3.12")
+    if not re.fullmatch(
+        r"(manylinux_2_\d+|manylinux2014|manylinux2010|manylinux1|linux)_(x86_64|aarch64)", platform
+    ):
+        raise BadInput(f"--platform {platform!r}: give a Linux wheel tag, e.g. manylinux_2_28_x86_64")
+    return Target(python_version, platform)
+
+
+NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+FREEZE_PINNED = re.compile(rf"({NAME})(?:\[[^\]]*\])?\s*===?\s*(\S+)")
+FREEZE_URL = re.compile(rf"({NAME})(?:\[[^\]]*\])?\s*@\s*\S+")
+LIST_COLUMNS = re.compile(rf"({NAME})\s+(\S+)(?:\s+\S.*)?")  # `pip list`: NAME VERSION [LOCATION]
+
+
+def read_freeze(path: Path) -> dict[str, Version | None]:
+    """The node's packages from ``pip freeze`` or ``pip list`` output: name -> version, or None where
+    the line gives none (``NAME @ URL``, a bare name)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file (the node's `pip freeze` output)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: cannot be read: {e}") from None
+    found: dict[str, Version | None] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith("#") or re.fullmatch(r"Package\s+Version(\s+.*)?|-+(\s+-+)*", line):
+            continue
+        if line.startswith(("-e ", "--editable")):  # a checkout installed in place: not a wheel pip can use
+            continue
+        if m := FREEZE_PINNED.fullmatch(line):
+            name, version = m.group(1), m.group(2)
+        elif m := FREEZE_URL.fullmatch(line):
+            name, version = m.group(1), None
+        elif m := LIST_COLUMNS.fullmatch(line):
+            name, version = m.group(1), m.group(2)
+        elif re.fullmatch(NAME, line):
+            name, version = line, None
+        else:
+            raise BadInput(
+                f"{path}:{lineno}: not a `pip freeze` line (NAME==VERSION, NAME @ URL or NAME VERSION): {raw.strip()!r}"
+            )
+        try:
+            found[canonicalize_name(name)] = None if version is None else Version(version)
+        except InvalidVersion:
+            raise BadInput(f"{path}:{lineno}: {version!r} is not a version: {raw.strip()!r}") from None
+    return found
+
+
+def read_constraints(path: Path) -> dict[str, Version]:
+    pins: dict[str, Version] = {}
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            if spec.operator != "==" or "*" in spec.version:
+                raise ValueError
+        except (InvalidRequirement, ValueError):
+            raise BadInput(f"{path}:{lineno}: not an exact pin NAME==VERSION: {raw.strip()!r}") from None
+        pins[canonicalize_name(req.name)] = Version(spec.version)
+    return pins
+
+
+def read_roots(pyproject: Path, extras: list[str]) -> list[tuple[Requirement, str]]:
+    """The project's core requirements and those of ``extras`` (an extra naming the project's own
+    other extras, ``metachunk[semantic]``, is followed)."""
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    optional = project.get("optional-dependencies", {})
+    roots = [(Requirement(r), PROJECT) for r in project["dependencies"]]
+    todo, seen = list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        if extra not in optional:
+            raise BadInput(
+                f"--extras {extra!r}: {pyproject.name} has no such extra (it has {', '.join(optional)})"
+            )
+        for text in optional[extra]:
+            req = Requirement(text)
+            if canonicalize_name(req.name) == PROJECT:
+                todo.extend(req.extras)
+            else:
+                roots.append((req, f"{PROJECT}[{extra}]"))
+    return roots
+
+
+# -------------------------------------------------------------------------------------- closure
+
+
+@dataclass
+class Package:
+    name: str  # canonical
+    version: Version | None = None  # the pin fetched; None for the torch family
+    pinned_by: str = ""  # "constraints.txt" or "the venv"
+    needs: list[tuple[SpecifierSet, str]] = field(default_factory=list)  # (specifier, who asks)
+    extras: set[str] = field(default_factory=set)
+    unknown_requirements: bool = False
+
+    @property
+    def with_torch(self) -> bool:
+        return comes_with_torch(self.name)
+
+    def needs_text(self) -> str:
+        asked = [f"{spec or 'any'} ({who})" for spec, who in self.needs]
+        return ", ".join(dict.fromkeys(asked))
+
+
+def installed() -> dict[str, metadata.Distribution]:
+    found: dict[str, metadata.Distribution] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(canonicalize_name(name), dist)  # sys.path order: the one imported
+    return found
+
+
+def closure(
+    roots: list[tuple[Requirement, str]],
+    target: Target,
+    pins: dict[str, Version],
+    venv: dict[str, metadata.Distribution],
+) -> dict[str, Package]:
+    """Every package the roots need on the node, with its pin and every requirement on it."""
+    env = target.environment()
+
+    def active(req: Requirement, extras: set[str]) -> bool:
+        return req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in {"", *extras})
+
+    packages: dict[str, Package] = {}
+    queue = list(roots)
+    while queue:
+        req, who = queue.pop(0)
+        name = canonicalize_name(req.name)
+        if name == PROJECT:
+            continue
+        pkg = packages.get(name)
+        new = pkg is None
+        if new:
+            pkg = packages[name] = Package(name)
+        pkg.needs.append((req.specifier, who))
+        new_extras = set(req.extras) - pkg.extras
+        pkg.extras |= new_extras
+        if pkg.with_torch or not (new or new_extras):
+            continue
+        if new:
+            dist = venv.get(name)
+            if name in pins:
+                pkg.version, pkg.pinned_by = pins[name], "constraints.txt"
+                if dist is not None and Version(dist.version) != pkg.version:
+                    raise BadInput(
+                        f"constraints.txt pins {name}=={pkg.version} but this venv has {dist.version}: "
+                        "`make install` brings the venv to the pins"
+                    )
+            elif dist is not None:
+                pkg.version, pkg.pinned_by = Version(dist.version), "the venv"
+            else:
+                raise BadInput(
+                    f"{name} (needed by {who} on Python {target.python_version}) is neither pinned in "
+                    "constraints.txt nor installed in this venv: pin it in constraints.txt"
+                )
+        dist = venv.get(name)
+        requires = [Requirement(r) for r in dist.requires or []] if dist else []
+        pkg.unknown_requirements = dist is None and name not in NO_REQUIREMENTS
+        if new:
+            chosen = [r for r in requires if active(r, pkg.extras)]
+            added = ADDED_ON_NODE.get(name, []) + BUILD_REQUIRES.get(name, [])
+            queue.extend((Requirement(text), why) for text, why in added)
+        else:  # only what the extras asked for now add
+            chosen = [r for r in requires if active(r, new_extras) and not active(r, set())]
+        queue.extend((r, f"{dist.metadata['Name']} {pkg.version}") for r in chosen)
+    for pkg in packages.values():
+        if pkg.version is None:
+            continue
+        for spec, who in pkg.needs:
+            if not spec.contains(pkg.version, prereleases=True):
+                raise BadInput(f"{pkg.name}=={pkg.version} ({pkg.pinned_by}) does not meet {spec} ({who})")
+    return packages
+
+
+# ----------------------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Entry:
+    name: str
+    action: str  # "fetch", "skip" or "never"
+    what: str  # "wheel", "sdist", "wheel built from this checkout", ""
+    version: str
+    why: str
+
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+def plan(packages: dict[str, Package], node: dict[str, Version | None] | None) -> list[Entry]:
+    entries = [Entry(PROJECT, "fetch", "wheel built from this checkout", "", "the package itself")]
+
+    def met(pkg: Package, version: Version) -> bool:
+        return all(spec.contains(version, prereleases=True) for spec, _ in pkg.needs)
+
+    # A build requirement lapses where the node already has the package it would build.
+    for name, build in BUILD_REQUIRES.items():
+        has = None if node is None or name not in packages else node.get(name)
+        if has is not None and met(packages[name], has):
+            for text, why in build:
+                needed = packages[canonicalize_name(Requirement(text).name)]
+                needed.needs = [(spec, who) for spec, who in needed.needs if who != why]
+    for name in sorted(packages):
+        pkg = packages[name]
+        if not pkg.needs:
+            continue
+        has = None if node is None else node.get(name, "absent")
+        if pkg.with_torch:
+            if node is None:
+                why = "the node's torch build brings it"
+            elif has == "absent":
+                why = "the node's torch build brings it; the node's freeze lacks it" + (
+                    f": install it there first (needs {pkg.needs_text()})" if name == "torch" else ""
+                )
+            elif has is not None and not met(pkg, has):
+                why = f"the node has {has}, which does not meet {pkg.needs_text()}: upgrade it there"
+            else:
+                why = f"the node has {has or 'it'} (needs {pkg.needs_text()})"
+            entries.append(Entry(name, "never", "", "", why))
+            continue
+        what = "sdist" if name in FROM_SDIST else "wheel"
+        version = str(pkg.version)
+        if node is None:
+            entries.append(Entry(name, "fetch", what, version, "no node freeze given"))
+        elif has == "absent":
+            entries.append(Entry(name, "fetch", what, version, "not on the node"))
+        elif has is None:
+            entries.append(Entry(name, "fetch", what, version, "the node's freeze gives no version"))
+        elif met(pkg, has):
+            entries.append(Entry(name, "skip", "", str(has), f"the node has {has}; needs {pkg.needs_text()}"))
+        else:
+            bad = [f"{s} ({who})" for s, who in pkg.needs if not s.contains(has, prereleases=True)]
+            entries.append(Entry(name, "fetch", what, version, f"the node has {has}; needs {', '.join(bad)}"))
+    return entries
+
+
+def install_commands(entries: list[Entry], dest: str, extras: list[str]) -> list[str]:
+    fetched = {e.name: e for e in entries if e.action == "fetch"}
+    commands = []
+    # Without build isolation the sdists build with the node's own setuptools, which must be there
+    # before pip starts; a node whose setuptools is new enough keeps it.
+    sdists = [e.name for e in fetched.values() if e.what == "sdist"]
+    build = [text for name in sdists for text, _ in BUILD_REQUIRES.get(name, [])]
+    if build and any(canonicalize_name(Requirement(t).name) in fetched for t in build):
+        commands.append(f"pip install --no-index --find-links {dest} " + " ".join(f"'{t}'" for t in build))
+    target = f"{PROJECT}[{','.join(extras)}]" if extras else PROJECT
+    commands.append(f"pip install --no-index --find-links {dest} --no-build-isolation '{target}'")
+    return commands
+
+
+def report(entries: list[Entry], target: Target, extras: list[str], freeze: Path | None) -> str:
+    width = max(len(e.name) + len(e.version) + 2 for e in entries)
+    lines = [
+        f"wheelhouse for CPython {target.python_version} on {target.platform}, "
+        f"{PROJECT}[{','.join(extras)}]; node freeze: {freeze or 'none'}"
+    ]
+    for action in ("fetch", "skip", "never"):
+        for e in (e for e in entries if e.action == action):
+            pin = f"{e.name}=={e.version}" if e.version and action == "fetch" else e.name
+            kind = f" [{e.what}]" if e.what and e.what != "wheel" else ""
+            lines.append(f"  {action:<5}  {pin:<{width}}  {e.why}{kind}")
+    count = {a: sum(e.action == a for e in entries) for a in ("fetch", "skip", "never")}
+    lines.append(
+        f"{count['fetch']} to fetch, {count['skip']} left out (the node has them), "
+        f"{count['never']} never fetched (the node's torch)"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- fetch
+
+
+def pip(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    return (errors or lines or ["no output"])[-1]
+
+
+def fetch_one(entry: Entry, target: Target, staging: Path, scratch: Path) -> str:
+    """Put ``entry``'s file in ``staging``; returns a note for the manifest."""
+    if entry.name == PROJECT:
+        proc = pip(["wheel", "--no-deps", "--no-build-isolation", "-w", str(staging), str(ROOT)])
+        if proc.returncode:
+            raise FetchFailed(f"{PROJECT}: the wheel did not build: {last_line(proc)}")
+        return "built from this checkout"
+    req = entry.requirement()
+    if entry.what == "sdist":
+        # The venv has setuptools and torch, which DeepSpeed's setup.py reads to prepare its metadata.
+        proc = pip(
+            ["download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation", "-d", str(staging), req]
+        )
+        if proc.returncode:
+            raise FetchFailed(f"{req}: the sdist did not download: {last_line(proc)}")
+        return "sdist, built on the node"
+    platforms = [flag for tag in target.platforms for flag in ("--platform", tag)]
+    proc = pip(
+        ["download", "--no-deps", "--only-binary=:all:", "--python-version", target.python_version,
+         "--implementation", "cp", *platforms, "-d", str(staging), req]
+    )  # fmt: skip
+    if proc.returncode == 0:
+        return "wheel"
+    # No wheel for the node: an sdist-only release. A pure-Python one is built here into a wheel
+    # that runs anywhere; a compiled one has to be built on a machine like the node.
+    built = scratch / entry.name
+    proc = pip(["wheel", "--no-deps", "--no-binary", ":all:", "-w", str(built), req])
+    wheels = list(built.glob("*.whl")) if proc.returncode == 0 else []
+    if not wheels:
+        raise FetchFailed(
+            f"{req}: no wheel for {target.tag} on {target.platform}, and its sdist did not build here"
+        )
+    _, _, _, tags = parse_wheel_filename(wheels[0].name)
+    if not all(t.abi == "none" and t.platform == "any" for t in tags):
+        raise FetchFailed(
+            f"{req}: no wheel for {target.tag} on {target.platform}, and it is not pure Python "
+            f"({wheels[0].name}): build it on a machine like the node (`pip wheel --no-deps {req}`) and add it"
+        )
+    shutil.move(str(wheels[0]), staging / wheels[0].name)
+    return "wheel built here from its sdist (pure Python)"
+
+
+def file_of(name: str, staging: Path) -> Path | None:
+    for path in staging.iterdir():
+        try:
+            if path.name.endswith(".whl"):
+                found = parse_wheel_filename(path.name)[0]
+            else:
+                found = parse_sdist_filename(path.name)[0]
+        except (InvalidWheelFilename, InvalidSdistFilename):
+            continue
+        if found == name:
+            return path
+    return None
+
+
+def fetch(entries: list[Entry], target: Target, dest: Path, manifest: dict) -> list[Path]:
+    from tqdm import tqdm
+
+    from metachunk.artifacts import replace_dir
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the folder from whoever copies it
+    try:
+        scratch = staging / ".build"
+        todo = [e for e in entries if e.action == "fetch"]
+        notes = {}
+        for entry in tqdm(todo, desc="wheelhouse", unit="pkg", file=sys.stderr):
+            notes[entry.name] = fetch_one(entry, target, staging, scratch)
+            if file_of(entry.name, staging) is None:
+                raise FetchFailed(f"{entry.name}: pip reported success but left no file for it")
+        shutil.rmtree(scratch, ignore_errors=True)
+        for item in manifest["packages"]:
+            if item["name"] in notes:
+                item |= {"file": file_of(item["name"], staging).name, "how": notes[item["name"]]}
+        (staging / "wheelhouse.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        replace_dir(staging, dest)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return sorted(p for p in dest.iterdir() if p.suffix in (".whl", ".gz"))
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="wheelhouse", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dest", default="dist/wheelhouse", help="the folder to write (replaced whole)")
+    p.add_argument("--python-version", default="3.12", help="the node's Python, MAJOR.MINOR")
+    p.add_argument("--platform", default="manylinux_2_28_x86_64", help="the node's newest wheel platform tag")
+    p.add_argument("--extras", default="train", help="comma-separated extras of metachunk to install")
+    p.add_argument(
+        "--node-freeze", type=Path, help="the node's `pip list --format=freeze` (or `pip freeze`) output"
+    )
+    p.add_argument("--constraints", type=Path, default=ROOT / "constraints.txt")
+    p.add_argument("--pyproject", type=Path, default=ROOT / "pyproject.toml")
+    p.add_argument("--dry-run", action="store_true", help="list what would be fetched; fetch nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        target = parse_target(args.python_version, args.platform)
+        extras = [e.strip() for e in args.extras.split(",") if e.strip()]
+        node = read_freeze(args.node_freeze) if args.node_freeze else None
+        packages = closure(
+            read_roots(args.pyproject, extras), target, read_constraints(args.constraints), installed()
+        )
+    except BadInput as e:
+        print(f"wheelhouse: {e}", file=sys.stderr)
+        return 2
+    entries = plan(packages, node)
+    print(report(entries, target, extras, args.node_freeze))
+    unknown = sorted(p.name for p in packages.values() if p.unknown_requirements)
+    if unknown:
+        print(
+            f"note: not installed in this venv, so their own requirements are not followed: {', '.join(unknown)}"
+        )
+    commands = install_commands(entries, args.dest, extras)
+    if args.dry_run:
+        print("dry run: nothing fetched. On the node, after the real run:")
+        print("\n".join(f"  {c}" for c in commands))
+        return 0
+    manifest = {
+        "python_version": target.python_version,
+        "platform": target.platform,
+        "extras": extras,
+        "node_freeze": str(args.node_freeze) if args.node_freeze else None,
+        "install": commands,
+        "packages": [vars(e) | {"file": None} for e in entries],
+    }
+    try:
+        files = fetch(entries, target, Path(args.dest), manifest)
+    except FetchFailed as e:
+        print(f"wheelhouse: {e} (nothing written)", file=sys.stderr)
+        return 1
+    size = sum(p.stat().st_size for p in files)
+    own = next(p.name for p in files if canonicalize_name(p.name.split("-")[0]) == PROJECT)
+    if re.search(r"\.d\d{8}", own):  # setuptools-scm marks a build from a tree with uncommitted changes
+        print(f"note: {own} was built from uncommitted changes; build from a clean checkout to ship it")
+    print(f"{args.dest}: {len(files)} files, {size / 1e6:.1f} MB. On the node (its own torch installed):")
+    print("\n".join(f"  {c}" for c in commands))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
