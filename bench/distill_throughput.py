@@ -63,7 +63,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # support.loopback_server: test and bench infrastructure
 
 MODEL = "teacher-model"

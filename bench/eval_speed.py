@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from metachunk.artifacts import InputError  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402

@@ -36,10 +36,21 @@ DRY=0
 PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-bench_out/gpu_check}
 mkdir -p "$OUT"
-export HF_HUB_OFFLINE=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1
+# An offline GPU node installs as a user's does, from a folder of wheels carried in (`make wheelhouse`,
+# docs/install.md) into the environment that has its own CUDA torch:
+#   GPU_CHECK_WHEELHOUSE=dist/wheelhouse bash bench/gpu_check.sh
+if [[ -n "${GPU_CHECK_WHEELHOUSE:-}" ]]; then
+  echo "== install: $PY -m pip install --no-index --find-links $GPU_CHECK_WHEELHOUSE --no-build-isolation 'metachunk[train]'"
+  if ! "$PY" -m pip install --no-index --find-links "$GPU_CHECK_WHEELHOUSE" --no-build-isolation 'metachunk[train]'; then
+    echo "gpu_check: the install from $GPU_CHECK_WHEELHOUSE failed" >&2
+    exit 2
+  fi
+fi
 # The package maps its top-level folders under metachunk. (pyproject's package-dir), so it must be
-# installed (`pip install -e .`; `make install` does it): a bare checkout on PYTHONPATH has no metachunk.chunking.
-if ! "$PY" -c "import metachunk.chunking" 2>/dev/null; then
+# installed (a wheel, or `pip install -e .`; `make install` does it). Python runs with -P here so that
+# the checkout's own metachunk/ folder, which has no metachunk.chunking, never shadows the install.
+if ! "$PY" -P -c "import metachunk.chunking" 2>/dev/null; then
   echo "gpu_check: $PY cannot import metachunk.chunking; install the package first: $PY -m pip install -e ." >&2
   exit 2
 fi
@@ -84,7 +95,7 @@ else
   CHUNK_CORPUS=data:crud-news/news.jsonl  # METACHUNK_DATA or the cache: the machine has no network
 fi
 # The chunk step's corpus, resolved before any step runs: a missing dataset costs seconds, not the slot.
-if ! CHUNK_FILE=$("$PY" - "$CHUNK_CORPUS" <<'PYEOF'
+if ! CHUNK_FILE=$("$PY" -P - "$CHUNK_CORPUS" <<'PYEOF'
 import sys
 
 from metachunk.artifacts import InputError
@@ -110,7 +121,7 @@ fi
 step msp_speed "$PY" bench/msp_speed.py --model "$MSP_MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
 step train_mfu "$PY" bench/train_mfu_gpu.py --out "$OUT/train_mfu.json" "${MFU_ARGS[@]}"
 
-"$PY" - "$CHUNK_FILE" "$CHUNK_DOCS" "$OUT/corpus.jsonl" <<'PYEOF'
+"$PY" -P - "$CHUNK_FILE" "$CHUNK_DOCS" "$OUT/corpus.jsonl" <<'PYEOF'
 import json, sys
 path, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 with open(path, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
@@ -119,7 +130,7 @@ with open(path, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
         o.write(json.dumps({"id": str(row.get("id", k)), "text": row["text"]}, ensure_ascii=False) + "\n")
 PYEOF
 for workers in 1 2; do
-  step "chunk_${workers}_workers" "$PY" -m metachunk.cli chunk "$OUT/corpus.jsonl" -o "$OUT/chunks_w$workers" \
+  step "chunk_${workers}_workers" "$PY" -P -m metachunk.cli chunk "$OUT/corpus.jsonl" -o "$OUT/chunks_w$workers" \
     --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
 done
 if [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]]; then
@@ -128,7 +139,7 @@ if [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]];
   else
     echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
   fi
-  "$PY" - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+  "$PY" -P - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 s = {w: json.load(open(f"{sys.argv[1]}/chunks_w{w}/manifest.json"))["run"]["this_attempt_seconds"] for w in (1, 2)}
 print(f"== chunk: 1 worker {s[1]} s, 2 workers on one device {s[2]} s: {s[1] / s[2]:.2f}x")

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from metachunk.distill.prompts import load_prompt, load_schema  # noqa: E402
 

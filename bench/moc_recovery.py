@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from metachunk.chunking.moc_answers import recover_spans, split_element  # noqa: E402
 from metachunk.chunking.sentences import split_sentences  # noqa: E402

@@ -36,7 +36,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # support.loopback_server: test and bench infrastructure
 
 from support.loopback_server import serve_in_subprocess  # noqa: E402

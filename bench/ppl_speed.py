@@ -54,7 +54,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from metachunk.artifacts import InputError  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402

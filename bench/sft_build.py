@@ -79,7 +79,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 MIB = 2**20
 # Characters of metachunk.distill.sft_rows's refusal / preface / stage-markup patterns: left out of the alphabet,
 # so that a random text never matches one of them (a dropped row would change the row count).
