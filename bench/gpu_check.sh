@@ -11,8 +11,12 @@
 #      with its FLOP rate against the GEMM measured in the same run
 #   6. bench/scoring_parity.py              fp32 on the GPU within 1e-3 nats of the CPU reference, and
 #                                           a bf16 rerun with the same plan byte-identical
-# Steps 1 and 4 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
+#   7. bench/rewrite_speed.py               `chunk --rewrite`'s batched students against plain batched
+#                                           `generate`, generated tokens/s (target >= 0.8x)
+# Steps 1, 4 and 6 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
 # GPU_CHECK_MODEL names a model dir, step 2 the 1.5B shape: speed does not need trained weights.
+# Step 7 rewrites with GPU_CHECK_STUDENT (an exported student, e.g. `metachunk export` of a GPU
+# training run), else the same random model.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine
 #   bash bench/gpu_check.sh --dry-run  # anywhere: the same steps on CPU, tiny sizes (the test suite runs it)
@@ -77,6 +81,7 @@ if [[ $DRY == 1 ]]; then
   MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
   MSP_SHAPE=tiny
   PARITY_ARGS=(--gpu-plan --corpus emma --docs 6 --max-context 512)
+  REWRITE_ARGS=(--corpus emma --docs 3 --max-new-tokens 8 --plain-batch-size 8)
   MFU_ARGS=(--tiny --device cpu --dtype float32)
   PLAIN_SHAPES=(tiny)
   PLAIN_ARGS=(--corpus emma --docs 2 --max-context 512)
@@ -88,6 +93,7 @@ else
   MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --block 64)
   MSP_SHAPE=qwen2-1.5b
   PARITY_ARGS=(--corpus crud --docs 200)
+  REWRITE_ARGS=(--corpus crud --docs 100 --max-new-tokens 64)
   MFU_ARGS=()
   PLAIN_SHAPES=(qwen2-0.5b qwen2-1.5b qwen2-7b)
   PLAIN_ARGS=(--corpus crud --docs 1200)
@@ -156,5 +162,7 @@ for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16
 done
 step scoring_parity "$PY" bench/scoring_parity.py --model "$MODEL" --device "$DEVICE" \
   --out "$OUT/scoring_parity.json" "${PARITY_ARGS[@]}"
+step rewrite_speed "$PY" bench/rewrite_speed.py --model "${GPU_CHECK_STUDENT:-$MODEL}" --device "$DEVICE" \
+  --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
 echo "summary: $SUMMARY"
 exit $status

@@ -45,6 +45,10 @@ CONTEXT_SEPARATOR = "\n…\n"  # between the related chunks of a context
 DEFAULT_CONTEXT_CHARS = 8000  # distill's and build-sft's default max_context_chars
 DEFAULT_TOP_K = 4  # distill's default context_top_k
 SUMMARY_MAX_NEW_TOKENS = 256
+# Prompts a student generates for at once on a GPU when not told (8 on CPU): decoding reads the
+# weights once per step for every row, so a GPU needs many rows to be busy; 64 rewrites of a
+# 3,000-token prompt plus 1,024 new tokens hold ~10 GB of KV cache for a Qwen2.5-3B.
+GPU_STUDENT_ROWS = 64
 REWRITE_MAX_NEW_TOKENS = 1024  # the cap of the default rewrite budget
 REWRITE_BUDGET = "1.5 x chunk tokens + 32, at most 1024"
 
@@ -184,7 +188,7 @@ class Student:
         *,
         device: str | None = None,
         dtype: str = "auto",
-        batch_size: int = 8,
+        batch_size: int | None = None,
         max_new_tokens: int | None = None,
         sample: bool = False,
     ):
@@ -199,6 +203,8 @@ class Student:
             str(self.path), device=device, dtype=dtype, use_safetensors=True
         )
         self.load_seconds = time.perf_counter() - started
+        if self.batch_size is None:  # the device's default
+            self.batch_size = GPU_STUDENT_ROWS if self.model.device.type == "cuda" else CPU_ROWS
         tok = self.tokenizer
         if not tok.chat_template:
             raise ModelNotFoundError(
@@ -272,7 +278,7 @@ class ChunkStudents:
         embedder: str = "minilm",
         device: str | None = None,
         dtype: str = "auto",
-        batch_size: int = 8,
+        batch_size: int | None = None,
         max_new_tokens: dict[str, int | None] | None = None,
         sample: bool = False,
         expected_docs: int | None = None,
@@ -327,7 +333,7 @@ class ChunkStudents:
             embedder=cfg.embedder,
             device=cfg.device,
             dtype=cfg.dtype,
-            batch_size=cfg.batch_size or CPU_ROWS,
+            batch_size=cfg.batch_size,  # default: the device's (Student)
             max_new_tokens={"rewrite": st.rewrite_max_new_tokens, "summary": st.summary_max_new_tokens},
             sample=st.sample,
             expected_docs=expected_docs,

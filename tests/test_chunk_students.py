@@ -260,3 +260,11 @@ def test_student_options_are_checked(tmp_path, capsys, student, docs_file):
         capsys, docs_file, "-o", out, *BASELINE, "--rewrite", student, "--summary-max-new-tokens", "0"
     )
     assert rc == 2 and "--summary-max-new-tokens must be >= 1" in err and not out.exists()
+
+
+def test_a_student_batches_by_the_device_unless_told(student):
+    from metachunk.chunking.students import GPU_STUDENT_ROWS, Student
+
+    assert Student("rewrite", str(student), device="cpu").batch_size == 8  # every CPU figure's plan
+    assert Student("rewrite", str(student), device="cpu", batch_size=3).batch_size == 3
+    assert GPU_STUDENT_ROWS == 64  # on a GPU (bench/rewrite_speed.py measures it against plain generate)

@@ -27,6 +27,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
         "chunk_2_workers",
         "plain_vs_engine_tiny",
         "scoring_parity",
+        "rewrite_speed",
     ):
         assert f"== {step}:" in summary
     assert "FAILED" not in summary
