@@ -21,7 +21,8 @@ Measured: ``--warmup`` steps (default 5), then ``--steps`` (default 30) timed wi
 step (forward, backward, optimizer step, zero_grad).
 
 FLOPs per step, the formula (model FLOPs: recomputation, if any, is not counted; neither are the masked-out
-attention blocks):
+attention blocks). It is ``metachunk.train.throughput.ModelShape``, the one the trainer's own throughput callback
+logs with, so this bench and a ``metachunk train`` run count alike:
 
     dense     = 6 * N * T          N = parameters in matmuls: every non-embedding weight + the LM head
                                    (vocab x hidden; with tied embeddings the shared matrix counts once, as the
@@ -31,8 +32,9 @@ attention blocks):
                                    AV are 2 * L^2 * head_dim FLOPs per head with the causal half only, backward 2x
     MFU       = (dense + attention) / step_time / peak
 
-Peak: 989 TFLOP/s, the H200 (SXM) dense bf16 tensor-core peak (the same as the H100 SXM; ``--peak-tflops`` to
-change). Prints tokens/s, TFLOP/s, MFU, and the peak GPU memory.
+Peak: the device's dense bf16 tensor-core peak from the trainer's table (``metachunk.train.throughput.peak_tflops``,
+by ``torch.cuda.get_device_name()``: 989 TFLOP/s for an H200 or H100 SXM; ``--peak-tflops`` to set it). Prints
+tokens/s, TFLOP/s, MFU, and the peak GPU memory.
 
 A 32K-token step is ~109 TFLOP of model FLOPs (97 dense + ~12 attention): ~0.3 s at 40% MFU. The figures measured
 on an H200 (sdpa, flex_attention, 32K and 64K tokens) are on docs/performance.md. ``--tiny`` (3 steps) runs anywhere.
@@ -84,15 +86,6 @@ def draw_lengths(tokens: int, lo: int, hi: int, rng: random.Random) -> list[int]
     return lengths
 
 
-def matmul_params(model) -> int:
-    """Parameters that take part in a matmul: all but the input embedding, plus the LM head (even when tied)."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    total = sum(p.numel() for p in model.parameters())
-    tied = emb.data_ptr() == head.data_ptr()
-    return total - emb.numel() + (head.numel() if tied else 0)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -113,13 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", help="default cuda if available, else cpu")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument(
-        "--peak-tflops", type=float, help="peak dense TFLOP/s for MFU (default 989 on CUDA, none on CPU)"
+        "--peak-tflops",
+        type=float,
+        help="peak dense TFLOP/s for MFU (default: the GPU's dense bf16 peak by its name; none on CPU)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON result path (default bench_out/train_mfu_gpu.json or _tiny.json)")
     args = ap.parse_args(argv)
 
     import torch
+    from metachunk.train.throughput import ModelShape
+    from metachunk.train.throughput import peak_tflops as peak_of
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import is_flash_attn_2_available
 
@@ -137,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         attn = "sdpa"
     dtype = getattr(torch, args.dtype)
-    peak_tflops = args.peak_tflops if args.peak_tflops is not None else (989.0 if cuda else None)
+    name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
+    peak_tflops = args.peak_tflops if args.peak_tflops is not None else (peak_of(name) if cuda else None)
 
     shape = TINY if args.tiny else QWEN25_05B
     config = Qwen2Config(**shape, max_position_embeddings=32768, rope_parameters={"rope_type": "default",
@@ -158,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         fused = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda)
     n_params = sum(p.numel() for p in model.parameters())
-    n_matmul = matmul_params(model)
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = config.hidden_size // heads
+    model_shape = ModelShape.of(model)
+    n_matmul = model_shape.matmul_params
 
     rng = random.Random(args.seed)
     lengths_per_step = [draw_lengths(tokens, lo, hi, rng) for _ in range(warmup + steps)]
@@ -198,13 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     timed = lengths_per_step[warmup:]
     total_s = sum(times)
     n_tokens = sum(sum(b) for b in timed)
-    dense = 6 * n_matmul * n_tokens
-    attention = 6 * layers * heads * head_dim * sum(n * n for b in timed for n in b)
+    dense, attention = model_shape.flops(n_tokens, sum(n * n for b in timed for n in b))
     flops = dense + attention
     tflops = flops / total_s / 1e12
     mfu = tflops / peak_tflops if peak_tflops else None
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
     print(
         f"{'tiny Qwen2' if args.tiny else 'Qwen2.5-0.5B-shaped'} ({n_params / 1e6:.1f}M params, {n_matmul / 1e6:.1f}M in "
         f"matmuls), random init, {args.dtype}, {attn}, {'TRL fused LM head' if fused else 'model loss'}, on {name}; "
@@ -220,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         + (
             f", MFU {mfu:.1%} of {peak_tflops:g} TFLOP/s"
             if mfu is not None
-            else ", MFU n/a (no --peak-tflops)"
+            else ", MFU n/a (no peak known for this device: --peak-tflops)"
         )
         + (f"; peak GPU memory {peak_mem:.1f} GiB" if peak_mem is not None else "")
     )

@@ -1,5 +1,6 @@
 """Every recipe in recipes/ parses through the one config loader and builds a valid config."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -103,9 +104,103 @@ def test_train_recipe_parses_with_trls_parser(recipe):
     if sft_args.deepspeed:
         validate_deepspeed_config(sft_args.deepspeed)
     if "qwen2.5" in recipe.name:  # the paper's hyperparameters (MoC Appendix A.6)
-        assert (sft_args.per_device_train_batch_size, sft_args.gradient_accumulation_steps) == (3, 16)
+        rows = sft_args.per_device_train_batch_size * sft_args.gradient_accumulation_steps
+        assert sft_args.per_device_train_batch_size == 3 and rows * RECIPE_GPUS[recipe.stem] == 96
         assert (sft_args.learning_rate, sft_args.num_train_epochs, sft_args.warmup_steps) == (1e-5, 3, 0.1)
         assert sft_args.lr_scheduler_type == "cosine"
+        # the comments' settings for other GPU counts keep the 96 rows: per-device batch x accumulation x GPUs
+        others = re.findall(
+            r"^#.*--num_gpus (\d+)\b.*--gradient_accumulation_steps (\d+)", recipe.read_text(), re.M
+        )
+        assert {int(g) for g, _ in others} >= {1, 2, 8} - {RECIPE_GPUS[recipe.stem]}
+        for gpus, steps in others:
+            assert sft_args.per_device_train_batch_size * int(steps) * int(gpus) == 96, (gpus, steps)
+
+
+# The GPU count each shipped Qwen2.5 recipe's defaults are for: the 3B ones one GPU, the MoC ones the paper's 2 x A800.
+RECIPE_GPUS = {"rewriter_qwen2.5-3b": 1, "summarizer_qwen2.5-3b": 1, "moc_router_qwen2.5-1.5b": 2,
+               "moc_expert_qwen2.5-1.5b": 2}  # fmt: skip
+DS = ROOT / "recipes" / "deepspeed"
+
+
+def _parse(argv: list[str]):
+    """Through metachunk.train's own parser (TRL's, plus its checks), as `metachunk train` reads a recipe. bf16 is
+    off: TrainingArguments refuses it on a machine without a GPU."""
+    from metachunk.train.sft import parse_config
+
+    cfg = parse_config([*argv, "--bf16", "false"])
+    return cfg.model_args, cfg.sft_args
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("recipe", TRAIN_RECIPES, ids=lambda p: p.name)
+def test_train_recipe_parses_packed_with_its_attention_under_zero2_and_zero3(recipe, stage, monkeypatch):
+    """Every train recipe with packing on (bfd: padding-free sequences of max_length tokens), the attention it names
+    (one that names none: flex_attention, or sdpa on CPU, where flex has no backward), under each ZeRO stage: what
+    the packing and attention checks accept before any model loads."""
+    from metachunk.train.distributed import validate_deepspeed_config
+    from metachunk.train.sft import check_attention, check_packing, padding_free
+
+    monkeypatch.chdir(ROOT)
+    model_args, sft_args = _parse(["--config", str(recipe)])
+    attn = model_args.attn_implementation or ("sdpa" if sft_args.use_cpu else "flex_attention")
+    argv = ["--config", str(recipe), "--packing", "true", "--attn_implementation", attn,
+            "--deepspeed", str(DS / f"{stage}.json")]  # fmt: skip
+    if sft_args.max_length is None:  # packing needs the sequence length
+        argv += ["--max_length", "4096"]
+    model_args, sft_args = _parse(argv)
+    assert sft_args.packing and sft_args.packing_strategy == "bfd" and padding_free(sft_args)
+    assert model_args.attn_implementation == attn
+    check_packing(sft_args)
+    check_attention(attn, sft_args)
+    assert validate_deepspeed_config(sft_args.deepspeed)["zero_optimization"]["stage"] == int(stage[-1])
+
+
+@pytest.mark.parametrize("recipe", [p for p in TRAIN_RECIPES if "3b" in p.stem], ids=lambda p: p.name)
+def test_3b_recipes_name_their_batching_and_kernels(recipe, monkeypatch):
+    """The 3B recipes say how a batch is laid out and which kernels run (recipes/train/README.md, "Kernels"):
+    padding-free rows (96 per step, no padding) under flex attention, TRL's fused LM head (loss_type nll, no
+    logits tensor), torch's fused AdamW, no Liger; ZeRO-2 by default, and the recipe parses as it is."""
+    from metachunk.train.sft import check_attention, check_packing, padding_free
+
+    monkeypatch.chdir(ROOT)
+    model_args, sft_args = _parse(["--config", str(recipe)])
+    assert (
+        sft_args.padding_free
+        and not sft_args.packing
+        and sft_args.max_length is None
+        and padding_free(sft_args)
+    )
+    assert model_args.attn_implementation == "flex_attention"
+    check_packing(sft_args)
+    check_attention(model_args.attn_implementation, sft_args)
+    assert sft_args.loss_type == "nll" and sft_args.label_smoothing_factor == 0  # the fused LM head's path
+    assert sft_args.optim == "adamw_torch_fused" and not sft_args.use_liger_kernel
+    assert Path(sft_args.deepspeed).name == "zero2.json" and sft_args.activation_checkpointing
+    assert not re.search(r"^#?\s*use_liger_kernel:", recipe.read_text(), re.M)  # not even commented out
+
+
+ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", ACCELERATE, ids=lambda p: p.name)
+def test_accelerate_configs_load_and_name_a_valid_deepspeed_config(config, monkeypatch):
+    """accelerate's own loader reads each shipped accelerate config; the DeepSpeed JSON it names validates and is
+    the stage its name says (ZeRO-3 partitions the weights while they load: zero3_init_flag)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from metachunk.train.distributed import validate_deepspeed_config
+
+    monkeypatch.chdir(ROOT)  # accelerate reads the JSON path relative to the launch directory
+    loaded = load_config_from_file(str(config))
+    assert loaded.distributed_type == "DEEPSPEED"
+    stage = int(re.fullmatch(r"zero(\d)", config.stem).group(1))
+    ds = loaded.deepspeed_config
+    assert validate_deepspeed_config(ds["deepspeed_config_file"])["zero_optimization"]["stage"] == stage
+    assert ds["zero3_init_flag"] is (stage == 3)
+
+
+def test_there_are_accelerate_configs_for_zero2_and_zero3():
+    assert {p.stem for p in ACCELERATE} >= {"zero2", "zero3"}
 
 
 @pytest.mark.parametrize("recipe", TRAIN_RECIPES, ids=lambda p: p.name)

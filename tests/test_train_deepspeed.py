@@ -82,7 +82,17 @@ def test_accelerate_deepspeed_config_is_checked_too(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(bad))
     with pytest.raises(ValueError, match="acc.json.*gradient_accumulation_steps"):
         check_deepspeed(SimpleNamespace(deepspeed=None))
-    check_deepspeed(SimpleNamespace(deepspeed=str(DS / "zero3.json")))  # --deepspeed wins
+    # A deepspeed field (recipe or flag) naming another config than the accelerate config's: the Trainer would run
+    # the field's and ignore the launch's, so it is refused; the same config, by any path, is fine.
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(DS / "zero2.json"))
+    with pytest.raises(
+        ValueError, match=r"field 'deepspeed' is \S+zero3.json but the accelerate config names \S+zero2"
+    ):
+        check_deepspeed(SimpleNamespace(deepspeed=str(DS / "zero3.json")))
+    check_deepspeed(SimpleNamespace(deepspeed=str(DS / "zero2.json")))
+    check_deepspeed(
+        SimpleNamespace(deepspeed=str(_write(tmp_path, (DS / "zero2.json").read_text(), "copy.json")))
+    )
 
 
 def _losses(out: Path) -> list[float]:
@@ -122,6 +132,21 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     zero3, single = _losses(ds_out), _losses(one_out)
     assert len(zero3) == len(single) == 3
     assert zero3 == pytest.approx(single, rel=1e-5)
+
+    # the trainer's throughput counts the real tokens of every rank: TRL's own count (gathered over the ranks), and
+    # the same tokens, parameters and FLOPs as one process fed the same batches
+    counted = {}
+    for out, world in ((ds_out, 2), (one_out, 1)):
+        throughput = json.loads((out / "metachunk_run.json").read_text())["throughput"]
+        num_tokens = {
+            e["step"]: e["num_tokens"]
+            for e in json.loads((out / "train_log.json").read_text())
+            if "loss" in e
+        }
+        assert throughput["world_size"] == world and throughput["steps"] == [2, 3]
+        assert throughput["tokens"] == num_tokens[3] - num_tokens[1] > 0
+        counted[world] = throughput["tokens"], throughput["matmul_params"], throughput["flops_dense"]
+    assert counted[2] == counted[1]  # and ZeRO-3's partitioned weights counted whole (ds_numel)
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -251,6 +251,7 @@ def _results_section(run: Run, export_facts: dict) -> str:
         ["training tokens", _value(run.facts.get("tokens"))],
         ["completion tokens (carrying the loss)", _value(run.facts.get("completion_tokens"))],
         ["training time (s)", _value(r["train_runtime_s"])],
+        *_throughput_rows(run.facts.get("throughput")),
     ]
     text = "## Results\n\nLosses are mean cross-entropy per completion token.\n\n" + markdown.table(
         ["", "value"], rows
@@ -265,6 +266,25 @@ def _results_section(run: Run, export_facts: dict) -> str:
     else:
         text += f"\n\nEvaluation beyond the validation loss: {NOT_RECORDED}."
     return text
+
+
+def _throughput_rows(summary: dict | None) -> list[list[str]]:
+    """The speed the trainer measured (``metachunk.train.throughput``: the steps after warm-up, model FLOPs)."""
+    if not summary:
+        return [["training throughput", NOT_RECORDED]]
+    first, last = summary["steps"]
+    warm = summary["warmup_steps"]
+    peak, mfu = summary.get("peak_tflops_per_device"), summary.get("mfu")
+    memory = summary.get("peak_memory_gib")
+    return [
+        ["training throughput (tokens/s, all devices)", f"{summary['tokens_per_second']:,.1f}"],
+        ["model TFLOP/s per device", f"{summary['tflops_per_device']:.4g}"],
+        ["MFU", f"{mfu:.1%} of {peak:g} TFLOP/s (dense bf16 peak)" if mfu is not None
+         else f"n/a: no dense bf16 peak known for {summary['device']}"],
+        ["devices", f"{summary['world_size']} x {summary['device']}"],
+        ["peak device memory (GiB)", f"{memory:g}" if memory is not None else "n/a: not a CUDA device"],
+        ["throughput measured over", f"steps {first}-{last}" + (f", after {warm} warm-up step(s)" if warm else "")],
+    ]  # fmt: skip
 
 
 def _use_section(run: Run, title: str) -> str:

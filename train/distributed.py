@@ -74,10 +74,21 @@ def deepspeed_config_of(sft_args):
 
 
 def check_deepspeed(sft_args) -> None:
-    """Called from ``metachunk.train.sft.check``: validate the DeepSpeed config, if the run has one."""
+    """Called from ``metachunk.train.sft.check``: validate the DeepSpeed config, if the run has one; and under
+    ``accelerate launch`` with a DeepSpeed config file, refuse a ``deepspeed`` field that names another one."""
     cfg = deepspeed_config_of(sft_args)
     if cfg:
         validate_deepspeed_config(cfg)
+    launched = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    own = getattr(sft_args, "deepspeed", None)
+    # The Trainer builds DeepSpeed from its own field when it is set (TrainingArguments.deepspeed_plugin), so the
+    # accelerate config's JSON would be ignored without a word: `--config_file zero3.yaml` training under ZeRO-2.
+    if own and launched and validate_deepspeed_config(launched) != validate_deepspeed_config(own):
+        named = "<dict>" if isinstance(own, dict) else own
+        raise ValueError(
+            f"field 'deepspeed' is {named} but the accelerate config names {launched}, another DeepSpeed config, and "
+            f"the field's would run: pass --deepspeed {launched}, or launch with an accelerate config that names {named}"
+        )
 
 
 def check_deepspeed_flag(argv: list[str]) -> None:

@@ -563,6 +563,7 @@ def run(cfg: TrainConfig) -> Result:
 
     import torch
     from metachunk.train.distributed import prepare_distributed
+    from metachunk.train.throughput import ThroughputCallback, summary_line
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
@@ -605,6 +606,7 @@ def run(cfg: TrainConfig) -> Result:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    throughput = ThroughputCallback().attach(trainer)  # tokens/s, TFLOP/s and MFU in every training log line
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
     # TRL folds the completion mask into `labels`: -100 on every prompt token.
     completion = sum(sum(label != -100 for label in labels) for labels in trainer.train_dataset["labels"])
@@ -645,8 +647,10 @@ def run(cfg: TrainConfig) -> Result:
                      "saved_dtype": saved}  # fmt: skip
         facts = run_facts(model_args, sft_args, model_dir, trainer, rows=rows, tokens=tokens,
                           completion_tokens=completion, global_batch=batch, rows_over_max_length=over,
-                          precision=precision, argv=argv)  # fmt: skip
+                          precision=precision, throughput=throughput.summary, argv=argv)  # fmt: skip
         write_json(out / RUN_FACTS, facts, default=str)
+        if throughput.summary:
+            print(f"train: {summary_line(throughput.summary)}", file=sys.stderr)
         print(f"train: final train loss {facts['final_train_loss']}, validation loss {facts['final_eval_loss']}; "
               f"wrote {out}", file=sys.stderr)  # fmt: skip
         loss = facts.get("final_train_loss")
