@@ -429,8 +429,8 @@ def test_pairs_per_batch_follow_the_device(scorers, monkeypatch):
     free memory holds, each row counted as the prefix plus GPU_PAIR_TOKENS (a fake free-memory
     figure: no GPU needed)."""
     import torch
-
     from metachunk.chunking import msp
+
     from metachunk.engine.scoring import batch_budget
 
     scorer = scorers["en"]

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from metachunk.chunking.overlap import overlapped
 from support.data import data_file
 
-from metachunk.chunking.overlap import overlapped
 from metachunk.cli import main
 from metachunk.stopping import Stopped
 
