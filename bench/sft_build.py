@@ -317,6 +317,21 @@ def run_child(args: argparse.Namespace, n_records: int, tmp: Path) -> dict:
     return res
 
 
+def build_dataset(out: Path, n: int, args) -> int:
+    """``build-sft rewrite`` of ``n`` synthetic records into ``out`` (the inputs in a temp dir)."""
+    from metachunk.distill.sft import BuildSftConfig, build_sft
+
+    with tempfile.TemporaryDirectory(prefix="sft_build_") as tmp:
+        tmp = Path(tmp)
+        write_inputs(tmp, n, args.seed)
+        cfg = BuildSftConfig(task="rewrite", distilled=tmp / "rewrite.jsonl", out=out, documents=tmp / "documents.jsonl",
+                             test_documents=tmp / "test_documents.jsonl", cards_dir=tmp / "cards",
+                             tokenizer=args.tokenizer, max_tokens=args.max_tokens)  # fmt: skip
+        stats = build_sft(cfg, progress=False)
+    print(f"sft_build: {n} records -> {out} ({json.dumps(stats.get('rows', {}))} rows)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2000,20000", help="records per build (default 2000,20000)")
@@ -332,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs (inputs and built datasets)")
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "sft_build.json"), help="JSON result path")
+    ap.add_argument(
+        "--dataset-out",
+        type=Path,
+        help="build one dataset of the first size's records into this folder and stop, nothing measured: "
+        "a training run's input with CRUD-like lengths (bench/gpu_train_check.sh)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--records", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -342,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if args.dataset_out:
+        return build_dataset(args.dataset_out, sizes[0], args)
     if len(sizes) < 2:
         ap.error("--sizes needs at least two sizes")
     print(

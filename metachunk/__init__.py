@@ -6,6 +6,16 @@ The stages install under this one namespace: `metachunk.chunking`, `metachunk.di
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+# Run from a checkout's root (`deepspeed --module metachunk.train`, `python -m metachunk.cli`), Python
+# finds this folder before the installed package, since `-m` puts the working directory first on
+# sys.path; and this folder holds only the core. The stages are the checkout's top-level folders,
+# which pyproject's package-dir maps under metachunk in a wheel: so a checkout looks for them there,
+# and a wheel install (non-editable, as from a wheelhouse) runs its recipes from the clone's root.
+_checkout = Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "train" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
 
 try:
     __version__ = version("metachunk")

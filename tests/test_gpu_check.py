@@ -1,9 +1,11 @@
-"""``bench/gpu_check.sh --dry-run``: the GPU machine's one prepared script runs on CPU, every step
-(random model, PPL and MSP speed, training MFU, a 1- and 2-worker chunk run), so it cannot rot
-between the rare sessions that have a GPU."""
+"""``bench/gpu_check.sh --dry-run`` and ``bench/gpu_train_check.sh --dry-run``: the GPU machine's prepared
+scripts run on CPU, every step (random models, PPL and MSP speed, training MFU, a 1- and 2-worker chunk
+run; the 3B recipe's launches under deepspeed and accelerate, kill -9 and resume, export and rewriting), so
+they cannot rot between the rare sessions that have a GPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,9 +36,41 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert "1 and 2 workers wrote identical shards" in summary
 
 
+def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_path):
+    """The 3B recipe on a tiny model over gloo: ZeRO-2 and ZeRO-3 through `deepspeed`'s runner, `accelerate
+    launch` with the shipped ZeRO-2 config, packed and padded, kill -9 then resume, export and rewriting; each
+    run's throughput recorded by the trainer."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_train_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    summary = (tmp_path / "summary.txt").read_text()
+    assert proc.returncode == 0, summary + proc.stderr[-2000:]
+    assert "FAILED" not in summary
+    for step in (
+        "zero2",
+        "zero3",
+        "resume",
+        "accelerate",
+        "zero2_packed",
+        "zero2_padded",
+        "export",
+        "rewrite_speed",
+    ):
+        assert f"== {step}:" in summary
+    resume = json.loads((tmp_path / "resume" / "train_resume.json").read_text())
+    assert resume["pass"] and resume["resumed_at"] >= resume["kill_after_step"]
+    assert (tmp_path / "resume" / "train_resume.png").stat().st_size > 0
+    for run in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded"):
+        throughput = json.loads((tmp_path / run / "metachunk_run.json").read_text())["throughput"]
+        assert throughput["tokens"] > 0 and throughput["tflops_per_device"] > 0, run
+        assert f"   {run}: " in summary
+    stages = {run: json.loads((tmp_path / run / "metachunk_run.json").read_text())["hyperparameters"]["deepspeed"]
+              for run in ("zero2", "zero3", "accelerate")}  # fmt: skip
+    assert stages["zero3"].endswith("zero3.json") and stages["accelerate"].endswith("zero2.json")
+
+
 def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(tmp_path):
-    # A bare checkout on PYTHONPATH has metachunk but no metachunk.chunking (pyproject's package-dir
-    # maps the top-level folders in), which is what a fresh GPU machine has before `pip install -e .`.
+    # A fresh GPU machine before `pip install`: an interpreter without the package or its dependencies.
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # -S: no site-packages, no install
     python.chmod(0o755)

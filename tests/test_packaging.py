@@ -118,6 +118,13 @@ def test_the_installed_wheel_runs_where_train_py_and_eval_would_shadow_it(wheel,
     assert re.search(r"crud_news +data passages +needs `metachunk data fetch crud-news`\n", plan)
     assert "chunk" in run(str(py), "-m", "metachunk", "--help").stdout
     run("metachunk", "chunk", "doc.txt", "-o", "chunks.jsonl", "--method", "sentence", "--target-len", "30")
+
+    # From the clone's root, where a user runs the recipes (`deepspeed --module metachunk.train --config
+    # recipes/...` runs `python -m metachunk.train`), `-m` puts the checkout first on sys.path: its metachunk/
+    # holds only the core, and finds the stages in the checkout's top-level folders.
+    clone = subprocess.run([str(py), "-m", "metachunk.train", "--help"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert clone.returncode == 0 and "--model_name_or_path" in clone.stdout, clone.stderr[-2000:]
     (record,) = [json.loads(line) for line in (user / "chunks.jsonl").read_text().splitlines()]
     text = (user / "doc.txt").read_text()
     assert all(text[c["start"] : c["end"]] == c["text"] for c in record["chunks"])

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The training figures on one GPU, as one prepared script for a 15-minute device slot, in the order a slot
+# should spend its time (GPU_CHECK_STEP_TIMEOUT bounds each step):
+#   1. the wheelhouse install (GPU_CHECK_WHEELHOUSE), then the 3B recipe under ZeRO-2 as shipped
+#      (padding-free rows, flex attention): `deepspeed --num_gpus 1 --module metachunk.train --config
+#      recipes/train/rewriter_qwen2.5-3b.yaml` on a random Qwen2.5-3B-shaped model; the trainer's own
+#      callback prints tokens/s, TFLOP/s and MFU (target >= 40%)
+#   2. the same under ZeRO-3 (--deepspeed recipes/deepspeed/zero3.json)
+#   3. kill -9 and --resume_from_checkpoint latest on the Qwen2-0.5B shape (bench/train_resume.py): the loss
+#      curve continues, no step counted twice
+#   4. the 3B recipe under `accelerate launch --config_file recipes/accelerate/zero2.yaml`
+#   5. ZeRO-2 packed (bfd, 4,096-token sequences) and padded (sdpa): the other batch layouts
+#   6. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
+#      (target >= 0.8x plain batched generate)
+# Each training step runs few optimizer steps of a smaller batch than the recipe's 96 rows
+# (--gradient_accumulation_steps 4: 12 rows), enough for the rate after warm-up; the rate per token does
+# not depend on the accumulation.
+#
+#   GPU_CHECK_WHEELHOUSE=dist/wheelhouse GPU_TRAIN_DATASET=DIR bash bench/gpu_train_check.sh   # on the GPU node
+#   bash bench/gpu_train_check.sh --dry-run   # anywhere: the same launches on CPU (DeepSpeed over gloo), tiny sizes
+#
+# GPU_TRAIN_DATASET: a `metachunk data build-sft` folder to train on. Without it the script builds one from
+# synthetic records of CRUD-like lengths (bench/sft_build.py --dataset-out, ~700-character documents) with the
+# model's tokenizer. Models are random weights built on the device (bench/random_model.py): speed does not need
+# trained ones. Every step's log goes to $OUT (default bench_out/gpu_train_check), the summary to summary.txt.
+#
+# The launches run from the checkout's root, as a user types them (recipes/ named relative to it); with the
+# package installed from the wheelhouse, the checkout's metachunk/ still finds its stages there
+# (metachunk/__init__.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo "$ROOT/.venv/bin/python" || command -v python3 )}
+OUT=${OUT:-bench_out/gpu_train_check}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export HF_HUB_OFFLINE=1
+source bench/steps.sh
+install_from_wheelhouse
+require_package
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+BIN=$(dirname "$PY")
+
+RECIPE=recipes/train/rewriter_qwen2.5-3b.yaml
+DS=recipes/deepspeed
+if [[ $DRY == 1 ]]; then
+  BIG=tiny; SMALL=tiny
+  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+  # CPU: float32 all through, gloo, sdpa (flex attention has no CPU backward), no recomputation
+  DEVICE_ARGS=(--use_cpu true --bf16 false --dtype float32 --ddp_backend gloo --attn_implementation sdpa
+               --activation_checkpointing false)
+  TRAIN_STEPS=4; LOG_STEPS=2; RESUME_STEPS=6; KILL_AFTER=2; RESUME_REL=1e-4
+  DATA_RECORDS=24; MAX_LEN=4096; ACCUM=1
+  # the dry run checks the plumbing: at these sizes the timings are noise, so no speed target
+  REWRITE_ARGS=(--device cpu --corpus emma --docs 3 --max-new-tokens 8 --plain-batch-size 8 --target 0)
+else
+  BIG=qwen2.5-3b; SMALL=qwen2-0.5b
+  DEVICE_ARGS=()
+  TRAIN_STEPS=12; LOG_STEPS=4; RESUME_STEPS=20; KILL_AFTER=10; RESUME_REL=0.02
+  DATA_RECORDS=2000; MAX_LEN=4096; ACCUM=4
+  REWRITE_ARGS=(--device cuda --corpus crud --docs 100 --max-new-tokens 64)
+fi
+BIG_MODEL=$OUT/random-$BIG
+SMALL_MODEL=$OUT/random-$SMALL
+[[ -f $BIG_MODEL/config.json ]] || step "random_$BIG" "$PY" -P "$ROOT/bench/random_model.py" --shape "$BIG" --out "$BIG_MODEL"
+[[ -f $SMALL_MODEL/config.json ]] || step "random_$SMALL" "$PY" -P "$ROOT/bench/random_model.py" --shape "$SMALL" --out "$SMALL_MODEL"
+DATASET=${GPU_TRAIN_DATASET:-$OUT/sft}
+[[ -n "${GPU_TRAIN_DATASET:-}" || -f $DATASET/build_report.json ]] || step sft_dataset "$PY" -P "$ROOT/bench/sft_build.py" \
+  --sizes "$DATA_RECORDS" --tokenizer "$BIG_MODEL" --max-tokens "$MAX_LEN" --dataset-out "$DATASET"
+
+# What every run shares: the data, a short run, no evaluation or checkpoints unless asked, the device's settings.
+COMMON=(--dataset_name "$DATASET" --max_steps "$TRAIN_STEPS" --gradient_accumulation_steps "$ACCUM"
+        --logging_steps "$LOG_STEPS" --eval_strategy no --save_strategy no --report_to none "${DEVICE_ARGS[@]}")
+train() {  # train NAME PORT LAUNCHER... : a launch of metachunk.train on the 3B recipe (each on its own port)
+  local name=$1 port=$2; shift 2
+  local launcher=("$@")
+  launcher=("${launcher[@]//@PORT@/$port}")
+  step "$name" "${launcher[@]}" --config "$RECIPE" --model_name_or_path "$BIG_MODEL" "${COMMON[@]}" --output_dir "$OUT/$name"
+}
+# `deepspeed`, the launcher a user types (beside the interpreter, or on PATH); the dry run calls the module the
+# script runs, deepspeed.launcher.runner, as the tests do
+launcher=$([[ -x $BIN/deepspeed ]] && echo "$BIN/deepspeed" || command -v deepspeed)
+if [[ $DRY == 1 || -z $launcher ]]; then
+  deepspeed=("$PY" -m deepspeed.launcher.runner --num_gpus 1 --master_port @PORT@ --module metachunk.train)
+else
+  deepspeed=("$launcher" --num_gpus 1 --master_port @PORT@ --module metachunk.train)
+fi
+
+train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
+train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
+
+step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$OUT/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
+  "${deepspeed[@]//@PORT@/29503}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
+  --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
+  --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --report_to none "${DEVICE_ARGS[@]}"
+
+train accelerate 29504 "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 \
+  --main_process_port @PORT@ -m metachunk.train --deepspeed "$DS/zero2.json"
+
+train zero2_packed 29505 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+  --packing true --max_length "$MAX_LEN" --per_device_train_batch_size 1
+train zero2_padded 29506 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+  --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
+
+step export "$PY" -P -m metachunk.cli export --checkpoint "$OUT/resume/whole" --out "$OUT/export"
+step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$OUT/export" --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
+
+"$PY" -P - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("== throughput, as each run's trainer measured it (metachunk_run.json):")
+for name in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded", "resume/whole"):
+    facts = out / name / "metachunk_run.json"
+    if not facts.exists():
+        print(f"   {name}: no run record")
+        continue
+    t = json.loads(facts.read_text()).get("throughput") or {}
+    mfu = f"MFU {t['mfu']:.1%}" if t.get("mfu") is not None else "MFU n/a"
+    per_step = t["seconds"] / max(1, t["steps"][1] - t["steps"][0] + 1)
+    print(f"   {name}: {t['tokens_per_second']:,.0f} tokens/s, {t['tflops_per_device']:.4g} TFLOP/s, {mfu}, "
+          f"{per_step:.2f} s/step, peak memory {t.get('peak_memory_gib')} GiB on {t['device']}")
+PYEOF
+echo "summary: $SUMMARY"
+exit $status

@@ -1,0 +1,39 @@
+# Sourced by the GPU checks (bench/gpu_check.sh, bench/gpu_train_check.sh): the node's install from a
+# wheelhouse, the import check, and `step`, which runs one step, keeps its log and notes the result.
+# Expects PY, OUT and SUMMARY to be set; sets `status` to 1 when a step fails.
+
+# An offline GPU node installs as a user's does, from a folder of wheels carried in (`make wheelhouse`,
+# docs/install.md) into the environment that has its own CUDA torch:
+#   GPU_CHECK_WHEELHOUSE=dist/wheelhouse bash bench/gpu_check.sh
+install_from_wheelhouse() {
+  [[ -n "${GPU_CHECK_WHEELHOUSE:-}" ]] || return 0
+  echo "== install: $PY -m pip install --no-index --find-links $GPU_CHECK_WHEELHOUSE --no-build-isolation 'metachunk[train]'"
+  if ! "$PY" -m pip install --no-index --find-links "$GPU_CHECK_WHEELHOUSE" --no-build-isolation 'metachunk[train]'; then
+    echo "$(basename "$0"): the install from $GPU_CHECK_WHEELHOUSE failed" >&2
+    exit 2
+  fi
+}
+
+# The package maps its top-level folders under metachunk. (pyproject's package-dir), so it must be
+# installed (a wheel, or `pip install -e .`; `make install` does it). Python runs with -P in the checks so
+# that the checkout's own metachunk/ folder, which has no metachunk.chunking, never shadows the install.
+require_package() {
+  if ! "$PY" -P -c "import metachunk.chunking" 2>/dev/null; then
+    echo "$(basename "$0"): $PY cannot import metachunk.chunking; install the package first: $PY -m pip install -e ." >&2
+    exit 2
+  fi
+}
+
+status=0
+step() {  # step NAME COMMAND...: run, keep the log, note the result
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$SUMMARY"
+  local started=$SECONDS
+  if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" > "$OUT/$name.log" 2>&1; then
+    echo "   ok in $((SECONDS - started)) s" | tee -a "$SUMMARY"
+  else
+    echo "   FAILED (exit $?) in $((SECONDS - started)) s; see $OUT/$name.log" | tee -a "$SUMMARY"
+    status=1
+  fi
+  grep -E "x |x\)|MFU|speed-up|tokens/s|PASS|FAIL|identical|workers" "$OUT/$name.log" | tail -8 | sed 's/^/   /' | tee -a "$SUMMARY"
+}
