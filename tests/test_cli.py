@@ -343,16 +343,16 @@ def test_failure_while_writing_keeps_old_output(tmp_path, capsys, tiny, monkeypa
 
     src = write_jsonl(tmp_path / "in" / "d.jsonl", [{"text": EN}] * 40)  # two groups of 16+ docs
     out, before = _prepare_output(tmp_path)
-    real_chunk = Chunker.chunk
+    real_decide = Chunker.decide  # the model's stage of a corpus run (chunking/shards.py), once per group
     calls = []
 
-    def flaky(self, ids, texts):
-        calls.append(len(ids))
+    def flaky(self, prepared):
+        calls.append(prepared)
         if len(calls) == 2:
             raise error
-        return real_chunk(self, ids, texts)
+        return real_decide(self, prepared)
 
-    monkeypatch.setattr(Chunker, "chunk", flaky)
+    monkeypatch.setattr(Chunker, "decide", flaky)
     args = ("-o", out, "--method", "fixed", "--target-len", "5", "--batch-size", "1")
     error = RuntimeError("boom")
     rc, err = run(capsys, src, *args)  # a bug: status 1 and its (redacted) traceback
