@@ -42,6 +42,7 @@ OUT=${OUT:-bench_out/gpu_check}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 source bench/steps.sh
+record_node
 install_from_wheelhouse
 require_package
 SUMMARY="$OUT/summary.txt"

@@ -38,6 +38,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1
 source bench/steps.sh
+record_node
 install_from_wheelhouse
 require_package
 SUMMARY="$OUT/summary.txt"

@@ -2,6 +2,14 @@
 # wheelhouse, the import check, and `step`, which runs one step, keeps its log and notes the result.
 # Expects PY, OUT and SUMMARY to be set; sets `status` to 1 when a step fails.
 
+# What the node has before anything is installed: its `pip list --format=freeze` is the NODE_FREEZE of the
+# next `make wheelhouse` (the folder then holds only what the node lacks), beside its Python and devices.
+record_node() {
+  "$PY" -m pip list --format=freeze > "$OUT/node-freeze.txt" 2>/dev/null || true
+  { "$PY" -c 'import platform, sys; print(f"python {platform.python_version()} on {platform.machine()} ({sys.platform})")'
+    command -v nvidia-smi > /dev/null && nvidia-smi -L; } > "$OUT/node.txt" 2>&1 || true
+}
+
 # An offline GPU node installs as a user's does, from a folder of wheels carried in (`make wheelhouse`,
 # docs/install.md) into the environment that has its own CUDA torch:
 #   GPU_CHECK_WHEELHOUSE=dist/wheelhouse bash bench/gpu_check.sh

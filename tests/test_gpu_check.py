@@ -34,6 +34,8 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
         assert f"== {step}:" in summary
     assert "FAILED" not in summary
     assert "1 and 2 workers wrote identical shards" in summary
+    # what the node had before any install: the NODE_FREEZE of the next `make wheelhouse`
+    assert any(line.startswith("torch==") for line in (tmp_path / "node-freeze.txt").read_text().splitlines())
 
 
 def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_path):
@@ -67,6 +69,7 @@ def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_pat
     stages = {run: json.loads((tmp_path / run / "metachunk_run.json").read_text())["hyperparameters"]["deepspeed"]
               for run in ("zero2", "zero3", "accelerate")}  # fmt: skip
     assert stages["zero3"].endswith("zero3.json") and stages["accelerate"].endswith("zero2.json")
+    assert "torch==" in (tmp_path / "node-freeze.txt").read_text()
 
 
 def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(tmp_path):
