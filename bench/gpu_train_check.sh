@@ -10,8 +10,12 @@
 #      curve continues, no step counted twice
 #   4. the 3B recipe under `accelerate launch --config_file recipes/accelerate/zero2.yaml`
 #   5. ZeRO-2 packed (bfd, 4,096-token sequences) and padded (sdpa): the other batch layouts
-#   6. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
+#   6. ZeRO-2 with DeepSpeed's FusedAdam instead of torch's fused AdamW (GPU only)
+#   7. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
 #      (target >= 0.8x plain batched generate)
+# Steps by name (GPU_TRAIN_STEPS=zero2,zero3,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
+# rewrite_speed; default all) split the list over several slots: a device command runs at most 10 minutes, and
+# the whole list is estimated at ~14 (not measured). With the same OUT, the models and the dataset are reused.
 # Each training step runs few optimizer steps of a smaller batch than the recipe's 96 rows
 # (--gradient_accumulation_steps 4: 12 rows), enough for the rate after warm-up; the rate per token does
 # not depend on the accumulation.
@@ -75,8 +79,12 @@ DATASET=${GPU_TRAIN_DATASET:-$OUT/sft}
 # What every run shares: the data, a short run, no evaluation or checkpoints unless asked, the device's settings.
 COMMON=(--dataset_name "$DATASET" --max_steps "$TRAIN_STEPS" --gradient_accumulation_steps "$ACCUM"
         --logging_steps "$LOG_STEPS" --eval_strategy no --save_strategy no --report_to none "${DEVICE_ARGS[@]}")
+wanted() {  # GPU_TRAIN_STEPS=zero2,zero3 runs those steps only (a slot's share); unset: all of them
+  [[ -z "${GPU_TRAIN_STEPS:-}" || ",$GPU_TRAIN_STEPS," == *",$1,"* ]]
+}
 train() {  # train NAME PORT LAUNCHER... : a launch of metachunk.train on the 3B recipe (each on its own port)
   local name=$1 port=$2; shift 2
+  wanted "$name" || return 0
   local launcher=("$@")
   launcher=("${launcher[@]//@PORT@/$port}")
   step "$name" "${launcher[@]}" --config "$RECIPE" --model_name_or_path "$BIG_MODEL" "${COMMON[@]}" --output_dir "$OUT/$name"
@@ -93,7 +101,7 @@ fi
 train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
 train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
-step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$OUT/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
+wanted resume && step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$OUT/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
   "${deepspeed[@]//@PORT@/29503}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
   --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
   --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --report_to none "${DEVICE_ARGS[@]}"
@@ -106,18 +114,31 @@ train zero2_packed 29505 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
 train zero2_padded 29506 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
 
-step export "$PY" -P -m metachunk.cli export --checkpoint "$OUT/resume/whole" --out "$OUT/export"
-step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$OUT/export" --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
+# DeepSpeed's FusedAdam against the recipe's torch fused AdamW: the same ZeRO-2 config with an optimizer block
+# (DeepSpeed then builds its own optimizer, a CUDA op compiled on first use). GPU only: on CPU it would compile
+# DeepSpeed's CPU op for minutes and say nothing about a GPU.
+if [[ $DRY == 0 ]]; then
+  "$PY" -P - "$DS/zero2.json" "$OUT/zero2_fusedadam.json" <<'PYEOF'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
+json.dump(config, open(sys.argv[2], "w"), indent=2)
+PYEOF
+  train zero2_fusedadam 29507 "${deepspeed[@]}" --deepspeed "$OUT/zero2_fusedadam.json"
+fi
+
+wanted export && step export "$PY" -P -m metachunk.cli export --checkpoint "$OUT/resume/whole" --out "$OUT/export"
+wanted rewrite_speed && step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$OUT/export" --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
 
 "$PY" -P - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print("== throughput, as each run's trainer measured it (metachunk_run.json):")
-for name in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded", "resume/whole"):
+for name in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded", "zero2_fusedadam", "resume/whole"):
     facts = out / name / "metachunk_run.json"
     if not facts.exists():
-        print(f"   {name}: no run record")
+        print(f"   {name}: no run record")  # not run (GPU_TRAIN_STEPS, the dry run), or it failed: see its log
         continue
     t = json.loads(facts.read_text()).get("throughput") or {}
     mfu = f"MFU {t['mfu']:.1%}" if t.get("mfu") is not None else "MFU n/a"
