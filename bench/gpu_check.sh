@@ -23,6 +23,8 @@
 #
 # Every step's output goes to $OUT (default bench_out/gpu_check) and the summary to its summary.txt.
 # GPU_CHECK_STEP_TIMEOUT (seconds, default none) stops a step that hangs, so the rest still fit the slot.
+# GPU_CHECK_STEPS (comma-separated step names, e.g. plain_vs_engine_qwen2-7b,msp_speed) runs only those, so
+# the list can be split over device commands, each cut at 10 minutes (bench/steps.sh).
 # A step that fails is reported and the others still run, so one bad step does not cost the whole
 # device slot.
 #
@@ -41,6 +43,7 @@ PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo pytho
 OUT=${OUT:-bench_out/gpu_check}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
+CHECK_STEPS=${GPU_CHECK_STEPS:-}
 source bench/steps.sh
 record_node
 install_from_wheelhouse
@@ -96,7 +99,7 @@ step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" "${P
 MSP_MODEL=$MODEL
 if [[ $MSP_SHAPE != "$SHAPE" ]]; then
   MSP_MODEL=$OUT/random-$MSP_SHAPE
-  [[ -f $MSP_MODEL/config.json ]] || step "random_$MSP_SHAPE" "$PY" bench/random_model.py --shape "$MSP_SHAPE" --out "$MSP_MODEL"
+  [[ -f $MSP_MODEL/config.json ]] || ! wanted msp_speed || step "random_$MSP_SHAPE" "$PY" bench/random_model.py --shape "$MSP_SHAPE" --out "$MSP_MODEL"
 fi
 step msp_speed "$PY" bench/msp_speed.py --model "$MSP_MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
 step train_mfu "$PY" bench/train_mfu_gpu.py --out "$OUT/train_mfu.json" "${MFU_ARGS[@]}"
@@ -113,7 +116,9 @@ for workers in 1 2; do
   step "chunk_${workers}_workers" "$PY" -P -m metachunk.cli chunk "$OUT/corpus.jsonl" -o "$OUT/chunks_w$workers" \
     --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
 done
-if [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]]; then
+if ! wanted chunk_1_workers || ! wanted chunk_2_workers; then
+  :  # not asked for (GPU_CHECK_STEPS): nothing to compare
+elif [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]]; then
   if cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
     echo "== chunk: 1 and 2 workers wrote identical shards" | tee -a "$SUMMARY"
   else
@@ -130,7 +135,7 @@ fi
 for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16 (seconds, even at 7B)
   dir=$OUT/random-$shape
   [[ $shape == "$SHAPE" && -n "${GPU_CHECK_MODEL:-}" ]] && dir=$MODEL
-  [[ -f $dir/config.json ]] || step "random_$shape" "$PY" bench/random_model.py --shape "$shape" --out "$dir"
+  [[ -f $dir/config.json ]] || ! wanted "plain_vs_engine_$shape" || step "random_$shape" "$PY" bench/random_model.py --shape "$shape" --out "$dir"
   step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
     --methods engine,chunk,plain-batched "${PLAIN_ARGS[@]}"
 done

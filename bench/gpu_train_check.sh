@@ -41,6 +41,7 @@ OUT=${OUT:-bench_out/gpu_train_check}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1
+CHECK_STEPS=${GPU_TRAIN_STEPS:-}
 source bench/steps.sh
 record_node
 install_from_wheelhouse
@@ -79,12 +80,8 @@ DATASET=${GPU_TRAIN_DATASET:-$OUT/sft}
 # What every run shares: the data, a short run, no evaluation or checkpoints unless asked, the device's settings.
 COMMON=(--dataset_name "$DATASET" --max_steps "$TRAIN_STEPS" --gradient_accumulation_steps "$ACCUM"
         --logging_steps "$LOG_STEPS" --eval_strategy no --save_strategy no --report_to none "${DEVICE_ARGS[@]}")
-wanted() {  # GPU_TRAIN_STEPS=zero2,zero3 runs those steps only (a slot's share); unset: all of them
-  [[ -z "${GPU_TRAIN_STEPS:-}" || ",$GPU_TRAIN_STEPS," == *",$1,"* ]]
-}
 train() {  # train NAME PORT LAUNCHER... : a launch of metachunk.train on the 3B recipe (each on its own port)
   local name=$1 port=$2; shift 2
-  wanted "$name" || return 0
   local launcher=("$@")
   launcher=("${launcher[@]//@PORT@/$port}")
   step "$name" "${launcher[@]}" --config "$RECIPE" --model_name_or_path "$BIG_MODEL" "${COMMON[@]}" --output_dir "$OUT/$name"
@@ -101,7 +98,7 @@ fi
 train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
 train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
-wanted resume && step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$OUT/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
+step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$OUT/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
   "${deepspeed[@]//@PORT@/29503}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
   --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
   --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --report_to none "${DEVICE_ARGS[@]}"
@@ -127,8 +124,8 @@ PYEOF
   train zero2_fusedadam 29507 "${deepspeed[@]}" --deepspeed "$OUT/zero2_fusedadam.json"
 fi
 
-wanted export && step export "$PY" -P -m metachunk.cli export --checkpoint "$OUT/resume/whole" --out "$OUT/export"
-wanted rewrite_speed && step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$OUT/export" --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
+step export "$PY" -P -m metachunk.cli export --checkpoint "$OUT/resume/whole" --out "$OUT/export"
+step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$OUT/export" --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
 
 "$PY" -P - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys

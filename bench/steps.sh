@@ -1,6 +1,6 @@
 # Sourced by the GPU checks (bench/gpu_check.sh, bench/gpu_train_check.sh): the node's install from a
 # wheelhouse, the import check, and `step`, which runs one step, keeps its log and notes the result.
-# Expects PY, OUT and SUMMARY to be set; sets `status` to 1 when a step fails.
+# Expects PY, OUT and SUMMARY to be set (CHECK_STEPS optionally); sets `status` to 1 when a step fails.
 
 # What the node has before anything is installed: its `pip list --format=freeze` is the NODE_FREEZE of the
 # next `make wheelhouse` (the folder then holds only what the node lacks), beside its Python and devices.
@@ -32,9 +32,17 @@ require_package() {
   fi
 }
 
+# CHECK_STEPS (a script sets it from its own variable) names the steps to run, comma-separated: a device command
+# is cut at 10 minutes, so a check can be split over several. Unset: every step. The builds a step needs
+# (random_*, sft_dataset) always run, and skip themselves when their output is already in OUT.
+wanted() {
+  [[ -z "${CHECK_STEPS:-}" || $1 == random_* || $1 == sft_dataset || ",$CHECK_STEPS," == *",$1,"* ]]
+}
+
 status=0
 step() {  # step NAME COMMAND...: run, keep the log, note the result
   local name=$1; shift
+  wanted "$name" || return 0
   echo "== $name: $*" | tee -a "$SUMMARY"
   local started=$SECONDS
   if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" > "$OUT/$name.log" 2>&1; then

@@ -72,6 +72,21 @@ def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_pat
     assert "torch==" in (tmp_path / "node-freeze.txt").read_text()
 
 
+def test_gpu_check_steps_run_a_share_of_the_list(tmp_path):
+    """GPU_CHECK_STEPS names the steps to run (a device command is cut at 10 minutes): the model they need is
+    built, nothing else runs, and the skipped chunk steps are not reported as a failed comparison."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "GPU_CHECK_STEPS": "scoring_parity"}  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    summary = (tmp_path / "summary.txt").read_text()
+    assert proc.returncode == 0, summary + proc.stderr[-2000:]
+    assert [line.split(":")[0] for line in summary.splitlines() if line.startswith("== ")] == [
+        "== random_model",
+        "== scoring_parity",
+    ]
+
+
 def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(tmp_path):
     # A fresh GPU machine before `pip install`: an interpreter without the package or its dependencies.
     python = tmp_path / "python"
