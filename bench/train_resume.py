@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     whole, killed = args.out / "whole", args.out / "killed"
+    for run_dir in (whole, killed):  # an earlier attempt's checkpoints would end the kill phase at once
+        shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.monotonic()
     done = run([*cmd, "--output_dir", str(whole)], args.out / "whole.log")
     if done.returncode != 0:
