@@ -203,12 +203,20 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         segmented, length_fit = fit_length(worker, cfg, source, goal, progress)
     with tqdm(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", dynamic_ncols=True,
               disable=not progress) as bar:  # fmt: skip
-        if not pending:
-            seconds, reports = {}, []
-        elif cfg.engine == "ray" and worker is None:
-            seconds, reports = run_ray(cfg, index, plan, output, pending, bar)
-        else:
-            seconds, reports = run_local(cfg, source, index, plan, output, pending, bar, worker, segmented)
+        try:
+            if not pending:
+                seconds, reports = {}, []
+            elif cfg.engine == "ray" and worker is None:
+                seconds, reports = run_ray(cfg, index, plan, output, pending, bar)
+            else:
+                seconds, reports = run_local(
+                    cfg, source, index, plan, output, pending, bar, worker, segmented
+                )
+        except BaseException:
+            # A signal can land inside a shard's write, after its temp file exists and before the writer's
+            # cleanup is armed (inside tempfile.mkstemp): this run writes these shards and nothing else does.
+            output.remove_stale_temps(pending)
+            raise
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
         "workers": cfg.workers,

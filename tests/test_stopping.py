@@ -172,6 +172,47 @@ def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, t
     assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
+def test_a_stop_inside_a_shards_temp_file_creation_leaves_no_temp_file(tmp_path, corpus, tiny_model_dir,
+                                                                       monkeypatch, capsys):  # fmt: skip
+    """SIGTERM raises `Stopped` wherever the main thread is, also inside ``tempfile.mkstemp`` after the temp file
+    exists and before its writer can clean it up (seen once in a fresh-clone run): the run removes its shards'
+    temp files on the way out, and exits 143."""
+    import tempfile
+
+    from metachunk.cli import main
+    from metachunk.stopping import Stopped
+
+    real_mkstemp = tempfile.mkstemp
+    shard_temps = []
+
+    def mkstemp_then_stop(*args, **kwargs):
+        fd, path = real_mkstemp(*args, **kwargs)
+        if ".train-" in Path(path).name:
+            shard_temps.append(path)
+            if len(shard_temps) == 2:  # the second shard's write, its temp file on disk
+                os.close(fd)
+                raise Stopped(signal.SIGTERM)
+        return fd, path
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_stop)
+    out = tmp_path / "out"
+    argv = [
+        "chunk",
+        str(corpus),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_model_dir),
+        "--shards",
+        "4",
+        "--lang",
+        "en",
+    ]
+    assert main(argv) == 143
+    assert len(shard_temps) == 2 and not list(out.glob(".*.tmp"))
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny_model_dir, sig):
     """``chunk --engine ray`` without ``--ray-address`` starts a local Ray cluster (GCS, raylet, the
