@@ -75,15 +75,15 @@ def stop_on_signals():
             signal.signal(s, handler)
 
 
-def die_with_parent(parent: int | None = None) -> bool:
-    """Ask Linux to send this process SIGTERM when its parent dies; if the parent (``parent``, a
+def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send this process ``sig`` when its parent dies; if the parent (``parent``, a
     pid) is already gone, end now. False where there is no prctl (not Linux): then only a parent
     that is stopped, not killed, stops its children."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
@@ -93,7 +93,10 @@ def die_with_parent(parent: int | None = None) -> bool:
 
 
 def guarded(command: list[str]) -> list[str]:
-    """``command`` run through this module, so that it dies with the process that starts it."""
+    """``command`` run through this module, so that it dies with the process that starts it: by SIGKILL,
+    since a server's graceful shutdown on SIGTERM (uvicorn's) waits for the requests in flight, whose
+    client died with the parent, for as long as their generation takes; a parent that is stopped, not
+    killed, stops the server itself first."""
     return [sys.executable, "-m", "metachunk.stopping", str(os.getpid()), *command]
 
 
@@ -191,5 +194,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "--reap":  # python -m metachunk.stopping --reap PARENT_PID
         _reap(int(sys.argv[2]))
     else:  # python -m metachunk.stopping PARENT_PID COMMAND...: die with PARENT, exec COMMAND
-        die_with_parent(int(sys.argv[1]))
+        die_with_parent(int(sys.argv[1]), signal.SIGKILL)
         os.execvp(sys.argv[2], sys.argv[2:])
