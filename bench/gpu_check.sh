@@ -44,12 +44,9 @@ OUT=${OUT:-bench_out/gpu_check}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 CHECK_STEPS=${GPU_CHECK_STEPS:-}
-source bench/steps.sh
-record_node
-install_from_wheelhouse
-require_package
 SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
+source bench/steps.sh
+start_check
 
 if [[ $DRY == 1 ]]; then
   DEVICE=cpu; SHAPE=tiny

@@ -42,12 +42,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1
 CHECK_STEPS=${GPU_TRAIN_STEPS:-}
-source bench/steps.sh
-record_node
-install_from_wheelhouse
-require_package
 SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
+source bench/steps.sh
+start_check
 BIN=$(dirname "$PY")
 
 RECIPE=recipes/train/rewriter_qwen2.5-3b.yaml

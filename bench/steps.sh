@@ -32,6 +32,15 @@ require_package() {
   fi
 }
 
+# A check's start: the node recorded, the package installed (from a wheelhouse if named) and importable,
+# an empty summary.
+start_check() {
+  record_node
+  install_from_wheelhouse
+  require_package
+  : > "$SUMMARY"
+}
+
 # CHECK_STEPS (a script sets it from its own variable) names the steps to run, comma-separated: a device command
 # is cut at 10 minutes, so a check can be split over several. Unset: every step. The builds a step needs
 # (random_*, sft_dataset) always run, and skip themselves when their output is already in OUT.
