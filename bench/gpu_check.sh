@@ -21,7 +21,9 @@
 #   bash bench/gpu_check.sh            # on the GPU machine
 #   bash bench/gpu_check.sh --dry-run  # anywhere: the same steps on CPU, tiny sizes (the test suite runs it)
 #
-# Every step's output goes to $OUT (default bench_out/gpu_check) and the summary to its summary.txt.
+# Every step's output goes to GPU_CHECK_DIR (default bench_out/gpu_check: models of many GB, logs, reports) and
+# the summary to its summary.txt. GPU_CHECK_RESULTS, where set (the device machine's $OUT), gets after each step
+# the few small files worth bringing back (bench/steps.sh: publish).
 # GPU_CHECK_STEP_TIMEOUT (seconds, default none) stops a step that hangs, so the rest still fit the slot.
 # GPU_CHECK_STEPS (comma-separated step names, e.g. plain_vs_engine_qwen2-7b,msp_speed) runs only those, so
 # the list can be split over device commands, each cut at 10 minutes (bench/steps.sh).
@@ -40,11 +42,11 @@ cd "$(dirname "$0")/.."
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
-OUT=${OUT:-bench_out/gpu_check}
-mkdir -p "$OUT"
+WORK=${GPU_CHECK_DIR:-bench_out/gpu_check}
+mkdir -p "$WORK"
 export HF_HUB_OFFLINE=1
 CHECK_STEPS=${GPU_CHECK_STEPS:-}
-SUMMARY="$OUT/summary.txt"
+SUMMARY="$WORK/summary.txt"
 source bench/steps.sh
 start_check
 
@@ -89,19 +91,19 @@ PYEOF
 ); then
   exit 2
 fi
-MODEL=${GPU_CHECK_MODEL:-$OUT/random-$SHAPE}
+MODEL=${GPU_CHECK_MODEL:-$WORK/random-$SHAPE}
 [[ -n "${GPU_CHECK_MODEL:-}" ]] || step random_model "$PY" bench/random_model.py --shape "$SHAPE" --out "$MODEL"
 
 step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" "${PPL_ARGS[@]}"
 MSP_MODEL=$MODEL
 if [[ $MSP_SHAPE != "$SHAPE" ]]; then
-  MSP_MODEL=$OUT/random-$MSP_SHAPE
+  MSP_MODEL=$WORK/random-$MSP_SHAPE
   [[ -f $MSP_MODEL/config.json ]] || ! wanted msp_speed || step "random_$MSP_SHAPE" "$PY" bench/random_model.py --shape "$MSP_SHAPE" --out "$MSP_MODEL"
 fi
-step msp_speed "$PY" bench/msp_speed.py --model "$MSP_MODEL" --device "$DEVICE" --out "$OUT/msp_speed.json" "${MSP_ARGS[@]}"
-step train_mfu "$PY" bench/train_mfu_gpu.py --out "$OUT/train_mfu.json" "${MFU_ARGS[@]}"
+step msp_speed "$PY" bench/msp_speed.py --model "$MSP_MODEL" --device "$DEVICE" --out "$WORK/msp_speed.json" "${MSP_ARGS[@]}"
+step train_mfu "$PY" bench/train_mfu_gpu.py --out "$WORK/train_mfu.json" "${MFU_ARGS[@]}"
 
-"$PY" -P - "$CHUNK_FILE" "$CHUNK_DOCS" "$OUT/corpus.jsonl" <<'PYEOF'
+"$PY" -P - "$CHUNK_FILE" "$CHUNK_DOCS" "$WORK/corpus.jsonl" <<'PYEOF'
 import json, sys
 path, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 with open(path, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
@@ -110,18 +112,18 @@ with open(path, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
         o.write(json.dumps({"id": str(row.get("id", k)), "text": row["text"]}, ensure_ascii=False) + "\n")
 PYEOF
 for workers in 1 2; do
-  step "chunk_${workers}_workers" "$PY" -P -m metachunk.cli chunk "$OUT/corpus.jsonl" -o "$OUT/chunks_w$workers" \
+  step "chunk_${workers}_workers" "$PY" -P -m metachunk.cli chunk "$WORK/corpus.jsonl" -o "$WORK/chunks_w$workers" \
     --overwrite --method ppl --model "$MODEL" --device "$DEVICE" --workers "$workers" --shards 8
 done
 if ! wanted chunk_1_workers || ! wanted chunk_2_workers; then
   :  # not asked for (GPU_CHECK_STEPS): nothing to compare
-elif [[ -f "$OUT/chunks_w1/manifest.json" && -f "$OUT/chunks_w2/manifest.json" ]]; then
-  if cmp -s <(cat "$OUT"/chunks_w1/train-*) <(cat "$OUT"/chunks_w2/train-*); then
+elif [[ -f "$WORK/chunks_w1/manifest.json" && -f "$WORK/chunks_w2/manifest.json" ]]; then
+  if cmp -s <(cat "$WORK"/chunks_w1/train-*) <(cat "$WORK"/chunks_w2/train-*); then
     echo "== chunk: 1 and 2 workers wrote identical shards" | tee -a "$SUMMARY"
   else
     echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
   fi
-  "$PY" -P - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+  "$PY" -P - "$WORK" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 s = {w: json.load(open(f"{sys.argv[1]}/chunks_w{w}/manifest.json"))["run"]["this_attempt_seconds"] for w in (1, 2)}
 print(f"== chunk: 1 worker {s[1]} s, 2 workers on one device {s[2]} s: {s[1] / s[2]:.2f}x")
@@ -130,15 +132,15 @@ else
   echo "== chunk: a run wrote no manifest; nothing to compare" | tee -a "$SUMMARY"; status=1
 fi
 for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16 (seconds, even at 7B)
-  dir=$OUT/random-$shape
+  dir=$WORK/random-$shape
   [[ $shape == "$SHAPE" && -n "${GPU_CHECK_MODEL:-}" ]] && dir=$MODEL
   [[ -f $dir/config.json ]] || ! wanted "plain_vs_engine_$shape" || step "random_$shape" "$PY" bench/random_model.py --shape "$shape" --out "$dir"
   step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
     --methods engine,chunk,plain-batched "${PLAIN_ARGS[@]}"
 done
 step scoring_parity "$PY" bench/scoring_parity.py --model "$MODEL" --device "$DEVICE" \
-  --out "$OUT/scoring_parity.json" "${PARITY_ARGS[@]}"
+  --out "$WORK/scoring_parity.json" "${PARITY_ARGS[@]}"
 step rewrite_speed "$PY" bench/rewrite_speed.py --model "${GPU_CHECK_STUDENT:-$MODEL}" --device "$DEVICE" \
-  --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
+  --out "$WORK/rewrite_speed.json" "${REWRITE_ARGS[@]}"
 echo "summary: $SUMMARY"
 exit $status

@@ -15,7 +15,7 @@
 #      (target >= 0.8x plain batched generate)
 # Steps by name (GPU_TRAIN_STEPS=zero2,zero3,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
 # rewrite_speed; default all) split the list over several slots: a device command runs at most 10 minutes, and
-# the whole list is estimated at ~14 (not measured). With the same OUT, the models and the dataset are reused.
+# the whole list is estimated at ~14 (not measured). With the same GPU_CHECK_DIR, the models and the dataset are reused.
 # Each training step runs few optimizer steps of a smaller batch than the recipe's 96 rows
 # (--gradient_accumulation_steps 4: 12 rows), enough for the rate after warm-up; the rate per token does
 # not depend on the accumulation.
@@ -26,7 +26,9 @@
 # GPU_TRAIN_DATASET: a `metachunk data build-sft` folder to train on. Without it the script builds one from
 # synthetic records of CRUD-like lengths (bench/sft_build.py --dataset-out, ~700-character documents) with the
 # model's tokenizer. Models are random weights built on the device (bench/random_model.py): speed does not need
-# trained ones. Every step's log goes to $OUT (default bench_out/gpu_train_check), the summary to summary.txt.
+# trained ones. Every step's log goes to GPU_CHECK_DIR (default bench_out/gpu_train_check), the summary to
+# summary.txt; GPU_CHECK_RESULTS, where set (the device machine's $OUT), gets the few small files worth bringing
+# back after each step (bench/steps.sh: publish).
 #
 # The launches run from the checkout's root, as a user types them (recipes/ named relative to it); with the
 # package installed from the wheelhouse, the checkout's metachunk/ still finds its stages there
@@ -37,12 +39,12 @@ ROOT=$PWD
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo "$ROOT/.venv/bin/python" || command -v python3 )}
-OUT=${OUT:-bench_out/gpu_train_check}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+WORK=${GPU_CHECK_DIR:-bench_out/gpu_train_check}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
 export HF_HUB_OFFLINE=1
 CHECK_STEPS=${GPU_TRAIN_STEPS:-}
-SUMMARY="$OUT/summary.txt"
+SUMMARY="$WORK/summary.txt"
 source bench/steps.sh
 start_check
 BIN=$(dirname "$PY")
@@ -66,11 +68,11 @@ else
   DATA_RECORDS=2000; MAX_LEN=4096; ACCUM=4
   REWRITE_ARGS=(--device cuda --corpus crud --docs 100 --max-new-tokens 64)
 fi
-BIG_MODEL=$OUT/random-$BIG
-SMALL_MODEL=$OUT/random-$SMALL
+BIG_MODEL=$WORK/random-$BIG
+SMALL_MODEL=$WORK/random-$SMALL
 [[ -f $BIG_MODEL/config.json ]] || step "random_$BIG" "$PY" -P "$ROOT/bench/random_model.py" --shape "$BIG" --out "$BIG_MODEL"
 [[ -f $SMALL_MODEL/config.json ]] || step "random_$SMALL" "$PY" -P "$ROOT/bench/random_model.py" --shape "$SMALL" --out "$SMALL_MODEL"
-DATASET=${GPU_TRAIN_DATASET:-$OUT/sft}
+DATASET=${GPU_TRAIN_DATASET:-$WORK/sft}
 [[ -n "${GPU_TRAIN_DATASET:-}" || -f $DATASET/build_report.json ]] || step sft_dataset "$PY" -P "$ROOT/bench/sft_build.py" \
   --sizes "$DATA_RECORDS" --tokenizer "$BIG_MODEL" --max-tokens "$MAX_LEN" --dataset-out "$DATASET"
 
@@ -81,7 +83,7 @@ train() {  # train NAME PORT LAUNCHER... : a launch of metachunk.train on the 3B
   local name=$1 port=$2; shift 2
   local launcher=("$@")
   launcher=("${launcher[@]//@PORT@/$port}")
-  step "$name" "${launcher[@]}" --config "$RECIPE" --model_name_or_path "$BIG_MODEL" "${COMMON[@]}" --output_dir "$OUT/$name"
+  step "$name" "${launcher[@]}" --config "$RECIPE" --model_name_or_path "$BIG_MODEL" "${COMMON[@]}" --output_dir "$WORK/$name"
 }
 # `deepspeed`, the launcher a user types (beside the interpreter, or on PATH); the dry run calls the module the
 # script runs, deepspeed.launcher.runner, as the tests do
@@ -95,7 +97,7 @@ fi
 train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
 train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
-step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$OUT/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
+step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$WORK/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
   "${deepspeed[@]//@PORT@/29503}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
   --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
   --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --report_to none "${DEVICE_ARGS[@]}"
@@ -112,19 +114,19 @@ train zero2_padded 29506 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
 # (DeepSpeed then builds its own optimizer, a CUDA op compiled on first use). GPU only: on CPU it would compile
 # DeepSpeed's CPU op for minutes and say nothing about a GPU.
 if [[ $DRY == 0 ]]; then
-  "$PY" -P - "$DS/zero2.json" "$OUT/zero2_fusedadam.json" <<'PYEOF'
+  "$PY" -P - "$DS/zero2.json" "$WORK/zero2_fusedadam.json" <<'PYEOF'
 import json, sys
 config = json.load(open(sys.argv[1]))
 config["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
 json.dump(config, open(sys.argv[2], "w"), indent=2)
 PYEOF
-  train zero2_fusedadam 29507 "${deepspeed[@]}" --deepspeed "$OUT/zero2_fusedadam.json"
+  train zero2_fusedadam 29507 "${deepspeed[@]}" --deepspeed "$WORK/zero2_fusedadam.json"
 fi
 
-step export "$PY" -P -m metachunk.cli export --checkpoint "$OUT/resume/whole" --out "$OUT/export"
-step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$OUT/export" --out "$OUT/rewrite_speed.json" "${REWRITE_ARGS[@]}"
+step export "$PY" -P -m metachunk.cli export --checkpoint "$WORK/resume/whole" --out "$WORK/export"
+step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$WORK/export" --out "$WORK/rewrite_speed.json" "${REWRITE_ARGS[@]}"
 
-"$PY" -P - "$OUT" <<'PYEOF' | tee -a "$SUMMARY"
+"$PY" -P - "$WORK" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])

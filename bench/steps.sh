@@ -1,13 +1,13 @@
 # Sourced by the GPU checks (bench/gpu_check.sh, bench/gpu_train_check.sh): the node's install from a
 # wheelhouse, the import check, and `step`, which runs one step, keeps its log and notes the result.
-# Expects PY, OUT and SUMMARY to be set (CHECK_STEPS optionally); sets `status` to 1 when a step fails.
+# Expects PY, WORK (the check's folder) and SUMMARY to be set (CHECK_STEPS optionally); sets `status` to 1 when a step fails.
 
 # What the node has before anything is installed: its `pip list --format=freeze` is the NODE_FREEZE of the
 # next `make wheelhouse` (the folder then holds only what the node lacks), beside its Python and devices.
 record_node() {
-  "$PY" -m pip list --format=freeze > "$OUT/node-freeze.txt" 2>/dev/null || true
+  "$PY" -m pip list --format=freeze > "$WORK/node-freeze.txt" 2>/dev/null || true
   { "$PY" -c 'import platform, sys; print(f"python {platform.python_version()} on {platform.machine()} ({sys.platform})")'
-    command -v nvidia-smi > /dev/null && nvidia-smi -L; } > "$OUT/node.txt" 2>&1 || true
+    command -v nvidia-smi > /dev/null && nvidia-smi -L; } > "$WORK/node.txt" 2>&1 || true
 }
 
 # An offline GPU node installs as a user's does, from a folder of wheels carried in (`make wheelhouse`,
@@ -32,18 +32,36 @@ require_package() {
   fi
 }
 
-# A check's start: the node recorded, the package installed (from a wheelhouse if named) and importable,
-# an empty summary.
+# What comes back from the device machine is a few small files (at most 8, two folders down), and WORK holds
+# models of many GB: GPU_CHECK_RESULTS, where set (the device machine's $OUT), gets the summary, the node's
+# record and one tarball of every log, JSON report and PNG outside the model and checkpoint folders. It is
+# refreshed after each step, so a command cut off at its time limit still brings back the steps it finished.
+publish() {
+  [[ -n "${GPU_CHECK_RESULTS:-}" ]] || return 0
+  mkdir -p "$GPU_CHECK_RESULTS"
+  local file
+  for file in "$SUMMARY" "$WORK/node-freeze.txt" "$WORK/node.txt"; do
+    [[ -f $file ]] && cp "$file" "$GPU_CHECK_RESULTS/"
+  done
+  (cd "$WORK" && find . \( -name 'random-*' -o -name 'checkpoint-*' -o -name export -o -name sft \) -prune -o \
+     -type f \( -name '*.log' -o -name '*.json' -o -name '*.png' -o -name '*.txt' \) -size -4M -print0 |
+   tar --null -czf "$GPU_CHECK_RESULTS/.reports.tar.gz.tmp" -T - 2>/dev/null) &&
+    mv "$GPU_CHECK_RESULTS/.reports.tar.gz.tmp" "$GPU_CHECK_RESULTS/reports.tar.gz"
+}
+
+# A check's start: the node recorded, an empty summary, the results published on every way out, the package
+# installed (from a wheelhouse if named) and importable.
 start_check() {
   record_node
+  : > "$SUMMARY"
+  trap publish EXIT
   install_from_wheelhouse
   require_package
-  : > "$SUMMARY"
 }
 
 # CHECK_STEPS (a script sets it from its own variable) names the steps to run, comma-separated: a device command
 # is cut at 10 minutes, so a check can be split over several. Unset: every step. The builds a step needs
-# (random_*, sft_dataset) always run, and skip themselves when their output is already in OUT.
+# (random_*, sft_dataset) always run, and skip themselves when their output is already in WORK.
 wanted() {
   [[ -z "${CHECK_STEPS:-}" || $1 == random_* || $1 == sft_dataset || ",$CHECK_STEPS," == *",$1,"* ]]
 }
@@ -54,11 +72,12 @@ step() {  # step NAME COMMAND...: run, keep the log, note the result
   wanted "$name" || return 0
   echo "== $name: $*" | tee -a "$SUMMARY"
   local started=$SECONDS
-  if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" > "$OUT/$name.log" 2>&1; then
+  if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" > "$WORK/$name.log" 2>&1; then
     echo "   ok in $((SECONDS - started)) s" | tee -a "$SUMMARY"
   else
-    echo "   FAILED (exit $?) in $((SECONDS - started)) s; see $OUT/$name.log" | tee -a "$SUMMARY"
+    echo "   FAILED (exit $?) in $((SECONDS - started)) s; see $WORK/$name.log" | tee -a "$SUMMARY"
     status=1
   fi
-  grep -E "x |x\)|MFU|speed-up|tokens/s|PASS|FAIL|identical|workers" "$OUT/$name.log" | tail -8 | sed 's/^/   /' | tee -a "$SUMMARY"
+  grep -E "x |x\)|MFU|speed-up|tokens/s|PASS|FAIL|identical|workers" "$WORK/$name.log" | tail -8 | sed 's/^/   /' | tee -a "$SUMMARY"
+  publish
 }

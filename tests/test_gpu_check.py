@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     summary = (tmp_path / "summary.txt").read_text()
@@ -42,7 +43,7 @@ def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_pat
     """The 3B recipe on a tiny model over gloo: ZeRO-2 and ZeRO-3 through `deepspeed`'s runner, `accelerate
     launch` with the shipped ZeRO-2 config, packed and padded, kill -9 then resume, export and rewriting; each
     run's throughput recorded by the trainer."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_train_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     summary = (tmp_path / "summary.txt").read_text()
@@ -74,17 +75,26 @@ def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_pat
 
 def test_gpu_check_steps_run_a_share_of_the_list(tmp_path):
     """GPU_CHECK_STEPS names the steps to run (a device command is cut at 10 minutes): the model they need is
-    built, nothing else runs, and the skipped chunk steps are not reported as a failed comparison."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "GPU_CHECK_STEPS": "scoring_parity"}  # fmt: skip
+    built, nothing else runs, and the skipped chunk steps are not reported as a failed comparison.
+    GPU_CHECK_RESULTS gets what the device machine can bring back: a few small files, no folder, no model."""
+    results = tmp_path / "results"
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path / "work"), "GPU_CHECK_RESULTS": str(results),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GPU_CHECK_STEPS": "scoring_parity"}  # fmt: skip
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    summary = (tmp_path / "summary.txt").read_text()
+    summary = (tmp_path / "work" / "summary.txt").read_text()
     assert proc.returncode == 0, summary + proc.stderr[-2000:]
     assert [line.split(":")[0] for line in summary.splitlines() if line.startswith("== ")] == [
         "== random_model",
         "== scoring_parity",
     ]
+    back = sorted(path.name for path in results.iterdir())
+    assert back == ["node-freeze.txt", "node.txt", "reports.tar.gz", "summary.txt"]
+    assert (results / "summary.txt").read_text() == summary
+    with tarfile.open(results / "reports.tar.gz") as tar:
+        names = tar.getnames()
+    assert "./scoring_parity.log" in names and "./scoring_parity.json" in names
+    assert not [name for name in names if "random-" in name]
 
 
 def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(tmp_path):
@@ -92,12 +102,19 @@ def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(t
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # -S: no site-packages, no install
     python.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(python)}
+    env = {
+        **os.environ,
+        "GPU_CHECK_DIR": str(tmp_path / "out"),
+        "GPU_CHECK_RESULTS": str(tmp_path / "results"),
+        "PYTHON": str(python),
+    }
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2
     assert "install the package first" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # what the node had comes back even so: the freeze for the wheelhouse that would install it
+    assert (tmp_path / "results" / "node-freeze.txt").is_file()
 
 
 def test_the_version_has_one_home():

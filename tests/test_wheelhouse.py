@@ -128,6 +128,27 @@ def test_deepspeeds_build_requirement_lapses_where_the_node_has_deepspeed(tmp_pa
     assert "'setuptools>=70.1'" not in out
 
 
+def test_a_name_without_a_version_is_fetched_unless_kept(tmp_path, no_network, capsys):
+    """A bare package list (names, no versions) says the node has a package but not which version: by
+    default it is fetched anyway; --unversioned keep leaves it to the node's pip, which refuses the install
+    there if the version is too old."""
+    freeze = h200_freeze(tmp_path, "pandas", "matplotlib @ file:///wheels/matplotlib.whl")
+    assert wheelhouse.main(["--dry-run", "--node-freeze", str(freeze), "--dest", "W"]) == 0
+    rows = listing(capsys.readouterr().out)
+    assert rows["pandas"][0] == rows["matplotlib"][0] == "fetch"
+    assert "gives no version" in rows["pandas"][1]
+
+    assert (
+        wheelhouse.main(["--dry-run", "--node-freeze", str(freeze), "--dest", "W", "--unversioned", "keep"])
+        == 0
+    )
+    rows = listing(capsys.readouterr().out)
+    assert rows["pandas"][0] == rows["matplotlib"][0] == "skip"
+    assert "version not given" in rows["pandas"][1] and "its pip checks at install" in rows["pandas"][1]
+    assert rows["transformers"][0] == "fetch"  # a version that is given still counts
+    assert rows["pysbd"][0] == "fetch"  # and what the node lacks is still fetched
+
+
 def test_freeze_reads_pip_freeze_and_pip_list_output(tmp_path):
     path = tmp_path / "freeze.txt"
     path.write_text(
@@ -259,7 +280,8 @@ def test_make_wheelhouse_passes_its_variables():
 
     dry = recipe("DRY_RUN=1", "NODE_FREEZE=node.txt", "PYTHON_VERSION=3.11", "WHEELHOUSE=out/w")
     assert "tools/wheelhouse.py --dest out/w --python-version 3.11" in dry
-    assert "--node-freeze node.txt --dry-run" in dry
+    assert "--node-freeze node.txt --unversioned fetch --dry-run" in dry
+    assert "--unversioned keep" in recipe("UNVERSIONED=keep")
     real = recipe()
     assert "--dest dist/wheelhouse --python-version 3.12 --platform manylinux_2_28_x86_64" in real
     assert "--dry-run" not in real and "--node-freeze" not in real

@@ -15,7 +15,9 @@ torchvision): the node keeps its own CUDA build, and the core only asks for ``to
 
 Given the node's ``pip list --format=freeze`` or ``pip freeze`` (``--node-freeze``), a package the
 node already has at a version that meets every requirement on it is left out, so the folder holds
-only what the node lacks. The dependency closure is computed offline, from ``pyproject.toml``,
+only what the node lacks. A package the list names without a version (``NAME @ URL``, or a bare
+name from a package list) is fetched, unless ``--unversioned keep`` leaves it to the node: smaller,
+and the node's pip says at install time if its version is too old. The dependency closure is computed offline, from ``pyproject.toml``,
 ``constraints.txt`` and the requirements of the packages installed in this venv, with markers
 evaluated for the node's Python and platform; ``--dry-run`` prints it (what is fetched and why,
 what is left out and why) and touches no network.
@@ -340,7 +342,9 @@ class Entry:
         return f"{self.name}=={self.version}"
 
 
-def plan(packages: dict[str, Package], node: dict[str, Version | None] | None) -> list[Entry]:
+def plan(
+    packages: dict[str, Package], node: dict[str, Version | None] | None, keep_unversioned: bool = False
+) -> list[Entry]:
     entries = [Entry(PROJECT, "fetch", "wheel built from this checkout", "", "the package itself")]
 
     def met(pkg: Package, version: Version) -> bool:
@@ -377,6 +381,9 @@ def plan(packages: dict[str, Package], node: dict[str, Version | None] | None) -
             entries.append(Entry(name, "fetch", what, version, "no node freeze given"))
         elif has == "absent":
             entries.append(Entry(name, "fetch", what, version, "not on the node"))
+        elif has is None and keep_unversioned:
+            why = f"the node has it, version not given (needs {pkg.needs_text()}; its pip checks at install)"
+            entries.append(Entry(name, "skip", "", "", why))
         elif has is None:
             entries.append(Entry(name, "fetch", what, version, "the node's freeze gives no version"))
         elif met(pkg, has):
@@ -531,6 +538,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--node-freeze", type=Path, help="the node's `pip list --format=freeze` (or `pip freeze`) output"
     )
+    p.add_argument(
+        "--unversioned",
+        choices=["fetch", "keep"],
+        default="fetch",
+        help="a package the node's list names without a version: fetch it (safe), or keep the node's "
+        "(a smaller folder; the node's pip refuses the install if that version is too old)",
+    )
     p.add_argument("--constraints", type=Path, default=ROOT / "constraints.txt")
     p.add_argument("--pyproject", type=Path, default=ROOT / "pyproject.toml")
     p.add_argument("--dry-run", action="store_true", help="list what would be fetched; fetch nothing")
@@ -549,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"wheelhouse: {e}", file=sys.stderr)
         return 2
-    entries = plan(packages, node)
+    entries = plan(packages, node, keep_unversioned=args.unversioned == "keep")
     print(report(entries, target, extras, args.node_freeze))
     unknown = sorted(p.name for p in packages.values() if p.unknown_requirements)
     if unknown:
@@ -566,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         "platform": target.platform,
         "extras": extras,
         "node_freeze": str(args.node_freeze) if args.node_freeze else None,
+        "unversioned": args.unversioned,
         "install": commands,
         "packages": [vars(e) | {"file": None} for e in entries],
     }

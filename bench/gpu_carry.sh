@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# What the GPU checks (bench/gpu_check.sh, bench/gpu_train_check.sh) carry to an offline GPU node, built here,
+# where the network is, into one ignored folder (default bench_out/gpu_carry):
+#   wheelhouse/        `make wheelhouse` for the node's Python and platform, less what the node already has
+#                      (NODE_FREEZE: its `pip list --format=freeze`; default bench/h200_image_packages.txt with
+#                      UNVERSIONED=keep, until a check's node-freeze.txt replaces it)
+#   data/crud-news/    the CRUD articles the GPU steps chunk (METACHUNK_DATA there): the node cannot fetch them
+# The tokenizer needs no carrying: the checks build it from text in this repository, the same everywhere.
+# The device machine takes the working tree plus what is carried, 64 MiB in all; this script adds them up
+# and stops (exit 1) if they do not fit. It ends by printing the device command for each check.
+#
+#   bash bench/gpu_carry.sh
+#   NODE_FREEZE=node-freeze.txt UNVERSIONED=fetch bash bench/gpu_carry.sh   # after a first run on the node
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+CARRY=${GPU_CARRY:-bench_out/gpu_carry}
+NODE_FREEZE=${NODE_FREEZE:-bench/h200_image_packages.txt}
+UNVERSIONED=${UNVERSIONED:-keep}
+LIMIT=$((64 * 1024 * 1024))
+
+git check-ignore -q "$CARRY" || { echo "gpu_carry: $CARRY is not ignored by git; it would travel twice" >&2; exit 2; }
+if [[ -n $(git status --porcelain --untracked-files=no) ]]; then
+  echo "gpu_carry: note: uncommitted changes; the wheel is built from the working tree" >&2
+fi
+mkdir -p "$CARRY"
+"$PY" tools/wheelhouse.py --dest "$CARRY/wheelhouse" --python-version 3.12 --platform manylinux_2_28_x86_64 \
+  --extras train --node-freeze "$NODE_FREEZE" --unversioned "$UNVERSIONED" | grep -v '^  skip '
+
+"$PY" -P -m metachunk.cli data fetch crud-news  # nothing is downloaded where METACHUNK_DATA or the cache has it
+news=$("$PY" -P -c 'from metachunk.named_data import resolve; print(resolve("data:crud-news/news.jsonl"))')
+rm -rf "$CARRY/data" && mkdir -p "$CARRY/data"
+cp -rL "$(dirname "$news")" "$CARRY/data/crud-news"
+
+# What travels: tracked files, untracked files git does not ignore, and the carried folder.
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+carried=$(du -sb "$CARRY" | cut -f1)
+total=$((tree + carried))
+awk -v t="$tree" -v c="$carried" -v d="$CARRY" 'BEGIN {
+  printf "gpu_carry: working tree %.1f MiB + %s %.1f MiB = %.1f MiB of the 64 MiB a device call takes\n",
+         t / 2^20, d, c / 2^20, (t + c) / 2^20 }'
+if (( total > LIMIT )); then
+  echo "gpu_carry: over the limit: give a freeze with more of the node's packages, or carry less" >&2
+  exit 1
+fi
+
+# PYTHON absolute: the deepspeed launcher the install puts beside it is found there
+env="PYTHON=\$(command -v python3) GPU_CHECK_WHEELHOUSE=$CARRY/wheelhouse METACHUNK_DATA=\$PWD/$CARRY/data GPU_CHECK_RESULTS=\$OUT"
+cat <<EOF
+Device commands (carry: ["$CARRY"]; each runs at most 10 minutes, so name a share of the steps):
+  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_TRAIN_STEPS=zero2,zero3 bash bench/gpu_train_check.sh
+  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
+What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
+EOF
