@@ -5,7 +5,11 @@
 #                      (NODE_FREEZE: its `pip list --format=freeze`; default bench/h200_image_packages.txt with
 #                      UNVERSIONED=keep, until a check's node-freeze.txt replaces it)
 #   data/crud-news/    the CRUD articles the GPU steps chunk (METACHUNK_DATA there): the node cannot fetch them
-# The tokenizer needs no carrying: the checks build it from text in this repository, the same everywhere.
+#   sft/               the training set of bench/gpu_train_check.sh (GPU_TRAIN_DATASET there): 2,000 synthetic
+#                      records of CRUD-like lengths, built as a user's set is, on a machine with the distill
+#                      extra (`data build-sft` needs it; a training node has only the train extra)
+# The tokenizer needs no carrying: the checks build it from text in this repository, the same everywhere,
+# and the set here is tokenized with it.
 # The device machine takes the working tree plus what is carried, 64 MiB in all; this script adds them up
 # and stops (exit 1) if they do not fit. It ends by printing the device command for each check.
 #
@@ -32,6 +36,13 @@ news=$("$PY" -P -c 'from metachunk.named_data import resolve; print(resolve("dat
 rm -rf "$CARRY/data" && mkdir -p "$CARRY/data"
 cp -rL "$(dirname "$news")" "$CARRY/data/crud-news"
 
+# The training set, with the random models' tokenizer (the same BPE at every shape): a tiny model holds it.
+if [[ ! -f $CARRY/sft/build_report.json ]]; then
+  "$PY" -P bench/random_model.py --shape tiny --out bench_out/gpu_carry_tokenizer --device cpu > /dev/null
+  "$PY" -P bench/sft_build.py --sizes 2000 --tokenizer bench_out/gpu_carry_tokenizer --max-tokens 4096 \
+    --dataset-out "$CARRY/sft" > bench_out/gpu_carry_sft.log
+fi
+
 # What travels: tracked files, untracked files git does not ignore, and the carried folder.
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 carried=$(du -sb "$CARRY" | cut -f1)
@@ -46,9 +57,10 @@ fi
 
 # PYTHON absolute: the deepspeed launcher the install puts beside it is found there
 env="PYTHON=\$(command -v python3) GPU_CHECK_WHEELHOUSE=$CARRY/wheelhouse METACHUNK_DATA=\$PWD/$CARRY/data GPU_CHECK_RESULTS=\$OUT"
+train="GPU_TRAIN_DATASET=$CARRY/sft"
 cat <<EOF
 Device commands (carry: ["$CARRY"]; each runs at most 10 minutes, so name a share of the steps):
-  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_TRAIN_STEPS=zero2,zero3 bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=240 GPU_TRAIN_STEPS=zero2,zero3 bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF

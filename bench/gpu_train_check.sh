@@ -23,9 +23,9 @@
 #   GPU_CHECK_WHEELHOUSE=dist/wheelhouse GPU_TRAIN_DATASET=DIR bash bench/gpu_train_check.sh   # on the GPU node
 #   bash bench/gpu_train_check.sh --dry-run   # anywhere: the same launches on CPU (DeepSpeed over gloo), tiny sizes
 #
-# GPU_TRAIN_DATASET: a `metachunk data build-sft` folder to train on. Without it the script builds one from
-# synthetic records of CRUD-like lengths (bench/sft_build.py --dataset-out, ~700-character documents) with the
-# model's tokenizer. Models are random weights built on the device (bench/random_model.py): speed does not need
+# GPU_TRAIN_DATASET: a `metachunk data build-sft` folder to train on (bench/gpu_carry.sh builds one to carry).
+# Without it the script builds one from synthetic records of CRUD-like lengths (bench/sft_build.py
+# --dataset-out, ~700-character documents) with the model's tokenizer, where the distill extra is installed. Models are random weights built on the device (bench/random_model.py): speed does not need
 # trained ones. Every step's log goes to GPU_CHECK_DIR (default bench_out/gpu_train_check), the summary to
 # summary.txt; GPU_CHECK_RESULTS, where set (the device machine's $OUT), gets the few small files worth bringing
 # back after each step (bench/steps.sh: publish).
@@ -68,11 +68,18 @@ else
   DATA_RECORDS=2000; MAX_LEN=4096; ACCUM=4
   REWRITE_ARGS=(--device cuda --corpus crud --docs 100 --max-new-tokens 64)
 fi
+DATASET=${GPU_TRAIN_DATASET:-$WORK/sft}
+# `data build-sft` needs the distill extra, which a training node installed from the wheelhouse lacks: say so
+# before the slot is spent (bench/gpu_carry.sh builds the set where it is, for GPU_TRAIN_DATASET).
+if [[ -z "${GPU_TRAIN_DATASET:-}" && ! -f $DATASET/build_report.json ]] && ! "$PY" -P -c "import datasketch" 2>/dev/null; then
+  echo "$(basename "$0"): no GPU_TRAIN_DATASET, and $PY cannot build one (datasketch: the distill extra);" \
+       "build it where that is installed (bash bench/gpu_carry.sh) and carry it" >&2
+  exit 2
+fi
 BIG_MODEL=$WORK/random-$BIG
 SMALL_MODEL=$WORK/random-$SMALL
 [[ -f $BIG_MODEL/config.json ]] || step "random_$BIG" "$PY" -P "$ROOT/bench/random_model.py" --shape "$BIG" --out "$BIG_MODEL"
 [[ -f $SMALL_MODEL/config.json ]] || step "random_$SMALL" "$PY" -P "$ROOT/bench/random_model.py" --shape "$SMALL" --out "$SMALL_MODEL"
-DATASET=${GPU_TRAIN_DATASET:-$WORK/sft}
 [[ -n "${GPU_TRAIN_DATASET:-}" || -f $DATASET/build_report.json ]] || step sft_dataset "$PY" -P "$ROOT/bench/sft_build.py" \
   --sizes "$DATA_RECORDS" --tokenizer "$BIG_MODEL" --max-tokens "$MAX_LEN" --dataset-out "$DATASET"
 
@@ -126,10 +133,11 @@ fi
 step export "$PY" -P -m metachunk.cli export --checkpoint "$WORK/resume/whole" --out "$WORK/export"
 step rewrite_speed "$PY" -P "$ROOT/bench/rewrite_speed.py" --model "$WORK/export" --out "$WORK/rewrite_speed.json" "${REWRITE_ARGS[@]}"
 
-"$PY" -P - "$WORK" <<'PYEOF' | tee -a "$SUMMARY"
+"$PY" -P - "$WORK" "$DATASET" "$RECIPE" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+import yaml
+out, dataset, recipe = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 print("== throughput, as each run's trainer measured it (metachunk_run.json):")
 for name in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded", "zero2_fusedadam", "resume/whole"):
     facts = out / name / "metachunk_run.json"
@@ -141,6 +149,25 @@ for name in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded", "ze
     per_step = t["seconds"] / max(1, t["steps"][1] - t["steps"][0] + 1)
     print(f"   {name}: {t['tokens_per_second']:,.0f} tokens/s, {t['tflops_per_device']:.4g} TFLOP/s, {mfu}, "
           f"{per_step:.2f} s/step, peak memory {t.get('peak_memory_gib')} GiB on {t['device']}")
+
+# What a 20,000-row rewriter set costs at the shipped recipe's measured rate (zero2): rows x epochs x the mean
+# row of the set trained here (prompt + completion, in its tokenizer) / tokens per second. 2 x A800 is the
+# same arithmetic at the same MFU against A800's dense bf16 peak (312 TFLOP/s each): an extrapolation.
+facts = out / "zero2" / "metachunk_run.json"
+report = dataset / "build_report.json"
+if facts.exists() and report.exists():
+    t = json.loads(facts.read_text()).get("throughput") or {}
+    lengths = json.loads(report.read_text())["token_lengths"]
+    row = lengths["prompt"]["mean"] + lengths["completion"]["mean"]
+    epochs = yaml.safe_load(recipe.read_text()).get("num_train_epochs", 1)
+    tokens = 20_000 * epochs * row
+    hours = tokens / t["tokens_per_second"] / 3600
+    print(f"== a 20,000-row rewriter set, {epochs} epochs of {row:,.0f}-token rows (mean here, {lengths['tokenizer']}): "
+          f"{hours:.3g} hours on {t['world_size']} x {t['device']} at zero2's rate")
+    if t.get("mfu") is not None:
+        a800_rate = 2 * t["tokens_per_second_per_device"] * 312 / t["peak_tflops_per_device"]  # tokens/s
+        a800 = tokens / a800_rate / 3600
+        print(f"   on 2 x A800 at the same MFU ({t['mfu']:.1%}): {a800:.3g} hours ({2 * a800:.3g} GPU-hours)")
 PYEOF
 echo "summary: $SUMMARY"
 exit $status

@@ -70,6 +70,9 @@ def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_pat
     stages = {run: json.loads((tmp_path / run / "metachunk_run.json").read_text())["hyperparameters"]["deepspeed"]
               for run in ("zero2", "zero3", "accelerate")}  # fmt: skip
     assert stages["zero3"].endswith("zero3.json") and stages["accelerate"].endswith("zero2.json")
+    assert (
+        "== a 20,000-row rewriter set, 3 epochs of " in summary
+    )  # the GPU-hours estimate, from zero2's rate
     assert "torch==" in (tmp_path / "node-freeze.txt").read_text()
 
 
