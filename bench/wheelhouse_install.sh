@@ -4,7 +4,7 @@
 # the install runs as on a node that reaches nothing: pip with no index, no config, no find-links but the
 # folder. Then bench/gpu_train_check.sh --dry-run, ZeRO-2 only, launches the 3B recipe from the clone's root
 # through `deepspeed --module metachunk.train` with that install (a tiny model on CPU), on a training set built
-# here as bench/gpu_carry.sh builds the carried one.
+# here as bench/gpu_carry.sh builds the carried one; and bench/gpu_check.sh --dry-run, every step, with it.
 # It needs the network once (the wheels); the suite runs the wheelhouse's dry run instead (tests/test_wheelhouse.py).
 #
 #   bash bench/wheelhouse_install.sh            # NODE (default bench_out/wheelhouse_node) is replaced
@@ -47,3 +47,6 @@ echo "== the 3B recipe's ZeRO-2 launch from the clone's root, with that install 
 "$PY" -P bench/sft_build.py --sizes 24 --tokenizer "$NODE/tokenizer" --max-tokens 4096 --dataset-out "$NODE/sft" > "$NODE/sft.log"
 PYTHON="$NODE/venv/bin/python" GPU_CHECK_DIR="$NODE/check" GPU_TRAIN_DATASET="$NODE/sft" GPU_TRAIN_STEPS=zero2 \
   OMP_NUM_THREADS=1 bash bench/gpu_train_check.sh --dry-run
+
+echo "== bench/gpu_check.sh --dry-run with that install: the engine's GPU steps need nothing beyond metachunk[train]"
+PYTHON="$NODE/venv/bin/python" GPU_CHECK_DIR="$NODE/gpu_check" OMP_NUM_THREADS=1 bash bench/gpu_check.sh --dry-run
