@@ -296,7 +296,11 @@ def fetch(name: str, base_url: str | None = None) -> tuple[str, Path]:
                     _download(f"{base}/{urllib.parse.quote(path)}", dest)
                 return dest
 
-            found.build(download, folder)
+            try:
+                found.build(download, folder)
+            except FetchError as e:  # a machine without access to the source: say how else to get it
+                raise FetchError(f"{e}; where the source cannot be reached, set {ENV} to a folder holding a "
+                                 f"copy of {name}/, or --base-url to a mirror") from None  # fmt: skip
             bad = mismatches(found, folder)
             if bad:
                 raise FetchError(f"{name}: converted files do not match the shipped sums: {', '.join(bad)}; "

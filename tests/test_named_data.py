@@ -202,6 +202,7 @@ def test_an_unreachable_source_is_one_line_and_writes_nothing(no_data, capsys):
     assert main(["data", "fetch", "crud-news", "--base-url", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "http://127.0.0.1:9/data/80000_docs/" in err
+    assert "set METACHUNK_DATA to a folder holding a copy of crud-news/, or --base-url to a mirror" in err
     assert sorted(p.name for p in no_data.iterdir()) == [".crud-news.lock"]
 
 
