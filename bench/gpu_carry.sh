@@ -61,6 +61,6 @@ train="GPU_TRAIN_DATASET=$CARRY/sft"
 cat <<EOF
 Device commands (carry: ["$CARRY"]; each runs at most 10 minutes, so name a share of the steps):
   $env $train GPU_CHECK_STEP_TIMEOUT=240 GPU_TRAIN_STEPS=zero2,zero3 bash bench/gpu_train_check.sh
-  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
+  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF

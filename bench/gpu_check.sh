@@ -9,13 +9,16 @@
 #      1,200 CRUD articles: the engine's scoring and the whole `metachunk chunk` command (less its
 #      model load) against the batched transformers pass a user would write (tokenize + score), each
 #      with its FLOP rate against the GEMM measured in the same run
-#   6. bench/scoring_parity.py              fp32 on the GPU within 1e-3 nats of the CPU reference, and
+#   6. bench/ppl_profile.py                 (engine_profile) where the engine's scoring time goes at 0.5B, from a
+#                                           torch.profiler trace: GPU busy share, launches, gaps; a verdict on
+#                                           whether launches cost (CUDA graphs) or host work between batches
+#   7. bench/scoring_parity.py              fp32 on the GPU within 1e-3 nats of the CPU reference, and
 #                                           a bf16 rerun with the same plan byte-identical
-#   7. bench/rewrite_speed.py               `chunk --rewrite`'s batched students against plain batched
+#   8. bench/rewrite_speed.py               `chunk --rewrite`'s batched students against plain batched
 #                                           `generate`, generated tokens/s (target >= 0.8x)
-# Steps 1, 4 and 6 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
+# Steps 1, 4, 6 and 7 use a random-initialised Qwen2-0.5B-shaped model (bench/random_model.py) unless
 # GPU_CHECK_MODEL names a model dir, step 2 the 1.5B shape: speed does not need trained weights.
-# Step 7 rewrites with GPU_CHECK_STUDENT (an exported student, e.g. `metachunk export` of a GPU
+# Step 8 rewrites with GPU_CHECK_STUDENT (an exported student, e.g. `metachunk export` of a GPU
 # training run), else the same random model.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine
@@ -61,6 +64,7 @@ if [[ $DRY == 1 ]]; then
   MFU_ARGS=(--tiny --device cpu --dtype float32)
   PLAIN_SHAPES=(tiny)
   PLAIN_ARGS=(--corpus emma --docs 2 --max-context 512)
+  PROFILE_ARGS=(--corpus emma --docs 2 --max-context 512)
   CHUNK_DOCS=6
   CHUNK_CORPUS=data:gutenqa-emma/paragraphs.jsonl  # ships with the package: no fetch, no network
 else
@@ -73,6 +77,7 @@ else
   MFU_ARGS=()
   PLAIN_SHAPES=(qwen2-0.5b qwen2-1.5b qwen2-7b)
   PLAIN_ARGS=(--corpus crud --docs 1200)
+  PROFILE_ARGS=(--corpus crud --docs 200)
   CHUNK_DOCS=200
   CHUNK_CORPUS=data:crud-news/news.jsonl  # METACHUNK_DATA or the cache: the machine has no network
 fi
@@ -138,6 +143,8 @@ for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16
   step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
     --methods engine,chunk,plain-batched "${PLAIN_ARGS[@]}"
 done
+step engine_profile "$PY" bench/ppl_profile.py --model "$MODEL" --device "$DEVICE" --out "$WORK/engine_profile.json" \
+  "${PROFILE_ARGS[@]}"
 step scoring_parity "$PY" bench/scoring_parity.py --model "$MODEL" --device "$DEVICE" \
   --out "$WORK/scoring_parity.json" "${PARITY_ARGS[@]}"
 step rewrite_speed "$PY" bench/rewrite_speed.py --model "${GPU_CHECK_STUDENT:-$MODEL}" --device "$DEVICE" \

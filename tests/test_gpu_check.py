@@ -5,12 +5,14 @@ they cannot rot between the rare sessions that have a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +31,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
         "chunk_1_workers",
         "chunk_2_workers",
         "plain_vs_engine_tiny",
+        "engine_profile",
         "scoring_parity",
         "rewrite_speed",
     ):
@@ -130,3 +133,64 @@ def test_the_version_has_one_home():
         if 'version("metachunk")' in path.read_text(encoding="utf-8")
     ]
     assert callers == ["metachunk/__init__.py"]
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeTrace:
+    """What bench/ppl_profile.py reads of a torch.profiler trace: operator averages, and the device's
+    events (``device_type`` CUDA) with their time ranges in µs."""
+
+    def __init__(self, kernels: list[tuple[float, float]]):
+        from torch.autograd import DeviceType
+
+        self.kernels = [
+            SimpleNamespace(device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=a, end=b))
+            for a, b in kernels
+        ]
+        self.cpu = [
+            SimpleNamespace(device_type=DeviceType.CPU, time_range=SimpleNamespace(start=0.0, end=1e6))
+        ]
+
+    def events(self):
+        return self.cpu + self.kernels
+
+    def key_averages(self):
+        return [
+            SimpleNamespace(
+                key="aten::mm", count=len(self.kernels), self_device_time_total=1.0, self_cpu_time_total=2.0
+            )
+        ]
+
+
+def test_the_engine_profile_tells_launches_from_host_work_from_a_busy_gpu():
+    profile = load_bench("ppl_profile")
+    # two streams' kernels overlap: covered once
+    assert profile.union_length([(0, 10), (5, 15), (20, 30)]) == 25
+    assert profile.gaps([(0, 10), (5, 15), (20, 30)]) == [5]
+
+    # 100 kernels of 5 µs, 5 µs apart: half the wall idle, all of it in short gaps
+    launches = profile.read_trace(
+        FakeTrace([(10 * k, 10 * k + 5) for k in range(100)]), 1000.0, 20.0, 4, True
+    )
+    assert launches["kernels"] == 100 and launches["kernels_per_batch"] == 25
+    assert launches["gpu_busy_share"] == 0.5 and launches["kernel_us_median"] == 5
+    assert launches["short_gaps"] == 99 and launches["long_gaps"] == 0
+    assert launches["verdict"].startswith("launch-bound")
+
+    # 10 kernels of 50 µs, 1 ms apart: the GPU waits for the host between batches
+    host = profile.read_trace(
+        FakeTrace([(1050 * k, 1050 * k + 50) for k in range(10)]), 10_500.0, 20.0, 10, True
+    )
+    assert host["long_gaps"] == 9 and host["verdict"].startswith("host-bound")
+
+    busy = profile.read_trace(FakeTrace([(0, 950), (951, 1000)]), 1000.0, 20.0, 1, True)
+    assert busy["gpu_busy_share"] == 0.999 and busy["verdict"].startswith("bound by the GPU's work")
+
+    on_cpu = profile.read_trace(FakeTrace([]), 1000.0, 20.0, 1, False)
+    assert "verdict" not in on_cpu and on_cpu["top_ops"]
