@@ -59,8 +59,14 @@ fi
 env="PYTHON=\$(command -v python3) GPU_CHECK_WHEELHOUSE=$CARRY/wheelhouse METACHUNK_DATA=\$PWD/$CARRY/data GPU_CHECK_RESULTS=\$OUT"
 train="GPU_TRAIN_DATASET=$CARRY/sft"
 cat <<EOF
-Device commands (carry: ["$CARRY"]; each runs at most 10 minutes, so name a share of the steps):
-  $env $train GPU_CHECK_STEP_TIMEOUT=240 GPU_TRAIN_STEPS=zero2,zero3 bash bench/gpu_train_check.sh
+Device commands, in the order the issues ask (carry: ["$CARRY"]; a command runs at most 10 minutes, so each names a
+share of the steps; a slot of 15 minutes, start-up included, fits one or two):
+  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2,zero2_no_recompute,zero3 bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=resume,export,rewrite_speed,accelerate bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2_packed,zero2_padded,zero2_fusedadam bash bench/gpu_train_check.sh
+  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-7b,ppl_speed,scoring_parity,rewrite_speed bash bench/gpu_check.sh
+Each command starts on a bare machine (models, datasets and runs are rebuilt): export and rewrite_speed need
+resume in the same command.
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF

@@ -5,7 +5,8 @@
 #      (padding-free rows, flex attention): `deepspeed --num_gpus 1 --module metachunk.train --config
 #      recipes/train/rewriter_qwen2.5-3b.yaml` on a random Qwen2.5-3B-shaped model; the trainer's own
 #      callback prints tokens/s, TFLOP/s and MFU (target >= 40%)
-#   2. the same under ZeRO-3 (--deepspeed recipes/deepspeed/zero3.json)
+#   2. the same without activation recomputation (the recipe's is sized for 80 GB; GPU only), and under ZeRO-3
+#      (--deepspeed recipes/deepspeed/zero3.json)
 #   3. kill -9 and --resume_from_checkpoint latest on the Qwen2-0.5B shape (bench/train_resume.py): the loss
 #      curve continues, no step counted twice
 #   4. the 3B recipe under `accelerate launch --config_file recipes/accelerate/zero2.yaml`
@@ -13,7 +14,7 @@
 #   6. ZeRO-2 with DeepSpeed's FusedAdam instead of torch's fused AdamW (GPU only)
 #   7. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
 #      (target >= 0.8x plain batched generate)
-# Steps by name (GPU_TRAIN_STEPS=zero2,zero3,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
+# Steps by name (GPU_TRAIN_STEPS=zero2,zero2_no_recompute,zero3,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
 # rewrite_speed; default all) split the list over several slots: a device command runs at most 10 minutes, and
 # the whole list is estimated at ~14 (not measured). With the same GPU_CHECK_DIR, the models and the dataset are reused.
 # Each training step runs few optimizer steps of a smaller batch than the recipe's 96 rows
@@ -102,6 +103,9 @@ else
 fi
 
 train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
+# The recipe recomputes activations (sized for an 80 GB GPU); a 141 GB one may hold them: the same run without
+# recomputation, its rate and peak memory beside zero2's (GPU only: the dry run never recomputes).
+[[ $DRY == 1 ]] || train zero2_no_recompute 29508 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" --activation_checkpointing false
 train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
 step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$WORK/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
@@ -139,7 +143,7 @@ from pathlib import Path
 import yaml
 out, dataset, recipe = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 print("== throughput, as each run's trainer measured it (metachunk_run.json):")
-for name in ("zero2", "zero3", "accelerate", "zero2_packed", "zero2_padded", "zero2_fusedadam", "resume/whole"):
+for name in ("zero2", "zero2_no_recompute", "zero3", "accelerate", "zero2_packed", "zero2_padded", "zero2_fusedadam", "resume/whole"):
     facts = out / name / "metachunk_run.json"
     if not facts.exists():
         print(f"   {name}: no run record")  # not run (GPU_TRAIN_STEPS, the dry run), or it failed: see its log
