@@ -37,6 +37,7 @@ rm -rf "$CARRY/data" && mkdir -p "$CARRY/data"
 cp -rL "$(dirname "$news")" "$CARRY/data/crud-news"
 
 # The training set, with the random models' tokenizer (the same BPE at every shape): a tiny model holds it.
+# Built once and kept (seeded, so a rebuild gives the same rows): delete $CARRY/sft to rebuild it.
 if [[ ! -f $CARRY/sft/build_report.json ]]; then
   "$PY" -P bench/random_model.py --shape tiny --out bench_out/gpu_carry_tokenizer --device cpu > /dev/null
   "$PY" -P bench/sft_build.py --sizes 2000 --tokenizer bench_out/gpu_carry_tokenizer --max-tokens 4096 \
