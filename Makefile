@@ -51,7 +51,7 @@ lint: $(STAMP)
 # The documentation site (mkdocs.yml, docs/): --strict turns a broken link, a page missing from the
 # nav or an API page that no longer renders into a failure, so `make test` builds it too.
 test: lint
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 	$(VENV)/bin/pytest -q
 
 docs: $(STAMP)

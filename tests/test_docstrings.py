@@ -84,7 +84,8 @@ def test_the_docstring_gate_fails_on_a_planted_role_and_marker():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+    # not --quiet: it raises the log level past WARNING, and --strict then counts no warnings at all
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
