@@ -3,7 +3,8 @@
 # where the network is, into one ignored folder (default bench_out/gpu_carry):
 #   wheelhouse/        `make wheelhouse` for the node's Python and platform, less what the node already has
 #                      (NODE_FREEZE: its `pip list --format=freeze`; default bench/h200_image_packages.txt with
-#                      UNVERSIONED=keep, until a check's node-freeze.txt replaces it)
+#                      UNVERSIONED=keep, until a check's node-freeze.txt replaces it), with small spares of
+#                      what the node keeps at another or an unknown version
 #   data/crud-news/    the CRUD articles the GPU steps chunk (METACHUNK_DATA there): the node cannot fetch them
 #   sft/               the training set of bench/gpu_train_check.sh (GPU_TRAIN_DATASET there): 2,000 synthetic
 #                      records of CRUD-like lengths, built as a user's set is, on a machine with the distill
@@ -60,8 +61,9 @@ fi
 env="PYTHON=\$(command -v python3) GPU_CHECK_WHEELHOUSE=$CARRY/wheelhouse METACHUNK_DATA=\$PWD/$CARRY/data GPU_CHECK_RESULTS=\$OUT"
 train="GPU_TRAIN_DATASET=$CARRY/sft"
 cat <<EOF
-Device commands, in the order the issues ask (carry: ["$CARRY"]; a command runs at most 10 minutes, so each names a
-share of the steps; a slot of 15 minutes, start-up included, fits one or two):
+Device commands, in the order the issues ask (kind: nvidia-h200, the GPU the issues measure on: an H100's 78 GiB
+may not hold zero2_no_recompute; carry: ["$CARRY"]; a command runs at most 10 minutes, so each names a share of
+the steps; a slot of 15 minutes, start-up included, fits one or two):
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2,zero2_no_recompute,zero3 bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=resume,export,rewrite_speed,accelerate bash bench/gpu_train_check.sh

@@ -13,8 +13,20 @@ record_node() {
 # An offline GPU node installs as a user's does, from a folder of wheels carried in (`make wheelhouse`,
 # docs/install.md) into the environment that has its own CUDA torch:
 #   GPU_CHECK_WHEELHOUSE=dist/wheelhouse bash bench/gpu_check.sh
+# The folder's wheelhouse.json names what its sdists build with (setuptools, for DeepSpeed's) where it carries
+# that: installed first, since --no-build-isolation builds with what the node has before pip starts.
 install_from_wheelhouse() {
   [[ -n "${GPU_CHECK_WHEELHOUSE:-}" ]] || return 0
+  local build
+  build=$("$PY" -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1])).get("build_requires", [])))' \
+            "$GPU_CHECK_WHEELHOUSE/wheelhouse.json" 2>/dev/null || true)
+  if [[ -n $build ]]; then
+    echo "== install: $PY -m pip install --no-index --find-links $GPU_CHECK_WHEELHOUSE $build"
+    if ! "$PY" -m pip install --no-index --find-links "$GPU_CHECK_WHEELHOUSE" $build; then
+      echo "$(basename "$0"): the install of $build from $GPU_CHECK_WHEELHOUSE failed" >&2
+      exit 2
+    fi
+  fi
   echo "== install: $PY -m pip install --no-index --find-links $GPU_CHECK_WHEELHOUSE --no-build-isolation 'metachunk[train]'"
   if ! "$PY" -m pip install --no-index --find-links "$GPU_CHECK_WHEELHOUSE" --no-build-isolation 'metachunk[train]'; then
     echo "$(basename "$0"): the install from $GPU_CHECK_WHEELHOUSE failed" >&2

@@ -123,6 +123,39 @@ def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(t
     assert (tmp_path / "results" / "node-freeze.txt").is_file()
 
 
+def test_the_wheelhouse_install_puts_the_build_requirement_in_first(tmp_path):
+    # DeepSpeed's sdist builds without isolation, with the node's own setuptools: where the folder carries
+    # one (wheelhouse.json's build_requires), it goes in before metachunk[train]; where pip fails, exit 2.
+    calls = tmp_path / "calls.txt"
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$@" >> {calls}; '
+        f'case "$*" in *FAIL*) exit 1;; esac; exit 0; fi\nexec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+
+    def install(build_requires):
+        (wheels / "wheelhouse.json").write_text(json.dumps({"build_requires": build_requires}))
+        calls.unlink(missing_ok=True)
+        env = {**os.environ, "PY": str(python), "GPU_CHECK_WHEELHOUSE": str(wheels)}
+        return subprocess.run(["bash", "-c", f"source {ROOT / 'bench' / 'steps.sh'} && install_from_wheelhouse"],
+                              env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    assert install(["setuptools>=70.1"]).returncode == 0
+    first, second = calls.read_text().splitlines()
+    assert first == f"-m pip install --no-index --find-links {wheels} setuptools>=70.1"
+    assert second == f"-m pip install --no-index --find-links {wheels} --no-build-isolation metachunk[train]"
+
+    assert install([]).returncode == 0
+    assert len(calls.read_text().splitlines()) == 1
+
+    proc = install(["FAIL>=1"])
+    assert proc.returncode == 2 and "the install of FAIL>=1" in proc.stderr
+    assert len(calls.read_text().splitlines()) == 1  # metachunk[train] not tried
+
+
 def test_the_version_has_one_home():
     # importlib.metadata.version("metachunk") raises in a checkout that was never installed; the
     # package's __version__ already falls back, so every other module reads that.

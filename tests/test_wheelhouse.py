@@ -74,7 +74,7 @@ def listing(out: str) -> dict[str, tuple[str, str]]:
     rows = {}
     for line in out.splitlines():
         parts = line.split(maxsplit=2)
-        if len(parts) == 3 and parts[0] in ("fetch", "skip", "never"):
+        if len(parts) == 3 and parts[0] in ("fetch", "spare", "skip", "never"):
             rows[parts[1].split("==")[0]] = (parts[0], parts[2])
     return rows
 
@@ -123,7 +123,9 @@ def test_deepspeeds_build_requirement_lapses_where_the_node_has_deepspeed(tmp_pa
     has_deepspeed = h200_freeze(tmp_path / "sub", "setuptools==65.5.0", "deepspeed==0.19.8")
     assert wheelhouse.main(["--dry-run", "--node-freeze", str(has_deepspeed), "--dest", "W"]) == 0
     out = capsys.readouterr().out
-    assert listing(out)["setuptools"][0] == "skip"  # nothing is built, and tensorboard asks only >=41
+    # nothing is built, and tensorboard asks only >=41: the node keeps its setuptools (a spare beside it, as
+    # for any version other than the closure's), and nothing is installed before metachunk[train]
+    assert listing(out)["setuptools"][0] == "spare"
     assert listing(out)["deepspeed"][0] == "skip"
     assert "'setuptools>=70.1'" not in out
 
@@ -138,15 +140,72 @@ def test_a_name_without_a_version_is_fetched_unless_kept(tmp_path, no_network, c
     assert rows["pandas"][0] == rows["matplotlib"][0] == "fetch"
     assert "gives no version" in rows["pandas"][1]
 
-    assert (
-        wheelhouse.main(["--dry-run", "--node-freeze", str(freeze), "--dest", "W", "--unversioned", "keep"])
-        == 0
-    )
+    keep = ["--unversioned", "keep", "--spare-max-mb", "0"]  # no spares: see the next test
+    assert wheelhouse.main(["--dry-run", "--node-freeze", str(freeze), "--dest", "W", *keep]) == 0
     rows = listing(capsys.readouterr().out)
     assert rows["pandas"][0] == rows["matplotlib"][0] == "skip"
     assert "version not given" in rows["pandas"][1] and "its pip checks at install" in rows["pandas"][1]
     assert rows["transformers"][0] == "fetch"  # a version that is given still counts
     assert rows["pysbd"][0] == "fetch"  # and what the node lacks is still fetched
+
+
+def test_what_the_node_keeps_at_another_version_gets_a_small_spare(tmp_path, no_network, capsys):
+    """The node keeps a package at a version this venv never ran (one the list does not give, or another
+    than the closure's), whose own requirements are unknown here: the H200 image's tokenizers 0.23.2 asks
+    for huggingface-hub<2, and the core needs 2.4. The closure's version rides along as a spare, which pip
+    takes only where the node's does not do (seen in bench/wheelhouse_install.sh with NODE_LIST)."""
+    freeze = h200_freeze(tmp_path, "typing-extensions", "tokenizers==0.23.2", "setuptools")
+    argv = ["--dry-run", "--node-freeze", str(freeze), "--dest", "W", "--unversioned", "keep"]
+    assert wheelhouse.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = listing(out)
+    assert rows["typing-extensions"][0] == "spare" and "version not given" in rows["typing-extensions"][1]
+    assert f"typing-extensions=={metadata.version('typing-extensions')}" in out
+    assert rows["tokenizers"][0] == "spare" and "its own requirements at 0.23.2" in rows["tokenizers"][1]
+    assert f"tokenizers=={metadata.version('tokenizers')}" in out
+    assert rows["numpy"][0] == "skip"  # the closure's own version: nothing unknown about it
+    assert rows["transformers"][0] == "fetch" and rows["pysbd"][0] == "fetch"
+    # DeepSpeed's sdist builds with the node's setuptools: the spare goes in first, for a node whose is too old
+    assert "pip install --no-index --find-links W 'setuptools>=70.1'" in out
+    assert "spares (where small)" in out
+
+    assert wheelhouse.main([*argv, "--spare-max-mb", "0"]) == 0
+    rows = listing(capsys.readouterr().out)
+    assert rows["typing-extensions"][0] == rows["tokenizers"][0] == rows["setuptools"][0] == "skip"
+
+
+def test_a_spare_over_the_size_limit_is_left_out_and_named(tmp_path, monkeypatch, capsys):
+    class BigSpares(FakePip):
+        def __call__(self, args):
+            done = super().__call__(args)
+            if args[-1].startswith("fsspec=="):
+                folder = Path(args[args.index("-d") + 1])
+                next(folder.glob("fsspec-*")).write_bytes(b"x" * 3_000_000)
+            return done
+
+    monkeypatch.setattr(wheelhouse, "pip", BigSpares())
+    dest = tmp_path / "wheelhouse"
+    freeze = h200_freeze(tmp_path, "fsspec", "typing-extensions")
+    argv = ["--dest", str(dest), "--node-freeze", str(freeze), "--unversioned", "keep", "--spare-max-mb", "2"]
+    assert wheelhouse.main(argv) == 0
+    out = capsys.readouterr().out
+    files = {p.name.split("-")[0] for p in dest.iterdir()}
+    assert "typing_extensions" in files and "fsspec" not in files
+    assert "fsspec: 3.0 MB, over the spares' limit" in out
+    manifest = json.loads((dest / "wheelhouse.json").read_text())
+    fsspec = next(p for p in manifest["packages"] if p["name"] == "fsspec")
+    assert fsspec["file"] is None and fsspec["how"].startswith("spare left out")
+    assert manifest["build_requires"] == ["setuptools>=70.1"]  # this freeze lacks setuptools: fetched
+
+
+def test_a_spare_that_does_not_download_is_left_out_not_fatal(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(wheelhouse, "pip", FakePip(fail="typing-extensions"))
+    dest = tmp_path / "wheelhouse"
+    freeze = h200_freeze(tmp_path, "typing-extensions")
+    assert wheelhouse.main(["--dest", str(dest), "--node-freeze", str(freeze), "--unversioned", "keep"]) == 0
+    out = capsys.readouterr().out
+    assert "typing-extensions: did not download" in out
+    assert not list(dest.glob("typing_extensions-*"))
 
 
 def test_freeze_reads_pip_freeze_and_pip_list_output(tmp_path):
@@ -280,8 +339,9 @@ def test_make_wheelhouse_passes_its_variables():
 
     dry = recipe("DRY_RUN=1", "NODE_FREEZE=node.txt", "PYTHON_VERSION=3.11", "WHEELHOUSE=out/w")
     assert "tools/wheelhouse.py --dest out/w --python-version 3.11" in dry
-    assert "--node-freeze node.txt --unversioned fetch --dry-run" in dry
+    assert "--node-freeze node.txt --unversioned fetch --spare-max-mb 5 --dry-run" in dry
     assert "--unversioned keep" in recipe("UNVERSIONED=keep")
+    assert "--spare-max-mb 0" in recipe("SPARE_MAX_MB=0")
     real = recipe()
     assert "--dest dist/wheelhouse --python-version 3.12 --platform manylinux_2_28_x86_64" in real
     assert "--dry-run" not in real and "--node-freeze" not in real

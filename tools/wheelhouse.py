@@ -16,8 +16,20 @@ torchvision): the node keeps its own CUDA build, and the core only asks for ``to
 Given the node's ``pip list --format=freeze`` or ``pip freeze`` (``--node-freeze``), a package the
 node already has at a version that meets every requirement on it is left out, so the folder holds
 only what the node lacks. A package the list names without a version (``NAME @ URL``, or a bare
-name from a package list) is fetched, unless ``--unversioned keep`` leaves it to the node: smaller,
-and the node's pip says at install time if its version is too old. The dependency closure is computed offline, from ``pyproject.toml``,
+name from a package list) is fetched, unless ``--unversioned keep`` leaves it to the node.
+
+What the node keeps, it keeps at a version this venv has not run: a version the list does not give,
+or one other than the closure's. Its own requirements at that version are unknown here, and may
+clash with what the folder brings (the H200 image's tokenizers 0.23.2 asks for huggingface-hub
+below 2, and the core needs 2.4). So the folder also carries the closure's version of each such
+package as a *spare*, where its file is small (``--spare-max-mb``; 0 carries none): pip's resolver
+keeps the node's version where it fits, and backtracks to the spare where the node's version does
+not meet a requirement or its own requirements conflict
+(https://pip.pypa.io/en/stable/topics/dependency-resolution/; seen in
+``bench/wheelhouse_install.sh`` with ``NODE_LIST``). A spare over the size, or one that does not
+download, is left out and named at the end: those are what the install still trusts the node for.
+
+The dependency closure is computed offline, from ``pyproject.toml``,
 ``constraints.txt`` and the requirements of the packages installed in this venv, with markers
 evaluated for the node's Python and platform; ``--dry-run`` prints it (what is fetched and why,
 what is left out and why) and touches no network.
@@ -333,7 +345,7 @@ def closure(
 @dataclass
 class Entry:
     name: str
-    action: str  # "fetch", "skip" or "never"
+    action: str  # "fetch", "spare", "skip" or "never"
     what: str  # "wheel", "sdist", "wheel built from this checkout", ""
     version: str
     why: str
@@ -343,8 +355,14 @@ class Entry:
 
 
 def plan(
-    packages: dict[str, Package], node: dict[str, Version | None] | None, keep_unversioned: bool = False
+    packages: dict[str, Package],
+    node: dict[str, Version | None] | None,
+    keep_unversioned: bool = False,
+    spares: bool = False,
 ) -> list[Entry]:
+    """What to do with each package: fetch it, skip it (the node has it; with ``spares``, carry the
+    closure's version beside it where the node's is another or not given), or never fetch it (the node's
+    torch)."""
     entries = [Entry(PROJECT, "fetch", "wheel built from this checkout", "", "the package itself")]
 
     def met(pkg: Package, version: Version) -> bool:
@@ -381,11 +399,17 @@ def plan(
             entries.append(Entry(name, "fetch", what, version, "no node freeze given"))
         elif has == "absent":
             entries.append(Entry(name, "fetch", what, version, "not on the node"))
+        elif has is None and keep_unversioned and spares:
+            why = f"the node has it, version not given (needs {pkg.needs_text()}): a spare for its pip"
+            entries.append(Entry(name, "spare", what, version, why))
         elif has is None and keep_unversioned:
             why = f"the node has it, version not given (needs {pkg.needs_text()}; its pip checks at install)"
             entries.append(Entry(name, "skip", "", "", why))
         elif has is None:
             entries.append(Entry(name, "fetch", what, version, "the node's freeze gives no version"))
+        elif met(pkg, has) and spares and has != pkg.version:
+            why = f"the node has {has}; needs {pkg.needs_text()}; its own requirements at {has}: a spare for its pip"
+            entries.append(Entry(name, "spare", what, version, why))
         elif met(pkg, has):
             entries.append(Entry(name, "skip", "", str(has), f"the node has {has}; needs {pkg.needs_text()}"))
         else:
@@ -394,14 +418,20 @@ def plan(
     return entries
 
 
-def install_commands(entries: list[Entry], dest: str, extras: list[str]) -> list[str]:
-    fetched = {e.name: e for e in entries if e.action == "fetch"}
-    commands = []
-    # Without build isolation the sdists build with the node's own setuptools, which must be there
-    # before pip starts; a node whose setuptools is new enough keeps it.
-    sdists = [e.name for e in fetched.values() if e.what == "sdist"]
+def build_requires(entries: list[Entry]) -> list[str]:
+    """What the fetched sdists build with, where the folder carries it (fetched, or a spare): without
+    build isolation they build with the node's own setuptools, which must be there before pip starts.
+    A node whose setuptools is new enough keeps it."""
+    carried = {e.name for e in entries if e.action in ("fetch", "spare")}
+    sdists = [e.name for e in entries if e.action == "fetch" and e.what == "sdist"]
     build = [text for name in sdists for text, _ in BUILD_REQUIRES.get(name, [])]
-    if build and any(canonicalize_name(Requirement(t).name) in fetched for t in build):
+    return build if any(canonicalize_name(Requirement(t).name) in carried for t in build) else []
+
+
+def install_commands(entries: list[Entry], dest: str, extras: list[str]) -> list[str]:
+    commands = []
+    build = build_requires(entries)
+    if build:
         commands.append(f"pip install --no-index --find-links {dest} " + " ".join(f"'{t}'" for t in build))
     target = f"{PROJECT}[{','.join(extras)}]" if extras else PROJECT
     commands.append(f"pip install --no-index --find-links {dest} --no-build-isolation '{target}'")
@@ -414,14 +444,15 @@ def report(entries: list[Entry], target: Target, extras: list[str], freeze: Path
         f"wheelhouse for CPython {target.python_version} on {target.platform}, "
         f"{PROJECT}[{','.join(extras)}]; node freeze: {freeze or 'none'}"
     ]
-    for action in ("fetch", "skip", "never"):
+    for action in ("fetch", "spare", "skip", "never"):
         for e in (e for e in entries if e.action == action):
-            pin = f"{e.name}=={e.version}" if e.version and action == "fetch" else e.name
+            pin = f"{e.name}=={e.version}" if e.version and action in ("fetch", "spare") else e.name
             kind = f" [{e.what}]" if e.what and e.what != "wheel" else ""
             lines.append(f"  {action:<5}  {pin:<{width}}  {e.why}{kind}")
-    count = {a: sum(e.action == a for e in entries) for a in ("fetch", "skip", "never")}
+    count = {a: sum(e.action == a for e in entries) for a in ("fetch", "spare", "skip", "never")}
+    spares = f", {count['spare']} spares (where small)" if count["spare"] else ""
     lines.append(
-        f"{count['fetch']} to fetch, {count['skip']} left out (the node has them), "
+        f"{count['fetch']} to fetch{spares}, {count['skip']} left out (the node has them), "
         f"{count['never']} never fetched (the node's torch)"
     )
     return "\n".join(lines)
@@ -496,7 +527,10 @@ def file_of(name: str, staging: Path) -> Path | None:
     return None
 
 
-def fetch(entries: list[Entry], target: Target, dest: Path, manifest: dict) -> list[Path]:
+def fetch(
+    entries: list[Entry], target: Target, dest: Path, manifest: dict, spare_max_bytes: int
+) -> tuple[list[Path], dict[str, str]]:
+    """Writes the folder whole; returns its files and the spares left out, with why."""
     from tqdm import tqdm
 
     from metachunk.artifacts import replace_dir
@@ -508,22 +542,35 @@ def fetch(entries: list[Entry], target: Target, dest: Path, manifest: dict) -> l
     staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the folder from whoever copies it
     try:
         scratch = staging / ".build"
-        todo = [e for e in entries if e.action == "fetch"]
-        notes = {}
+        todo = [e for e in entries if e.action in ("fetch", "spare")]
+        notes, dropped = {}, {}
         for entry in tqdm(todo, desc="wheelhouse", unit="pkg", file=sys.stderr):
-            notes[entry.name] = fetch_one(entry, target, staging, scratch)
-            if file_of(entry.name, staging) is None:
+            try:
+                notes[entry.name] = fetch_one(entry, target, staging, scratch)
+            except FetchFailed as e:
+                if entry.action == "fetch":
+                    raise
+                dropped[entry.name] = f"did not download ({e})"
+                continue
+            path = file_of(entry.name, staging)
+            if path is None:
                 raise FetchFailed(f"{entry.name}: pip reported success but left no file for it")
+            if entry.action == "spare" and path.stat().st_size > spare_max_bytes:
+                dropped[entry.name] = f"{path.stat().st_size / 1e6:.1f} MB, over the spares' limit"
+                path.unlink()
+                del notes[entry.name]
         shutil.rmtree(scratch, ignore_errors=True)
         for item in manifest["packages"]:
             if item["name"] in notes:
                 item |= {"file": file_of(item["name"], staging).name, "how": notes[item["name"]]}
+            elif item["name"] in dropped:
+                item |= {"how": f"spare left out: {dropped[item['name']]}"}
         (staging / "wheelhouse.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         replace_dir(staging, dest)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    return sorted(p for p in dest.iterdir() if p.suffix in (".whl", ".gz"))
+    return sorted(p for p in dest.iterdir() if p.suffix in (".whl", ".gz")), dropped
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -543,7 +590,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["fetch", "keep"],
         default="fetch",
         help="a package the node's list names without a version: fetch it (safe), or keep the node's "
-        "(a smaller folder; the node's pip refuses the install if that version is too old)",
+        "(a smaller folder; a spare, where small, covers a version that does not do)",
+    )
+    p.add_argument(
+        "--spare-max-mb",
+        type=float,
+        default=5.0,
+        help="the largest spare carried, in MB: the closure's version of a package the node keeps at "
+        "another version or an unknown one, which pip takes only where the node's does not do; 0: none",
     )
     p.add_argument("--constraints", type=Path, default=ROOT / "constraints.txt")
     p.add_argument("--pyproject", type=Path, default=ROOT / "pyproject.toml")
@@ -563,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"wheelhouse: {e}", file=sys.stderr)
         return 2
-    entries = plan(packages, node, keep_unversioned=args.unversioned == "keep")
+    entries = plan(packages, node, args.unversioned == "keep", spares=args.spare_max_mb > 0)
     print(report(entries, target, extras, args.node_freeze))
     unknown = sorted(p.name for p in packages.values() if p.unknown_requirements)
     if unknown:
@@ -581,11 +635,12 @@ def main(argv: list[str] | None = None) -> int:
         "extras": extras,
         "node_freeze": str(args.node_freeze) if args.node_freeze else None,
         "unversioned": args.unversioned,
+        "build_requires": build_requires(entries),
         "install": commands,
         "packages": [vars(e) | {"file": None} for e in entries],
     }
     try:
-        files = fetch(entries, target, Path(args.dest), manifest)
+        files, dropped = fetch(entries, target, Path(args.dest), manifest, int(args.spare_max_mb * 1e6))
     except FetchFailed as e:
         print(f"wheelhouse: {e} (nothing written)", file=sys.stderr)
         return 1
@@ -593,6 +648,12 @@ def main(argv: list[str] | None = None) -> int:
     own = next(p.name for p in files if canonicalize_name(p.name.split("-")[0]) == PROJECT)
     if re.search(r"\.d\d{8}", own):  # setuptools-scm marks a build from a tree with uncommitted changes
         print(f"note: {own} was built from uncommitted changes; build from a clean checkout to ship it")
+    spares = [e.name for e in entries if e.action == "spare" and e.name not in dropped]
+    if spares:
+        print(f"spares carried ({len(spares)}): {', '.join(spares)}")
+    if dropped:
+        print("spares left out (the node's own version must do):")
+        print("\n".join(f"  {name}: {why}" for name, why in sorted(dropped.items())))
     print(f"{args.dest}: {len(files)} files, {size / 1e6:.1f} MB. On the node (its own torch installed):")
     print("\n".join(f"  {c}" for c in commands))
     return 0
