@@ -65,11 +65,12 @@ Device commands, in the order the issues ask (kind: nvidia-h200, the GPU the iss
 may not hold zero2_no_recompute; carry: ["$CARRY"]; a command runs at most 10 minutes, so each names a share of
 the steps; a slot of 15 minutes, start-up included, fits one or two):
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2,zero2_no_recompute,zero3 bash bench/gpu_train_check.sh
-  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
+  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=ppl_speed,plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=resume,export,rewrite_speed,accelerate bash bench/gpu_train_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2_packed,zero2_padded,zero2_fusedadam bash bench/gpu_train_check.sh
-  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=plain_vs_engine_qwen2-7b,ppl_speed,scoring_parity,rewrite_speed bash bench/gpu_check.sh
+  $env GPU_CHECK_STEP_TIMEOUT=300 GPU_CHECK_STEPS=plain_vs_engine_qwen2-7b,scoring_parity bash bench/gpu_check.sh
 Each command starts on a bare machine (models, datasets and runs are rebuilt): export and rewrite_speed need
-resume in the same command.
+resume in the same command. gpu_check.sh's own rewrite_speed (a random student) is left to the training check's,
+which rewrites with the export.
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF

@@ -65,7 +65,7 @@ if [[ $DRY == 1 ]]; then
 else
   BIG=qwen2.5-3b; SMALL=qwen2-0.5b
   DEVICE_ARGS=()
-  TRAIN_STEPS=12; LOG_STEPS=4; RESUME_STEPS=20; KILL_AFTER=10; RESUME_REL=0.02
+  TRAIN_STEPS=12; LOG_STEPS=4; RESUME_STEPS=12; KILL_AFTER=6; RESUME_REL=0.02
   DATA_RECORDS=2000; MAX_LEN=4096; ACCUM=4
   REWRITE_ARGS=(--device cuda --corpus crud --docs 100 --max-new-tokens 64)
 fi
@@ -102,16 +102,30 @@ else
   deepspeed=("$launcher" --num_gpus 1 --master_port @PORT@ --module metachunk.train)
 fi
 
+skip() {  # skip NAME WHY: a step this device cannot run, said in the summary instead of failing after its launch
+  wanted "$1" || return 0
+  echo "== $1: skipped: $2" | tee -a "$SUMMARY"
+}
+
 train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
 # The recipe recomputes activations (sized for an 80 GB GPU); a 141 GB one may hold them: the same run without
-# recomputation, its rate and peak memory beside zero2's (GPU only: the dry run never recomputes).
-[[ $DRY == 1 ]] || train zero2_no_recompute 29508 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" --activation_checkpointing false
+# recomputation, its rate and peak memory beside zero2's (GPU only: the dry run never recomputes). By the
+# recipe's estimate, ~49 GB of states and ~49 GB of activations: on a smaller GPU it could only run out of memory.
+if [[ $DRY == 0 ]]; then
+  gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)' 2>/dev/null || echo 0)
+  if (( gib >= 120 )); then
+    train zero2_no_recompute 29508 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" --activation_checkpointing false
+  else
+    skip zero2_no_recompute "the GPU has ${gib} GiB; the 3B's states and activations need ~98 GB without recomputation"
+  fi
+fi
 train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
 step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$WORK/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
   "${deepspeed[@]//@PORT@/29503}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
   --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
-  --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --report_to none "${DEVICE_ARGS[@]}"
+  --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --save_total_limit 1 \
+  --report_to none "${DEVICE_ARGS[@]}"
 
 train accelerate 29504 "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 \
   --main_process_port @PORT@ -m metachunk.train --deepspeed "$DS/zero2.json"
@@ -122,9 +136,16 @@ train zero2_padded 29506 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
 
 # DeepSpeed's FusedAdam against the recipe's torch fused AdamW: the same ZeRO-2 config with an optimizer block
-# (DeepSpeed then builds its own optimizer, a CUDA op compiled on first use). GPU only: on CPU it would compile
-# DeepSpeed's CPU op for minutes and say nothing about a GPU.
-if [[ $DRY == 0 ]]; then
+# (DeepSpeed then builds its own optimizer, a CUDA op compiled on first use with the node's nvcc: without one
+# DeepSpeed raises MissingCUDAException after the launch). GPU only: on CPU it would compile DeepSpeed's CPU op
+# for minutes and say nothing about a GPU.
+nvcc_found() {
+  "$PY" -c 'import os, sys; from torch.utils.cpp_extension import CUDA_HOME as h
+sys.exit(not (h and os.path.exists(os.path.join(h, "bin", "nvcc"))))' 2>/dev/null
+}
+if [[ $DRY == 0 ]] && ! nvcc_found; then
+  skip zero2_fusedadam "no nvcc under torch's CUDA_HOME to compile DeepSpeed's FusedAdam"
+elif [[ $DRY == 0 ]]; then
   "$PY" -P - "$DS/zero2.json" "$WORK/zero2_fusedadam.json" <<'PYEOF'
 import json, sys
 config = json.load(open(sys.argv[1]))

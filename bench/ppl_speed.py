@@ -301,9 +301,10 @@ def chunk_worker(args, docs: list[str]) -> None:
     it (reading, splitting, tokenizing, scoring, deciding, writing; on a GPU the reading ahead and
     writing behind of chunking/overlap.py), timed as its summary's seconds minus its model load."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from metachunk.cli import main as cli
-    from metachunk.models import load_causal_lm
+    from metachunk.models import load_tokenizer, resolve
 
     folder = Path(args.out + ".run")
     folder.mkdir(parents=True, exist_ok=True)
@@ -325,8 +326,12 @@ def chunk_worker(args, docs: list[str]) -> None:
     cpu = time.process_time() - cpu0
     meta = json.loads((folder / "chunks.meta.json").read_text())
     summary = meta["summary"]
-    model, tok = load_causal_lm(args.model, device="cpu", dtype="float32")  # for the token count only
+    # For the token and FLOP counts only: the tokenizer, and the model's shape on the meta device (no
+    # weights: a 7B in float32 on the CPU would cost 30 GB and most of a GPU step's time limit).
+    tok = load_tokenizer(args.model)
     lengths = [len(x) for x in tok(docs, add_special_tokens=False)["input_ids"]]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve(args.model)))
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     np.savez(args.out)
     result = {"wall_s": summary["seconds"] - summary["model_load_seconds"], "cpu_s": cpu,
@@ -348,6 +353,17 @@ def model_shapes(model) -> dict:
             "windows": [window if kind == "sliding_attention" and window else None for kind in layer_types]}  # fmt: skip
 
 
+def run_worker(cmd: list[str], name: str, err: str) -> None:
+    """One worker process. Its stderr (warnings, progress bars) goes to ``err``, and its tail is shown
+    where the worker fails: on a GPU machine lent for minutes the traceback is the diagnosis."""
+    with open(err, "w", encoding="utf-8") as f:
+        code = subprocess.run(cmd, stderr=f).returncode
+    if code:
+        tail = Path(err).read_text(encoding="utf-8", errors="replace").splitlines()[-40:]
+        print("\n".join(tail), file=sys.stderr)
+        raise SystemExit(f"ppl_speed: the {name} worker failed (exit {code}); its stderr: {err}")
+
+
 def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
     """FLOPs of one exact pass over documents of ``lengths`` tokens: every token meets every weight
     matrix once (2 FLOPs per parameter, the input embedding excluded: a lookup; the LM head included),
@@ -356,7 +372,7 @@ def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     params = sum(p.numel() for p in model.parameters()) - embed.numel()
-    if head.data_ptr() == embed.data_ptr():  # tied: the head's matmul still runs once per token
+    if head is embed:  # tied: the head's matmul still runs once per token (`is`: meta tensors have no data)
         params += head.numel()
     shapes = model_shapes(model)
     flops = 0.0
@@ -364,8 +380,15 @@ def exact_pass_flops(model, lengths: list[int], max_context: int) -> float:
         flops += 2.0 * params * n
         for window in shapes["windows"]:
             span = min(max_context, window or max_context)
-            flops += 4.0 * shapes["attention_width"] * sum(min(t + 1, span) for t in range(n))
+            flops += 4.0 * shapes["attention_width"] * keys_attended(n, span)
     return flops
+
+
+def keys_attended(n: int, span: int) -> int:
+    """``sum(min(t + 1, span) for t in range(n))``: the keys each of ``n`` tokens attends to, causal,
+    at most ``span`` back; in closed form (a loop over a corpus's 1.5M tokens per layer takes minutes)."""
+    ramp = min(n, span)
+    return ramp * (ramp + 1) // 2 + (n - ramp) * span
 
 
 def gemm_worker(args) -> None:
@@ -505,7 +528,7 @@ def main() -> None:
             for x in (f"--{k.replace('_', '-')}", str(v))
         ]  # fmt: skip
         print(f"[{m}] running ...", flush=True)
-        subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+        run_worker(cmd, m, out + ".err")
         res = json.loads(Path(out + ".json").read_text())
         arrays = np.load(out + ".npz")
         spans = res.pop("spans")
@@ -529,7 +552,7 @@ def main() -> None:
                "--gemm-dtypes", ",".join(sorted({results[m]["dtype"].get("dtype", "float32") for m in engines}))]  # fmt: skip
         if args.device:
             cmd += ["--device", args.device]
-        subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+        run_worker(cmd, "gemm", out + ".err")
         gemm = json.loads(Path(out + ".json").read_text())
     compared = [m for m in methods if results[m]["ppl"] is not None]
     ref = (

@@ -92,6 +92,9 @@ def plot(reference: dict[int, float], resumed: dict[int, float], resumed_at: int
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # A step's time limit (`timeout`) sends SIGTERM, whose default action skips `finally`: the run started in a
+    # session of its own would go on training on the GPU beside the next steps. As an exit, the kill runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if "--" not in argv:
         sys.exit("usage: train_resume.py --out DIR [--kill-after-step K] [--rel R] -- LAUNCH COMMAND ...")
     split = argv.index("--")

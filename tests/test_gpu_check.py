@@ -227,3 +227,26 @@ def test_the_engine_profile_tells_launches_from_host_work_from_a_busy_gpu():
 
     on_cpu = profile.read_trace(FakeTrace([]), 1000.0, 20.0, 1, False)
     assert "verdict" not in on_cpu and on_cpu["top_ops"]
+
+
+def test_the_pass_flops_count_from_the_models_shape_alone():
+    # chunk's worker counts a 7B's FLOPs on the meta device (no weights): the same count as the loaded
+    # model's, tied head included; the attention's key count in closed form equals the loop it replaced.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    speed = load_bench("ppl_speed")
+    for n, span in [(0, 4), (1, 4), (3, 4), (4, 4), (9, 4), (5000, 2048)]:
+        assert speed.keys_attended(n, span) == sum(min(t + 1, span) for t in range(n))
+    for tied in (True, False):
+        config = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                      tie_word_embeddings=tied)  # fmt: skip
+        real = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        lengths = [3, 700, 5000]
+        assert speed.exact_pass_flops(meta, lengths, 2048) == speed.exact_pass_flops(real, lengths, 2048)
+        head = 64 * 1000
+        params = sum(p.numel() for p in real.parameters()) - head + (head if tied else 0)
+        assert speed.exact_pass_flops(real, [1], 2048) == 2.0 * params + 4.0 * 64 * 2 * 1
