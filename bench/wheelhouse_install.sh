@@ -39,12 +39,10 @@ if [[ -n $NODE_LIST ]]; then
     --unversioned "$UNVERSIONED" > "$NODE/plan.txt"
   "$PY" - "$NODE_LIST" "$NODE/plan.txt" > "$NODE/image.txt" <<'PYEOF'
 import re, sys
-listed = {}
-for line in open(sys.argv[1]):
-    line = line.split("#")[0].strip()
-    if line:
-        name, _, version = line.partition("==")
-        listed[re.sub(r"[-_.]+", "-", name).lower()] = version
+from pathlib import Path
+sys.path.insert(0, "tools")
+from wheelhouse import read_freeze  # the list read as the wheelhouse reads it
+listed = read_freeze(Path(sys.argv[1]))
 for line in open(sys.argv[2]):
     m = re.match(r"  (fetch|spare|skip) +([A-Za-z0-9._-]+?)(==\S+)? ", line)
     if m and m.group(2) in listed:
