@@ -219,6 +219,7 @@ def child(args) -> None:
         output_dir=str(tmp / f"out_{args.child}"), use_cpu=True, report_to="none", save_strategy="no",
         eval_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=1e-5, num_train_epochs=1,
         seed=0, dataloader_num_workers=0, completion_only_loss=True, **mode_config(args.child, args),
+        activation_checkpointing=True,  # TRL's default (the figures' setting), under transformers' current name
     )  # fmt: skip
     trainer = SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
 

@@ -205,6 +205,12 @@ def test_a_document_that_fails_ahead_of_the_model_writes_nothing(tmp_path, capsy
     assert not stage_threads()
 
 
+def a_shard_listed(out: Path) -> bool:
+    """The manifest, not the file: a shard is renamed in before its manifest entry is written."""
+    manifest = out / "manifest.json"
+    return manifest.is_file() and bool(json.loads(manifest.read_text())["shards"]["done"])
+
+
 def test_sigterm_mid_run_exits_143_and_a_rerun_finishes_byte_identical(tmp_path, emma_rows, tiny_model_dir):
     rows = [{"id": f"{r['id']}-{k}", "text": r["text"]} for k in range(6) for r in emma_rows]  # 288
     src = write_jsonl(tmp_path / "emma.jsonl", rows)
@@ -215,7 +221,7 @@ def test_sigterm_mid_run_exits_143_and_a_rerun_finishes_byte_identical(tmp_path,
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
-        while not list(out.glob("train-*.jsonl")) and proc.poll() is None and time.monotonic() < deadline:
+        while not a_shard_listed(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         proc.send_signal(signal.SIGTERM)

@@ -36,6 +36,16 @@ def start(*argv, log: Path) -> subprocess.Popen:
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
 
 
+def a_shard_listed(out: Path) -> bool:
+    """The manifest lists a finished shard. A shard's file is renamed in before its manifest entry is
+    written (``ShardedOutput.commit``), so waiting for the file alone can stop a run between the two:
+    that shard is then redone on the rerun, and the manifest lists none yet."""
+    try:
+        return bool(json.loads((out / "manifest.json").read_text())["shards"]["done"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return False
+
+
 def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,7 +167,7 @@ def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, t
     proc = start(*argv, log=tmp_path / "log")
     try:
         wait_for(lambda: len(descendants(proc)) >= 2 and descendants(proc), 120, "the workers")
-        wait_for(lambda: len(list(out.glob("train-*.jsonl"))) >= 1 or proc.poll() is not None, 120, "a shard")
+        wait_for(lambda: a_shard_listed(out) or proc.poll() is not None, 120, "a shard")
         stop_and_check(proc, sig, descendants(proc))
     finally:
         kill_what_is_left(proc)
@@ -225,7 +235,7 @@ def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny
             "--threads-per-worker", 1, "--lang", "en"]  # fmt: skip
     proc = start(*argv, log=tmp_path / "log")
     try:
-        wait_for(lambda: len(list(out.glob("train-*.jsonl"))) >= 1 or proc.poll() is not None, 300, "a shard")
+        wait_for(lambda: a_shard_listed(out) or proc.poll() is not None, 300, "a shard")
         assert proc.poll() is None, (tmp_path / "log").read_text()[-3000:]
         children = descendants(proc)
         assert any("raylet" in " ".join(c.cmdline()) for c in children)

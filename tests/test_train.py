@@ -48,7 +48,11 @@ def test_prompt_tokens_are_masked_and_completion_tokens_trained(sft_dataset, tin
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         args=SFTConfig(
-            output_dir=str(sft_dataset.parent / "t"), use_cpu=True, report_to="none", max_length=None
+            output_dir=str(sft_dataset.parent / "t"),
+            use_cpu=True,
+            report_to="none",
+            max_length=None,
+            activation_checkpointing=True,  # TRL's default, under transformers' current name
         ),
         train_dataset=rows,
         processing_class=tokenizer,

@@ -19,7 +19,10 @@ def _trainer(rows, model_dir, out, attn, **config):
     from trl import SFTConfig, SFTTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
-    args = SFTConfig(output_dir=str(out), use_cpu=True, report_to="none", **config)
+    # activation_checkpointing: TRL's default, under transformers' current name (no FutureWarning)
+    args = SFTConfig(
+        output_dir=str(out), use_cpu=True, report_to="none", activation_checkpointing=True, **config
+    )
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(model_dir)
     )

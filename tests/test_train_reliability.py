@@ -255,3 +255,27 @@ def test_python_m_train_bad_input_has_no_traceback(tmp_path):
                               text=True, timeout=120)  # fmt: skip
         assert done.returncode == 2, done.stderr[-2000:]
         _one_line_error(done.stderr, "train: invalid config: --config ")
+
+
+def test_unset_activation_checkpointing_is_trls_default_under_its_own_name(tmp_path, tiny_model_dir):
+    """TRL's SFTConfig gives its checkpointing default under transformers' deprecated ``gradient_checkpointing``;
+    left unset, the same value is said as ``activation_checkpointing``: no FutureWarning, nothing else changed."""
+    import warnings
+
+    from metachunk.train.sft import parse_args
+
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    recipe = _recipe_without(tmp_path, "activation_checkpointing")
+    base = ["--config", str(recipe), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _, sft_args = parse_args(base)
+        assert sft_args.activation_checkpointing is True and sft_args.gradient_checkpointing is True
+        for given in (["--activation_checkpointing", "false"], ["--activation_checkpointing=false"]):
+            _, sft_args = parse_args(base + given)
+            assert sft_args.activation_checkpointing is False and sft_args.gradient_checkpointing is False
+    # the old name, given: transformers says so
+    with pytest.warns(FutureWarning, match="gradient_checkpointing"):
+        _, sft_args = parse_args(base + ["--gradient_checkpointing", "false"])
+    assert sft_args.activation_checkpointing is False

@@ -95,6 +95,7 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
     check_renamed(recipe, argv)
     check_deepspeed_flag(argv)  # SFTConfig reads the JSON as it is built
+    argv = argv + checkpointing_said(recipe, argv, SFTConfig)
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
     if check_inputs:
@@ -168,6 +169,18 @@ def check_renamed(recipe: dict, argv: list[str]) -> None:
     for old, new in RENAMED.items():
         if old in recipe or any(a == f"--{old}" or a.startswith(f"--{old}=") for a in argv):
             raise ValueError(f"field {old!r} is now {new!r}, TRL's name (`trl sft` reads the same recipes)")
+
+
+def checkpointing_said(recipe: dict, argv: list[str], sft_config) -> list[str]:
+    """``--activation_checkpointing`` at TRL's default, when neither the recipe nor a flag sets it (nor its
+    old name). TRL's SFTConfig gives its default (True) under transformers' deprecated name
+    ``gradient_checkpointing``, so every run that left it unset printed transformers' FutureWarning;
+    said under the new name, the same value, and no warning."""
+    names = ("activation_checkpointing", "gradient_checkpointing")
+    if any(n in recipe for n in names) or any(a.split("=")[0] in {f"--{n}" for n in names} for a in argv):
+        return []
+    trl_default = sft_config.__dataclass_fields__["gradient_checkpointing"].default
+    return ["--activation_checkpointing", str(trl_default)]
 
 
 def bf16_given(recipe: dict, argv: list[str]) -> bool:
