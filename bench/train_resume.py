@@ -48,6 +48,15 @@ def run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
 
 
+def whole_json(path: Path) -> bool:
+    """``path`` is there and reads as JSON (the Trainer opens it before writing: empty for a moment)."""
+    try:
+        json.loads(path.read_text())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def kill_after_checkpoint(cmd: list[str], out: Path, step: int, log: Path, timeout: float) -> float:
     """Start ``cmd`` in its own session, SIGKILL its process group once ``checkpoint-{step}`` is complete;
     returns the seconds it ran."""
@@ -56,7 +65,7 @@ def kill_after_checkpoint(cmd: list[str], out: Path, step: int, log: Path, timeo
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while not marker.exists():
+            while not whole_json(marker):
                 if proc.poll() is not None:
                     sys.exit(
                         f"train_resume: the run ended (exit {proc.returncode}) before {marker}; see {log}"

@@ -251,6 +251,9 @@ class ShardedOutput:
         """Start or resume: returns the shards already done. ``head`` is the manifest's fixed part
         (config, fingerprints, input, shards plan); a different fingerprint is refused."""
         with self.lock:
+            # every manifest write holds the lock: a manifest temp file found here is a killed writer's
+            for stale in self.root.glob(f".{MANIFEST}.*.tmp"):
+                stale.unlink(missing_ok=True)
             previous = self.read_manifest()
             if previous is None and any(p.name != f".{MANIFEST}.lock" for p in self.root.iterdir()):
                 if not overwrite:

@@ -99,9 +99,11 @@ def test_a_kill_mid_poll_resumes_polling_and_never_resubmits_a_live_batch(tmp_pa
         cmd = [sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config", str(recipe)]
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
-        while not server.stats().get("batches") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # polling the first batch
+        # polling the first batch: the server marks it in progress at the client's first poll (the batch id is
+        # stored before it); it completes at the 8th, a second or more later
+        while list(server.stats().get("batches", {}).values()) != ["in_progress"]:
+            assert proc.poll() is None and time.monotonic() < deadline, "no batch polled"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert list(server.stats()["batches"].values()) == ["in_progress"]

@@ -215,6 +215,7 @@ def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, e
     killed = json.loads((out / "manifest.json").read_text())
     assert proc.returncode == -signal.SIGKILL and not killed["complete"], "the run ended before the kill"
     n_done = len(killed["shards"]["done"])
+    (out / ".manifest.json.x1y2z3.tmp").write_text('{"schema_ver')  # as a kill inside a manifest write leaves
 
     resumed = subprocess.run([*argv, "-o", str(out)], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
@@ -224,7 +225,7 @@ def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, e
     assert run["documents_chunked"] == 480 - 30 * n_done  # only the shards not done: 30 documents each
     assert shard_bytes(out) == shard_bytes(whole)
     assert _manifest_without_run(out) == _manifest_without_run(whole)
-    assert not list(out.glob(".*.tmp"))  # the killed run's temp file is gone
+    assert not list(out.glob(".*.tmp"))  # the killed run's temp files are gone, its manifest's too
 
 
 def test_a_changed_config_or_input_is_refused_unless_overwrite(tmp_path, capsys, emma):

@@ -46,13 +46,13 @@ def a_shard_listed(out: Path) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, every: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.2)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -154,8 +154,10 @@ def test_a_port_left_bound_is_named_with_its_holder(tmp_path):
 
 @pytest.fixture
 def corpus(tmp_path) -> Path:
+    """400 documents in 40 shards: after the first shard is listed, a second or more of work is left for the
+    stop to land in (with one document a shard, the run could finish first)."""
     src = tmp_path / "docs.jsonl"
-    src.write_text("".join(json.dumps({"id": f"d{k}", "text": EN * 6}) + "\n" for k in range(40)))
+    src.write_text("".join(json.dumps({"id": f"d{k}", "text": EN * 6}) + "\n" for k in range(400)))
     return src
 
 
@@ -167,7 +169,8 @@ def test_chunk_workers_end_with_the_run_and_a_rerun_finishes(tmp_path, corpus, t
     proc = start(*argv, log=tmp_path / "log")
     try:
         wait_for(lambda: len(descendants(proc)) >= 2 and descendants(proc), 120, "the workers")
-        wait_for(lambda: a_shard_listed(out) or proc.poll() is not None, 120, "a shard")
+        wait_for(lambda: a_shard_listed(out) or proc.poll() is not None, 120, "a shard", every=0.02)
+        assert proc.poll() is None, (tmp_path / "log").read_text()[-3000:]
         stop_and_check(proc, sig, descendants(proc))
     finally:
         kill_what_is_left(proc)

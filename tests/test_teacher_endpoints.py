@@ -42,8 +42,10 @@ def write_job(root, base_urls, n=40):
 
 def test_three_endpoints_one_dies_mid_run_the_others_carry_the_rest(tmp_path, capsys):
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(serve_in_subprocess(latency=0.05, replies={'"score"': ITEMS}))
-                   for _ in range(3)]  # fmt: skip
+        # The one that dies answers after 0.25 s: a request that reaches it after the killer's snapshot of what it
+        # saw cannot be answered before the kill lands, so the snapshot holds every answer it gave.
+        servers = [stack.enter_context(serve_in_subprocess(latency=latency, replies={'"score"': ITEMS}))
+                   for latency in (0.05, 0.05, 0.25)]  # fmt: skip
         recipe = write_job(tmp_path, [s.base_url for s in servers])
         dying = servers[2]
         seen_by_dying = {}

@@ -279,3 +279,26 @@ def test_unset_activation_checkpointing_is_trls_default_under_its_own_name(tmp_p
     with pytest.warns(FutureWarning, match="gradient_checkpointing"):
         _, sft_args = parse_args(base + ["--gradient_checkpointing", "false"])
     assert sft_args.activation_checkpointing is False
+
+
+def test_resume_from_latest_skips_a_checkpoint_whose_save_was_cut_short(tmp_path, capsys):
+    """The Trainer writes ``trainer_state.json`` last; a run killed while saving leaves a newer checkpoint without
+    it (or with it half-written). ``latest`` is the newest whole one, not the highest number."""
+    from types import SimpleNamespace
+
+    from metachunk.train.sft import resume_point
+
+    for step, state in [(2, "{}"), (4, '{"global_step": 4}'), (6, None), (8, ""), (10, '{"global_st')]:
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"")
+        if state is not None:
+            (folder / "trainer_state.json").write_text(state)
+    (tmp_path / "checkpoint-final").mkdir()  # not a step: not a checkpoint
+    args = SimpleNamespace(resume_from_checkpoint="latest", output_dir=str(tmp_path))
+    assert resume_point(args) == str(tmp_path / "checkpoint-4")
+    err = capsys.readouterr().err
+    assert all(f"checkpoint-{n} skipped" in err for n in (6, 8, 10)) and "checkpoint-2" not in err
+    args = SimpleNamespace(resume_from_checkpoint="latest", output_dir=str(tmp_path / "none_yet"))
+    with pytest.raises(ValueError, match="no whole checkpoint"):
+        resume_point(args)

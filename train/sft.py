@@ -340,20 +340,42 @@ def check_attention(impl: str, sft_args) -> None:
 
 
 def resume_point(sft_args) -> str | None:
-    """``--resume_from_checkpoint latest`` (the newest checkpoint in ``output_dir``) or a path."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+    """``--resume_from_checkpoint latest`` (the newest whole checkpoint in ``output_dir``) or a path."""
     wanted = sft_args.resume_from_checkpoint
     if wanted in (None, ""):
         return None
     if str(wanted).lower() in ("latest", "true"):
-        last = get_last_checkpoint(sft_args.output_dir) if Path(sft_args.output_dir).is_dir() else None
+        last = last_whole_checkpoint(Path(sft_args.output_dir))  # an output_dir not there: none
         if last is None:
-            raise ValueError(f"field 'resume_from_checkpoint': no checkpoint-* in {sft_args.output_dir}")
+            raise ValueError(
+                f"field 'resume_from_checkpoint': no whole checkpoint-* in {sft_args.output_dir}"
+            )
         return last
     if not Path(wanted).is_dir():
         raise ValueError(f"field 'resume_from_checkpoint': {wanted} is not a checkpoint dir")
     return str(wanted)
+
+
+def last_whole_checkpoint(output_dir: Path) -> str | None:
+    """The newest ``checkpoint-N`` whose ``trainer_state.json`` is there and reads as JSON. The Trainer writes that
+    file last (after the weights, optimizer, scheduler and RNG states), so a run killed while saving leaves a newer,
+    partial checkpoint; transformers' ``get_last_checkpoint`` takes the highest number and the resume then fails
+    on it. A partial one is skipped, and said."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    state_name = "trainer_state.json"  # transformers.trainer's TRAINER_STATE_NAME (not in trainer_utils)
+    numbered = []
+    for folder in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        step = folder.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if folder.is_dir() and step.isdigit():
+            numbered.append((int(step), folder))
+    for _, folder in sorted(numbered, reverse=True):
+        try:
+            json.loads((folder / state_name).read_text(encoding="utf-8"))
+            return str(folder)
+        except (OSError, ValueError):
+            print(f"train: {folder} skipped: no whole {state_name} (a save cut short)", file=sys.stderr)
+    return None
 
 
 def load_rows(model_args: ModelDataArguments, sft_args):
