@@ -11,8 +11,8 @@ export HF_HUB_OFFLINE := 1
 
 # llama.cpp's default build is -march=native, which on a CPU with AMX compiles ggml's AMX matmul,
 # and that crashed the server on its first request (SIGSEGV in ggml_backend_amx_mul_mat,
-# llama-cpp-python 0.3.36, on a Xeon with AMX, 2026-12-02). So on x86_64 it is built for AVX2, which
-# every machine here has. pip does not key its wheel cache on CMAKE_ARGS, so the install skips
+# llama-cpp-python 0.3.36; see docs/install.md). So on x86_64 it is built for AVX2, which every
+# x86_64 server of the last decade has. pip does not key its wheel cache on CMAKE_ARGS, so the install skips
 # the cache (--no-cache-dir): a native wheel built earlier is never reused.
 LLAMA_CMAKE_ARGS := $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
 

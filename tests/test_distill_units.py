@@ -173,7 +173,7 @@ def open_a_store_after(barrier, path, errors):
 
 def test_processes_opening_one_new_store_at_once_all_succeed(tmp_path):
     # Two distill runs started together on a new --cache file once failed: switching a new file
-    # to WAL takes a lock SQLite does not wait for ("database is locked"; CI, 2026-12-02).
+    # to WAL takes a lock SQLite does not wait for ("database is locked").
     fork = multiprocessing.get_context("fork")
     errors = fork.Queue()
     for trial in range(10):
