@@ -48,24 +48,17 @@ def run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
 
 
-def whole_json(path: Path) -> bool:
-    """``path`` is there and reads as JSON (the Trainer opens it before writing: empty for a moment)."""
-    try:
-        json.loads(path.read_text())
-        return True
-    except (OSError, ValueError):
-        return False
-
-
 def kill_after_checkpoint(cmd: list[str], out: Path, step: int, log: Path, timeout: float) -> float:
     """Start ``cmd`` in its own session, SIGKILL its process group once ``checkpoint-{step}`` is complete;
     returns the seconds it ran."""
+    from metachunk.train.sft import whole_checkpoint
+
     marker = out / f"checkpoint-{step}" / "trainer_state.json"
     started = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while not whole_json(marker):
+            while not whole_checkpoint(marker.parent):
                 if proc.poll() is not None:
                     sys.exit(
                         f"train_resume: the run ended (exit {proc.returncode}) before {marker}; see {log}"

@@ -129,6 +129,8 @@ def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_
     import sys
     import time
 
+    from metachunk.train.sft import whole_checkpoint
+
     steps = 30
 
     def argv(out):
@@ -148,16 +150,10 @@ def test_resume_after_a_kill_continues_steps_and_losses(sft_dataset, tiny_model_
         if "loss" in e
     }
 
-    def whole(state: Path) -> bool:  # opened before it is written: there and empty for a moment
-        try:
-            return bool(json.loads(state.read_text()))
-        except (OSError, ValueError):
-            return False
-
     out = tmp_path / "killed"
     run = subprocess.Popen(argv(out), cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not whole(out / "checkpoint-4" / "trainer_state.json"):  # written last: the checkpoint is complete
+    while not whole_checkpoint(out / "checkpoint-4"):
         assert run.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
         time.sleep(0.05)
     run.send_signal(signal.SIGKILL)

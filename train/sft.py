@@ -356,25 +356,34 @@ def resume_point(sft_args) -> str | None:
     return str(wanted)
 
 
+TRAINER_STATE = "trainer_state.json"  # transformers.trainer's TRAINER_STATE_NAME (not in trainer_utils)
+
+
+def whole_checkpoint(folder: Path) -> bool:
+    """``folder``'s ``trainer_state.json`` is there and reads as JSON. The Trainer writes that file last (after the
+    weights, optimizer, scheduler and RNG states), and opens it before writing it: until then, the save is partial."""
+    try:
+        json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def last_whole_checkpoint(output_dir: Path) -> str | None:
-    """The newest ``checkpoint-N`` whose ``trainer_state.json`` is there and reads as JSON. The Trainer writes that
-    file last (after the weights, optimizer, scheduler and RNG states), so a run killed while saving leaves a newer,
-    partial checkpoint; transformers' ``get_last_checkpoint`` takes the highest number and the resume then fails
-    on it. A partial one is skipped, and said."""
+    """The newest `whole_checkpoint` ``checkpoint-N``. A run killed while saving leaves a newer, partial one;
+    transformers' ``get_last_checkpoint`` takes the highest number and the resume then fails on it. A partial
+    one is skipped, and said."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    state_name = "trainer_state.json"  # transformers.trainer's TRAINER_STATE_NAME (not in trainer_utils)
     numbered = []
     for folder in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         step = folder.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
         if folder.is_dir() and step.isdigit():
             numbered.append((int(step), folder))
     for _, folder in sorted(numbered, reverse=True):
-        try:
-            json.loads((folder / state_name).read_text(encoding="utf-8"))
+        if whole_checkpoint(folder):
             return str(folder)
-        except (OSError, ValueError):
-            print(f"train: {folder} skipped: no whole {state_name} (a save cut short)", file=sys.stderr)
+        print(f"train: {folder} skipped: no whole {TRAINER_STATE} (a save cut short)", file=sys.stderr)
     return None
 
 
