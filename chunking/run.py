@@ -2,7 +2,7 @@
 
 ``-o FILE.jsonl`` writes one file and ``FILE.meta.json``; ``-o DIR`` writes a dataset folder of
 shards and ``manifest.json``, resumable. Both are one implementation
-(`metachunk.chunking.shards.chunk_corpus`: a file is the one-shard plan), so every method
+(`chunk_corpus` here: a file is the one-shard plan), so every method
 (moc and lumber too) and every option (``--rewrite``/``--summarize``, ``--plot``,
 ``--mean-chunk-chars``) works with either.
 """

@@ -122,6 +122,23 @@ def test_padding_free_without_packing_trains_two_steps(sft_dataset, tiny_model_d
     assert status == 0, err[-2000:]
     losses = [e["loss"] for e in json.loads((out / "train_log.json").read_text()) if "loss" in e]
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+    assert "padding-free batches with sdpa" in err and "computed densely" in err  # the cost is said
+
+
+def test_only_the_attentions_that_compute_the_whole_square_are_warned_about():
+    """sdpa and eager compute a flattened row's whole square; the 3B recipes' flex_attention skips the masked
+    blocks and flash-attention's varlen kernel never sees them, so they get no note."""
+    from types import SimpleNamespace
+
+    from metachunk.train.sft import dense_attention_note
+
+    flat = SimpleNamespace(padding_free=False, packing=True, packing_strategy="bfd")
+    assert "computed densely" in dense_attention_note("sdpa", flat)
+    assert "computed densely" in dense_attention_note("eager", flat)
+    for impl in ("flex_attention", "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3"):
+        assert dense_attention_note(impl, flat) is None
+    padded = SimpleNamespace(padding_free=False, packing=False, packing_strategy="bfd")
+    assert dense_attention_note("sdpa", padded) is None
 
 
 def test_wrong_packing_configs_fail_before_any_model_loads(tmp_path, capsys):

@@ -339,6 +339,18 @@ def check_attention(impl: str, sft_args) -> None:
         )
 
 
+def dense_attention_note(impl: str, sft_args) -> str | None:
+    """What a padding-free run is told when its attention computes a flattened row's whole square under the
+    block-diagonal mask: sdpa and eager do. flex attention gets the mask as a BlockMask and skips the blocks
+    masked out whole; flash-attention's varlen kernel never sees the other rows."""
+    if not padding_free(sft_args) or impl not in ("sdpa", "eager"):
+        return None
+    return (
+        f"padding-free batches with {impl}: each micro-batch is one flattened row and attention is computed "
+        "densely under a block-diagonal mask (time and memory quadratic in the row); see recipes/train/README.md"
+    )
+
+
 def resume_point(sft_args) -> str | None:
     """``--resume_from_checkpoint latest`` (the newest whole checkpoint in ``output_dir``) or a path."""
     wanted = sft_args.resume_from_checkpoint
@@ -627,10 +639,8 @@ def run(cfg: TrainConfig) -> Result:
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
         return Result(2)
-    if padding_free(sft_args) and "flash" not in impl:
-        print(f"train: padding-free batches with {impl}: each micro-batch is one flattened row and attention is "
-              "computed densely under a block-diagonal mask (time and memory quadratic in the row); "
-              "see recipes/train/README.md", file=sys.stderr)  # fmt: skip
+    if note := dense_attention_note(impl, sft_args):
+        print(f"train: {note}", file=sys.stderr)
     peft_config = None
     if model_args.use_peft:
         from peft import LoraConfig

@@ -19,8 +19,8 @@ bounded memory comes down to three choices:
   and packed into batches under a token budget, so short documents do not run one by one.
 * **The LM head is applied in tiles.** Only the hidden states of positions that are scored are
   gathered, then the head and the log-sum-exp run on tiles of ``head_rows`` positions x 8,192
-  vocabulary entries, with a running max across the vocabulary, and only the target's logit is
-  taken. Full fp32 logits for thousands of positions (262K vocab x 8K positions = 8 GB) never exist.
+  vocabulary entries, each tile's log-sum-exp combined across the vocabulary at the end, and only
+  the target's logit is taken. Full fp32 logits for thousands of positions (262K vocab x 8K positions = 8 GB) never exist.
 """
 
 from __future__ import annotations
