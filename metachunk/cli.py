@@ -4,8 +4,9 @@ Each row names a verb, the module that implements it and its help; the module ow
 dataclass and ``run(cfg) -> Result``. This file only builds the parser from the table, turns
 argv into a config, runs it, and maps errors to exit statuses. It holds no stage logic.
 
-Stage modules are imported when their verb is parsed or used (``metachunk --version`` imports
-none), and never import this module: it is the composition root. ``metachunk run`` hands the
+Building the parser imports every command's module, for its config dataclass; each module defers
+its heavy imports (torch, transformers, openai, trl: ``tests/test_cli_imports.py``), so
+``metachunk --help`` stays fast. Stage modules never import this module: it is the composition root. ``metachunk run`` hands the
 table to the regeneration runner (`registry`), which runs each stage through it.
 """
 

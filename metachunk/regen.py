@@ -31,10 +31,10 @@ command's flags do. Such a stage that leaves rows out exits with
 that status once every stage is done, so that a scheduler sees rows were left out.
 
 **Fingerprints.** Before a stage runs, its fingerprint is taken: the sha256 of its command, its
-config (less the runtime settings in `RUNTIME_KEYS`), the content hash of every existing
-path its config names (less its outputs, `OUTPUT_KEYS`, and answer stores), the fingerprint
-of every local model it names (`metachunk.models.fingerprint`), the hashes of the prompt
-and schema files its command can read (`stage_prompts`: a new LumberChunker schema does not
+config (less its ``runtime=True`` fields: `metachunk.config.computed`), the content hash of every
+existing path its config names (less the outputs and answer stores its command names), the
+fingerprint of every local model it names (`metachunk.models.fingerprint`), the hashes of the
+prompt and schema files its command says it can read (a new LumberChunker schema does not
 rerun a day of PPL chunking), and the code its command runs (`metachunk.code_digest.command_code`:
 the import closure of its entry modules, hashed). A stage whose fingerprint matches the last successful
 run, and whose outputs still hash as they did, is skipped. A stage downstream of one that wrote

@@ -8,7 +8,9 @@ One `DocumentSource` covers every input layout the toolkit accepts:
 * ``--input-format lines``: one document per line of plain text, as the raw CRUD corpus ships
   (``data/80000_docs/documents_dup_part_*``); a document's id is ``FILE:LINE``;
 * a ``.txt`` file: one document, its id the file stem;
-* a folder of any of these shards (sorted by path; hidden files skipped).
+* a folder of ``.jsonl``/``.jsonl.gz``/``.parquet`` shards, or of plain-text files under
+  ``--input-format lines`` (sorted by path; hidden files skipped; ``.txt`` files are not read from a
+  folder).
 
 ``text_field`` and ``id_field`` name the columns for corpora that do not call them ``text`` and
 ``id``. A record without an id is named by its line (or row) number; in a folder of shards, by

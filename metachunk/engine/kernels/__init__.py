@@ -6,7 +6,7 @@ the tile then ``log_softmax`` in place, took 6.5 ms per 1,024 x 8,192 tile on on
 EPYC (Zen 4); the kernel 1.9 ms, equal to float32 ``logsumexp`` within 2e-6 (docs/performance.md).
 
 The source ships with the package and is compiled with the system's C compiler (``$CC``, else
-``cc``) into ``$METACHUNK_CACHE/kernels/`` (default ``~/.cache/metachunk/engine/kernels``), named by a
+``cc``) into ``$METACHUNK_CACHE/kernels/`` (default ``~/.cache/metachunk/kernels``), named by a
 hash of the source, the flags and the compiler, so a changed file or compiler builds anew, and
 written atomically, so runs started together never load half a library. ctypes releases the GIL
 for the call, so `metachunk.engine.scoring.token_nll`'s streams run it side by side.
