@@ -898,7 +898,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="metachunk's LM dtype: auto (bfloat16 on a CPU with AMX, else float32)",
+        help="metachunk's LM dtype: auto (bfloat16 on a GPU or a CPU with native bf16, AMX or AVX-512 BF16; else float32)",
     )
     p.add_argument(
         "--slumber-tries", type=int, default=2, help="SlumberChunker: full runs to search chunk_size"

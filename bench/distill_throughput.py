@@ -28,7 +28,7 @@ its requests. Both sides start all requests at once (``asyncio.gather``) and let
 whole waves of 64, so a perfect client could reach the ideal rate.
 
 Each measured run is a fresh child process (a fresh interpreter: no garbage, connections or
-store left over from the previous variant; its import time is not measured). A run does ~100
+store left over from the previous variant; its import time is not measured). A run does `--warmup` (128)
 warm-up requests (they open the 64 connections), then times the measured requests: wall time
 (``perf_counter``) and client CPU (``time.process_time()`` of the child: the server is another
 process). Runs go in rounds, the order reversed every other round (bare, ours, ours+limits, then

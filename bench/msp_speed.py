@@ -111,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default=None, help="preset or HF dir (default: smollm2 for en, gemma3-270m for zh)"
     )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype (auto: bfloat16 on a GPU or a CPU with native bf16, AMX or AVX-512 BF16; else float32)",
+    )
     ap.add_argument("--prompt", default="table6", choices=("table6", "table7"), help="MSP prompt variant")
     ap.add_argument("--pairs", type=int, default=64, help="number of sentence pairs (default 64)")
     ap.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated batch sizes for margins()")

@@ -256,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-context", type=int, default=4096, help="scoring window in tokens (default 4096)")
     ap.add_argument("--device", default="cpu", help="device for the model (default cpu: RSS is host memory)")
-    ap.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 on GPU, fp32 on CPU)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype (auto: bfloat16 on a GPU or a CPU with native bf16, AMX or AVX-512 BF16; else float32)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the child")
     ap.add_argument("--target", type=float, default=1.5, help="maximum allowed ratio (default 1.5)")
     ap.add_argument("--sample-interval", type=float, default=0.02, help="RSS sampling period in seconds")

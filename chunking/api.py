@@ -44,7 +44,8 @@ __all__ = [
 
 
 def check_text(text: str, where: str = "text") -> str:
-    """``text`` if it is a str that UTF-8 can hold, else a ``ValueError`` that says why."""
+    """``text`` if it is a str that UTF-8 can hold, else a ``TypeError`` (not a str) or a ``ValueError``
+    (a lone surrogate) that says why."""
     if not isinstance(text, str):
         raise TypeError(f"{where} must be a str, got {type(text).__name__}")
     try:

@@ -1,7 +1,7 @@
 """One entry point for every chunking method: config in, chunked documents out.
 
-``metachunk chunk`` and every later stage that needs chunks (dataset sampling, evaluation) go
-through [`Chunker`][metachunk.chunking.pipeline.Chunker], so each method is configured, loaded and run the same way everywhere:
+``metachunk chunk`` and every later stage that chunks (dataset sampling; evaluation reads the chunk
+command's output) go through [`Chunker`][metachunk.chunking.pipeline.Chunker], so each method is configured, loaded and run the same way everywhere:
 ppl, msp, fixed, sentence, semantic, moc (`metachunk.chunking.moc`) and lumber (`metachunk.chunking.lumber`,
 which asks a teacher through `metachunk.teacher`).
 
@@ -97,8 +97,8 @@ class ChunkConfig:
     )
     output: Path = option(
         None,
-        "FILE.jsonl: one line per document, written at the end; DIR (anything else): a dataset folder of "
-        "shards (train-00000-of-000NN.jsonl) and manifest.json, written shard by shard and resumed on rerun",
+        "FILE.jsonl: one line per document, written at the end; DIR (DIR/, an existing folder, or a name "
+        "without a suffix; other suffixes are refused as ambiguous): a dataset folder of shards (train-00000-of-000NN.jsonl) and manifest.json, written shard by shard and resumed on rerun",
         short="-o",
     )
     input_format: str = option(

@@ -13,7 +13,7 @@ missing, at any depth:
 
 ```
 {"name": "metachunk-rewrite-demo",            # file name of the card in data_cards/
- "task": "rewrite" | "summary",
+ "task": "rewrite" | "summary" | "moc-router" | "moc-expert",
  "pretty_name": str,                          # default: name
  "license": str,                              # default: "apache-2.0"
  "language": ["zh", "en"],

@@ -60,7 +60,8 @@ class DistillConfig:
         None, "the documents those chunks index into (moc: the documents to chunk): JSONL with id and text"
     )
     out: Path = option(
-        None, "run directory: TASK.jsonl (one record per chunk), TASK.meta.json, answers.sqlite"
+        None,
+        "run directory: TASK.jsonl (one record per chunk; moc: per document), TASK.meta.json, answers.sqlite",
     )
     cache: Path | None = option(
         None,

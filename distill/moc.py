@@ -46,7 +46,7 @@ concatenated, always at chunk boundaries), never spanning a gap. Each sample car
 label (the router's target) and its expert target: one ``head + placeholder + tail`` string per
 chunk (``head_chars`` / ``tail_chars`` characters, widened to whole ASCII words; a chunk shorter
 than both is quoted whole). A target is checked by recovering it with the inference algorithm
-(`metachunk.chunking.moc.recover_spans`): when its chunk starts do not come back, the anchors are
+(`metachunk.chunking.moc_answers.recover_spans`): when its chunk starts do not come back, the anchors are
 doubled (twice), else the sample is marked ``recoverable: false`` and kept out of the expert set.
 
 Record (one per document, ``OUT/moc.jsonl``):
@@ -281,7 +281,7 @@ def expert_target(
     text: str, chunks: Sequence[tuple[int, int]], head_chars: int, tail_chars: int, placeholder: str
 ) -> tuple[list[str], bool]:
     """``(elements, recoverable)`` for a sample ``text`` whose chunks are ``chunks`` (offsets in
-    ``text``). Recoverable: the inference recovery (`metachunk.chunking.moc.recover_spans`) finds every
+    ``text``). Recoverable: the inference recovery (`metachunk.chunking.moc_answers.recover_spans`) finds every
     element exactly, at its chunk's start. Anchors are doubled until it does (ANCHOR_SCALES)."""
     first = None
     for scale in ANCHOR_SCALES:

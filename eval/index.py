@@ -20,8 +20,8 @@ search: a ``BM25`` function from the indexed text, a ``VARCHAR`` field, into a s
 name, ``standard`` for English), and ``hybrid`` (both in one collection, fused by Milvus's
 reciprocal-rank ranker). Only a lexical index stores the indexed text, in a field of at most
 ``LEXICAL_MAX_BYTES``: a longer chunk is refused, never cut (`check_lexical_lengths`). Milvus
-Lite's BM25 (pymilvus 3.0 / milvus-lite 3.2) scores with k1 = 1.5 and b = 0.75 unless the index
-says otherwise, IDF ``ln((N - df + 0.5) / (df + 0.5) + 1)``, and statistics per segment: one
+Lite's BM25 (pymilvus 3.0 / milvus-lite 3.2) scores with k1 = 1.5 and b = 0.75 whatever
+``bm25_k1``/``bm25_b`` the index names (`Lexical`), IDF ``ln((N - df + 0.5) / (df + 0.5) + 1)``, and statistics per segment: one
 collection built in one insert and flush here is one segment. A collection is built
 under a temporary name and renamed when complete, so an interrupted build is never reused (its
 leftover is dropped by the next build). Vectors are unit-normalised and searched exactly (FLAT,

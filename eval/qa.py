@@ -104,8 +104,8 @@ class QAConfig:
     top_k: int = option(8, "chunks retrieved per question and given to the generator (paper: 8 for CRUD)")
     cutoffs: list[int] | None = option(
         None,
-        "k of Hits@k, MRR@k and MAP@k (e.g. 1 3 5 8); default Hits at 1, 2, 4, 6, 8, 10 up to top_k, "
-        "MRR and MAP at top_k",
+        "k of Hits@k, MRR@k and MAP@k (e.g. 1 3 5 8); default Hits at 1, 2, 4, 6, 8, 10 up to top_k "
+        "(with --rerank, up to rerank_depth), MRR and MAP at top_k (and at rerank_depth with --rerank)",
     )
     rerank: str = option(
         "none", "re-rank the dense top rerank_depth", choices=["none", "ppl", "cross-encoder"]

@@ -94,8 +94,9 @@ def check_deepspeed(sft_args) -> None:
 def check_deepspeed_flag(argv: list[str]) -> None:
     """Validate ``--deepspeed FILE`` of the command line before ``SFTConfig`` parses it.
 
-    ``SFTConfig.__post_init__`` loads the JSON itself, and its errors (a bare JSON decode error, "not
-    an existing deepspeed config") name neither the file nor the flag. A ``deepspeed:`` key in the
+    ``SFTConfig.__post_init__`` loads the JSON itself, and its errors (a bare JSON decode error that
+    names no file; accelerate's "Expected a string path to an existing deepspeed config ... Received:
+    PATH") never name the flag. A ``deepspeed:`` key in the
     recipe YAML is checked later, by `check_deepspeed`.
     """
     for i, arg in enumerate(argv):

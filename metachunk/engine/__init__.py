@@ -9,8 +9,9 @@
   queries elsewhere), registered with transformers by `metachunk.models.load_causal_lm`.
 - `metachunk.engine.kernels`: C kernels compiled on first use (the bf16 head's log-sum-exp),
   with torch's ops as the fallback.
-- `metachunk.engine.generation`: batched greedy generation, the one loop behind the chunk
-  students, the MoC router and experts, and eval's local answer generator.
+- `metachunk.engine.generation`: batched generation (greedy or sampled), the one loop behind the
+  chunk students, the MoC experts and eval's local answer generator (the MoC router, one forward
+  pass, shares only its left-padded batches).
 
 The chunkers (``metachunk.chunking``) and the evaluation (``metachunk.eval``) call it; it imports
 neither, and loads no model itself (`metachunk.models` does).

@@ -1,5 +1,6 @@
 """Batched generation with a local causal LM: the one loop behind the chunk students
-(`metachunk.chunking.students.Student`), the MoC router and experts (`metachunk.chunking.moc`) and eval's
+(`metachunk.chunking.students.Student`), the MoC experts (`metachunk.chunking.moc`; the router uses only
+`padded_batches`) and eval's
 local answer generator (`metachunk.eval.generate.LocalGenerator`).
 
 It lives in the engine, beside scoring, because both ``chunking/`` and ``eval/`` run it and neither
