@@ -96,11 +96,16 @@ def test_blank_texts_are_lossless_and_a_lone_surrogate_is_a_value_error():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400))
-def test_every_chunk_is_a_slice_and_the_chunks_tile_the_text(text):
+@given(
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400),
+    st.integers(min_value=1, max_value=3),
+)
+def test_every_chunk_is_a_slice_and_the_chunks_tile_the_text(piece, copies):
+    text = piece * copies  # repeated text: a search for a chunk's text would find the wrong copy
     for chunker in (FIXED, SENTENCE):
         chunks = chunker(text)
-        assert all(c.text == text[c.start : c.end] for c in chunks)
+        assert all(c.text == text[c.start : c.end] and c.end > c.start for c in chunks)
+        assert [c.start for c in chunks] == [0, *(c.end for c in chunks[:-1])][: len(chunks)]
         assert "".join(c.text for c in chunks) == text
 
 

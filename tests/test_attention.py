@@ -55,11 +55,36 @@ def test_boolean_masks_sliding_padding_and_a_cache(window):
     torch.testing.assert_close(got[seen], want[seen])
 
 
-def test_load_causal_lm_uses_it_on_cpu_and_matches_sdpa(tiny_model_dir):
+def test_scaling_and_softcap_are_applied():
+    """Gemma's attention passes both: q k^T times ``scaling``, then ``softcap * tanh(s / softcap)``,
+    before the causal mask and the softmax."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    scaling, softcap = 0.3, 5.0
+    got, _ = attention.blocked_attention(
+        torch.nn.Module().eval(), q, k, v, None, scaling=scaling, softcap=softcap
+    )
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = softcap * torch.tanh(q @ kk.transpose(-1, -2) * scaling / softcap)
+    scores = scores.masked_fill(~torch.ones(70, 70, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(got, (scores.softmax(-1) @ vv).transpose(1, 2))
+
+
+@pytest.mark.parametrize("route", ["as_chosen", "all_blocked"])
+def test_load_causal_lm_uses_it_on_cpu_and_matches_sdpa(tiny_model_dir, monkeypatch, route):
+    """The tiny model's 16-wide heads go to SDPA as chosen; ``all_blocked`` sends every layer to
+    `blocked_attention`, so the blocks run inside a real model too, padded generation included."""
     from transformers import AutoModelForCausalLM
 
     from metachunk.models import load_causal_lm
 
+    calls = []
+    if route == "all_blocked":
+        monkeypatch.setattr(attention, "SDPA_MAX_HEAD_DIM", 0)
+        blocks = attention.blocked_attention
+        monkeypatch.setattr(
+            attention, "blocked_attention", lambda *a, **k: calls.append(1) or blocks(*a, **k)
+        )
     model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
     assert model.config._attn_implementation == attention.NAME
     sdpa = AutoModelForCausalLM.from_pretrained(
@@ -74,6 +99,7 @@ def test_load_causal_lm_uses_it_on_cpu_and_matches_sdpa(tiny_model_dir):
         )
         greedy = dict(max_new_tokens=12, do_sample=False)
         torch.testing.assert_close(model.generate(**batch, **greedy), sdpa.generate(**batch, **greedy))
+    assert bool(calls) == (route == "all_blocked")
 
 
 @pytest.mark.parametrize("dim,window", [(16, None), (16, 50), (256, None)])

@@ -46,13 +46,25 @@ def test_a_gpu_budget_follows_its_free_memory(tiny):
     assert {len(b) for b in batches[:-1]} == {tokens // 500}
 
 
-def test_the_default_plan_on_cpu_is_the_old_one(tiny):
+def test_the_default_plan_on_cpu_is_the_old_one(tiny, monkeypatch):
     model, tok = tiny
+    # three documents of each length: on CPU only windows of one length share a batch, so these
+    # batches hold several rows and a different budget would batch them differently
     docs = ["Emma Woodhouse, handsome, clever, and rich. She had lived nearly twenty-one years. " * (k + 1)
-            for k in range(12)]  # fmt: skip
+            for k in range(12) for _ in range(3)]  # fmt: skip
     ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
-    for new, old in zip(token_nll(model, ids), token_nll(model, ids, batch_tokens=8192, max_batch_size=16)):
-        assert new.tobytes() == old.tobytes()
+    plans = []
+    planned = scoring.plan_batches
+    monkeypatch.setattr(scoring, "plan_batches", lambda *a, **k: plans.append(planned(*a, **k)) or plans[-1])
+
+    def scored(**budget):
+        return token_nll(model, ids, streams=1, **budget), plans[-1]
+
+    (new, new_plan), (old, old_plan) = scored(), scored(batch_tokens=8192, max_batch_size=16)
+    assert new_plan == old_plan and max(map(len, old_plan)) == 3  # batches of several rows
+    assert scored(batch_tokens=8192, max_batch_size=1)[1] != old_plan  # a different budget shows
+    for a, b in zip(new, old):
+        assert a.tobytes() == b.tobytes()
     sentences = [split_sentences(d, "en") for d in docs]
     new = score_documents(model, tok, docs, sentences)
     old = score_documents(model, tok, docs, sentences, batch_size=8)

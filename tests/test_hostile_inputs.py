@@ -448,8 +448,9 @@ def test_build_sft_keeps_the_old_dataset_when_the_swap_fails(tmp_path, tiny_mode
 
     monkeypatch.setattr(os, "rename", failing(real_rename))
     monkeypatch.setattr(os, "replace", failing(real_replace))
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=os.strerror(errno.ENOSPC)):
         build_sft(cfg, progress=False)
+    assert into_place  # the failure was the swap's, not an earlier one
     assert (out / "f.txt").read_text() == "the previous build"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cards", "docs.jsonl", "ds", "rewrite.jsonl"]
     monkeypatch.undo()

@@ -245,14 +245,39 @@ def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
 
 
 def test_anchored_heads_grow_until_recovery_is_unambiguous():
-    """Every sentence of long_doc starts "Sentence number": the heads are doubled until the first
-    occurrence of each is its own sentence, so recovery never lands on an earlier sentence."""
+    """Every sentence of long_doc starts "Sentence number" and ends "in some detail.": a chunk's
+    shortest match ends at its first sentence's end, so the next element is searched from there.
+    The heads are doubled until the first occurrence of each is its own sentence, so recovery
+    never lands on an earlier sentence; with the 10-character heads it would."""
+    from metachunk.chunking.moc_answers import ANCHOR_SCALES, anchor_head, anchor_tail, recover_spans
     from metachunk.chunking.moc_grammar import anchored_grammar, window_segments
+    from xgrammar.testing import _is_grammar_accept_string as accepts
 
     text = long_doc(6)
     segments = window_segments(text, [s.end for s in split_sentences(text, "en")])
     grammar = anchored_grammar(text, segments)
-    assert '"Sentence number 3 talks"' in grammar or '"Sentence number 3 talks about"' in grammar
+    starts = [a + len(text[a:b]) - len(text[a:b].lstrip()) for a, b in segments]
+    ends = [b - (len(text[a:b]) - len(text[a:b].rstrip())) for a, b in segments]
+    short = [anchor_head(text[a:], 10) for a in starts]
+    grown = [
+        next(
+            h
+            for h in (anchor_head(text[a:], 10 * k) for k in ANCHOR_SCALES)
+            if i == 0 or text.find(h, 1) == a
+        )
+        for i, a in enumerate(starts)
+    ]
+    assert all(len(g) > len(h) for g, h in zip(grown[2:], short[2:]))  # sentence 1 is the first match anyway
+
+    def answer(heads):  # chunks of two sentences: 0-1, 2-3, 4-5
+        return [f"{heads[i]}[MASK]{anchor_tail(text[: ends[i + 1]], 10)}" for i in (0, 2, 4)]
+
+    assert accepts(grammar, json.dumps(answer(grown), ensure_ascii=False))
+    assert not accepts(grammar, json.dumps(answer(short), ensure_ascii=False))
+    spans, stats = recover_spans(text, answer(grown))
+    assert stats.exact == 3 and [a for a, _ in spans] == [starts[0], starts[2], starts[4]]
+    spans, _ = recover_spans(text, answer(short))
+    assert [a for a, _ in spans][1] == starts[1]  # what the growing prevents: an earlier sentence
 
 
 @pytest.mark.parametrize("seed", [0, 1])

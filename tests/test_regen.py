@@ -153,7 +153,7 @@ def test_kill_9_mid_run_then_rerun_pays_nothing_twice_and_ends_byte_identical(tm
         by_key = server.stats()["by_key"]
     # Only requests in flight at the kill (no answer stored) may arrive twice: at most `concurrency`.
     assert sum(n - 1 for n in by_key.values()) <= 2, (before, by_key)
-    assert sft_bytes(killed) == sft_bytes(whole)
+    assert sft_bytes(whole) and sft_bytes(killed) == sft_bytes(whole)  # files found, and the same
 
 
 def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys):

@@ -77,6 +77,9 @@ def test_three_endpoints_one_dies_mid_run_the_others_carry_the_rest(tmp_path, ca
     # Every key the survivors answered, they answered once and only one of them did.
     assert all(n == 1 for by_key in survivors for n in by_key.values())
     assert not set(survivors[0]) & set(survivors[1])
+    # What the dead one had received and a survivor answered again: only what was in flight at the kill,
+    # at most the three stages' concurrency of 4 each; an answer it had given is never asked again.
+    assert len(set(seen_by_dying) & (set(survivors[0]) | set(survivors[1]))) <= 3 * 4
     # Together with what the dead one answered before it died, every request got its answer.
     assert set(keys) <= set(survivors[0]) | set(survivors[1]) | set(seen_by_dying)
     assert all(len(s) > 10 for s in survivors)  # both carried load
