@@ -378,15 +378,16 @@ def test_push_without_token_or_files_sends_nothing(fake_hub, dataset_dir, tmp_pa
     assert fake_hub.requests == []
 
 
-def test_push_refuses_offline_mode(dataset_dir, tmp_path, monkeypatch):
+def test_push_refuses_offline_mode(dataset_dir, tmp_path, monkeypatch, fake_hub):
     """metachunk never switches the Hub off itself; HF_HUB_OFFLINE=1, set by a user or a test
     environment, is obeyed: a push says to unset it, before any request."""
     from huggingface_hub import constants
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # after fake_hub, which turns it off
     write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
         push_dataset(dataset_dir, REPO, token=TOKEN)
+    assert fake_hub.requests == []
 
 
 def test_importing_metachunk_leaves_the_hub_switch_alone():

@@ -308,7 +308,7 @@ def test_a_failed_request_falls_back(server, tmp_path):
     assert meta["fallbacks"] == {"total": 1, "teacher_http_500": 1}
 
 
-def test_budget_stop_is_an_error_and_keeps_the_output(server, tmp_path):
+def test_budget_stop_is_an_error_and_keeps_the_output(server, tmp_path, capsys):
     (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "en", "text": EN_DOC}) + "\n", encoding="utf-8")
     out = tmp_path / "chunks.jsonl"
     out.write_text("previous\n", encoding="utf-8")
@@ -322,6 +322,7 @@ def test_budget_stop_is_an_error_and_keeps_the_output(server, tmp_path):
     code = metachunk(["chunk", str(tmp_path / "docs.jsonl"), "-o", str(out), "--method", "lumber",
                       "--config", str(recipe), "--lumber-max-cost", "0.5"])  # fmt: skip
     assert code == 2
+    assert "passes --lumber-max-cost 0.5" in capsys.readouterr().err  # the budget's stop, not another error
     assert out.read_text(encoding="utf-8") == "previous\n"
 
 

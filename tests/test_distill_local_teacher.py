@@ -103,9 +103,19 @@ def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, tmp_path):
     assert again["metrics"]["bleu_avg"] == metrics["bleu_avg"]
 
 
-def test_a_streamed_rewrite_against_transformers_serve(local_teacher, tmp_path):
+def test_a_streamed_rewrite_against_transformers_serve(local_teacher, tmp_path, monkeypatch):
     """``transformers serve`` streams too: the rewrite's answers arrive as SSE chunks, assembled
     into chat completions, with no stream cut or error."""
+    from metachunk.teacher import Endpoint
+
+    streams = []  # every answer read as a stream, not as one body
+    read_stream = Endpoint._read_stream
+
+    async def counted(self, *args, **kwargs):
+        streams.append(1)
+        return await read_stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(Endpoint, "_read_stream", counted)
     write_emma_chunks(tmp_path, n_chunks=1)
     block = {"model": "smollm2", "serve_preset": True, "base_url": local_teacher.base_url, "stream": True,
              "temperature": 0.0, "max_tokens": 48, "concurrency": 1, "timeout": 300, "max_retries": 1}  # fmt: skip
@@ -121,3 +131,4 @@ def test_a_streamed_rewrite_against_transformers_serve(local_teacher, tmp_path):
     assert reflection["finish_reason"] in ("stop", "length"), reflection
     assert reflection["reason"] in ("", "length") and reflection["raw"]  # the streamed content, assembled
     assert not reflection.get("usage_estimated")  # transformers serve honours include_usage
+    assert len(streams) >= 1  # the reflection at least was streamed (later stages may not be reached)

@@ -448,9 +448,10 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(os, "rename", failing(os.rename))
     monkeypatch.setattr(os, "replace", failing(os.replace))
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
         build_sft(BuildSftConfig(task="moc-router", out=tmp_path / "ro", **common), progress=False)
     monkeypatch.undo()
+    assert failed  # the swap failed, not something before it
     assert files() == built
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ro.")]  # no staging or trash left
 

@@ -87,6 +87,7 @@ def test_bm25_scores_equal_the_formula(tmp_path, texts, queries, lexical, tokeni
         found = index.search_text("c", queries, limit=len(texts))
     finally:
         index.close()
+    assert len(found) == len(queries) and all(found)  # every query has hits: the loop below checks something
     for query, hits in zip(queries, found):
         expected = bm25_by_hand(query, texts, tokenize, lexical.k1, lexical.b)
         assert {cid for cid, _ in hits} == set(expected), query
@@ -110,6 +111,7 @@ def test_hybrid_is_reciprocal_rank_fusion(tmp_path):
         fused = index.search_hybrid("h", query_vectors, queries, limit=5, fetch=5, rrf_k=60)
     finally:
         index.close()
+    assert len(dense) == len(sparse) == len(fused) == len(queries) and all(len(f) == 5 for f in fused)
     for d, s, f in zip(dense, sparse, fused):
         rrf = Counter()
         for route in (d, s):

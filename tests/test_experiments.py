@@ -87,7 +87,10 @@ def test_the_emma_experiment_in_small_runs_and_reports_intervals(tmp_path, tiny_
         assert set(stats["differences"]["f1"]) == {"sentence"}
     report = (tmp_path / "emma" / "compare.md").read_text()
     assert "bootstrap intervals" in report and "Paired differences from `fixed`" in report
-    # a rerun skips every stage
+    # a rerun skips every stage: each says so, and none runs its command
     capsys.readouterr()
     assert main(["run", str(path)]) == 0
-    assert "metachunk chunk" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    names = [stage["name"] for stage in yaml.safe_load(path.read_text())["stages"]]
+    assert all(f"== run: {name} (" in err for name in names), err
+    assert err.count("cached, skipped") == len(names) and ": metachunk " not in err, err

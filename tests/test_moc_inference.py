@@ -422,6 +422,7 @@ def test_cli_chunk_method_moc(tmp_path, tiny_model_dir, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == len(texts)
     for r, text in zip(records, texts):
         assert r["method"] == "moc"
         assert "".join(c["text"] for c in r["chunks"]) == text

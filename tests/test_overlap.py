@@ -167,8 +167,16 @@ def write_jsonl(path: Path, rows) -> Path:
     ids=["ppl", "ppl-token-merge", "msp"],
 )
 def test_prefetch_writes_the_same_bytes_as_the_sequential_run(
-    tmp_path, capsys, emma_rows, tiny_model_dir, extra
+    tmp_path, capsys, emma_rows, tiny_model_dir, extra, monkeypatch
 ):
+    from metachunk.chunking import overlap, shards
+
+    depths = []  # what the run asked of the overlap: the flag reached it
+    monkeypatch.setattr(
+        shards,
+        "overlapped",
+        lambda *a, depth, **k: depths.append(depth) or overlap.overlapped(*a, depth=depth, **k),
+    )
     src = write_jsonl(tmp_path / "emma.jsonl", emma_rows)
     outs = {}
     for depth in (0, 2):
@@ -180,6 +188,7 @@ def test_prefetch_writes_the_same_bytes_as_the_sequential_run(
         assert rc == 0, capsys.readouterr().err
         outs[depth] = out.read_bytes()
     assert outs[0] == outs[2] and outs[0].count(b"\n") == 48
+    assert depths == [0, 2]
     assert not stage_threads()
 
 

@@ -283,7 +283,7 @@ def test_detect_lang():
 
 
 # ---------------------------------------------------------------------------------------------
-# Speed: linear behaviour on 200K-char documents (bounds are loose for shared CI machines)
+# 200K-char documents: they complete and keep the contract (their speed is bench/'s to measure)
 
 
 @pytest.mark.parametrize(
@@ -300,8 +300,7 @@ def test_detect_lang():
 )
 def test_pathological_inputs_tile(text: str):
     # Speed on these inputs is measured by bench/, not asserted here; this checks they complete and tile.
-    sentences = split_sentences(text)
-    assert sentences[0].start == 0 and sentences[-1].end == len(text)
+    assert_contract(text, split_sentences(text))
 
 
 def test_200k_mixed_document_tiles(news_docs: list[str], emma_doc: tuple[str, list[str]]):

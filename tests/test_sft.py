@@ -135,8 +135,8 @@ def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):
         row["prompt"] + row["completion"], return_dict=True, return_assistant_tokens_mask=True
     )
     kept = [t for t, m in zip(masked["input_ids"], masked["assistant_masks"]) if m]
-    assert tokenizer.decode(kept).strip().startswith(row["completion"][0]["content"])
-    assert row["prompt"][0]["content"][:40] not in tokenizer.decode(kept)  # no prompt token is trained on
+    # exactly the completion and its end token: no prompt token is trained on
+    assert tokenizer.decode(kept).strip() == row["completion"][0]["content"] + "<|im_end|>"
 
 
 def test_bad_record_names_file_and_line(planted, tiny_model_dir):
@@ -178,7 +178,11 @@ def test_bad_records_are_skipped_on_request(planted, tiny_model_dir, capsys):
     shards = sorted(
         p.relative_to(planted / "ds-good") for p in (planted / "ds-good" / "data").glob("*.parquet")
     )
-    assert shards
+    assert shards  # the same shards, no more, with the same bytes
+    assert (
+        sorted(p.relative_to(planted / "ds-mixed") for p in (planted / "ds-mixed" / "data").glob("*.parquet"))
+        == shards
+    )
     for shard in shards:
         assert (planted / "ds-mixed" / shard).read_bytes() == (planted / "ds-good" / shard).read_bytes()
     rejects = [json.loads(x) for x in (planted / "ds-mixed.rejects.jsonl").read_text().splitlines()]

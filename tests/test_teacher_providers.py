@@ -199,12 +199,17 @@ def test_streamed_and_plain_answers_make_the_same_records(tmp_path):
             job = make_job(tmp_path / str(stream), server.base_url, chunks(4), teacher={"stream": stream})
             assert job.main("rewrite") == 0
             records[stream] = job.records()
+            # the first run asked for no stream, the second for one a request
+            assert server.stats().get("streams", 0) == (server.stats()["requests"] // 2 if stream else 0)
         # A stream that stalls past stream_idle_timeout is abandoned and asked again.
         stalled = make_job(tmp_path / "stall", server.base_url, {"s": ["A stalled one. [[fault:stall*1]]"]},
                            teacher={"stream": True, "stream_idle_timeout": 0.5, "max_retries": 1})  # fmt: skip
+        before = server.stats()["requests"]
         started = time.monotonic()
         assert stalled.main("rewrite") == 0
         assert time.monotonic() - started < 10  # each stage stalls once: far less than 30 s
+        asked = server.stats()["requests"] - before
+        assert asked == 2 * len(STAGES["rewrite"])  # each stage's stalled stream, then its answer
     for plain, streamed in zip(records[False], records[True]):
         for stage in STAGES["rewrite"]:
             a, b = plain["stages"][stage], streamed["stages"][stage]
