@@ -57,20 +57,24 @@ if (( total > LIMIT )); then
   exit 1
 fi
 
-# PYTHON absolute: the deepspeed launcher the install puts beside it is found there
-env="PYTHON=\$(command -v python3) GPU_CHECK_WHEELHOUSE=$CARRY/wheelhouse METACHUNK_DATA=\$PWD/$CARRY/data GPU_CHECK_RESULTS=\$OUT"
+# PYTHON absolute: the deepspeed launcher the install puts beside it is found there. GPU_CHECK_BUDGET: a
+# device command is killed at 600 s; each step gets at most what is left of 570 (bench/steps.sh).
+env="PYTHON=\$(command -v python3) GPU_CHECK_WHEELHOUSE=$CARRY/wheelhouse METACHUNK_DATA=\$PWD/$CARRY/data GPU_CHECK_RESULTS=\$OUT GPU_CHECK_BUDGET=570"
 train="GPU_TRAIN_DATASET=$CARRY/sft"
 cat <<EOF
 Device commands, in the order the issues ask (kind: nvidia-h200, the GPU the issues measure on: an H100's 78 GiB
 may not hold zero2_no_recompute; carry: ["$CARRY"]; a command runs at most 10 minutes, so each names a share of
-the steps; a slot of 15 minutes, start-up included, fits one or two):
+the steps, and a step that would pass the command's budget is cut or skipped and said so; a slot of 15 minutes,
+start-up included, fits one or two):
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2,zero2_no_recompute,zero3 bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=ppl_speed,plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
-  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=resume,export,rewrite_speed,accelerate bash bench/gpu_train_check.sh
-  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2_packed,zero2_padded,zero2_fusedadam bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=330 GPU_TRAIN_STEPS=resume,export,rewrite_speed bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=accelerate,zero2_packed,zero2_padded bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=400 GPU_TRAIN_STEPS=zero2_fusedadam bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=300 GPU_CHECK_STEPS=plain_vs_engine_qwen2-7b,scoring_parity bash bench/gpu_check.sh
-Each command starts on a bare machine (models, datasets and runs are rebuilt): export and rewrite_speed need
-resume in the same command. gpu_check.sh's own rewrite_speed (a random student) is left to the training check's,
-which rewrites with the export.
+Each command starts from what the machine holds (a bare machine rebuilds the models, datasets and runs):
+export and rewrite_speed need resume in the same command; resume is three launches (whole, killed,
+resumed), and zero2_fusedadam compiles DeepSpeed's FusedAdam first. gpu_check.sh's own rewrite_speed (a
+random student) is left to the training check's, which rewrites with the export.
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF

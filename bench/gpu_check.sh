@@ -99,7 +99,8 @@ fi
 MODEL=${GPU_CHECK_MODEL:-$WORK/random-$SHAPE}
 [[ -n "${GPU_CHECK_MODEL:-}" ]] || step random_model "$PY" bench/random_model.py --shape "$SHAPE" --out "$MODEL"
 
-step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" "${PPL_ARGS[@]}"
+step ppl_speed "$PY" bench/ppl_speed.py --model "$MODEL" --device "$DEVICE" --summary "$WORK/ppl_speed.json" \
+  "${PPL_ARGS[@]}"
 MSP_MODEL=$MODEL
 if [[ $MSP_SHAPE != "$SHAPE" ]]; then
   MSP_MODEL=$WORK/random-$MSP_SHAPE
@@ -141,7 +142,7 @@ for shape in "${PLAIN_SHAPES[@]}"; do  # random weights built on the GPU in bf16
   [[ $shape == "$SHAPE" && -n "${GPU_CHECK_MODEL:-}" ]] && dir=$MODEL
   [[ -f $dir/config.json ]] || ! wanted "plain_vs_engine_$shape" || step "random_$shape" "$PY" bench/random_model.py --shape "$shape" --out "$dir"
   step "plain_vs_engine_$shape" "$PY" bench/ppl_speed.py --model "$dir" --device "$DEVICE" \
-    --methods engine,chunk,plain-batched "${PLAIN_ARGS[@]}"
+    --methods engine,chunk,plain-batched --summary "$WORK/plain_vs_engine_$shape.json" "${PLAIN_ARGS[@]}"
 done
 step engine_profile "$PY" bench/ppl_profile.py --model "$MODEL" --device "$DEVICE" --out "$WORK/engine_profile.json" \
   "${PROFILE_ARGS[@]}"

@@ -87,8 +87,11 @@ SMALL_MODEL=$WORK/random-$SMALL
 # What every run shares: the data, a short run, no evaluation or checkpoints unless asked, the device's settings.
 COMMON=(--dataset_name "$DATASET" --max_steps "$TRAIN_STEPS" --gradient_accumulation_steps "$ACCUM"
         --logging_steps "$LOG_STEPS" --eval_strategy no --save_strategy no --report_to none "${DEVICE_ARGS[@]}")
-train() {  # train NAME PORT LAUNCHER... : a launch of metachunk.train on the 3B recipe (each on its own port)
-  local name=$1 port=$2; shift 2
+# Each launch has its own rendezvous port, GPU_TRAIN_PORT_BASE + 1..8 (default 29500 + 1..8): two checks on one
+# machine (the test suite's dry run beside another) set different bases.
+PORT_BASE=${GPU_TRAIN_PORT_BASE:-29500}
+train() {  # train NAME PORT_OFFSET LAUNCHER... : a launch of metachunk.train on the 3B recipe (each on its own port)
+  local name=$1 port=$((PORT_BASE + $2)); shift 2
   local launcher=("$@")
   launcher=("${launcher[@]//@PORT@/$port}")
   step "$name" "${launcher[@]}" --config "$RECIPE" --model_name_or_path "$BIG_MODEL" "${COMMON[@]}" --output_dir "$WORK/$name"
@@ -107,32 +110,32 @@ skip() {  # skip NAME WHY: a step this device cannot run, said in the summary in
   echo "== $1: skipped: $2" | tee -a "$SUMMARY"
 }
 
-train zero2 29501 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
+train zero2 1 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
 # The recipe recomputes activations (sized for an 80 GB GPU); a 141 GB one may hold them: the same run without
 # recomputation, its rate and peak memory beside zero2's (GPU only: the dry run never recomputes). By the
 # recipe's estimate, ~49 GB of states and ~49 GB of activations: on a smaller GPU it could only run out of memory.
 if [[ $DRY == 0 ]]; then
   gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)' 2>/dev/null || echo 0)
   if (( gib >= 120 )); then
-    train zero2_no_recompute 29508 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" --activation_checkpointing false
+    train zero2_no_recompute 8 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" --activation_checkpointing false
   else
     skip zero2_no_recompute "the GPU has ${gib} GiB; the 3B's states and activations need ~98 GB without recomputation"
   fi
 fi
-train zero3 29502 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
+train zero3 2 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
 step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$WORK/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
-  "${deepspeed[@]//@PORT@/29503}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
+  "${deepspeed[@]//@PORT@/$((PORT_BASE + 3))}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
   --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
   --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --save_total_limit 1 \
   --report_to none "${DEVICE_ARGS[@]}"
 
-train accelerate 29504 "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 \
+train accelerate 4 "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 \
   --main_process_port @PORT@ -m metachunk.train --deepspeed "$DS/zero2.json"
 
-train zero2_packed 29505 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+train zero2_packed 5 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --packing true --max_length "$MAX_LEN" --per_device_train_batch_size 1
-train zero2_padded 29506 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+train zero2_padded 6 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
 
 # DeepSpeed's FusedAdam against the recipe's torch fused AdamW: the same ZeRO-2 config with an optimizer block
@@ -152,7 +155,7 @@ config = json.load(open(sys.argv[1]))
 config["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
 json.dump(config, open(sys.argv[2], "w"), indent=2)
 PYEOF
-  train zero2_fusedadam 29507 "${deepspeed[@]}" --deepspeed "$WORK/zero2_fusedadam.json"
+  train zero2_fusedadam 7 "${deepspeed[@]}" --deepspeed "$WORK/zero2_fusedadam.json"
 fi
 
 step export "$PY" -P -m metachunk.cli export --checkpoint "$WORK/resume/whole" --out "$WORK/export"

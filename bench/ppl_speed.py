@@ -178,15 +178,24 @@ def plain_batched(
 
 
 def plain_flops(model, processed: int, scored: int) -> float:
-    """Issue 47's count for both sides: 2 x (matmul parameters without the input embedding or the
-    head) x tokens processed + 2 x (head parameters) x tokens scored; a tied head counts once.
+    """Issue 47's count, for every method alike: 2 x (matmul parameters without the input embedding or
+    the head) x tokens processed + 2 x (head parameters) x tokens scored; a tied head counts once.
     Attention is not counted."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     body = sum(p.numel() for p in model.parameters()) - embed.numel()
-    if head.data_ptr() != embed.data_ptr():
+    if head is not embed:  # `is`, not data_ptr(): a model on the meta device has no data
         body -= head.numel()
     return 2.0 * body * processed + 2.0 * head.numel() * scored
+
+
+def window_counts(lengths: list[int], max_context: int) -> dict:
+    """Tokens the engine's window plan (`plan_windows`) processes, context recomputed included, and the
+    tokens it scores (all but each document's first): `plain_flops`'s inputs for the engine and chunk."""
+    from metachunk.engine.scoring import plan_windows
+
+    processed = sum(w.end - w.start for n in lengths for w in plan_windows(n, max_context))
+    return {"processed": processed, "scored": sum(max(n - 1, 0) for n in lengths)}
 
 
 def worker(args) -> None:
@@ -260,6 +269,7 @@ def worker(args) -> None:
               "streams": (args.streams or default_streams(next(model.parameters()).device)
                           if args.worker.startswith("engine") else 1),
               "flops": exact_pass_flops(model, [len(ids) for ids, _ in tokenized], args.max_context),
+              "issue_flops": plain_flops(model, **window_counts([len(ids) for ids, _ in tokenized], args.max_context)),
               "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
@@ -292,6 +302,7 @@ def plain_batched_worker(args, docs: list[str]) -> None:
               "peak_gpu_mb": peak_gpu, "tokens": counts["processed"], "sentences": 0, "spans": None,
               "dtype": {"dtype": name, "why": "plain-batched: bf16 on a GPU, --dtype elsewhere"}, "streams": 1,
               "flops": plain_flops(model, counts["processed"], counts["scored"]), "plain": counts,
+              "issue_flops": plain_flops(model, counts["processed"], counts["scored"]),
               "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
@@ -338,6 +349,7 @@ def chunk_worker(args, docs: list[str]) -> None:
               "load_rss_mb": 0.0, "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu, "tokens": sum(lengths),
               "sentences": 0, "spans": None, "dtype": meta.get("dtype", {}), "streams": 1,
               "flops": exact_pass_flops(model, lengths, args.max_context), "shapes": model_shapes(model),
+              "issue_flops": plain_flops(model, **window_counts(lengths, args.max_context)),
               "chunk_summary": summary}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
@@ -424,7 +436,29 @@ def gemm_worker(args) -> None:
         out[name] = max(
             gemm_rate(a, b, c, dtype, device, sync, n) for a, b, c in cases for n in lanes for _ in range(2)
         )
+    if device.type == "cuda" and "bfloat16" in out:  # issue 47's denominator, exactly as it is written
+        out["issue_bfloat16"] = issue_gemm_rate(device)
     Path(args.out + ".json").write_text(json.dumps(out))
+
+
+def issue_gemm_rate(device) -> float:
+    """GFLOP/s of an 8192^3 bf16 ``torch.matmul``: 10 products after 3 warm-ups, timed with CUDA events
+    (issue 47's GEMM probe)."""
+    import torch
+
+    n = 8192
+    x = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    w = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        torch.matmul(x, w)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(10):
+        torch.matmul(x, w)
+    end.record()
+    end.synchronize()
+    return 2.0 * n**3 * 10 / (start.elapsed_time(end) / 1000) / 1e9
 
 
 def gemm_rate(a: int, b: int, c: int, dtype, device, sync, lanes: int = 1) -> float:
@@ -509,6 +543,11 @@ def main() -> None:
     )
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--summary",
+        default=None,
+        help="where the summary JSON goes (default bench_out/ppl_speed_MODEL_CORPUSDOCS.json)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -592,6 +631,25 @@ def main() -> None:
         rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items())
         print(f"best GEMM on {args.device or 'this machine'}: {rates}")
         summary["best_gemm_gflops"] = gemm
+    # Issue 47's measure, alike for every method: its FLOP count (`plain_flops`: no attention, the head on
+    # scored tokens only) over the same seconds as the table's, against its 8192^3 bf16 GEMM on a GPU
+    # (`issue_gemm_rate`), else the best GEMM of the method's dtype.
+    for m in ("engine", "chunk", "plain-batched"):
+        r = results.get(m)
+        if r is None or "issue_flops" not in r:
+            continue
+        dtype = r.get("dtype", {}).get("dtype", "?")
+        probe = (
+            gemm.get("issue_bfloat16")
+            if dtype == "bfloat16" and "issue_bfloat16" in gemm
+            else gemm.get(dtype)
+        )
+        rate = r["issue_flops"] / (r["wall_s"] - r.get("plain", {}).get("tokenize_s", 0.0)) / 1e9
+        fraction = rate / probe if probe else float("nan")
+        print(
+            f"{m}: issue 47's count {r['issue_flops'] / 1e12:.2f} TFLOP, {rate:.0f} GFLOP/s = {fraction:.2f} of the GEMM"
+        )
+        summary["methods"][m] |= {"issue_gflops": rate, "issue_gemm_fraction": fraction}
     if "engine" in results:
         picked = results["engine"].get("dtype", {})
         print(f"--dtype auto picked {picked.get('dtype')} ({picked.get('why')})")
@@ -611,10 +669,11 @@ def main() -> None:
                 print(f"{name} vs {other}: {wall:.2f}x wall, {cpu:.2f}x cpu")
                 summary[f"{name}_speedup_vs_{other}"] = {"wall": wall, "cpu": cpu}
         print(f"{name} peak RSS - RSS after load: {e['peak_rss_mb'] - e['load_rss_mb']:.0f} MB")
-    (ROOT / "bench_out").mkdir(exist_ok=True)
     name = f"ppl_speed_{args.model.replace('/', '_')}_{args.corpus}{args.docs}.json"
-    (ROOT / "bench_out" / name).write_text(json.dumps(summary, indent=2))
-    print(f"wrote bench_out/{name}")
+    path = Path(args.summary) if args.summary else ROOT / "bench_out" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ install_from_wheelhouse() {
     echo "$(basename "$0"): the install from $GPU_CHECK_WHEELHOUSE failed" >&2
     exit 2
   fi
+  # A warm machine keeps the last command's install, and builds of one commit with local changes share a
+  # version (setuptools-scm), so pip would keep that older copy: the carried wheel goes in again, alone.
+  if ! "$PY" -m pip install --no-index --find-links "$GPU_CHECK_WHEELHOUSE" --no-deps --force-reinstall metachunk; then
+    echo "$(basename "$0"): the reinstall of metachunk from $GPU_CHECK_WHEELHOUSE failed" >&2
+    exit 2
+  fi
 }
 
 # The package maps its top-level folders under metachunk. (pyproject's package-dir), so it must be
@@ -78,13 +84,28 @@ wanted() {
   [[ -z "${CHECK_STEPS:-}" || $1 == random_* || $1 == sft_dataset || ",$CHECK_STEPS," == *",$1,"* ]]
 }
 
+# GPU_CHECK_BUDGET (seconds, default none) is the whole command's: the device machine kills a command at its
+# limit, losing the step it cuts and the publish after it, so a step gets at most what is left of the budget
+# (less 20 s to publish), and one that would start with nothing left is reported as skipped. SECONDS counts
+# from the script's start, the install included.
 status=0
 step() {  # step NAME COMMAND...: run, keep the log, note the result
   local name=$1; shift
   wanted "$name" || return 0
   echo "== $name: $*" | tee -a "$SUMMARY"
+  local limit=${GPU_CHECK_STEP_TIMEOUT:-0}
+  if [[ -n "${GPU_CHECK_BUDGET:-}" ]]; then
+    local left=$((GPU_CHECK_BUDGET - SECONDS - 20))
+    if (( left < 5 )); then
+      echo "   SKIPPED: the command's budget (GPU_CHECK_BUDGET=$GPU_CHECK_BUDGET s) is spent" | tee -a "$SUMMARY"
+      status=1
+      publish
+      return 0
+    fi
+    (( limit == 0 || left < limit )) && limit=$left
+  fi
   local started=$SECONDS
-  if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-0}" "$@" > "$WORK/$name.log" 2>&1; then
+  if timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1; then
     echo "   ok in $((SECONDS - started)) s" | tee -a "$SUMMARY"
   else
     echo "   FAILED (exit $?) in $((SECONDS - started)) s; see $WORK/$name.log" | tee -a "$SUMMARY"

@@ -24,9 +24,11 @@ FLOPs per step, the formula (model FLOPs: recomputation, if any, is not counted;
 attention blocks). It is ``metachunk.train.throughput.ModelShape``, the one the trainer's own throughput callback
 logs with, so this bench and a ``metachunk train`` run count alike:
 
-    dense     = 6 * N * T          N = parameters in matmuls: every non-embedding weight + the LM head
+    dense     = 6 * (N - H) * T + 6 * H * S
+                                   N = parameters in matmuls: every non-embedding weight + the LM head
                                    (vocab x hidden; with tied embeddings the shared matrix counts once, as the
-                                   head: the embedding lookup does no FLOPs); T = tokens in the step
+                                   head: the embedding lookup does no FLOPs); H = the head's; T = tokens in the
+                                   step; S = tokens the head scores (all but each sequence's first)
     attention = 6 * layers * heads * head_dim * sum_i L_i^2
                                    causal attention inside each packed sequence i of length L_i: forward QK^T and
                                    AV are 2 * L^2 * head_dim FLOPs per head with the causal half only, backward 2x
@@ -195,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     timed = lengths_per_step[warmup:]
     total_s = sum(times)
     n_tokens = sum(sum(b) for b in timed)
-    dense, attention = model_shape.flops(n_tokens, sum(n * n for b in timed for n in b))
+    # the head scores every token but each sequence's first (labels[position_ids == 0] = -100, shifted)
+    scored = n_tokens - sum(len(b) for b in timed)
+    dense, attention = model_shape.flops(n_tokens, sum(n * n for b in timed for n in b), scored)
     flops = dense + attention
     tflops = flops / total_s / 1e12
     mfu = tflops / peak_tflops if peak_tflops else None
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": warmup, "tokens_per_step": tokens, "min_len": lo, "max_len": hi, "step_s": times,
         "tokens_per_s": n_tokens / total_s, "flops_dense": dense, "flops_attention": attention, "tflops": tflops,
         "peak_tflops": peak_tflops, "mfu": mfu, "peak_memory_gib": peak_mem, "losses": losses,
-        "formula": "MFU = (6*N*T + 6*layers*heads*head_dim*sum(L_i^2)) / step_time / peak",
+        "formula": "MFU = (6*(N-H)*T + 6*H*S + 6*layers*heads*head_dim*sum(L_i^2)) / step_time / peak",
     }  # fmt: skip
     out = Path(
         args.out or ROOT / "bench_out" / ("train_mfu_tiny.json" if args.tiny else "train_mfu_gpu.json")

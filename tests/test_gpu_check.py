@@ -14,6 +14,8 @@ import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from support.fixtures import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,7 +48,8 @@ def test_gpu_train_check_dry_run_launches_the_3b_recipe_every_way_on_cpu(tmp_pat
     """The 3B recipe on a tiny model over gloo: ZeRO-2 and ZeRO-3 through `deepspeed`'s runner, `accelerate
     launch` with the shipped ZeRO-2 config, packed and padded, kill -9 then resume, export and rewriting; each
     run's throughput recorded by the trainer."""
-    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "GPU_TRAIN_PORT_BASE": str(free_port())}  # fmt: skip
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_train_check.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     summary = (tmp_path / "summary.txt").read_text()
@@ -103,6 +106,22 @@ def test_gpu_check_steps_run_a_share_of_the_list(tmp_path):
     assert not [name for name in names if "random-" in name]
 
 
+def test_a_step_past_the_commands_budget_is_skipped_and_said(tmp_path):
+    """GPU_CHECK_BUDGET: a device command is killed at its limit, so a step that would start with less than the
+    publish's margin left is skipped, said in the summary, and the results still come back."""
+    results = tmp_path / "results"
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path / "work"), "GPU_CHECK_RESULTS": str(results),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GPU_CHECK_STEPS": "scoring_parity",
+           "GPU_CHECK_BUDGET": "1"}  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    summary = (tmp_path / "work" / "summary.txt").read_text()
+    assert proc.returncode == 1, summary + proc.stderr[-2000:]
+    assert summary.count("SKIPPED: the command's budget (GPU_CHECK_BUDGET=1 s) is spent") == 2, summary
+    assert "ok in" not in summary and not (tmp_path / "work" / "random-tiny").exists()
+    assert (results / "summary.txt").read_text() == summary
+
+
 def test_gpu_check_stops_with_a_clear_error_where_the_package_is_not_installed(tmp_path):
     # A fresh GPU machine before `pip install`: an interpreter without the package or its dependencies.
     python = tmp_path / "python"
@@ -144,12 +163,14 @@ def test_the_wheelhouse_install_puts_the_build_requirement_in_first(tmp_path):
                               env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
 
     assert install(["setuptools>=70.1"]).returncode == 0
-    first, second = calls.read_text().splitlines()
+    first, second, third = calls.read_text().splitlines()
     assert first == f"-m pip install --no-index --find-links {wheels} setuptools>=70.1"
     assert second == f"-m pip install --no-index --find-links {wheels} --no-build-isolation metachunk[train]"
+    # then the carried metachunk again, alone: a warm machine's copy of the same version is replaced
+    assert third == f"-m pip install --no-index --find-links {wheels} --no-deps --force-reinstall metachunk"
 
     assert install([]).returncode == 0
-    assert len(calls.read_text().splitlines()) == 1
+    assert len(calls.read_text().splitlines()) == 2
 
     proc = install(["FAIL>=1"])
     assert proc.returncode == 2 and "the install of FAIL>=1" in proc.stderr
@@ -250,3 +271,13 @@ def test_the_pass_flops_count_from_the_models_shape_alone():
         head = 64 * 1000
         params = sum(p.numel() for p in real.parameters()) - head + (head if tied else 0)
         assert speed.exact_pass_flops(real, [1], 2048) == 2.0 * params + 4.0 * 64 * 2 * 1
+        # issue 47's count: the body on every token processed, the head (once, tied or not) on the scored
+        body = params - head
+        assert (
+            speed.plain_flops(meta, 10, 7)
+            == speed.plain_flops(real, 10, 7)
+            == 2.0 * body * 10 + 2.0 * head * 7
+        )
+    # the engine's window plan at max_context 4: 5 tokens in windows [0, 4) and [2, 5); 10 in [0, 4), [2, 6),
+    # [4, 8), [6, 10); a 1-token document scores nothing
+    assert speed.window_counts([1, 5, 10], 4) == {"processed": 4 + 3 + 16, "scored": 0 + 4 + 9}

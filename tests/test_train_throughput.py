@@ -33,12 +33,14 @@ def test_flops_of_a_small_config_against_a_hand_count(tie):
     way, though the model holds 1,480 parameters tied and 1,736 untied.
 
     One step: a packed row of two sequences, 3 and 2 tokens (T = 5, sum of squares 9 + 4 = 13):
-    dense = 6 x 1,480 x 5 = 44,400; attention = 6 x 2 layers x 2 heads x 4 x 13 = 1,248."""
+    dense = 6 x 1,480 x 5 = 44,400; attention = 6 x 2 layers x 2 heads x 4 x 13 = 1,248. With 2 of the 5 tokens
+    scored (a completion-only loss), the head's 256 count for those 2 only: 6 x 1,224 x 5 + 6 x 256 x 2 = 39,792."""
     model = _qwen2(tie, **SMALL)
     assert sum(p.numel() for p in model.parameters()) == (1480 if tie else 1736)
     shape = ModelShape.of(model)
-    assert shape == ModelShape(matmul_params=1480, layers=2, heads=2, head_dim=4)
+    assert shape == ModelShape(matmul_params=1480, layers=2, heads=2, head_dim=4, head_params=256)
     assert shape.flops(tokens=5, sum_sq_lengths=13) == (44_400, 1_248)
+    assert shape.flops(tokens=5, sum_sq_lengths=13, scored=2) == (39_792, 1_248)
 
     # per device and against a peak: two ranks, 0.5 s, a made-up 1e-9 TFLOP/s peak (45,648 FLOPs over 0.5 s and
     # 2 devices = 45,648 FLOP/s per device = 4.5648e-8 TFLOP/s, 45.648 x the peak)
@@ -59,7 +61,9 @@ def test_flops_of_the_qwen25_05b_shape_against_a_hand_count():
     model = _qwen2(True, meta=True, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)  # fmt: skip
     shape = ModelShape.of(model)
-    assert shape == ModelShape(matmul_params=494_032_768, layers=24, heads=14, head_dim=64)
+    assert shape == ModelShape(
+        matmul_params=494_032_768, layers=24, heads=14, head_dim=64, head_params=136_134_656
+    )
     dense, attention = shape.flops(tokens=32_768, sum_sq_lengths=8 * 4096**2)
     assert dense == 6 * 494_032_768 * 32_768 == 97_130_794_450_944
     assert attention == 6 * 24 * 14 * 64 * 8 * 4096**2 == 17_317_308_137_472
@@ -93,23 +97,29 @@ def test_dense_bf16_peaks_by_device_name(name, peak):
 
 def test_real_tokens_of_padded_and_packed_batches():
     """Three rows of 3, 5 and 2 tokens: 10 real tokens, squares 9 + 25 + 4 = 38, however TRL's collator batches
-    them; the padding of a padded batch counts for nothing."""
+    them; the padding of a padded batch counts for nothing. Scored: the targets the loss reads after the shift,
+    each row's first token predicting nothing: 2 + 4 + 1 = 7; with a completion-only loss, the completion's."""
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    def counts(batch, **kw):
+        names = ("input_ids", "attention_mask", "position_ids", "labels")
+        return batch_counts(**{k: batch[k] for k in names if k in batch}, **kw).tolist()
 
     rows = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2)]
     padded = DataCollatorForLanguageModeling(pad_token_id=0)(rows)
     assert padded["input_ids"].shape == (3, 5) and int((padded["attention_mask"] == 0).sum()) == 5
-    assert batch_counts(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).tolist() == [
+    assert counts(padded) == [10, 38, 7]
+    left = padded["attention_mask"].flip(-1)  # left padding: the same rows, the pads in front
+    assert batch_counts(input_ids=padded["input_ids"], attention_mask=left).tolist() == [
         10,
         38,
-    ]
-    left = padded["attention_mask"].flip(-1)  # left padding: the same rows, the pads in front
-    assert batch_counts(input_ids=padded["input_ids"], attention_mask=left).tolist() == [10, 38]
+        10,
+    ]  # no labels
 
     flat = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
     assert "attention_mask" not in flat and flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]
-    assert batch_counts(input_ids=flat["input_ids"], position_ids=flat["position_ids"]).tolist() == [10, 38]
+    assert counts(flat) == [10, 38, 7]  # TRL masks each packed sequence's first label
 
     # bfd packing: rows of 3 and 5 in one packed sequence, the row of 2 in another (TRL's seq_lengths)
     packed = [
@@ -117,10 +127,20 @@ def test_real_tokens_of_padded_and_packed_batches():
         {"input_ids": [1, 2], "seq_lengths": [2]},
     ]
     pack = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(packed)
-    assert batch_counts(input_ids=pack["input_ids"], position_ids=pack["position_ids"]).tolist() == [10, 38]
+    assert counts(pack) == [10, 38, 7]
+
+    # completion-only: the prompt's labels are -100 (TRL's "labels" column), so only 1 + 2 + 1 targets are scored
+    prompts = [{"input_ids": list(range(1, n + 1)), "labels": [-100] * (n - k) + list(range(n - k + 1, n + 1))}
+               for n, k in ((3, 1), (5, 2), (2, 1))]  # fmt: skip
+    assert counts(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(prompts)) == [10, 38, 4]
+    flat_labels = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(prompts)["labels"]
+    shifted = batch_counts(
+        input_ids=flat["input_ids"], position_ids=flat["position_ids"], shift_labels=flat_labels[..., 1:]
+    )
+    assert shifted.tolist() == [10, 38, 4]  # already shifted labels, as a caller may pass them
 
     # no mask and no positions: each row is one sequence of its whole length
-    assert batch_counts(input_ids=torch.ones(2, 4, dtype=torch.long)).tolist() == [8, 32]
+    assert batch_counts(input_ids=torch.ones(2, 4, dtype=torch.long)).tolist() == [8, 32, 8]
 
 
 def test_cpu_smoke_run_logs_throughput_and_records_it(sft_dataset, tiny_model_dir, tmp_path, capsys):
@@ -157,8 +177,11 @@ def test_cpu_smoke_run_logs_throughput_and_records_it(sft_dataset, tiny_model_di
     num_tokens = {e["step"]: e["num_tokens"] for e in steps}  # TRL's running count of the real tokens
     assert summary["tokens"] == num_tokens[3] - num_tokens[1] > 0
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    n = ModelShape.of(model).matmul_params
-    assert summary["matmul_params"] == n and summary["flops_dense"] == 6 * n * summary["tokens"]
+    shape = ModelShape.of(model)
+    n, head, scored = shape.matmul_params, shape.head_params, summary["tokens_scored"]
+    assert summary["matmul_params"] == n and summary["head_params"] == head > 0
+    assert 0 < scored < summary["tokens"]  # the smoke recipe's loss reads the completions only
+    assert summary["flops_dense"] == 6 * (n - head) * summary["tokens"] + 6 * head * scored
     flops = summary["flops_dense"] + summary["flops_attention"]
     assert summary["tflops_per_device"] == pytest.approx(flops / summary["seconds"] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] == pytest.approx(summary["tokens"] / summary["seconds"], rel=1e-3)

@@ -12,13 +12,20 @@ warm-up, peak device memory on CUDA) is what ``metachunk.train.sft`` writes into
 Model FLOPs of a step (`ModelShape.flops`; ``bench/train_mfu_gpu.py`` uses the same function):
 
 ```
-dense     = 6 * N * T      N = parameters in matmuls (`matmul_params`: every parameter but the input
-                           embedding, plus the LM head even when it is tied); T = real tokens in the step;
+dense     = 6 * (N - H) * T + 6 * H * S
+                           N = parameters in matmuls (`matmul_params`: every parameter but the input
+                           embedding, plus the LM head even when it is tied); H = the LM head's (`head_params`);
+                           T = real tokens in the step; S = tokens scored (labels not -100, after the shift):
+                           the head is needed only where the loss reads it, and TRL's fused head on a GPU
+                           computes it only there (``trl.trainer.utils``, ``hidden_states[mask]``), so a
+                           completion-only run's prompt tokens pass through the body alone;
                            forward 2 FLOPs per parameter per token, backward 4
 attention = 6 * layers * heads * head_dim * sum_i L_i^2
                            causal attention inside each sequence i of L_i real tokens: forward QK^T and AV
                            are 2 * L^2 * head_dim FLOPs per head with the causal half only, backward 2x
 ```
+
+A forward without labels counts the head on every real token (S = T).
 
 Recomputation (activation checkpointing), padding, and the blocks a kernel computes under a mask are not
 model FLOPs: MFU compares the work the model needs with what the device could do. A sequence is what
@@ -88,6 +95,12 @@ def matmul_params(model) -> int:
     return total - _numel(embedding) + (_numel(embedding) if tied else 0)
 
 
+def head_params(model) -> int:
+    """The LM head's parameters (its weight and bias), counted once whether or not it is tied."""
+    head = model.get_output_embeddings()
+    return sum(_numel(p) for p in head.parameters()) if head is not None else 0
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the FLOPs of a step depend on, besides its tokens."""
@@ -96,25 +109,32 @@ class ModelShape:
     layers: int
     heads: int
     head_dim: int
+    head_params: int = 0
 
     @classmethod
     def of(cls, model) -> ModelShape:
         config = model.config.get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(matmul_params(model), config.num_hidden_layers, heads, head_dim)
+        return cls(matmul_params(model), config.num_hidden_layers, heads, head_dim, head_params(model))
 
-    def flops(self, tokens: int, sum_sq_lengths: int) -> tuple[int, int]:
+    def flops(self, tokens: int, sum_sq_lengths: int, scored: int | None = None) -> tuple[int, int]:
         """``(dense, attention)`` model FLOPs, forward and backward, of ``tokens`` real tokens in sequences whose
-        squared lengths sum to ``sum_sq_lengths`` (the module docstring has the formula)."""
-        dense = 6 * self.matmul_params * tokens
+        squared lengths sum to ``sum_sq_lengths``, ``scored`` of them through the LM head (default: all; the
+        module docstring has the formula)."""
+        scored = tokens if scored is None else scored
+        dense = 6 * (self.matmul_params - self.head_params) * tokens + 6 * self.head_params * scored
         attention = 6 * self.layers * self.heads * self.head_dim * sum_sq_lengths
         return dense, attention
 
 
-def batch_counts(input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None):
-    """``[real tokens, sum of squared sequence lengths]`` of one batch: an int64 tensor on the batch's device,
-    computed without reading anything back to the host (so counting every micro-batch costs no sync).
+def batch_counts(
+    input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, shift_labels=None
+):
+    """``[real tokens, sum of squared sequence lengths, tokens scored]`` of one batch: an int64 tensor on the
+    batch's device, computed without reading anything back to the host (so counting every micro-batch costs no
+    sync). Tokens scored are the targets the loss reads: ``shift_labels`` not -100, else ``labels[..., 1:]``
+    not -100 (transformers shifts them), else every real token.
 
     A sequence of L tokens has positions 0..L-1, and the sum of ``2p + 1`` over them is L^2: so the squares are
     a sum over tokens. With an ``attention_mask`` (a padded batch) a token's position is the count of real
@@ -123,13 +143,23 @@ def batch_counts(input_ids=None, attention_mask=None, position_ids=None, inputs_
     is one sequence."""
     if attention_mask is not None and attention_mask.dim() == 2:
         mask = attention_mask.to(torch.int64)
-        return torch.stack([mask.sum(), (mask * (2 * mask.cumsum(-1) - 1)).sum()])
-    if position_ids is not None:
+        counts = torch.stack([mask.sum(), (mask * (2 * mask.cumsum(-1) - 1)).sum()])
+    elif position_ids is not None:
         positions = position_ids.to(torch.int64)
-        return torch.stack([torch.ones_like(positions).sum(), (2 * positions + 1).sum()])
-    shaped = input_ids if input_ids is not None else inputs_embeds
-    rows, length = shaped.shape[:2]
-    return torch.tensor([rows * length, rows * length * length], dtype=torch.int64, device=shaped.device)
+        counts = torch.stack([torch.ones_like(positions).sum(), (2 * positions + 1).sum()])
+    else:
+        shaped = input_ids if input_ids is not None else inputs_embeds
+        rows, length = shaped.shape[:2]
+        counts = torch.tensor(
+            [rows * length, rows * length * length], dtype=torch.int64, device=shaped.device
+        )
+    if shift_labels is not None:
+        scored = (shift_labels != -100).sum().to(counts.device, torch.int64)
+    elif labels is not None:
+        scored = (labels[..., 1:] != -100).sum().to(counts.device, torch.int64)
+    else:
+        scored = counts[0]
+    return torch.cat([counts, scored.reshape(1)])
 
 
 def device_name(device) -> str:
@@ -152,6 +182,7 @@ class Interval:
     tokens: int
     sum_sq_lengths: int
     seconds: float
+    scored: int
 
 
 class ThroughputCallback(TrainerCallback):
@@ -209,7 +240,8 @@ class ThroughputCallback(TrainerCallback):
     def _count(self, module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation, or a forward without gradients (a metrics-only pass): not a training step's work
-        batch = {k: kwargs.get(k) for k in ("input_ids", "attention_mask", "position_ids", "inputs_embeds")}
+        names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels")
+        batch = {k: kwargs.get(k) for k in names}
         if batch["input_ids"] is None and args:
             batch["input_ids"] = args[0]  # a causal LM's first positional argument
         if batch["input_ids"] is None and batch["inputs_embeds"] is None:
@@ -237,7 +269,7 @@ class ThroughputCallback(TrainerCallback):
         if logs is None or "loss" not in logs or self._first_step is None:
             return  # an evaluation's log, or the end-of-training summary: no steps of its own
         interval = self._close(state.global_step)
-        values = self.rates(interval.tokens, interval.sum_sq_lengths, interval.seconds)
+        values = self.rates(interval.tokens, interval.sum_sq_lengths, interval.seconds, interval.scored)
         values = {k: _rounded(v) for k, v in values.items() if k in ("tokens_per_second", "tflops", "mfu")}
         logs.update(values)
         last = state.log_history[-1] if state.log_history else {}
@@ -261,9 +293,10 @@ class ThroughputCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ arithmetic
 
-    def rates(self, tokens: int, sum_sq_lengths: int, seconds: float) -> dict:
-        """Tokens/s of the whole job, and TFLOP/s and MFU per device, of ``tokens`` over ``seconds`` on every rank."""
-        dense, attention = self.shape.flops(tokens, sum_sq_lengths)
+    def rates(self, tokens: int, sum_sq_lengths: int, seconds: float, scored: int | None = None) -> dict:
+        """Tokens/s of the whole job, and TFLOP/s and MFU per device, of ``tokens`` (``scored`` of them through the
+        LM head; default all) over ``seconds`` on every rank."""
+        dense, attention = self.shape.flops(tokens, sum_sq_lengths, scored)
         tflops = (dense + attention) / seconds / self.world / 1e12 if seconds > 0 else 0.0
         return {
             "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
@@ -288,9 +321,9 @@ class ThroughputCallback(TrainerCallback):
 
     def _close(self, step: int) -> Interval:
         """The interval that ends at ``step``, summed over the ranks, recorded; the next one starts empty."""
-        local = self._counts if self._counts is not None else torch.zeros(2, dtype=torch.int64)
-        tokens, sum_sq = self._reduced(local)
-        interval = Interval(self._first_step, step, tokens, sum_sq, self._seconds)
+        local = self._counts if self._counts is not None else torch.zeros(3, dtype=torch.int64)
+        tokens, sum_sq, scored = self._reduced(local)
+        interval = Interval(self._first_step, step, tokens, sum_sq, self._seconds, scored)
         self.intervals.append(interval)
         self._counts, self._first_step, self._seconds = None, None, 0.0
         return interval
@@ -304,8 +337,9 @@ class ThroughputCallback(TrainerCallback):
         measured = after or self.intervals
         tokens = sum(i.tokens for i in measured)
         sum_sq = sum(i.sum_sq_lengths for i in measured)
+        scored = sum(i.scored for i in measured)
         seconds = sum(i.seconds for i in measured)
-        rates = self.rates(tokens, sum_sq, seconds)
+        rates = self.rates(tokens, sum_sq, seconds, scored)
         peak_memory = None
         if self.device.type == "cuda":
             (peak_memory,) = self._reduced(
@@ -317,6 +351,7 @@ class ThroughputCallback(TrainerCallback):
             "steps": [measured[0].first_step, measured[-1].last_step],
             "warmup_steps": measured[0].first_step - self._start_step,
             "tokens": tokens,
+            "tokens_scored": scored,
             "seconds": round(seconds, 6),
             "tokens_per_second": _rounded(rates["tokens_per_second"]),
             "tokens_per_second_per_device": _rounded(rates["tokens_per_second_per_device"]),
@@ -326,8 +361,10 @@ class ThroughputCallback(TrainerCallback):
             "flops_dense": rates["flops_dense"],
             "flops_attention": rates["flops_attention"],
             "matmul_params": self.shape.matmul_params,
+            "head_params": self.shape.head_params,
             "peak_memory_gib": round(peak_memory / 2**30, 2) if peak_memory is not None else None,
-            "formula": "(6*N*T + 6*layers*heads*head_dim*sum(L_i^2)) / seconds / devices; MFU = that / peak",
+            "formula": "(6*(N-H)*T + 6*H*S + 6*layers*heads*head_dim*sum(L_i^2)) / seconds / devices; "
+            "MFU = that / peak",
         }
 
 
