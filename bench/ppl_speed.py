@@ -263,13 +263,14 @@ def worker(args) -> None:
     else:
         peak_gpu = None
     np.savez(args.out, *nll)
+    lengths = [len(ids) for ids, _ in tokenized]
     result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak, "peak_gpu_mb": peak_gpu,
-              "tokens": sum(len(ids) for ids, _ in tokenized), "sentences": sum(len(s) for s in sentences),
+              "tokens": sum(lengths), "sentences": sum(len(s) for s in sentences),
               "spans": [spans for _, spans in tokenized], "dtype": getattr(model, "metachunk_dtype", {}),
               "streams": (args.streams or default_streams(next(model.parameters()).device)
                           if args.worker.startswith("engine") else 1),
-              "flops": exact_pass_flops(model, [len(ids) for ids, _ in tokenized], args.max_context),
-              "issue_flops": plain_flops(model, **window_counts([len(ids) for ids, _ in tokenized], args.max_context)),
+              "flops": exact_pass_flops(model, lengths, args.max_context),
+              "issue_flops": plain_flops(model, **window_counts(lengths, args.max_context)),
               "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
@@ -298,11 +299,11 @@ def plain_batched_worker(args, docs: list[str]) -> None:
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
     np.savez(args.out, *[np.array([v], dtype=np.float64) for v in nll])
+    flops = plain_flops(model, counts["processed"], counts["scored"])  # the issue's count is its own
     result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak_rss_mb(),
               "peak_gpu_mb": peak_gpu, "tokens": counts["processed"], "sentences": 0, "spans": None,
               "dtype": {"dtype": name, "why": "plain-batched: bf16 on a GPU, --dtype elsewhere"}, "streams": 1,
-              "flops": plain_flops(model, counts["processed"], counts["scored"]), "plain": counts,
-              "issue_flops": plain_flops(model, counts["processed"], counts["scored"]),
+              "flops": flops, "issue_flops": flops, "plain": counts,
               "shapes": model_shapes(model)}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
@@ -639,11 +640,7 @@ def main() -> None:
         if r is None or "issue_flops" not in r:
             continue
         dtype = r.get("dtype", {}).get("dtype", "?")
-        probe = (
-            gemm.get("issue_bfloat16")
-            if dtype == "bfloat16" and "issue_bfloat16" in gemm
-            else gemm.get(dtype)
-        )
+        probe = (dtype == "bfloat16" and gemm.get("issue_bfloat16")) or gemm.get(dtype)
         rate = r["issue_flops"] / (r["wall_s"] - r.get("plain", {}).get("tokenize_s", 0.0)) / 1e9
         fraction = rate / probe if probe else float("nan")
         print(
