@@ -2,7 +2,8 @@
 # The GPU figures, as one prepared script, sized for a 15-minute device slot (GPU_CHECK_STEP_TIMEOUT bounds each step):
 #   1. bench/ppl_speed.py --device cuda     PPL engine vs the per-sentence loop (target >= 10x)
 #   2. bench/msp_speed.py --device cuda     MSP batched pairs vs one call per pair at the 1.5B shape,
-#                                           GPU-sized batches (target >= 5x)
+#                                           GPU-sized batches (target >= 5x), decisions compared in fp32
+#                                           (a random model's bf16 margins sit at bf16's noise)
 #   3. bench/train_mfu_gpu.py               training MFU, Qwen2.5-0.5B shape (target >= 40%)
 #   4. metachunk chunk -o DIR on one GPU    1 worker, then 2 workers sharing it; same shards
 #   5. bench/ppl_speed.py --methods engine,chunk,plain-batched at the 0.5B, 1.5B and 7B shapes, on the
@@ -56,7 +57,7 @@ start_check
 if [[ $DRY == 1 ]]; then
   DEVICE=cpu; SHAPE=tiny
   PPL_ARGS=(--docs 2 --methods engine,loop --max-context 512)
-  MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1)
+  MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1 --check-dtype float32)
   MSP_SHAPE=tiny
   PARITY_ARGS=(--gpu-plan --corpus emma --docs 6 --max-context 512)
   # the dry run checks the plumbing: at these sizes the timings are noise, so no speed target
@@ -70,7 +71,7 @@ if [[ $DRY == 1 ]]; then
 else
   DEVICE=cuda; SHAPE=qwen2-0.5b
   PPL_ARGS=(--docs 20 --methods engine,loop)
-  MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --block 64)
+  MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --block 64 --check-dtype float32)
   MSP_SHAPE=qwen2-1.5b
   PARITY_ARGS=(--corpus crud --docs 30)  # the CPU's fp32 reference: 200 articles would take minutes
   REWRITE_ARGS=(--corpus crud --docs 100 --max-new-tokens 64)

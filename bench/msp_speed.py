@@ -27,6 +27,12 @@ printed too. Decisions are then taken from the margins of both paths with the sa
 largest ``|margin_batched - margin_single|``. PASS needs the target speed-up at
 ``--headline-batch`` (default 8, ``msp_decisions``' default) and all decisions identical.
 
+``--check-dtype float32`` takes the decisions PASS judges from a second, untimed pass (one call per
+pair and ``margins`` at the headline B) with the model cast to that dtype. A random model's margins
+are differences of token probabilities near 1/vocab, about 1e-7 apart, which bf16 arithmetic moves
+by as much: there a flipped decision says nothing about the batched path, and fp32 says whether it
+is right. The timed dtype's decisions are still reported (``identical_decisions_timed``).
+
 Pairs: the sentences of the first Emma paragraphs (``--lang en``, SmolLM2 by default;
 ``data:gutenqa-emma/paragraphs.jsonl``) or of the first CRUD news articles (``--lang zh``,
 Gemma-3-270m by default: a base model without a chat template, which MarginScorer prompts as plain
@@ -91,6 +97,13 @@ def decisions(margins, theta: float, dynamic: bool) -> list[bool]:
     return [th.decide(float(m)) for m in margins]
 
 
+def same_decisions(margins, reference, theta: float, dynamic: bool) -> int:
+    """How many decisions taken from ``margins`` equal those taken from ``reference``."""
+    return sum(
+        x == y for x, y in zip(decisions(margins, theta, dynamic), decisions(reference, theta, dynamic))
+    )
+
+
 def padding_efficiency(lengths: list[int], batch_size: int) -> float:
     """Real / padded suffix tokens of the batches margins() forms for these pair lengths."""
     try:
@@ -130,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pairs per interleaving block (default 32; a multiple of the batch sizes, see docstring)",
     )
     ap.add_argument("--theta", type=float, default=0.0, help="fixed θ for the decision comparison")
+    ap.add_argument(
+        "--check-dtype",
+        default=None,
+        help="dtype of an untimed pass whose decisions PASS judges (default: the timed pass's; see docstring)",
+    )
     ap.add_argument("--target", type=float, default=None, help="speed-up target (default 2 on CPU, 5 on GPU)")
     ap.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: OMP_NUM_THREADS)"
@@ -154,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = build_pairs(args.lang, args.pairs)
     model, tokenizer = load_causal_lm(model_name, device=device, dtype=args.dtype)
-    scorer = MarginScorer(model, tokenizer, load_msp_prompt(args.prompt, args.lang))
+    prompt = load_msp_prompt(args.prompt, args.lang)
+    scorer = MarginScorer(model, tokenizer, prompt)
     n_prefix = len(scorer.prefix_ids)
     suffix_lens = [len(scorer.pair_ids(a, b)) for a, b in pairs]
     mean_suffix = statistics.mean(suffix_lens)
@@ -179,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         sync()
         return time.perf_counter() - t0, out
 
+    batched_scorer = scorer
+
     def run_batched(block: list[tuple[str, str]], b: int, first: bool) -> tuple[float, np.ndarray]:
-        if first:  # the one-off instruction forward is charged once per pass over the pairs
-            scorer._prefix_cache = None
+        nonlocal batched_scorer
+        if first:  # a fresh scorer: its one-off instruction forward is charged once per pass over the pairs
+            batched_scorer = MarginScorer(model, tokenizer, prompt)
         sync()
         t0 = time.perf_counter()
-        out = scorer.margins(block, batch_size=b)
+        out = batched_scorer.margins(block, batch_size=b)
         sync()
         return time.perf_counter() - t0, out
 
@@ -233,8 +255,6 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     ref = margins["single"]
-    ref_fixed = decisions(ref, args.theta, False)
-    ref_dyn = decisions(ref, args.theta, True)
     best_single = min(times["single"])
     rows = []
     print()
@@ -246,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         best, med = min(times[v]), statistics.median(times[v])
         b = None if v == "single" else int(v.removeprefix("batched"))
         diff = float(np.max(np.abs(margins[v] - ref))) if len(ref) else 0.0
-        same_fixed = sum(x == y for x, y in zip(decisions(margins[v], args.theta, False), ref_fixed))
-        same_dyn = sum(x == y for x, y in zip(decisions(margins[v], args.theta, True), ref_dyn))
+        same_fixed = same_decisions(margins[v], ref, args.theta, False)
+        same_dyn = same_decisions(margins[v], ref, args.theta, True)
         pad = 1.0
         if b is not None:  # margins() sorts and batches within each block it is given
             real = padded = 0
@@ -279,7 +299,22 @@ def main(argv: list[str] | None = None) -> int:
 
     head = next(r for r in rows if r["batch_size"] == headline)
     best_row = max((r for r in rows if r["batch_size"] is not None), key=lambda r: r["speedup_best"])
-    identical = head["same_decisions_fixed"] == len(pairs) and head["same_decisions_dynamic"] == len(pairs)
+    identical_timed = head["same_decisions_fixed"] == head["same_decisions_dynamic"] == len(pairs)
+    check = None
+    if args.check_dtype:
+        model.to(getattr(torch, args.check_dtype))
+        check_scorer = MarginScorer(model, tokenizer, prompt)
+        single = np.array([check_scorer.margin_single(a, b) for a, b in pairs])
+        batched = check_scorer.margins(pairs, batch_size=headline)
+        check = {
+            "dtype": str(model.dtype),
+            "batch_size": headline,
+            "max_abs_margin_diff": float(np.max(np.abs(batched - single))) if len(pairs) else 0.0,
+            "same_decisions_fixed": same_decisions(batched, single, args.theta, False),
+            "same_decisions_dynamic": same_decisions(batched, single, args.theta, True),
+        }
+    judged = check or head
+    identical = judged["same_decisions_fixed"] == judged["same_decisions_dynamic"] == len(pairs)
     passed = head["speedup_best"] >= target and identical
     result = {
         "bench": "msp_speed",
@@ -304,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "best_batch_size": best_row["batch_size"],
         "best_speedup": best_row["speedup_best"],
         "identical_decisions": identical,
+        "identical_decisions_timed": identical_timed,
+        "decision_check": check,
         "pass": passed,
         "rows": rows,
     }
@@ -311,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print()
+    at = f" in {check['dtype'].removeprefix('torch.')} (untimed)" if check else ""
     print(
         f"MSP speed: batched (B={headline}, prefix KV reused) vs one call per pair = "
         f"{head['speedup_best']:.2f}x (median {head['speedup_median']:.2f}x; best B={best_row['batch_size']}: "
-        f"{best_row['speedup_best']:.2f}x), decisions identical {head['same_decisions_fixed']}/{len(pairs)} "
-        f"(θ={args.theta:g}) and {head['same_decisions_dynamic']}/{len(pairs)} (dynamic), "
-        f"max|Δmargin| {head['max_abs_margin_diff']:.1e} -> {'PASS' if passed else 'FAIL'} (target >= {target:g}x "
+        f"{best_row['speedup_best']:.2f}x), decisions identical{at} {judged['same_decisions_fixed']}/{len(pairs)} "
+        f"(θ={args.theta:g}) and {judged['same_decisions_dynamic']}/{len(pairs)} (dynamic), "
+        f"max|Δmargin| {judged['max_abs_margin_diff']:.1e} -> {'PASS' if passed else 'FAIL'} (target >= {target:g}x "
         f"on {device}) [{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}]"
     )
     return 1 if args.strict and not passed else 0

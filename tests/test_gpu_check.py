@@ -40,6 +40,9 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
         assert f"== {step}:" in summary
     assert "FAILED" not in summary
     assert "1 and 2 workers wrote identical shards" in summary
+    # MSP's decisions are judged in fp32: a random model's bf16 margins sit at bf16's noise
+    msp = json.loads((tmp_path / "msp_speed.json").read_text())
+    assert msp["decision_check"]["dtype"] == "torch.float32" and msp["identical_decisions"]
     # what the node had before any install: the NODE_FREEZE of the next `make wheelhouse`
     assert any(line.startswith("torch==") for line in (tmp_path / "node-freeze.txt").read_text().splitlines())
 
