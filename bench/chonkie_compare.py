@@ -430,38 +430,33 @@ def run_chonkie(name: str, corpus: dict, texts: list[str], goal: float, tol: flo
 def run_metachunk(
     name: str, corpus: dict, ids: list[str], texts: list[str], goal: float, tol: float, args
 ) -> dict:
-    from metachunk.chunking.pipeline import fit_target_len
+    from metachunk.chunking.pipeline import ChunkConfig, Chunker, fit_target_len
 
-    import metachunk
-
+    # The pipeline the public chunkers wrap (metachunk.PPLChunker etc. build the same ChunkConfig), used
+    # directly for its two halves: segment (costly, once) and assemble (cheap, once per size tried).
     lang, model, dtype = corpus["lang"], corpus["model"], pick_dtype(args.dtype)
     t0 = time.perf_counter()
-    common = {"len_unit": "char", "lang": lang}
     if name == "metachunk-fixed":
-        chunker = metachunk.FixedChunker(target_len=int(goal), **common)
-        params = {}
+        method, params = "fixed", {}
     elif name == "metachunk-sentence":
-        chunker = metachunk.SentenceChunker(target_len=int(goal), **common)
-        params = {}
+        method, params = "sentence", {}
     elif name == "metachunk-semantic":
-        params = {"embedder": "minilm", "threshold": 50}
-        chunker = metachunk.SemanticChunker("minilm", target_len=int(goal), threshold=50, **common)
+        method, params = "semantic", {"embedder": "minilm", "threshold": 50}
     elif name == "metachunk-ppl":
-        settings = {"dtype": dtype}
+        method, params = "ppl", {"model": model, "dtype": dtype}
         if lang == "en":  # recipes/experiments/emma.yaml's settings
-            settings.update(max_context=1024, long_context="kv-trim")
-        chunker = metachunk.PPLChunker(model, target_len=int(goal), **common, **settings)
-        params = {"model": model, **settings}
+            params.update(max_context=1024, long_context="kv-trim")
     elif name == "metachunk-msp":
-        settings = {"dtype": dtype, "msp_mode": "pair", "dynamic_threshold": True}
-        chunker = metachunk.MSPChunker(model, target_len=int(goal), **common, **settings)
-        params = {"model": model, **settings}
+        method, params = (
+            "msp",
+            {"model": model, "dtype": dtype, "msp_mode": "pair", "dynamic_threshold": True},
+        )
     else:
         raise SystemExit(f"unknown chunker {name}")
+    config = ChunkConfig(method=method, target_len=int(goal), len_unit="char", lang=lang, **params)
+    inner = Chunker(config, progress=False)
     load_s = time.perf_counter() - t0
-    inner = chunker._chunker  # metachunk.chunking.pipeline.Chunker: segment (costly, once), assemble (cheap)
-
-    group = chunker.config.documents_per_call()  # as TextChunker.chunk_batch groups them
+    group = config.documents_per_call()  # as TextChunker.chunk_batch groups them
 
     def segment():
         segmented = []
@@ -486,7 +481,7 @@ def run_metachunk(
     if chunk_s < 0.5:  # cheap (fixed, sentence): the whole chunking again, repeated, for a steady time
         outputs, chunk_s, runs = timed(lambda: assemble(segment()))
     params["target_len"] = target
-    chunker.close()
+    inner.close()
     return {"status": "ok", "params": params, "load_s": round(load_s, 2), "search_s": round(search_s, 3),
             "chunk_s": chunk_s, "segment_s": round(segment_s, 3), "timed_runs": runs,
             "search_history": {"tries": fit["tries"]}, "outputs": outputs}  # fmt: skip
