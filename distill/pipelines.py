@@ -501,7 +501,7 @@ class ChunkTask:
     def summary_line(self, summary: dict) -> str:
         outcome = tally(summary["outcome"])
         waited = summary["answers_waited_for"]
-        waited = f" ({waited} waited for another run on the store)" if waited else ""
+        waited = f" ({waited} waited for: the same request was in flight)" if waited else ""
         answers = f"; {json_line(summary['json_answers'])}" if summary["json_answers"] else ""
         return (
             f"{self.cfg.out}/{self.name}.jsonl: {summary['chunks']} chunks ({outcome}); {summary['requests_sent']} "

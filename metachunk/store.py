@@ -227,7 +227,9 @@ class AnswerStore:
         held = self._db.execute(
             "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
         ).fetchone()
-        if held is not None and held[0] != self.owner and self._alive(*held[1:]):
+        # Busy for its own holder too: two coroutines of one process asking the same request (copies
+        # of a document) pay once, the second waiting for the first's answer.
+        if held is not None and self._alive(*held[1:]):
             return Claim("busy", held[0])
         self._db.execute("BEGIN IMMEDIATE")
         try:
@@ -238,7 +240,7 @@ class AnswerStore:
             held = self._db.execute(
                 "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
             ).fetchone()
-            if held is not None and held[0] != self.owner and self._alive(*held[1:]):
+            if held is not None and self._alive(*held[1:]):
                 self._db.execute("COMMIT")
                 return Claim("busy", held[0])
             if limit is not None and self.total_cost + self._reserved(excluding=key) + reserve > limit:
@@ -337,8 +339,8 @@ class AnswerStore:
                 held = self._db.execute(
                     "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
                 ).fetchone()
-                if held is not None and held[0] != self.owner and self._alive(*held[1:]):
-                    continue  # someone is sending it (online, or in another live batch)
+                if held is not None and self._alive(*held[1:]):
+                    continue  # someone is sending it (online, this process included, or in another live batch)
                 if limit is not None and self.total_cost + reserved + reserve > limit:
                     refused = len(entries) - n
                     break

@@ -826,3 +826,19 @@ def test_a_server_echoing_the_key_never_gets_it_into_a_file_or_a_log(tmp_path, s
         assert failed["reason"] == "stream_error" and SECRET not in json.dumps(failed)
     for captured in (done, unauthorized):
         assert SECRET not in captured.stdout and SECRET not in captured.stderr
+
+
+def test_one_run_with_repeated_documents_pays_each_request_once(tmp_path):
+    """Copies of a document ask the same requests at once in one process: one sends, the others wait
+    for its answer, as a second process would (the store's claim is busy for its own holder too)."""
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i % 3) for i in range(9)})  # three copies of three texts
+    with serve_in_subprocess(latency=0.2, replies=REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 9}, prices=BILLED_PRICES)
+        assert job.main("rewrite", "--max-cost", "100") == 0
+        stats = server.stats()
+    assert set(stats["by_key"].values()) == {1} and stats["requests"] == 3 * len(REWRITE)
+    records = job.records()
+    assert len(records) == 9 and all(r["status"] == "ok" and r["output"] for r in records)
+    summary = job.meta()["summary"]
+    assert summary["requests_sent"] == stats["requests"] and summary["answers_waited_for"] > 0
+    assert summary["paid"] == pytest.approx(job.query("SELECT SUM(cost) FROM answers")[0][0])  # paid once
