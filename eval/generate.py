@@ -80,10 +80,15 @@ class EndpointGenerator:
     """Answers through `metachunk.teacher.Teacher`, cached in an `AnswerStore`."""
 
     def __init__(
-        self, teacher_cfg, store_path: Path, max_cost: float | None = None, extra: dict | None = None
+        self,
+        teacher_cfg,
+        store_path: Path,
+        max_cost: float | None = None,
+        extra: dict | None = None,
+        prices: dict | None = None,
     ):
         self.cfg, self.store_path, self.max_cost = teacher_cfg, Path(store_path), max_cost
-        self.extra = extra or {}
+        self.extra, self.prices = extra or {}, prices or {}
         self.sent = self.cached = self.tokens = 0
         self.stopped = ""
 
@@ -101,7 +106,7 @@ class EndpointGenerator:
     async def _run(self, store, prompts, prompt_sha, progress) -> list[Generated]:
         from metachunk.teacher import BudgetExceeded, TeacherPool
 
-        pool = TeacherPool({"generator": self.cfg}, {}, store, self.max_cost)
+        pool = TeacherPool({"generator": self.cfg}, self.prices, store, self.max_cost)
         teacher = pool["generator"]
         teacher.params.update(self.extra)  # part of the payload and of the cache key
 

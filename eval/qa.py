@@ -40,7 +40,7 @@ from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.sources import BadRows, finish_rejects
-from metachunk.teacher import TeacherConfig  # the endpoint's block in a recipe (no torch: cheap to import)
+from metachunk.teacher import Price, TeacherConfig  # recipe blocks (no torch: cheap)
 
 DEFAULT_PPL_RERANKER = {"en": "smollm2", "zh": "gemma3-270m"}
 
@@ -139,7 +139,12 @@ class QAConfig:
     concurrency: int = option(
         8, "endpoint without a generator_teacher block: requests in flight", runtime=True
     )
-    max_cost: float | None = option(None, "endpoint: stop before the answer store's total spend passes USD")
+    max_cost: float | None = option(
+        None, "endpoint: stop before the answer store's total spend passes USD (needs the model's price)"
+    )
+    prices: dict[str, Price] | None = option(
+        None, "YAML only: the endpoint's USD per 1M prompt/completion tokens, by model name"
+    )
     cache: Path | None = option(None, "endpoint answer store (SQLite); default OUT/answers.sqlite")
     temperature: float = option(0.1, "sampling temperature (paper: 0.1); 0 = greedy")
     top_p: float = option(0.9, "nucleus sampling (paper: 0.9)")
@@ -192,6 +197,14 @@ class QAConfig:
             raise ValueError("field 'min_share' must be in (0, 1]")
         if self.limit is not None and self.limit < 1:
             raise ValueError("field 'limit' must be >= 1")
+        self.prices = self.prices or {}
+        if self.max_cost is not None and self.generating and not self.generator_model:
+            # checked here, before the index is built, not at the first answer
+            model = teacher_config(self).model
+            if model not in self.prices:
+                raise ValueError(
+                    f"--max-cost needs a price for the endpoint's model {model!r} under 'prices'"
+                )
         if self.cache is None:
             self.cache = Path(self.out) / "answers.sqlite"
         if self.index_dir is None:
@@ -608,7 +621,7 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
     else:
         teacher = teacher_config(cfg)
         extra = {"top_k": cfg.gen_top_k} if cfg.endpoint_top_k and cfg.gen_top_k else {}
-        endpoint = EndpointGenerator(teacher, cfg.cache, cfg.max_cost, extra)
+        endpoint = EndpointGenerator(teacher, cfg.cache, cfg.max_cost, extra, cfg.prices)
         answers = endpoint.generate(prompts, prompt.sha256, progress=cfg.progress)
         details.update(kind="endpoint", model=teacher.model, base_url=teacher.endpoint_url(), cache=str(cfg.cache),
                        requests_sent=endpoint.sent, answers_from_store=endpoint.cached, stopped=endpoint.stopped,

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from metachunk import config, providers
+from metachunk.artifacts import InputError
 from metachunk.config import option
 from metachunk.prompts import Schema
 from metachunk.providers import PROVIDERS, SAMPLING_PARAMS, STRUCTURED_OUTPUTS, TOKEN_FIELDS
@@ -1134,6 +1135,12 @@ class TeacherPool:
                 if where not in self.endpoints:
                     self.endpoints[where] = EndpointGroup(cfg)
                 endpoint = self.endpoints[where]
+            if max_cost is not None and cfg.model not in prices:  # $0 a request: the cap would never bind
+                raise InputError(
+                    "--max-cost",
+                    f"the {stage!r} teacher's model {cfg.model!r} has no entry under prices: (USD per 1M "
+                    "prompt/completion tokens, by model name), so nothing it sends would count against the cap",
+                )
             price = prices.get(cfg.model) or Price()
             if price.batch_discount is None:  # the model's price does not say: the teacher's provider does
                 price = dataclasses.replace(price, batch_discount=cfg.batch_discount)

@@ -140,6 +140,24 @@ def test_claims_reserve_worst_case_and_refuse_past_the_limit(tmp_path):
     store.close()
 
 
+def test_a_cap_without_the_teachers_price_is_refused(tmp_path):
+    from metachunk.teacher import TeacherPool
+
+    store = AnswerStore(tmp_path / "a.sqlite")
+    with pytest.raises(InputError, match="model 'm' has no entry under prices"):
+        TeacherPool({"stage": TeacherConfig("m")}, {"other": Price(1.0, 1.0)}, store, max_cost=1.0)
+    TeacherPool({"stage": TeacherConfig("m")}, {}, store)  # no cap: no price needed
+    store.close()
+
+
+def test_a_claim_is_busy_for_its_own_holder_too(tmp_path):
+    store = AnswerStore(tmp_path / "a.sqlite")
+    assert store.claim("k", reserve=0.6, limit=1.0).outcome == "claimed"
+    assert store.claim("k", reserve=0.6, limit=1.0).outcome == "busy"  # a second request of one process waits
+    assert store.claim("j", reserve=0.6, limit=1.0).outcome == "over_budget"  # the first one's reserve holds
+    store.close()
+
+
 def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp_path):
     first, second = AnswerStore(tmp_path / "a.sqlite"), AnswerStore(tmp_path / "a.sqlite")
     assert first.claim("k", reserve=0.5, limit=1.0).outcome == "claimed"

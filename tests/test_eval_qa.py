@@ -468,6 +468,8 @@ def test_bad_inputs_are_input_errors(planted, tmp_path):
         )
     with pytest.raises(ValueError, match="needs --reranker"):
         qa.QAConfig(chunks=chunks, qa=questions, out=tmp_path, rerank="cross-encoder")
+    with pytest.raises(ValueError, match="--max-cost needs a price for the endpoint's model 'm'"):
+        qa.QAConfig(chunks=chunks, qa=questions, out=tmp_path, generator="http://h:1/v1:m", max_cost=1.0)
 
 
 def test_parse_generator():
@@ -623,6 +625,24 @@ def test_endpoint_generator_answers_once(planted, planted_embedder, qa_scores, t
     items = read_jsonl(out / "items.jsonl")  # each question's answer scores beside its retrieval ones
     assert len(items) == 2 and all("f1" in i and "rouge_l" in i and "hits@1" in i for i in items)
     assert abs(sum(i["f1"] for i in items) / 2 - first["metrics"]["f1"]) < 1e-9
+
+
+def test_endpoint_generator_stops_at_max_cost_by_the_recipes_prices(planted, planted_embedder, tmp_path):
+    """The endpoint's price comes from the recipe's ``prices:``; at $1 a token the first request's
+    worst case is past a $0.5 cap, so nothing is sent and every answer stays pending."""
+    from support.loopback_server import serve_in_subprocess
+
+    chunks, questions = planted
+    recipe = tmp_path / "qa.yaml"
+    recipe.write_text("prices:\n  rag-model: {input: 1000000, output: 1000000}\n")
+    with serve_in_subprocess(replies={}) as server:
+        argv = ["--config", str(recipe), "--chunks", str(chunks), "--qa", str(questions), "--out", str(tmp_path / "o"),
+                "--generator", f"{server.base_url}:rag-model", "--limit", "2", "--no-progress", "--max-cost", "0.5",
+                "--bertscore-model", "none", "--score-embedder", "none", "--max-new-tokens", "8"]  # fmt: skip
+        doc = qa.evaluate(parse(argv))
+        assert server.stats()["requests"] == 0
+    assert doc["details"]["generation"]["stopped"] == "budget"
+    assert {a["status"] for a in read_jsonl(tmp_path / "o" / "answers.jsonl")} == {"pending"}
 
 
 @pytest.mark.integration
