@@ -157,6 +157,10 @@ def wait(
                 continue
             cfg = teacher.cfg
             client = clients.get(row["endpoint"]) or clients.setdefault(row["endpoint"], _client(cfg))
+            if row["being_submitted"]:  # another live run is uploading it or creating the batch: not yet ours
+                delay = cfg.batch_poll_seconds
+                next_poll = delay if next_poll is None else min(next_poll, delay)
+                continue
             if row["status"] == "claimed":  # killed before the upload: nothing was sent
                 store.drop_batch(row["id"])
                 continue

@@ -86,7 +86,18 @@ CREATE TABLE IF NOT EXISTS calibration (
 );
 """
 
+# Columns added after stores were first written: a store opened by this code gets the ones it lacks,
+# so the answers it holds (paid for) stay usable.
+_ADDED_COLUMNS = (
+    ("answers", "usage_estimated", "INTEGER NOT NULL DEFAULT 0"),  # the tokens are our (upper) estimate
+    ("batches", "host", "TEXT"),  # the process uploading the batch's file, until it is submitted
+    ("batches", "pid", "INTEGER"),
+)
+
 LEASE_SECONDS = 30.0  # a claim not renewed for this long belongs to a dead process
+# A batch whose file another machine was uploading counts as orphaned after this long: its process
+# cannot be asked whether it still runs, and an upload of the largest file allowed takes minutes.
+UPLOAD_SECONDS = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +147,9 @@ class AnswerStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(answers)")}
-            if "usage_estimated" not in columns:  # stores written before answers without usage were counted
-                self._db.execute("ALTER TABLE answers ADD COLUMN usage_estimated INTEGER NOT NULL DEFAULT 0")
+            for table, column, kind in _ADDED_COLUMNS:
+                if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self.host = socket.gethostname()
         self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         self._heartbeat = None  # the asyncio task renewing this process's leases
@@ -354,8 +365,9 @@ class AnswerStore:
                 claimed.append(key)
             if claimed:
                 self._db.execute(
-                    "INSERT INTO batches (id, endpoint, status, requests, created) VALUES (?, ?, 'claimed', ?, ?)",
-                    (batch, endpoint, len(claimed), time.time()),
+                    "INSERT INTO batches (id, endpoint, status, requests, created, host, pid)"
+                    " VALUES (?, ?, 'claimed', ?, ?, ?, ?)",
+                    (batch, endpoint, len(claimed), time.time(), self.host, os.getpid()),
                 )
             self._db.execute("COMMIT")
         except BaseException:
@@ -370,14 +382,31 @@ class AnswerStore:
     def live_batches(self) -> list[dict]:
         """Batches not done yet, oldest first, with their request keys."""
         rows = self._db.execute(
-            "SELECT id, endpoint, input_file_id, batch_id, status, requests FROM batches WHERE status != 'done' ORDER BY created"
+            "SELECT id, endpoint, input_file_id, batch_id, status, requests, created, host, pid FROM batches"
+            " WHERE status != 'done' ORDER BY created"
         ).fetchall()
         out = []
-        for bid, endpoint, file_id, batch_id, status, n in rows:
+        for bid, endpoint, file_id, batch_id, status, n, created, host, pid in rows:
             keys = [k for (k,) in self._db.execute("SELECT key FROM batch_items WHERE batch = ?", (bid,))]
             out.append({"id": bid, "endpoint": endpoint, "input_file_id": file_id, "batch_id": batch_id,
-                        "status": status, "requests": n, "keys": keys})  # fmt: skip
+                        "status": status, "requests": n, "keys": keys,
+                        "being_submitted": batch_id is None and self._submitting(host, pid, created)})  # fmt: skip
         return out
+
+    def _submitting(self, host: str | None, pid: int | None, created: float) -> bool:
+        """Whether another live process may still be uploading or creating this batch. This process's
+        own are not: it waits for batches only once its submitting returned."""
+        if host is None or (host == self.host and pid == os.getpid()):
+            return False
+        if host == self.host:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+            return True
+        return time.time() - created < UPLOAD_SECONDS
 
     def batch_item(self, key: str) -> tuple[str | None, int, float]:
         """``(latest state, batches it was in, its last reservation)`` of a request key."""

@@ -194,3 +194,45 @@ def test_a_round_whose_requests_another_run_just_submitted_waits_for_that_batch(
         stats = server.stats()
     assert all(r["status"] == "ok" for r in records(tmp_path))
     assert stats["batch_requests"] == 18 and all(n == 1 for n in stats["by_key"].values())
+
+
+def test_a_batch_another_live_run_is_still_submitting_is_left_to_it(tmp_path):
+    """Run A claims a batch and uploads its file (minutes, for a big one); run B's wait must neither drop
+    it as a run killed before its upload nor create a second batch from A's file, until A is gone."""
+    import threading
+
+    from metachunk import batch
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherConfig, TeacherPool
+
+    cfg = TeacherConfig("loopback", base_url="http://127.0.0.1:9/v1", mode="batch", batch_poll_seconds=0.05)
+    path = tmp_path / "answers.sqlite"
+    uploading = subprocess.Popen(  # run A, stopped mid-upload: its claimed batch, then nothing
+        [sys.executable, "-c", "import sys, time\nfrom metachunk.store import AnswerStore\n"
+         f"AnswerStore(sys.argv[1]).claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
+         "print('claimed', flush=True)\ntime.sleep(120)", str(path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert uploading.stdout.readline().strip() == "claimed"
+        store = AnswerStore(path)
+        (live,) = store.live_batches()
+        assert live["status"] == "claimed" and live["being_submitted"]
+
+        def run_b_waits():  # a store per thread, as per process: SQLite connections stay in their thread
+            mine = AnswerStore(path)
+            batch.wait(
+                mine, {"s": TeacherPool({"s": cfg}, {}, mine)["s"]}, batch.BatchCounts(), progress=False
+            )
+            mine.close()
+
+        waiting = threading.Thread(target=run_b_waits)
+        waiting.start()
+        time.sleep(1.0)
+        assert waiting.is_alive() and len(store.live_batches()) == 1  # left to run A
+    finally:
+        uploading.kill()
+        uploading.wait()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and store.live_batches() == []  # A is dead: nothing was sent, its claims go
+    assert store.claims_in_flight() == 0
