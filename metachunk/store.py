@@ -317,12 +317,19 @@ class AnswerStore:
         return total
 
     def claims_in_flight(self) -> int:
-        """Live claims of every process (requests being sent right now), after clearing the claims
-        of dead owners, whose reservations would otherwise hold the budget until their leases end."""
-        rows = self._db.execute("SELECT key, owner, host, pid, expires FROM claims").fetchall()
-        dead = [(key, owner) for key, owner, *held in rows if not self._alive(*held)]
+        """Live online claims of every process (requests being sent right now), after clearing the
+        claims of dead owners, whose reservations would otherwise hold the budget until their leases
+        end. A Batch API job's claims are not counted: they settle when the batch does, up to a day."""
+        dead, online = [], 0
+        for key, owner, *held in self._db.execute(
+            "SELECT key, owner, host, pid, expires FROM claims"
+        ).fetchall():
+            if not self._alive(*held):
+                dead.append((key, owner))
+            elif not owner.startswith("batch:"):
+                online += 1
         self._db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", dead)
-        return len(rows) - len(dead)
+        return online
 
     def claims_held(self) -> int:
         """Claims (in-flight requests) this process holds: 0 once every request has settled."""

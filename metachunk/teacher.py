@@ -993,9 +993,9 @@ class Teacher:
                 return Answer.from_stored(self.store.get(key), params, cached=True)
             if claim.outcome == "over_budget":
                 # Requests in flight usually settle below their reservation: only a refusal with
-                # nothing in flight (in any process) is final, so that a rerun under the same cap
-                # finds nothing more that fits. It is asked once more after dead owners' claims
-                # are cleared.
+                # nothing in flight online (in any process) is final, so that a rerun under the same
+                # cap finds nothing more that fits. It is asked once more after dead owners' claims
+                # are cleared. A live batch's reservations are not waited for: it may take a day.
                 if self.store.claims_in_flight() == 0:
                     if refused:
                         self.budget.exhausted = True

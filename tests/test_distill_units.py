@@ -150,6 +150,24 @@ def test_a_cap_without_the_teachers_price_is_refused(tmp_path):
     store.close()
 
 
+def test_a_refusal_is_final_while_another_jobs_batch_holds_its_reservations(tmp_path):
+    """A live batch's reservations settle when it does, up to a day later: an online request the
+    cap refuses stops the run now instead of waiting for them."""
+    import asyncio
+
+    from metachunk.teacher import BudgetExceeded, TeacherPool
+
+    store = AnswerStore(tmp_path / "a.sqlite")
+    store.claim_batch("other @ http://batch.example/v1", [("b", 1.0)], 1.0, 3600)
+    assert store.claims_in_flight() == 0  # not counted as online requests in flight
+    cfg = TeacherConfig("m", base_url="http://127.0.0.1:9/v1")  # nothing listens: nothing may be sent
+    pool = TeacherPool({"s": cfg}, {"m": Price(1.0, 1.0)}, store, max_cost=1.0)
+    with pytest.raises(BudgetExceeded):
+        asyncio.run(asyncio.wait_for(pool["s"].complete([{"role": "user", "content": "hi"}], "sha"), 10))
+    assert pool.budget.exhausted and pool.sent == 0
+    store.close()
+
+
 def test_a_claim_is_busy_for_its_own_holder_too(tmp_path):
     store = AnswerStore(tmp_path / "a.sqlite")
     assert store.claim("k", reserve=0.6, limit=1.0).outcome == "claimed"
