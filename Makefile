@@ -19,7 +19,7 @@ LLAMA_CMAKE_ARGS := $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -D
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q pip==26.3
 
 # Reinstall whenever the dependency list or the pins change. torch goes in first, at its pin, from
 # TORCH_INDEX when set: PyPI's Linux x86_64 wheel is the CUDA build, which a GPU machine wants and a
