@@ -212,8 +212,10 @@ def _no_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "case", ["unknown model", "invalid YAML", "missing config", "no chat template", "report_to"]
-)
+    "case",
+    ["unknown model", "invalid YAML", "missing config", "no chat template", "report_to", "hub_token",
+     "no such test split", "deepspeed not a JSON object", "deepspeed not JSON"],
+)  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load, case):
     config, model, extra = RECIPE, str(tiny_model_dir), []
     if case == "unknown model":
@@ -227,6 +229,24 @@ def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path,
     elif case == "no chat template":
         model = str(_no_chat_template(tiny_model_dir, tmp_path))
         text = f"the tokenizer of {model} has no chat template"
+    elif case == "hub_token":  # a secret given here would reach metachunk_run.json and the model card
+        extra, text = (
+            ["--hub_token", "hf_SECRET"],
+            "field 'hub_token': the Hub token is read from HF_TOKEN only",
+        )
+    elif (
+        case == "no such test split"
+    ):  # eval_strategy steps (the recipe's) needs it: the Trainer's error is a traceback
+        extra, text = ["--dataset_test_split", "dev"], "field 'dataset_test_split': "
+        text += f"{sft_dataset} has no split 'dev' (train, validation), and eval_strategy is 'steps'"
+    elif case.startswith("deepspeed"):  # the recipe's key: SFTConfig reads the file as it is built
+        ds = tmp_path / "ds.json"
+        ds.write_text("[1]" if case == "deepspeed not a JSON object" else "{zero: 2}")
+        config = tmp_path / "with_ds.yaml"
+        config.write_text(RECIPE.read_text() + f"\ndeepspeed: {ds}\n")
+        text = f"deepspeed config {ds}: " + (
+            "the top level must be a JSON object" if "object" in case else "not JSON"
+        )
     else:
         extra, text = ["--report_to", "tensorbored"], "field 'report_to': unknown 'tensorbored'"
     argv = ["--config", str(config), "--model_name_or_path", model, "--dataset_name", str(sft_dataset),
@@ -302,3 +322,48 @@ def test_resume_from_latest_skips_a_checkpoint_whose_save_was_cut_short(tmp_path
     args = SimpleNamespace(resume_from_checkpoint="latest", output_dir=str(tmp_path / "none_yet"))
     with pytest.raises(ValueError, match="no whole checkpoint"):
         resume_point(args)
+
+
+def test_the_runs_identity_leaves_out_how_it_is_watched(tmp_path):
+    """The regeneration fingerprint: the recipe and the flags as given, less --config FILE and the runtime
+    fields (report_to, logging_dir), in the recipe or as flags, with their values."""
+    from types import SimpleNamespace
+
+    from metachunk.train.sft import identity
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1.0e-5\nreport_to: tensorboard\nlogging_dir: logs\n")
+    argv = ["--config", str(recipe), "--report_to", "wandb", "tensorboard", "--max_length", "64",
+            "--logging_dir=elsewhere", "--seed", "3"]  # fmt: skip
+    assert identity(SimpleNamespace(argv=argv)) == {
+        "recipe": {"learning_rate": 1.0e-5},
+        "flags": ["--max_length", "64", "--seed", "3"],
+    }
+
+
+@pytest.mark.parametrize("packing, strategy, kept", [(False, "bfd", 1), (True, "bfd", 1), (True, "bfd_split", 2),
+                                                     (True, "wrapped", 2)])  # fmt: skip
+def test_a_row_past_max_length_is_dropped_only_where_trl_would_cut_it(
+    tiny_model_dir, packing, strategy, kept
+):
+    """TRL cuts a long row's tail when not packing and under bfd packing; bfd_split and wrapped packing
+    keep all of it (in pieces), so the row stays."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from metachunk.train.sft import fit_max_length
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    short = {
+        "prompt": [{"role": "user", "content": "Hi."}],
+        "completion": [{"role": "assistant", "content": "Yes."}],
+    }
+    long = {
+        "prompt": [{"role": "user", "content": "Emma was clever. " * 40}],
+        "completion": short["completion"],
+    }
+    rows = Dataset.from_list([short, long])
+    args = SimpleNamespace(max_length=64, packing=packing, packing_strategy=strategy, dataset_num_proc=None)
+    fitted, over = fit_max_length(rows, tokenizer, args)
+    assert len(fitted) == kept and over == 2 - kept

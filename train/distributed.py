@@ -91,26 +91,27 @@ def check_deepspeed(sft_args) -> None:
         )
 
 
-def check_deepspeed_flag(argv: list[str]) -> None:
-    """Validate ``--deepspeed FILE`` of the command line before ``SFTConfig`` parses it.
+def check_deepspeed_file(recipe: dict, argv: list[str]) -> None:
+    """Validate the DeepSpeed config file that ``--deepspeed FILE``, or without the flag the recipe's
+    ``deepspeed:`` key, names, before ``SFTConfig`` parses it.
 
     ``SFTConfig.__post_init__`` loads the JSON itself, and its errors (a bare JSON decode error that
-    names no file; accelerate's "Expected a string path to an existing deepspeed config ... Received:
-    PATH") never name the flag. A ``deepspeed:`` key in the
-    recipe YAML is checked later, by `check_deepspeed`.
+    names no file; an ``AttributeError`` traceback for a JSON array; accelerate's "Expected a string path
+    to an existing deepspeed config ... Received: PATH") never name the field.
     """
-    for i, arg in enumerate(argv):
+    value = recipe.get("deepspeed")
+    for i, arg in enumerate(argv):  # the flag wins over the recipe, as in TrlParser
         if arg == "--deepspeed" and i + 1 < len(argv):
             value = argv[i + 1]
         elif arg.startswith("--deepspeed="):
             value = arg.split("=", 1)[1]
-        else:
-            continue
-        if value.lstrip().startswith("{"):  # an inline JSON dict is SFTConfig's business
-            continue
-        if not Path(value).is_file():
-            raise ValueError(f"field 'deepspeed': no such DeepSpeed config file {value}")
-        validate_deepspeed_config(value)
+    if not isinstance(value, str) or value.lstrip().startswith(
+        "{"
+    ):  # none, or inline JSON: SFTConfig's business
+        return
+    if not Path(value).is_file():
+        raise ValueError(f"field 'deepspeed': no such DeepSpeed config file {value}")
+    validate_deepspeed_config(value)
 
 
 def on_cpu(sft_args) -> bool:

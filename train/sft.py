@@ -88,13 +88,14 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     """``(ModelDataArguments, SFTConfig)`` from ``--config`` YAML and flags; errors name the field."""
-    from metachunk.train.distributed import check_deepspeed_flag
+    from metachunk.train.distributed import check_deepspeed_file
     from trl import SFTConfig, TrlParser
 
     argv = shipped_config(list(sys.argv[1:] if argv is None else argv))
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
     check_renamed(recipe, argv)
-    check_deepspeed_flag(argv)  # SFTConfig reads the JSON as it is built
+    check_no_token(recipe, argv)
+    check_deepspeed_file(recipe, argv)  # SFTConfig reads the JSON as it is built
     argv = argv + checkpointing_said(recipe, argv, SFTConfig)
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
@@ -113,12 +114,15 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
 def shipped_config(argv: list[str]) -> list[str]:
     """``argv`` with ``--config NAME`` pointing at the shipped recipe NAME when no such file exists
     (`metachunk.shipped`); one whose paths to shipped configs must point at the shipped copies
-    is read through a localized temporary copy (TrlParser reads the file itself)."""
-    import tempfile
+    is read through a localized copy (TrlParser reads the file itself), kept in the cache under its
+    content's hash: one file per distinct recipe, however many runs and ranks read it."""
+    import hashlib
 
     import yaml
 
     from metachunk import shipped
+    from metachunk.artifacts import AtomicWriter
+    from metachunk.models import cache_dir
 
     if "--config" not in argv or argv.index("--config") + 1 == len(argv):
         return argv
@@ -128,10 +132,12 @@ def shipped_config(argv: list[str]) -> list[str]:
         recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
         local = shipped.localize(recipe, True)
         if local != recipe:
-            copy = tempfile.NamedTemporaryFile("w", suffix=path.name, delete=False, encoding="utf-8")
-            with copy:
-                yaml.safe_dump(local, copy, sort_keys=False)
-            path = Path(copy.name)
+            text = yaml.safe_dump(local, sort_keys=False)
+            path = cache_dir() / "recipes" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}-{path.name}"
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with AtomicWriter(path) as f:
+                    f.write(text)
     return [*argv[:i], str(path), *argv[i + 1 :]]
 
 
@@ -169,6 +175,15 @@ def check_renamed(recipe: dict, argv: list[str]) -> None:
     for old, new in RENAMED.items():
         if old in recipe or any(a == f"--{old}" or a.startswith(f"--{old}=") for a in argv):
             raise ValueError(f"field {old!r} is now {new!r}, TRL's name (`trl sft` reads the same recipes)")
+
+
+def check_no_token(recipe: dict, argv: list[str]) -> None:
+    """TrainingArguments' ``hub_token`` is refused: the run's record (``metachunk_run.json``) and its model
+    card quote the recipe and the command line, and a secret comes only from the environment."""
+    if "hub_token" in recipe or any(a.split("=")[0] == "--hub_token" for a in argv):
+        raise ValueError(
+            "field 'hub_token': the Hub token is read from HF_TOKEN only, never from a recipe or a flag"
+        )
 
 
 def checkpointing_said(recipe: dict, argv: list[str], sft_config) -> list[str]:
@@ -420,6 +435,16 @@ def load_rows(model_args: ModelDataArguments, sft_args):
     eval_set = data[split].select_columns(keep) if split in data else None
     if eval_set is not None and len(eval_set) == 0:
         eval_set = None
+    if eval_set is None and sft_args.eval_strategy != "no":  # the Trainer's own error is a traceback
+        has = (
+            f"has no rows in its {split!r} split"
+            if split in data
+            else f"has no split {split!r} ({', '.join(data)})"
+        )
+        raise ValueError(
+            f"field 'dataset_test_split': {model_args.dataset_name} {has}, and eval_strategy is "
+            f"'{sft_args.eval_strategy.value}': name another split, or pass --eval_strategy no"
+        )
 
     n_train, n_eval = len(train_set), len(eval_set) if eval_set is not None else 0
     if n_train == 0:  # build-sft's filters may leave a small run nothing; that is not a crash
@@ -474,13 +499,15 @@ def chat_template_tokenizer(tokenizer, sft_args, model_dir: str):
 def fit_max_length(rows, tokenizer, sft_args):
     """``(the rows that fit max_length, how many did not)``. TRL cuts a longer row at ``max_length`` (with
     truncation_mode keep_start the end of the completion; bfd packing cuts it too) and trains on the rest,
-    silently; it is dropped here instead. The length is TRL's: the chat template over prompt + completion."""
+    silently; it is dropped here instead. The length is TRL's: the chat template over prompt + completion.
+    ``bfd_split`` and ``wrapped`` packing lose nothing of a long row (split into pieces; the rows concatenated
+    and cut into blocks): every row is kept."""
     if (
         rows is None
         or sft_args.max_length is None
-        or (sft_args.packing and sft_args.packing_strategy == "bfd_split")
+        or (sft_args.packing and sft_args.packing_strategy in ("bfd_split", "wrapped"))
     ):
-        return rows, 0  # no limit, or bfd_split, which splits a long row into pieces instead of cutting it
+        return rows, 0
     lengths = rows.map(
         _row_length,
         fn_kwargs={"tokenizer": tokenizer},
@@ -586,7 +613,12 @@ def identity(cfg: TrainConfig) -> dict:
     derived fields; what a recipe says is what decides the run)."""
     argv = shipped_config(cfg.argv)
     recipe = {k: v for k, v in read_recipe(argv).items() if k not in RUNTIME_FIELDS}
-    flags = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    flags, left_out = [], False
+    for arg in argv:  # less --config FILE and the runtime flags, each with its values
+        if arg.startswith("--"):
+            left_out = arg.split("=")[0].removeprefix("--") in ("config", *RUNTIME_FIELDS)
+        if not left_out:
+            flags.append(arg)
     return {"recipe": recipe, "flags": flags}
 
 
@@ -719,8 +751,8 @@ def end_process_group() -> None:
 
     Without this a rank that finished its part of ``save_model`` returned and exited while rank 0
     was still writing: its communication threads were torn down with the interpreter, and it died
-    of SIGABRT ("terminate called without an active exception") now and then on a loaded 2-core
-    machine, failing a run that had trained and saved."""
+    of SIGABRT ("terminate called without an active exception") now and then when ranks finish at
+    different times, failing a run that had trained and saved."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
