@@ -22,7 +22,8 @@ step (forward, backward, optimizer step, zero_grad).
 
 FLOPs per step, the formula (model FLOPs: recomputation, if any, is not counted; neither are the masked-out
 attention blocks). It is ``metachunk.train.throughput.ModelShape``, the one the trainer's own throughput callback
-logs with, so this bench and a ``metachunk train`` run count alike:
+logs with, so this bench and a ``metachunk train`` run count alike; for this bench's full fine-tune of a model
+without sliding-window layers it reads:
 
     dense     = 6 * (N - H) * T + 6 * H * S
                                    N = parameters in matmuls: every non-embedding weight + the LM head

@@ -205,3 +205,37 @@ def test_cpu_smoke_run_logs_throughput_and_records_it(sft_dataset, tiny_model_di
     assert f"| training throughput (tokens/s, all devices) | {summary['tokens_per_second']:,.1f} |" in text
     assert f"| model TFLOP/s per device | {summary['tflops_per_device']:.4g} |" in text
     assert "| MFU | n/a: no dense bf16 peak known for cpu" in text
+
+
+def test_flops_under_lora_count_the_frozen_weights_forward_and_input_gradient_only():
+    """SMALL (N = 1,480, H = 256) with LoRA of rank 1 on q_proj and v_proj: per layer q's A 1x8 and B 8x1 (16)
+    and v's A 1x8 and B 4x1 (12), two layers: Nt = 56 trainable, the head frozen (Ht = 0), N = 1,480 + 56 =
+    1,536. A frozen weight costs 4 FLOPs a token (forward 2, its input's gradient 2), a trainable one 6: T = 5,
+    S = 2 gives dense = (4 x (1,536 - 256) + 2 x 56) x 5 + 4 x 256 x 2 = 26,160 + 2,048 = 28,208."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_qwen2(True, **SMALL), LoraConfig(r=1, target_modules=["q_proj", "v_proj"]))
+    shape = ModelShape.of(model)
+    assert (shape.matmul_params, shape.head_params) == (1536, 256)
+    assert (shape.trainable_params, shape.trainable_head_params) == (56, 0)
+    assert shape.flops(tokens=5, sum_sq_lengths=13, scored=2)[0] == 28_208
+    assert ModelShape.of(_qwen2(True, **SMALL)).trainable_params is None  # a full fine-tune: 6N, as before
+
+
+def test_sliding_window_layers_count_only_the_keys_in_their_window():
+    """SMALL with a window of 2 on its second layer (Qwen2's max_window_layers 1). The packed row of 3 and 2
+    tokens: full attention reads 1 + 3 + 5 + 1 + 3 = 13 (sum of 2p + 1); a window of 2 reads
+    2 x min(p + 1, 2) - 1 = 1 + 3 + 3 + 1 + 3 = 11. Attention = 6 x 2 heads x 4 x (13 + 11) = 1,152."""
+    import torch
+
+    model = _qwen2(True, **SMALL, use_sliding_window=True, sliding_window=2, max_window_layers=1)
+    shape = ModelShape.of(model)
+    assert shape.windows == (2,) and shape.window_sizes == (2,)
+    row = batch_counts(position_ids=torch.tensor([[0, 1, 2, 0, 1]]), windows=shape.window_sizes).tolist()
+    assert row == [5, 13, 5, 11]
+    padded = batch_counts(attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), windows=(2,)).tolist()
+    assert padded == [5, 13, 5, 11]  # the same two sequences as padded rows
+    assert batch_counts(input_ids=torch.ones(1, 3, dtype=torch.long), windows=(2,)).tolist() == [3, 9, 3, 7]
+    assert shape.flops(tokens=5, sum_sq_lengths=13, windowed=(11,))[1] == 1_152
+    with pytest.raises(ValueError, match="sliding windows"):
+        shape.flops(tokens=5, sum_sq_lengths=13)

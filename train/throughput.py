@@ -12,17 +12,21 @@ warm-up, peak device memory on CUDA) is what ``metachunk.train.sft`` writes into
 Model FLOPs of a step (`ModelShape.flops`; ``bench/train_mfu_gpu.py`` uses the same function):
 
 ```
-dense     = 6 * (N - H) * T + 6 * H * S
+dense     = (4 * (N - H) + 2 * (Nt - Ht)) * T + (4 * H + 2 * Ht) * S
                            N = parameters in matmuls (`matmul_params`: every parameter but the input
                            embedding, plus the LM head even when it is tied); H = the LM head's (`head_params`);
-                           T = real tokens in the step; S = tokens scored (labels not -100, after the shift):
-                           the head is needed only where the loss reads it, and TRL's fused head on a GPU
-                           computes it only there (``trl.trainer.utils``, ``hidden_states[mask]``), so a
+                           Nt, Ht = the trainable ones among them (N and H in a full fine-tune, the adapters'
+                           under LoRA); T = real tokens in the step; S = tokens scored (labels not -100, after
+                           the shift): the head is needed only where the loss reads it, and TRL's fused head on
+                           a GPU computes it only there (``trl.trainer.utils``, ``hidden_states[mask]``), so a
                            completion-only run's prompt tokens pass through the body alone;
-                           forward 2 FLOPs per parameter per token, backward 4
-attention = 6 * layers * heads * head_dim * sum_i L_i^2
-                           causal attention inside each sequence i of L_i real tokens: forward QK^T and AV
-                           are 2 * L^2 * head_dim FLOPs per head with the causal half only, backward 2x
+                           forward 2 FLOPs per parameter per token, backward 2 for the input's gradient and 2
+                           for the weight's, which a frozen weight does not need: 6 * N * T in a full fine-tune
+attention = 6 * heads * head_dim * sum over layers and sequences of K
+                           causal attention inside each sequence of L real tokens: forward QK^T and AV are
+                           2 * head_dim FLOPs per head per query-key pair, the causal half only, backward 2x;
+                           K = L^2 in a full-attention layer, and in a sliding-window layer of window w (Gemma-3's
+                           `layer_types`) the sum over positions p of 2 * min(p + 1, w) - 1
 ```
 
 A forward without labels counts the head on every real token (S = T).
@@ -101,6 +105,28 @@ def head_params(model) -> int:
     return sum(_numel(p) for p in head.parameters()) if head is not None else 0
 
 
+def trainable_matmul_params(model) -> tuple[int, int]:
+    """``(Nt, Ht)``: the trainable parameters among `matmul_params` and `head_params` (all of them in a full
+    fine-tune; a PEFT model's frozen base weights are not, its adapters are)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    total = sum(_numel(p) for p in model.parameters() if p.requires_grad)
+    tied = head is not None and head.weight is embedding
+    if embedding.requires_grad and not tied:
+        total -= _numel(embedding)  # a lookup
+    trainable_head = sum(_numel(p) for p in head.parameters() if p.requires_grad) if head is not None else 0
+    return total, trainable_head
+
+
+def sliding_windows(config) -> tuple[int, ...]:
+    """The window of each sliding-window attention layer (``layer_types``, ``sliding_window``): one entry per
+    such layer, none for a model whose every layer attends to the whole sequence."""
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not window or not kinds:
+        return ()
+    return tuple(window for kind in kinds if kind == "sliding_attention")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the FLOPs of a step depend on, besides its tokens."""
@@ -110,56 +136,87 @@ class ModelShape:
     heads: int
     head_dim: int
     head_params: int = 0
+    trainable_params: int | None = None  # of matmul_params; None: all (a full fine-tune)
+    trainable_head_params: int | None = None  # of head_params; None: all
+    windows: tuple[int, ...] = ()  # the window of each sliding-window layer (`sliding_windows`)
 
     @classmethod
     def of(cls, model) -> ModelShape:
         config = model.config.get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(matmul_params(model), config.num_hidden_layers, heads, head_dim, head_params(model))
+        n, head = matmul_params(model), head_params(model)
+        trainable, trainable_head = trainable_matmul_params(model)
+        full = (trainable, trainable_head) == (n, head)
+        return cls(n, config.num_hidden_layers, heads, head_dim, head, None if full else trainable,
+                   None if full else trainable_head, sliding_windows(config))  # fmt: skip
 
-    def flops(self, tokens: int, sum_sq_lengths: int, scored: int | None = None) -> tuple[int, int]:
+    @property
+    def window_sizes(self) -> tuple[int, ...]:
+        """The distinct windows, in the order `batch_counts` counts them."""
+        return tuple(sorted(set(self.windows)))
+
+    def flops(
+        self, tokens: int, sum_sq_lengths: int, scored: int | None = None, windowed: tuple[int, ...] = ()
+    ) -> tuple[int, int]:
         """``(dense, attention)`` model FLOPs, forward and backward, of ``tokens`` real tokens in sequences whose
-        squared lengths sum to ``sum_sq_lengths``, ``scored`` of them through the LM head (default: all; the
-        module docstring has the formula)."""
+        squared lengths sum to ``sum_sq_lengths``, ``scored`` of them through the LM head (default: all), and
+        ``windowed`` the same sum under each of `window_sizes` (`batch_counts`; the module docstring has the
+        formula)."""
         scored = tokens if scored is None else scored
-        dense = 6 * (self.matmul_params - self.head_params) * tokens + 6 * self.head_params * scored
-        attention = 6 * self.layers * self.heads * self.head_dim * sum_sq_lengths
+        n, head = self.matmul_params, self.head_params
+        n_t = n if self.trainable_params is None else self.trainable_params
+        head_t = head if self.trainable_head_params is None else self.trainable_head_params
+        dense = (4 * (n - head) + 2 * (n_t - head_t)) * tokens + (4 * head + 2 * head_t) * scored
+        if len(windowed) != len(self.window_sizes):
+            raise ValueError(f"the model has sliding windows {self.window_sizes}: their sums are needed")
+        by_window = dict(zip(self.window_sizes, windowed))
+        keys = (self.layers - len(self.windows)) * sum_sq_lengths + sum(by_window[w] for w in self.windows)
+        attention = 6 * self.heads * self.head_dim * keys
         return dense, attention
 
 
 def batch_counts(
-    input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None, shift_labels=None
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    inputs_embeds=None,
+    labels=None,
+    shift_labels=None,
+    windows: tuple[int, ...] = (),
 ):
-    """``[real tokens, sum of squared sequence lengths, tokens scored]`` of one batch: an int64 tensor on the
-    batch's device, computed without reading anything back to the host (so counting every micro-batch costs no
-    sync). Tokens scored are the targets the loss reads: ``shift_labels`` not -100, else ``labels[..., 1:]``
-    not -100 (transformers shifts them), else every real token.
+    """``[real tokens, sum of squared sequence lengths, tokens scored, *the same sum under each window]`` of one
+    batch: an int64 tensor on the batch's device, computed without reading anything back to the host (so
+    counting every micro-batch costs no sync). Tokens scored are the targets the loss reads: ``shift_labels``
+    not -100, else ``labels[..., 1:]`` not -100 (transformers shifts them), else every real token.
 
-    A sequence of L tokens has positions 0..L-1, and the sum of ``2p + 1`` over them is L^2: so the squares are
-    a sum over tokens. With an ``attention_mask`` (a padded batch) a token's position is the count of real
-    tokens before it in its row; without one, ``position_ids`` (a padding-free row: each packed sequence
-    restarts at 0; padding to ``pad_to_multiple_of`` counts as sequences of one token); with neither, every row
-    is one sequence."""
+    A sequence of L tokens has positions 0..L-1, and the sum of ``2p + 1`` over them is L^2 (the keys its
+    queries attend to, counted as the formula counts them): so the squares are a sum over tokens, and under a
+    sliding window w the sum of ``2 * min(p + 1, w) - 1``. With an ``attention_mask`` (a padded batch) a
+    token's position is the count of real tokens before it in its row; without one, ``position_ids`` (a
+    padding-free row: each packed sequence restarts at 0; padding to ``pad_to_multiple_of`` counts as sequences
+    of one token); with neither, every row is one sequence."""
     if attention_mask is not None and attention_mask.dim() == 2:
         mask = attention_mask.to(torch.int64)
-        counts = torch.stack([mask.sum(), (mask * (2 * mask.cumsum(-1) - 1)).sum()])
+        seen = mask.cumsum(-1)  # p + 1 at a real token
+        sums = [(mask * (2 * (seen if w is None else seen.clamp(max=w)) - 1)).sum() for w in (None, *windows)]
+        counts = torch.stack([mask.sum(), *sums])
     elif position_ids is not None:
-        positions = position_ids.to(torch.int64)
-        counts = torch.stack([torch.ones_like(positions).sum(), (2 * positions + 1).sum()])
+        seen = position_ids.to(torch.int64) + 1
+        sums = [(2 * (seen if w is None else seen.clamp(max=w)) - 1).sum() for w in (None, *windows)]
+        counts = torch.stack([torch.ones_like(seen).sum(), *sums])
     else:
         shaped = input_ids if input_ids is not None else inputs_embeds
         rows, length = shaped.shape[:2]
-        counts = torch.tensor(
-            [rows * length, rows * length * length], dtype=torch.int64, device=shaped.device
-        )
+        sums = [rows * sum(2 * min(p + 1, w or length) - 1 for p in range(length)) for w in (None, *windows)]
+        counts = torch.tensor([rows * length, *sums], dtype=torch.int64, device=shaped.device)
     if shift_labels is not None:
         scored = (shift_labels != -100).sum().to(counts.device, torch.int64)
     elif labels is not None:
         scored = (labels[..., 1:] != -100).sum().to(counts.device, torch.int64)
     else:
         scored = counts[0]
-    return torch.cat([counts, scored.reshape(1)])
+    return torch.cat([counts[:2], scored.reshape(1), counts[2:]])
 
 
 def device_name(device) -> str:
@@ -183,6 +240,7 @@ class Interval:
     sum_sq_lengths: int
     seconds: float
     scored: int
+    windowed: tuple[int, ...] = ()  # sum_sq_lengths under each of the model's window sizes
 
 
 class ThroughputCallback(TrainerCallback):
@@ -246,7 +304,7 @@ class ThroughputCallback(TrainerCallback):
             batch["input_ids"] = args[0]  # a causal LM's first positional argument
         if batch["input_ids"] is None and batch["inputs_embeds"] is None:
             return
-        counts = batch_counts(**batch)
+        counts = batch_counts(**batch, windows=self.shape.window_sizes)
         self._counts = counts if self._counts is None else self._counts + counts.to(self._counts.device)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -269,7 +327,9 @@ class ThroughputCallback(TrainerCallback):
         if logs is None or "loss" not in logs or self._first_step is None:
             return  # an evaluation's log, or the end-of-training summary: no steps of its own
         interval = self._close(state.global_step)
-        values = self.rates(interval.tokens, interval.sum_sq_lengths, interval.seconds, interval.scored)
+        values = self.rates(
+            interval.tokens, interval.sum_sq_lengths, interval.seconds, interval.scored, interval.windowed
+        )
         values = {k: _rounded(v) for k, v in values.items() if k in ("tokens_per_second", "tflops", "mfu")}
         logs.update(values)
         last = state.log_history[-1] if state.log_history else {}
@@ -293,10 +353,17 @@ class ThroughputCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ arithmetic
 
-    def rates(self, tokens: int, sum_sq_lengths: int, seconds: float, scored: int | None = None) -> dict:
+    def rates(
+        self,
+        tokens: int,
+        sum_sq_lengths: int,
+        seconds: float,
+        scored: int | None = None,
+        windowed: tuple[int, ...] = (),
+    ) -> dict:
         """Tokens/s of the whole job, and TFLOP/s and MFU per device, of ``tokens`` (``scored`` of them through the
         LM head; default all) over ``seconds`` on every rank."""
-        dense, attention = self.shape.flops(tokens, sum_sq_lengths, scored)
+        dense, attention = self.shape.flops(tokens, sum_sq_lengths, scored, windowed)
         tflops = (dense + attention) / seconds / self.world / 1e12 if seconds > 0 else 0.0
         return {
             "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
@@ -321,9 +388,10 @@ class ThroughputCallback(TrainerCallback):
 
     def _close(self, step: int) -> Interval:
         """The interval that ends at ``step``, summed over the ranks, recorded; the next one starts empty."""
-        local = self._counts if self._counts is not None else torch.zeros(3, dtype=torch.int64)
-        tokens, sum_sq, scored = self._reduced(local)
-        interval = Interval(self._first_step, step, tokens, sum_sq, self._seconds, scored)
+        size = 3 + len(self.shape.window_sizes)
+        local = self._counts if self._counts is not None else torch.zeros(size, dtype=torch.int64)
+        tokens, sum_sq, scored, *windowed = self._reduced(local)
+        interval = Interval(self._first_step, step, tokens, sum_sq, self._seconds, scored, tuple(windowed))
         self.intervals.append(interval)
         self._counts, self._first_step, self._seconds = None, None, 0.0
         return interval
@@ -339,7 +407,8 @@ class ThroughputCallback(TrainerCallback):
         sum_sq = sum(i.sum_sq_lengths for i in measured)
         scored = sum(i.scored for i in measured)
         seconds = sum(i.seconds for i in measured)
-        rates = self.rates(tokens, sum_sq, seconds, scored)
+        windowed = tuple(sum(column) for column in zip(*(i.windowed for i in measured)))
+        rates = self.rates(tokens, sum_sq, seconds, scored, windowed)
         peak_memory = None
         if self.device.type == "cuda":
             (peak_memory,) = self._reduced(
@@ -362,9 +431,12 @@ class ThroughputCallback(TrainerCallback):
             "flops_attention": rates["flops_attention"],
             "matmul_params": self.shape.matmul_params,
             "head_params": self.shape.head_params,
+            "trainable_params": self.shape.trainable_params,
+            "trainable_head_params": self.shape.trainable_head_params,
+            "sliding_window_layers": len(self.shape.windows),
             "peak_memory_gib": round(peak_memory / 2**30, 2) if peak_memory is not None else None,
-            "formula": "(6*(N-H)*T + 6*H*S + 6*layers*heads*head_dim*sum(L_i^2)) / seconds / devices; "
-            "MFU = that / peak",
+            "formula": "((4*(N-H) + 2*(Nt-Ht))*T + (4*H + 2*Ht)*S + 6*heads*head_dim*sum over layers of sum(L_i^2), "
+            "windowed in sliding-window layers) / seconds / devices; MFU = that / peak; Nt, Ht: the trainable N, H",
         }
 
 
