@@ -261,6 +261,35 @@ def test_bad_options_exit_2(argv, no_network, capsys):
     assert err.startswith("wheelhouse: ") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "flag, content, expected",
+    [
+        ("--constraints", None, "cannot read it"),
+        ("--pyproject", None, "cannot read it"),
+        ("--pyproject", "[project\n", "not TOML"),
+        ("--pyproject", "[tool.x]\n", "no [project] table"),
+        (
+            "--pyproject",
+            '[project]\ndependencies = ["torch>="]\n',
+            "dependencies: 'torch>=' is not a requirement",
+        ),
+    ],
+)
+def test_bad_constraints_or_pyproject_exit_2_naming_the_file(
+    flag, content, expected, tmp_path, no_network, capsys
+):
+    path = tmp_path / "input"
+    if content is not None:
+        path.write_text(content)
+    assert wheelhouse.main(["--dry-run", flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"wheelhouse: {flag} {path}: ")
+        and expected in err
+        and len(err.strip().splitlines()) == 1
+    )
+
+
 class FakePip:
     """Writes the file each pip command would, and records the commands."""
 

@@ -204,9 +204,16 @@ def read_freeze(path: Path) -> dict[str, Version | None]:
     return found
 
 
+def read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
 def read_constraints(path: Path) -> dict[str, Version]:
     pins: dict[str, Version] = {}
-    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, raw in enumerate(read_text(path, "--constraints").splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -224,9 +231,24 @@ def read_constraints(path: Path) -> dict[str, Version]:
 def read_roots(pyproject: Path, extras: list[str]) -> list[tuple[Requirement, str]]:
     """The project's core requirements and those of ``extras`` (an extra naming the project's own
     other extras, ``metachunk[semantic]``, is followed)."""
-    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    try:
+        project = tomllib.loads(read_text(pyproject, "--pyproject"))["project"]
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"--pyproject {pyproject}: not TOML ({e})") from None
+    except KeyError:
+        raise BadInput(f"--pyproject {pyproject}: no [project] table") from None
     optional = project.get("optional-dependencies", {})
-    roots = [(Requirement(r), PROJECT) for r in project["dependencies"]]
+
+    def requirement(text: str, where: str) -> Requirement:
+        try:
+            return Requirement(text)
+        except InvalidRequirement as e:
+            reason = str(e).splitlines()[0]  # packaging draws a caret under the text on the next lines
+            raise BadInput(
+                f"--pyproject {pyproject}: {where}: {text!r} is not a requirement ({reason})"
+            ) from None
+
+    roots = [(requirement(r, "dependencies"), PROJECT) for r in project.get("dependencies", [])]
     todo, seen = list(extras), set()
     while todo:
         extra = todo.pop()
@@ -238,7 +260,7 @@ def read_roots(pyproject: Path, extras: list[str]) -> list[tuple[Requirement, st
                 f"--extras {extra!r}: {pyproject.name} has no such extra (it has {', '.join(optional)})"
             )
         for text in optional[extra]:
-            req = Requirement(text)
+            req = requirement(text, f"optional-dependencies.{extra}")
             if canonicalize_name(req.name) == PROJECT:
                 todo.extend(req.extras)
             else:
