@@ -268,12 +268,15 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
             try:
                 item = json.loads(line)
                 key, response = item["custom_id"], item.get("response") or {}
-            except (ValueError, KeyError, TypeError):
+                if not isinstance(key, str) or not isinstance(response, dict):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(
                     path, "expected a Batch API result line with 'custom_id' and 'response'", number
                 ) from None
             body = response.get("body")
-            teacher = by_model.get((body or {}).get("model")) or next(iter(teachers.values()))
+            model = body.get("model") if isinstance(body, dict) else None
+            teacher = by_model.get(model) or next(iter(teachers.values()))
             if store.has_answer(key):
                 counts["skipped"] += 1
                 continue

@@ -155,14 +155,42 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
         on_empty = s.get("on_empty_inputs", "skip")
         if on_empty not in ("skip", "run"):
             raise InputError(path, f"{where}.on_empty_inputs: skip or run, got {on_empty!r}")
-        seen.add(name)
-        stages.append(
-            Stage(
-                name, run, cfg, bool(s.get("local_teacher", False)), list(s.get("allow_exit", [0])), on_empty
+        allow_exit = s.get("allow_exit", [0])
+        if not isinstance(allow_exit, list) or not all(type(x) is int for x in allow_exit):
+            raise InputError(
+                path, f"{where}.allow_exit: a list of exit statuses ([0, 3]), got {allow_exit!r}"
             )
-        )
+        if not isinstance(s.get("local_teacher", False), bool):
+            raise InputError(path, f"{where}.local_teacher: true or false (the recipe's top-level local_teacher: "
+                             f"says which), got {s['local_teacher']!r}")  # fmt: skip
+        seen.add(name)
+        stages.append(Stage(name, run, cfg, s.get("local_teacher", False), allow_exit, on_empty))
     state = Path(raw.get("state") or Path("runs") / "regen" / path.stem)
-    return Recipe(path, text, str(raw.get("name") or path.stem), state, stages, raw.get("local_teacher"))
+    return Recipe(path, text, str(raw.get("name") or path.stem), state, stages, local_teacher_spec(path, raw))
+
+
+def local_teacher_spec(path: Path, raw: dict) -> dict | None:
+    """The top-level ``local_teacher:`` mapping (``model``, ``backend``, ``threads``), checked."""
+    from metachunk.local_teacher import BACKENDS
+
+    spec = raw.get("local_teacher")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise InputError(path, f"local_teacher: a mapping of model, backend and threads, got {spec!r}")
+    unknown = set(spec) - {"model", "backend", "threads"}
+    if unknown:
+        raise InputError(path, f"local_teacher: unknown key(s) {', '.join(sorted(map(str, unknown)))}")
+    if spec.get("backend", "auto") not in BACKENDS:
+        raise InputError(
+            path, f"local_teacher.backend: one of {', '.join(BACKENDS)}, got {spec['backend']!r}"
+        )
+    threads = spec.get("threads")
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise InputError(path, f"local_teacher.threads: a positive integer, got {threads!r}")
+    if not isinstance(spec.get("model", "smollm2"), str):
+        raise InputError(path, f"local_teacher.model: a preset or a model folder, got {spec['model']!r}")
+    return spec
 
 
 # ---- hashing ------------------------------------------------------------------------------------

@@ -113,6 +113,8 @@ def run_list(cfg: ListConfig) -> Result:
 
 
 def run_copy(cfg: CopyConfig) -> Result:
+    if not cfg.name:
+        raise InputError("recipes cp", "which recipe? give a NAME from `metachunk recipes list`")
     try:
         print(copy(cfg.name, cfg.dest))
     except (FileNotFoundError, FileExistsError) as e:

@@ -236,3 +236,14 @@ def test_a_batch_another_live_run_is_still_submitting_is_left_to_it(tmp_path):
     waiting.join(timeout=30)
     assert not waiting.is_alive() and store.live_batches() == []  # A is dead: nothing was sent, its claims go
     assert store.claims_in_flight() == 0
+
+
+def test_a_results_line_of_the_wrong_shape_names_its_file_and_line(tmp_path, capsys):
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")  # never contacted
+    good = {"custom_id": "k", "response": {"status_code": 500, "body": {}}}
+    for bad in ({"custom_id": "k", "response": "x"}, {"custom_id": ["k"], "response": {}}, ["k"]):
+        results = tmp_path / "results.jsonl"
+        results.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results)]) == 2
+        err = capsys.readouterr().err
+        assert f"{results}:2: expected a Batch API result line" in err and "Traceback" not in err

@@ -94,6 +94,7 @@ def test_a_flat_block_takes_nested_yaml_flat_yaml_and_flat_flags(tmp_path):
     ("yaml_text", "match"),
     [
         ("moc_window_chars: big\n", "field 'moc_window_chars' must be int"),
+        ("moc_window_chars: yes\n", "field 'moc_window_chars' must be int, got bool"),  # yes: True
         ("moc:\n  window_chars: big\n", "field 'moc.window_chars' must be int"),
         ("moc_placeholder: '<x>'\n", "field 'moc_placeholder' must be one of"),
         ("moc_window_chars: 3\nmoc:\n  window_chars: 4\n", "'moc_window_chars' and moc.window_chars"),

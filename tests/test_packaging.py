@@ -160,6 +160,7 @@ def test_shipped_recipes_are_found_by_name_and_copied(tmp_path, monkeypatch, cap
     ).read_bytes()
     assert main(["recipes", "cp", "train/cpu_smoke", "mine.yaml"]) == 2  # exists: never overwritten
     assert main(["recipes", "cp", "no/such"]) == 2
+    assert main(["recipes", "cp"]) == 2  # no name: which recipe, not a traceback
 
 
 def test_a_command_that_needs_a_missing_extra_names_it(tmp_path):

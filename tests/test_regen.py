@@ -156,11 +156,27 @@ def test_kill_9_mid_run_then_rerun_pays_nothing_twice_and_ends_byte_identical(tm
     assert sft_bytes(whole) and sft_bytes(killed) == sft_bytes(whole)  # files found, and the same
 
 
-def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys):
+STAGE = "stages:\n  - name: a\n    run: data sample\n    config: {}\n"
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("stages:\n  - name: a\n    run: frobnicate\n", "stages[0].run"),
+        (STAGE + "    allow_exit: 4\n", "stages[0].allow_exit"),
+        (STAGE + "    allow_exit: '04'\n", "stages[0].allow_exit"),
+        (STAGE + "    local_teacher: 'yes'\n", "stages[0].local_teacher"),
+        (STAGE + "local_teacher: smollm2\n", "local_teacher: a mapping"),
+        (STAGE + "local_teacher: {backend: llamacpp}\n", "local_teacher.backend: one of auto, llama.cpp"),
+        (STAGE + "local_teacher: {modle: smollm2}\n", "local_teacher: unknown key(s) modle"),
+        (STAGE + "local_teacher: {threads: 0}\n", "local_teacher.threads"),
+    ],
+)
+def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys, text, field):
     path = tmp_path / "bad.yaml"
-    path.write_text("stages:\n  - name: a\n    run: frobnicate\n", encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
     code, _, err = run(capsys, path)
-    assert code == 2 and f"{path}: stages[0].run" in err and "Traceback" not in err
+    assert code == 2 and f"{path}: {field}" in err and "Traceback" not in err
 
 
 def test_push_with_the_manifest_is_idempotent_and_tags_each_run(fake_hub, monkeypatch, sft_dataset, tmp_path):
