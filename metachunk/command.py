@@ -90,7 +90,6 @@ class Command:
     config: str = "CONFIG"
     run: str = "run"
     preset: dict = field(default_factory=dict)
-    epilog: str = ""
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)

@@ -25,6 +25,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from metachunk.redaction import register_secret
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,6 +40,15 @@ def hub_token(token: str | None = None) -> str:
     token = token or os.environ.get("HF_TOKEN", "").strip()
     if not token:
         raise ValueError("no Hub token: set the HF_TOKEN environment variable (a write token) to push")
+    register_secret(token)  # from here on, redact() masks it in everything written or printed
+    return token
+
+
+def env_token() -> str | None:
+    """``$HF_TOKEN`` for a read (None without one: public repos need none), registered for redaction."""
+    token = os.environ.get("HF_TOKEN", "").strip() or None
+    if token:
+        register_secret(token)
     return token
 
 
@@ -72,26 +83,27 @@ class HubNotFound(ValueError):
 def snapshot(text: str, repo_type: str = "model", token: str | None = None) -> Path:
     """The local folder of the Hub repo ``text`` names (`parse_hub_id`), downloaded into the
     Hub cache at its revision; its name is the commit it resolved to."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     parsed = parse_hub_id(text, repo_type)
     if parsed is None:
         raise HubNotFound(f"{text!r} is not a Hub id (ORG/NAME[@REVISION])")
     kind, repo_id, revision = parsed
+    name = f"{kind} {repo_id}{'@' + revision if revision else ''}"
     try:
-        return Path(snapshot_download(repo_id, repo_type=kind, revision=revision,
-                                      token=token or os.environ.get("HF_TOKEN") or None))  # fmt: skip
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        return Path(snapshot_download(repo_id, repo_type=kind, revision=revision, token=token or env_token()))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        # huggingface_hub raises LocalEntryNotFoundError offline, and also when the Hub cannot be reached
+        if constants.HF_HUB_OFFLINE:
+            raise HubNotFound(f"{name} is not in the local Hub cache and HF_HUB_OFFLINE=1 is set: unset it to "
+                              "download it") from None  # fmt: skip
         raise HubNotFound(
-            f"{kind} {repo_id}{'@' + revision if revision else ''} is not in the local Hub cache and "
-            "HF_HUB_OFFLINE=1 is set: unset it to download it"
+            f"{name}: not in the local Hub cache, and the Hub could not be reached ({e})"
         ) from None
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else "?"
-        raise HubNotFound(
-            f"{kind} {repo_id}{'@' + revision if revision else ''}: the Hub answered {status}"
-        ) from None
+        raise HubNotFound(f"{name}: the Hub answered {status}") from None
 
 
 def push_folder(

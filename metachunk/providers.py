@@ -48,7 +48,6 @@ class Provider:
     max_tokens_field: str = "max_tokens"
     refused_params: tuple[str, ...] = ()
     stream: bool = False
-    reasoning_field: str = "reasoning_content"  # where the reasoning arrives (both are always read)
     batch_endpoint: str | None = "/v1/chat/completions"  # None: the provider has no Batch API
     batch_max_requests: int = 50_000
     batch_max_bytes: int = 200_000_000
@@ -176,7 +175,6 @@ PROVIDERS: dict[str, Provider] = {
             "https://docs.vllm.ai/en/latest/features/structured_outputs.html",
             "https://docs.vllm.ai/en/latest/cli/run-batch.html",
         ),
-        reasoning_field="reasoning",
         batch_discount=1.0,
     ),
     # https://docs.sglang.ai/advanced_features/separate_reasoning.html : --reasoning-parser puts the

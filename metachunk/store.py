@@ -425,9 +425,9 @@ class AnswerStore:
 
     def finish_batch(
         self, batch: str, answers: list[StoredAnswer], states: dict[str, str], counts: dict
-    ) -> None:
+    ) -> bool:
         """A batch's results in one transaction: its answers and errors appended, every item's
-        state, its claims released, the batch done."""
+        state, its claims released, the batch done. False when another process had collected it."""
         import json
 
         self._db.execute("BEGIN IMMEDIATE")

@@ -540,12 +540,16 @@ class TokenBucket:
             self._refill()
         self.level -= amount
 
-    def give_back(self, amount: float) -> None:
-        """Return an over-estimate once the real usage is known."""
-        self.level = min(self.capacity, self.level + amount)
+    def give_back(self, estimated: float, used: float) -> None:
+        """Return what ``take(estimated)`` took beyond the real usage, once it is known (``take`` takes at most
+        the capacity: an estimate past it gets back only what it took)."""
+        unused = max(0.0, min(estimated, self.capacity) - used)
+        self.level = min(self.capacity, self.level + unused)
 
 
-def _retry_after_seconds(headers) -> float | None:
+def retry_after_seconds(headers) -> float | None:
+    """A 429's wait: ``retry-after-ms`` (OpenAI's), else ``retry-after`` in seconds or as an HTTP date;
+    None when neither says (a malformed value included)."""
     for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         value = headers.get(name)
         if value is None:
@@ -553,9 +557,12 @@ def _retry_after_seconds(headers) -> float | None:
         try:
             return float(value) / scale
         except ValueError:
-            stamp = email.utils.parsedate_to_datetime(value) if name == "retry-after" else None
-            if stamp is not None:
-                return stamp.timestamp() - time.time()
+            pass
+        if name == "retry-after":  # an HTTP date (RFC 9110 section 10.2.3); anything else is no hint
+            try:
+                return email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError):
+                return None
     return None
 
 
@@ -612,7 +619,7 @@ class Endpoint:
 
     async def _note_rate_limit(self, response) -> None:
         if response.status_code == 429:
-            delay = _retry_after_seconds(response.headers)
+            delay = retry_after_seconds(response.headers)
             delay = 1.0 if delay is None or delay <= 0 else min(delay, 120.0)
             self.pause_until = max(self.pause_until, time.monotonic() + delay)
 
@@ -1065,7 +1072,7 @@ class Teacher:
                     prompt_tokens = prompt_estimate
                     completion_tokens = min(max_tokens, self.count_tokens(text))
                 if via.tokens:  # replace the estimate by the real usage
-                    via.tokens.give_back(max(0, estimated_tokens - prompt_tokens - completion_tokens))
+                    via.tokens.give_back(estimated_tokens, prompt_tokens + completion_tokens)
                 cost = self.price.cost(prompt_tokens, completion_tokens)
                 return StoredAnswer(
                     key,

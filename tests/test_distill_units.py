@@ -5,6 +5,7 @@ import string
 import subprocess
 import sys
 import time
+from datetime import UTC
 
 import pytest
 from metachunk.chunking.students import window_span
@@ -404,3 +405,27 @@ def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teache
     body = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
     assert counted.count_tokens("", messages) == body + overhead
     store.close()
+
+
+def test_a_retry_after_header_is_read_in_ms_seconds_or_a_date_and_anything_else_is_no_hint():
+    from datetime import datetime, timedelta
+    from email.utils import format_datetime
+
+    from metachunk.teacher import retry_after_seconds
+
+    assert retry_after_seconds({"retry-after-ms": "1500", "retry-after": "9"}) == 1.5
+    assert retry_after_seconds({"retry-after": "2"}) == 2.0
+    later = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 25 < retry_after_seconds({"retry-after": later}) <= 30
+    assert retry_after_seconds({"retry-after": "soon"}) is None and retry_after_seconds({}) is None
+
+
+def test_the_token_bucket_gets_back_only_what_it_took_beyond_the_usage():
+    import asyncio
+
+    from metachunk.teacher import TokenBucket
+
+    bucket = TokenBucket(1000)
+    asyncio.run(bucket.take(5000))  # past the burst: takes the whole bucket, once
+    bucket.give_back(5000, 400)  # the estimate was 5,000, but only 1,000 was taken: 600 unused
+    assert 600 <= bucket.level < 610  # (a few tokens refill while the test runs)

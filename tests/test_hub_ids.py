@@ -125,6 +125,34 @@ def test_offline_an_id_outside_the_cache_is_a_clear_error(monkeypatch, tmp_path)
         models.resolve("someone/nowhere")
 
 
+def test_online_an_unreachable_hub_is_said_so_not_blamed_on_offline_mode(monkeypatch):
+    """huggingface_hub raises LocalEntryNotFoundError when the Hub cannot be reached too, not only offline."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from metachunk.hub import HubNotFound, snapshot
+
+    def unreachable(*args, **kwargs):
+        raise LocalEntryNotFoundError("cannot reach the Hub (connection refused)")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(HubNotFound) as caught:
+        snapshot("someone/nowhere")
+    assert "could not be reached (cannot reach the Hub" in str(caught.value)
+    assert "HF_HUB_OFFLINE" not in str(caught.value)
+
+
+def test_the_hub_token_is_masked_once_read(monkeypatch):
+    from metachunk.hub import hub_token
+    from metachunk.redaction import redact
+
+    monkeypatch.setenv("HF_TOKEN", "hf_never_in_a_log_0123456789")
+    hub_token()
+    assert redact("pushing with hf_never_in_a_log_0123456789") == "pushing with [REDACTED]"
+
+
 def test_the_python_api_takes_hub_ids(hub, tiny_model_dir):
     """The README's three lines with Hub ids: the same chunks and rewrites as from the local folder."""
     import metachunk
