@@ -42,8 +42,9 @@ buffer, whatever the window.
 characters) of its accepted chunks (`metachunk.chunking.moc.granularity_label`: (0,120] → 0,
 (120,150] → 1, (150,180] → 2, (180,∞) → 3). Samples are texts of about ``sample_chars`` (1024)
 characters made of whole consecutive chunks (§3.2.2: long texts truncated, short ones
-concatenated, always at chunk boundaries), never spanning a gap. Each sample carries the document's
-label (the router's target) and its expert target: one ``head + placeholder + tail`` string per
+concatenated, always at chunk boundaries), never spanning a gap. A sample's own label (the router's
+target and its expert set: §3.2.2 labels the ~1,024-character text, as the router reads it) is the
+granularity of its chunks' mean length, ``mean_chunk_chars``; each sample also carries its expert target: one ``head + placeholder + tail`` string per
 chunk (``head_chars`` / ``tail_chars`` characters, widened to whole ASCII words; a chunk shorter
 than both is quoted whole). A target is checked by recovering it with the inference algorithm
 (`metachunk.chunking.moc_answers.recover_spans`): when its chunk starts do not come back, the anchors are
@@ -644,8 +645,8 @@ def summarize(records: Sequence[dict]) -> dict:
         "samples": {
             "total": len(samples),
             "unrecoverable": sum(1 for s in samples if not s["recoverable"]),
-            "by_label": {
-                label: sum(len(r["samples"]) for r in ok if r["label"] == int(label))
+            "by_label": {  # each sample by its own label, as build-sft sorts them
+                label: sum(1 for s in samples if granularity_label(s["mean_chunk_chars"]) == int(label))
                 for label in ROUTER_LABELS
             },
         },

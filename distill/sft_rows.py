@@ -47,6 +47,7 @@ from metachunk.chunking.moc import (
     ROUTER_LABELS,
     check_placeholder,
     expert_messages,
+    granularity_label,
     load_moc_prompt,
     router_messages,
 )
@@ -287,7 +288,7 @@ def moc_features():
     return _features(
         "sample_index",
         {
-            "label": Value("int64"),  # granularity 0..3 of the document
+            "label": Value("int64"),  # granularity 0..3 of the sample's mean chunk length
             "mean_chunk_chars": Value("float64"),  # of the sample's chunks
             "chunks": Value("int64"),
             "placeholder": Value("string"),
@@ -340,14 +341,16 @@ class MocRows(RowMaker):
         return [(MOC_STAGE, w.get("answer") or {}) for w in rec.windows]
 
     def rows(self, rec: MocRecord, document: Callable[[str], str]) -> Iterator[Row]:
-        target = None if self.labels is None else rec.label
-        wanted = self.labels is None or target in self.labels  # the router set, or an expert set asked for
         if rec.status != "ok" or not rec.samples:
             self.no_samples += 1
-            if wanted:  # an expert set only knows labelled records
+            target = None if self.labels is None else rec.label
+            if self.labels is None or target in self.labels:  # an expert set only knows labelled records
                 yield Row(target, rec.doc_id, rec.lang, "failed_or_empty")
             return
-        if not wanted:
+        # Each sample's label is its own chunks' granularity (MoC §3.2.2 labels the ~1,024-character text, as
+        # the router sees it at inference), not its document's: it picks the router's answer and the expert set.
+        labels = [granularity_label(sample["mean_chunk_chars"]) for sample in rec.samples]
+        if self.labels is not None and not set(labels) & set(self.labels):
             return
         text = document(rec.doc_id)
         placeholder = rec.record.get("placeholder") or "[MASK]"
@@ -355,8 +358,11 @@ class MocRows(RowMaker):
         answered = next((w["answer"] for w in rec.windows if w.get("answer")), {})
         teacher = json.dumps({MOC_STAGE: answered.get("teacher")})
         teacher_prompt = json.dumps({MOC_STAGE: answered.get("prompt_sha256")})
-        lang, label = rec.lang, rec.label
-        for index, sample in enumerate(rec.samples):
+        lang = rec.lang
+        for index, (sample, label) in enumerate(zip(rec.samples, labels)):
+            target = None if self.labels is None else label
+            if target is not None and target not in self.labels:
+                continue
             body = text[sample["start"] : sample["end"]]
             if self.role == "expert":
                 answer = json.dumps(sample["elements"], ensure_ascii=False)

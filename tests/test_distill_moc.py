@@ -493,3 +493,39 @@ def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_mo
     assert all(c["text"] == distilled.text[c["start"] : c["end"]] for c in record["chunks"])
     moc = json.loads(chunks.with_suffix(".meta.json").read_text())["moc"]
     assert sum(moc["routes"].values()) == moc["windows"] >= 1
+
+
+def test_each_sample_is_labelled_by_its_own_chunks_not_its_document(tmp_path, tiny_model_dir):
+    """MoC §3.2.2 labels the ~1,024-character text the router reads at inference: a document whose first
+    half the teacher cut into sentences (~60 characters, granularity 0) and whose second half into chunks of
+    four sentences (~250, granularity 3) gives router rows of both labels and rows to both expert sets."""
+    from metachunk.distill.sft import BuildSftConfig, build_sft
+
+    text, chunks = "", []
+    for k in range(24):  # 16 one-sentence chunks, then 8 of four sentences
+        piece = sentence(k) if k < 16 else " ".join(sentence(100 * k + j) for j in range(4))
+        start = len(text) + (1 if text else 0)
+        text = f"{text} {piece}" if text else piece
+        chunks.append({"start": start, "end": len(text), "distance": 0})
+    cfg = SimpleNamespace(sample_chars=600, head_chars=10, tail_chars=10, placeholder="[MASK]")
+    rec = {"schema_version": 1, "task": "moc", "doc_id": "mixed", "lang": "en", "status": "ok", "reason": "",
+           "windows": [], "chunks": chunks, "samples": [], "placeholder": "[MASK]"}  # fmt: skip
+    rec = finish_record(rec, text, cfg)
+    labels = [granularity_label(s["mean_chunk_chars"]) for s in rec["samples"]]
+    assert {0, 3} <= set(labels)  # one document, samples of both ends
+    (tmp_path / "moc.jsonl").write_text(json.dumps(rec) + "\n")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "mixed", "text": text}) + "\n")
+    common = dict(distilled=tmp_path / "moc.jsonl", documents=tmp_path / "docs.jsonl", cards_dir=tmp_path / "cards",
+                  tokenizer=str(tiny_model_dir), validation_fraction=0.0)  # fmt: skip
+    build_sft(BuildSftConfig(task="moc-router", out=tmp_path / "ro", **common), progress=False)
+    from datasets import load_dataset
+
+    rows = load_dataset(str(tmp_path / "ro"), split="train")
+    by_start = {s["start"]: label for s, label in zip(rec["samples"], labels)}
+    assert sorted(int(r["completion"][0]["content"]) for r in rows) == sorted(labels)
+    assert all(int(r["completion"][0]["content"]) == r["label"] == by_start[r["start"]] for r in rows)
+    expert = build_sft(BuildSftConfig(task="moc-expert", out=tmp_path / "ex", granularity=[0, 3], **common),
+                       progress=False)  # fmt: skip
+    assert {int(label): stats["rows"]["train"] for label, stats in expert["datasets"].items()} == {
+        label: labels.count(label) for label in (0, 3)
+    }
