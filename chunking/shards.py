@@ -638,12 +638,20 @@ def chunk_rows(path: str | Path, rejects: Rejects | None = None, max_row_bytes: 
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
             raise InputError(path, "a folder without manifest.json is not a metachunk chunk output")
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if not manifest.get("complete"):
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InputError(manifest_path, f"not JSON ({e})") from None
+        if not isinstance(manifest, dict) or not manifest.get("complete"):
             raise InputError(
                 manifest_path, "the run is not complete: rerun the same `metachunk chunk` to finish it"
             )
-        files = [path / entry["file"] for entry in manifest["shards"]["done"].values()]
+        try:
+            files = [path / entry["file"] for entry in manifest["shards"]["done"].values()]
+        except (KeyError, TypeError, AttributeError):
+            raise InputError(
+                manifest_path, "field 'shards.done' is missing or not a mapping of shard files"
+            ) from None
     elif path.is_file():
         files = [path]
     else:

@@ -312,7 +312,7 @@ def read_chunk_docs(path: Path, limit: int | None = None, rejects: Rejects | Non
     for where, number, row in chunk_rows(path, rejects, max_row_bytes):
         try:
             try:
-                texts = [c["text"] for c in row["chunks"]]
+                doc_id, texts = str(row["id"]), [c["text"] for c in row["chunks"]]
                 if not all(isinstance(t, str) for t in texts):
                     raise TypeError("a chunk's 'text' is not a string")
             except (KeyError, TypeError) as e:
@@ -320,7 +320,7 @@ def read_chunk_docs(path: Path, limit: int | None = None, rejects: Rejects | Non
                                  number) from None  # fmt: skip
             for t in texts:
                 check_unicode(where, number, "text", t)
-            docs.append((str(row["id"]), texts))
+            docs.append((doc_id, texts))
         except InputError as e:
             refuse_or_skip(rejects, e, json.dumps(row, ensure_ascii=False))
         if limit is not None and len(docs) >= limit:  # stop before reading (and judging) a row not used

@@ -129,12 +129,21 @@ def _document_chunks(where: Path, number: int, row: dict, mode: str, docs: dict)
         check_unicode(where, number, f"chunks[{i}].text", text)
         if end - start != len(text):
             raise InputError(where, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
+        # The chunks cover the document from 0 with no gap, in order (a chunk may overlap the one before it,
+        # `chunk --overlap`, where their texts must agree): the document is rebuilt from them.
+        if not 0 <= start <= len(buffer) or (i == 0 and start != 0):
+            covered = (
+                f"the chunks before cover [0, {len(buffer)})" if i else "the first chunk must start at 0"
+            )
+            raise InputError(where, f"chunks[{i}] starts at {start}: {covered}", number)
+        if "".join(buffer[start : min(end, len(buffer))]) != text[: max(0, len(buffer) - start)]:
+            raise InputError(where, f"chunks[{i}]: its text differs from the chunk it overlaps", number)
         shown, missing = indexed_text(c, mode)
         lacking += missing
         records.append((start, end, text, shown))
-        if len(buffer) < end:
-            buffer.extend("\0" * (end - len(buffer)))
-        buffer[start:end] = text
+        buffer.extend(
+            text[len(buffer) - start :]
+        )  # what it adds past the chunks before (nothing, inside them)
     return doc_id, records, "".join(buffer), lacking
 
 

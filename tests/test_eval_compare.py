@@ -13,6 +13,8 @@ from metachunk.eval.compare import (
 )
 from metachunk.eval.report import read_run, write_run
 
+from metachunk.artifacts import InputError
+
 
 def _runs(tmp_path, lengths):
     dirs = []
@@ -66,6 +68,34 @@ def test_length_guard_edges():
 def test_bad_run_dir_is_named(tmp_path):
     with pytest.raises(ValueError, match="no metrics.json"):
         compare(CompareConfig(runs=[tmp_path], out=tmp_path / "r.md"))
+    metrics = tmp_path / "metrics.json"
+    for text, error in (
+        ("nope", r"metrics.json:1: not JSON"),
+        ("[1]", r"metrics.json: field 'metrics' is missing"),
+    ):
+        metrics.write_text(text)
+        with pytest.raises(InputError, match=error):
+            compare(CompareConfig(runs=[tmp_path], out=tmp_path / "r.md"))
+
+
+def test_a_chunk_output_folder_with_a_bad_manifest_is_named(tmp_path):
+    """`eval qa`, `eval chunk-quality` and `data sample` read a `metachunk chunk -o DIR` through its manifest."""
+    from metachunk.chunking.shards import chunk_rows
+
+    manifest = tmp_path / "manifest.json"
+    for text, error in (("garbage", "not JSON"), ('{"complete": true}', "field 'shards.done' is missing")):
+        manifest.write_text(text)
+        with pytest.raises(InputError, match=f"manifest.json: {error}"):
+            list(chunk_rows(tmp_path))
+
+
+def test_a_chunks_record_without_an_id_is_named(tmp_path):
+    from metachunk.eval.chunk_quality import read_chunk_docs
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"chunks": [{"text": "a"}]}\n')
+    with pytest.raises(InputError, match=r"c.jsonl:1: expected a chunks record with 'id'"):
+        read_chunk_docs(path)
 
 
 def test_runs_with_one_label_are_one_column(tmp_path):

@@ -377,6 +377,27 @@ def test_read_chunks_index_text_modes(tmp_path):
         read_chunks(bad)
 
 
+@pytest.mark.parametrize(
+    "chunks, error",
+    [
+        ([("abc", -3), ("xyz", 10)], r"chunks\[0\] starts at -3: the first chunk must start at 0"),
+        ([("abc", 0), ("xyz", 10)], r"chunks\[1\] starts at 10: the chunks before cover \[0, 3\)"),
+        ([("abc", 0), ("xy", 2)], r"chunks\[1\]: its text differs from the chunk it overlaps"),
+        ([("abc", 0), ("cde", 2)], None),  # `chunk --overlap`: the overlap agrees
+    ],
+)
+def test_the_chunks_must_cover_their_document_from_0_without_a_gap(tmp_path, chunks, error):
+    """The document is rebuilt from its chunks: a gap or a negative start would make up text to search."""
+    path = tmp_path / "c.jsonl"
+    rows = [{"text": t, "start": s, "end": s + len(t)} for t, s in chunks]
+    path.write_text(json.dumps({"id": "x", "chunks": rows}) + "\n")
+    if error is None:
+        assert read_chunks(path)[1] == {"x": "abcde"}
+    else:
+        with pytest.raises(ValueError, match=r"c.jsonl:1: " + error):
+            read_chunks(path)
+
+
 # ------------------------------------------------------------------------------- the command
 
 
