@@ -63,12 +63,6 @@ from metachunk.chunking.moc_answers import (
     recover_spans,
     tile,
 )
-
-# Re-exported for callers that import them from here (tests/test_distill_moc.py); distill/run.py
-# (DEFAULT_PLACEHOLDER, PLACEHOLDERS) and distill/sft_rows.py (check_placeholder) get names this
-# module uses itself.
-from metachunk.chunking.moc_answers import expert_element as expert_element
-from metachunk.chunking.moc_answers import recover_chunks as recover_chunks
 from metachunk.chunking.moc_grammar import (
     GRAMMAR_LIBRARY,
     ExpertGrammar,

@@ -31,7 +31,9 @@ the row is the context ``d``, the column the scored chunk ``q``.
   distribution. Lower is better. The *complete* graph (``cs_complete``, the paper's CS_c) takes
   all ordered pairs ``i != j``, so two chunks can be joined twice (once each way), as in the
   released ``relation_eval.py``; the *sequence-aware incomplete* graph (``cs_incomplete``, CS_i)
-  takes only pairs whose context comes first, ``j > i`` (δ = 0). A document whose graph keeps no
+  takes only pairs whose context comes first, ``j > i`` (δ = 0), under both conventions: the
+  released ``create_graph_2``'s direction. Read literally, the paper's ``Edge(d_i, d_j)`` with
+  ``j - i > δ`` scores the earlier chunk given the later one. A document whose graph keeps no
   edge (``m = 0``) has ``CS = 0``: no stickiness, the empty sum, and what the released script
   returns; ``docs_no_edges_*`` count them. Documents with fewer than two chunks have no boundary
   and no pair: they are skipped (``docs_skipped``).
@@ -57,8 +59,9 @@ too), beside the unsuffixed metrics of ``--convention``.
 **Cost and the cap.** The complete graph needs ``N (N - 1)`` conditional perplexities per
 document. They are batched: each context ``d`` runs once and its KV cache is reused by batches of
 all the ``q`` read after it, ``--batch-size`` of them per forward pass
-(`metachunk.engine.scoring.continuation_nll`). On the 2-core CPU bench this is 1.3-1.5x faster than
-one forward pass per pair, at 1 or 8 rows alike (``bench/eval_speed.py``). ``--max-pairs`` caps the
+(`metachunk.engine.scoring.continuation_nll`): faster than one forward pass per pair, since a
+context's forward pass is shared by every chunk read after it (``bench/eval_speed.py``; the figures are
+on the performance page). ``--max-pairs`` caps the
 ordered pairs per document; beyond it the nearest pairs are kept (by ``|i - j|``, forward before
 backward, then by position), so adjacent pairs, which BC needs, always come first. Pairs not
 computed are no edge. ``pairs_computed``, ``pairs_total`` and ``docs_capped`` say what the cap

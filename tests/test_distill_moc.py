@@ -18,8 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from metachunk.chunking.moc import expert_element as element
-from metachunk.chunking.moc import expert_messages, granularity_label, recover_chunks, router_messages
+from metachunk.chunking.moc import expert_messages, granularity_label, router_messages
+from metachunk.chunking.moc_answers import expert_element as element
+from metachunk.chunking.moc_answers import recover_chunks
 from metachunk.chunking.sentences import split_sentences
 from metachunk.distill.moc import (
     SEPARATOR,

@@ -46,7 +46,7 @@ Returns:
     f1: mean F1 over the examples; scores: per-example F1.
 Examples:
     >>> f1 = evaluate.load("eval/metrics/longbench_f1")
-    >>> f1.compute(predictions=["The Eiffel Tower!"], references=["eiffel tower"], lang=None)["f1"]
+    >>> f1.compute(predictions=["The Eiffel Tower!"], references=["eiffel tower"], lang="en")["f1"]
     1.0
 """
 

@@ -46,7 +46,7 @@ Returns:
     scores: per-example F-measure; precisions, recalls: per example.
 Examples:
     >>> rouge = evaluate.load("eval/metrics/rouge_l")
-    >>> rouge.compute(predictions=["the cat sat"], references=["the cat sat down"], lang=None)["rouge_l"]
+    >>> rouge.compute(predictions=["the cat sat"], references=["the cat sat down"], lang="en")["rouge_l"]
     0.857142...
 """
 
