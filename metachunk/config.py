@@ -185,7 +185,10 @@ def _coerce(value, kind, where: Path, key: str):
             return kind(**fields)
         except (TypeError, ValueError) as e:
             raise InputError(where, f"field {key!r}: {e}") from None
-    counted_yes = isinstance(value, bool) and kind is not bool  # YAML's yes is True, a Python int: no count
+    counted_yes = isinstance(value, bool) and kind in (
+        int,
+        float,
+    )  # YAML's yes is True, a Python int: no count
     if isinstance(value, kind) and not counted_yes:
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):

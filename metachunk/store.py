@@ -95,8 +95,9 @@ _ADDED_COLUMNS = (
 )
 
 LEASE_SECONDS = 30.0  # a claim not renewed for this long belongs to a dead process
-# A batch whose file another machine was uploading counts as orphaned after this long: its process
-# cannot be asked whether it still runs, and an upload of the largest file allowed takes minutes.
+# A batch whose file another process was uploading counts as orphaned after this long: on another
+# machine its process cannot be asked whether it still runs, and an upload of the largest file allowed
+# takes minutes.
 UPLOAD_SECONDS = 3600.0
 
 
@@ -120,7 +121,7 @@ class StoredAnswer:
 @dataclass(frozen=True, slots=True)
 class Claim:
     """What `AnswerStore.claim` found: ``claimed`` (send it), ``answered`` (read it),
-    ``busy`` (another live process is sending it: wait) or ``over_budget`` (do not send)."""
+    ``busy`` (another live sender, this process included, has it: wait) or ``over_budget`` (do not send)."""
 
     outcome: str
     owner: str = ""
@@ -403,17 +404,22 @@ class AnswerStore:
     def _submitting(self, host: str | None, pid: int | None, created: float) -> bool:
         """Whether another live process may still be uploading or creating this batch. This process's
         own are not: it waits for batches only once its submitting returned."""
-        if host is None or (host == self.host and pid == os.getpid()):
+        if (
+            host is None
+            or (host == self.host and pid == os.getpid())
+            or time.time() - created >= UPLOAD_SECONDS
+        ):
             return False
-        if host == self.host:
+        if (
+            host == self.host
+        ):  # known dead at once; a pid reused by another process still ends with the window
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return False
             except PermissionError:
                 pass
-            return True
-        return time.time() - created < UPLOAD_SECONDS
+        return True
 
     def batch_item(self, key: str) -> tuple[str | None, int, float]:
         """``(latest state, batches it was in, its last reservation)`` of a request key."""

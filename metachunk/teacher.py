@@ -828,7 +828,7 @@ def provider_message(error: openai.APIError) -> str:
     return error.message
 
 
-WAIT_POLL_SECONDS = 0.2  # how often a request another process is sending is looked for
+WAIT_POLL_SECONDS = 0.2  # how often a request another sender (process or coroutine) holds is looked for
 
 
 class Teacher:
@@ -853,7 +853,9 @@ class Teacher:
             self.wire_model = str(resolve(cfg.model))
         self.offline = endpoint is None  # dry run / status: answer from the store or say "pending"
         self.cached = 0  # answers served from the store
-        self.waited = 0  # answers another process was paying for when this one wanted them
+        self.waited = (
+            0  # answers another sender (a process, or a request of this one) was paying for when wanted
+        )
         self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
         # One calibration for the model across its endpoints: replicas bill the same tokens.
         self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}" if endpoint else ""
@@ -1009,7 +1011,7 @@ class Teacher:
                         raise BudgetExceeded
                     refused = True
                     continue
-            else:  # busy: another process is sending this very request
+            else:  # busy: another sender (a process, or a request of this one) has this very request
                 waited = True
             await asyncio.sleep(WAIT_POLL_SECONDS)
         try:
@@ -1144,9 +1146,9 @@ class TeacherPool:
                 endpoint = self.endpoints[where]
             if max_cost is not None and cfg.model not in prices:  # $0 a request: the cap would never bind
                 raise InputError(
-                    "--max-cost",
-                    f"the {stage!r} teacher's model {cfg.model!r} has no entry under prices: (USD per 1M "
-                    "prompt/completion tokens, by model name), so nothing it sends would count against the cap",
+                    "max_cost",  # --max-cost, or chunk's --lumber-max-cost
+                    f"a cost cap is set but the {stage!r} teacher's model {cfg.model!r} has no entry under prices: "
+                    "(USD per 1M prompt/completion tokens, by model name), so nothing it sends would count against it",
                 )
             price = prices.get(cfg.model) or Price()
             if price.batch_discount is None:  # the model's price does not say: the teacher's provider does
@@ -1162,7 +1164,8 @@ class TeacherPool:
 
     @property
     def waited(self) -> int:
-        """Answers this run waited for because another process on the store was paying for them."""
+        """Answers this run waited for because another sender on the store (a process, or a request of this
+        run) was paying for them."""
         return sum(t.waited for t in self.stages.values())
 
     @property

@@ -107,3 +107,17 @@ def test_flat_block_errors_name_the_key_as_written(tmp_path, yaml_text, match):
     recipe.write_text(yaml_text)
     with pytest.raises(InputError, match=match):
         _chunky(["--config", str(recipe)])
+
+
+def test_a_boolean_where_any_value_goes_stays_a_boolean(tmp_path):
+    """extra_body holds provider fields of any type: DashScope's enable_thinking is a bool (docs/teachers.md)."""
+    from metachunk.distill.run import DistillConfig
+
+    from metachunk.config import load_yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "teachers:\n  reflection:\n    model: m\n    extra_body: {enable_thinking: false, top_k: 5}\n"
+    )
+    fields = load_yaml(DistillConfig, recipe)
+    assert fields["teachers"]["reflection"].extra_body == {"enable_thinking": False, "top_k": 5}

@@ -145,7 +145,9 @@ def test_a_cap_without_the_teachers_price_is_refused(tmp_path):
     from metachunk.teacher import TeacherPool
 
     store = AnswerStore(tmp_path / "a.sqlite")
-    with pytest.raises(InputError, match="model 'm' has no entry under prices"):
+    with pytest.raises(
+        InputError, match="max_cost: a cost cap is set but the 'stage' teacher's model 'm' has no entry"
+    ):
         TeacherPool({"stage": TeacherConfig("m")}, {"other": Price(1.0, 1.0)}, store, max_cost=1.0)
     TeacherPool({"stage": TeacherConfig("m")}, {}, store)  # no cap: no price needed
     store.close()

@@ -231,7 +231,7 @@ def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path,
         text = f"the tokenizer of {model} has no chat template"
     elif case == "hub_token":  # a secret given here would reach metachunk_run.json and the model card
         extra, text = (
-            ["--hub_token", "hf_SECRET"],
+            ["--hub-token", "hf_SECRET"],
             "field 'hub_token': the Hub token is read from HF_TOKEN only",
         )
     elif (
@@ -334,7 +334,7 @@ def test_the_runs_identity_leaves_out_how_it_is_watched(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("learning_rate: 1.0e-5\nreport_to: tensorboard\nlogging_dir: logs\n")
     argv = ["--config", str(recipe), "--report_to", "wandb", "tensorboard", "--max_length", "64",
-            "--logging_dir=elsewhere", "--seed", "3"]  # fmt: skip
+            "--logging-dir=elsewhere", "--seed", "3"]  # fmt: skip
     assert identity(SimpleNamespace(argv=argv)) == {
         "recipe": {"learning_rate": 1.0e-5},
         "flags": ["--max_length", "64", "--seed", "3"],

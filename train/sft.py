@@ -94,11 +94,16 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     argv = shipped_config(list(sys.argv[1:] if argv is None else argv))
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
     check_renamed(recipe, argv)
-    check_no_token(recipe, argv)
     check_deepspeed_file(recipe, argv)  # SFTConfig reads the JSON as it is built
     argv = argv + checkpointing_said(recipe, argv, SFTConfig)
     parser = TrlParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
+    if (
+        sft_args.hub_token
+    ):  # any spelling (--hub-token, an abbreviation): the record and card quote the command
+        raise ValueError(
+            "field 'hub_token': the Hub token is read from HF_TOKEN only, never from a recipe or a flag"
+        )
     if check_inputs:
         check(model_args, sft_args)
     dtype = weights_dtype(model_args)
@@ -175,15 +180,6 @@ def check_renamed(recipe: dict, argv: list[str]) -> None:
     for old, new in RENAMED.items():
         if old in recipe or any(a == f"--{old}" or a.startswith(f"--{old}=") for a in argv):
             raise ValueError(f"field {old!r} is now {new!r}, TRL's name (`trl sft` reads the same recipes)")
-
-
-def check_no_token(recipe: dict, argv: list[str]) -> None:
-    """TrainingArguments' ``hub_token`` is refused: the run's record (``metachunk_run.json``) and its model
-    card quote the recipe and the command line, and a secret comes only from the environment."""
-    if "hub_token" in recipe or any(a.split("=")[0] == "--hub_token" for a in argv):
-        raise ValueError(
-            "field 'hub_token': the Hub token is read from HF_TOKEN only, never from a recipe or a flag"
-        )
 
 
 def checkpointing_said(recipe: dict, argv: list[str], sft_config) -> list[str]:
@@ -435,6 +431,10 @@ def load_rows(model_args: ModelDataArguments, sft_args):
     eval_set = data[split].select_columns(keep) if split in data else None
     if eval_set is not None and len(eval_set) == 0:
         eval_set = None
+
+    n_train, n_eval = len(train_set), len(eval_set) if eval_set is not None else 0
+    if n_train == 0:  # build-sft's filters may leave a small run nothing; that is not a crash
+        raise EmptyInput(model_args.dataset_name, "the 'train' split has no rows: nothing to train")
     if eval_set is None and sft_args.eval_strategy != "no":  # the Trainer's own error is a traceback
         has = (
             f"has no rows in its {split!r} split"
@@ -445,10 +445,6 @@ def load_rows(model_args: ModelDataArguments, sft_args):
             f"field 'dataset_test_split': {model_args.dataset_name} {has}, and eval_strategy is "
             f"'{sft_args.eval_strategy.value}': name another split, or pass --eval_strategy no"
         )
-
-    n_train, n_eval = len(train_set), len(eval_set) if eval_set is not None else 0
-    if n_train == 0:  # build-sft's filters may leave a small run nothing; that is not a crash
-        raise EmptyInput(model_args.dataset_name, "the 'train' split has no rows: nothing to train")
     train_set, over_train = fit_max_length(train_set, rendering, sft_args)
     eval_set, over_eval = fit_max_length(eval_set, rendering, sft_args)
     limit = f"fits in {sft_args.max_length} tokens (prompt + completion)"
@@ -615,8 +611,8 @@ def identity(cfg: TrainConfig) -> dict:
     recipe = {k: v for k, v in read_recipe(argv).items() if k not in RUNTIME_FIELDS}
     flags, left_out = [], False
     for arg in argv:  # less --config FILE and the runtime flags, each with its values
-        if arg.startswith("--"):
-            left_out = arg.split("=")[0].removeprefix("--") in ("config", *RUNTIME_FIELDS)
+        if arg.startswith("--"):  # transformers' parser takes --report-to for --report_to
+            left_out = arg.split("=")[0].removeprefix("--").replace("-", "_") in ("config", *RUNTIME_FIELDS)
         if not left_out:
             flags.append(arg)
     return {"recipe": recipe, "flags": flags}
