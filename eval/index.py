@@ -85,7 +85,7 @@ def indexed_text(chunk: dict, mode: str) -> tuple[str, bool]:
 def read_chunks(path: Path, mode: str = "chunk", rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES
                 ) -> tuple[list[ChunkRecord], dict[str, str], int]:  # fmt: skip
     """``(chunks, documents, n_lacking)``: every chunk of the file, the documents rebuilt from their
-    chunks (chunk texts at their offsets; these tile the document, see ``metachunk chunk``), and how
+    chunks (chunk texts at their offsets: ``metachunk chunk``'s tile it; a gap stays NUL), and how
     many chunks lacked the field ``mode`` asks for. A bad record is an error, or with ``rejects``
     (``--on-bad-row skip``) left out whole."""
     chunks: list[ChunkRecord] = []
@@ -129,21 +129,21 @@ def _document_chunks(where: Path, number: int, row: dict, mode: str, docs: dict)
         check_unicode(where, number, f"chunks[{i}].text", text)
         if end - start != len(text):
             raise InputError(where, f"chunks[{i}]: {end} - {start} != len(text) {len(text)}", number)
-        # The chunks cover the document from 0 with no gap, in order (a chunk may overlap the one before it,
-        # `chunk --overlap`, where their texts must agree): the document is rebuilt from them.
-        if not 0 <= start <= len(buffer) or (i == 0 and start != 0):
-            covered = (
-                f"the chunks before cover [0, {len(buffer)})" if i else "the first chunk must start at 0"
+        # The document is rebuilt from its chunks. They may overlap (`chunk --overlap`) where their texts agree;
+        # a gap (a chunker that drops the whitespace between chunks) is text no chunk holds, left as NUL, which
+        # no evidence matches.
+        if start < 0:
+            raise InputError(
+                where, f"chunks[{i}] starts at {start}: an offset into the document is >= 0", number
             )
-            raise InputError(where, f"chunks[{i}] starts at {start}: {covered}", number)
-        if "".join(buffer[start : min(end, len(buffer))]) != text[: max(0, len(buffer) - start)]:
-            raise InputError(where, f"chunks[{i}]: its text differs from the chunk it overlaps", number)
+        if len(buffer) < end:
+            buffer.extend("\0" * (end - len(buffer)))
+        if any(known not in ("\0", new) for known, new in zip(buffer[start:end], text)):
+            raise InputError(where, f"chunks[{i}]: its text differs from a chunk it overlaps", number)
         shown, missing = indexed_text(c, mode)
         lacking += missing
         records.append((start, end, text, shown))
-        buffer.extend(
-            text[len(buffer) - start :]
-        )  # what it adds past the chunks before (nothing, inside them)
+        buffer[start:end] = text
     return doc_id, records, "".join(buffer), lacking
 
 

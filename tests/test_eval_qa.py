@@ -378,21 +378,21 @@ def test_read_chunks_index_text_modes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "chunks, error",
+    "chunks, error, document",
     [
-        ([("abc", -3), ("xyz", 10)], r"chunks\[0\] starts at -3: the first chunk must start at 0"),
-        ([("abc", 0), ("xyz", 10)], r"chunks\[1\] starts at 10: the chunks before cover \[0, 3\)"),
-        ([("abc", 0), ("xy", 2)], r"chunks\[1\]: its text differs from the chunk it overlaps"),
-        ([("abc", 0), ("cde", 2)], None),  # `chunk --overlap`: the overlap agrees
+        ([("abc", -3), ("xyz", 10)], r"chunks\[0\] starts at -3: an offset into the document is >= 0", None),
+        ([("abc", 0), ("xy", 2)], r"chunks\[1\]: its text differs from a chunk it overlaps", None),
+        ([("abc", 0), ("cde", 2)], None, "abcde"),  # `chunk --overlap`: the overlap agrees
+        ([("abc", 0), ("xyz", 5)], None, "abc\0\0xyz"),  # a chunker that drops whitespace: the gap is unknown
     ],
 )
-def test_the_chunks_must_cover_their_document_from_0_without_a_gap(tmp_path, chunks, error):
-    """The document is rebuilt from its chunks: a gap or a negative start would make up text to search."""
+def test_the_document_is_rebuilt_from_chunks_that_agree(tmp_path, chunks, error, document):
+    """A negative offset, or an overlap whose texts differ, would make up text to search for evidence in."""
     path = tmp_path / "c.jsonl"
     rows = [{"text": t, "start": s, "end": s + len(t)} for t, s in chunks]
     path.write_text(json.dumps({"id": "x", "chunks": rows}) + "\n")
     if error is None:
-        assert read_chunks(path)[1] == {"x": "abcde"}
+        assert read_chunks(path)[1] == {"x": document}
     else:
         with pytest.raises(ValueError, match=r"c.jsonl:1: " + error):
             read_chunks(path)
