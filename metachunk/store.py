@@ -296,16 +296,20 @@ class AnswerStore:
         )
 
     def _alive(self, host: str, pid: int, expires: float) -> bool:
-        if expires < time.time():
+        # a dead owner on this machine is known at once, not after its lease
+        return expires >= time.time() and not self._known_dead(host, pid)
+
+    def _known_dead(self, host: str, pid: int) -> bool:
+        """True when ``pid`` runs on this machine and is gone; a process elsewhere cannot be asked."""
+        if host != self.host:
             return False
-        if host == self.host:  # a dead owner on this machine is known at once, not after its lease
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-        return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, under another user
+            pass
+        return False
 
     def _reserved(self, excluding: str = "") -> float:
         """The reservations of every unexpired claim, this process's and others'. A dead owner's
@@ -404,22 +408,10 @@ class AnswerStore:
     def _submitting(self, host: str | None, pid: int | None, created: float) -> bool:
         """Whether another live process may still be uploading or creating this batch. This process's
         own are not: it waits for batches only once its submitting returned."""
-        if (
-            host is None
-            or (host == self.host and pid == os.getpid())
-            or time.time() - created >= UPLOAD_SECONDS
-        ):
+        if host is None or (host == self.host and pid == os.getpid()):
             return False
-        if (
-            host == self.host
-        ):  # known dead at once; a pid reused by another process still ends with the window
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-        return True
+        # a pid reused by another process still ends with the window
+        return time.time() - created < UPLOAD_SECONDS and not self._known_dead(host, pid)
 
     def batch_item(self, key: str) -> tuple[str | None, int, float]:
         """``(latest state, batches it was in, its last reservation)`` of a request key."""
