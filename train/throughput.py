@@ -176,6 +176,14 @@ class ModelShape:
         return dense, attention
 
 
+def windowed_keys(length: int, window: int | None) -> int:
+    """The sum of ``2 * min(p + 1, window) - 1`` over the positions of one sequence: ``length^2`` under full
+    attention, and past the window each position adds ``2 * window - 1``."""
+    if window is None or length <= window:
+        return length * length
+    return window * window + (length - window) * (2 * window - 1)
+
+
 def batch_counts(
     input_ids=None,
     attention_mask=None,
@@ -208,7 +216,7 @@ def batch_counts(
     else:
         shaped = input_ids if input_ids is not None else inputs_embeds
         rows, length = shaped.shape[:2]
-        sums = [rows * sum(2 * min(p + 1, w or length) - 1 for p in range(length)) for w in (None, *windows)]
+        sums = [rows * windowed_keys(length, w) for w in (None, *windows)]
         counts = torch.tensor([rows * length, *sums], dtype=torch.int64, device=shaped.device)
     if shift_labels is not None:
         scored = (shift_labels != -100).sum().to(counts.device, torch.int64)
