@@ -14,7 +14,9 @@ Two checks of issue 47's output stability, on the same documents:
                                                                                   # plan, run on CPU
 
 ``--gpu-plan`` runs the GPU's plan on CPU (a 131,072-token budget, packed rows through flex
-attention, 8,192 x 32,768 head tiles), so the dry run checks the plan itself where there is no GPU.
+attention, 8,192-row head tiles), so the dry run checks the plan itself where there is no GPU. The
+tiles' vocabulary width is not part of it: ``head_tile`` picks that by device (32,768 on a GPU,
+8,192 on CPU), so only the GPU run covers the wide tiles.
 The documents are the first ``--docs`` CRUD articles (``data:crud-news/news.jsonl``) or, with
 ``--corpus emma``, Emma paragraphs, which ship with the package.
 """

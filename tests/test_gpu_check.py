@@ -14,6 +14,7 @@ import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from support.fixtures import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,3 +285,38 @@ def test_the_pass_flops_count_from_the_models_shape_alone():
     # the engine's window plan at max_context 4: 5 tokens in windows [0, 4) and [2, 5); 10 in [0, 4), [2, 6),
     # [4, 8), [6, 10); a 1-token document scores nothing
     assert speed.window_counts([1, 5, 10], 4) == {"processed": 4 + 3 + 16, "scored": 0 + 4 + 9}
+
+
+def test_plain_batched_scores_each_token_once_from_its_own_window(tiny_model_dir):
+    """bench's plain-batched pass, the baseline issue 47 measures the engine against: its targets (built
+    with tensor ops under a mask) are every token but the first, each scored once from the window that
+    owns it, across padded batches and head chunks that split rows; checked against one forward per
+    window and a sum by hand."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    speed = load_bench("ppl_speed")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    docs = [
+        "Emma Woodhouse, handsome, clever, and rich, had lived nearly twenty-one years. " * k
+        for k in (1, 3, 6)
+    ]
+    window, stride = 24, 10
+    nll, counts = speed.plain_batched(model, tok, docs, window=window, stride=stride, budget=60, head_rows=7)
+    ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    assert counts["doc_tokens"] == [len(x) for x in ids] and counts["scored"] == sum(len(x) - 1 for x in ids)
+    assert counts["batches"] > 1 and counts["windows"] > len(docs)
+    with torch.inference_mode():
+        for k, x in enumerate(ids):
+            expected, start = 0.0, 0
+            while True:
+                end = min(start + window, len(x))
+                logp = torch.log_softmax(model(input_ids=torch.tensor([x[start:end]])).logits[0].float(), -1)
+                # target t, predicted at position t - 1; a later window's first window - stride are context
+                for t in range(start + (window - stride if start else 1), end):
+                    expected -= logp[t - 1 - start, x[t]].item()
+                if end == len(x):
+                    break
+                start += stride
+            assert nll[k] == pytest.approx(expected, rel=1e-5), k
