@@ -114,8 +114,9 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     """
     common = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
               "--max_steps", "3", "--max_length", "4096", "--seed", "0", "--data_seed", "0"]  # fmt: skip
+    # PYTHONFAULTHANDLER: a rank that aborts as it exits (see sft.end_process_group) prints every thread's stack
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+           "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # fmt: skip
     ds_out = tmp_path / "zero3"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "metachunk.train", *common,
            "--output_dir", str(ds_out), "--per_device_train_batch_size", "1",

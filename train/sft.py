@@ -748,7 +748,11 @@ def end_process_group() -> None:
     Without this a rank that finished its part of ``save_model`` returned and exited while rank 0
     was still writing: its communication threads were torn down with the interpreter, and it died
     of SIGABRT ("terminate called without an active exception") now and then when ranks finish at
-    different times, failing a run that had trained and saved."""
+    different times, failing a run that had trained and saved. It still does, rarely, under DeepSpeed:
+    ``destroy_process_group`` leaves gloo's worker and transport threads running, because ZeRO-3's
+    parameters and DeepSpeed's engine still hold the groups, and DeepSpeed's module globals hold those
+    (``parameter_offload.FWD_MODULE_STACK``, an ``lru_cache`` over the parameter coordinator), so the
+    groups go only as the interpreter ends. Freeing them earlier means clearing DeepSpeed's internals."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
