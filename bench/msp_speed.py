@@ -25,7 +25,8 @@ printed too. Decisions are then taken from the margins of both paths with the sa
 ``--theta``, default 0, and dynamic = mean of past margins, as
 :func:`metachunk.chunking.msp.msp_decisions` does) and compared: identical decisions / total, plus the
 largest ``|margin_batched - margin_single|``. PASS needs the target speed-up at
-``--headline-batch`` (default 8, ``msp_decisions``' default) and all decisions identical.
+``--headline-batch`` (default 8, ``msp_decisions``' default on CPU; on a GPU its default is sized from free
+memory) and all decisions identical.
 
 ``--check-dtype float32`` takes the decisions PASS judges from a second, untimed pass (one call per
 pair and ``margins`` at the headline B) with the model cast to that dtype. A random model's margins
