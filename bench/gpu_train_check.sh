@@ -5,16 +5,16 @@
 #      (padding-free rows, flex attention): `deepspeed --num_gpus 1 --module metachunk.train --config
 #      recipes/train/rewriter_qwen2.5-3b.yaml` on a random Qwen2.5-3B-shaped model; the trainer's own
 #      callback prints tokens/s, TFLOP/s and MFU (target >= 40%)
-#   2. the same without activation recomputation (the recipe's is sized for 80 GB; GPU only), and under ZeRO-3
-#      (--deepspeed recipes/deepspeed/zero3.json)
-#   3. kill -9 and --resume_from_checkpoint latest on the Qwen2-0.5B shape (bench/train_resume.py): the loss
-#      curve continues, no step counted twice
+#   2. under ZeRO-3 (--deepspeed recipes/deepspeed/zero3.json), then ZeRO-2 without activation recomputation
+#      (the recipe's is sized for 80 GB; GPU only)
+#   3. kill -9 and --resume_from_checkpoint latest on the Qwen2-0.5B shape at lr 1e-3 (bench/train_resume.py):
+#      the loss curve continues, no step counted twice, the same learning rate and tokens per step
 #   4. the 3B recipe under `accelerate launch --config_file recipes/accelerate/zero2.yaml`
-#   5. ZeRO-2 packed (bfd, 4,096-token sequences) and padded (sdpa): the other batch layouts
+#   5. ZeRO-2 packed (bfd sequences of PACK_LEN tokens) and padded (sdpa): the other batch layouts
 #   6. ZeRO-2 with DeepSpeed's FusedAdam instead of torch's fused AdamW (GPU only)
 #   7. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
 #      (target >= 0.8x plain batched generate)
-# Steps by name (GPU_TRAIN_STEPS=zero2,zero2_no_recompute,zero3,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
+# Steps by name (GPU_TRAIN_STEPS=zero2,zero3,zero2_no_recompute,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
 # rewrite_speed; default all) split the list over several slots: a device command runs at most 10 minutes, and
 # the whole list is estimated at ~14 (not measured). With the same GPU_CHECK_DIR, the models and the dataset are reused.
 # Each training step runs few optimizer steps of a smaller batch than the recipe's 96 rows
@@ -59,14 +59,16 @@ if [[ $DRY == 1 ]]; then
   DEVICE_ARGS=(--use_cpu true --bf16 false --dtype float32 --ddp_backend gloo --attn_implementation sdpa
                --activation_checkpointing false)
   TRAIN_STEPS=4; LOG_STEPS=2; RESUME_STEPS=6; KILL_AFTER=2; RESUME_REL=1e-4
-  DATA_RECORDS=24; MAX_LEN=4096; ACCUM=1
+  DATA_RECORDS=24; MAX_LEN=4096; PACK_LEN=4096; ACCUM=1
   # the dry run checks the plumbing: at these sizes the timings are noise, so no speed target
   REWRITE_ARGS=(--device cpu --corpus emma --docs 3 --max-new-tokens 8 --plain-batch-size 8 --target 0)
 else
   BIG=qwen2.5-3b; SMALL=qwen2-0.5b
   DEVICE_ARGS=()
   TRAIN_STEPS=12; LOG_STEPS=4; RESUME_STEPS=12; KILL_AFTER=6; RESUME_REL=0.02
-  DATA_RECORDS=2000; MAX_LEN=4096; ACCUM=4
+  # PACK_LEN: the packed run's sequences hold about the 3 rows of zero2's padding-free micro-batch (the carried
+  # set's rows are 3,200-4,200 tokens: sequences of 4,096 would hold one row each, and pack nothing)
+  DATA_RECORDS=2000; MAX_LEN=4096; PACK_LEN=12288; ACCUM=4
   REWRITE_ARGS=(--device cuda --corpus crud --docs 100 --max-new-tokens 64)
 fi
 DATASET=${GPU_TRAIN_DATASET:-$WORK/sft}
@@ -111,6 +113,7 @@ skip() {  # skip NAME WHY: a step this device cannot run, said in the summary in
 }
 
 train zero2 1 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
+train zero3 2 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 # The recipe recomputes activations (sized for an 80 GB GPU); a 141 GB one may hold them: the same run without
 # recomputation, its rate and peak memory beside zero2's (GPU only: the dry run never recomputes). By the
 # recipe's estimate, ~49 GB of states and ~49 GB of activations: on a smaller GPU it could only run out of memory.
@@ -122,19 +125,18 @@ if [[ $DRY == 0 ]]; then
     skip zero2_no_recompute "the GPU has ${gib} GiB; the 3B's states and activations need ~98 GB without recomputation"
   fi
 fi
-train zero3 2 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 
 step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$WORK/resume" --kill-after-step "$KILL_AFTER" --rel "$RESUME_REL" -- \
   "${deepspeed[@]//@PORT@/$((PORT_BASE + 3))}" --config "$RECIPE" --deepspeed "$DS/zero2.json" \
   --model_name_or_path "$SMALL_MODEL" --dataset_name "$DATASET" --max_steps "$RESUME_STEPS" --gradient_accumulation_steps "$ACCUM" \
   --logging_steps 1 --eval_strategy no --save_strategy steps --save_steps "$KILL_AFTER" --save_total_limit 1 \
-  --report_to none "${DEVICE_ARGS[@]}"
+  --learning_rate 1e-3 --report_to none "${DEVICE_ARGS[@]}"
 
 train accelerate 4 "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 \
   --main_process_port @PORT@ -m metachunk.train --deepspeed "$DS/zero2.json"
 
 train zero2_packed 5 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
-  --packing true --max_length "$MAX_LEN" --per_device_train_batch_size 1
+  --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1
 train zero2_padded 6 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
 

@@ -18,11 +18,18 @@ The command after ``--`` is any launcher of ``metachunk.train`` (``deepspeed``, 
 
 Passes when the rerun reports resuming at step K or later (``metachunk.train``'s "resuming from ... at
 step N"), its ``train_log.json`` holds every step from 1 to the last exactly once (no step counted twice,
-the history before the kill carried over), and each loss after the resume is within ``--rel`` of the
-uninterrupted run's at the same step. The default 0.02 is bf16 noise: the same batches and weights, but GPU
+the history before the kill carried over), and after the resume:
+
+* the weights and optimizer came back: each loss is within ``--rel`` of the uninterrupted run's at the same
+  step, and the uninterrupted curve has moved by at least 10x ``--rel`` since step 1 (else a rerun that
+  restored nothing would pass too: give the command a learning rate that moves it, e.g. 1e-3);
+* the scheduler came back: the same learning rate at every step;
+* the data's position came back: the same tokens per step (TRL's ``num_tokens``, exact integers), so the
+  same batches in the same order.
+
+The default 0.02 is bf16 noise: the same batches and weights, but GPU
 reductions whose order may differ between runs; on CPU in float32 the losses agree to ~1e-6
-(``tests/test_train.py``). Writes ``DIR/train_resume.json`` and ``DIR/train_resume.png`` (both curves).
-"""
+(``tests/test_train.py``). Writes ``DIR/train_resume.json`` and ``DIR/train_resume.png`` (both curves)."""
 
 from __future__ import annotations
 
@@ -38,9 +45,23 @@ import time
 from pathlib import Path
 
 
+def logged(out: Path, key: str) -> dict[int, float]:
+    """Step -> ``key`` (``loss``, ``learning_rate``, ``num_tokens``) of the training log entries of a finished
+    run's ``train_log.json``."""
+    entries = json.loads((out / "train_log.json").read_text())
+    return {e["step"]: e[key] for e in entries if "loss" in e and key in e}
+
+
 def losses(out: Path) -> dict[int, float]:
     """Step -> training loss from a finished run's ``train_log.json``."""
-    return {e["step"]: e["loss"] for e in json.loads((out / "train_log.json").read_text()) if "loss" in e}
+    return logged(out, "loss")
+
+
+def step_tokens(num_tokens: dict[int, float], steps: list[int]) -> dict[int, float]:
+    """The tokens each of ``steps`` trained on, from TRL's running ``num_tokens``: the difference with the
+    step before. Only for steps whose previous step ran in the same process: TRL's running count starts
+    again at 0 in a resumed run."""
+    return {s: num_tokens[s] - num_tokens[s - 1] for s in steps if s in num_tokens and s - 1 in num_tokens}
 
 
 def run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
@@ -145,15 +166,31 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"train_resume: the rerun did not say it resumed; see {log}")
     resumed_at = int(found.group(1))
 
-    logged = [e["step"] for e in json.loads((killed / "train_log.json").read_text()) if "loss" in e]
+    steps_logged = [e["step"] for e in json.loads((killed / "train_log.json").read_text()) if "loss" in e]
     resumed = losses(killed)
     after = [s for s in reference if s > resumed_at]
     deviation = {s: abs(resumed[s] - reference[s]) / abs(reference[s]) for s in after if s in resumed}
     worst = max(deviation.values(), default=0.0)
+    # The losses can only tell a resume that restored the weights from one that restored nothing if the
+    # uninterrupted curve has moved, since step 1, by well over the tolerance.
+    first = reference[min(reference)]
+    moved = max((abs(reference[s] - first) / abs(first) for s in after), default=0.0)
+    # The scheduler's state: the same learning rate at every step after the resume.
+    lr_ref, lr_resumed = logged(whole, "learning_rate"), logged(killed, "learning_rate")
+    # The data's position: the same batches, told by the tokens each step trained on (exact integers).
+    both = [s for s in after if s - 1 > resumed_at]
+    tokens_ref = step_tokens(logged(whole, "num_tokens"), both)
+    tokens_resumed = step_tokens(logged(killed, "num_tokens"), both)
     checks = {
         "resumed at the checkpoint or later": resumed_at >= args.kill_after_step,
-        "every step logged once": logged == list(range(1, max(reference) + 1)),
+        "every step logged once": steps_logged == list(range(1, max(reference) + 1)),
+        f"the uninterrupted curve moved >= 10x {args.rel:g} since step 1 (moved {moved:.3g})": moved
+        >= 10 * args.rel,
         f"losses after the resume within {args.rel:g}": len(deviation) == len(after) and worst <= args.rel,
+        "the same learning rate at every step after the resume": bool(after)
+        and all(s in lr_resumed and lr_resumed[s] == lr_ref.get(s) for s in after),
+        "the same tokens per step after the resume (the data's position)": bool(tokens_ref)
+        and tokens_resumed == tokens_ref,
     }
     plot(reference, resumed, resumed_at, args.out / "train_resume.png")
     result = {
@@ -162,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "resumed_at": resumed_at,
         "steps": max(reference),
         "max_rel_loss_deviation_after_resume": worst,
+        "reference_moved_since_step_1": moved,
+        "tokens_per_step_after_resume": {"uninterrupted": tokens_ref, "resumed": tokens_resumed},
         "rel_tolerance": args.rel,
         "seconds": {"whole": round(whole_s, 1), "killed": round(ran_s, 1), "resumed": round(resumed_s, 1)},
         "checks": checks,

@@ -117,12 +117,16 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     # PYTHONFAULTHANDLER: a rank that aborts as it exits (see sft.end_process_group) prints every thread's stack
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # fmt: skip
-    ds_out = tmp_path / "zero3"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "metachunk.train", *common,
+    ds_out, port = tmp_path / "zero3", free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), "--module", "metachunk.train", *common,
            "--output_dir", str(ds_out), "--per_device_train_batch_size", "1",
            "--deepspeed", str(DS / "zero3.json"), "--ddp_backend", "gloo"]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # DeepSpeed's CPU all-reduce ran over shared memory, and its buffers did not outlive the run
+    # (train.distributed.unlink_allreduce_buffer)
+    assert "ShareMemCommBuilder" in done.stdout + done.stderr or "shm_comm" in done.stdout + done.stderr
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
     one_out = tmp_path / "single"
     cmd = [sys.executable, "-m", "metachunk.train", *common, "--output_dir", str(one_out),

@@ -142,3 +142,29 @@ def prepare_distributed(sft_args) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
     deepspeed.init_distributed(dist_backend="gloo")
+    unlink_allreduce_buffer()
+
+
+# DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp, used when every rank is on this machine)
+# gives each rank a 69 MB POSIX shared-memory buffer named as below, and never unlinks it: every launch left
+# its ranks' buffers in /dev/shm, which is RAM, after it exited. Repeated test runs filled a 24 GB machine's
+# memory; sglang's CI, which kills jobs, ran out of /dev/shm with them (sgl-project/sglang#38638).
+ALLREDUCE_BUFFER = "deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def unlink_allreduce_buffer() -> None:
+    """Take this rank's DeepSpeed shared-memory buffer out of /dev/shm once every rank has mapped it.
+
+    Each rank maps every other rank's buffer by name while DeepSpeed's process group starts
+    (``shm_initialize`` opens them in turn); after a barrier no one needs the names. A mapping outlives
+    its name, so the all-reduce goes on working, and the kernel frees the memory when the last rank
+    exits, killed or not."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    name = ALLREDUCE_BUFFER.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
+                                   port=os.environ.get("MASTER_PORT", ""), rank=dist.get_rank())  # fmt: skip
+    (Path("/dev/shm") / name).unlink(missing_ok=True)
