@@ -134,9 +134,8 @@ def plain_batched(
 
     device = next(model.parameters()).device
     t0 = time.perf_counter()
-    ids = tok(docs, add_special_tokens=False)[
-        "input_ids"
-    ]  # one batched call: the fast tokenizer's own threads
+    # one batched call: the fast tokenizer's own threads
+    ids = tok(docs, add_special_tokens=False)["input_ids"]
     tokenize_s = time.perf_counter() - t0
     windows = []  # (doc, start, end, first target)
     for k, x in enumerate(ids):
@@ -166,10 +165,8 @@ def plain_batched(
             # labels[r, c]: the token predicted at position c (the input at c + 1), or -100 where
             # position c scores nothing (context only, the window's last position, padding)
             labels = torch.full((len(batch), width), -100, dtype=torch.long)
-            lengths, owners = (
-                torch.tensor([b - a for _, a, b, _ in batch]),
-                torch.tensor([k for k, *_ in batch]),
-            )
+            lengths = torch.tensor([b - a for _, a, b, _ in batch])
+            owners = torch.tensor([k for k, *_ in batch])
             for r, (k, a, b, first) in enumerate(batch):
                 x[r, : b - a] = torch.tensor(ids[k][a:b])
                 labels[r, first - 1 - a : b - 1 - a] = x[r, first - a : b - a]
@@ -259,14 +256,15 @@ def worker(args) -> None:
     # Weights are memory-mapped and page in on first use, and the first call sets up oneDNN / cuBLAS:
     # every method scores one document untimed first (as plain-batched does), so that "RSS after
     # load" counts the whole model and no method is billed its first-call setup.
+    cuda = bool(args.device and args.device.startswith("cuda"))
     score(tokenized[:1])
-    sync = torch.cuda.synchronize if args.device and args.device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     load_rss = rss_mb()
     # The peak to report is the scoring's, not the load's: loading fp32 safetensors into bf16
     # briefly holds both copies (+1 GB for Gemma).
     reset_peak_rss()
-    if args.device and args.device.startswith("cuda"):
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -274,10 +272,7 @@ def worker(args) -> None:
     sync()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     peak = peak_rss_mb()
-    if args.device and args.device.startswith("cuda"):
-        peak_gpu = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak_gpu = None
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     np.savez(args.out, *nll)
     lengths = [len(ids) for ids, _ in tokenized]
     result = {"wall_s": wall, "cpu_s": cpu, "load_rss_mb": load_rss, "peak_rss_mb": peak, "peak_gpu_mb": peak_gpu,

@@ -121,8 +121,8 @@ def main() -> int:
     plain(ids[: args.plain_batch_size], budgets[: args.plain_batch_size])
     # rounds alternate which runs first, so neither always finds the other's warm caches; each keeps its best
     timed = {"students": [], "plain": []}
+    order = (("students", ours), ("plain", lambda: plain(ids, budgets)))
     for r in range(args.rounds):
-        order = (("students", ours), ("plain", lambda: plain(ids, budgets)))
         for name, run in order if r % 2 == 0 else order[::-1]:
             sync()
             started = time.perf_counter()

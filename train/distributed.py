@@ -147,8 +147,8 @@ def prepare_distributed(sft_args) -> None:
 
 # DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp, used when every rank is on this machine)
 # gives each rank a 69 MB POSIX shared-memory buffer named as below, and never unlinks it: every launch left
-# its ranks' buffers in /dev/shm, which is RAM, after it exited. Repeated test runs filled a 24 GB machine's
-# memory; sglang's CI, which kills jobs, ran out of /dev/shm with them (sgl-project/sglang#38638).
+# its ranks' buffers in /dev/shm, which is RAM, after it exited, until repeated runs left the machine short of
+# memory (as sglang's CI, which kills jobs, found: sgl-project/sglang#38638).
 ALLREDUCE_BUFFER = "deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
 
 
