@@ -12,7 +12,9 @@ What is compared, on the same consecutive-sentence pairs:
   once (its cost is included, once per pass over the pairs) and only the pair tokens are run, up
   to B pairs per forward pass (``margins`` sorts pairs by length and closes a batch early rather
   than pad it by more than ``metachunk.chunking.msp.MAX_PADDING``). ``B=1`` isolates the prefix-reuse gain;
-  larger B adds batching; "pad eff" = real / padded pair tokens.
+  larger B adds batching; "pad eff" = real / padded pair tokens, "passes" the forward passes of a
+  round and "rows" the largest of them (on a GPU a batch may pad past that share by up to
+  ``metachunk.chunking.msp.GPU_PASS_TOKENS`` tokens, to save passes).
 
 Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds. A round is one
 pass over all pairs per variant, cut into blocks of ``--block`` pairs; every block is scored by
@@ -105,17 +107,10 @@ def same_decisions(margins, reference, theta: float, dynamic: bool) -> int:
     )
 
 
-def padding_efficiency(lengths: list[int], batch_size: int) -> float:
-    """Real / padded suffix tokens of the batches margins() forms for these pair lengths."""
-    try:
-        from metachunk.chunking.msp import length_batches
-    except ImportError:  # margins() before it capped padding: fixed rows over the sorted lengths
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    else:
-        batches = length_batches(lengths, batch_size)
-    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
-    return sum(lengths) / padded if padded else 1.0
+def passes(scorer, lengths: list[int], batch_size: int) -> list[list[int]]:
+    """The forward passes ``scorer.margins`` runs for pairs of these suffix lengths, at most
+    ``batch_size`` rows each."""
+    return scorer.plan(lengths, batch_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print()
     print(
-        f"{'variant':<10} {'best s':>8} {'median s':>9} {'ms/pair':>8} {'speedup':>8} {'pad eff':>8} "
+        f"{'variant':<10} {'best s':>8} {'median s':>9} {'ms/pair':>8} {'speedup':>8} {'pad eff':>8} {'passes':>7} {'rows':>5} "
         f"{'max|dm|':>9} {'same θ=' + format(args.theta, 'g'):>9} {'same dyn':>9}"
     )
     for v in variants:
@@ -269,14 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         diff = float(np.max(np.abs(margins[v] - ref))) if len(ref) else 0.0
         same_fixed = same_decisions(margins[v], ref, args.theta, False)
         same_dyn = same_decisions(margins[v], ref, args.theta, True)
-        pad = 1.0
+        pad, n_passes, widest = 1.0, len(pairs), 1
         if b is not None:  # margins() sorts and batches within each block it is given
-            real = padded = 0
-            for idx in block_idx:
-                blk = [suffix_lens[i] for i in idx]
-                real += sum(blk)
-                padded += sum(blk) / padding_efficiency(blk, b)
-            pad = real / padded
+            plans = [
+                [[idx[j] for j in batch] for batch in passes(scorer, [suffix_lens[i] for i in idx], b)]
+                for idx in block_idx
+            ]
+            batches = [batch for plan in plans for batch in plan]
+            padded = sum(len(batch) * max(suffix_lens[i] for i in batch) for batch in batches)
+            pad, n_passes, widest = sum(suffix_lens) / padded, len(batches), max(map(len, batches))
         row = {
             "variant": v,
             "batch_size": b,
@@ -288,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_median": statistics.median(times["single"]) / med,
             "speedup_per_round": [s / t for s, t in zip(times["single"], times[v])],
             "padding_efficiency": pad,
+            "forward_passes": n_passes,  # per round, the prefix's own pass not counted
+            "largest_batch": widest,
             "max_abs_margin_diff": diff,
             "same_decisions_fixed": same_fixed,
             "same_decisions_dynamic": same_dyn,
@@ -295,14 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(
             f"{v:<10} {best:8.2f} {med:9.2f} {row['ms_per_pair']:8.1f} {row['speedup_best']:7.2f}x "
-            f"{pad:8.2f} {diff:9.2e} {same_fixed:>4}/{len(pairs):<4} {same_dyn:>4}/{len(pairs):<4}"
+            f"{pad:8.2f} {n_passes:7d} {widest:5d} {diff:9.2e} {same_fixed:>4}/{len(pairs):<4} {same_dyn:>4}/{len(pairs):<4}"
         )
 
     head = next(r for r in rows if r["batch_size"] == headline)
     best_row = max((r for r in rows if r["batch_size"] is not None), key=lambda r: r["speedup_best"])
     identical_timed = head["same_decisions_fixed"] == head["same_decisions_dynamic"] == len(pairs)
     check = None
+    timed_dtype = str(model.dtype)
     if args.check_dtype:
+        if args.check_dtype == "float32" and model.config._attn_implementation.startswith("flash_attention"):
+            model.set_attn_implementation("sdpa")  # flash-attention refuses float32
         model.to(getattr(torch, args.check_dtype))
         check_scorer = MarginScorer(model, tokenizer, prompt)
         single = np.array([check_scorer.margin_single(a, b) for a, b in pairs])
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "msp_speed",
         "model": model_name,
         "device": device,
-        "dtype": str(model.dtype),
+        "dtype": timed_dtype,
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "platform": platform.platform(),

@@ -43,6 +43,13 @@ ACCUMULATED_MAX_CHARS = 1500
 # pair lengths have a long tail: with fixed rows only, 16 rows of 64 Emma pairs were 32% padding
 # and slower on CPU than 4 rows (bench/msp_speed.py).
 MAX_PADDING = 0.1
+# On a GPU a forward pass also has a fixed cost: every layer's kernel launches, the copy of the
+# prefix's KV cache and the host sync that reads the margins take milliseconds, in which an H200
+# runs on the order of a thousand tokens of a 1.5B model (an estimate from launch and GEMM rates,
+# not a measurement). There a batch may also pad by this many tokens before a new pass pays off: on
+# bench/msp_speed.py's 64 Emma pairs the 10% rule alone cut B=64 into 11 passes of 1 to 16 rows,
+# and this one into 4 (32, 21, 10 and 1 rows) with 23% more tokens.
+GPU_PASS_TOKENS = 1024
 # Pairs per batch on CPU, and the tokens a pair is counted as when a GPU's budget is divided into
 # rows (Emma's pairs are 40-120 tokens after the prompt's prefix).
 CPU_PAIR_ROWS = 8
@@ -50,21 +57,22 @@ GPU_PAIR_TOKENS = 128
 
 
 def length_batches(
-    lengths: Sequence[int], batch_size: int, max_padding: float = MAX_PADDING
+    lengths: Sequence[int], batch_size: int, max_padding: float = MAX_PADDING, pass_tokens: int = 0
 ) -> list[list[int]]:
     """Indices of ``lengths`` grouped into batches, shortest first, for right-padded forward passes.
 
-    A batch has at most ``batch_size`` rows, and a second or later row joins only while
-    ``rows * longest <= (1 + max_padding) * sum(lengths)`` still holds for the batch.
+    A batch has at most ``batch_size`` rows, and a second or later row joins only while the batch's
+    padding, ``rows * longest - sum(lengths)``, stays within ``max_padding * sum(lengths)`` or
+    within ``pass_tokens``, whichever is larger (``GPU_PASS_TOKENS`` on a GPU, 0 on CPU).
     """
     batches: list[list[int]] = []
     current: list[int] = []
     real = 0
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         n = lengths[i]
-        if current and (
-            len(current) >= batch_size or (len(current) + 1) * n > (1 + max_padding) * (real + n)
-        ):
+        padded, total = (len(current) + 1) * n, real + n
+        too_padded = padded > (1 + max_padding) * total and padded - total > pass_tokens
+        if current and (len(current) >= batch_size or too_padded):
             batches.append(current)
             current, real = [], 0
         current.append(i)
@@ -124,6 +132,7 @@ class MarginScorer:
         self.split_id = self._answer_token("1")
         self.keep_id = self._answer_token("2")
         self._prefix_cache = None
+        self._rows: int | None = None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -165,9 +174,25 @@ class MarginScorer:
         tokens, _ = batch_budget(self.model, row, self.device, free_bytes)
         return max(CPU_PAIR_ROWS, tokens // row)
 
+    @property
+    def rows(self) -> int:
+        """`default_rows`, read once per scorer: free memory shrinks by what the allocator keeps
+        cached after the first batch, and a batch's shape moves bf16 margins, so a second reading
+        would change a run's boundaries from its second call on (and a resumed run's from its first)."""
+        if self._rows is None:
+            self._rows = self.default_rows()
+        return self._rows
+
+    def plan(self, lengths: Sequence[int], batch_size: int | None = None) -> list[list[int]]:
+        """The forward passes `margins` runs for pairs of these token lengths (after the prefix):
+        `length_batches` with at most ``batch_size`` rows (default `rows`), and on a GPU
+        ``GPU_PASS_TOKENS`` of padding allowed per pass."""
+        pass_tokens = GPU_PASS_TOKENS if self.device.type == "cuda" else 0
+        return length_batches(lengths, batch_size or self.rows, pass_tokens=pass_tokens)
+
     def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int | None = None) -> np.ndarray:
-        """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in batches of
-        at most ``batch_size`` rows (default `default_rows`)."""
+        """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in the batches
+        of `plan`."""
         import torch
 
         from metachunk.engine.scoring import lm_head_logits
@@ -183,7 +208,7 @@ class MarginScorer:
             suffixes = [self.pair_ids(a, b) for a, b in pairs]
             out = np.empty(len(pairs))
             # similar lengths share a batch
-            for idx in length_batches([len(s) for s in suffixes], batch_size or self.default_rows()):
+            for idx in self.plan([len(s) for s in suffixes], batch_size):
                 longest = max(len(suffixes[i]) for i in idx)
                 ids = torch.zeros(len(idx), longest, dtype=torch.long)
                 mask = torch.zeros(len(idx), n_prefix + longest, dtype=torch.long)

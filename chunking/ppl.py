@@ -118,16 +118,18 @@ def score_tokenized(
     streams: int | None = None,
 ) -> list[np.ndarray]:
     """Sentence PPLs of documents already tokenized by `tokenize_documents` (see `score_documents`)."""
-    from metachunk.engine.scoring import token_nll
+    from metachunk.engine.scoring import CPU_BATCH_TOKENS, token_nll
 
-    if batch_size is None and next(model.parameters()).device.type != "cuda":
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if batch_size is None and not on_gpu:
         batch_size = CPU_ROWS
     nlls = token_nll(
         model,
         [ids for ids, _ in tokenized],
         max_context=max_context,
         max_batch_size=batch_size,
-        batch_tokens=None if batch_size is None else max(max_context, 8192),
+        # a GPU's tokens per batch come from its free memory, whatever its rows
+        batch_tokens=None if on_gpu else max(max_context, CPU_BATCH_TOKENS),
         on_batch=on_batch,
         head_dtype=head_dtype,
         long_context=long_context,

@@ -320,7 +320,19 @@ def load_causal_lm(
         .eval()
     )
     model.metachunk_dtype = {"dtype": picked, "why": why}
+    warm_up(model)
     return model, tokenizer
+
+
+def warm_up(model, tokens: int = 16) -> None:
+    """One short forward pass, so that a process's one-off setup is paid while loading and not by
+    the first batch (or a timing of it): on a GPU, cuBLAS's handles, the kernels CUDA loads lazily
+    and the caching allocator's first blocks."""
+    import torch
+
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.inference_mode():
+        model(input_ids=ids, logits_to_keep=1)
 
 
 def load_sentence_embedder(name_or_dir: str = "minilm", device: str | None = None):

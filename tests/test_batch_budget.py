@@ -46,6 +46,36 @@ def test_a_gpu_budget_follows_its_free_memory(tiny):
     assert {len(b) for b in batches[:-1]} == {tokens // 500}
 
 
+def test_a_gpu_budget_counts_what_its_allocator_holds_unused_as_free(tiny, monkeypatch):
+    """After a first batch the driver's free figure drops by what torch keeps cached; the budget
+    must not (a fake device: no GPU needed)."""
+    model, _ = tiny
+    first = batch_budget(model, 4096, CUDA, free_bytes=10 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * 2**30 + 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**20)  # the weights
+    assert scoring.free_gpu_bytes(CUDA) == 10 * 2**30
+    assert batch_budget(model, 4096, CUDA) == first
+
+
+def test_an_explicit_batch_size_on_a_gpu_keeps_the_gpu_token_budget(monkeypatch):
+    """--batch-size caps rows; on a GPU the tokens per batch still come from free memory, not the
+    CPU's 8,192 (a fake device: no GPU needed)."""
+    from types import SimpleNamespace
+
+    from metachunk.chunking import ppl
+
+    seen = []
+    monkeypatch.setattr(scoring, "token_nll", lambda model, seqs, **kw: seen.append(kw) or [None] * len(seqs))
+    monkeypatch.setattr(ppl, "sentence_ppl", lambda nll, spans: None)
+    for device, batch_tokens in ((CUDA, None), (torch.device("cpu"), 8192)):
+        model = SimpleNamespace(parameters=lambda device=device: iter([SimpleNamespace(device=device)]))
+        for rows in (None, 64):
+            ppl.score_tokenized(model, [([1, 2, 3], [(0, 3)])], 4096, batch_size=rows)
+            assert seen[-1]["batch_tokens"] == batch_tokens
+            assert seen[-1]["max_batch_size"] == (rows or (None if device == CUDA else ppl.CPU_ROWS))
+
+
 def test_the_default_plan_on_cpu_is_the_old_one(tiny, monkeypatch):
     model, tok = tiny
     # three documents of each length: on CPU only windows of one length share a batch, so these

@@ -86,3 +86,13 @@ def test_the_chunk_manifest_records_the_dtype_and_why(tmp_path, tiny_model_dir, 
         "dtype": "float32",
         "why": "asked for",
     }
+
+
+def test_a_loaded_model_has_already_run_one_short_forward(tiny_model_dir, monkeypatch):
+    """A process's one-off setup (on a GPU: cuBLAS handles, lazily loaded kernels) is paid by the
+    load, so `metachunk chunk`'s model-load seconds hold it and its first batch does not."""
+    warmed = []
+    real = models.warm_up
+    monkeypatch.setattr(models, "warm_up", lambda model, **k: warmed.append(model) or real(model, **k))
+    model, _ = models.load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
+    assert warmed == [model] and not model.training

@@ -411,17 +411,44 @@ def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
 @given(
     lengths=st.lists(st.integers(min_value=1, max_value=400), max_size=60),
     batch_size=st.integers(min_value=1, max_value=16),
+    pass_tokens=st.sampled_from([0, 1024]),
 )
-def test_length_batches_cover_every_pair_once_within_limits(lengths, batch_size):
+def test_length_batches_cover_every_pair_once_within_limits(lengths, batch_size, pass_tokens):
     from metachunk.chunking.msp import MAX_PADDING, length_batches
 
-    batches = length_batches(lengths, batch_size)
+    batches = length_batches(lengths, batch_size, pass_tokens=pass_tokens)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         assert 1 <= len(b) <= batch_size
         if len(b) > 1:
-            longest = max(lengths[i] for i in b)
-            assert len(b) * longest <= (1 + MAX_PADDING) * sum(lengths[i] for i in b) + 1e-9
+            real = sum(lengths[i] for i in b)
+            padding = len(b) * max(lengths[i] for i in b) - real
+            assert padding <= max(MAX_PADDING * real + 1e-9, pass_tokens)
+    # a GPU's allowance only ever merges passes
+    assert len(batches) <= len(length_batches(lengths, batch_size))
+
+
+def test_gpu_plan_pads_to_save_passes_and_reads_free_memory_once(scorers, monkeypatch):
+    """On a GPU a pass may pad by GPU_PASS_TOKENS (fewer, wider passes); its rows are read from
+    free memory once per scorer, so the allocator's cache after a first batch changes no later
+    batch's shape (a fake device and free-memory figure: no GPU needed)."""
+    import torch
+    from metachunk.chunking import msp
+
+    scorer = scorers["en"]
+    lengths = [40 + 7 * k for k in range(64)]  # 40..481 tokens
+    cpu = scorer.plan(lengths, 64)
+    assert cpu == msp.length_batches(lengths, 64) and len(cpu) > 10
+
+    gpu = msp.MarginScorer(scorer.model, scorer.tokenizer, scorer.prompt)
+    monkeypatch.setattr(gpu, "device", torch.device("cuda"))
+    free = iter([80 * 2**30, 20 * 2**30])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (next(free), 80 * 2**30))
+    wide = gpu.plan(lengths, 64)
+    assert wide == msp.length_batches(lengths, 64, pass_tokens=msp.GPU_PASS_TOKENS)
+    assert len(wide) < len(cpu) // 2
+    rows = gpu.rows
+    assert rows > 64 and gpu.plan(lengths) == gpu.plan(lengths) and gpu.rows == rows
 
 
 def test_pairs_per_batch_follow_the_device(scorers, monkeypatch):

@@ -263,18 +263,27 @@ def activation_bytes_per_token(model) -> int:
     return width * (8 * c.hidden_size + 3 * c.intermediate_size)
 
 
+def free_gpu_bytes(device: torch.device) -> int:
+    """What this process may still allocate on ``device``: the driver's free memory plus the blocks
+    torch's caching allocator holds but no tensor uses. The driver counts those as taken, so its
+    figure alone drops after a first batch and a later plan would shrink with it (and change what
+    bf16 scores)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def batch_budget(
     model, max_context: int, device: torch.device, free_bytes: int | None = None
 ) -> tuple[int, int]:
     """``(batch_tokens, max_batch_size)`` for `token_nll` on ``device``: on CPU, one window
     at least and 8,192 tokens in at most 16 rows (the plan every CPU figure was measured with); on
     a GPU, what ``GPU_MEMORY_SHARE`` of its free memory holds (``free_bytes``, default
-    ``torch.cuda.mem_get_info``), between one window and ``GPU_BATCH_TOKENS_MAX`` tokens, in rows
-    of at least 128 tokens each."""
+    `free_gpu_bytes`), between one window and ``GPU_BATCH_TOKENS_MAX`` tokens, in rows of at
+    least 128 tokens each."""
     if device.type != "cuda":
         return max(max_context, CPU_BATCH_TOKENS), CPU_BATCH_ROWS
     if free_bytes is None:
-        free_bytes, _ = torch.cuda.mem_get_info(device)
+        free_bytes = free_gpu_bytes(device)
     fits = int(free_bytes * GPU_MEMORY_SHARE) // activation_bytes_per_token(model)
     tokens = max(max_context, min(GPU_BATCH_TOKENS_MAX, fits))
     return tokens, max(CPU_BATCH_ROWS, tokens // 128)
