@@ -67,7 +67,7 @@ may not hold zero2_no_recompute; carry: ["$CARRY"]; a command runs at most 10 mi
 the steps, and a step that would pass the command's budget is cut or skipped and said so; a slot of 15 minutes,
 start-up included, fits one or two):
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2,zero3,zero2_no_recompute bash bench/gpu_train_check.sh
-  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=ppl_speed,plain_vs_engine_qwen2-0.5b,engine_profile,plain_vs_engine_qwen2-1.5b,msp_speed bash bench/gpu_check.sh
+  $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=ppl_speed,msp_speed,plain_vs_engine_qwen2-0.5b,plain_vs_engine_qwen2-1.5b,engine_profile bash bench/gpu_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=330 GPU_TRAIN_STEPS=resume,export,rewrite_speed bash bench/gpu_train_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=accelerate,zero2_packed,zero2_padded bash bench/gpu_train_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=400 GPU_TRAIN_STEPS=zero2_fusedadam bash bench/gpu_train_check.sh

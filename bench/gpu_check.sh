@@ -78,7 +78,7 @@ else
   MFU_ARGS=()
   PLAIN_SHAPES=(qwen2-0.5b qwen2-1.5b qwen2-7b)
   PLAIN_ARGS=(--corpus crud --docs 1200)
-  PROFILE_ARGS=(--corpus crud --docs 200)
+  PROFILE_ARGS=(--corpus crud --docs 1200)  # 12 batches of 131,072 tokens: 200 articles gave 3, and 2 gaps to judge
   CHUNK_DOCS=200
   CHUNK_CORPUS=data:crud-news/news.jsonl  # METACHUNK_DATA or the cache: the machine has no network
 fi

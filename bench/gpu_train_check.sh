@@ -81,8 +81,16 @@ if [[ -z "${GPU_TRAIN_DATASET:-}" && ! -f $DATASET/build_report.json ]] && ! "$P
 fi
 BIG_MODEL=$WORK/random-$BIG
 SMALL_MODEL=$WORK/random-$SMALL
-[[ -f $BIG_MODEL/config.json ]] || step "random_$BIG" "$PY" -P "$ROOT/bench/random_model.py" --shape "$BIG" --out "$BIG_MODEL"
-[[ -f $SMALL_MODEL/config.json ]] || step "random_$SMALL" "$PY" -P "$ROOT/bench/random_model.py" --shape "$SMALL" --out "$SMALL_MODEL"
+# A random model is built only for the steps a command names (the 3B is ~6 GB to write): the 3B for the recipe's
+# launches, and for its tokenizer where the set is built here; the small shape for the resume (export and
+# rewrite_speed read the resume's checkpoint).
+wants_any() { local s; for s; do wanted "$s" && return 0; done; return 1; }
+if [[ ! -f $BIG_MODEL/config.json ]] && { [[ -z "${GPU_TRAIN_DATASET:-}" && ! -f $DATASET/build_report.json ]] ||
+     wants_any zero2 zero3 zero2_no_recompute accelerate zero2_packed zero2_padded zero2_fusedadam; }; then
+  step "random_$BIG" "$PY" -P "$ROOT/bench/random_model.py" --shape "$BIG" --out "$BIG_MODEL"
+fi
+[[ -f $SMALL_MODEL/config.json ]] || ! wanted resume ||
+  step "random_$SMALL" "$PY" -P "$ROOT/bench/random_model.py" --shape "$SMALL" --out "$SMALL_MODEL"
 [[ -n "${GPU_TRAIN_DATASET:-}" || -f $DATASET/build_report.json ]] || step sft_dataset "$PY" -P "$ROOT/bench/sft_build.py" \
   --sizes "$DATA_RECORDS" --tokenizer "$BIG_MODEL" --max-tokens "$MAX_LEN" --dataset-out "$DATASET"
 

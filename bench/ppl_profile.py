@@ -18,7 +18,7 @@ The verdict line says which of the three bounds the run: the GPU's work (busy â‰
 gaps are the larger share of the idle time) or host work between batches. On a CPU (the dry run) there is no
 device trace: it reports the top operators by CPU time and no verdict.
 
-    python bench/ppl_profile.py --model DIR --device cuda --corpus crud --docs 200 --out profile.json
+    python bench/ppl_profile.py --model DIR --device cuda --corpus crud --docs 1200 --out profile.json
 """
 
 from __future__ import annotations

@@ -110,6 +110,21 @@ def test_gpu_check_steps_run_a_share_of_the_list(tmp_path):
     assert not [name for name in names if "random-" in name]
 
 
+def test_a_training_command_builds_only_the_models_its_steps_train(tmp_path):
+    """GPU_TRAIN_STEPS=export with a carried set needs neither random model (the 3B is ~6 GB to write on the
+    node); a spent budget skips every step it reaches and says so, so the summary lists exactly those."""
+    dataset = tmp_path / "sft"
+    dataset.mkdir()
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path / "work"), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "GPU_TRAIN_STEPS": "export", "GPU_TRAIN_DATASET": str(dataset), "GPU_CHECK_BUDGET": "1"}  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_train_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    summary = (tmp_path / "work" / "summary.txt").read_text()
+    assert proc.returncode == 1, summary + proc.stderr[-2000:]
+    reached = [line.split(":")[0] for line in summary.splitlines() if line.startswith("== ") and ": " in line]
+    assert reached[0] == "== export" and not [name for name in reached if "random_" in name], summary
+
+
 def test_a_step_past_the_commands_budget_is_skipped_and_said(tmp_path):
     """GPU_CHECK_BUDGET: a device command is killed at its limit, so a step that would start with less than the
     publish's margin left is skipped, said in the summary, and the results still come back."""
@@ -252,6 +267,21 @@ def test_the_engine_profile_tells_launches_from_host_work_from_a_busy_gpu():
 
     on_cpu = profile.read_trace(FakeTrace([]), 1000.0, 20.0, 1, False)
     assert "verdict" not in on_cpu and on_cpu["top_ops"]
+
+
+def test_the_parity_check_fails_where_a_plan_leaves_a_token_unscored():
+    import numpy as np
+
+    parity = load_bench("scoring_parity")
+    nan = float("nan")
+    reference = [np.array([nan, 1.0, 2.0, 3.0]), np.array([nan, 4.0]), np.array([nan])]
+    assert parity.max_nll_diff([x.copy() for x in reference], reference) == 0.0
+    assert parity.max_nll_diff([reference[0] + 1e-4, reference[1], reference[2]], reference) == pytest.approx(
+        1e-4
+    )
+    holed = np.array([nan, 1.0, nan, nan])  # nanmax alone saw no difference here
+    assert parity.max_nll_diff([holed, reference[1], reference[2]], reference) == float("inf")
+    assert parity.max_nll_diff([reference[0], np.array([nan, nan]), reference[2]], reference) == float("inf")
 
 
 def test_the_pass_flops_count_from_the_models_shape_alone():
