@@ -57,7 +57,7 @@ start_check
 if [[ $DRY == 1 ]]; then
   DEVICE=cpu; SHAPE=tiny
   PPL_ARGS=(--docs 2 --methods engine,loop --max-context 512)
-  MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --block 8 --reps 1 --check-dtype float32)
+  MSP_ARGS=(--pairs 8 --batch-sizes 1,4 --headline-batch 4 --compare-pass-tokens 1024 --block 8 --reps 1 --check-dtype float32)
   MSP_SHAPE=tiny
   PARITY_ARGS=(--gpu-plan --corpus emma --docs 6 --max-context 512)
   # the dry run checks the plumbing: at these sizes the timings are noise, so no speed target
@@ -71,7 +71,7 @@ if [[ $DRY == 1 ]]; then
 else
   DEVICE=cuda; SHAPE=qwen2-0.5b
   PPL_ARGS=(--docs 20 --methods engine,loop)
-  MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --block 64 --check-dtype float32)
+  MSP_ARGS=(--batch-sizes 1,8,64 --headline-batch 64 --compare-pass-tokens 0,4096 --block 64 --check-dtype float32)  # GPU_PASS_TOKENS (1,024) is an estimate: 0 and 4,096 beside it
   MSP_SHAPE=qwen2-1.5b
   PARITY_ARGS=(--corpus crud --docs 30)  # the CPU's fp32 reference: 200 articles would take minutes
   REWRITE_ARGS=(--corpus crud --docs 100 --max-new-tokens 64)

@@ -14,7 +14,9 @@ What is compared, on the same consecutive-sentence pairs:
   than pad it by more than ``metachunk.chunking.msp.MAX_PADDING``). ``B=1`` isolates the prefix-reuse gain;
   larger B adds batching; "pad eff" = real / padded pair tokens, "passes" the forward passes of a
   round and "rows" the largest of them (on a GPU a batch may pad past that share by up to
-  ``metachunk.chunking.msp.GPU_PASS_TOKENS`` tokens, to save passes).
+  ``metachunk.chunking.msp.GPU_PASS_TOKENS`` tokens, to save passes). ``--compare-pass-tokens 0,4096``
+  adds variants ``batchedB@0`` and ``batchedB@4096`` at the headline B with other allowances, to
+  check that estimate.
 
 Timing is fair on a noisy shared machine: a warm-up first, then ``--reps`` rounds. A round is one
 pass over all pairs per variant, cut into blocks of ``--block`` pairs; every block is scored by
@@ -107,10 +109,23 @@ def same_decisions(margins, reference, theta: float, dynamic: bool) -> int:
     )
 
 
-def passes(scorer, lengths: list[int], batch_size: int) -> list[list[int]]:
+def parse_variant(name: str) -> tuple[int | None, int | None]:
+    """``single`` -> (None, None); ``batched64`` -> (64, None); ``batched64@0`` -> (64, 0): the rows
+    per pass and the padding a pass may add (`MarginScorer.pass_tokens`; None: the device's default)."""
+    if name == "single":
+        return None, None
+    rows, _, pass_tokens = name.removeprefix("batched").partition("@")
+    return int(rows), int(pass_tokens) if pass_tokens else None
+
+
+def passes(scorer, lengths: list[int], batch_size: int, pass_tokens: int | None = None) -> list[list[int]]:
     """The forward passes ``scorer.margins`` runs for pairs of these suffix lengths, at most
-    ``batch_size`` rows each."""
-    return scorer.plan(lengths, batch_size)
+    ``batch_size`` rows each (``pass_tokens``: as in `parse_variant`)."""
+    scorer.pass_tokens = pass_tokens
+    try:
+        return scorer.plan(lengths, batch_size)
+    finally:
+        scorer.pass_tokens = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated batch sizes for margins()")
     ap.add_argument(
         "--headline-batch", type=int, default=8, help="batch size judged against the target (default 8)"
+    )
+    ap.add_argument(
+        "--compare-pass-tokens",
+        default="",
+        help="comma-separated padding allowances (tokens a pass may pad past 10%%) to time at the headline "
+        "batch beside the device's default, e.g. 0,4096 (variants batchedB@T)",
     )
     ap.add_argument("--reps", type=int, default=2, help="timed rounds per variant (default 2)")
     ap.add_argument(
@@ -196,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
 
     batched_scorer = scorer
 
-    def run_batched(block: list[tuple[str, str]], b: int, first: bool) -> tuple[float, np.ndarray]:
+    def run_batched(
+        block: list[tuple[str, str]], b: int, pass_tokens: int | None, first: bool
+    ) -> tuple[float, np.ndarray]:
         nonlocal batched_scorer
         if first:  # a fresh scorer: its one-off instruction forward is charged once per pass over the pairs
             batched_scorer = MarginScorer(model, tokenizer, prompt)
+        batched_scorer.pass_tokens = pass_tokens
         sync()
         t0 = time.perf_counter()
         out = batched_scorer.margins(block, batch_size=b)
@@ -217,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     # every variant back to back (the order rotates), so a change in machine load hits all variants
     # alike instead of whichever happened to run during it.
     variants = ["single"] + [f"batched{b}" for b in batch_sizes]
+    variants += [f"batched{headline}@{int(t)}" for t in args.compare_pass_tokens.split(",") if t.strip()]
     # Blocks are consecutive runs of the pairs sorted by suffix length, the order margins() sorts
     # all pairs into: with a block size that is a multiple of the batch size, a round runs exactly
     # the batches of one margins(pairs) call (same rows, same padding), just timed in pieces.
@@ -238,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 if v == "single":
                     dt, m = run_single(block)
                 else:
-                    dt, m = run_batched(block, int(v.removeprefix("batched")), first=k == 0)
+                    dt, m = run_batched(block, *parse_variant(v), first=k == 0)
                 spent[v] += dt
                 parts[v].append(m)
         for v in variants:
@@ -255,19 +280,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print()
     print(
-        f"{'variant':<10} {'best s':>8} {'median s':>9} {'ms/pair':>8} {'speedup':>8} {'pad eff':>8} {'passes':>7} {'rows':>5} "
+        f"{'variant':<15} {'best s':>8} {'median s':>9} {'ms/pair':>8} {'speedup':>8} {'pad eff':>8} {'passes':>7} {'rows':>5} "
         f"{'max|dm|':>9} {'same θ=' + format(args.theta, 'g'):>9} {'same dyn':>9}"
     )
     for v in variants:
         best, med = min(times[v]), statistics.median(times[v])
-        b = None if v == "single" else int(v.removeprefix("batched"))
+        b, pass_tokens = parse_variant(v)
         diff = float(np.max(np.abs(margins[v] - ref))) if len(ref) else 0.0
         same_fixed = same_decisions(margins[v], ref, args.theta, False)
         same_dyn = same_decisions(margins[v], ref, args.theta, True)
         pad, n_passes, widest = 1.0, len(pairs), 1
         if b is not None:  # margins() sorts and batches within each block it is given
             plans = [
-                [[idx[j] for j in batch] for batch in passes(scorer, [suffix_lens[i] for i in idx], b)]
+                [
+                    [idx[j] for j in batch]
+                    for batch in passes(scorer, [suffix_lens[i] for i in idx], b, pass_tokens)
+                ]
                 for idx in block_idx
             ]
             batches = [batch for plan in plans for batch in plan]
@@ -276,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "variant": v,
             "batch_size": b,
+            "pass_tokens": pass_tokens,  # None: the device's default (GPU_PASS_TOKENS on a GPU, 0 on CPU)
             "times_s": times[v],
             "best_s": best,
             "median_s": med,
@@ -292,11 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(
-            f"{v:<10} {best:8.2f} {med:9.2f} {row['ms_per_pair']:8.1f} {row['speedup_best']:7.2f}x "
+            f"{v:<15} {best:8.2f} {med:9.2f} {row['ms_per_pair']:8.1f} {row['speedup_best']:7.2f}x "
             f"{pad:8.2f} {n_passes:7d} {widest:5d} {diff:9.2e} {same_fixed:>4}/{len(pairs):<4} {same_dyn:>4}/{len(pairs):<4}"
         )
 
-    head = next(r for r in rows if r["batch_size"] == headline)
+    head = next(r for r in rows if r["batch_size"] == headline and r["pass_tokens"] is None)
     best_row = max((r for r in rows if r["batch_size"] is not None), key=lambda r: r["speedup_best"])
     identical_timed = head["same_decisions_fixed"] == head["same_decisions_dynamic"] == len(pairs)
     check = None
@@ -339,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "headline_batch_size": headline,
         "headline_speedup": head["speedup_best"],
         "best_batch_size": best_row["batch_size"],
+        "best_variant": best_row["variant"],
         "best_speedup": best_row["speedup_best"],
         "identical_decisions": identical,
         "identical_decisions_timed": identical_timed,
@@ -353,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     at = f" in {check['dtype'].removeprefix('torch.')} (untimed)" if check else ""
     print(
         f"MSP speed: batched (B={headline}, prefix KV reused) vs one call per pair = "
-        f"{head['speedup_best']:.2f}x (median {head['speedup_median']:.2f}x; best B={best_row['batch_size']}: "
+        f"{head['speedup_best']:.2f}x (median {head['speedup_median']:.2f}x; best {best_row['variant']}: "
         f"{best_row['speedup_best']:.2f}x), decisions identical{at} {judged['same_decisions_fixed']}/{len(pairs)} "
         f"(θ={args.theta:g}) and {judged['same_decisions_dynamic']}/{len(pairs)} (dynamic), "
         f"max|Δmargin| {judged['max_abs_margin_diff']:.1e} -> {'PASS' if passed else 'FAIL'} (target >= {target:g}x "

@@ -133,6 +133,8 @@ class MarginScorer:
         self.keep_id = self._answer_token("2")
         self._prefix_cache = None
         self._rows: int | None = None
+        # padding a pass may add past MAX_PADDING; None: GPU_PASS_TOKENS on a GPU, 0 on CPU
+        self.pass_tokens: int | None = None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -185,9 +187,11 @@ class MarginScorer:
 
     def plan(self, lengths: Sequence[int], batch_size: int | None = None) -> list[list[int]]:
         """The forward passes `margins` runs for pairs of these token lengths (after the prefix):
-        `length_batches` with at most ``batch_size`` rows (default `rows`), and on a GPU
-        ``GPU_PASS_TOKENS`` of padding allowed per pass."""
-        pass_tokens = GPU_PASS_TOKENS if self.device.type == "cuda" else 0
+        `length_batches` with at most ``batch_size`` rows (default `rows`), and ``pass_tokens``
+        of padding allowed per pass (default ``GPU_PASS_TOKENS`` on a GPU, 0 on CPU)."""
+        pass_tokens = self.pass_tokens
+        if pass_tokens is None:
+            pass_tokens = GPU_PASS_TOKENS if self.device.type == "cuda" else 0
         return length_batches(lengths, batch_size or self.rows, pass_tokens=pass_tokens)
 
     def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int | None = None) -> np.ndarray:
