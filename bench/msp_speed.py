@@ -111,21 +111,11 @@ def same_decisions(margins, reference, theta: float, dynamic: bool) -> int:
 
 def parse_variant(name: str) -> tuple[int | None, int | None]:
     """``single`` -> (None, None); ``batched64`` -> (64, None); ``batched64@0`` -> (64, 0): the rows
-    per pass and the padding a pass may add (`MarginScorer.pass_tokens`; None: the device's default)."""
+    per pass and the padding a pass may add (``pass_tokens`` of `MarginScorer.plan`; None: the device's default)."""
     if name == "single":
         return None, None
     rows, _, pass_tokens = name.removeprefix("batched").partition("@")
     return int(rows), int(pass_tokens) if pass_tokens else None
-
-
-def passes(scorer, lengths: list[int], batch_size: int, pass_tokens: int | None = None) -> list[list[int]]:
-    """The forward passes ``scorer.margins`` runs for pairs of these suffix lengths, at most
-    ``batch_size`` rows each (``pass_tokens``: as in `parse_variant`)."""
-    scorer.pass_tokens = pass_tokens
-    try:
-        return scorer.plan(lengths, batch_size)
-    finally:
-        scorer.pass_tokens = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,10 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal batched_scorer
         if first:  # a fresh scorer: its one-off instruction forward is charged once per pass over the pairs
             batched_scorer = MarginScorer(model, tokenizer, prompt)
-        batched_scorer.pass_tokens = pass_tokens
         sync()
         t0 = time.perf_counter()
-        out = batched_scorer.margins(block, batch_size=b)
+        out = batched_scorer.margins(block, batch_size=b, pass_tokens=pass_tokens)
         sync()
         return time.perf_counter() - t0, out
 
@@ -291,15 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         same_dyn = same_decisions(margins[v], ref, args.theta, True)
         pad, n_passes, widest = 1.0, len(pairs), 1
         if b is not None:  # margins() sorts and batches within each block it is given
-            plans = [
-                [
-                    [idx[j] for j in batch]
-                    for batch in passes(scorer, [suffix_lens[i] for i in idx], b, pass_tokens)
-                ]
-                for idx in block_idx
-            ]
-            batches = [batch for plan in plans for batch in plan]
-            padded = sum(len(batch) * max(suffix_lens[i] for i in batch) for batch in batches)
+            batches = []  # each pass's pair lengths
+            for idx in block_idx:
+                lengths = [suffix_lens[i] for i in idx]
+                batches += [[lengths[j] for j in batch] for batch in scorer.plan(lengths, b, pass_tokens)]
+            padded = sum(len(batch) * max(batch) for batch in batches)
             pad, n_passes, widest = sum(suffix_lens) / padded, len(batches), max(map(len, batches))
         row = {
             "variant": v,

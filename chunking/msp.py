@@ -133,8 +133,6 @@ class MarginScorer:
         self.keep_id = self._answer_token("2")
         self._prefix_cache = None
         self._rows: int | None = None
-        # padding a pass may add past MAX_PADDING; None: GPU_PASS_TOKENS on a GPU, 0 on CPU
-        self.pass_tokens: int | None = None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -185,16 +183,19 @@ class MarginScorer:
             self._rows = self.default_rows()
         return self._rows
 
-    def plan(self, lengths: Sequence[int], batch_size: int | None = None) -> list[list[int]]:
+    def plan(
+        self, lengths: Sequence[int], batch_size: int | None = None, pass_tokens: int | None = None
+    ) -> list[list[int]]:
         """The forward passes `margins` runs for pairs of these token lengths (after the prefix):
         `length_batches` with at most ``batch_size`` rows (default `rows`), and ``pass_tokens``
-        of padding allowed per pass (default ``GPU_PASS_TOKENS`` on a GPU, 0 on CPU)."""
-        pass_tokens = self.pass_tokens
+        of padding allowed per pass past ``MAX_PADDING`` (default ``GPU_PASS_TOKENS`` on a GPU, 0 on CPU)."""
         if pass_tokens is None:
             pass_tokens = GPU_PASS_TOKENS if self.device.type == "cuda" else 0
         return length_batches(lengths, batch_size or self.rows, pass_tokens=pass_tokens)
 
-    def margins(self, pairs: Sequence[tuple[str, str]], batch_size: int | None = None) -> np.ndarray:
+    def margins(
+        self, pairs: Sequence[tuple[str, str]], batch_size: int | None = None, pass_tokens: int | None = None
+    ) -> np.ndarray:
         """Margins for many pairs: the shared prefix's KV cache is reused, pairs run in the batches
         of `plan`."""
         import torch
@@ -212,7 +213,7 @@ class MarginScorer:
             suffixes = [self.pair_ids(a, b) for a, b in pairs]
             out = np.empty(len(pairs))
             # similar lengths share a batch
-            for idx in self.plan([len(s) for s in suffixes], batch_size):
+            for idx in self.plan([len(s) for s in suffixes], batch_size, pass_tokens):
                 longest = max(len(suffixes[i]) for i in idx)
                 ids = torch.zeros(len(idx), longest, dtype=torch.long)
                 mask = torch.zeros(len(idx), n_prefix + longest, dtype=torch.long)
