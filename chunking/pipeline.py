@@ -437,9 +437,17 @@ class Chunker:
     run's size as ``total_chars``; the caller then shows none.
     """
 
-    def __init__(self, cfg: ChunkConfig, *, total_chars: int | None = None, progress: bool = True):
+    def __init__(
+        self,
+        cfg: ChunkConfig,
+        *,
+        total_chars: int | None = None,
+        progress: bool = True,
+        load_in_background: bool = False,
+    ):
         self.cfg = cfg
-        self.model = self.tokenizer = self._embed = None
+        self._model = self.tokenizer = self._embed = None
+        self._load = None  # the model's BackgroundLoad, when it loads in the background
         self._owner, self._local = threading.current_thread(), threading.local()
         self._scorers: dict[str, MarginScorer] = {}
         self.moc = self.lumber = None
@@ -456,10 +464,23 @@ class Chunker:
             self.lumber = LumberChunker(
                 cfg.lumber, output=cfg.output, total_chars=total_chars, progress=progress
             )
-        if cfg.method in LM_METHODS:
+        if cfg.method in LM_METHODS and load_in_background:
+            from transformers import AutoTokenizer
+
+            from metachunk.models import BackgroundLoad, load_causal_lm_model, resolve
+
+            # The tokenizer now, for `prepare`; the weights in a thread while a corpus run prepares its
+            # first group (`load_in_background`, a run that reads ahead: chunking/overlap.py).
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
+            self._load = BackgroundLoad(
+                lambda: load_causal_lm_model(
+                    cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation
+                )
+            )
+        elif cfg.method in LM_METHODS:
             from metachunk.models import load_causal_lm
 
-            self.model, self.tokenizer = load_causal_lm(
+            self._model, self.tokenizer = load_causal_lm(
                 cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation
             )
         elif cfg.len_unit == "token" and cfg.method != "lumber":  # lumber estimates its own tokens
@@ -470,6 +491,19 @@ class Chunker:
             self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
         if cfg.method == "semantic":
             self._embed = minilm_embedder(cfg.embedder, device=cfg.device)
+
+    @property
+    def model(self):
+        """The method's language model (ppl, msp), or None; loaded in the background, the first read
+        waits for it."""
+        if self._model is None and self._load is not None:
+            self._model = self._load.result()
+        return self._model
+
+    def model_ready_at(self) -> float | None:
+        """When a model loaded in the background was ready (``time.perf_counter()``), or None if
+        none was."""
+        return self._load.ready_at if self._load is not None else None
 
     @property
     def own_progress(self) -> bool:

@@ -126,7 +126,10 @@ class ShardWorker:
 
         self.cfg = cfg
         self.students = ChunkStudents.from_config(cfg, expected_docs=documents)
-        self.chunker = Chunker(cfg, total_chars=total_chars, progress=progress)
+        # A run that reads ahead of the model also prepares its first group while the weights load.
+        self.chunker = Chunker(
+            cfg, total_chars=total_chars, progress=progress, load_in_background=cfg.prefetch_depth() > 0
+        )
 
     def close(self) -> None:
         self.chunker.close()

@@ -14,8 +14,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from metachunk.artifacts import replace_dir
 from metachunk.command import Result
@@ -297,15 +301,28 @@ def load_causal_lm(
     ``model.metachunk_dtype``. ``use_safetensors=True`` refuses pickled (``.bin``) weights.
     ``attn_implementation``: see `pick_attention`.
     """
+    from transformers import AutoTokenizer
+
+    model = load_causal_lm_model(name_or_dir, device, dtype, use_safetensors, attn_implementation)
+    return model, AutoTokenizer.from_pretrained(resolve(name_or_dir))
+
+
+def load_causal_lm_model(
+    name_or_dir: str,
+    device: str | None = None,
+    dtype: str = "auto",
+    use_safetensors: bool | None = None,
+    attn_implementation: str = "auto",
+):
+    """The model half of `load_causal_lm` (same arguments), warmed up (`warm_up`)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
     path = resolve(name_or_dir)
     device = device or default_device()
     picked, why = pick_dtype(dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     # On CPU, metachunk.engine.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
     # is slow (wide heads, sliding windows); on a GPU flash-attention where installed.
     implementation = pick_attention(attn_implementation, device)
@@ -321,7 +338,39 @@ def load_causal_lm(
     )
     model.metachunk_dtype = {"dtype": picked, "why": why}
     warm_up(model)
-    return model, tokenizer
+    return model
+
+
+class BackgroundLoad:
+    """``load()`` run in a thread of its own, so that the caller can prepare its first inputs
+    while the weights load (a corpus run reads, splits and tokenizes its first group meanwhile).
+    `result` waits for the value and raises the load's own error; `ready_at` is when the load
+    ended (``time.perf_counter()``). The thread is a daemon: a run stopped during the load exits
+    without waiting for it."""
+
+    def __init__(self, load: Callable[[], Any]):
+        self.ready_at: float | None = None
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(load,), name="model-load", daemon=True).start()
+
+    def _run(self, load: Callable[[], Any]) -> None:
+        try:
+            self._value = load()
+        except BaseException as error:  # raised in the caller's thread, by result()
+            self._error = error
+        finally:
+            self.ready_at = time.perf_counter()
+            self._done.set()
+
+    def result(self) -> Any:
+        # Short waits: the waiting thread (the main one) still runs its signal handlers (SIGTERM).
+        while not self._done.wait(0.05):
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def warm_up(model, tokens: int = 16) -> None:

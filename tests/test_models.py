@@ -96,3 +96,44 @@ def test_a_loaded_model_has_already_run_one_short_forward(tiny_model_dir, monkey
     monkeypatch.setattr(models, "warm_up", lambda model, **k: warmed.append(model) or real(model, **k))
     model, _ = models.load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
     assert warmed == [model] and not model.training
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_background_load_gives_its_value_its_error_and_yields_to_a_signal():
+    """`BackgroundLoad`: the value and when it was ready; the load's own error, raised in the
+    caller's thread; and a caller waiting on a load that has not ended still runs its signal
+    handlers (a SIGTERM during a corpus run's model load stops the run)."""
+    import signal
+    import threading
+    import time
+
+    started = time.perf_counter()
+    load = models.BackgroundLoad(lambda: "weights")
+    assert load.result() == "weights" and load.ready_at >= started
+
+    def truncated():
+        raise OSError("model.safetensors: truncated")
+
+    with pytest.raises(OSError, match="truncated"):
+        models.BackgroundLoad(truncated).result()
+
+    release = threading.Event()
+    slow = models.BackgroundLoad(lambda: release.wait(30) and "late")
+
+    def handler(signum, frame):
+        raise _Stop
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Timer(0.2, signal.raise_signal, (signal.SIGUSR1,)).start()
+        waited = time.monotonic()
+        with pytest.raises(_Stop):
+            slow.result()
+        assert time.monotonic() - waited < 5 and slow.ready_at is None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        release.set()
+    assert slow.result() == "late"

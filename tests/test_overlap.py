@@ -250,3 +250,66 @@ def test_sigterm_mid_run_exits_143_and_a_rerun_finishes_byte_identical(tmp_path,
     assert done.returncode == 0, done.stderr[-2000:]
     shards = lambda folder: {p.name: p.read_bytes() for p in sorted(folder.glob("train-*"))}  # noqa: E731
     assert shards(out) == shards(sequential) and len(shards(out)) == 18
+
+
+def test_the_first_group_is_read_split_and_tokenized_while_the_weights_load(
+    tmp_path, capsys, emma_rows, tiny_model_dir, monkeypatch
+):
+    """With --prefetch the model loads in a thread while the first group is prepared: the load
+    here waits until a group has been prepared, which a run that loaded first would never do. The
+    model-load seconds run until the weights were ready, and the output is the sequential run's."""
+    import metachunk.chunking.pipeline as pipeline
+
+    from metachunk import models
+
+    prepared, load_s = threading.Event(), []
+    real_prepare, real_load = pipeline.Chunker.prepare, models.load_causal_lm_model
+
+    def prepare(self, ids, texts):
+        out = real_prepare(self, ids, texts)
+        prepared.set()
+        return out
+
+    def load_after_a_group(*args, **kwargs):
+        started = time.perf_counter()
+        assert prepared.wait(60), "no group was prepared while the weights loaded"
+        model = real_load(*args, **kwargs)
+        load_s.append(time.perf_counter() - started)
+        return model
+
+    monkeypatch.setattr(pipeline.Chunker, "prepare", prepare)
+    monkeypatch.setattr(models, "load_causal_lm_model", load_after_a_group)
+    src = write_jsonl(tmp_path / "emma.jsonl", emma_rows)
+    out = tmp_path / "ahead.jsonl"
+    rc = main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--batch-size", "1",
+               "--prefetch", "2"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    assert len(load_s) == 1
+    summary = json.loads(out.with_suffix(".meta.json").read_text())["summary"]
+    assert summary["model_load_seconds"] >= round(load_s[0], 2)
+
+    monkeypatch.setattr(models, "load_causal_lm_model", real_load)
+    sequential = tmp_path / "sequential.jsonl"
+    rc = main(["chunk", str(src), "-o", str(sequential), "--model", str(tiny_model_dir), "--batch-size", "1",
+               "--prefetch", "0"])  # fmt: skip
+    assert rc == 0 and out.read_bytes() == sequential.read_bytes()
+    assert not stage_threads()
+
+
+def test_weights_that_fail_to_load_in_the_background_stop_the_run_and_write_nothing(
+    tmp_path, capsys, emma_rows, tiny_model_dir, monkeypatch
+):
+    from metachunk import models
+
+    def truncated(*args, **kwargs):
+        raise OSError("model.safetensors: truncated")
+
+    monkeypatch.setattr(models, "load_causal_lm_model", truncated)
+    src = write_jsonl(tmp_path / "emma.jsonl", emma_rows)
+    out = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    rc = main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--batch-size", "1",
+               "--prefetch", "2"])  # fmt: skip
+    assert rc == 1 and "model.safetensors: truncated" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
+    assert not stage_threads()

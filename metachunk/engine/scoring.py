@@ -520,7 +520,7 @@ def _score_batches(
             places = [(0, a) for a in starts]
             ids = torch.as_tensor([t for w in batch for t in sequences[w.seq][w.start : w.end]])[None]
             positions = torch.cat([torch.arange(k) for k in lengths])[None]
-            inputs = {"position_ids": positions.to(device)}
+            inputs = {"position_ids": positions.to(device, non_blocking=True)}
         else:
             longest = max(w.end - w.start for w in batch)
             ids = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -529,8 +529,13 @@ def _score_batches(
                 ids[r, : w.end - w.start] = torch.as_tensor(sequences[w.seq][w.start : w.end])
                 mask[r, : w.end - w.start] = 1
             places = [(r, 0) for r in range(len(batch))]
-            inputs = {"attention_mask": mask.to(device)} if bool((mask == 0).any()) else {}
-        hidden = decoder(input_ids=ids.to(device), use_cache=False, **inputs).last_hidden_state
+            inputs = {"attention_mask": mask.to(device, non_blocking=True)} if bool((mask == 0).any()) else {}
+        # non_blocking: a copy from the host to a GPU that does not wait for the kernels already
+        # queued (a plain .to() does), so this batch's inputs are built and sent while the device
+        # still runs the last one (see _HeadQueue for the way back).
+        hidden = decoder(
+            input_ids=ids.to(device, non_blocking=True), use_cache=False, **inputs
+        ).last_hidden_state
 
         # Position p is predicted by the hidden state at p - 1 (window-relative).
         rows_idx, cols_idx, targets = [], [], []
@@ -539,11 +544,13 @@ def _score_batches(
             rows_idx.append(torch.full_like(cols, r))
             cols_idx.append(cols)
             targets.append(ids[r, cols + 1])
-        rows_t, cols_t = torch.cat(rows_idx).to(device), torch.cat(cols_idx).to(device)
-        head.add(hidden[rows_t, cols_t], torch.cat(targets).to(device), batch)
+        rows_t = torch.cat(rows_idx).to(device, non_blocking=True)
+        cols_t = torch.cat(cols_idx).to(device, non_blocking=True)
+        head.add(hidden[rows_t, cols_t], torch.cat(targets).to(device, non_blocking=True), batch)
         scored = head.run(whole_tiles_only=n + 1 < len(batches))
         if on_batch and scored:
             on_batch(scored)
+    head.land()
 
 
 class _HeadQueue:
@@ -551,7 +558,16 @@ class _HeadQueue:
     positions whatever the forward batches were: the head's matmul is most of the FLOPs, and on
     CPU it runs slower on a few hundred rows (bf16, 640 x 8,192 tiles, AVX-512: 350 GFLOP/s at 445
     rows, 409 at 1,024), which is what one short document's window gives. Holds at most one
-    tile's hidden states beyond the batch just added."""
+    tile's hidden states beyond the batch just added.
+
+    **Scores land one run late.** A run's scores are copied back without waiting for the device
+    (on a GPU, ``non_blocking`` into pinned memory, with an event), and are written into
+    ``results`` at the next run, or at `land`: reading them at once would hold the host until the
+    device has finished the batch, and leave the device idle while the host builds the next one
+    (~15 ms of Python a 131,072-token batch of CRUD windows). On CPU the copy is the tensor itself;
+    the order is the same, so the tests exercise it. PyTorch's guide to ``non_blocking``: a copy to
+    the host must be synchronized before it is read
+    (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html)."""
 
     def __init__(self, model, head_rows: int, low: torch.Tensor | None, results: list[np.ndarray]):
         self.model, self.head_rows, self.low, self.results = model, head_rows, low, results
@@ -559,6 +575,8 @@ class _HeadQueue:
         self.targets: list[torch.Tensor] = []
         self.spans: list[tuple[int, int, int]] = []  # (sequence, first position, positions), in row order
         self.rows = 0
+        # The last run's scores on their way to the host: (tensor, event or None, their spans).
+        self.landing: tuple[torch.Tensor, torch.cuda.Event | None, list[tuple[int, int, int]]] | None = None
 
     def add(self, hidden: torch.Tensor, targets: torch.Tensor, windows: Sequence[Window]) -> None:
         self.hidden.append(hidden)
@@ -568,22 +586,44 @@ class _HeadQueue:
 
     def run(self, whole_tiles_only: bool) -> int:
         """Score the queued positions (only whole tiles of them if ``whole_tiles_only``); returns
-        how many were scored."""
+        how many were scored. The scores reach ``results`` at the next run or at `land`."""
         take = self.rows - self.rows % self.head_rows if whole_tiles_only else self.rows
         if take == 0:
             return 0
         hidden, targets = torch.cat(self.hidden), torch.cat(self.targets)
-        nll = _sliced_nll(self.model, hidden[:take], targets[:take], self.head_rows, self.low).cpu().numpy()
-        offset, left = 0, []
+        nll = _sliced_nll(self.model, hidden[:take], targets[:take], self.head_rows, self.low)
+        ready = None
+        if nll.device.type == "cuda":
+            nll = nll.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self.land()  # the previous run's, which the device finished before this run's work
+        offset, taken, left = 0, [], []
         for seq, first, n in self.spans:
             now = max(0, min(n, take - offset))
-            self.results[seq][first : first + now] = nll[offset : offset + now]
+            if now:
+                taken.append((seq, first, now))
             if now < n:
                 left.append((seq, first + now, n - now))
             offset += now
+        self.landing = (nll, ready, taken)
         self.hidden, self.targets = [hidden[take:].clone()], [targets[take:].clone()]
         self.spans, self.rows = left, self.rows - take
         return take
+
+    def land(self) -> None:
+        """Write the last run's scores into ``results`` (waiting for the device if it has not
+        finished them)."""
+        if self.landing is None:
+            return
+        nll, ready, spans = self.landing
+        if ready is not None:
+            ready.synchronize()
+        values, offset = nll.numpy(), 0
+        for seq, first, n in spans:
+            self.results[seq][first : first + n] = values[offset : offset + n]
+            offset += n
+        self.landing = None
 
 
 @torch.inference_mode()
