@@ -497,6 +497,18 @@ def assign_batches(batches: Sequence[list[Window]], streams: int) -> list[list[l
     return lanes
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``, without holding the host until the kernels already
+    queued there have run: on a GPU through pinned memory with ``non_blocking``. A plain ``.to()``
+    waits for them, and so may a copy from pageable memory even when asked not to (CUDA's "API
+    synchronization behavior": https://docs.nvidia.com/cuda/cuda-runtime-api/api-sync-behavior.html).
+    torch's caching host allocator keeps the pinned copy until the transfer has run
+    (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _score_batches(
     model,
     sequences: Sequence[Sequence[int]],
@@ -520,7 +532,7 @@ def _score_batches(
             places = [(0, a) for a in starts]
             ids = torch.as_tensor([t for w in batch for t in sequences[w.seq][w.start : w.end]])[None]
             positions = torch.cat([torch.arange(k) for k in lengths])[None]
-            inputs = {"position_ids": positions.to(device, non_blocking=True)}
+            inputs = {"position_ids": to_device(positions, device)}
         else:
             longest = max(w.end - w.start for w in batch)
             ids = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -529,13 +541,10 @@ def _score_batches(
                 ids[r, : w.end - w.start] = torch.as_tensor(sequences[w.seq][w.start : w.end])
                 mask[r, : w.end - w.start] = 1
             places = [(r, 0) for r in range(len(batch))]
-            inputs = {"attention_mask": mask.to(device, non_blocking=True)} if bool((mask == 0).any()) else {}
-        # non_blocking: a copy from the host to a GPU that does not wait for the kernels already
-        # queued (a plain .to() does), so this batch's inputs are built and sent while the device
-        # still runs the last one (see _HeadQueue for the way back).
-        hidden = decoder(
-            input_ids=ids.to(device, non_blocking=True), use_cache=False, **inputs
-        ).last_hidden_state
+            inputs = {"attention_mask": to_device(mask, device)} if bool((mask == 0).any()) else {}
+        # Built and sent while the device still runs the last batch (to_device; _HeadQueue for the
+        # way back).
+        hidden = decoder(input_ids=to_device(ids, device), use_cache=False, **inputs).last_hidden_state
 
         # Position p is predicted by the hidden state at p - 1 (window-relative).
         rows_idx, cols_idx, targets = [], [], []
@@ -544,9 +553,9 @@ def _score_batches(
             rows_idx.append(torch.full_like(cols, r))
             cols_idx.append(cols)
             targets.append(ids[r, cols + 1])
-        rows_t = torch.cat(rows_idx).to(device, non_blocking=True)
-        cols_t = torch.cat(cols_idx).to(device, non_blocking=True)
-        head.add(hidden[rows_t, cols_t], torch.cat(targets).to(device, non_blocking=True), batch)
+        rows_t = to_device(torch.cat(rows_idx), device)
+        cols_t = to_device(torch.cat(cols_idx), device)
+        head.add(hidden[rows_t, cols_t], to_device(torch.cat(targets), device), batch)
         scored = head.run(whole_tiles_only=n + 1 < len(batches))
         if on_batch and scored:
             on_batch(scored)
