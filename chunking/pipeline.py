@@ -464,25 +464,28 @@ class Chunker:
             self.lumber = LumberChunker(
                 cfg.lumber, output=cfg.output, total_chars=total_chars, progress=progress
             )
-        if cfg.method in LM_METHODS and load_in_background:
+        if cfg.method in LM_METHODS:
             from transformers import AutoTokenizer
 
             from metachunk.models import BackgroundLoad, load_causal_lm_model, resolve
 
-            # The tokenizer now, for `prepare`; the weights in a thread while a corpus run prepares its
-            # first group (`load_in_background`, a run that reads ahead: chunking/overlap.py).
-            self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
-            self._load = BackgroundLoad(
-                lambda: load_causal_lm_model(
+            def load_model():
+                model = load_causal_lm_model(
                     cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation
                 )
-            )
-        elif cfg.method in LM_METHODS:
-            from metachunk.models import load_causal_lm
+                if cfg.method == "ppl":  # on a GPU its head compiles a kernel: while loading, not in a batch
+                    from metachunk.engine.scoring import warm_up_head
 
-            self._model, self.tokenizer = load_causal_lm(
-                cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation
-            )
+                    warm_up_head(model)
+                return model
+
+            # The tokenizer now, for `prepare`; with `load_in_background` (a run that reads ahead:
+            # chunking/overlap.py), the weights in a thread while the run prepares its first group.
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
+            if load_in_background:
+                self._load = BackgroundLoad(load_model)
+            else:
+                self._model = load_model()
         elif cfg.len_unit == "token" and cfg.method != "lumber":  # lumber estimates its own tokens
             from transformers import AutoTokenizer
 

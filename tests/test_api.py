@@ -117,8 +117,8 @@ def test_a_model_loads_once_per_object(tiny_model_dir, monkeypatch):
     from metachunk import models
 
     loads = []
-    real = models.load_causal_lm
-    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real = models.load_causal_lm_model
+    monkeypatch.setattr(models, "load_causal_lm_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     chunker = metachunk.PPLChunker(str(tiny_model_dir), target_len=100, len_unit="char", lang="en")
     chunker(EN), chunker.chunk_batch([EN, EN]), chunker(EN)
     assert len(loads) == 1

@@ -1,8 +1,10 @@
-"""The C kernels of metachunk/engine/kernels: built on first use, equal to torch's ops, and torch's ops
-wherever they cannot be built."""
+"""The kernels of metachunk/engine/kernels: built on first use (the C one for CPUs; the compiled one
+for GPUs, run here on torch.compile's CPU backend), equal to torch's ops, and torch's ops wherever
+they cannot be built."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -125,3 +127,70 @@ def test_bf16_scoring_with_and_without_the_kernel(fresh, tiny_model_dir: Path, m
     with_torch = token_nll(model, sequences, max_context=64, head_rows=4)
     for a, b in zip(with_kernel, with_torch):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """The GPU's compiled head reduction, on this CPU: torch.compile's CPU backend instead of its
+    Triton one (the graph, its guards and the engine's calls are the same)."""
+    from metachunk.engine import scoring
+
+    monkeypatch.setattr(kernels, "COMPILED_LSE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(scoring, "COMPILED_LSE_DEVICES", ("cuda", "cpu"))
+    kernels.lse_rows_compiled.cache_clear()
+    yield
+    kernels.lse_rows_compiled.cache_clear()
+
+
+def test_the_compiled_head_reduction_is_compiled_while_loading_and_scores_as_torch(
+    compiled_on_cpu, tiny_model_dir: Path, monkeypatch
+):
+    """`warm_up_head` compiles the reduction (both graphs) before any batch; bf16 scoring through it
+    equals torch's ops within fp32 rounding, across whole and partial tiles of rows and vocabulary."""
+    from metachunk.engine import scoring
+    from metachunk.models import load_causal_lm
+
+    model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    built = []
+    real = kernels.lse_rows_compiled.__wrapped__
+    monkeypatch.setattr(scoring, "lse_rows_compiled", functools.cache(lambda d: built.append(d) or real(d)))
+    scoring.warm_up_head(model)
+    assert built == ["cpu"] and kernels.status()["lse_rows_compiled (cpu)"] == "compiled (torch.compile)"
+    fused = scoring.lse_rows_compiled("cpu")
+    shapes = []
+    monkeypatch.setattr(
+        scoring, "lse_rows_compiled", lambda d: lambda x: shapes.append(tuple(x.shape)) or fused(x)
+    )
+    texts = ["Emma Woodhouse, handsome, clever, and rich.", "She was the youngest of the two daughters."]
+    sequences = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # vocab_block 1000 of the tiny model's 1,536: a whole block and a partial one; head_rows 4: partial rows too
+    monkeypatch.setattr(scoring, "head_tile", lambda device: (4, 1000))
+    with_compiled = scoring.token_nll(model, sequences, max_context=64, head_rows=4)
+    assert {c for _, c in shapes} == {1000, 536} and any(r < 4 for r, _ in shapes)
+    monkeypatch.setattr(scoring, "COMPILED_LSE_DEVICES", ("cuda",))
+    with_torch = scoring.token_nll(model, sequences, max_context=64, head_rows=4)
+    for a, b in zip(with_compiled, with_torch):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_a_compiler_that_fails_leaves_torchs_ops_and_says_why(
+    compiled_on_cpu, tiny_model_dir: Path, monkeypatch
+):
+    from metachunk.engine.scoring import token_nll
+    from metachunk.models import load_causal_lm
+
+    def no_triton(*args, **kwargs):
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setattr(torch, "compile", no_triton)
+    assert kernels.lse_rows_compiled("cpu") is None
+    assert kernels.status()["lse_rows_compiled (cpu)"].startswith(
+        "torch.compile failed: RuntimeError: Cannot find"
+    )
+    model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    sequences = [tok("Emma was clever. She was rich.", add_special_tokens=False)["input_ids"]]
+    assert np.isfinite(token_nll(model, sequences, max_context=64)[0][1:]).all()
+    kernels.lse_rows_compiled.cache_clear()
+    monkeypatch.setenv("METACHUNK_KERNELS", "0")
+    assert kernels.lse_rows_compiled("cpu") is None
+    assert kernels.status()["lse_rows_compiled (cpu)"] == "off (METACHUNK_KERNELS=0)"

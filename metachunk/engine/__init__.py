@@ -7,8 +7,8 @@
   margin sampling and re-ranking.
 - `metachunk.engine.attention`: attention on CPU (SDPA where its kernel is fast, blocks of
   queries elsewhere), registered with transformers by `metachunk.models.load_causal_lm`.
-- `metachunk.engine.kernels`: C kernels compiled on first use (the bf16 head's log-sum-exp),
-  with torch's ops as the fallback.
+- `metachunk.engine.kernels`: the bf16 head's log-sum-exp as a C kernel on CPU and a
+  ``torch.compile``-d one on a GPU, built on first use, with torch's ops as the fallback.
 - `metachunk.engine.generation`: batched generation (greedy or sampled), the one loop behind the
   chunk students, the MoC experts and eval's local answer generator (the MoC router, one forward
   pass, shares only its left-padded batches).

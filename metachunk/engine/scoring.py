@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metachunk.engine.kernels import lse_rows_bf16
+from metachunk.engine.kernels import COMPILED_LSE_DEVICES, lse_rows_bf16, lse_rows_compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,8 @@ def _sliced_nll(
     With bf16 logits on CPU, each tile's log-sum-exp comes from a C kernel instead
     (`metachunk.engine.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32; 1.9
     against 6.5 ms for the copy and ``log_softmax`` per 1,024 x 8,192 tile on one thread), where
-    it can be compiled; torch's ops otherwise.
+    it can be compiled; torch's ops otherwise. On a GPU, from ``logsumexp(x.float())`` compiled into
+    one kernel (`metachunk.engine.kernels.lse_rows_compiled`), where ``torch.compile`` works there.
 
     The target logit is one fp32 dot product of the position's hidden state with its target's
     row of the head (the head's own weights, even when ``low`` is given). ``low`` is an optional
@@ -118,12 +119,17 @@ def _sliced_nll(
     # two threads (a stream's share by default) and torch's split of the work wins beyond.
     native = weight.dtype == torch.bfloat16 and hidden.device.type == "cpu" and not cap
     lse_rows = lse_rows_bf16() if native and torch.get_num_threads() <= 2 else None
-    logits_buf = torch.empty(rows, cols, dtype=weight.dtype, device=hidden.device)
-    work_buf = (
-        logits_buf
-        if weight.dtype == torch.float32 or lse_rows
-        else torch.empty_like(logits_buf, dtype=torch.float32)
-    )
+    # On a GPU, bf16 tiles reduced by one compiled kernel; each tile is then a fresh tensor, the
+    # one layout its graph is compiled for (the caching allocator makes that free).
+    fused = weight.dtype == torch.bfloat16 and hidden.device.type in COMPILED_LSE_DEVICES and not cap
+    lse_compiled = lse_rows_compiled(hidden.device.type) if fused else None
+    if not lse_compiled:
+        logits_buf = torch.empty(rows, cols, dtype=weight.dtype, device=hidden.device)
+        work_buf = (
+            logits_buf
+            if weight.dtype == torch.float32 or lse_rows
+            else torch.empty_like(logits_buf, dtype=torch.float32)
+        )
     starts = range(0, vocab, cols)
     for i in range(0, n, rows):
         h, t = hidden[i : i + rows], targets[i : i + rows]
@@ -131,6 +137,12 @@ def _sliced_nll(
         tile_lse = torch.empty(len(h), len(starts), dtype=torch.float32, device=hidden.device)
         for k, j in enumerate(starts):
             block = weight[j : j + cols]
+            if lse_compiled:
+                logits = torch.matmul(h_low, block.T)
+                if head.bias is not None:
+                    logits.add_(head.bias[j : j + cols].to(weight.dtype))
+                tile_lse[:, k] = lse_compiled(logits)
+                continue
             logits, work = logits_buf[: len(h), : len(block)], work_buf[: len(h), : len(block)]
             torch.matmul(h_low, block.T, out=logits)
             if head.bias is not None:
@@ -152,6 +164,21 @@ def _sliced_nll(
             target_logit = target_logit + head.bias[t].float()
         out[i : i + len(h)] = total - _softcap(model, target_logit)
     return out
+
+
+def warm_up_head(model) -> None:
+    """Run the LM head (`_sliced_nll`) once on a whole tile of positions and once on a single row,
+    so that what it compiles on first use (on a GPU, `metachunk.engine.kernels.lse_rows_compiled`
+    and its one-row graph) is compiled while the model loads, not in its first batch. Nothing to
+    do where no tile is compiled."""
+    weight = model.get_output_embeddings().weight
+    device = weight.device
+    if device.type not in COMPILED_LSE_DEVICES or weight.dtype != torch.bfloat16:
+        return
+    rows = head_tile(device)[0]
+    hidden = torch.zeros(rows + 1, weight.shape[1], dtype=weight.dtype, device=device)
+    with torch.inference_mode():
+        _sliced_nll(model, hidden, torch.zeros(rows + 1, dtype=torch.long, device=device), rows)
 
 
 # Head tiles (see _sliced_nll): positions x vocabulary entries, 32 MB of fp32 logits per tile on

@@ -1,4 +1,6 @@
-"""C kernels for the CPU work that torch's own ops leave slow, compiled on first use.
+"""Kernels for the LM head's log-sum-exp where torch's own ops leave it slow, built on first use:
+a C kernel on CPU, and on a GPU the same reduction compiled by ``torch.compile``
+(`lse_rows_compiled`).
 
 One so far, `lse_rows_bf16` (``lse_rows_bf16.c``): the log-sum-exp of each row of the LM
 head's bfloat16 logits, in float32, for `metachunk.engine.scoring`. Torch's way, a float32 copy of
@@ -13,6 +15,12 @@ for the call, so `metachunk.engine.scoring.token_nll`'s streams run it side by s
 
 Where a kernel cannot be had, the caller keeps torch's ops: the loader returns None and
 `status` says why (no AVX-512F, no compiler, a failed build, or ``METACHUNK_KERNELS=0``).
+
+On a GPU the head is bound by memory, not by its matmul: for each 8,192 x 32,768 tile of bf16
+logits (0.5 GB), torch's ops write a float32 copy (1 GB) and ``log_softmax`` reads and rewrites
+it, ~5 GB of traffic for one float per row. `lse_rows_compiled` is ``logsumexp(x.float())`` as one
+kernel (Inductor's Triton reduction, the cast fused into its loads), which reads the tile and
+writes nothing else.
 """
 
 from __future__ import annotations
@@ -63,6 +71,50 @@ def lse_rows_bf16():
         fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), out.stride(0))
 
     return lse
+
+
+# The devices whose bf16 head tiles take `lse_rows_compiled` (CPUs have the C kernel, which also
+# needs no compile at load).
+COMPILED_LSE_DEVICES = ("cuda",)
+
+
+@functools.cache
+def lse_rows_compiled(device_type: str = "cuda"):
+    """``f(x) -> logsumexp(x.float(), dim=-1)`` for a contiguous 2-D tile of bf16 logits on
+    ``device_type``, compiled by ``torch.compile`` into one kernel; or None where that cannot be had
+    (see `status`).
+
+    Compiled once per process with dynamic shapes: one graph serves every tile of at least two rows
+    and two columns, and Dynamo specializes a size of 1 into a second (a tensor that is a view of
+    another, such as a slice of a reused buffer, would add guards on its base and strides, so the
+    caller passes fresh tiles). Both are compiled here, on small tiles checked against torch's ops;
+    a compiler that fails (no Triton, no C compiler for its launcher) or disagrees leaves torch's
+    ops in place. `metachunk.engine.scoring.warm_up_head` calls it while a model loads."""
+    name = f"lse_rows_compiled ({device_type})"
+    if os.environ.get("METACHUNK_KERNELS", "1") == "0":
+        _why[name] = "off (METACHUNK_KERNELS=0)"
+        return None
+    import torch
+
+    def lse_rows(x):
+        return torch.logsumexp(x.float(), dim=-1)
+
+    try:
+        compiled = torch.compile(lse_rows, dynamic=True, fullgraph=True)
+        generator = torch.Generator(device=device_type).manual_seed(0)
+        # Under inference mode, as the engine calls it: Dynamo guards on the grad mode.
+        with torch.inference_mode():
+            for shape in ((64, 1000), (1, 1000)):
+                x = (torch.randn(shape, generator=generator, device=device_type) * 8).to(torch.bfloat16)
+                error = (compiled(x) - lse_rows(x)).abs().max().item()
+                if not error <= 1e-4:  # fp32 rounding of values near 30 is ~4e-6
+                    _why[name] = f"compiled, but {error:.2e} off torch's ops on a test tile: not used"
+                    return None
+    except Exception as e:  # an Inductor or Triton failure of any kind: torch's ops run instead
+        _why[name] = f"torch.compile failed: {type(e).__name__}: {str(e).strip()[:500]}"
+        return None
+    _why[name] = "compiled (torch.compile)"
+    return compiled
 
 
 def _compiled(name: str) -> ctypes.CDLL | None:
