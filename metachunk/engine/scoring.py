@@ -122,7 +122,7 @@ def _sliced_nll(
     # On a GPU, bf16 tiles reduced by one compiled kernel; each tile is then a fresh tensor, the
     # one layout its graph is compiled for (the caching allocator makes that free).
     fused = weight.dtype == torch.bfloat16 and hidden.device.type in COMPILED_LSE_DEVICES and not cap
-    lse_compiled = lse_rows_compiled(hidden.device.type) if fused else None
+    lse_compiled = lse_rows_compiled(str(hidden.device)) if fused else None
     if not lse_compiled:
         logits_buf = torch.empty(rows, cols, dtype=weight.dtype, device=hidden.device)
         work_buf = (
@@ -630,9 +630,10 @@ class _HeadQueue:
         nll = _sliced_nll(self.model, hidden[:take], targets[:take], self.head_rows, self.low)
         ready = None
         if nll.device.type == "cuda":
+            stream = torch.cuda.current_stream(nll.device)  # the copy's, whichever GPU is current
             nll = nll.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(stream)
         self.land()  # the previous run's, which the device finished before this run's work
         offset, taken, left = 0, [], []
         for seq, first, n in self.spans:

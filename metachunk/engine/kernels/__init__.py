@@ -79,10 +79,10 @@ COMPILED_LSE_DEVICES = ("cuda",)
 
 
 @functools.cache
-def lse_rows_compiled(device_type: str = "cuda"):
+def lse_rows_compiled(device: str = "cuda:0"):
     """``f(x) -> logsumexp(x.float(), dim=-1)`` for a contiguous 2-D tile of bf16 logits on
-    ``device_type``, compiled by ``torch.compile`` into one kernel; or None where that cannot be had
-    (see `status`).
+    ``device`` (``str(tensor.device)``: the graph is compiled for one device), compiled by
+    ``torch.compile`` into one kernel; or None where that cannot be had (see `status`).
 
     Compiled once per process with dynamic shapes: one graph serves every tile of at least two rows
     and two columns, and Dynamo specializes a size of 1 into a second (a tensor that is a view of
@@ -90,7 +90,7 @@ def lse_rows_compiled(device_type: str = "cuda"):
     caller passes fresh tiles). Both are compiled here, on small tiles checked against torch's ops;
     a compiler that fails (no Triton, no C compiler for its launcher) or disagrees leaves torch's
     ops in place. `metachunk.engine.scoring.warm_up_head` calls it while a model loads."""
-    name = f"lse_rows_compiled ({device_type})"
+    name = f"lse_rows_compiled ({device})"
     if os.environ.get("METACHUNK_KERNELS", "1") == "0":
         _why[name] = "off (METACHUNK_KERNELS=0)"
         return None
@@ -101,11 +101,11 @@ def lse_rows_compiled(device_type: str = "cuda"):
 
     try:
         compiled = torch.compile(lse_rows, dynamic=True, fullgraph=True)
-        generator = torch.Generator(device=device_type).manual_seed(0)
+        generator = torch.Generator(device=device).manual_seed(0)
         # Under inference mode, as the engine calls it: Dynamo guards on the grad mode.
         with torch.inference_mode():
             for shape in ((64, 1000), (1, 1000)):
-                x = (torch.randn(shape, generator=generator, device=device_type) * 8).to(torch.bfloat16)
+                x = (torch.randn(shape, generator=generator, device=device) * 8).to(torch.bfloat16)
                 error = (compiled(x) - lse_rows(x)).abs().max().item()
                 if not error <= 1e-4:  # fp32 rounding of values near 30 is ~4e-6
                     _why[name] = f"compiled, but {error:.2e} off torch's ops on a test tile: not used"
