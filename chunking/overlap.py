@@ -48,11 +48,17 @@ def overlapped(
     score: Callable[[Any], Any],
     finish: Callable[[Any], None],
     depth: int,
+    on_start: Callable[[], None] | None = None,
 ) -> None:
     """``finish(score(prepare(g)))`` for every group ``g`` in order; with ``depth > 0``, ``prepare``
     runs up to ``depth`` groups ahead and ``finish`` up to ``depth`` groups behind, each in its
-    own thread (see the module docstring for the order and the stops)."""
+    own thread (see the module docstring for the order and the stops). ``on_start()`` runs in the
+    calling thread before the first ``score``, once the thread ahead has started: what the model
+    needs first (loading it) overlaps the first ``prepare``; a failure there stops the run as a
+    failing stage does."""
     if depth <= 0:
+        if on_start:
+            on_start()
         for group in groups:
             finish(score(prepare(group)))
         return
@@ -104,6 +110,8 @@ def overlapped(
     for thread in threads:
         thread.start()
     try:
+        if on_start:
+            on_start()
         while True:
             try:
                 item = ahead_q.get(timeout=POLL)

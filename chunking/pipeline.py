@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -443,11 +444,12 @@ class Chunker:
         *,
         total_chars: int | None = None,
         progress: bool = True,
-        load_in_background: bool = False,
+        lazy_model: bool = False,
     ):
         self.cfg = cfg
         self._model = self.tokenizer = self._embed = None
-        self._load = None  # the model's BackgroundLoad, when it loads in the background
+        self._load = None  # ppl, msp: what loads the model (at once, or with `lazy_model` at `load_model`)
+        self.lazy_load_seconds = 0.0  # the seconds `load_model` took, where it loaded after __init__
         self._owner, self._local = threading.current_thread(), threading.local()
         self._scorers: dict[str, MarginScorer] = {}
         self.moc = self.lumber = None
@@ -467,25 +469,28 @@ class Chunker:
         if cfg.method in LM_METHODS:
             from transformers import AutoTokenizer
 
-            from metachunk.models import BackgroundLoad, load_causal_lm_model, resolve
+            from metachunk.models import load_causal_lm_model, resolve
 
-            def load_model():
+            def load():
                 model = load_causal_lm_model(
                     cfg.model, device=cfg.device, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation
                 )
                 if cfg.method == "ppl":  # on a GPU its head compiles a kernel: while loading, not in a batch
+                    import torch
+
                     from metachunk.engine.scoring import warm_up_head
 
-                    warm_up_head(model)
+                    warm_up_head(model, None if cfg.head_dtype == "auto" else getattr(torch, cfg.head_dtype))
                 return model
 
-            # The tokenizer now, for `prepare`; with `load_in_background` (a run that reads ahead:
-            # chunking/overlap.py), the weights in a thread while the run prepares its first group.
+            # The tokenizer now, for `prepare`. With `lazy_model` the weights load at `load_model`: a
+            # corpus run that reads ahead calls it once its thread ahead prepares the first group
+            # (chunking/overlap.py), so the two overlap, and the load stays in the calling thread (where
+            # a SIGTERM interrupts it, and transformers cancels its loading pool).
             self.tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model))
-            if load_in_background:
-                self._load = BackgroundLoad(load_model)
-            else:
-                self._model = load_model()
+            self._load = load
+            if not lazy_model:
+                self._model = load()
         elif cfg.len_unit == "token" and cfg.method != "lumber":  # lumber estimates its own tokens
             from transformers import AutoTokenizer
 
@@ -497,16 +502,18 @@ class Chunker:
 
     @property
     def model(self):
-        """The method's language model (ppl, msp), or None; loaded in the background, the first read
-        waits for it."""
-        if self._model is None and self._load is not None:
-            self._model = self._load.result()
+        """The method's language model (ppl, msp), or None; with ``lazy_model``, loaded on first use
+        if `load_model` has not loaded it."""
+        self.load_model()
         return self._model
 
-    def model_ready_at(self) -> float | None:
-        """When a model loaded in the background was ready (``time.perf_counter()``), or None if
-        none was."""
-        return self._load.ready_at if self._load is not None else None
+    def load_model(self) -> None:
+        """Load the method's model now if it is not loaded (``lazy_model``), in the calling thread;
+        its seconds go to ``lazy_load_seconds``."""
+        if self._model is None and self._load is not None:
+            started = time.perf_counter()
+            self._model = self._load()
+            self.lazy_load_seconds = time.perf_counter() - started
 
     @property
     def own_progress(self) -> bool:

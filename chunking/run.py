@@ -115,9 +115,7 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             finally:
                 worker.close()
         seconds = time.perf_counter() - started
-        ready = worker.chunker.model_ready_at()  # weights loaded in the background: until they were ready
-        if ready is not None:
-            load_s = max(load_s, ready - started)
+        load_s += worker.chunker.lazy_load_seconds  # a model loaded while the first group was prepared
         summary = {
             "documents": stats["documents"],
             "chunks": stats["chunks"],

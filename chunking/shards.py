@@ -126,9 +126,9 @@ class ShardWorker:
 
         self.cfg = cfg
         self.students = ChunkStudents.from_config(cfg, expected_docs=documents)
-        # A run that reads ahead of the model also prepares its first group while the weights load.
+        # A run that reads ahead of the model loads it once its first group is being prepared (chunk_shard).
         self.chunker = Chunker(
-            cfg, total_chars=total_chars, progress=progress, load_in_background=cfg.prefetch_depth() > 0
+            cfg, total_chars=total_chars, progress=progress, lazy_model=cfg.prefetch_depth() > 0
         )
 
     def close(self) -> None:
@@ -205,7 +205,8 @@ def chunk_shard(worker: ShardWorker, cfg, source: DocumentSource, index: SourceI
         score, finish = chunker.decide, lambda decided: emit(with_students(assemble(decided)))
     documents = source.documents(start, stop, index)
     groups = iter(lambda: list(itertools.islice(documents, group)), [])
-    overlapped(groups, prepare, score, finish, depth=cfg.prefetch_depth())
+    # on_start: the model loads (if it has not) while the thread ahead prepares the first group.
+    overlapped(groups, prepare, score, finish, depth=cfg.prefetch_depth(), on_start=chunker.load_model)
     return stats
 
 

@@ -14,12 +14,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from metachunk.artifacts import replace_dir
 from metachunk.command import Result
@@ -339,38 +335,6 @@ def load_causal_lm_model(
     model.metachunk_dtype = {"dtype": picked, "why": why}
     warm_up(model)
     return model
-
-
-class BackgroundLoad:
-    """``load()`` run in a thread of its own, so that the caller can prepare its first inputs
-    while the weights load (a corpus run reads, splits and tokenizes its first group meanwhile).
-    `result` waits for the value and raises the load's own error; `ready_at` is when the load
-    ended (``time.perf_counter()``). The thread is a daemon: a run stopped during the load exits
-    without waiting for it."""
-
-    def __init__(self, load: Callable[[], Any]):
-        self.ready_at: float | None = None
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, args=(load,), name="model-load", daemon=True).start()
-
-    def _run(self, load: Callable[[], Any]) -> None:
-        try:
-            self._value = load()
-        except BaseException as error:  # raised in the caller's thread, by result()
-            self._error = error
-        finally:
-            self.ready_at = time.perf_counter()
-            self._done.set()
-
-    def result(self) -> Any:
-        # Short waits: the waiting thread (the main one) still runs its signal handlers (SIGTERM).
-        while not self._done.wait(0.05):
-            pass
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def warm_up(model, tokens: int = 16) -> None:

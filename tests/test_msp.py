@@ -379,7 +379,7 @@ def test_chunker_msp_smollm2(smollm2, emma_15, monkeypatch):
     import metachunk.models
 
     model, tok = smollm2
-    monkeypatch.setattr(metachunk.models, "load_causal_lm", lambda *a, **k: (model, tok))
+    monkeypatch.setattr(metachunk.models, "load_causal_lm_model", lambda *a, **k: model)
     sents = split_sentences(emma_15, "en")
     assert len(sents) == 15
     reference = MarginScorer(model, tok, load_msp_prompt("table6", "en"))

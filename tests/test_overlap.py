@@ -313,3 +313,33 @@ def test_weights_that_fail_to_load_in_the_background_stop_the_run_and_write_noth
     assert rc == 1 and "model.safetensors: truncated" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
     assert not stage_threads()
+
+
+def test_on_start_runs_in_the_calling_thread_while_the_first_group_is_prepared():
+    """What the model needs first (a corpus run loads it) starts once the thread ahead has; it
+    waits here for the first prepare, which would never come if that thread were not running."""
+    first_prepared, seen = threading.Event(), []
+
+    def prepare(g):
+        first_prepared.set()
+        return g
+
+    def on_start():
+        seen.append(threading.current_thread() is threading.main_thread())
+        assert first_prepared.wait(30)
+
+    out = []
+    overlapped(range(4), prepare, lambda g: g, out.append, depth=2, on_start=on_start)
+    assert seen == [True] and out == [0, 1, 2, 3] and not stage_threads()
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_failing_on_start_stops_the_run_before_any_group_is_scored(depth):
+    scored = []
+
+    def on_start():
+        raise OSError("model.safetensors: truncated")
+
+    with pytest.raises(OSError, match="truncated"):
+        overlapped(range(40), lambda g: g, scored.append, lambda g: None, depth=depth, on_start=on_start)
+    assert scored == [] and not stage_threads()

@@ -166,19 +166,20 @@ def _sliced_nll(
     return out
 
 
-def warm_up_head(model) -> None:
-    """Run the LM head (`_sliced_nll`) once on a whole tile of positions and once on a single row,
-    so that what it compiles on first use (on a GPU, `metachunk.engine.kernels.lse_rows_compiled`
-    and its one-row graph) is compiled while the model loads, not in its first batch. Nothing to
-    do where no tile is compiled."""
+def warm_up_head(model, head_dtype: torch.dtype | None = None) -> None:
+    """Run the LM head (`_sliced_nll`, in ``head_dtype`` as `token_nll` would) once on a whole tile
+    of positions and once on a single row, so that what it compiles on first use (on a GPU,
+    `metachunk.engine.kernels.lse_rows_compiled` and its one-row graph) is compiled while the model
+    loads, not in its first batch. Nothing to do where no tile is compiled."""
     weight = model.get_output_embeddings().weight
     device = weight.device
-    if device.type not in COMPILED_LSE_DEVICES or weight.dtype != torch.bfloat16:
+    low = weight.to(head_dtype) if head_dtype not in (None, weight.dtype) else None
+    if device.type not in COMPILED_LSE_DEVICES or (weight if low is None else low).dtype != torch.bfloat16:
         return
     rows = head_tile(device)[0]
     hidden = torch.zeros(rows + 1, weight.shape[1], dtype=weight.dtype, device=device)
     with torch.inference_mode():
-        _sliced_nll(model, hidden, torch.zeros(rows + 1, dtype=torch.long, device=device), rows)
+        _sliced_nll(model, hidden, torch.zeros(rows + 1, dtype=torch.long, device=device), rows, low)
 
 
 # Head tiles (see _sliced_nll): positions x vocabulary entries, 32 MB of fp32 logits per tile on
@@ -426,7 +427,8 @@ def token_nll(
             on_batch(n)
 
     def stream(k: int) -> None:
-        torch.set_num_threads(share)
+        if device.type == "cpu":  # on a GPU the host's threads do little, and Dynamo guards on their count
+            torch.set_num_threads(share)
         with torch.inference_mode():
             head = _HeadQueue(model, head_rows, low, results)
             _score_batches(model, sequences, lanes[k], head, progress if on_batch else None, stop, pack)
@@ -634,6 +636,8 @@ class _HeadQueue:
             nll = nll.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
+        elif nll.device.type != "cpu":  # another accelerator: copied at once
+            nll = nll.cpu()
         self.land()  # the previous run's, which the device finished before this run's work
         offset, taken, left = 0, [], []
         for seq, first, n in self.spans:

@@ -110,6 +110,8 @@ def lse_rows_compiled(device: str = "cuda:0"):
                 if not error <= 1e-4:  # fp32 rounding of values near 30 is ~4e-6
                     _why[name] = f"compiled, but {error:.2e} off torch's ops on a test tile: not used"
                     return None
+    except torch.OutOfMemoryError:  # the device is full, not the compiler broken: as any batch would
+        raise
     except Exception as e:  # an Inductor or Triton failure of any kind: torch's ops run instead
         _why[name] = f"torch.compile failed: {type(e).__name__}: {str(e).strip()[:500]}"
         return None
