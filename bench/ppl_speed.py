@@ -220,6 +220,7 @@ def worker(args) -> None:
     from metachunk.chunking.ppl import tokenize_sentences
     from metachunk.chunking.sentences import split_sentences
 
+    from metachunk.engine import kernels
     from metachunk.engine.scoring import default_streams, token_nll, token_nll_incremental
     from metachunk.models import load_causal_lm
 
@@ -282,7 +283,8 @@ def worker(args) -> None:
                           if args.worker.startswith("engine") else 1),
               "flops": exact_pass_flops(model, lengths, args.max_context),
               "issue_flops": plain_flops(model, **window_counts(lengths, args.max_context)),
-              "shapes": model_shapes(model)}  # fmt: skip
+              "shapes": model_shapes(model),
+              "kernels": kernels.status()}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
 
@@ -369,7 +371,7 @@ def chunk_worker(args, docs: list[str]) -> None:
               "sentences": 0, "spans": None, "dtype": meta.get("dtype", {}), "streams": 1,
               "flops": exact_pass_flops(model, lengths, args.max_context), "shapes": model_shapes(model),
               "issue_flops": plain_flops(model, **window_counts(lengths, args.max_context)),
-              "chunk_summary": summary}  # fmt: skip
+              "chunk_summary": summary, "kernels": meta.get("scoring", {}).get("kernels", {})}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
 
