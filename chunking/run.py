@@ -114,6 +114,7 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
                                     bar.update, segmented)  # fmt: skip
             finally:
                 worker.close()
+        report = worker.report()  # before the clock stops: with no documents, a lazy model loads here
         seconds = time.perf_counter() - started
         load_s += worker.chunker.lazy_load_seconds  # a model loaded while the first group was prepared
         summary = {
@@ -126,7 +127,6 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
         manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.to_dict(cfg),
                     "threshold": cfg.effective_threshold, "prompt_sha256": worker.chunker.prompt_sha256,
                     "summary": summary}  # fmt: skip
-        report = worker.report()
         if "students" in report:  # which rewriter / summarizer (path), prompt versions, context and decoding
             manifest["students"] = report.pop("students")
         if length_fit:

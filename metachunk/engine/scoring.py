@@ -172,10 +172,10 @@ def warm_up_head(model, head_dtype: torch.dtype | None = None) -> None:
     `metachunk.engine.kernels.lse_rows_compiled` and its one-row graph) is compiled while the model
     loads, not in its first batch. Nothing to do where no tile is compiled."""
     weight = model.get_output_embeddings().weight
-    device = weight.device
-    low = weight.to(head_dtype) if head_dtype not in (None, weight.dtype) else None
-    if device.type not in COMPILED_LSE_DEVICES or (weight if low is None else low).dtype != torch.bfloat16:
-        return
+    device, dtype = weight.device, head_dtype or weight.dtype
+    if device.type not in COMPILED_LSE_DEVICES or dtype != torch.bfloat16:
+        return  # before any copy of the head: a CPU load must not pay for one
+    low = weight.to(dtype) if dtype != weight.dtype else None
     rows = head_tile(device)[0]
     hidden = torch.zeros(rows + 1, weight.shape[1], dtype=weight.dtype, device=device)
     with torch.inference_mode():

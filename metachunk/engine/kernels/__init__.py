@@ -113,6 +113,8 @@ def lse_rows_compiled(device: str = "cuda:0"):
     except torch.OutOfMemoryError:  # the device is full, not the compiler broken: as any batch would
         raise
     except Exception as e:  # an Inductor or Triton failure of any kind: torch's ops run instead
+        if isinstance(getattr(e, "inner_exception", None), torch.OutOfMemoryError):
+            raise  # Dynamo wraps what its backend raised (BackendCompilerFailed): full, not broken
         _why[name] = f"torch.compile failed: {type(e).__name__}: {str(e).strip()[:500]}"
         return None
     _why[name] = "compiled (torch.compile)"
