@@ -204,13 +204,21 @@ def test_a_document_that_fails_ahead_of_the_model_writes_nothing(tmp_path, capsy
         return split(text, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "split_sentences", split_or_fail)
+    fails_writing_nothing(
+        tmp_path, capsys, emma_rows, tiny_model_dir, "RuntimeError: the splitter failed on document 30"
+    )
+
+
+def fails_writing_nothing(tmp_path, capsys, emma_rows, tiny_model_dir, error: str) -> None:
+    """A prefetching chunk run of the Emma rows exits 1 with ``error``, leaves no output, half-written
+    or whole, and no stage thread."""
     src = write_jsonl(tmp_path / "emma.jsonl", emma_rows)
     out = tmp_path / "out.jsonl"
     capsys.readouterr()
     rc = main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--batch-size", "1",
                "--prefetch", "2"])  # fmt: skip
-    assert rc == 1 and "RuntimeError: the splitter failed on document 30" in capsys.readouterr().err
-    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))  # no half-written output
+    assert rc == 1 and error in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
     assert not stage_threads()
 
 
@@ -342,14 +350,7 @@ def test_a_model_that_fails_to_load_stops_a_prefetching_run_and_writes_nothing(
         raise OSError("model.safetensors: truncated")
 
     monkeypatch.setattr(models, "load_causal_lm_model", truncated)
-    src = write_jsonl(tmp_path / "emma.jsonl", emma_rows)
-    out = tmp_path / "out.jsonl"
-    capsys.readouterr()
-    rc = main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--batch-size", "1",
-               "--prefetch", "2"])  # fmt: skip
-    assert rc == 1 and "model.safetensors: truncated" in capsys.readouterr().err
-    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
-    assert not stage_threads()
+    fails_writing_nothing(tmp_path, capsys, emma_rows, tiny_model_dir, "model.safetensors: truncated")
 
 
 def test_on_start_runs_in_the_calling_thread_while_the_first_group_is_prepared():

@@ -121,8 +121,7 @@ def _sliced_nll(
     lse_rows = lse_rows_bf16() if native and torch.get_num_threads() <= 2 else None
     # On a GPU, bf16 tiles reduced by one compiled kernel; each tile is then a fresh tensor, the
     # one layout its graph is compiled for (the caching allocator makes that free).
-    fused = weight.dtype == torch.bfloat16 and hidden.device.type in COMPILED_LSE_DEVICES and not cap
-    lse_compiled = lse_rows_compiled(str(hidden.device)) if fused else None
+    lse_compiled = lse_rows_compiled(str(hidden.device)) if head_compiles(model, weight.dtype) else None
     if not lse_compiled:
         logits_buf = torch.empty(rows, cols, dtype=weight.dtype, device=hidden.device)
         work_buf = (
@@ -166,6 +165,15 @@ def _sliced_nll(
     return out
 
 
+def head_compiles(model, head_dtype: torch.dtype) -> bool:
+    """Whether `_sliced_nll` reduces ``model``'s head tiles, computed in ``head_dtype``, with the
+    compiled kernel (`metachunk.engine.kernels.lse_rows_compiled`): bf16 logits on a device in
+    ``COMPILED_LSE_DEVICES``, and no soft-capping (which the kernel leaves out)."""
+    device = model.get_output_embeddings().weight.device
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return head_dtype == torch.bfloat16 and device.type in COMPILED_LSE_DEVICES and not cap
+
+
 def warm_up_head(model, head_dtype: torch.dtype | None = None) -> None:
     """Run the LM head (`_sliced_nll`, in ``head_dtype`` as `token_nll` would) once on a whole tile
     of positions and once on a single row, so that what it compiles on first use (on a GPU,
@@ -173,7 +181,7 @@ def warm_up_head(model, head_dtype: torch.dtype | None = None) -> None:
     loads, not in its first batch. Nothing to do where no tile is compiled."""
     weight = model.get_output_embeddings().weight
     device, dtype = weight.device, head_dtype or weight.dtype
-    if device.type not in COMPILED_LSE_DEVICES or dtype != torch.bfloat16:
+    if not head_compiles(model, dtype):
         return  # before any copy of the head: a CPU load must not pay for one
     low = weight.to(dtype) if dtype != weight.dtype else None
     rows = head_tile(device)[0]
