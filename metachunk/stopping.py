@@ -15,8 +15,10 @@ keep running. So:
   a worker process calls it first thing.
 * `reap_on_death`: for processes that are not our children and so cannot be asked to die
   with us (a local Ray cluster's agents and workers are the raylet's children): a watchdog process
-  notes our descendants twice a second and, if we die without saying so (SIGKILL), stops the ones
-  it last saw.
+  notes our descendants twice a second and, if we die without saying so (SIGKILL), stops every one
+  it has seen that still runs. It keeps a process it has seen even after the process leaves our
+  tree: when we die, the raylet dies with us and its children are handed to init, possibly while the
+  watchdog is reading ``/proc``.
 * `keep_signal_handlers`: a library that installs its own SIGTERM handler (``ray.init``
   exits with status 15) is put back in its place.
 """
@@ -149,9 +151,8 @@ def _processes() -> dict[int, tuple[int, int]]:
     return out
 
 
-def _descendants(root: int) -> dict[int, int]:
-    """``{pid: start time}`` of every descendant of ``root``."""
-    table = _processes()
+def _descendants(root: int, table: dict[int, tuple[int, int]]) -> dict[int, int]:
+    """``{pid: start time}`` of every descendant of ``root`` in ``table`` (`_processes`)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -166,8 +167,12 @@ def _descendants(root: int) -> dict[int, int]:
 
 def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
     """The watchdog: note ``parent``'s descendants every ``every`` seconds until the parent says
-    "done" on stdin (leave) or dies (its pipe closes): then SIGTERM the ones last seen that are
-    still the same processes, and SIGKILL those left after ``grace`` seconds."""
+    "done" on stdin (leave) or dies (its pipe closes): then SIGTERM every process it has seen that
+    is still the same process, and SIGKILL those left after ``grace`` seconds.
+
+    ``seen`` only forgets a process that has ended. A scan that sees the tree after a process left it
+    (its parent died and it was handed to init) must not drop it: the parent's death is what the
+    watchdog is for, and a scan can read ``/proc`` while it happens."""
     me, seen = os.getpid(), {}
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], every)
@@ -175,7 +180,9 @@ def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
             if sys.stdin.buffer.readline().strip() == b"done":
                 return
             break  # end of file: the parent is gone
-        seen = {pid: start for pid, start in _descendants(parent).items() if pid != me}
+        table = _processes()
+        seen = {pid: start for pid, start in seen.items() if table.get(pid, (0, None))[1] == start}
+        seen |= {pid: start for pid, start in _descendants(parent, table).items() if pid != me}
 
     def same(pid: int, start: int) -> bool:  # not a new process that took a freed pid
         return _processes().get(pid, (0, None))[1] == start

@@ -8,6 +8,7 @@ outputs as a Ctrl-C does: nothing half-written replaced, and a rerun finishes th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,14 +47,15 @@ def a_shard_listed(out: Path) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float, what: str, every: float = 0.2):
+def wait_for(predicate, timeout: float, what, every: float = 0.2):
+    """``what`` (a string, or a function called at the timeout) names what was waited for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -93,7 +95,7 @@ def assert_all_gone(proc: subprocess.Popen, children: list[psutil.Process], port
         return out
 
     alive = lambda: [c for c in children if running(c)]  # noqa: E731
-    wait_for(lambda: not alive(), 10, f"the run's processes to end: {names(alive())}")
+    wait_for(lambda: not alive(), 10, lambda: f"the run's processes to end: {names(alive())} are left")
     if port is not None:
         wait_for(lambda: port_free(port), 10, f"port {port} to be free")
 
@@ -247,6 +249,45 @@ def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny
         kill_what_is_left(proc)
     manifest = json.loads((out / "manifest.json").read_text())
     assert not manifest["complete"] and manifest["shards"]["done"]
+
+
+MIDDLE = """
+import subprocess, sys, time
+sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(sleeper.pid, flush=True)
+time.sleep(1.5)  # the watchdog's scans see the sleeper as the run's
+"""
+WATCHED = """
+import subprocess, sys, time
+from metachunk.stopping import reap_on_death
+
+with reap_on_death():
+    time.sleep(1)  # the watchdog has noted this process and scans on
+    middle = subprocess.run([sys.executable, "-c", sys.argv[1]], capture_output=True, text=True, check=True)
+    print(middle.stdout.strip(), flush=True)  # its child, handed to init when it ended: no longer ours
+    time.sleep(2)  # scans that no longer find it among this process's descendants
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_watchdog_stops_a_process_that_left_the_tree_before_the_run_died(tmp_path):
+    """A local Ray cluster's agents are the raylet's children; the raylet dies with the run, and its
+    children are handed to init, possibly between two of the watchdog's scans. Here the middle
+    process ends well before the run: the watchdog still stops its child, which it saw as ours."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", WATCHED, MIDDLE], env=ENV, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        orphan = psutil.Process(int(run.stdout.readline()))
+        assert run.stdout.readline().strip() == "ready"
+        assert orphan.ppid() != run.pid and orphan.is_running()
+        stop_and_check(run, signal.SIGKILL, [orphan])
+    finally:
+        kill_what_is_left(run)
+        with contextlib.suppress(NameError, psutil.Error):
+            orphan.kill()
 
 
 @pytest.mark.skipif(
