@@ -283,6 +283,13 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
             if response.get("status_code") == 200 and isinstance(body, dict):
                 raw = redact(json.dumps(body, ensure_ascii=False), headers=False)
                 prompt_tokens, completion_tokens, _, ok = read_usage(raw)
+                if ok and prompt_tokens is None and teacher.price.cost(1, 1) > 0:
+                    # Online and Batch API answers without usage are counted at the request's upper
+                    # estimate; here the request is not known, so a priced answer is refused rather than
+                    # stored at $0. vLLM's and OpenAI's result bodies are chat completions, which carry
+                    # usage (https://docs.vllm.ai/en/latest/cli/run-batch/).
+                    raise InputError(path, f"response.body.usage: missing, and teacher {teacher.cfg.model!r} has a "
+                                     "price: its cost cannot be counted against --max-cost", number)  # fmt: skip
                 if ok:
                     pt, ct = prompt_tokens or 0, completion_tokens or 0
                     cost = teacher.price.cost(pt, ct) * teacher.price.batch_discount

@@ -141,6 +141,45 @@ def test_export_for_vllm_run_batch_then_import_its_results(tmp_path, capsys):
     assert "6 answers stored" in capsys.readouterr().err
 
 
+def vllm_results(exported, path, usage: bool) -> None:
+    """What `vllm run-batch` writes for ``exported``'s requests; ``usage`` False: a body without it."""
+    with path.open("w") as f:
+        for x in map(json.loads, exported.read_text().splitlines()):
+            body = {"id": "c", "object": "chat.completion", "model": "loopback",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "She is Emma."},
+                                 "finish_reason": "stop"}]}  # fmt: skip
+            if usage:
+                body["usage"] = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
+            f.write(json.dumps({"id": "r", "custom_id": x["custom_id"], "response": {"status_code": 200, "body": body},
+                                "error": None}) + "\n")  # fmt: skip
+
+
+def test_an_imported_answer_without_usage_is_refused_for_a_priced_teacher_and_free_otherwise(
+    tmp_path, capsys
+):
+    """An online answer without usage is counted at its request's upper estimate; an imported one has no
+    request to estimate from, so for a priced teacher the file is refused (file, line, field; exit 2), and
+    nothing of it is stored. A teacher without a price stores it at $0."""
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")  # never contacted
+    exported, results = tmp_path / "round1.jsonl", tmp_path / "results1.jsonl"
+    assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
+    vllm_results(exported, results, usage=False)
+    capsys.readouterr()
+    again = ["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results), "--export-batch",
+             str(tmp_path / "round2.jsonl")]  # fmt: skip
+    assert main(again) == 2
+    err = capsys.readouterr().err
+    assert f"{results}:1" in err and "response.body.usage" in err and "Traceback" not in err
+    with sqlite3.connect(tmp_path / "run" / "answers.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM answers WHERE status = 'ok'").fetchone() == (0,)
+
+    free = yaml.safe_load(recipe.read_text())
+    free["prices"] = {"loopback": {"input": 0.0, "output": 0.0}}
+    recipe.write_text(yaml.safe_dump(free))
+    assert main(again) == 0
+    assert "6 answers stored" in capsys.readouterr().err
+
+
 def test_two_batch_runs_on_one_store_pay_each_request_once(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with serve_in_subprocess(replies=REPLIES, batch_polls=4) as server:
