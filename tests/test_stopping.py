@@ -65,6 +65,14 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
+def command_line(c: psutil.Process) -> str:
+    """``c``'s command line; "" once it has ended (a zombie has none: psutil raises for it)."""
+    try:
+        return " ".join(c.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def port_free(port: int) -> bool:
     """Free as a server sees it: bound with SO_REUSEADDR (our polling's TIME_WAIT sockets do not count)."""
     with socket.socket() as s:
@@ -243,7 +251,7 @@ def test_the_local_ray_cluster_a_run_started_goes_with_it(tmp_path, corpus, tiny
         wait_for(lambda: a_shard_listed(out) or proc.poll() is not None, 300, "a shard")
         assert proc.poll() is None, (tmp_path / "log").read_text()[-3000:]
         children = descendants(proc)
-        assert any("raylet" in " ".join(c.cmdline()) for c in children)
+        assert any("raylet" in command_line(c) for c in children)
         stop_and_check(proc, sig, children)
     finally:
         kill_what_is_left(proc)
@@ -307,7 +315,7 @@ def test_a_regeneration_run_stops_its_local_teacher(tmp_path, sig):
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     proc = start("run", path, log=tmp_path / "log")
     try:
-        server = wait_for(lambda: [c for c in descendants(proc) if "llama_cpp.server" in " ".join(c.cmdline())],
+        server = wait_for(lambda: [c for c in descendants(proc) if "llama_cpp.server" in command_line(c)],
                           240, "the local teacher")  # fmt: skip
         port = int(server[0].cmdline()[server[0].cmdline().index("--port") + 1])
         wait_for(lambda: serving(port), 120, "the local teacher to answer")
