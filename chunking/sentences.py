@@ -86,12 +86,6 @@ _ASCII_TERMINATOR_RE = re.compile(r"[.!?]")
 _PYSBD_BLOCK = 1000
 _SEGMENTER = pysbd.Segmenter(language="en", clean=False)
 
-# pysbd builds a regex per abbreviation on every call (~1,500 distinct patterns on a novel), so
-# Python's default 512-entry pattern cache thrashes and recompiling costs about a third of the
-# splitting time. A larger cache only costs a few MB; never shrink it if someone raised it already.
-if isinstance(getattr(re, "_MAXCACHE", None), int):
-    re._MAXCACHE = max(re._MAXCACHE, 4096)
-
 
 def detect_lang(text: str) -> str:
     """Return ``"zh"`` if CJK ideographs are >= 20% of the non-whitespace characters, else ``"en"``.
