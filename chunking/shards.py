@@ -471,11 +471,13 @@ _WORKER: dict = {}
 
 
 def _init_worker(cfg, index_json: dict, plan: ShardPlan, slots, progress) -> None:
+    import multiprocessing
     from dataclasses import replace
 
     from metachunk.stopping import die_with_parent
 
-    die_with_parent()  # a SIGKILLed run leaves no worker behind
+    # A SIGKILLed run leaves no worker behind, even one killed while this worker was starting.
+    die_with_parent(multiprocessing.parent_process().pid)
     slot, device, threads = slots.get()
     _set_threads(threads)
     cfg = replace(cfg, device=device)

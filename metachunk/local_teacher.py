@@ -172,10 +172,18 @@ class LocalTeacher:
         self.process = subprocess.Popen(
             guarded(self.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+        try:
+            self._wait_until_ready(timeout)
+        except BaseException:  # it died, never became ready, or the run was stopped meanwhile (Stopped)
+            self.stop()
+            raise
+        return self
+
+    def _wait_until_ready(self, timeout: float) -> None:
+        """Until the server answers its health check and one real completion."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self.stop()
                 raise RuntimeError(
                     f"the local teacher ({self.backend}) exited with code {self.process.returncode}; "
                     f"see {self.log or 'its output'}"
@@ -190,10 +198,8 @@ class LocalTeacher:
                 pass
             time.sleep(0.5)
         else:
-            self.stop()
             raise RuntimeError(f"the local teacher did not become healthy within {timeout:.0f}s")
         self._first_completion(deadline - time.monotonic())
-        return self
 
     def _first_completion(self, timeout: float) -> None:
         """One real one-token completion: a server that crashes on it is caught here, not in a stage."""
@@ -212,7 +218,6 @@ class LocalTeacher:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             time.sleep(0.5)  # let a crashing process finish dying, so failure() can say how it died
             died = self.failure()
-            self.stop()
             if died is None:
                 raise RuntimeError(
                     f"the local teacher ({self.backend}) failed its first completion ({e}); see {self.log or 'its output'}"

@@ -172,8 +172,21 @@ def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
 
     ``seen`` only forgets a process that has ended. A scan that sees the tree after a process left it
     (its parent died and it was handed to init) must not drop it: the parent's death is what the
-    watchdog is for, and a scan can read ``/proc`` while it happens."""
+    watchdog is for, and a scan can read ``/proc`` while it happens. A last scan after the parent's
+    death adds what the processes seen started since the one before (a raylet's new worker).
+
+    The signals a terminal or a scheduler sends to the whole process group (Ctrl-C's SIGINT, SIGTERM,
+    SIGHUP) are ignored: the parent stops its own children on those and says "done"; the watchdog is
+    for the SIGKILL that may follow them."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     me, seen = os.getpid(), {}
+
+    def running(
+        table: dict[int, tuple[int, int]],
+    ) -> dict[int, int]:  # not a new process that took a freed pid
+        return {pid: start for pid, start in seen.items() if table.get(pid, (0, None))[1] == start}
+
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], every)
         if ready:
@@ -181,19 +194,20 @@ def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
                 return
             break  # end of file: the parent is gone
         table = _processes()
-        seen = {pid: start for pid, start in seen.items() if table.get(pid, (0, None))[1] == start}
-        seen |= {pid: start for pid, start in _descendants(parent, table).items() if pid != me}
+        seen = running(table) | {
+            pid: start for pid, start in _descendants(parent, table).items() if pid != me
+        }
 
-    def same(pid: int, start: int) -> bool:  # not a new process that took a freed pid
-        return _processes().get(pid, (0, None))[1] == start
-
+    table = _processes()
+    seen = running(table)
+    for root in list(seen):
+        seen |= {pid: start for pid, start in _descendants(root, table).items() if pid != me}
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid, start in seen.items():
-            if same(pid, start):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
+        for pid in running(_processes()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
         deadline = time.monotonic() + grace
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(same(*p) for p in seen.items()):
+        while sig == signal.SIGTERM and time.monotonic() < deadline and running(_processes()):
             time.sleep(0.1)
 
 

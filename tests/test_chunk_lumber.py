@@ -113,7 +113,7 @@ REPLIES = {
 
 @pytest.fixture(autouse=True)
 def watchdog():
-    faulthandler.dump_traceback_later(120, exit=True)
+    faulthandler.dump_traceback_later(600, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
 

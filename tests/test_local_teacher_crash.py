@@ -61,6 +61,30 @@ def test_a_server_that_answers_is_ready(tmp_path, tiny_model_dir):
     assert teacher.failure() == "was killed by SIGTERM"  # stop()'s own signal
 
 
+def test_a_stop_while_the_server_starts_stops_the_server(tmp_path, tiny_model_dir, monkeypatch):
+    """A SIGTERM (`Stopped`) that lands in ``start``'s wait for the server stops the server there, as
+    ``with`` would: ``start`` is not inside its own ``with``."""
+    import urllib.request
+
+    from metachunk.stopping import Stopped
+
+    teacher = fake_teacher(tmp_path, tiny_model_dir, "never")
+    real = urllib.request.urlopen
+
+    def stopped_at_the_health_check(url, *args, **kwargs):
+        if str(url).endswith(teacher.health_path):
+            raise Stopped(15)
+        return real(url, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", stopped_at_the_health_check)
+    try:
+        with pytest.raises(Stopped):
+            teacher.start(timeout=60)
+        assert teacher.failure() == "was killed by SIGTERM"  # stop()'s own signal, sent by start
+    finally:
+        teacher.stop()
+
+
 def test_the_runner_stops_when_the_local_teacher_dies_during_a_stage(
     tmp_path, tiny_model_dir, monkeypatch, capsys
 ):
