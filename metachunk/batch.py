@@ -276,7 +276,11 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
                 ) from None
             body = response.get("body")
             model = body.get("model") if isinstance(body, dict) else None
-            teacher = by_model.get(model) or next(iter(teachers.values()))
+            teacher = by_model.get(model)
+            if teacher is None and len(by_model) > 1 and response.get("status_code") == 200:
+                raise InputError(path, f"response.body.model: {model!r} is none of the recipe's teachers "
+                                 f"({', '.join(sorted(by_model))}), so its price is not known", number)  # fmt: skip
+            teacher = teacher or next(iter(teachers.values()))
             if store.has_answer(key):
                 counts["skipped"] += 1
                 continue

@@ -160,21 +160,23 @@ class LocalTeacher:
             # ggml's OpenMP threads spin while they wait for each other; when another process holds
             # a core, 2 spinning threads on 2 cores decoded at 5 tokens/s instead of 49 (measured).
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        out = subprocess.DEVNULL
-        if self.log:
-            Path(self.log).parent.mkdir(parents=True, exist_ok=True)
-            out = self._log_file = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         from metachunk.stopping import guarded
 
-        port_in_use(self.port)
-        # Its own session (a terminal's Ctrl-C goes to metachunk, which stops it in order); guarded:
-        # it dies with metachunk even when metachunk is SIGKILLed.
-        self.process = subprocess.Popen(
-            guarded(self.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        out = subprocess.DEVNULL
         try:
+            if self.log:
+                Path(self.log).parent.mkdir(parents=True, exist_ok=True)
+                out = self._log_file = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
+            port_in_use(self.port)
+            # Its own session (a terminal's Ctrl-C goes to metachunk, which stops it in order); guarded:
+            # it dies with metachunk even when metachunk is SIGKILLed.
+            self.process = subprocess.Popen(
+                guarded(self.command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
             self._wait_until_ready(timeout)
-        except BaseException:  # it died, never became ready, or the run was stopped meanwhile (Stopped)
+        except (
+            BaseException
+        ):  # the port is taken, it died, never became ready, or the run was stopped (Stopped)
             self.stop()
             raise
         return self

@@ -124,8 +124,9 @@ def reap_on_death():
     if not os.path.isdir("/proc/self"):
         yield
         return
+    # A group of its own: a signal to ours (Ctrl-C, a scheduler's SIGTERM or SIGKILL) does not reach it.
     watchdog = subprocess.Popen([sys.executable, "-m", "metachunk.stopping", "--reap", str(os.getpid())],
-                                stdin=subprocess.PIPE)  # fmt: skip
+                                stdin=subprocess.PIPE, process_group=0)  # fmt: skip
     try:
         yield
     finally:
@@ -137,7 +138,9 @@ def reap_on_death():
 
 
 def _processes() -> dict[int, tuple[int, int]]:
-    """``{pid: (parent pid, start time)}`` of every process, from ``/proc/PID/stat``."""
+    """``{pid: (parent pid, start time)}`` of every process that has not ended, from ``/proc/PID/stat``
+    (a zombie has ended: it waits for its parent to read its status, which in a container whose first
+    process reaps nothing may be never)."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -147,7 +150,8 @@ def _processes() -> dict[int, tuple[int, int]]:
                 fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
         except OSError:
             continue
-        out[int(name)] = (int(fields[1]), int(fields[19]))  # ppid (field 4), starttime (field 22)
+        if fields[0] != b"Z":  # state (field 3)
+            out[int(name)] = (int(fields[1]), int(fields[19]))  # ppid (field 4), starttime (field 22)
     return out
 
 
@@ -173,11 +177,12 @@ def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
     ``seen`` only forgets a process that has ended. A scan that sees the tree after a process left it
     (its parent died and it was handed to init) must not drop it: the parent's death is what the
     watchdog is for, and a scan can read ``/proc`` while it happens. A last scan after the parent's
-    death adds what the processes seen started since the one before (a raylet's new worker).
+    death adds the children that the processes seen and still running started since the one before.
 
-    The signals a terminal or a scheduler sends to the whole process group (Ctrl-C's SIGINT, SIGTERM,
-    SIGHUP) are ignored: the parent stops its own children on those and says "done"; the watchdog is
-    for the SIGKILL that may follow them."""
+    The watchdog has a process group of its own (`reap_on_death`), and ignores the signals a terminal
+    or a scheduler sends a whole group (Ctrl-C's SIGINT, SIGTERM, SIGHUP) in case one is sent to it:
+    the parent stops its own children on those and says "done"; the watchdog is for the SIGKILL that
+    may follow them."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     me, seen = os.getpid(), {}

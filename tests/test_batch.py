@@ -180,6 +180,27 @@ def test_an_imported_answer_without_usage_is_refused_for_a_priced_teacher_and_fr
     assert "6 answers stored" in capsys.readouterr().err
 
 
+def test_an_imported_answer_from_a_model_no_teacher_names_is_refused_when_several_could_be_meant(
+    tmp_path, capsys
+):
+    """With teachers on two models, a result whose body names neither cannot be priced: refused, nothing stored."""
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")
+    two = yaml.safe_load(recipe.read_text())
+    two["teachers"]["completion"]["model"] = "bigger"
+    two["prices"]["bigger"] = {"input": 20.0, "output": 80.0}
+    recipe.write_text(yaml.safe_dump(two))
+    exported, results = tmp_path / "round1.jsonl", tmp_path / "results1.jsonl"
+    assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
+    vllm_results(exported, results, usage=True)
+    results.write_text(results.read_text().replace('"model": "loopback"', '"model": "mystery"'))
+    capsys.readouterr()
+    assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert f"{results}:1" in err and "response.body.model" in err and "'mystery'" in err
+    with sqlite3.connect(tmp_path / "run" / "answers.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM answers WHERE status = 'ok'").fetchone() == (0,)
+
+
 def test_two_batch_runs_on_one_store_pay_each_request_once(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with serve_in_subprocess(replies=REPLIES, batch_polls=4) as server:
