@@ -222,6 +222,18 @@ def fails_writing_nothing(tmp_path, capsys, emma_rows, tiny_model_dir, error: st
     assert not stage_threads()
 
 
+# A command run as a user's shell runs it: one torch thread, output unbuffered, no Hub.
+RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+
+
+def stop_and_expect_143_at_once(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc`` (its output piped): it exits 143 within 10 s."""
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    proc.wait(timeout=30)
+    assert proc.returncode == 143 and time.monotonic() - started < 10, proc.stdout.read().decode()[-3000:]
+
+
 def a_shard_listed(out: Path) -> bool:
     """The manifest, not the file: a shard is renamed in before its manifest entry is written."""
     manifest = out / "manifest.json"
@@ -234,26 +246,22 @@ def test_sigterm_mid_run_exits_143_and_a_rerun_finishes_byte_identical(tmp_path,
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "metachunk", "chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir),
             "--shards", "18", "--batch-size", "1", "--prefetch", "2"]  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=RUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not a_shard_listed(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        proc.wait(timeout=30)
-        assert proc.returncode == 143 and time.monotonic() - started < 10, proc.stdout.read().decode()[-3000:]
+        stop_and_expect_143_at_once(proc)
     finally:
         proc.kill()
     manifest = json.loads((out / "manifest.json").read_text())
     assert not manifest["complete"] and manifest["shards"]["done"]
     assert not list(out.glob(".*.tmp"))
-    rerun = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(argv, env=RUN_ENV, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     sequential = tmp_path / "sequential"
-    done = subprocess.run([*argv[:6], str(sequential), *argv[7:-1], "0"], env=env, capture_output=True,
+    done = subprocess.run([*argv[:6], str(sequential), *argv[7:-1], "0"], env=RUN_ENV, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     shards = lambda folder: {p.name: p.read_bytes() for p in sorted(folder.glob("train-*"))}  # noqa: E731
@@ -326,16 +334,12 @@ def test_sigterm_while_the_model_loads_exits_143_at_once(tmp_path, emma_rows, ti
         f"sys.exit(main(['chunk', {str(src)!r}, '-o', {str(out)!r}, '--model', {str(tiny_model_dir)!r}, "
         "'--batch-size', '1', '--prefetch', '2']))\n"
     )
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [sys.executable, "-c", script], env=RUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
         assert proc.stdout.readline().decode().endswith("loading\n")  # after the bar's first \r-line
-        proc.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        proc.wait(timeout=30)
-        assert proc.returncode == 143 and time.monotonic() - started < 10, proc.stdout.read().decode()[-3000:]
+        stop_and_expect_143_at_once(proc)
     finally:
         proc.kill()
     assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
