@@ -500,8 +500,13 @@ class Answer:
 
 def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
     """``(prompt, completion, answer text, well-formed)`` from a 200 body; the token counts are
-    None when the server sent no usage. A body that is not a chat completion is
-    ``malformed_response`` (retried like a transport error)."""
+    None when the server sent no usage, or a usage without the completion's count (neither
+    ``completion_tokens`` nor ``total_tokens``): the caller then counts the answer at its upper
+    estimate, never at 0. A body that is not a chat completion is ``malformed_response`` (retried
+    like a transport error).
+
+    A chat completion's ``usage`` has ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``
+    (their sum): https://platform.openai.com/docs/api-reference/chat/object"""
     try:
         body = json.loads(raw)
         choice = body["choices"][0]
@@ -512,7 +517,12 @@ def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
         usage = body.get("usage")
         if not isinstance(usage, dict) or usage.get("prompt_tokens") is None:
             return None, None, text, True
-        return int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0), text, True
+        prompt = int(usage["prompt_tokens"])
+        if usage.get("completion_tokens") is not None:
+            return prompt, int(usage["completion_tokens"]), text, True
+        if usage.get("total_tokens") is not None:
+            return prompt, int(usage["total_tokens"]) - prompt, text, True
+        return None, None, text, True
     except (ValueError, KeyError, IndexError, TypeError):
         return None, None, "", False
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 from support.loopback_server import serve_in_subprocess
 
@@ -122,15 +123,8 @@ def test_export_for_vllm_run_batch_then_import_its_results(tmp_path, capsys):
     lines = [json.loads(x) for x in exported.read_text().splitlines()]
     assert len(lines) == 6 and {x["url"] for x in lines} == {"/v1/chat/completions"}
     assert all(x["body"]["model"] == "loopback" for x in lines)
-    results = tmp_path / "results1.jsonl"  # what `vllm run-batch` writes
-    with results.open("w") as f:
-        for x in lines:
-            body = {"id": "c", "object": "chat.completion", "model": "loopback",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "She is Emma."},
-                                 "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}}  # fmt: skip
-            f.write(json.dumps({"id": "r", "custom_id": x["custom_id"], "response": {"status_code": 200, "body": body},
-                                "error": None}) + "\n")  # fmt: skip
+    results = tmp_path / "results1.jsonl"
+    vllm_results(exported, results)
     exported2 = tmp_path / "round2.jsonl"
     assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results),
                  "--export-batch", str(exported2)]) == 0  # fmt: skip
@@ -141,29 +135,34 @@ def test_export_for_vllm_run_batch_then_import_its_results(tmp_path, capsys):
     assert "6 answers stored" in capsys.readouterr().err
 
 
-def vllm_results(exported, path, usage: bool) -> None:
-    """What `vllm run-batch` writes for ``exported``'s requests; ``usage`` False: a body without it."""
+USAGE = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
+
+
+def vllm_results(exported, path, usage: dict | None = USAGE) -> None:
+    """What `vllm run-batch` writes for ``exported``'s requests; ``usage`` None: a body without it."""
     with path.open("w") as f:
         for x in map(json.loads, exported.read_text().splitlines()):
             body = {"id": "c", "object": "chat.completion", "model": "loopback",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "She is Emma."},
                                  "finish_reason": "stop"}]}  # fmt: skip
-            if usage:
-                body["usage"] = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
+            if usage is not None:
+                body["usage"] = usage
             f.write(json.dumps({"id": "r", "custom_id": x["custom_id"], "response": {"status_code": 200, "body": body},
                                 "error": None}) + "\n")  # fmt: skip
 
 
+@pytest.mark.parametrize("usage", [None, {"prompt_tokens": 100}], ids=["no usage", "no completion count"])
 def test_an_imported_answer_without_usage_is_refused_for_a_priced_teacher_and_free_otherwise(
-    tmp_path, capsys
+    tmp_path, capsys, usage
 ):
     """An online answer without usage is counted at its request's upper estimate; an imported one has no
     request to estimate from, so for a priced teacher the file is refused (file, line, field; exit 2), and
-    nothing of it is stored. A teacher without a price stores it at $0."""
+    nothing of it is stored. A usage that counts the prompt but not the completion is no usage: its
+    completion is not free. A teacher without a price stores it at $0."""
     recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")  # never contacted
     exported, results = tmp_path / "round1.jsonl", tmp_path / "results1.jsonl"
     assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
-    vllm_results(exported, results, usage=False)
+    vllm_results(exported, results, usage)
     capsys.readouterr()
     again = ["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results), "--export-batch",
              str(tmp_path / "round2.jsonl")]  # fmt: skip
@@ -191,7 +190,7 @@ def test_an_imported_answer_from_a_model_no_teacher_names_is_refused_when_severa
     recipe.write_text(yaml.safe_dump(two))
     exported, results = tmp_path / "round1.jsonl", tmp_path / "results1.jsonl"
     assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
-    vllm_results(exported, results, usage=True)
+    vllm_results(exported, results)
     results.write_text(results.read_text().replace('"model": "loopback"', '"model": "mystery"'))
     capsys.readouterr()
     assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results)]) == 2

@@ -1,5 +1,6 @@
 """The distillation engine's pure parts: answer parsing, prompts, the store, budget, config."""
 
+import json
 import multiprocessing
 import string
 import subprocess
@@ -16,7 +17,7 @@ from metachunk.distill.run import DistillConfig
 from metachunk.artifacts import InputError
 from metachunk.config import load_yaml
 from metachunk.store import AnswerStore, StoredAnswer
-from metachunk.teacher import Price, TeacherConfig, estimate_tokens, split_reasoning
+from metachunk.teacher import Price, TeacherConfig, estimate_tokens, read_usage, split_reasoning
 
 PLACEHOLDERS = {
     "reflection": {"context", "chunk"},
@@ -44,6 +45,27 @@ PLACEHOLDERS = {
 )
 def test_split_reasoning(content, reasoning_content, answer, reasoning):
     assert split_reasoning(content, reasoning_content) == (answer, reasoning)
+
+
+# --------------------------------------------------------------------------------- usage
+
+
+@pytest.mark.parametrize(
+    "usage, counts",
+    [
+        ({"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}, (100, 5)),
+        ({"prompt_tokens": 100, "completion_tokens": 0, "total_tokens": 100}, (100, 0)),
+        ({"prompt_tokens": 100, "total_tokens": 105}, (100, 5)),  # the completion is the rest of the total
+        ({"prompt_tokens": 100}, (None, None)),  # the completion uncounted: no usage, never free
+        ({"completion_tokens": 5}, (None, None)),
+        (None, (None, None)),
+    ],
+)
+def test_read_usage_counts_an_answer_only_when_its_usage_counts_both_sides(usage, counts):
+    body = {"choices": [{"message": {"role": "assistant", "content": "She is Emma."}}]}
+    if usage is not None:
+        body["usage"] = usage
+    assert read_usage(json.dumps(body)) == (*counts, "She is Emma.", True)
 
 
 # ------------------------------------------------------------------------------ refinement JSON
