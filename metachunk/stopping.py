@@ -117,16 +117,19 @@ def keep_signal_handlers():
 
 
 @contextlib.contextmanager
-def reap_on_death():
+def reap_on_death(every: float = 0.5):
     """While the block runs, a watchdog (this module with ``--reap``) stops our descendants if we
     die by SIGKILL; at the block's end it leaves without touching anything (see the module
-    docstring). Linux only (it reads ``/proc``); elsewhere it does nothing."""
+    docstring). It notes our descendants every ``every`` seconds; the block starts once it has noted
+    those we have already. Linux only (it reads ``/proc``); elsewhere it does nothing."""
     if not os.path.isdir("/proc/self"):
         yield
         return
     # A group of its own: a signal to ours (Ctrl-C, a scheduler's SIGTERM or SIGKILL) does not reach it.
-    watchdog = subprocess.Popen([sys.executable, "-m", "metachunk.stopping", "--reap", str(os.getpid())],
-                                stdin=subprocess.PIPE, process_group=0)  # fmt: skip
+    watchdog = subprocess.Popen([sys.executable, "-m", "metachunk.stopping", "--reap", str(os.getpid()), str(every)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0)  # fmt: skip
+    with watchdog.stdout:
+        watchdog.stdout.readline()  # its first scan is done (or it failed to start: end of file)
     try:
         yield
     finally:
@@ -192,16 +195,21 @@ def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
     ) -> dict[int, int]:  # not a new process that took a freed pid
         return {pid: start for pid, start in seen.items() if table.get(pid, (0, None))[1] == start}
 
+    def scan() -> dict[int, int]:
+        table = _processes()
+        return running(table) | {
+            pid: start for pid, start in _descendants(parent, table).items() if pid != me
+        }
+
+    seen = scan()
+    print("watching", flush=True)  # `reap_on_death` starts its block
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], every)
         if ready:
             if sys.stdin.buffer.readline().strip() == b"done":
                 return
             break  # end of file: the parent is gone
-        table = _processes()
-        seen = running(table) | {
-            pid: start for pid, start in _descendants(parent, table).items() if pid != me
-        }
+        seen = scan()
 
     table = _processes()
     seen = running(table)
@@ -217,8 +225,8 @@ def _reap(parent: int, every: float = 0.5, grace: float = 3.0) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--reap":  # python -m metachunk.stopping --reap PARENT_PID
-        _reap(int(sys.argv[2]))
+    if sys.argv[1] == "--reap":  # python -m metachunk.stopping --reap PARENT_PID SECONDS_BETWEEN_SCANS
+        _reap(int(sys.argv[2]), float(sys.argv[3]))
     else:  # python -m metachunk.stopping PARENT_PID COMMAND...: die with PARENT, exec COMMAND
         die_with_parent(int(sys.argv[1]), signal.SIGKILL)
         os.execvp(sys.argv[2], sys.argv[2:])

@@ -306,6 +306,85 @@ def test_the_watchdog_stops_a_process_that_left_the_tree_before_the_run_died(tmp
             orphan.kill()
 
 
+LATE_STARTER = """
+import subprocess, sys, time
+sys.stdin.readline()  # told once the watchdog has scanned: this child is seen, its own child is not
+late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(late.pid, flush=True)
+time.sleep(600)
+"""
+WATCHED_ONCE = """
+import subprocess, sys, time
+from metachunk.stopping import reap_on_death
+
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+with reap_on_death(every=600):  # a scan as the block starts, the next in ten minutes
+    child.stdin.write("go\\n")
+    child.stdin.flush()
+    print(child.pid, child.stdout.readline().strip(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_watchdog_stops_a_process_started_after_its_last_scan(tmp_path):
+    """A process of the run starts a child between two of the watchdog's scans, and the run is killed
+    before the next: the scan the watchdog makes once the run is dead finds that child under a process
+    it saw, and stops both. Here the scans are ten minutes apart, so only that last scan can see it."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", WATCHED_ONCE, LATE_STARTER], env=ENV, stdout=subprocess.PIPE, text=True
+    )
+    late = []
+    try:
+        late = [psutil.Process(int(pid)) for pid in run.stdout.readline().split()]
+        assert len(late) == 2 and late[1].ppid() == late[0].pid
+        stop_and_check(run, signal.SIGKILL, late)
+    finally:
+        kill_what_is_left(run)
+        for p in late:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+ORPHANED_WORKER = """
+import os, sys, time
+from metachunk.stopping import die_with_parent
+
+parent = int(sys.argv[1])  # as a chunk worker is given its run's pid (multiprocessing.parent_process)
+while os.getppid() == parent:  # its parent ends before this worker asks to die with it
+    time.sleep(0.01)
+die_with_parent(parent)
+print("outlived its parent", flush=True)
+"""
+SHORT_LIVED_PARENT = """
+import os, subprocess, sys
+with open(sys.argv[2], "w") as out:
+    worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], stdout=out,
+                              stderr=subprocess.STDOUT)
+print(worker.pid, flush=True)
+"""
+
+
+def test_a_worker_whose_parent_ended_before_it_asked_to_die_with_it_ends_at_once(tmp_path):
+    """The death signal covers a parent that dies after it is set (prctl(2)); a chunk worker whose
+    run was killed while the worker started checks that its parent is still the one it was given,
+    and ends if not."""
+    out = tmp_path / "worker.out"
+    parent = subprocess.run([sys.executable, "-c", SHORT_LIVED_PARENT, ORPHANED_WORKER, str(out)], env=ENV,
+                            capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    worker = int(parent.stdout)
+
+    def running() -> bool:
+        try:
+            return psutil.Process(worker).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    wait_for(lambda: not running(), 30, "the worker to end")
+    assert out.read_text() == ""
+
+
 @pytest.mark.skipif(
     not llama_cpp_available(), reason="the local teacher of `metachunk run` here is llama.cpp"
 )
