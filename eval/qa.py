@@ -39,6 +39,7 @@ from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.config import option
+from metachunk.redaction import safe_url
 from metachunk.sources import BadRows, finish_rejects
 from metachunk.teacher import Price, TeacherConfig  # recipe blocks (no torch: cheap)
 
@@ -623,7 +624,7 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
         extra = {"top_k": cfg.gen_top_k} if cfg.endpoint_top_k and cfg.gen_top_k else {}
         endpoint = EndpointGenerator(teacher, cfg.cache, cfg.max_cost, extra, cfg.prices)
         answers = endpoint.generate(prompts, prompt.sha256, progress=cfg.progress)
-        details.update(kind="endpoint", model=teacher.model, base_url=teacher.endpoint_url(), cache=str(cfg.cache),
+        details.update(kind="endpoint", model=teacher.model, base_url=safe_url(teacher.endpoint_url()), cache=str(cfg.cache),
                        requests_sent=endpoint.sent, answers_from_store=endpoint.cached, stopped=endpoint.stopped,
                        sampling={**teacher.generation_params(), "max_tokens": teacher.max_tokens, **extra})  # fmt: skip
     details["seconds"] = round(time.perf_counter() - t, 2)

@@ -319,27 +319,34 @@ class TeacherConfig:
 
     def endpoint_url(self) -> str:
         if self.base_url_env:
-            url = os.environ.get(self.base_url_env, "")
-            if not url:
-                raise FatalTeacherError(
-                    f"teacher {self.model!r}: environment variable {self.base_url_env} is not set"
-                )
-            return url.rstrip("/")
+            return self._url_from_environment(self.base_url_env)
         return self.base_url.rstrip("/")
 
     def endpoint_urls(self) -> list[str]:
         """Every endpoint of this teacher: base_url_envs, base_urls, or the one endpoint_url()."""
         if self.base_url_envs:
-            urls = []
-            for name in self.base_url_envs:
-                url = os.environ.get(name, "")
-                if not url:
-                    raise FatalTeacherError(f"teacher {self.model!r}: environment variable {name} is not set")
-                urls.append(url.rstrip("/"))
-            return urls
+            return [self._url_from_environment(name) for name in self.base_url_envs]
         if self.base_urls:
             return [u.rstrip("/") for u in self.base_urls]
         return [self.endpoint_url()]
+
+    def _url_from_environment(self, name: str) -> str:
+        """The URL in environment variable ``name``. One with credentials (``user:key@host``) is refused,
+        as in ``base_url``: the client sends the key as a bearer token (``api_key_env``), and aiohttp
+        refuses a URL's credentials beside an Authorization header."""
+        url = os.environ.get(name, "")
+        if not url:
+            raise FatalTeacherError(f"teacher {self.model!r}: environment variable {name} is not set")
+        if not url.startswith(("http://", "https://")):
+            raise FatalTeacherError(
+                f"teacher {self.model!r}: environment variable {name} must hold an http(s) URL"
+            )
+        if "@" in url.split("/")[2]:
+            raise FatalTeacherError(
+                f"teacher {self.model!r}: the URL in environment variable {name} holds credentials "
+                "(user:key@host): put the key in the variable that 'api_key_env' names instead"
+            )
+        return url.rstrip("/")
 
     def generation_params(self) -> dict:
         """Sent with every request, and part of its cache key."""

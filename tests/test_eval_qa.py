@@ -666,6 +666,31 @@ def test_endpoint_generator_stops_at_max_cost_by_the_recipes_prices(planted, pla
     assert {a["status"] for a in read_jsonl(tmp_path / "o" / "answers.jsonl")} == {"pending"}
 
 
+def test_an_endpoint_url_with_a_password_in_its_environment_variable_is_refused_unsent(
+    planted, planted_embedder, tmp_path, monkeypatch, capsys
+):
+    """A teacher block's ``base_url_env`` holding ``user:password@host`` is refused as ``base_url`` is (the
+    client sends its key as a bearer token): exit 2, the variable named, the password nowhere, nothing sent."""
+    from support.loopback_server import serve_in_subprocess
+
+    from metachunk.cli import main
+
+    chunks, questions = planted
+    recipe = tmp_path / "qa.yaml"
+    recipe.write_text("generator_teacher: {model: rag-model, base_url_env: RAG_URL}\n")
+    with serve_in_subprocess(replies={}) as server:
+        monkeypatch.setenv("RAG_URL", server.base_url.replace("://", "://rag:hunter2-password@"))
+        argv = ["eval", "qa", "--config", str(recipe), "--chunks", str(chunks), "--qa", str(questions), "--out",
+                str(tmp_path / "o"), "--limit", "1", "--no-progress", "--bertscore-model", "none",
+                "--score-embedder", "none", "--max-new-tokens", "8"]  # fmt: skip
+        code = main(argv)
+        assert server.stats()["requests"] == 0
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and "RAG_URL holds credentials" in err and "hunter2" not in err and "Traceback" not in err
+    )
+
+
 @pytest.mark.integration
 def test_local_generator_smollm2(planted, planted_embedder, qa_scores, tmp_path):
     chunks, questions = planted
