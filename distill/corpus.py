@@ -69,6 +69,7 @@ from metachunk.artifacts import (
     InputError,
     check_unicode,
     jsonl_line,
+    read_json,
     write_json,
 )
 from metachunk.command import Reads, Result
@@ -213,16 +214,7 @@ def read_qa(path: str | Path, rejects: Rejects | None = None) -> dict[str, QAEnt
     malformed entry is an error, or with ``rejects`` (``--on-bad-row skip``) left out; the file
     itself must be one JSON object."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "no such file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", e.lineno) from None
-    if not isinstance(data, dict):
-        raise InputError(path, "expected a JSON object mapping QA ids to entries")
+    data = read_json(path)
     entries = {}
     for qa_id, entry in data.items():
         try:

@@ -38,7 +38,7 @@ from metachunk.distill.card import LEAKAGE_METHOD, build_entry, card_path, promp
 from metachunk.distill.sft_rows import ROW_MAKERS, Row
 
 from metachunk import config
-from metachunk.artifacts import InputError, replace_dir, write_json
+from metachunk.artifacts import InputError, read_json, replace_dir, write_json
 from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.sources import (
@@ -211,7 +211,7 @@ class Inputs:
 
 def _distill_meta(cfg: BuildSftConfig) -> dict:
     meta_path = Path(cfg.distilled).with_suffix(".meta.json")
-    return json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    return read_json(meta_path) if meta_path.is_file() else {}
 
 
 def _record_rows(maker, record: dict, distilled: Path, line_no: int, document) -> tuple:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from metachunk import markdown
-from metachunk.artifacts import AtomicWriter, InputError, read_jsonl
+from metachunk.artifacts import AtomicWriter, InputError, read_json, read_jsonl
 
 SCHEMA_VERSION = 1
 
@@ -50,11 +50,8 @@ def read_run(run_dir: Path) -> dict:
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         raise ValueError(f"{run_dir}: no metrics.json (not an eval run dir)")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise InputError(path, f"not JSON ({e.msg}, column {e.colno})", e.lineno) from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("metrics"), dict):
+    doc = read_json(path)
+    if not isinstance(doc.get("metrics"), dict):
         raise InputError(path, "field 'metrics' is missing or not an object")
     return doc
 

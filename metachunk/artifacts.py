@@ -227,6 +227,23 @@ def write_json(path: str | Path, obj, default=None) -> None:
         f.write("\n")
 
 
+def read_json(path: str | Path) -> dict:
+    """The JSON object in file ``path`` (a manifest, a report, a model's config); one that is missing,
+    not UTF-8, not JSON or not an object raises `InputError` naming the file (and the line)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except UnicodeDecodeError as e:
+        raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", e.lineno) from None
+    if not isinstance(data, dict):
+        raise InputError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_jsonl(path: str | Path):
     """``(line number, object)`` for every non-blank line of a JSONL file; a line that is not JSON
     raises `InputError` naming the file and the line. Streamed: one line in memory."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from metachunk.artifacts import EXIT_SKIPPED, AtomicWriter, Document, InputError, check_unicode
+from metachunk.artifacts import EXIT_SKIPPED, AtomicWriter, Document, InputError, check_unicode, read_json
 from metachunk.config import option
 
 FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
@@ -281,7 +281,7 @@ class DocumentSource:
             raise InputError(path, "no such file or directory")
         if path.is_dir():
             if (path / "dataset_dict.json").is_file():
-                splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+                splits = read_json(path / "dataset_dict.json").get("splits", [])
                 raise InputError(
                     path, f"a datasets DatasetDict; point at one split's folder ({', '.join(splits)})"
                 )

@@ -576,6 +576,24 @@ def test_data_build_sft_names_a_missing_file(tmp_path, capsys):
     assert "nope.jsonl: no such file" in capsys.readouterr().err
 
 
+def test_data_build_sft_names_a_truncated_meta_file_beside_the_records(tmp_path, capsys):
+    """The run's ``.meta.json`` beside the distilled records, cut short by a crash or a copy: one line naming it."""
+    (tmp_path / "rewrite.jsonl").write_text("")
+    (tmp_path / "rewrite.meta.json").write_text('{"config": {"documents": ')
+    argv = [
+        "data",
+        "build-sft",
+        "rewrite",
+        "--distilled",
+        str(tmp_path / "rewrite.jsonl"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'rewrite.meta.json'}:1: invalid JSON" in err and "Traceback" not in err
+
+
 # --------------------------------------------------------------------------------------------
 # Equal-length runs: --mean-chunk-chars searches --target-len
 # --------------------------------------------------------------------------------------------

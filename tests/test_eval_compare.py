@@ -70,8 +70,9 @@ def test_bad_run_dir_is_named(tmp_path):
         compare(CompareConfig(runs=[tmp_path], out=tmp_path / "r.md"))
     metrics = tmp_path / "metrics.json"
     for text, error in (
-        ("nope", r"metrics.json:1: not JSON"),
-        ("[1]", r"metrics.json: field 'metrics' is missing"),
+        ("nope", r"metrics.json:1: invalid JSON"),
+        ("[1]", r"metrics.json: expected a JSON object, got list"),
+        ("{}", r"metrics.json: field 'metrics' is missing"),
     ):
         metrics.write_text(text)
         with pytest.raises(InputError, match=error):

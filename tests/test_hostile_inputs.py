@@ -382,6 +382,23 @@ def _dir(path: Path, content: str) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, r"x\.json: no such file"),
+        (b'{"a": 1,\n"b": ', r"x\.json:2: invalid JSON"),
+        (b'{"a": "\xff"}', r"x\.json: invalid UTF-8 at byte 7"),
+        (b"[1, 2]", r"x\.json: expected a JSON object, got list"),
+    ],
+)
+def test_read_json_names_the_file_and_line_of_what_is_wrong(tmp_path, content, expected):
+    path = tmp_path / "x.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(InputError, match=expected):
+        artifacts.read_json(path)
+
+
 def test_replace_dir_swaps_and_cleans_up(tmp_path):
     out = tmp_path / "ds"
     artifacts.replace_dir(_dir(tmp_path / ".ds.new1", "one"), out)  # no previous one

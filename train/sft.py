@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import EXIT_EMPTY, EmptyInput, write_figure
+from metachunk.artifacts import EXIT_EMPTY, EmptyInput, read_json, write_figure
 from metachunk.command import Reads, Result
 
 
@@ -206,7 +206,7 @@ def weights_dtype(model_args: ModelDataArguments) -> str | None:
         return model_args.dtype
     from metachunk.models import resolve
 
-    config = json.loads((resolve(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
+    config = read_json(resolve(model_args.model_name_or_path) / "config.json")
     return config.get("dtype") or config.get("torch_dtype")
 
 
@@ -260,7 +260,7 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
             f"field 'dataset_name': {model_args.dataset_name} has no data/ dir (run `metachunk data build-sft`)"
         )
     report = Path(model_args.dataset_name) / "build_report.json"
-    rows = json.loads(report.read_text(encoding="utf-8")).get("rows", {}) if report.is_file() else {}
+    rows = read_json(report).get("rows", {}) if report.is_file() else {}
     if rows.get("train") == 0:  # build-sft's filters may leave a small run nothing; that is not a crash
         raise EmptyInput(model_args.dataset_name, "the 'train' split has no rows: nothing to train")
     if sft_args.eval_strategy != "no":
@@ -568,9 +568,7 @@ def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
         "base_model": model_args.model_name_or_path,
         "base_model_dir": str(model_dir),
         "dataset": str(Path(model_args.dataset_name).resolve()),
-        "dataset_report": json.loads(build_report.read_text(encoding="utf-8"))
-        if build_report.is_file()
-        else None,
+        "dataset_report": read_json(build_report) if build_report.is_file() else None,
         "model_args": dataclasses.asdict(model_args),
         "hyperparameters": {k: getattr(sft_args, k, None) for k in hyper},
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
