@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, write_bytes
 from metachunk.command import Result
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
@@ -84,8 +84,7 @@ def copy(name: str, dest: str | None) -> Path:
         target = target / source.name
     if target.exists():
         raise FileExistsError(f"{target} exists; name another destination")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(source.read_bytes())
+    write_bytes(target, source.read_bytes())  # atomic: a copy cut short would be refused by the next `cp`
     return target
 
 
