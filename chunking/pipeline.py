@@ -542,12 +542,13 @@ class Chunker:
         if self.cfg.method == "ppl":  # how the scorer ran: its streams, and the C kernels it built or not
             from metachunk.engine import kernels
             from metachunk.engine.scoring import default_streams, packs_windows
+            from metachunk.models import attention_of
 
             streams = self.cfg.streams or default_streams(next(self.model.parameters()).device)
             out["scoring"] = {
                 "streams": streams,
                 "kernels": kernels.status(),
-                "attention": self.model.config._attn_implementation,
+                "attention": attention_of(self.model),
                 "packed_windows": packs_windows(self.model),
             }
         return out

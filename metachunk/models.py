@@ -282,6 +282,13 @@ def pick_attention(requested: str, device: str) -> str | None:
     return None
 
 
+def attention_of(model) -> str | None:
+    """The attention ``model`` runs with: what `pick_attention` asked for, or what transformers picked
+    when nothing was asked. transformers keeps it in ``config._attn_implementation`` and has no public
+    getter (``set_attn_implementation`` is the setter), so it is read in this one place."""
+    return getattr(model.config, "_attn_implementation", None)
+
+
 def load_causal_lm(
     name_or_dir: str,
     device: str | None = None,

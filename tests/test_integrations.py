@@ -3,6 +3,7 @@ PyPI (``metachunk[langchain,llamaindex,chonkie]``, pinned in constraints.txt).""
 
 from __future__ import annotations
 
+import asyncio
 import doctest
 import importlib
 
@@ -76,6 +77,8 @@ def test_llama_index_nodes_carry_exact_spans_and_relationships(sentences):
     middle = rep[1]
     assert middle.relationships[NodeRelationship.PREVIOUS].node_id == rep[0].node_id
     assert middle.relationships[NodeRelationship.NEXT].node_id == rep[2].node_id
+    spans = lambda ns: [(n.ref_doc_id, n.start_char_idx, n.end_char_idx, n.text) for n in ns]  # noqa: E731
+    assert spans(asyncio.run(parser.acall(docs))) == spans(nodes)  # the async entry point, the same spans
 
 
 def test_a_chonkie_chunker_in_chonkies_interface(sentences):

@@ -650,13 +650,14 @@ def run(cfg: TrainConfig) -> Result:
     from trl import SFTTrainer
 
     from metachunk.artifacts import write_json
+    from metachunk.models import attention_of
 
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     prepare_distributed(sft_args)  # DeepSpeed on CPU: gloo group first, so ZeRO-3 partitions at load
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, use_safetensors=True, attn_implementation=model_args.attn_implementation
     )
-    impl = model.config._attn_implementation  # what transformers picked when none was asked for
+    impl = attention_of(model)  # what transformers picked when none was asked for
     loaded = str(model.dtype).removeprefix("torch.")
     try:
         if model_args.attn_implementation is None:  # the one transformers picked (a named one is checked)

@@ -501,7 +501,9 @@ PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 def packs_windows(model) -> bool:
     """Whether `token_nll` packs windows for ``model`` by default: where its attention is one of
     ``PACKED_ATTENTION``."""
-    return getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
+    from metachunk.models import attention_of
+
+    return attention_of(model) in PACKED_ATTENTION
 
 
 def plan_packed(windows: Sequence[Window], batch_tokens: int) -> list[list[Window]]:

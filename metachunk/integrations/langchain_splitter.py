@@ -34,12 +34,13 @@ class MetachunkTextSplitter(TextSplitter):
         super().__init__(chunk_size=max(kwargs.pop("chunk_size", 1), 1), chunk_overlap=0,
                          add_start_index=add_start_index, strip_whitespace=strip_whitespace, **kwargs)  # fmt: skip
         self.chunker = chunker
+        self.add_start_index, self.strip_whitespace = add_start_index, strip_whitespace
 
     def _pieces(self, text: str) -> list[tuple[str, int]]:
         out = []
         for chunk in self.chunker(text):
             piece, start = chunk.text, chunk.start
-            if self._strip_whitespace:
+            if self.strip_whitespace:
                 stripped = piece.lstrip()
                 start += len(piece) - len(stripped)
                 piece = stripped.rstrip()
@@ -58,7 +59,7 @@ class MetachunkTextSplitter(TextSplitter):
         for text, metadata in zip(texts, metadatas):
             for piece, start in self._pieces(text):
                 meta = copy.deepcopy(metadata)
-                if self._add_start_index:
+                if self.add_start_index:
                     meta["start_index"] = start
                 documents.append(Document(page_content=piece, metadata=meta))
         return documents

@@ -56,11 +56,19 @@ class MetachunkNodeParser(NodeParser):
             out.extend(built)
         return out
 
-    def _postprocess_parsed_nodes(
-        self, nodes: list[BaseNode], parent_doc_map: dict[str, Document]
+    # The base class finds each node's text again in its document (str.find, after `_parse_nodes`): a
+    # chunk knows its span, so the spans are put back once the public entry points are done.
+    def get_nodes_from_documents(
+        self, documents: Sequence[Document], show_progress: bool = False, **kwargs: Any
     ) -> list[BaseNode]:
-        # The base class finds each node's text again in its document (str.find); a chunk knows its span.
-        nodes = super()._postprocess_parsed_nodes(nodes, parent_doc_map)
+        return self._with_spans(super().get_nodes_from_documents(documents, show_progress, **kwargs))
+
+    async def aget_nodes_from_documents(
+        self, documents: Sequence[Document], show_progress: bool = False, **kwargs: Any
+    ) -> list[BaseNode]:
+        return self._with_spans(await super().aget_nodes_from_documents(documents, show_progress, **kwargs))
+
+    def _with_spans(self, nodes: list[BaseNode]) -> list[BaseNode]:
         for node in nodes:
             span = self._spans.pop(node.node_id, None)
             if span is not None and isinstance(node, TextNode):
