@@ -99,7 +99,18 @@ def get_scorer(model_type, num_layers, lang, baseline_path, idf, device, batch_s
     if key not in _SCORERS:
         from bert_score import BERTScorer
 
-        scorer = BERTScorer(
+        class Scorer(BERTScorer):
+            """bert-score truncates at the tokenizer's ``model_max_length``, which some model folders leave
+            at 1e30: a long text then overflows the position embeddings. The subclass sets it to the
+            model's positions (the tokenizer and model are the scorer's own attributes)."""
+
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                positions = getattr(self._model.config, "max_position_embeddings", None)
+                if positions and self._tokenizer.model_max_length > positions:
+                    self._tokenizer.model_max_length = positions
+
+        _SCORERS[key] = Scorer(
             model_type=model_type,
             num_layers=num_layers,
             lang=lang,
@@ -109,11 +120,6 @@ def get_scorer(model_type, num_layers, lang, baseline_path, idf, device, batch_s
             device=device,
             batch_size=batch_size,
         )
-        # bert-score truncates at tokenizer.model_max_length; some folders leave it at 1e30
-        positions = getattr(scorer._model.config, "max_position_embeddings", None)
-        if positions and scorer._tokenizer.model_max_length > positions:
-            scorer._tokenizer.model_max_length = positions
-        _SCORERS[key] = scorer
     return _SCORERS[key]
 
 
