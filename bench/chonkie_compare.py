@@ -344,12 +344,10 @@ def run_chonkie(name: str, corpus: dict, texts: list[str], goal: float, tol: flo
         res["params"] = {"chunk_size": best, "tokenizer": "character"}
     elif name == "chonkie-late":
 
-        def mean_of(p):  # the boundaries alone: the recursive split with the embedder's tokenizer
-            chunker.chunk_size = p
-            outs = [
-                [(c.text, c.start_index, c.end_index) for c in chunker._recursive_chunk(x)] for x in texts
-            ]
-            return mean_len(outs)
+        def mean_of(p):  # the boundaries alone: LateChunker's recursive split, with the embedder's tokenizer
+            split = chonkie.RecursiveChunker(tokenizer=chunker.tokenizer, chunk_size=p, rules=chunker.rules,
+                                             min_characters_per_chunk=chunker.min_characters_per_chunk)  # fmt: skip
+            return mean_len([[(c.text, c.start_index, c.end_index) for c in split.chunk(x)] for x in texts])
 
         best, history = search_int(mean_of, goal, tol, int(goal / 4))
         chunker.chunk_size = best

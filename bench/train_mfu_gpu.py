@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from metachunk.train.throughput import ModelShape
     from metachunk.train.throughput import peak_tflops as peak_of
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config
     from transformers.utils import is_flash_attn_2_available
+
+    from metachunk.models import attention_of
 
     def d(full, tiny):
         return tiny if args.tiny else full
@@ -146,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     model.train()
-    assert model.config._attn_implementation == attn, model.config._attn_implementation
+    assert attention_of(model) == attn, attention_of(model)
     init_s = time.perf_counter() - t0
     try:
         from trl.trainer.utils import add_fused_lm_head
