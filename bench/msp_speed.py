@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from metachunk.chunking.msp import MarginScorer, load_msp_prompt
 
-    from metachunk.models import default_device, load_causal_lm
+    from metachunk.models import attention_of, default_device, load_causal_lm
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     check = None
     timed_dtype = str(model.dtype)
     if args.check_dtype:
-        if args.check_dtype == "float32" and model.config._attn_implementation.startswith("flash_attention"):
+        if args.check_dtype == "float32" and (attention_of(model) or "").startswith("flash_attention"):
             model.set_attn_implementation("sdpa")  # flash-attention refuses float32
         model.to(getattr(torch, args.check_dtype))
         check_scorer = MarginScorer(model, tokenizer, prompt)

@@ -72,7 +72,7 @@ def main() -> int:
     import torch
 
     from metachunk.engine import scoring
-    from metachunk.models import load_causal_lm
+    from metachunk.models import attention_of, load_causal_lm
 
     texts = load_texts(args.corpus, args.docs)
     ref_model, tok = load_causal_lm(args.model, device="cpu", dtype="float32")
@@ -98,7 +98,7 @@ def main() -> int:
         started = time.perf_counter()
         nll = scoring.token_nll(model, ids, max_context=args.max_context, **run_plan)
         sync()
-        how = {"attention": model.config._attn_implementation, "packed": scoring.packs_windows(model),
+        how = {"attention": attention_of(model), "packed": scoring.packs_windows(model),
                "dtype": str(model.dtype), "plan": run_plan}  # fmt: skip
         return nll, time.perf_counter() - started, how
 

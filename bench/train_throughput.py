@@ -209,6 +209,8 @@ def child(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
+    from metachunk.models import attention_of
+
     tmp = Path(args.tmp)
     rows = load_from_disk(str(tmp / "rows"))
     model_dir = (tmp / "model") if args.model == "tiny" else args.model_dir
@@ -257,7 +259,7 @@ def child(args) -> None:
             {
                 "mode": args.child,
                 "config": {k: v for k, v in mode_config(args.child, args).items()},
-                "attn_implementation": model.config._attn_implementation,
+                "attn_implementation": attention_of(model),
                 "steps": steps,
                 "micro_batches": len(micro),
                 "sequences": len(trainer.train_dataset),

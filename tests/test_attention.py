@@ -76,7 +76,7 @@ def test_load_causal_lm_uses_it_on_cpu_and_matches_sdpa(tiny_model_dir, monkeypa
     `blocked_attention`, so the blocks run inside a real model too, padded generation included."""
     from transformers import AutoModelForCausalLM
 
-    from metachunk.models import load_causal_lm
+    from metachunk.models import attention_of, load_causal_lm
 
     calls = []
     if route == "all_blocked":
@@ -86,7 +86,7 @@ def test_load_causal_lm_uses_it_on_cpu_and_matches_sdpa(tiny_model_dir, monkeypa
             attention, "blocked_attention", lambda *a, **k: calls.append(1) or blocks(*a, **k)
         )
     model, tok = load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
-    assert model.config._attn_implementation == attention.NAME
+    assert attention_of(model) == attention.NAME
     sdpa = AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )

@@ -138,18 +138,14 @@ def test_packed_rows_score_as_padded_batches_do(tiny):
         np.testing.assert_allclose(b[1:], a[1:], rtol=1e-5, atol=1e-5)
 
 
-def test_packing_is_the_default_only_where_attention_reads_packed_rows(tiny):
+def test_packing_is_the_default_only_where_attention_reads_packed_rows(tiny, monkeypatch):
+    import metachunk.models
+
     model, _ = tiny
-    before = model.config._attn_implementation
-    try:
-        assert not scoring.packs_windows(model)  # the CPU attention: padded batches, as measured
-        for name in scoring.PACKED_ATTENTION:
-            model.config._attn_implementation = name
-            assert scoring.packs_windows(model)
-        model.config._attn_implementation = "sdpa"
-        assert not scoring.packs_windows(model)
-    finally:
-        model.config._attn_implementation = before
+    assert not scoring.packs_windows(model)  # the CPU attention: padded batches, as measured
+    for name in (*scoring.PACKED_ATTENTION, "sdpa"):
+        monkeypatch.setattr(metachunk.models, "attention_of", lambda m, name=name: name)
+        assert scoring.packs_windows(model) == (name in scoring.PACKED_ATTENTION)
 
 
 def test_flex_attention_reads_the_packed_rows_as_the_padded_plan(tiny_model_dir):
