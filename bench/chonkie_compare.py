@@ -807,9 +807,6 @@ def parent(args) -> None:
         write_report(report, out, report["wall_s"])
         return
     chunkers = args.chunkers.split(",") if args.chunkers else DEFAULT_CHUNKERS
-    unknown = [c for c in chunkers if c not in CHUNKERS]
-    if unknown:
-        sys.exit(f"chonkie_compare: unknown chunkers {unknown}; known: {', '.join(CHUNKERS)}")
     t = time.perf_counter()
     docs = make_inputs(args, out)
     report = {"machine": machine(), "command": " ".join(["python", "bench/chonkie_compare.py", *sys.argv[1:]]),
@@ -923,6 +920,9 @@ def main(argv=None) -> None:
     p.add_argument("--chunks-out", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = [c for c in (args.chunkers or "").split(",") if c and c not in CHUNKERS]
+    if unknown:
+        p.error(f"unknown chunkers {unknown}; known: {', '.join(CHUNKERS)}")  # exit status 2
     args.corpora = [c for c in args.corpora.split(",") if c]
     args.eval_corpora = [c for c in args.eval_corpora.split(",") if c]
     if args.one:

@@ -36,7 +36,7 @@ def main() -> None:
 
     out = (args.out or ROOT / "bench_out" / "experiment_time" / str(int(time.time()))).resolve()
     if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"{out} is not empty: give a fresh --out (a rerun there would be all cached)")
+        p.error(f"{out} is not empty: give a fresh --out (a rerun there would be all cached)")
     out.mkdir(parents=True, exist_ok=True)
     text = args.recipe.read_text(encoding="utf-8").replace("runs/experiments/emma", str(out))
     recipe = out / "recipe.yaml"

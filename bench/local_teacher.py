@@ -171,4 +171,5 @@ if __name__ == "__main__":
     try:
         main()
     except InputError as e:  # a named dataset that is not here: the fetch command to run
-        sys.exit(f"bench/local_teacher.py: {e}")
+        print(f"bench/local_teacher.py: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI

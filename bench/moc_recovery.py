@@ -232,4 +232,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except InputError as e:  # a named dataset that is not here: the fetch command to run
-        sys.exit(f"moc_recovery: {e}")
+        print(f"moc_recovery: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI

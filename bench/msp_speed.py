@@ -381,4 +381,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except InputError as e:  # a named dataset that is not here: the fetch command to run
-        sys.exit(f"msp_speed: {e}")
+        print(f"msp_speed: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI

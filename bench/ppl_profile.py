@@ -133,7 +133,8 @@ def main() -> None:
     try:
         texts = load_texts(args.corpus, args.docs)
     except InputError as e:
-        sys.exit(f"ppl_profile: {e}")
+        print(f"ppl_profile: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI
     device = args.device or default_device()
     on_gpu = device.startswith("cuda")
     model, tok = load_causal_lm(args.model, device=device, dtype=args.dtype)

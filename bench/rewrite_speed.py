@@ -153,4 +153,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except InputError as e:
-        sys.exit(f"rewrite_speed: {e}")
+        print(f"rewrite_speed: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI

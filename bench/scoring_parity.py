@@ -128,4 +128,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except InputError as e:
-        sys.exit(f"scoring_parity: {e}")
+        print(f"scoring_parity: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI

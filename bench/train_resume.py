@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     # session of its own would go on training on the GPU beside the next steps. As an exit, the kill runs.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if "--" not in argv:
-        sys.exit("usage: train_resume.py --out DIR [--kill-after-step K] [--rel R] -- LAUNCH COMMAND ...")
+        print(
+            "usage: train_resume.py --out DIR [--kill-after-step K] [--rel R] -- LAUNCH COMMAND ...",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     split = argv.index("--")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)

@@ -473,4 +473,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except InputError as e:  # a named dataset that is not here: the fetch command to run
-        sys.exit(f"train_throughput: {e}")
+        print(f"train_throughput: {e}", file=sys.stderr)
+        sys.exit(2)  # bad input, as the CLI
