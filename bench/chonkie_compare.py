@@ -58,6 +58,8 @@ import sys
 import time
 from pathlib import Path
 
+from metachunk.artifacts import write_bytes, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench_out" / "chonkie_compare"
 MIB = 2**20
@@ -855,11 +857,9 @@ def write_report(report: dict, out: Path, wall_s: float) -> None:
                 md.append(f"- not evaluated: {name}: {why}")
     for name, why in report["not_run"].items():
         md.append(f"- not run: {name}: {why}")
-    (out / "chonkie_compare.json").write_text(
-        json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    write_json(out / "chonkie_compare.json", report)
     md.append(f"\nWall time: {wall_s} s. Command: `{report['command']}`")
-    (out / "chonkie_compare.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    write_bytes(out / "chonkie_compare.md", ("\n".join(md) + "\n").encode("utf-8"))
     print("\n".join(md))
     print(f"\n{out / 'chonkie_compare.json'}, {out / 'chonkie_compare.md'}: {wall_s} s", file=sys.stderr)
 

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, write_json
 from metachunk.named_data import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,7 +197,7 @@ def main() -> None:
     for name in parts:
         results[name] = {"scaling": bench_scaling, "memory": bench_memory, "resume": bench_resume}[name](args)
     out = ROOT / "bench_out" / "chunk_scale.json"
-    out.write_text(json.dumps({"cpus": os.cpu_count(), **results}, indent=2) + "\n")
+    write_json(out, {"cpus": os.cpu_count(), **results})
     print(f"wrote {out}")
 
 

@@ -62,6 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from metachunk.artifacts import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # support.loopback_server: test and bench infrastructure
 
@@ -368,7 +370,7 @@ def main() -> None:
             f"{resume['open_s'] * 1000:.0f} ms; the server received {resume['server_requests']} requests"
         )
     (ROOT / "bench_out").mkdir(exist_ok=True)
-    (ROOT / "bench_out" / "distill_throughput.json").write_text(json.dumps(summary, indent=2))
+    write_json((ROOT / "bench_out" / "distill_throughput.json"), summary)
     print("wrote bench_out/distill_throughput.json")
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 
@@ -161,7 +161,7 @@ def main() -> None:
     })  # fmt: skip
     out = ROOT / "bench_out" / "eval_speed.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(out, results)
     print(f"wrote bench_out/{out.name}")
 
 

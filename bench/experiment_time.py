@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from metachunk.artifacts import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 20 * 60
 
@@ -70,7 +72,7 @@ def main() -> None:
               "met": wall <= TARGET_S, "same_as": str(args.against) if args.against else None, "same": same,
               "threads": os.environ.get("OMP_NUM_THREADS"), "cpu": platform.processor() or platform.machine(),
               "cpus": os.cpu_count()}  # fmt: skip
-    (out / "experiment_time.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    write_json((out / "experiment_time.json"), result)
 
 
 if __name__ == "__main__":

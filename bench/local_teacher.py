@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from metachunk.distill.prompts import load_prompt, load_schema  # noqa: E402
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.local_teacher import LocalTeacher, llama_cpp_available  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 from metachunk.store import AnswerStore  # noqa: E402
@@ -163,7 +163,7 @@ def main() -> None:
         f"{report['requests_per_s_ratio']:.2f}x requests/s; schema-valid {fast['schema_valid']} (target 100%)"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -47,7 +47,7 @@ from metachunk.chunking.moc_answers import recover_spans, split_element  # noqa:
 from metachunk.chunking.sentences import split_sentences  # noqa: E402
 from rapidfuzz.distance import Levenshtein  # noqa: E402
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 
@@ -223,7 +223,7 @@ def main() -> int:
     print(f"ours / naive throughput: {ratio:.1f}x   (ours: exact {stats['exact']}, fuzzy {stats['fuzzy']}, "
           f"skipped {stats['skipped']})")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out, report)
     print(f"-> {args.out}")
     return 0
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "tests"))  # support.loopback_server: test and ben
 
 from support.loopback_server import serve_in_subprocess  # noqa: E402
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 PRICES = {"loopback": {"input": 10.0, "output": 10.0}}
@@ -182,7 +182,7 @@ def main() -> None:
               f"spend ${r['combined_spent']:.4f}; exit codes {r['exit_codes']}")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"billing": billing, "shared_store": shared}, indent=2) + "\n")
+    write_json(out, {"billing": billing, "shared_store": shared})
     print(f"wrote {out}")
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 CORPUS = {"en": "data:gutenqa-emma/paragraphs.jsonl", "zh": "data:crud-news/news.jsonl"}
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(out, result)
     print(
         f"PPL memory: peak RSS {large['size_chars']} vs {small['size_chars']} chars = {peak_ratio:.2f}x "
         f"-> {'PASS' if passed else 'FAIL'} (target <= {args.target:g}); scoring memory (peak - load) "

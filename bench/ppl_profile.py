@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, write_json
 from metachunk.named_data import resolve
 
 CORPUS = {"emma": "data:gutenqa-emma/paragraphs.jsonl", "crud": "data:crud-news/news.jsonl"}
@@ -156,7 +156,7 @@ def main() -> None:
     report |= {"device": device, "model": str(args.model), "docs": len(ids), "tokens": sum(map(len, ids)),
                "dtype": str(next(model.parameters()).dtype)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     args.out.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=25))
 

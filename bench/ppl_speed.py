@@ -60,7 +60,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 CORPUS = {"emma": "data:gutenqa-emma/paragraphs.jsonl", "crud": "data:crud-news/news.jsonl"}
@@ -693,7 +693,7 @@ def main() -> None:
     name = f"ppl_speed_{args.model.replace('/', '_')}_{args.corpus}{args.docs}.json"
     path = Path(args.summary) if args.summary else ROOT / "bench_out" / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2))
+    write_json(path, summary)
     print(f"wrote {path}")
 
 

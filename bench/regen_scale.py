@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from metachunk.artifacts import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 OUT = ROOT / "bench_out" / "regen_scale"
@@ -203,7 +205,7 @@ def main() -> None:
         if "batch" in parts:
             results["batch"] = batch(servers, args.chunks, paid("large"))
     out = ROOT / "bench_out" / "regen_scale.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
     print(f"wrote {out}")
 
 

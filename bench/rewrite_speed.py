@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, write_json
 from metachunk.named_data import resolve
 
 CORPUS = {"emma": "data:gutenqa-emma/paragraphs.jsonl", "crud": "data:crud-news/news.jsonl"}
@@ -145,7 +145,7 @@ def main() -> int:
                   "students_tokens": ours_tokens, "students_s": ours_s, "plain_batch_size": args.plain_batch_size,
                   "plain_tokens": plain_tokens, "plain_s": plain_s, "ratio": ratio, "pass": ok,
                   "rounds": {k: [{"s": t, "tokens": n} for t, n in v] for k, v in timed.items()}}  # fmt: skip
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(Path(args.out), result)
     return 0 if ok else 1
 
 

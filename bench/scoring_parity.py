@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, write_json
 from metachunk.named_data import resolve
 
 CORPUS = {"emma": "data:gutenqa-emma/paragraphs.jsonl", "crud": "data:crud-news/news.jsonl"}
@@ -120,7 +120,7 @@ def main() -> int:
         result = {"documents": len(texts), "tokens": tokens, "max_abs_nll_diff_fp32": worst,
                   "tolerance": args.tolerance, "rerun_identical": same, "fp32": fp32_how, "rerun": how,
                   "cpu_fp32_s": cpu_s, "device_fp32_s": fp32_s, "pass": ok}  # fmt: skip
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(Path(args.out), result)
     return 0 if ok else 1
 
 

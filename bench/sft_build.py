@@ -78,6 +78,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from metachunk.artifacts import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 # Characters of metachunk.distill.sft_rows's refusal / preface / stage-markup patterns: left out of the alphabet,
@@ -466,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(out, result)
     print(
         f"build-sft: {large['rows_per_s']} rows/s at {large['records']} records; extra memory "
         f"{ratio:.2f}x for {scale:.0f}x the records -> {'bounded' if bounded else 'NOT bounded'}; "

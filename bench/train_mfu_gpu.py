@@ -52,12 +52,13 @@ Results: ``bench_out/train_mfu_gpu.json`` (``train_mfu_tiny.json`` with ``--tiny
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
 import time
 from pathlib import Path
+
+from metachunk.artifacts import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out or ROOT / "bench_out" / ("train_mfu_tiny.json" if args.tiny else "train_mfu_gpu.json")
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    write_json(out, result)
     print(f"[{out}]")
     return 0
 

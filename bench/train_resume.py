@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from metachunk.artifacts import write_figure, write_json
+
 
 def logged(out: Path, key: str) -> dict[int, float]:
     """Step -> ``key`` (``loss``, ``learning_rate``, ``num_tokens``) of the training log entries of a finished
@@ -109,8 +111,7 @@ def plot(reference: dict[int, float], resumed: dict[int, float], resumed_at: int
     ax.set_ylabel("training loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    write_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": checks,
         "pass": all(checks.values()),
     }
-    (args.out / "train_resume.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json((args.out / "train_resume.json"), result)
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}: {name}")
     print(

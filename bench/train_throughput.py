@@ -97,7 +97,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from metachunk.artifacts import InputError  # noqa: E402
+from metachunk.artifacts import InputError, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 DEMO = ROOT / "demo_out" / "sft" / "summary"
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    write_json(out, result)
     print(f"[{out}]")
     return 0
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import griffe
 
+from metachunk.artifacts import write_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"metachunk": "metachunk", "chunking": "metachunk.chunking", "distill": "metachunk.distill",
            "train": "metachunk.train", "eval": "metachunk.eval"}  # fmt: skip
@@ -195,7 +197,7 @@ def migrate_file(path: Path, module: str, resolver: Resolver, counts: dict) -> b
     result = "\n".join(lines)
     if result != source:
         ast.parse(result)  # still Python
-        path.write_text(result, encoding="utf-8")
+        write_bytes(path, result.encode("utf-8"))  # a source file: never half-written
         return True
     return False
 
