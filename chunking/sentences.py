@@ -81,8 +81,8 @@ _WS_RE = re.compile(r"\s")
 _WORD_START_RE = re.compile(r"(?<=\s)\S")
 _ASCII_TERMINATOR_RE = re.compile(r"[.!?]")
 
-# pysbd is fed at most about this many characters at a time (measured: ~2x faster per character
-# at 1,000 than at 10,000, and a 50K-char paragraph in one call takes seconds).
+# pysbd is fed at most about this many characters at a time: its time per character grows with the
+# text it is given, so a long paragraph in one call takes seconds.
 _PYSBD_BLOCK = 1000
 _SEGMENTER = pysbd.Segmenter(language="en", clean=False)
 
@@ -199,7 +199,7 @@ def _en_cuts(para: str) -> list[int]:
 def _needs_pysbd(para: str) -> bool:
     """Whether pysbd could find a boundary: an ASCII terminator before the paragraph's tail.
 
-    Saves the pysbd call (~0.15 ms even for a short line) on titles and one-sentence lines.
+    Saves the pysbd call, whose fixed cost a short line pays too, on titles and one-sentence lines.
     """
     end = len(para)
     while end and (para[end - 1].isspace() or para[end - 1] in _CLOSERS or para[end - 1] in ".!?"):

@@ -157,8 +157,8 @@ class LocalTeacher:
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         if self.backend == "llama.cpp":
-            # ggml's OpenMP threads spin while they wait for each other; when another process holds
-            # a core, 2 spinning threads on 2 cores decoded at 5 tokens/s instead of 49 (measured).
+            # ggml's OpenMP threads spin while they wait for each other; when another process holds a
+            # core, spinning threads slow decoding tenfold (docs/performance.md, Other figures).
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from metachunk.stopping import guarded
 

@@ -1,7 +1,7 @@
 """Attention on CPU: torch's SDPA kernel where it is fast, causal attention in blocks of queries
 where it is not. What ``load_causal_lm`` uses on a CPU.
 
-Profiled on a 2-core AVX-512 BF16 CPU (Gemma-3-270m, bf16, 50 CRUD articles), torch's SDPA CPU
+In a CPU profile (Gemma-3-270m, bf16, CRUD articles; docs/performance.md), torch's SDPA CPU
 kernel took a quarter of the decoder's time for 8% of its FLOPs: with Gemma's 256-wide heads it
 is slow at every length, and it computes a sliding-window layer's whole causal triangle. With
 SmolLM2's 64-wide heads and no windows it is the fastest there is (faster than eager and than

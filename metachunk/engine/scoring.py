@@ -92,13 +92,11 @@ def _sliced_nll(
     allocated once and reused: on CPU a fresh tensor per operation costs its page faults every
     time. A tile's log-sum-exp is read off ``log_softmax`` run in place (``lse = x0 - log_softmax(x)_0``,
     exact to fp32 rounding): torch's CPU kernel takes the max, the sum of exps and the write in
-    one fused pass each, where max, subtract, exp and sum as separate ops cost 1.7x as long
-    (1,024 x 8,192 fp32 tile, AVX-512).
+    one fused pass each, where max, subtract, exp and sum as separate ops each read the tile again.
 
     With bf16 logits on CPU, each tile's log-sum-exp comes from a C kernel instead
-    (`metachunk.engine.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32; 1.9
-    against 6.5 ms for the copy and ``log_softmax`` per 1,024 x 8,192 tile on one thread), where
-    it can be compiled; torch's ops otherwise. On a GPU, from ``logsumexp(x.float())`` compiled into
+    (`metachunk.engine.kernels.lse_rows_bf16`: the rows read once in bf16, reduced in fp32, several
+    times faster than the copy and ``log_softmax`` on one thread), where it can be compiled; torch's ops otherwise. On a GPU, from ``logsumexp(x.float())`` compiled into
     one kernel (`metachunk.engine.kernels.lse_rows_compiled`), where ``torch.compile`` works there.
 
     The target logit is one fp32 dot product of the position's hidden state with its target's
@@ -115,8 +113,8 @@ def _sliced_nll(
     rows = min(head_rows, n)
     cols = min(vocab_block or head_tile(hidden.device)[1], vocab)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    # The kernel runs on one thread: 1.9 ms a tile against torch's 6.5 on one, so it wins up to
-    # two threads (a stream's share by default) and torch's split of the work wins beyond.
+    # The kernel runs a tile on one thread, where torch's ops split it over all of them: the kernel
+    # wins up to two threads (a stream's share by default), torch's split beyond (docs/performance.md).
     native = weight.dtype == torch.bfloat16 and hidden.device.type == "cpu" and not cap
     lse_rows = lse_rows_bf16() if native and torch.get_num_threads() <= 2 else None
     # On a GPU, bf16 tiles reduced by one compiled kernel; each tile is then a fresh tensor, the
@@ -279,7 +277,8 @@ def token_nll_kv_trim(
 
 
 # What a forward batch may hold on CPU (the default plan), and a GPU's cap: past ~128K tokens a
-# batch fills an H200 no better, and a plan of fewer, bigger batches leaves the last one ragged.
+# bigger batch keeps a large GPU no busier, and a plan of fewer, bigger batches leaves the last one
+# ragged.
 CPU_BATCH_TOKENS = 8192
 CPU_BATCH_ROWS = 16
 GPU_BATCH_TOKENS_MAX = 131_072
@@ -358,7 +357,7 @@ def token_nll(
     ``sliding-window`` (default: recomputed windows, `plan_windows`, batched with the rest,
     any model) or ``kv-trim`` (`token_nll_kv_trim`: every token computed once, for models
     with a plain KV cache). Both give every token at least ``max_context // 2`` tokens of context.
-    On the 2-core CPU bench they ran at the same speed (the trimmed cache needs an explicit
+    On CPU they ran at the same speed (docs/performance.md; the trimmed cache needs an explicit
     attention mask, which costs what the saved recomputation gains), so the default is the mode
     that works for every model.
 
@@ -461,8 +460,7 @@ def default_streams(device: torch.device) -> int:
     ``MAX_AUTO_STREAMS`` and in equal shares of the threads, and one on a GPU. On CPU one
     forward pass over a ~500-token window does not keep two threads busy (RMSNorm, rotary, GELU,
     casts and the attention's small matmuls split poorly), where two windows side by side, one
-    thread each, do: Gemma-3-270m in bf16 on 50 CRUD articles, 2 cores, 51.2 s with one stream
-    of two threads, 42.8 s with two streams of one (docs/performance.md)."""
+    thread each, do (Gemma-3-270m in bf16 on CRUD articles: docs/performance.md)."""
     if device.type != "cpu":
         return 1
     threads = torch.get_num_threads()
@@ -605,15 +603,15 @@ def _score_batches(
 class _HeadQueue:
     """Scored positions waiting for the LM head, which runs on whole tiles of ``head_rows``
     positions whatever the forward batches were: the head's matmul is most of the FLOPs, and on
-    CPU it runs slower on a few hundred rows (bf16, 640 x 8,192 tiles, AVX-512: 350 GFLOP/s at 445
-    rows, 409 at 1,024), which is what one short document's window gives. Holds at most one
+    CPU it runs slower on a few hundred rows than on a thousand, and a few hundred is what one
+    short document's window gives. Holds at most one
     tile's hidden states beyond the batch just added.
 
     **Scores land one run late.** A run's scores are copied back without waiting for the device
     (on a GPU, ``non_blocking`` into pinned memory, with an event), and are written into
     ``results`` at the next run, or at `land`: reading them at once would hold the host until the
     device has finished the batch, and leave the device idle while the host builds the next one
-    (~15 ms of Python a 131,072-token batch of CRUD windows). On CPU the copy is the tensor itself;
+    (the Python that plans and packs a batch). On CPU the copy is the tensor itself;
     the order is the same, so the tests exercise it. PyTorch's guide to ``non_blocking``: a copy to
     the host must be synchronized before it is read
     (https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html)."""

@@ -3,9 +3,10 @@ a C kernel on CPU, and on a GPU the same reduction compiled by ``torch.compile``
 (`lse_rows_compiled`).
 
 One so far, `lse_rows_bf16` (``lse_rows_bf16.c``): the log-sum-exp of each row of the LM
-head's bfloat16 logits, in float32, for `metachunk.engine.scoring`. Torch's way, a float32 copy of
-the tile then ``log_softmax`` in place, took 6.5 ms per 1,024 x 8,192 tile on one thread of an AMD
-EPYC (Zen 4); the kernel 1.9 ms, equal to float32 ``logsumexp`` within 2e-6 (docs/performance.md).
+head's bfloat16 logits, in float32, for `metachunk.engine.scoring`. Torch's way writes a float32 copy
+of the tile, then ``log_softmax`` reads and rewrites it; the kernel reads the bf16 rows once and
+reduces them in float32, equal to float32 ``logsumexp`` within 2e-6 (its speed on one thread:
+docs/performance.md).
 
 The source ships with the package and is compiled with the system's C compiler (``$CC``, else
 ``cc``) into ``$METACHUNK_CACHE/kernels/`` (default ``~/.cache/metachunk/kernels``), named by a
