@@ -214,7 +214,9 @@ def pick_dtype(dtype: str) -> str:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "float32"
-    return "bfloat16" if "amx_bf16" in flags else "float32"  # bf16 is slower than fp32 without AMX here
+    return (
+        "bfloat16" if "amx_bf16" in flags else "float32"
+    )  # on a CPU without AMX, bf16 runs slower than fp32
 
 
 def chonkie_embeddings():

@@ -23,7 +23,7 @@ so what is timed and measured is exactly what a user runs. Results: ``bench_out/
 Data: ``data:crud-news/news.jsonl`` (``metachunk data fetch crud-news`` once) and
 ``data:gutenqa-emma/paragraphs.jsonl`` (ships with metachunk).
 
-    python bench/chunk_scale.py                     # all three, about 10 minutes here
+    python bench/chunk_scale.py                     # all three, about 10 minutes on a 2-core CPU
     python bench/chunk_scale.py --only memory --mem-docs 10000,100000
 """
 

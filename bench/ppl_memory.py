@@ -31,9 +31,9 @@ prints a table and two ratios, each against the target <= 1.5:
 
 Cost: scoring runs at ~100-160 tokens/s on one shared CPU thread with SmolLM2 and 4096-token
 windows (every window after the first re-reads 2048 tokens of context), so the default run
-(20K chars ~ 4.7K tokens, 200K chars ~ 47K tokens) takes about 9 minutes here.
+(20K chars ~ 4.7K tokens, 200K chars ~ 47K tokens) takes about 9 minutes on one CPU thread.
 ``--sizes 20000,40000`` (~2 minutes) or a smaller ``--max-context`` give a quick run. Chinese
-tokenizes at ~0.75 tokens per character with Gemma-3, which scores ~50 tokens/s here: use small
+tokenizes at ~0.75 tokens per character with Gemma-3, which scores ~50 tokens/s on one thread: use small
 sizes there (``--lang zh --sizes 2000,8000 --max-context 1024`` takes ~3 minutes).
 Results: ``bench_out/ppl_memory.json``.
 """

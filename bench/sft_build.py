@@ -41,14 +41,7 @@ below 10x the 2K build's (10x means memory grows with every row, as a list of ou
 row by design (all documents, the near-duplicate index of kept chunks: a MinHash LSH entry of ~6 KB
 plus the chunk text, exact hashes, token lengths, document ids), ~9 KiB per record here.
 
-Measured on this 2-core machine (2,000 and 20,000 records): ~105-140 rows/s at both sizes (the
-20K build takes ~3 minutes); extra memory 97 -> 331 MiB, 3.4x for 10x the records (record loop
-only: 52 -> 205 MiB, 8.7 KiB per extra record). Before the NearDuplicateIndex fix (it kept every
-chunk's shingle set, ~50 KiB of Python strings per chunk) it was 203 -> 1352 MiB, 6.6x, 65 KiB per
-extra record. Where the time goes (per row): the student chat template rendered and tokenized twice
-(prompt alone, prompt + completion) ~4.5 ms, MinHash of the chunk for the near-duplicate query and
-again for the insert ~1.5 ms, the decontamination query (once per document) ~0.75 ms, the
-rest (JSON, filters, parquet) ~2 ms.
+The figures, and where a row's time goes: docs/performance.md (Measured numbers).
 
 Tokenizer: the ``smollm2`` preset (a local dir). The real student is Qwen2.5-3B, whose tokenizer
 is not available offline. SmolLM2's byte-level BPE has few Chinese tokens (~2.5 tokens per

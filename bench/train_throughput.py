@@ -15,10 +15,8 @@ they are printed next to the demo set's own (prompt p50 ~1,880 vs the demo's 2,0
 Seeded: every run draws the same rows.
 
 Model: by default a random Qwen2 (``--hidden 512 --layers 2``, 8 heads, 2 KV heads, MLP 2,048,
-vocabulary 8,192: 11.8M parameters, fp32, sdpa), not the 135M smollm2 preset: on this 1-core box
-SmolLM2-135M trains at ~130 tokens/s (``--model smollm2 --rows 2 --batch 1 --modes padded``: ~15 s
-per 2,000-token row, 4.7 GB peak RSS), so the default 20 rows in 4 modes would take ~20 minutes, far
-beyond the 5-minute budget. The rows are tokenized once, in the parent, into TRL's
+vocabulary 8,192: 11.8M parameters, fp32, sdpa), not the 135M smollm2 preset, which on one CPU core
+would take about 20 minutes for the default 20 rows in 4 modes, far beyond the 5-minute budget. The rows are tokenized once, in the parent, into TRL's
 processed form (``input_ids`` + ``completion_mask``), the smollm2 token ids folded into the small
 vocabulary (``id % 8192``): the lengths are the real ones, and the LM head, which TRL scores at every
 position on CPU (its compact "labels only" path needs Triton), stays a small part of the step as in a
@@ -45,18 +43,10 @@ Peak memory: ``ru_maxrss`` of the child after training, next to its RSS just bef
 (model, optimizer not yet built, dataset tokenized), so ``peak - base`` is what training itself
 took: gradients, AdamW state, activations and the attention masks.
 
-Measured on this machine (1 core available, OMP_NUM_THREADS=1; defaults: 20 rows, batch 4, 5 optimizer
-steps per mode, 37,743 real tokens, 500 completion tokens in every mode; 3.4 minutes in all):
-
-    mode          tokens/s  x padded  computed tokens  peak RSS  peak - base
-    padded             960      1.00           43,108  2882 MiB     2319 MiB
-    padding_free       669      0.70           37,743  2745 MiB     2198 MiB
-    packed             914      0.95           37,743  2765 MiB     2204 MiB
-    unpadded          1173      1.22           37,743  2024 MiB     1476 MiB
-
-The >= 1.5x target is not met, and cannot be with these rows on a CPU: they are long and their lengths
-narrow (p10-p90 ~1,570-2,360 tokens), so the padded batches of 4 computed only 1.16x the real tokens:
-the most that removing padding can buy where time is ~linear in the tokens computed. And with sdpa
+The figures: docs/performance.md (Measured numbers). The >= 1.5x target is not met, and cannot be
+with these rows on a CPU: they are long and their lengths narrow (p10-p90 ~1,570-2,360 tokens), so
+the padded batches of 4 computed only 1.16x the real tokens: the most that removing padding can buy
+where time is ~linear in the tokens computed. And with sdpa
 (and eager), a padding-free row is attended densely under a block-diagonal mask: PyTorch's kernels
 compute the masked blocks, so attention costs (tokens in the flattened row)^2, not the sum of each
 row's square: 4 rows flattened (padding_free) are ~2.5x the attention of the padded batch, a packed
@@ -64,7 +54,7 @@ row's square: 4 rows flattened (padding_free) are ~2.5x the attention of the pad
 (padding), the unpadded batch of 1 does not (plain causal: the kernel skips the upper triangle), so on
 CPU batch 1 with gradient accumulation (``recipes/train/cpu_smoke.yaml``) is the fastest and leanest.
 The varlen flash-attention kernels (GPU, ``attn_implementation: flash_attention_2``) skip the masked
-blocks: that is where packing pays (``bench/train_mfu_gpu.py``; not measured here, no GPU). On CPU,
+blocks: that is where packing pays (``bench/train_mfu_gpu.py``, on a GPU). On CPU,
 ``flex_attention``, whose block mask would skip them too, runs forward but has no backward in PyTorch
 2.13 ("FlexAttention does not support backward on CPU"), so the training config refuses it with
 ``use_cpu``. Even with a kernel that skipped every masked block, removing the padding of these rows
