@@ -214,9 +214,8 @@ def pick_dtype(dtype: str) -> str:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "float32"
-    return (
-        "bfloat16" if "amx_bf16" in flags else "float32"
-    )  # on a CPU without AMX, bf16 runs slower than fp32
+    # On a CPU without AMX, bf16 runs slower than fp32.
+    return "bfloat16" if "amx_bf16" in flags else "float32"
 
 
 def chonkie_embeddings():
