@@ -354,9 +354,9 @@ def test_push_sends_card_data_and_plot_through_lfs(
 def test_push_through_the_default_pipeline(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys):
     """With hf_xet installed upload_folder takes its streamed pipeline; files the server calls regular
     travel inside the commit, so no Xet storage is contacted."""
-    from huggingface_hub.utils._runtime import is_xet_available
+    import importlib.util
 
-    if not is_xet_available():
+    if importlib.util.find_spec("hf_xet") is None:
         pytest.skip("hf_xet is not installed: upload_folder uses the path tested above")
     _push_and_check(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys)
     assert fake_hub.stored == {}
