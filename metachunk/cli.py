@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"metachunk {__version__}")
     verbs = parser.add_subparsers(dest="_verb", required=True)
-    groups: dict[str, argparse._SubParsersAction] = {}
+    groups = {}  # verb -> its subparsers (argparse's action has no public type)
     for command in COMMANDS:
         verb, *rest = command.words
         if not rest:

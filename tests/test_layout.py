@@ -4,7 +4,7 @@
 - ``chunking/`` imports only ``metachunk/``; ``eval/`` and ``train/`` import no ``distill/``.
 - ``metachunk/`` (the shared core) imports no stage package, except its two composition roots,
   the CLI and the package's ``__init__`` (the public API), which import stages when first used.
-- No module imports another module's ``_private`` name.
+- No module imports another module's ``_private`` name, or reads one through the module.
 
 Every import counts: at the top, inside a function (a lazy import is still a dependency) and under
 ``if TYPE_CHECKING:`` (a type that has to be imported from a module that imports this one says the
@@ -148,6 +148,35 @@ def test_no_module_imports_another_modules_private_names():
                 continue
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             wrong += [f"{path.relative_to(REPO)}:{line}: {target}.{n}" for n in private]
+    assert wrong == []
+
+
+# Documented under a leading underscore: os._exit is the exit that skips cleanup (a child after fork).
+PUBLIC_UNDERSCORED = {"os._exit"}
+
+
+def test_no_module_reads_a_private_name_through_another_module():
+    """``module._name`` where ``module`` is imported (``re._MAXCACHE``, ``huggingface_hub.utils._http``):
+    the import rule's twin for attribute reads, for every module, ours or a library's."""
+    wrong = []
+    for path in modules().values():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        imported = {}  # the local name -> the module or object it was imported as
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    imported[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    imported.setdefault(alias.asname or alias.name, f"{node.module}.{alias.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):  # fmt: skip
+                name = f"{imported[node.value.id]}.{node.attr}"
+                if name not in PUBLIC_UNDERSCORED:
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
     assert wrong == []
 
 
