@@ -15,9 +15,9 @@ The request path, in order:
    answer), or the teacher's ``tokenizer`` count, plus ``max_tokens``.
 3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
 4. ``openai.AsyncOpenAI`` sends it, over openai's aiohttp transport (httpx2's own connection
-   pool costs more CPU per request at 64 connections: bench/distill_throughput.py). The client's machinery does the
-   retrying: exponential backoff with jitter on 408/409/429/5xx, timeouts and connection errors,
-   honouring ``Retry-After``. An httpx event hook adds what it lacks: after any 429, every request
+   pool costs more CPU per request at 64 connections: bench/distill_throughput.py). The client's
+   machinery does the retrying: exponential backoff with jitter on 408/409/429/5xx, timeouts and
+   connection errors, honouring ``Retry-After``. An httpx event hook adds what it lacks: after any 429, every request
    to that endpoint (new ones and retries) waits out the ``Retry-After`` pause.
 5. The raw response body is stored as received (API keys redacted), then read, and the claim is
    released in the same transaction. We ask the client for the raw HTTP response: no pydantic

@@ -68,6 +68,32 @@ def test_read_usage_counts_an_answer_only_when_its_usage_counts_both_sides(usage
     assert read_usage(json.dumps(body)) == (*counts, "She is Emma.", True)
 
 
+@pytest.mark.parametrize(
+    "url, refused",
+    [
+        ("http://127.0.0.1:8000/v1/", None),
+        ("127.0.0.1:8000/v1", "must hold an http(s) URL"),
+        ("https://user:s3cret-key@api.example/v1", "holds credentials"),
+    ],
+)
+def test_a_teacher_url_from_the_environment_is_checked_as_base_url_is(monkeypatch, url, refused):
+    from metachunk.teacher import FatalTeacherError
+
+    monkeypatch.setenv("TEACHER_URL", url)
+    for cfg in (
+        TeacherConfig("m", base_url_env="TEACHER_URL"),
+        TeacherConfig("m", base_url_envs=["TEACHER_URL"]),
+    ):
+        if refused is None:
+            assert cfg.endpoint_urls() == ["http://127.0.0.1:8000/v1"]
+            continue
+        with pytest.raises(
+            FatalTeacherError, match=f"TEACHER_URL {refused}|variable TEACHER_URL {refused}"
+        ) as e:
+            cfg.endpoint_urls()
+        assert "s3cret" not in str(e.value)
+
+
 # ------------------------------------------------------------------------------ refinement JSON
 
 
