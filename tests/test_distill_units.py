@@ -87,11 +87,9 @@ def test_a_teacher_url_from_the_environment_is_checked_as_base_url_is(monkeypatc
         if refused is None:
             assert cfg.endpoint_urls() == ["http://127.0.0.1:8000/v1"]
             continue
-        with pytest.raises(
-            FatalTeacherError, match=f"TEACHER_URL {refused}|variable TEACHER_URL {refused}"
-        ) as e:
+        with pytest.raises(FatalTeacherError) as e:
             cfg.endpoint_urls()
-        assert "s3cret" not in str(e.value)
+        assert "TEACHER_URL" in str(e.value) and refused in str(e.value) and "s3cret" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------ refinement JSON
