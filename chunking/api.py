@@ -28,6 +28,7 @@ lone surrogate (half a UTF-16 pair, not text) is a ``ValueError``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
@@ -69,15 +70,29 @@ class TextChunker:
     method: ClassVar[str]
 
     def __init__(self, **settings):
-        self.config = ChunkConfig(method=self.method, **settings)
+        try:
+            self.config = ChunkConfig(method=self.method, **settings)
+        except ValueError as e:
+            if type(e) is not ValueError:
+                raise
+            # The config's checks name the CLI's flags; here the same settings are arguments.
+            raise ValueError(
+                re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m[1].replace("-", "_"), str(e))
+            ) from None
         self._chunker = Chunker(self.config, progress=False)
 
     def __call__(self, text: str) -> list[Chunk]:
+        if not isinstance(text, str):
+            raise TypeError(
+                f"text must be a str, got {type(text).__name__} (chunk_batch takes several texts)"
+            )
         return self.chunk_batch([text])[0]
 
     def chunk_batch(self, texts: Iterable[str]) -> list[list[Chunk]]:
         """The chunks of each text, in order; texts are scored together in groups of
         [`ChunkConfig.documents_per_call`][metachunk.chunking.pipeline.ChunkConfig.documents_per_call], as the CLI does."""
+        if isinstance(texts, str):  # iterable, but as one-character texts
+            raise TypeError("texts must be an iterable of str, not a str (chunker(text) chunks one text)")
         texts = [check_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
         group = self.config.documents_per_call()
         out: list[list[Chunk]] = []

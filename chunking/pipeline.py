@@ -29,7 +29,7 @@ from metachunk.chunking.ppl import CPU_ROWS, ppl_boundaries, score_tokenized, to
 from metachunk.chunking.sentences import detect_lang, split_sentences
 from metachunk.chunking.types import Chunk, Sentence, chunks_from_boundaries
 
-from metachunk.config import block, check_choices, option
+from metachunk.config import block, check_choices, check_types, option
 from metachunk.sources import FORMATS as INPUT_FORMATS
 from metachunk.sources import BadRows
 
@@ -290,6 +290,7 @@ class ChunkConfig:
         return GPU_PREFETCH if str(self.device or default_device()).startswith("cuda") else 0
 
     def __post_init__(self):
+        check_types(self)
         check_choices(self)
         if self.prefetch is not None and self.prefetch < 0:
             raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
@@ -297,7 +298,7 @@ class ChunkConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.method in ("fixed", "sentence") and not (self.target_len or self.fits_length):
+        if self.method in ("fixed", "sentence") and self.target_len is None and not self.fits_length:
             raise ValueError(f"--method {self.method} needs --target-len (or --mean-chunk-chars)")
         if self.overlap and self.method not in LM_METHODS:
             raise ValueError(
@@ -325,6 +326,10 @@ class ChunkConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_context < 16:
             raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
+        if self.method == "semantic" and self.threshold is not None and not 0 <= self.threshold <= 100:
+            raise ValueError(
+                f"--threshold is a percentile for --method semantic: 0 to 100, got {self.threshold}"
+            )
         if self.mean_chunk_chars is not None or self.mean_chunk_chars_of is not None:
             if self.mean_chunk_chars is not None and self.mean_chunk_chars_of is not None:
                 raise ValueError("give --mean-chunk-chars or --mean-chunk-chars-of, not both")

@@ -81,9 +81,10 @@ def ppl_scores(
 def load_cross_encoder(name_or_dir: str, device: str | None = None):
     from sentence_transformers import CrossEncoder
 
-    from metachunk.models import default_device, resolve
+    from metachunk.models import check_device, default_device, resolve
 
-    return CrossEncoder(str(resolve(name_or_dir)), device=device or default_device())
+    device = check_device(device or default_device())
+    return CrossEncoder(str(resolve(name_or_dir)), device=device)
 
 
 def cross_encoder_scores(

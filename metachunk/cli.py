@@ -18,7 +18,7 @@ import sys
 from metachunk import config
 from metachunk.artifacts import InputError
 from metachunk.command import Command, Registry, Result
-from metachunk.models import ModelNotFoundError
+from metachunk.models import DeviceNotFoundError, ModelNotFoundError
 from metachunk.redaction import redact
 
 DISTILL_TASKS = (
@@ -252,7 +252,7 @@ def _invoke(argv: list[str]) -> Result:
             return command.load().run_argv(argv[1:])
         command, cfg = parse(argv)
         return run(command, cfg)
-    except (InputError, ModelNotFoundError) as e:
+    except (InputError, ModelNotFoundError, DeviceNotFoundError) as e:
         print(redact(f"metachunk: error: {e}"), file=sys.stderr)
         return Result(2)
     except OSError as e:  # a full disk, no permission: one line in the system's words, with the path

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
+import os
 import types
 import typing
 from pathlib import Path
@@ -248,6 +250,27 @@ def fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
         if block_name in out and out[block_name] is None:  # an empty `moc:`: the block's defaults
             out[block_name] = kinds[block_name]()
     return out
+
+
+def check_types(cfg) -> None:
+    """Call from ``__post_init__``, before comparing values: a field typed int holds an integer, one typed
+    float a number and one typed str a str or a path, however the config was built (from Python, where no
+    parser typed it). ``None`` only where the field's type allows it (``int | None``). A bool is no number."""
+    hints = typing.get_type_hints(type(cfg))
+    kinds = {name: _base_type(hint) for name, hint in hints.items()}
+    for f in dataclasses.fields(cfg):
+        kind, value = kinds[f.name], getattr(cfg, f.name)
+        if value is None:
+            if type(None) not in typing.get_args(hints[f.name]) and kind in (int, float, str):
+                allowed = f.metadata.get("choices")
+                expected = f"one of {', '.join(map(str, allowed))}" if allowed else kind.__name__
+                raise TypeError(f"field {f.name!r} must be {expected}, got None")
+            continue
+        expected = {int: numbers.Integral, float: numbers.Real, str: (str, os.PathLike)}.get(kind)
+        if expected and (isinstance(value, bool) or not isinstance(value, expected)):
+            raise TypeError(
+                f"field {f.name!r} must be {kind.__name__}, got {type(value).__name__} ({value!r})"
+            )
 
 
 def check_choices(cfg) -> None:

@@ -28,6 +28,10 @@ class ModelNotFoundError(ValueError):
     """The name is neither a known preset, a local model directory nor a Hub id that can be read."""
 
 
+class DeviceNotFoundError(ValueError):
+    """The device is not one torch can use here (no CUDA device, or not a device name)."""
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -223,6 +227,32 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> str:
+    """``device`` if torch can put a model there, else `DeviceNotFoundError` saying why: called before
+    a model loads, so a wrong ``--device`` costs no load and shows no torch traceback
+    (https://docs.pytorch.org/docs/stable/tensor_attributes.html#torch-device)."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceNotFoundError(
+            f"device {device!r} is not a torch device (cpu, cuda, cuda:N, mps, ...)"
+        ) from None
+    if where.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            built = "" if torch.version.cuda else " (this torch is a CPU build)"
+            raise DeviceNotFoundError(f"device {device!r}: torch sees no CUDA device here{built}")
+        if where.index is not None and where.index >= count:
+            raise DeviceNotFoundError(
+                f"device {device!r}: torch sees {count} CUDA device(s), 0 to {count - 1}"
+            )
+    elif where.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceNotFoundError(f"device {device!r}: torch sees no MPS device here")
+    return device
+
+
 # CPU flags (Linux /proc/cpuinfo) of native bfloat16 compute: Intel AMX tiles, or AVX-512 BF16 dot
 # products (Intel Cooper Lake and later, AMD Zen 4 and later). oneDNN, which torch's CPU matmuls
 # run on, uses them for bfloat16 GEMMs (https://oneapi-src.github.io/oneDNN/dev_guide_data_types.html).
@@ -323,8 +353,8 @@ def load_causal_lm_model(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars report progress; a per-load weights bar is noise
+    device = check_device(device or default_device())  # before a download, or a load
     path = resolve(name_or_dir)
-    device = device or default_device()
     picked, why = pick_dtype(dtype, device)
     # On CPU, metachunk.engine.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
     # is slow (wide heads, sliding windows); on a GPU flash-attention where installed.
@@ -358,7 +388,8 @@ def warm_up(model, tokens: int = 16) -> None:
 def load_sentence_embedder(name_or_dir: str = "minilm", device: str | None = None):
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(resolve(name_or_dir)), device=device or default_device())
+    device = check_device(device or default_device())
+    return SentenceTransformer(str(resolve(name_or_dir)), device=device)
 
 
 # ---- `metachunk models list | fetch` -------------------------------------------------------------

@@ -91,8 +91,56 @@ def test_blank_texts_are_lossless_and_a_lone_surrogate_is_a_value_error():
         chunker("Emma \ud800 Woodhouse.")
     with pytest.raises(TypeError, match="str"):
         chunker(b"bytes")
-    with pytest.raises(ValueError, match="target-len"):  # the CLI's own check, in the same words
+    with pytest.raises(
+        ValueError, match="^target_len must be >= 1, got 0$"
+    ):  # the CLI's check, named as here
         metachunk.SentenceChunker(target_len=0)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: metachunk.FixedChunker("10"), TypeError, "field 'target_len' must be int, got str ('10')"),
+        (
+            lambda: metachunk.FixedChunker(2.5, len_unit="char"),
+            TypeError,
+            "field 'target_len' must be int, got float",
+        ),
+        (lambda: metachunk.FixedChunker(True), TypeError, "field 'target_len' must be int, got bool"),
+        (lambda: metachunk.FixedChunker(-5), ValueError, "target_len must be >= 1, got -5"),
+        (
+            lambda: metachunk.SentenceChunker(10, lang=None),
+            TypeError,
+            "field 'lang' must be one of zh, en, auto, got None",
+        ),
+        (lambda: metachunk.PPLChunker(None), TypeError, "field 'model' must be str, got None"),
+        (lambda: metachunk.PPLChunker(5), TypeError, "field 'model' must be str, got int"),
+        (
+            lambda: metachunk.PPLChunker(threshold="high"),
+            TypeError,
+            "field 'threshold' must be float, got str",
+        ),
+        (
+            lambda: metachunk.SemanticChunker(threshold=150),
+            ValueError,
+            "threshold is a percentile for method semantic",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_when_the_chunker_is_made_naming_the_argument(make, error, message):
+    """Before any model loads: Python builds the config without a parser, so its types are checked too."""
+    with pytest.raises(error) as e:
+        make()
+    assert type(e.value) is error and message in str(e.value)
+
+
+def test_one_text_and_several_are_not_confused():
+    chunker = metachunk.FixedChunker(3, len_unit="char")
+    with pytest.raises(TypeError, match="not a str"):  # a str is an iterable of one-character texts
+        chunker.chunk_batch("abcdef")
+    with pytest.raises(TypeError, match="chunk_batch takes several texts"):
+        chunker(["abc", "def"])
+    assert chunker.chunk_batch(("abc", "def")) == [chunker("abc"), chunker("def")]
 
 
 @settings(max_examples=60, deadline=None)

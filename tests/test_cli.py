@@ -523,6 +523,9 @@ def test_missing_recipe(tmp_path, capsys, tiny):
         (["--method", "sentence", "--target-len", "10", "--overlap"], "--overlap"),
         (["--method", "fixed", "--target-len", "10", "--len-unit", "token"], "tokens"),
         (["--target-len", "0"], "--target-len must be >= 1"),
+        (["--method", "fixed", "--target-len", "0"], "--target-len must be >= 1, got 0"),
+        (["--method", "semantic", "--threshold", "150"], "--threshold is a percentile for --method semantic"),
+        (["--method", "ppl", "--device", "tpux"], "device 'tpux' is not a torch device"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--max-context", "8"], "--max-context must be >= 16"),
         (

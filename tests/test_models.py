@@ -96,3 +96,15 @@ def test_a_loaded_model_has_already_run_one_short_forward(tiny_model_dir, monkey
     monkeypatch.setattr(models, "warm_up", lambda model, **k: warmed.append(model) or real(model, **k))
     model, _ = models.load_causal_lm(str(tiny_model_dir), device="cpu", dtype="float32")
     assert warmed == [model] and not model.training
+
+
+def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(tiny_model_dir, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(models, "resolve", lambda name: pytest.fail("resolved a model for a bad device"))
+    with pytest.raises(models.DeviceNotFoundError, match="'tpux' is not a torch device"):
+        models.load_causal_lm_model(str(tiny_model_dir), device="tpux")
+    if not torch.cuda.is_available():
+        with pytest.raises(models.DeviceNotFoundError, match="torch sees no CUDA device here"):
+            models.load_causal_lm_model(str(tiny_model_dir), device="cuda")
+    assert models.check_device("cpu") == "cpu"
