@@ -134,6 +134,21 @@ def test_bad_settings_are_refused_when_the_chunker_is_made_naming_the_argument(m
     assert type(e.value) is error and message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"context_chars": -1}, "context_chars must be >= 1, got -1"),
+        ({"context": "nope"}, "field 'context' must be one of document, related, got 'nope'"),
+        ({"top_k": 0}, "top_k must be >= 1, got 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ],
+)
+def test_a_students_bad_setting_is_named_as_its_argument(tiny_model_dir, settings, message):
+    with pytest.raises(ValueError) as e:
+        metachunk.Rewriter(str(tiny_model_dir), **settings)
+    assert str(e.value) == message
+
+
 def test_one_text_and_several_are_not_confused():
     chunker = metachunk.FixedChunker(3, len_unit="char")
     with pytest.raises(TypeError, match="not a str"):  # a str is an iterable of one-character texts
