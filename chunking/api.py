@@ -28,6 +28,7 @@ lone surrogate (half a UTF-16 pair, not text) is a ``ValueError``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
@@ -119,7 +120,12 @@ class TextChunker:
         self.close()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(method={self.method!r}, target_len={self.config.target_len})"
+        """``target_len`` and the settings that differ from the defaults."""
+        default = {f.name: f.default for f in dataclasses.fields(ChunkConfig)}
+        changed = [f"{f.name}={getattr(self.config, f.name)!r}" for f in dataclasses.fields(self.config)
+                   if f.name not in ("method", "target_len") and f.default is not dataclasses.MISSING
+                   and getattr(self.config, f.name) != default[f.name]]  # fmt: skip
+        return f"{type(self).__name__}({', '.join([f'target_len={self.config.target_len!r}', *changed])})"
 
 
 class PPLChunker(TextChunker):

@@ -212,3 +212,10 @@ def test_the_students_write_what_chunk_rewrite_and_summarize_write(tmp_path, tin
     assert [c["rewritten"] for c in cli] == rewritten and [c["summary"] for c in cli] == summaries
     with pytest.raises(ValueError, match="is not text"):
         rewriter(EN, [metachunk.Chunk("nope", 0, 4)])
+
+
+def test_a_chunkers_repr_shows_what_was_set():
+    assert repr(metachunk.SentenceChunker(40, len_unit="char", lang="en")) == (
+        "SentenceChunker(target_len=40, lang='en', len_unit='char')"
+    )
+    assert repr(metachunk.FixedChunker(1)) == "FixedChunker(target_len=1)"
