@@ -72,6 +72,8 @@ def as_arguments(error: ValueError, names: Mapping[str, str] | None = None) -> V
 
 class TextChunker:
     """What every chunker does: ``chunker(text) -> list[Chunk]`` and ``chunker.chunk_batch(texts)``.
+    ``target_len`` is a target, not a ceiling: every chunker but `FixedChunker` cuts between
+    sentences, so one sentence longer than it is a chunk of its own.
 
     ``settings`` are [`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig]'s fields (the ``metachunk
     chunk`` flags without their dashes: ``target_len``, ``len_unit``, ``lang``, ``dtype``,
