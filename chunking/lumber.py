@@ -287,6 +287,7 @@ def resolve_teacher(opts: LumberOptions) -> tuple[str, TeacherConfig, dict[str, 
             raise InputError(path, "teacher config not found") from None
         except yaml.YAMLError as e:
             raise InputError(path, f"invalid YAML: {' '.join(str(e).split())}") from None
+        config.check_keys(data, path)
         if not isinstance(data, dict):
             raise InputError(path, "expected a mapping with a 'teachers:' block")
         sources.append((path, {k: data[k] for k in ("teachers", "prices") if data.get(k) is not None}))

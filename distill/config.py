@@ -141,6 +141,12 @@ class DistillConfig:
             raise ValueError("'moc_max_ratio' must be in [0, 1)")
         if not 0 <= self.max_failure_rate <= 1:
             raise ValueError("'max_failure_rate' must be in [0, 1]")
+        if self.parse_retries < 0:
+            raise ValueError(f"'parse_retries' must be >= 0, got {self.parse_retries}")
+        modes = {t.get("mode", "online") if isinstance(t, dict) else t.mode for t in self.teachers.values()}
+        if (self.import_batch or self.export_batch) and modes == {"online"}:  # else ignored, and paid online
+            raise ValueError("--import-batch and --export-batch are for teachers in 'mode: batch'; every teacher "
+                             "of this recipe is online")  # fmt: skip
         missing = [s for s in TASK_STAGES[self.task] if s not in self.teachers]
         if missing:
             raise ValueError(f"field 'teachers' lacks a block for stage(s) {', '.join(missing)}")

@@ -79,6 +79,11 @@ class SampleConfig:
             raise ValueError("fields 'pool' and 'out' are required")
         if self.n_docs < 1 or self.chunks_per_doc < 1:
             raise ValueError("'n_docs' and 'chunks_per_doc' must be >= 1")
+        for name in ("target_len", "batch_size", "workers", "threads_per_worker"):  # as `chunk` checks them
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"'{name}' must be >= 1, got {getattr(self, name)}")
+        if any(edge < 1 for edge in self.edges) or len(set(self.edges)) != len(self.edges):
+            raise ValueError(f"'bucket_edges' must be distinct lengths >= 1, got {self.bucket_edges}")
 
     @property
     def edges(self) -> list[int]:

@@ -102,6 +102,10 @@ class BuildSftConfig:
                 raise ValueError(f"field {name!r} is required")
         if not 0 <= self.validation_fraction < 1:
             raise ValueError("'validation_fraction' must be in [0, 1)")
+        if self.shard_rows < 1:
+            raise ValueError(f"'shard_rows' must be >= 1, got {self.shard_rows}")
+        if not 0 < self.near_dup_threshold <= 1:
+            raise ValueError(f"'near_dup_threshold' must be in (0, 1], got {self.near_dup_threshold}")
         if self.name is None:
             self.name = f"metachunk-{self.task}-{Path(self.out).name}"
 

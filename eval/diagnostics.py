@@ -108,6 +108,7 @@ class DiagnosticsConfig:
         "auto",
         "model dtype, as `chunk --dtype`: auto = bfloat16 on a GPU or a CPU with native bfloat16 (AMX, "
         "AVX-512 BF16), else float32 (exact)",
+        choices=["auto", "float32", "bfloat16", "float16"],
     )
     confidence: float = option(0.95, "bootstrap confidence level of the intervals (0: none)")
     n_resamples: int = option(2000, "bootstrap resamples per interval")

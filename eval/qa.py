@@ -163,6 +163,7 @@ class QAConfig:
         "auto",
         "local generator / ppl re-ranker dtype, as `chunk --dtype` (auto: bfloat16 on a GPU or a CPU with native "
         "bfloat16, else float32)",
+        choices=["auto", "float32", "bfloat16", "float16"],
     )
     bertscore_model: str = option("minilm", "BERTScore model for qa_scores, or none")
     score_embedder: str = option("minilm", "embedding-similarity model for qa_scores, or none")
@@ -196,6 +197,8 @@ class QAConfig:
                 raise ValueError(f"field {name!r} must be >= 1")
         if not 0 < self.min_share <= 1:
             raise ValueError("field 'min_share' must be in (0, 1]")
+        if self.rrf_k < 1:
+            raise ValueError(f"field 'rrf_k' must be >= 1, got {self.rrf_k}")
         if self.limit is not None and self.limit < 1:
             raise ValueError("field 'limit' must be >= 1")
         self.prices = self.prices or {}

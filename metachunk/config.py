@@ -200,6 +200,20 @@ def _coerce(value, kind, where: Path, key: str):
     raise InputError(where, f"field {key!r} must be {kind.__name__}, got {type(value).__name__} ({value!r})")
 
 
+def check_keys(data, path: Path, where: str = "") -> None:
+    """Every mapping key in a recipe is a string: YAML reads ``on``, ``off``, ``yes``, ``no``, ``null``
+    and numbers unquoted as other types (https://yaml.org/type/bool.html), which no field is named."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise InputError(path, f"key {where}{key!r} is a {type(key).__name__}, not a name: YAML reads "
+                                 "on/off/yes/no/null and numbers unquoted as such; quote it")  # fmt: skip
+            check_keys(value, path, f"{where}{key}.")
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            check_keys(item, path, f"{where.rstrip('.')}[{i}].")
+
+
 def load_yaml(cls, path: Path) -> dict:
     """The recipe at ``path``, or the shipped recipe ``path`` names (`metachunk.shipped`)."""
     from metachunk import shipped
@@ -215,6 +229,7 @@ def load_yaml(cls, path: Path) -> dict:
         raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
     if not isinstance(data, dict):
         raise InputError(path, "a recipe must be a mapping of field names to values")
+    check_keys(data, path)
     return fields_from_mapping(cls, shipped.localize(data, shipped.is_shipped(path)), path)
 
 

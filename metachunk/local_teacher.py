@@ -42,7 +42,7 @@ from pathlib import Path
 
 from metachunk.artifacts import InputError
 from metachunk.command import Result
-from metachunk.config import option
+from metachunk.config import check_choices, option
 
 BACKENDS = ("auto", "llama.cpp", "transformers")
 
@@ -279,6 +279,13 @@ class ServeConfig:
         choices=["auto", "llama.cpp", "transformers"],
     )
     threads: int | None = option(None, "CPU threads (default: all cores)")
+
+    def __post_init__(self):
+        check_choices(self)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"'port' must be in 1..65535, got {self.port}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"'threads' must be >= 1, got {self.threads}")
 
 
 def serve(cfg: ServeConfig) -> Result:

@@ -359,16 +359,20 @@ def load_causal_lm_model(
     # On CPU, metachunk.engine.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
     # is slow (wide heads, sliding windows); on a GPU flash-attention where installed.
     implementation = pick_attention(attn_implementation, device)
-    model = (
-        AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=getattr(torch, picked),
-            use_safetensors=use_safetensors,
-            attn_implementation=implementation,
-        )
-        .to(device)
-        .eval()
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=getattr(torch, picked),
+        use_safetensors=use_safetensors,
+        attn_implementation=implementation,
+        output_loading_info=True,
     )
+    if loading["missing_keys"]:  # an encoder (an embedder's folder) gets a head at random: scores of noise
+        missing = sorted(loading["missing_keys"])
+        raise ModelNotFoundError(
+            f"{name_or_dir}: not a causal language model with its weights ({type(model).__name__} lacks "
+            f"{len(missing)} of them, e.g. {missing[0]}, which transformers would initialise at random)"
+        )
+    model = model.to(device).eval()
     model.metachunk_dtype = {"dtype": picked, "why": why}
     warm_up(model)
     return model

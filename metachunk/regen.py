@@ -70,6 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metachunk import config
 from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
@@ -127,6 +128,7 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
         raise InputError(
             path, f"invalid YAML ({getattr(e, 'problem', e)})", mark.line + 1 if mark else None
         ) from None
+    config.check_keys(raw, path)
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not raw["stages"]:
         raise InputError(path, "a regeneration recipe needs 'stages:', a list of {name, run, config}")
     raw = shipped.localize(raw, shipped.is_shipped(path))

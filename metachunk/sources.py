@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -261,6 +262,14 @@ def hub_dataset(path: str | Path) -> Path:
         raise InputError(text, str(e)) from None
 
 
+def _whole_gzip(f, path: Path) -> Iterator[bytes]:
+    """The lines of gzip file ``f``; a file that is not gzip, or one cut short, is an `InputError`."""
+    try:
+        yield from f
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise InputError(path, f"not a whole gzip file ({e})") from None
+
+
 class DocumentSource:
     """A corpus on disk, as documents in a fixed order (see the module docstring)."""
 
@@ -344,7 +353,7 @@ class DocumentSource:
             offset, number = (cursor, lines_before) if not gz else (0, 0)
             if not gz and cursor:
                 f.seek(cursor)
-            for raw in f:
+            for raw in _whole_gzip(f, file.path) if gz else f:
                 start = offset
                 offset += len(raw)
                 number += 1
@@ -405,9 +414,13 @@ class DocumentSource:
             return None
 
     def _parquet_records(self, file: SourceFile, cursor: int) -> Iterator[tuple[int, int, Document]]:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(file.path)
+        try:
+            pf = pq.ParquetFile(file.path)
+        except (pa.ArrowException, OSError) as e:  # not parquet, empty, cut short
+            raise InputError(file.path, f"not a readable parquet file ({e})") from None
         names = pf.schema_arrow.names
         if self.text_field not in names:
             raise InputError(file.path, f"no column {self.text_field!r} (columns: {', '.join(names)})")

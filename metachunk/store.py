@@ -29,6 +29,7 @@ Calibration: per endpoint, the largest ratio of billed prompt tokens to prompt b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+
+from metachunk.artifacts import InputError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
@@ -127,6 +130,19 @@ class Claim:
     owner: str = ""
 
 
+@contextlib.contextmanager
+def _not_a_store(path: Path):
+    """A file that is not SQLite (another file named as the cache) is bad input, not a crash."""
+    try:
+        yield
+    except sqlite3.DatabaseError as e:
+        if "file is not a database" not in str(e):
+            raise
+        raise InputError(
+            path, "not an answer store (an SQLite file): name a new file or an existing store"
+        ) from None
+
+
 class AnswerStore:
     """One SQLite file, used from one event loop in each of any number of processes.
 
@@ -137,6 +153,8 @@ class AnswerStore:
 
     def __init__(self, path: str | Path, lease_seconds: float = LEASE_SECONDS):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise InputError(self.path, "a folder: the answer store is a file (answers.sqlite)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lease_seconds = lease_seconds
         # autocommit: one INSERT = one transaction; a busy writer is waited for, not an error
@@ -144,7 +162,7 @@ class AnswerStore:
         # Switching a new file to WAL takes a lock SQLite does not wait for: two processes opening
         # the same new store at once would see "database is locked". The setup is serialised by a
         # file lock beside the store; once the file is in WAL mode (persistent) it is a no-op.
-        with FileLock(f"{self.path}.lock", timeout=60.0):
+        with FileLock(f"{self.path}.lock", timeout=60.0), _not_a_store(self.path):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)

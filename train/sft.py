@@ -168,6 +168,9 @@ def read_recipe(argv: list[str]) -> dict:
         raise ValueError(f"--config {path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(recipe, dict):
         raise ValueError(f"--config {path}: not a YAML mapping of field: value")
+    from metachunk.config import check_keys
+
+    check_keys(recipe, path)
     return recipe
 
 

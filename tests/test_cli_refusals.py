@@ -1,0 +1,142 @@
+"""Bad input met across the verbs, each once a traceback or a silent wrong run: now one line naming the
+file or the field, exit status 2, before any model loads or any file is written, and nothing sent."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from support.distill_jobs import make_job
+
+from metachunk.artifacts import InputError
+from metachunk.cli import main
+
+DOC = {"id": "a", "text": "Emma was clever. She was rich. Her home was Hartfield."}
+LINES = "".join(json.dumps({"id": f"d{k}", "text": f"Line {k} of Emma."}) + "\n" for k in range(500)).encode()
+
+
+def refused(capsys, argv: list, *expected: str) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert all(e in err for e in expected), err
+    return err
+
+
+def test_a_recipe_key_yaml_reads_as_a_bool_is_named(tmp_path, capsys):
+    """``on:``, ``yes:``, ``no:`` and ``null:`` unquoted are not names in YAML (https://yaml.org/type/bool.html)."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps(DOC) + "\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: fixed\ntarget_len: 5\non: 3\n")
+    refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", tmp_path / "o.jsonl", "--config", recipe],
+            f"{recipe}: key True is a bool", "quote it")  # fmt: skip
+    run = tmp_path / "run.yaml"
+    run.write_text("name: x\nstages:\n  - {name: a, run: chunk, config: {yes: 1}}\n")
+    refused(capsys, ["run", run, "--plan"], "key stages[0].config.True is a bool")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("bad.parquet", b"garbage", "not a readable parquet file"),
+        ("empty.parquet", b"", "not a readable parquet file"),
+        ("fake.jsonl.gz", b"no", "not a whole gzip file"),
+        (
+            "cut.jsonl.gz",
+            gzip.compress(LINES)[: len(gzip.compress(LINES)) // 2],
+            "not a whole gzip file",
+        ),
+    ],
+)
+def test_a_damaged_input_file_is_named(tmp_path, capsys, name, content, expected):
+    (tmp_path / name).write_bytes(content)
+    out = tmp_path / "o.jsonl"
+    refused(capsys, ["chunk", tmp_path / name, "-o", out, "--method", "fixed", "--target-len", 5],
+            f"{tmp_path / name}: {expected}")  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--target-len", "0"], "'target_len' must be >= 1, got 0"),
+        (["--batch-size", "0"], "'batch_size' must be >= 1, got 0"),
+        (["--bucket-edges", "-1"], "'bucket_edges' must be distinct lengths >= 1"),
+    ],
+)
+def test_data_sample_checks_its_chunking_settings_before_writing(tmp_path, capsys, flags, expected):
+    (tmp_path / "pool.jsonl").write_text(json.dumps(DOC) + "\n")
+    out = tmp_path / "sample"
+    refused(capsys, ["data", "sample", "--model", "smollm2", "--pool", tmp_path / "pool.jsonl", "--out", out, *flags],
+            expected)  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--shard-rows", "0"], "'shard_rows' must be >= 1, got 0"),  # it waited forever for a shard to fill
+        (["--near-dup-threshold", "-1"], "'near_dup_threshold' must be in (0, 1]"),
+    ],
+)
+def test_build_sft_checks_its_numbers(tmp_path, capsys, flags, expected):
+    (tmp_path / "rewrite.jsonl").write_text("")
+    refused(capsys, ["data", "build-sft", "rewrite", "--distilled", tmp_path / "rewrite.jsonl", "--out",
+                     tmp_path / "o", *flags], expected)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [(["--port", "99999"], "'port' must be in 1..65535"), (["--threads", "0"], "'threads' must be")],
+)
+def test_teacher_serve_checks_its_port_and_threads_before_starting(capsys, flags, expected):
+    refused(capsys, ["teacher", "serve", *flags], expected)
+
+
+def test_distill_refuses_a_negative_retry_count_and_batch_files_for_online_teachers(tmp_path, capsys):
+    """``--import-batch`` with every teacher online was ignored, and the run paid for the answers online."""
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever.", "She was rich."]})
+    recipe = str(job.recipe)
+    refused(capsys, ["distill", "rewrite", "--config", recipe, "--parse-retries", "-1", "--dry-run"],
+            "'parse_retries' must be >= 0")  # fmt: skip
+    results = tmp_path / "results.jsonl"
+    results.write_text("")
+    refused(capsys, ["distill", "rewrite", "--config", recipe, "--import-batch", results], "mode: batch")
+    refused(
+        capsys,
+        ["distill", "rewrite", "--config", recipe, "--export-batch", tmp_path / "x.jsonl"],
+        "mode: batch",
+    )
+
+
+def test_an_answer_store_that_is_not_one_is_named(tmp_path):
+    from metachunk.store import AnswerStore
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database, " * 20)
+    with pytest.raises(InputError, match="not an answer store"):
+        AnswerStore(text)
+    with pytest.raises(InputError, match="a folder: the answer store is a file"):
+        AnswerStore(tmp_path)
+    assert text.read_text() == "not a database, " * 20
+
+
+@pytest.mark.integration
+def test_an_embedders_folder_is_no_causal_lm_to_score_with(tmp_path, capsys):
+    """An encoder loads as ``*ForCausalLM`` with a head at random: PPL from it is noise, so it is refused."""
+    pytest.importorskip("sentence_transformers")
+    (tmp_path / "docs.jsonl").write_text(json.dumps(DOC) + "\n")
+    out = tmp_path / "o.jsonl"
+    refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", out, "--method", "ppl", "--model", "minilm", "--lang",
+                     "en"], "minilm: not a causal language model with its weights")  # fmt: skip
+    assert not out.exists()
+
+
+def test_eval_model_dtype_is_one_of_the_choices(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "diagnostics", "--retrieval", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "d"),
+              "--dtype", "bogus"])  # fmt: skip
+    assert e.value.code == 2 and not Path(tmp_path / "d").exists()
