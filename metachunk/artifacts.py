@@ -87,11 +87,38 @@ class AtomicWriter:
         return False
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc/self/status``,
+    proc(5)); elsewhere set and put back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def ordinary_mode(path: str | Path | int, folder: bool = False) -> None:
+    """Give ``path`` (or an open file descriptor) the mode a plain ``open`` or ``mkdir`` would: temp
+    files (``mkstemp``: 0600) and folders (``mkdtemp``: 0700) renamed into place would otherwise stay
+    private, and a team's shared dataset unreadable by the team."""
+    mode = (0o777 if folder else 0o666) & ~umask()
+    if isinstance(path, int):
+        os.fchmod(path, mode)
+    else:
+        os.chmod(path, mode)
+
+
 def _temp_file(path: Path):
     """``(text file, temp path)``: a new temp file beside ``path`` (same directory, so a rename
     into place never crosses file systems)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    ordinary_mode(fd)
     return os.fdopen(fd, "w", encoding="utf-8"), tmp
 
 
@@ -170,6 +197,7 @@ def replace_dir(staging: str | Path, final: str | Path) -> None:
     to keep it). Leftover ``.NAME.old-*`` folders are removed by the next successful call.
     """
     staging, final = Path(staging), Path(final)
+    ordinary_mode(staging, folder=True)  # a mkdtemp folder is 0700
     trash = final.parent / f".{final.name}.old-{os.getpid()}"
     if trash.exists():  # left by a crashed run that had our pid
         shutil.rmtree(trash)
@@ -191,6 +219,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    ordinary_mode(fd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -209,6 +238,7 @@ def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=path.suffix or ".png", dir=path.parent)
+    ordinary_mode(fd)
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi)

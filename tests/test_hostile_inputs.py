@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -474,3 +475,22 @@ def test_build_sft_keeps_the_old_dataset_when_the_swap_fails(tmp_path, tiny_mode
     build_sft(cfg, progress=False)
     assert (out / "README.md").is_file() and not (out / "f.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cards", "docs.jsonl", "ds", "rewrite.jsonl"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o007])
+def test_outputs_get_the_modes_the_umask_gives_not_a_temp_files(tmp_path, mask):
+    """``mkstemp`` makes 0600 files and ``mkdtemp`` 0700 folders: renamed into place as they were, a
+    team's dataset on a shared disk would be readable by its writer alone."""
+    before = os.umask(mask)
+    try:
+        with artifacts.AtomicWriter(tmp_path / "a.jsonl") as f:
+            f.write("{}\n")
+        artifacts.write_bytes(tmp_path / "b.bin", b"x")
+        artifacts.write_json(tmp_path / "c.json", {})
+        staging = Path(tempfile.mkdtemp(dir=tmp_path))
+        artifacts.replace_dir(staging, tmp_path / "d")
+    finally:
+        os.umask(before)
+    for name in ("a.jsonl", "b.bin", "c.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o777 & ~mask

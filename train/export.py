@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import sys
@@ -71,7 +70,7 @@ from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_ca
 from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
-from metachunk.artifacts import InputError, replace_dir
+from metachunk.artifacts import InputError, ordinary_mode, replace_dir
 from metachunk.command import Reads, Result
 from metachunk.config import option
 
@@ -452,11 +451,9 @@ def write_generation_config(folders: list[Path], tokenizer, into: Path) -> str:
 
 def _publishable_modes(folder: Path, files: list[Path]) -> None:
     """The umask's ordinary modes: ``mkdtemp`` makes the folder 0700, and some writers make files 0600."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    ordinary_mode(folder, folder=True)
     for path in files:
-        path.chmod(0o666 & ~umask)
+        ordinary_mode(path)
 
 
 def export(cfg: ExportConfig, progress=None) -> ExportResult:
