@@ -108,6 +108,8 @@ class BuildSftConfig:
             raise ValueError(f"'near_dup_threshold' must be in (0, 1], got {self.near_dup_threshold}")
         if self.name is None:
             self.name = f"metachunk-{self.task}-{Path(self.out).name}"
+        if Path(self.name).name != self.name or self.name in (".", ".."):  # the card is CARDS_DIR/NAME.md
+            raise ValueError(f"'name' must be a plain name, not a path, got {self.name!r}")
 
 
 # ------------------------------------------------------------------------------------- split

@@ -223,6 +223,8 @@ def load_yaml(cls, path: Path) -> dict:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise InputError(path, "config file not found") from None
+    except IsADirectoryError:
+        raise InputError(path, "a folder, not a recipe file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet

@@ -140,3 +140,19 @@ def test_eval_model_dtype_is_one_of_the_choices(tmp_path):
         main(["eval", "diagnostics", "--retrieval", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "d"),
               "--dtype", "bogus"])  # fmt: skip
     assert e.value.code == 2 and not Path(tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("cap", ["-5", "nan"])
+def test_a_budget_is_a_number_of_dollars(tmp_path, capsys, cap):
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever.", "She was rich."]})
+    refused(capsys, ["distill", "rewrite", "--config", job.recipe, "--max-cost", cap, "--dry-run"],
+            "'max_cost' must be a number of dollars >= 0")  # fmt: skip
+
+
+def test_a_folder_as_the_recipe_and_a_path_as_a_cards_name_are_refused(tmp_path, capsys):
+    (tmp_path / "docs.jsonl").write_text(json.dumps(DOC) + "\n")
+    refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", tmp_path / "o.jsonl", "--config", tmp_path],
+            f"{tmp_path}: a folder, not a recipe file")  # fmt: skip
+    (tmp_path / "rewrite.jsonl").write_text("")
+    refused(capsys, ["data", "build-sft", "rewrite", "--distilled", tmp_path / "rewrite.jsonl", "--out",
+                     tmp_path / "sft", "--name", "../../evil"], "'name' must be a plain name")  # fmt: skip
