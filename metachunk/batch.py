@@ -30,6 +30,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from metachunk.redaction import redact
 from metachunk.store import AnswerStore, StoredAnswer
@@ -261,8 +262,14 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
 
     by_model = {t.cfg.model: t for t in teachers.values()}
     answers, counts = [], {"answered": 0, "failed": 0, "skipped": 0}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    if not Path(path).is_file():
+        raise InputError(path, "no such results file")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
             if not line.strip():
                 continue
             try:

@@ -179,6 +179,18 @@ def test_an_imported_answer_without_usage_is_refused_for_a_priced_teacher_and_fr
     assert "6 answers stored" in capsys.readouterr().err
 
 
+def test_an_unreadable_results_file_is_named(tmp_path, capsys):
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")
+    for name, content, expected in (("missing.jsonl", None, "no such results file"),
+                                    ("latin1.jsonl", b'{"custom_id": "caf\xe9"}\n', ":1: invalid UTF-8")):  # fmt: skip
+        path = tmp_path / name
+        if content is not None:
+            path.write_bytes(content)
+        assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}" in err and expected in err and "Traceback" not in err
+
+
 def test_an_imported_answer_from_a_model_no_teacher_names_is_refused_when_several_could_be_meant(
     tmp_path, capsys
 ):
