@@ -326,6 +326,8 @@ class ChunkConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_context < 16:
             raise ValueError(f"--max-context must be >= 16, got {self.max_context}")
+        if self.threshold is not None and self.threshold != self.threshold:  # nan: no boundary ever compares
+            raise ValueError("--threshold must be a number, got nan")
         if self.method == "semantic" and self.threshold is not None and not 0 <= self.threshold <= 100:
             raise ValueError(
                 f"--threshold is a percentile for --method semantic: 0 to 100, got {self.threshold}"

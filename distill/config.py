@@ -143,6 +143,8 @@ class DistillConfig:
             raise ValueError("'max_failure_rate' must be in [0, 1]")
         if self.max_cost is not None and not 0 <= self.max_cost < float("inf"):  # nan fails this too
             raise ValueError(f"'max_cost' must be a number of dollars >= 0, got {self.max_cost}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"'limit' must be >= 1, got {self.limit}")
         if self.parse_retries < 0:
             raise ValueError(f"'parse_retries' must be >= 0, got {self.parse_retries}")
         modes = {t.get("mode", "online") if isinstance(t, dict) else t.mode for t in self.teachers.values()}

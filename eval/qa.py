@@ -199,6 +199,8 @@ class QAConfig:
             raise ValueError("field 'min_share' must be in (0, 1]")
         if self.max_cost is not None and not 0 <= self.max_cost < float("inf"):
             raise ValueError(f"field 'max_cost' must be a number of dollars >= 0, got {self.max_cost}")
+        if self.cutoffs and min(self.cutoffs) < 1:
+            raise ValueError(f"field 'cutoffs' must be ks >= 1, got {self.cutoffs}")
         if self.rrf_k < 1:
             raise ValueError(f"field 'rrf_k' must be >= 1, got {self.rrf_k}")
         if self.limit is not None and self.limit < 1:

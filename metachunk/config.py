@@ -318,9 +318,12 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
     merged.update({k: v for k, v in given.items() if k in kinds})
     for name, (block_name, inner, _) in _flat_fields(cls).items():  # a flat block's flags
         if name in given:
-            merged[block_name] = dataclasses.replace(
-                merged.get(block_name) or kinds[block_name](), **{inner.name: given[name]}
-            )
+            try:
+                merged[block_name] = dataclasses.replace(
+                    merged.get(block_name) or kinds[block_name](), **{inner.name: given[name]}
+                )
+            except (TypeError, ValueError) as e:  # the block's __post_init__ rejected the flag's value
+                raise InputError(config_path or "command line", str(e)) from None
     # `data:NAME/FILE` names a file of a named dataset (metachunk.named_data): the run reads the
     # file it resolves to, so a missing dataset is one line that names its fetch command.
     for key, value in merged.items():

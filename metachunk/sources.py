@@ -135,6 +135,12 @@ class BadRows:
     max_bad_rows: int | None = option(None, "--on-bad-row skip: stop (exit 2) past this many bad rows")
     max_row_bytes: int = option(MAX_ROW_BYTES, "a longer input row is a bad row")
 
+    def __post_init__(self):
+        if self.max_bad_rows is not None and self.max_bad_rows < 0:
+            raise ValueError(f"'max_bad_rows' must be >= 0, got {self.max_bad_rows}")
+        if self.max_row_bytes < 1:
+            raise ValueError(f"'max_row_bytes' must be >= 1, got {self.max_row_bytes}")
+
     def rejects(self, output: str | Path) -> Rejects | None:
         """Where the rows left out go for a run writing ``output``; None under ``error``."""
         return Rejects(rejects_path(output), self.max_bad_rows) if self.on_bad_row == "skip" else None

@@ -156,3 +156,40 @@ def test_a_folder_as_the_recipe_and_a_path_as_a_cards_name_are_refused(tmp_path,
     (tmp_path / "rewrite.jsonl").write_text("")
     refused(capsys, ["data", "build-sft", "rewrite", "--distilled", tmp_path / "rewrite.jsonl", "--out",
                      tmp_path / "sft", "--name", "../../evil"], "'name' must be a plain name")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--on-bad-row", "skip", "--max-bad-rows", "-1"], "'max_bad_rows' must be >= 0"),
+        (
+            ["--max-row-bytes", "0"],
+            "'max_row_bytes' must be >= 1",
+        ),  # it blamed the data: "a row over 0 bytes"
+        (["--method", "ppl", "--threshold", "nan"], "--threshold must be a number, got nan"),
+    ],
+)
+def test_chunk_checks_its_bad_row_limits_and_threshold(tmp_path, capsys, flags, expected):
+    (tmp_path / "docs.jsonl").write_text(json.dumps(DOC) + "\n")
+    argv = [
+        "chunk",
+        tmp_path / "docs.jsonl",
+        "-o",
+        tmp_path / "o.jsonl",
+        "--method",
+        "fixed",
+        "--target-len",
+        5,
+    ]
+    refused(capsys, [*argv, *flags], expected)
+
+
+def test_distill_limit_and_eval_cutoffs_start_at_one(tmp_path, capsys):
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever.", "She was rich."]})
+    refused(
+        capsys,
+        ["distill", "rewrite", "--config", job.recipe, "--limit", "0", "--dry-run"],
+        "'limit' must be >= 1",
+    )
+    refused(capsys, ["eval", "qa", "--chunks", tmp_path / "c.jsonl", "--qa", tmp_path / "q.jsonl", "--out",
+                     tmp_path / "qa", "--cutoffs", "0", "-1"], "'cutoffs' must be ks >= 1")  # fmt: skip
