@@ -279,7 +279,7 @@ def read_jsonl(path: str | Path):
     raises `InputError` naming the file and the line. Streamed: one line in memory."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(path, "no such file")
+        raise InputError(path, "a folder, not a file" if path.is_dir() else "no such file")
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():

@@ -409,6 +409,10 @@ class FetchConfig:
     name: str = option(None, "the preset to convert (see `metachunk models list`)", positional=True)
     force: bool = option(False, "convert again even if the folder exists")
 
+    def __post_init__(self):
+        if self.name is None:
+            raise ValueError(f"name a preset to fetch: {', '.join(PRESETS)}")
+
 
 def run_list(cfg: ListConfig) -> Result:
     for p in PRESETS.values():

@@ -193,3 +193,7 @@ def test_distill_limit_and_eval_cutoffs_start_at_one(tmp_path, capsys):
     )
     refused(capsys, ["eval", "qa", "--chunks", tmp_path / "c.jsonl", "--qa", tmp_path / "q.jsonl", "--out",
                      tmp_path / "qa", "--cutoffs", "0", "-1"], "'cutoffs' must be ks >= 1")  # fmt: skip
+
+
+def test_models_fetch_without_a_name_lists_the_presets(capsys):
+    refused(capsys, ["models", "fetch"], "name a preset to fetch: smollm2")
