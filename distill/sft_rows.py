@@ -212,6 +212,10 @@ class TextRows(RowMaker):
     def read(self, record: dict) -> TextRecord:
         doc_id, chunk, output = record["doc_id"], record["text"], record.get("output") or ""
         lang, status, stages = record["lang"], record["status"], record["stages"]
+        for name in ("start", "end"):  # parquet's int64 columns: checked here, where the line is known
+            value = record.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+                raise TypeError(f"field {name!r} must be a character offset (an int >= 0), got {value!r}")
         return TextRecord(doc_id, chunk, output, lang, status, stages, record)
 
     def wrong_task(self, record: dict) -> bool:

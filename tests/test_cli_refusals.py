@@ -197,3 +197,21 @@ def test_distill_limit_and_eval_cutoffs_start_at_one(tmp_path, capsys):
 
 def test_models_fetch_without_a_name_lists_the_presets(capsys):
     refused(capsys, ["models", "fetch"], "name a preset to fetch: smollm2")
+
+
+@pytest.mark.parametrize("start", ["x", 1e30, True, -1])
+def test_a_distilled_records_offsets_are_checked_where_its_line_is_known(
+    tmp_path, capsys, tiny_model_dir, start
+):
+    """A bad ``start`` reached parquet's int64 column as pyarrow's or Python's traceback."""
+    doc = "Emma was clever and rich. She had lived nearly twenty-one years in the world."
+    stage = {"status": "ok", "teacher": "t", "prompt_sha256": "ab" * 32, "usage": {}, "cost": 0.0}
+    record = {"schema_version": 1, "task": "rewrite", "doc_id": "d", "chunk_index": 0, "start": start, "end": 25,
+              "text": doc[:25], "lang": "en", "context_spans": [[0, len(doc)]], "status": "ok", "reason": "",
+              "output": doc[:25], "stages": {"reflection": stage, "refinement": stage, "completion": stage}}  # fmt: skip
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "d", "text": doc}) + "\n")
+    (tmp_path / "rewrite.jsonl").write_text(json.dumps(record) + "\n")
+    refused(capsys, ["data", "build-sft", "rewrite", "--distilled", tmp_path / "rewrite.jsonl", "--documents",
+                     tmp_path / "docs.jsonl", "--out", tmp_path / "o", "--cards-dir", tmp_path / "cards",
+                     "--tokenizer", tiny_model_dir], f"{tmp_path / 'rewrite.jsonl'}:1:", "'start'")  # fmt: skip
+    assert not (tmp_path / "o").exists()
