@@ -88,6 +88,9 @@ GPU_DOCUMENTS_PER_CALL = 1024
 GPU_PREFETCH = 2
 
 
+MAX_SHARDS = 99_999
+
+
 @dataclass
 class ChunkConfig:
     input: Path = option(
@@ -298,6 +301,10 @@ class ChunkConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.shards is not None and self.shards > MAX_SHARDS:  # train-NNNNN-of-NNNNN
+            raise ValueError(
+                f"--shards must be at most {MAX_SHARDS:,} (shard names have five digits), got {self.shards}"
+            )
         if self.method in ("fixed", "sentence") and self.target_len is None and not self.fits_length:
             raise ValueError(f"--method {self.method} needs --target-len (or --mean-chunk-chars)")
         if self.overlap and self.method not in LM_METHODS:

@@ -167,6 +167,10 @@ def test_a_folder_as_the_recipe_and_a_path_as_a_cards_name_are_refused(tmp_path,
             "'max_row_bytes' must be >= 1",
         ),  # it blamed the data: "a row over 0 bytes"
         (["--method", "ppl", "--threshold", "nan"], "--threshold must be a number, got nan"),
+        (
+            ["--shards", "99999999999999999999"],
+            "--shards must be at most 99,999",
+        ),  # it hung, writing a manifest
     ],
 )
 def test_chunk_checks_its_bad_row_limits_and_threshold(tmp_path, capsys, flags, expected):
