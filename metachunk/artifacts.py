@@ -13,6 +13,7 @@ in place of a good one:
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -113,9 +114,16 @@ def ordinary_mode(path: str | Path | int, folder: bool = False) -> None:
         os.chmod(path, mode)
 
 
+def _not_a_folder(path: Path) -> None:
+    """A folder where a file is to be written: said of ``path``, not of the temp file beside it."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a folder, where a file is to be written", str(path))
+
+
 def _temp_file(path: Path):
     """``(text file, temp path)``: a new temp file beside ``path`` (same directory, so a rename
     into place never crosses file systems)."""
+    _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd)
@@ -217,6 +225,7 @@ def replace_dir(staging: str | Path, final: str | Path) -> None:
 def write_bytes(path: str | Path, data: bytes) -> None:
     """``data`` at ``path``, through a synced temp file beside it and a rename."""
     path = Path(path)
+    _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd)

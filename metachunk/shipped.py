@@ -12,6 +12,7 @@ the user runs it; every other path, outputs included, stays relative to where th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,9 @@ def copy(name: str, dest: str | None) -> Path:
     if source is None:
         raise FileNotFoundError(f"no shipped recipe {name!r}; `metachunk recipes list` lists them")
     target = Path(dest) if dest else Path(source.name)
-    if target.is_dir():
+    if target.is_dir() or (
+        dest and dest.endswith(("/", os.sep))
+    ):  # `cp demo runs/recipes/`: into that folder
         target = target / source.name
     if target.exists():
         raise FileExistsError(f"{target} exists; name another destination")

@@ -494,3 +494,20 @@ def test_outputs_get_the_modes_the_umask_gives_not_a_temp_files(tmp_path, mask):
     for name in ("a.jsonl", "b.bin", "c.json"):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     assert (tmp_path / "d").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_a_folder_where_a_file_is_written_is_named_not_its_temp_file(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        with artifacts.AtomicWriter(tmp_path / "out") as f:
+            f.write("x")
+    assert e.value.filename == str(tmp_path / "out")
+    with pytest.raises(IsADirectoryError, match="a folder, where a file is to be written"):
+        artifacts.write_bytes(tmp_path / "out", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not list((tmp_path / "out").iterdir())
+
+
+def test_recipes_cp_into_a_folder_named_with_a_trailing_slash(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipes", "cp", "demo", "new/recipes/"]) == 0
+    assert (tmp_path / "new" / "recipes" / "demo.yaml").is_file()
