@@ -304,6 +304,14 @@ def pick_attention(requested: str, device: str) -> str | None:
     from metachunk.engine import attention
 
     if requested != "auto":
+        from transformers import AttentionInterface
+
+        # transformers' own names and those registered with it (ours included), or a Hub kernel repo
+        known = {"eager", attention.register(), *AttentionInterface().valid_keys()}
+        if requested not in known and "/" not in requested:
+            raise ModelNotFoundError(
+                f"attn_implementation {requested!r} is none of {', '.join(sorted(known))}"
+            )
         return requested
     if device == "cpu":
         return attention.register()

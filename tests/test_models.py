@@ -108,3 +108,10 @@ def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(tiny_model_
         with pytest.raises(models.DeviceNotFoundError, match="torch sees no CUDA device here"):
             models.load_causal_lm_model(str(tiny_model_dir), device="cuda")
     assert models.check_device("cpu") == "cpu"
+
+
+def test_an_attention_transformers_does_not_know_is_refused_before_loading():
+    with pytest.raises(models.ModelNotFoundError, match="attn_implementation 'bogus' is none of eager"):
+        models.pick_attention("bogus", "cpu")
+    assert models.pick_attention("sdpa", "cpu") == "sdpa"
+    assert models.pick_attention("kernels-community/flash-attn", "cuda") == "kernels-community/flash-attn"
