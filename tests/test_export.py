@@ -273,6 +273,28 @@ def test_pickled_weights_are_refused_naming_the_file(tiny_model_dir, tmp_path, m
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),  # weights cut short or overwritten
+        lambda d: (d / "config.json").write_text('{"model_type": "qwen2", '),  # not JSON
+        lambda d: (d / "config.json").write_text(
+            json.dumps({**json.loads((d / "config.json").read_text()), "hidden_size": "wide"})
+        ),  # a field of the wrong type
+    ],
+    ids=["weights", "config-not-json", "config-field-type"],
+)
+def test_a_checkpoint_that_does_not_load_is_named(tiny_model_dir, tmp_path, capsys, damage):
+    from metachunk.cli import main
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, checkpoint)
+    damage(checkpoint)
+    assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{checkpoint}" in err and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 @pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # huggingface_hub's LFS PUT
 def test_push_uploads_the_exported_folder(fake_hub, tiny_model_dir, tmp_path, monkeypatch, caplog, capsys):
     import logging

@@ -393,6 +393,22 @@ def _load_zero(folder: Path):
     return model
 
 
+@contextlib.contextmanager
+def _unreadable_checkpoint(checkpoint: Path):
+    """A checkpoint whose files do not load (weights cut short, a config.json that is not JSON or has a
+    field of the wrong type, a broken tokenizer.json) is bad input, named: not a library's traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except InputError:
+        raise
+    except (OSError, ValueError, SafetensorError, StrictDataclassError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(checkpoint, f"does not load ({type(e).__name__}: {first})") from None
+
+
 def load_model(cfg: ExportConfig, weights: Weights, run: Run):
     """The model to export, and the folders (in order) its tokenizer / generation config may come from."""
     from transformers import AutoModelForCausalLM
@@ -464,8 +480,9 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
     from transformers import AutoTokenizer
 
     say(f"loading {weights.kind} weights from {cfg.checkpoint}")
-    model, folders = load_model(cfg, weights, run)
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(folders))
+    with _unreadable_checkpoint(cfg.checkpoint):
+        model, folders = load_model(cfg, weights, run)
+        tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(folders))
     parameters = sum(p.numel() for p in model.parameters())
     dtype = str(model.dtype).removeprefix("torch.")
 
