@@ -219,3 +219,11 @@ def test_a_distilled_records_offsets_are_checked_where_its_line_is_known(
                      tmp_path / "docs.jsonl", "--out", tmp_path / "o", "--cards-dir", tmp_path / "cards",
                      "--tokenizer", tiny_model_dir], f"{tmp_path / 'rewrite.jsonl'}:1:", "'start'")  # fmt: skip
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("doc_id", [["x"], {"a": 1}, 1.5, True])
+def test_an_id_that_is_no_string_or_integer_is_a_bad_row(tmp_path, capsys, doc_id):
+    """It was written as its Python repr (``"['x']"``)."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": doc_id, "text": "Emma."}) + "\n")
+    refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", tmp_path / "o.jsonl", "--method", "fixed", "--target-len",
+                     5], f"{tmp_path / 'docs.jsonl'}:1: field 'id' must be a string or an integer")  # fmt: skip
