@@ -83,6 +83,8 @@ class TextChunker:
     method: ClassVar[str]
 
     def __init__(self, **settings):
+        if settings.get("device") is not None and not isinstance(settings["device"], str):
+            settings["device"] = str(settings["device"])  # a torch.device
         try:
             self.config = ChunkConfig(method=self.method, **settings)
         except ValueError as e:
@@ -302,7 +304,7 @@ class _Student:
 
         name = "rewrite" if self.task == "rewrite" else "summarize"
         tokens = {"rewrite_max_new_tokens": max_new_tokens} if self.task == "rewrite" else (
-            {"summary_max_new_tokens": max_new_tokens} if max_new_tokens else {})  # fmt: skip
+            {"summary_max_new_tokens": max_new_tokens} if max_new_tokens is not None else {})  # fmt: skip
         try:
             students = StudentOptions(**{name: model}, context=context, context_chars=context_chars, top_k=top_k,
                                       sample=sample, **tokens)  # fmt: skip

@@ -141,7 +141,7 @@ class DistillConfig:
             raise ValueError("'moc_max_ratio' must be in [0, 1)")
         if not 0 <= self.max_failure_rate <= 1:
             raise ValueError("'max_failure_rate' must be in [0, 1]")
-        if self.max_cost is not None and not 0 <= self.max_cost < float("inf"):  # nan fails this too
+        if self.max_cost is not None and not self.max_cost >= 0:  # nan fails this too; inf: no cap
             raise ValueError(f"'max_cost' must be a number of dollars >= 0, got {self.max_cost}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"'limit' must be >= 1, got {self.limit}")

@@ -13,6 +13,7 @@ in place of a good one:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import json
@@ -103,15 +104,22 @@ def umask() -> int:
     return mask
 
 
-def ordinary_mode(path: str | Path | int, folder: bool = False) -> None:
-    """Give ``path`` (or an open file descriptor) the mode a plain ``open`` or ``mkdir`` would: temp
-    files (``mkstemp``: 0600) and folders (``mkdtemp``: 0700) renamed into place would otherwise stay
-    private, and a team's shared dataset unreadable by the team."""
-    mode = (0o777 if folder else 0o666) & ~umask()
-    if isinstance(path, int):
-        os.fchmod(path, mode)
-    else:
-        os.chmod(path, mode)
+def ordinary_mode(path: str | Path | int, folder: bool = False, like: Path | None = None) -> None:
+    """Give ``path`` (or an open file descriptor) the mode a plain ``open`` or ``mkdir`` would, or the mode
+    of the file ``like`` it replaces: temp files (``mkstemp``: 0600) and folders (``mkdtemp``: 0700)
+    renamed into place would otherwise stay private, and a team's shared dataset unreadable by the team.
+    Best effort: a file system without modes (vfat, some network mounts) keeps its own."""
+    try:
+        mode = like.stat().st_mode & 0o7777 if like is not None and like.exists() else None
+    except OSError:
+        mode = None
+    if mode is None:
+        mode = (0o777 if folder else 0o666) & ~umask()
+    with contextlib.suppress(OSError):
+        if isinstance(path, int):
+            os.fchmod(path, mode)
+        else:
+            os.chmod(path, mode)
 
 
 def _not_a_folder(path: Path) -> None:
@@ -126,7 +134,7 @@ def _temp_file(path: Path):
     _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    ordinary_mode(fd)
+    ordinary_mode(fd, like=path)
     return os.fdopen(fd, "w", encoding="utf-8"), tmp
 
 
@@ -228,7 +236,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    ordinary_mode(fd)
+    ordinary_mode(fd, like=path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -247,7 +255,7 @@ def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=path.suffix or ".png", dir=path.parent)
-    ordinary_mode(fd)
+    ordinary_mode(fd, like=path)
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi)

@@ -262,8 +262,10 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
 
     by_model = {t.cfg.model: t for t in teachers.values()}
     answers, counts = [], {"answered": 0, "failed": 0, "skipped": 0}
-    if not Path(path).is_file():
-        raise InputError(path, "no such results file")
+    if not Path(path).exists() or Path(path).is_dir():  # a pipe (`<(...)`) is read as a file
+        raise InputError(
+            path, "a folder, not a results file" if Path(path).is_dir() else "no such results file"
+        )
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:

@@ -201,13 +201,15 @@ def _coerce(value, kind, where: Path, key: str):
 
 
 def check_keys(data, path: Path, where: str = "") -> None:
-    """Every mapping key in a recipe is a string: YAML reads ``on``, ``off``, ``yes``, ``no``, ``null``
-    and numbers unquoted as other types (https://yaml.org/type/bool.html), which no field is named."""
+    """No mapping key in a recipe is a bool or null: YAML reads ``on``, ``off``, ``yes``, ``no`` and ``null``
+    unquoted as those (https://yaml.org/type/bool.html), which no field or stage is named. A number may be
+    a key (``logit_bias: {50256: -100}`` in ``extra_body``); as a field's name it is refused where fields
+    are read (`fields_from_mapping`)."""
     if isinstance(data, dict):
         for key, value in data.items():
-            if not isinstance(key, str):
-                raise InputError(path, f"key {where}{key!r} is a {type(key).__name__}, not a name: YAML reads "
-                                 "on/off/yes/no/null and numbers unquoted as such; quote it")  # fmt: skip
+            if key is None or isinstance(key, bool):
+                raise InputError(path, f"key {where}{key!r} is YAML's {'null' if key is None else 'bool'}, not a "
+                                 "name: YAML reads on/off/yes/no/null unquoted as such; quote it")  # fmt: skip
             check_keys(value, path, f"{where}{key}.")
     elif isinstance(data, list):
         for i, item in enumerate(data):
@@ -240,6 +242,11 @@ def fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
     file in errors); flat keys of a flat block are gathered into the block."""
     kinds = _field_types(cls)
     flat = _flat_fields(cls)
+    for key in data:
+        if not isinstance(key, str):
+            raise InputError(
+                path, f"key {prefix}{key!r} is a {type(key).__name__}, not a field name; quote it"
+            )
     for old, new in getattr(cls, "RENAMED", {}).items():
         if old in data:
             raise InputError(path, f"field {prefix + old!r} is now {prefix + new!r}")

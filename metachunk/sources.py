@@ -406,8 +406,8 @@ class DocumentSource:
         if not isinstance(text, str):
             raise InputError(file.path, f"field {tf!r} must be a string, got {type(text).__name__}", number)
         raw_id = record.get(idf)
-        if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
-            raise InputError(file.path, f"field {idf!r} must be a string or an integer, got "
+        if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int, float))):
+            raise InputError(file.path, f"field {idf!r} must be a string or a number, got "
                              f"{type(raw_id).__name__} ({json.dumps(raw_id, default=str)[:40]})", number)  # fmt: skip
         doc_id = self._default_id(file, number) if raw_id is None else str(raw_id)
         check_unicode(file.path, number, idf, doc_id)

@@ -128,9 +128,9 @@ def reap_on_death(every: float = 0.5):
     # A group of its own: a signal to ours (Ctrl-C, a scheduler's SIGTERM or SIGKILL) does not reach it.
     watchdog = subprocess.Popen([sys.executable, "-m", "metachunk.stopping", "--reap", str(os.getpid()), str(every)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0)  # fmt: skip
-    with watchdog.stdout:
-        watchdog.stdout.readline()  # its first scan is done (or it failed to start: end of file)
     try:
+        with watchdog.stdout:
+            watchdog.stdout.readline()  # its first scan is done (or it failed to start: end of file)
         yield
     finally:
         with contextlib.suppress(OSError):

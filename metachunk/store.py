@@ -131,13 +131,14 @@ class Claim:
 
 
 @contextlib.contextmanager
-def _not_a_store(path: Path):
+def _not_a_store(path: Path, db: sqlite3.Connection):
     """A file that is not SQLite (another file named as the cache) is bad input, not a crash."""
     try:
         yield
     except sqlite3.DatabaseError as e:
         if "file is not a database" not in str(e):
             raise
+        db.close()
         raise InputError(
             path, "not an answer store (an SQLite file): name a new file or an existing store"
         ) from None
@@ -162,7 +163,7 @@ class AnswerStore:
         # Switching a new file to WAL takes a lock SQLite does not wait for: two processes opening
         # the same new store at once would see "database is locked". The setup is serialised by a
         # file lock beside the store; once the file is in WAL mode (persistent) it is a no-op.
-        with FileLock(f"{self.path}.lock", timeout=60.0), _not_a_store(self.path):
+        with FileLock(f"{self.path}.lock", timeout=60.0), _not_a_store(self.path, self._db):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)

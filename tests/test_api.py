@@ -143,10 +143,17 @@ def test_bad_settings_are_refused_when_the_chunker_is_made_naming_the_argument(m
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
     ],
 )
-def test_a_students_bad_setting_is_named_as_its_argument(tiny_model_dir, settings, message):
+@pytest.mark.parametrize("student", ["Rewriter", "Summarizer"])
+def test_a_students_bad_setting_is_named_as_its_argument(tiny_model_dir, settings, message, student):
     with pytest.raises(ValueError) as e:
-        metachunk.Rewriter(str(tiny_model_dir), **settings)
+        getattr(metachunk, student)(str(tiny_model_dir), **settings)
     assert str(e.value) == message
+
+
+def test_a_torch_device_is_taken_as_its_name():
+    import torch
+
+    assert metachunk.FixedChunker(5, device=torch.device("cpu")).config.device == "cpu"
 
 
 def test_one_text_and_several_are_not_confused():

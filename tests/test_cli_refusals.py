@@ -31,10 +31,10 @@ def test_a_recipe_key_yaml_reads_as_a_bool_is_named(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("method: fixed\ntarget_len: 5\non: 3\n")
     refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", tmp_path / "o.jsonl", "--config", recipe],
-            f"{recipe}: key True is a bool", "quote it")  # fmt: skip
+            f"{recipe}: key True is YAML's bool", "quote it")  # fmt: skip
     run = tmp_path / "run.yaml"
     run.write_text("name: x\nstages:\n  - {name: a, run: chunk, config: {yes: 1}}\n")
-    refused(capsys, ["run", run, "--plan"], "key stages[0].config.True is a bool")
+    refused(capsys, ["run", run, "--plan"], "key stages[0].config.True is YAML's bool")
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -221,9 +221,32 @@ def test_a_distilled_records_offsets_are_checked_where_its_line_is_known(
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("doc_id", [["x"], {"a": 1}, 1.5, True])
-def test_an_id_that_is_no_string_or_integer_is_a_bad_row(tmp_path, capsys, doc_id):
-    """It was written as its Python repr (``"['x']"``)."""
+@pytest.mark.parametrize("doc_id", [["x"], {"a": 1}, True])
+def test_an_id_that_is_no_string_or_number_is_a_bad_row(tmp_path, capsys, doc_id):
+    """It was written as its Python repr (``"['x']"``). A float stays an id (pandas writes a nullable int
+    column with nulls as float64)."""
     (tmp_path / "docs.jsonl").write_text(json.dumps({"id": doc_id, "text": "Emma."}) + "\n")
     refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", tmp_path / "o.jsonl", "--method", "fixed", "--target-len",
-                     5], f"{tmp_path / 'docs.jsonl'}:1: field 'id' must be a string or an integer")  # fmt: skip
+                     5], f"{tmp_path / 'docs.jsonl'}:1: field 'id' must be a string or a number")  # fmt: skip
+
+
+def test_a_number_as_a_key_inside_a_mapping_value_still_loads(tmp_path):
+    """``logit_bias`` maps token ids to biases: an int key is a value there, not a field's name."""
+    from metachunk.distill.config import DistillConfig
+
+    from metachunk import config
+
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever."]},
+                   teacher={"extra_body": {"logit_bias": {50256: -100}}})  # fmt: skip
+    fields = config.load_yaml(DistillConfig, job.recipe)
+    assert fields["teachers"]["reflection"].extra_body == {"logit_bias": {50256: -100}}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(job.recipe.read_text() + "1: 2\n")
+    with pytest.raises(InputError, match="key 1 is a int, not a field name"):
+        config.load_yaml(DistillConfig, bad)
+
+
+def test_no_cap_is_an_infinite_budget(tmp_path, capsys):
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever."]},
+                   prices={"loopback": {"input": 1.0, "output": 1.0}})  # fmt: skip
+    assert main(["distill", "rewrite", "--config", str(job.recipe), "--max-cost", "inf", "--dry-run"]) == 0

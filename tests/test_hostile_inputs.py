@@ -511,3 +511,12 @@ def test_recipes_cp_into_a_folder_named_with_a_trailing_slash(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     assert main(["recipes", "cp", "demo", "new/recipes/"]) == 0
     assert (tmp_path / "new" / "recipes" / "demo.yaml").is_file()
+
+
+def test_a_replaced_output_keeps_the_mode_its_owner_gave_it(tmp_path):
+    path = tmp_path / "private.jsonl"
+    path.write_text("old\n")
+    path.chmod(0o600)
+    with artifacts.AtomicWriter(path) as f:
+        f.write("new\n")
+    assert path.read_text() == "new\n" and path.stat().st_mode & 0o777 == 0o600
