@@ -28,6 +28,7 @@ lone surrogate (half a UTF-16 pair, not text) is a ``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -60,14 +61,21 @@ def check_text(text: str, where: str = "text") -> str:
     return text
 
 
-def as_arguments(error: ValueError, names: Mapping[str, str] | None = None) -> ValueError:
-    """``error`` from `ChunkConfig`'s checks, which name the CLI's flags and YAML fields, in this API's
-    argument names: ``--target-len`` is ``target_len``, and ``names`` maps a config field to the
-    argument that sets it where the two differ (a student's ``context_chars``)."""
-    message = re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m[1].replace("-", "_"), str(error))
-    for field, argument in (names or {}).items():
-        message = re.sub(rf"\b{field}\b", argument, message)
-    return ValueError(message)
+@contextlib.contextmanager
+def as_arguments(names: Mapping[str, str] | None = None):
+    """A plain ``ValueError`` from `ChunkConfig`'s checks, which name the CLI's flags and YAML fields,
+    raised again in this API's argument names: ``--target-len`` is ``target_len``, and ``names`` maps a
+    config field to the argument that sets it where the two differ (a student's ``context_chars``).
+    Its subclasses (``ModelNotFoundError``, ``InputError``) say what they mean and pass unchanged."""
+    try:
+        yield
+    except ValueError as e:
+        if type(e) is not ValueError:
+            raise
+        message = re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m[1].replace("-", "_"), str(e))
+        for field, argument in (names or {}).items():
+            message = re.sub(rf"\b{field}\b", argument, message)
+        raise ValueError(message) from None
 
 
 class TextChunker:
@@ -85,12 +93,8 @@ class TextChunker:
     def __init__(self, **settings):
         if settings.get("device") is not None and not isinstance(settings["device"], str):
             settings["device"] = str(settings["device"])  # a torch.device
-        try:
+        with as_arguments():
             self.config = ChunkConfig(method=self.method, **settings)
-        except ValueError as e:
-            if type(e) is not ValueError:  # ModelNotFoundError and the like say what they mean
-                raise
-            raise as_arguments(e) from None
         self._chunker = Chunker(self.config, progress=False)
 
     def __call__(self, text: str) -> list[Chunk]:
@@ -305,17 +309,13 @@ class _Student:
         name = "rewrite" if self.task == "rewrite" else "summarize"
         tokens = {"rewrite_max_new_tokens": max_new_tokens} if self.task == "rewrite" else (
             {"summary_max_new_tokens": max_new_tokens} if max_new_tokens is not None else {})  # fmt: skip
-        try:
+        with as_arguments({"student_context_chars": "context_chars", "student_context": "context",
+                           "student_top_k": "top_k", "rewrite_max_new_tokens": "max_new_tokens",
+                           "summary_max_new_tokens": "max_new_tokens"}):  # fmt: skip
             students = StudentOptions(**{name: model}, context=context, context_chars=context_chars, top_k=top_k,
                                       sample=sample, **tokens)  # fmt: skip
             self.config = ChunkConfig(method="fixed", target_len=1, students=students, embedder=embedder,
                                       dtype=dtype, device=device, batch_size=batch_size)  # fmt: skip
-        except ValueError as e:
-            if type(e) is not ValueError:
-                raise
-            raise as_arguments(e, {"student_context_chars": "context_chars", "student_context": "context",
-                                   "student_top_k": "top_k", "rewrite_max_new_tokens": "max_new_tokens",
-                                   "summary_max_new_tokens": "max_new_tokens"}) from None  # fmt: skip
         self._students = ChunkStudents.from_config(self.config, progress=False)
 
     @classmethod
