@@ -181,14 +181,14 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     scan_s = time.perf_counter() - started
     plan = ShardPlan(index.documents, cfg.shards or max(1, -(-index.documents // DOCS_PER_SHARD)))
     if cfg.method in ("ppl", "msp"):  # convert a preset once here, not in every worker at once
-        from metachunk.models import check_device, pick_attention, resolve
+        from metachunk.models import check_causal_lm, check_device, pick_attention
 
         # What the workers' loads would refuse, refused here first: a worker's error reaches this process
         # as a broken pool, and after the manifest names the run.
         if cfg.device is not None:
             check_device(cfg.device)
         pick_attention(cfg.attn_implementation, str(cfg.device or "cpu"))
-        resolve(cfg.model)
+        check_causal_lm(cfg.model)
     output = ShardedOutput(cfg.output, plan, cfg.output_format)
     head = manifest_head(cfg, source, index, plan)
     done = output.open(head, cfg.overwrite, restart_if_changed)

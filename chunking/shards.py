@@ -253,7 +253,8 @@ class ShardedOutput:
 
     def open(self, head: dict, overwrite: bool, restart_if_changed: bool = False) -> set[int]:
         """Start or resume: returns the shards already done. ``head`` is the manifest's fixed part
-        (config, fingerprints, input, shards plan); a different fingerprint is refused."""
+        (config, fingerprints, input, shards plan); a different fingerprint is refused once a shard
+        is done (before that, the run starts again)."""
         with self.lock:
             # every manifest write holds the lock: a manifest temp file found here is a killed writer's
             for stale in self.root.glob(f".{MANIFEST}.*.tmp"):
@@ -266,7 +267,8 @@ class ShardedOutput:
                         "(use --overwrite to replace its shards, or another -o)"
                     )  # fmt: skip
             if previous is not None and previous.get("fingerprint") != head["fingerprint"]:
-                overwrite = overwrite or restart_if_changed
+                # A run that stopped before its first shard (its model refused, say) leaves nothing to keep.
+                overwrite = overwrite or restart_if_changed or not previous.get("shards", {}).get("done")
                 if not overwrite:
                     changed = [k for k, v in head["fingerprint_of"].items()
                                if previous.get("fingerprint_of", {}).get(k) != v]  # fmt: skip
@@ -466,7 +468,8 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-# A spawned worker's state: its ShardWorker, built once by _init_worker.
+# A spawned worker's state, set by _init_worker; its ShardWorker is built by its first shard, so that a load's
+# error (a model that is no causal LM) reaches the run as itself: one raised in an initializer breaks the pool.
 _WORKER: dict = {}
 
 
@@ -483,11 +486,13 @@ def _init_worker(cfg, index_json: dict, plan: ShardPlan, slots, progress) -> Non
     cfg = replace(cfg, device=device)
     _WORKER.update(cfg=cfg, plan=plan, progress=progress, slot=slot,
                    source=source_of(cfg),
-                   index=SourceIndex.from_json(index_json), worker=ShardWorker(cfg, plan.documents))  # fmt: skip
+                   index=SourceIndex.from_json(index_json))  # fmt: skip
 
 
 def _worker_shard(i: int) -> tuple[int, bytes, dict, float, int, dict]:
     w = _WORKER
+    if "worker" not in w:
+        w["worker"] = ShardWorker(w["cfg"], w["plan"].documents)
     started = time.perf_counter()
     data, stats = shard_bytes(w["worker"], w["cfg"], w["source"], w["index"], w["plan"], i,
                               on_documents=w["progress"].put)  # fmt: skip

@@ -38,6 +38,9 @@ class InputError(ValueError):
         super().__init__(f"{where}: {problem}")
         self.path, self.reason, self.line = path, problem, line
 
+    def __reduce__(self):  # rebuilt from its own arguments when a worker process raises it
+        return type(self), (self.path, self.reason, self.line)
+
 
 class EmptyInput(InputError):
     """Well-formed input with nothing in it to work on (exit status `EXIT_EMPTY`)."""

@@ -320,6 +320,30 @@ def pick_attention(requested: str, device: str) -> str | None:
     return None
 
 
+def check_causal_lm(name_or_dir: str) -> Path:
+    """``name_or_dir``'s folder (`resolve`), refused with `ModelNotFoundError` when its
+    ``config.json`` names only transformers classes that are no causal LM (an embedder's
+    ``BertModel``): read from the config alone, before any weights load. The load itself checks
+    the weights (`load_causal_lm_model`); a class transformers does not ship (remote code) or a
+    config that names none is left to it."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = resolve(name_or_dir)
+    try:
+        names = AutoConfig.from_pretrained(path).architectures or []
+    except (OSError, ValueError) as e:  # a config transformers cannot read: the load says so as well
+        raise ModelNotFoundError(f"{name_or_dir}: {path / 'config.json'} does not load ({e})") from None
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if names and not causal & set(names) and all(hasattr(transformers, n) for n in names):
+        raise ModelNotFoundError(
+            f"{name_or_dir}: not a causal language model ({path / 'config.json'} names "
+            f"{', '.join(names)}; scoring needs a *ForCausalLM)"
+        )
+    return path
+
+
 def attention_of(model) -> str | None:
     """The attention ``model`` runs with: what `pick_attention` asked for, or what transformers picked
     when nothing was asked. transformers keeps it in ``config._attn_implementation`` and has no public

@@ -70,6 +70,9 @@ class MissingDataset(InputError):
         super().__init__(path, problem)
         self.dataset = dataset
 
+    def __reduce__(self):
+        return type(self), (self.path, self.reason, self.dataset)
+
 
 class FetchError(OSError):
     """A download that failed or did not convert to the shipped sums; nothing was installed (the

@@ -135,6 +135,66 @@ def test_an_embedders_folder_is_no_causal_lm_to_score_with(tmp_path, capsys):
     assert not out.exists()
 
 
+def _an_encoders_folder(tmp_path: Path, tokenizer_from: Path, architectures: bool) -> Path:
+    """A tiny random BERT encoder (an embedder's kind of folder) with the tiny Qwen2's tokenizer."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path / "encoder"
+    config = BertConfig(vocab_size=1536, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32)  # fmt: skip
+    BertModel(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, folder / name)
+    if not architectures:  # only the weights then say what it is
+        saved = json.loads((folder / "config.json").read_text())
+        saved.pop("architectures")
+        (folder / "config.json").write_text(json.dumps(saved))
+    return folder
+
+
+def test_an_encoder_is_refused_from_its_config_before_the_folder_is_started(tmp_path, capsys, tiny_model_dir):
+    (tmp_path / "docs.jsonl").write_text(json.dumps(DOC) + "\n")
+    encoder = _an_encoders_folder(tmp_path, tiny_model_dir, architectures=True)
+    out = tmp_path / "out"
+    refused(capsys, ["chunk", tmp_path / "docs.jsonl", "-o", out, "--model", encoder, "--shards", 2, "--workers", 2],
+            f"{encoder}: not a causal language model ({encoder / 'config.json'} names BertModel")  # fmt: skip
+    assert not out.exists()
+
+
+def test_a_workers_refusal_reaches_the_run_as_itself_and_a_fixed_rerun_needs_no_overwrite(
+    tmp_path, capsys, tiny_model_dir
+):
+    """A config naming no class leaves the refusal to the load, in a worker: it was a BrokenProcessPool
+    traceback, and its manifest (no shard done) made the rerun with the right model ask for --overwrite."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({**DOC, "id": f"d{k}"}) + "\n" for k in range(4)))
+    encoder = _an_encoders_folder(tmp_path, tiny_model_dir, architectures=False)
+    out = tmp_path / "out"
+    argv = ["chunk", docs, "-o", out, "--shards", 2, "--workers", 2, "--threads-per-worker", 1]
+    refused(capsys, [*argv, "--model", encoder],
+            f"{encoder}: not a causal language model with its weights (BertLMHeadModel lacks")  # fmt: skip
+    assert main([str(a) for a in [*argv, "--model", tiny_model_dir]]) == 0, capsys.readouterr().err
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]["done"]) == 2
+
+
+def test_our_errors_cross_a_process_boundary_whole():
+    """A spawned worker's exception reaches the run pickled: rebuilt from its own arguments, not its message."""
+    import pickle
+
+    from metachunk.named_data import MissingDataset
+    from metachunk.sources import BadRow
+
+    for error in (
+        InputError("a.jsonl", "bad", 3),
+        BadRow("a.jsonl", "no text", 4),
+        MissingDataset("x", "absent", "crud-news"),
+    ):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error) and vars(again) == vars(error)
+
+
 def test_eval_model_dtype_is_one_of_the_choices(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["eval", "diagnostics", "--retrieval", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "d"),
