@@ -10,7 +10,9 @@ cuts each document, ``--skip`` and ``--limit`` take a slice of them. Without a g
 each line is a document of its own (``--limit 5``: the first five articles).
 
 Ids: a whole group is named by its group (``CHAPTER I``); a passage by its group and position
-(``CHAPTER X #2``); an ungrouped line keeps its id. The output is written atomically.
+(``CHAPTER X #2``); an ungrouped line keeps its id. Each id is written once: an ungrouped line
+whose id was seen is a bad row, a group whose lines recur after another group's is refused. The
+output is written atomically.
 
 A bad line (not UTF-8 or JSON, no text or group string, a lone surrogate) stops the run with its
 ``file:line``, or with ``--on-bad-row skip`` is left out and written to ``OUT.rejects.jsonl``
@@ -80,11 +82,14 @@ def parse_slice(text: str) -> slice:
     return slice(start, stop)
 
 
-def read_groups(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator[tuple[str, list[str]]]:
-    """``(name, paragraphs)`` per group of consecutive lines (a line per group when ungrouped); bad
-    lines to ``rejects`` (None: a bad line is an error)."""
+def read_groups(
+    cfg: PassagesConfig, rejects: Rejects | None = None
+) -> Iterator[tuple[str, list[str], int, bytes]]:
+    """``(name, paragraphs, line, raw)`` per group of consecutive lines (a line per group when
+    ungrouped), with its first line's number and bytes; bad lines to ``rejects`` (None: a bad line
+    is an error)."""
     path = Path(cfg.input)
-    name, paragraphs = None, []
+    name, paragraphs, first = None, [], (0, b"")
     for number, raw, row in read_records(path, rejects, cfg.bad_rows.max_row_bytes):
         try:
             if not isinstance(row.get(cfg.text_field), str):
@@ -101,24 +106,41 @@ def read_groups(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator
             refuse_or_skip(rejects, e, raw)
             continue
         if cfg.group_field is None:
-            yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]]
+            yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]], number, raw
             continue
         if group != name and paragraphs:
-            yield name, paragraphs
+            yield name, paragraphs, *first
             paragraphs = []
+        if not paragraphs:
+            first = (number, raw)
         name = group
         paragraphs.append(row[cfg.text_field])
     if paragraphs:
-        yield name, paragraphs
+        yield name, paragraphs, *first
 
 
 def documents(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator[dict]:
+    """The documents, each id once: an input line whose id was seen is a bad row (as `metachunk
+    chunk` would find it); a group whose lines come back after another group's is refused, naming
+    both lines, since its documents would repeat the first run's ids."""
+    path = Path(cfg.input)
     groups = read_groups(cfg, rejects)
     if cfg.group_prefix:
         groups = (g for g in groups if g[0].startswith(cfg.group_prefix))
     if cfg.groups:
         groups = iter(list(groups)[parse_slice(cfg.groups)])
-    for name, paragraphs in groups:
+    seen: dict[str, int] = {}  # id -> the line it came from: only the ids are held
+    for name, paragraphs, line, raw in groups:
+        if name in seen:
+            again = f"id {name!r} again (first at line {seen[name]})"
+            if cfg.group_field is None:
+                refuse_or_skip(rejects, BadRow(path, f"duplicate {again}", line), raw)
+                continue
+            raise InputError(
+                path, f"field '{cfg.group_field}': group {again}, after other groups: its documents' "
+                "ids would repeat; give each run of lines a name of its own", line
+            )  # fmt: skip
+        seen[name] = line
         if not cfg.min_chars:
             yield {"id": name, "text": cfg.joiner.join(paragraphs)}
             continue

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from support.data import data_file
 
+from metachunk.artifacts import EXIT_SKIPPED
 from metachunk.cli import main
 
 EMMA = "data:gutenqa-emma/paragraphs.jsonl"  # a named dataset, as a recipe names it: the CLI resolves it
@@ -76,3 +77,27 @@ def test_bad_input_names_file_line_and_field_and_keeps_the_output(tmp_path, caps
     assert rc == 2 and out.read_text() == "GOOD\n"
     rc, err = passages(capsys, "--input", src, "--out", out, "--groups", "0:1")
     assert rc == 2 and "group_field" in err
+
+
+def test_each_id_is_written_once(tmp_path, capsys):
+    """A repeated id is what `metachunk chunk` refuses downstream: named here, at its line."""
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    src.write_text(
+        "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in [("a", "1"), ("b", "2"), ("a", "3")])
+    )
+    rc, err = passages(capsys, "--input", src, "--out", out)
+    assert rc == 2 and f"{src}:3: duplicate id 'a' again (first at line 1)" in err and not out.exists()
+    rc, err = passages(capsys, "--input", src, "--out", out, "--on-bad-row", "skip")
+    assert rc == EXIT_SKIPPED and rows(out) == [{"id": "a", "text": "1"}, {"id": "b", "text": "2"}]
+    assert [r["line"] for r in rows(tmp_path / "o.rejects.jsonl")] == [3]
+    # a chapter whose lines come back after another's would give two documents one id
+    src.write_text(
+        "".join(
+            json.dumps({"chapter": c, "text": t}) + "\n" for c, t in [("I", "a"), ("II", "b"), ("I", "c")]
+        )
+    )
+    rc, err = passages(
+        capsys, "--input", src, "--out", out, "--group-field", "chapter", "--on-bad-row", "skip"
+    )
+    assert rc == 2 and f"{src}:3: field 'chapter': group id 'I' again (first at line 1)" in err
+    assert rows(out) == [{"id": "a", "text": "1"}, {"id": "b", "text": "2"}]  # the last good output stays
