@@ -99,7 +99,7 @@ class DistillConfig:
         "exit with status 4 when more than this share of the records failed (a run where every record "
         "failed always does); the failed records are still written, and a rerun retries transport failures",
     )
-    dry_run: bool = option(False, "print calls, estimated tokens and cost; send nothing")
+    dry_run: bool = option(False, "print calls, estimated tokens and cost; send and write nothing")
     export_batch: Path | None = option(
         None,
         "teachers in mode: batch: write this round's requests as Batch API JSONL here (for `vllm run-batch`) "

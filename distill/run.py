@@ -119,11 +119,12 @@ def run_task(cfg: DistillConfig, offline: bool = False) -> RunResult:
         load_schema(stage)
         for lang in {item.lang for item in items}:
             load_prompt(stage, lang)
-    store = AnswerStore(cfg.cache)
+    store = AnswerStore(cfg.cache, create=not offline)  # a replay writes nothing
     try:
         if offline or all(t.mode == "online" for t in cfg.teachers.values()):
             pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
-            result = asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline))
+            spool = None if offline else Path(cfg.out)  # a replay makes no output folder
+            result = asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline, spool))
         else:
             result = run_batch_rounds(cfg, task, items, store)
     finally:
@@ -154,7 +155,7 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
         pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost)
         if not cfg.export_batch:
             batch.wait(store, pool.stages, counts, progress=cfg.progress)
-        result = asyncio.run(drive(cfg, task, items, pool, cfg.progress))
+        result = asyncio.run(drive(cfg, task, items, pool, cfg.progress, Path(cfg.out)))
         counts.rounds += 1
         counts.online_sent += result.sent
         counts.online_paid += result.paid
@@ -192,11 +193,13 @@ class RecordSpool(MutableSequence):
     records (each holds its stages' raw answers): ``spool[i] = record`` appends it to an unlinked
     temp file beside the output and remembers where; ``spool[i]`` reads it back (None until set)."""
 
-    def __init__(self, folder: Path, n: int):
+    def __init__(self, folder: Path | None, n: int):
+        """``folder``: None puts the spool in the system's temp folder (a replay, which writes no output)."""
         import array
         import tempfile
 
-        folder.mkdir(parents=True, exist_ok=True)
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
         self._file = tempfile.TemporaryFile(dir=folder, prefix=".records-")  # gone when closed or killed
         self._offsets = array.array("q", [-1]) * n
 
@@ -225,7 +228,11 @@ class RecordSpool(MutableSequence):
         return self._offsets[i] >= 0
 
 
-async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, progress: bool) -> RunResult:
+async def drive(
+    cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, progress: bool, spool: Path | None
+) -> RunResult:
+    """The items through the task's stages against ``pool``; the records are spooled in ``spool``
+    (`RecordSpool`)."""
     started = time.perf_counter()
     runner = StageRunner(pool.stages, cfg.parse_retries)
     done = await pool.map(
@@ -235,7 +242,7 @@ async def drive(cfg: DistillConfig, task: Task, items: list, pool: TeacherPool, 
         desc=f"distill {task.name}",
         unit=task.unit,
         progress=progress,
-        results=RecordSpool(Path(cfg.out), len(items)),
+        results=RecordSpool(spool, len(items)),
     )
     # Items never started (or cut short) because the run stopped: replay them against the store,
     # sending nothing, so that the records still show every answer the store holds for them.

@@ -152,18 +152,23 @@ class AnswerStore:
     Only the running total of the cost is kept, following the rows any process appends.
     """
 
-    def __init__(self, path: str | Path, lease_seconds: float = LEASE_SECONDS):
+    def __init__(self, path: str | Path, lease_seconds: float = LEASE_SECONDS, create: bool = True):
+        """``create=False`` (a dry run, a status): a store that is not there yet is read as an empty
+        one, in memory, and no file or folder is made for it."""
         self.path = Path(path)
         if self.path.is_dir():
             raise InputError(self.path, "a folder: the answer store is a file (answers.sqlite)")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        missing = not create and not self.path.exists()
+        if not missing:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lease_seconds = lease_seconds
         # autocommit: one INSERT = one transaction; a busy writer is waited for, not an error
-        self._db = sqlite3.connect(self.path, isolation_level=None, timeout=60.0)
+        self._db = sqlite3.connect(":memory:" if missing else self.path, isolation_level=None, timeout=60.0)
         # Switching a new file to WAL takes a lock SQLite does not wait for: two processes opening
         # the same new store at once would see "database is locked". The setup is serialised by a
         # file lock beside the store; once the file is in WAL mode (persistent) it is a no-op.
-        with FileLock(f"{self.path}.lock", timeout=60.0), _not_a_store(self.path, self._db):
+        lock = contextlib.nullcontext() if missing else FileLock(f"{self.path}.lock", timeout=60.0)
+        with lock, _not_a_store(self.path, self._db):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)

@@ -310,3 +310,13 @@ def test_no_cap_is_an_infinite_budget(tmp_path, capsys):
     job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever."]},
                    prices={"loopback": {"input": 1.0, "output": 1.0}})  # fmt: skip
     assert main(["distill", "rewrite", "--config", str(job.recipe), "--max-cost", "inf", "--dry-run"]) == 0
+
+
+def test_a_dry_run_and_a_status_make_no_answer_store(tmp_path, capsys):
+    """Both replay against the store: one that is not there yet is an empty one, and stays not there."""
+    job = make_job(tmp_path, "http://127.0.0.1:9/v1", {"d": ["Emma was clever."]})
+    before = sorted(p.name for p in job.out.rglob("*")) if job.out.exists() else None
+    assert main(["distill", "rewrite", "--config", str(job.recipe), "--dry-run"]) == 0
+    assert main(["distill", "status", "--config", str(job.recipe)]) == 0
+    assert (sorted(p.name for p in job.out.rglob("*")) if job.out.exists() else None) == before
+    assert not job.store_path.exists() and not Path(f"{job.store_path}.lock").exists()
