@@ -10,7 +10,10 @@ One `DocumentSource` covers every input layout the toolkit accepts:
 * a ``.txt`` file: one document, its id the file stem;
 * a folder of ``.jsonl``/``.jsonl.gz``/``.parquet`` shards, or of plain-text files under
   ``--input-format lines`` (sorted by path; hidden files skipped; ``.txt`` files are not read from a
-  folder).
+  folder); ``--input-format jsonl`` or ``parquet`` reads that kind's shards only.
+
+A named ``--input-format`` reads a file whose suffix says nothing (``corpus.json``, ``part-0``) as
+that format; a suffix that contradicts it (``parquet`` on ``x.jsonl``) is refused.
 
 ``text_field`` and ``id_field`` name the columns for corpora that do not call them ``text`` and
 ``id``. A record without an id is named by its line (or row) number; in a folder of shards, by
@@ -52,7 +55,6 @@ from metachunk.artifacts import EXIT_SKIPPED, AtomicWriter, Document, InputError
 from metachunk.config import option
 
 FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
-SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 CHECKPOINT_EVERY = 256  # documents between two recorded read positions
 MAX_ROW_BYTES = 64 << 20  # a larger line is not a document but a broken or hostile row
 BAD_ROW_POLICIES = ("error", "skip")
@@ -238,19 +240,35 @@ class SourceIndex:
                    [tuple(s) for s in obj.get("skipped", [])])  # fmt: skip
 
 
+def _suffix_kind(name: str) -> str | None:
+    for suffix, kind in (
+        (".jsonl.gz", "jsonl.gz"),
+        (".jsonl", "jsonl"),
+        (".parquet", "parquet"),
+        (".txt", "txt"),
+    ):
+        if name.endswith(suffix):
+            return kind
+    return None
+
+
 def _kind(path: Path, input_format: str) -> str | None:
-    name = path.name
+    """How ``path`` is read: ``lines`` as asked; else by its suffix, or as ``input_format`` says
+    when the suffix is none we know (a gzip suffix kept: ``jsonl`` on ``x.gz`` is ``jsonl.gz``). A
+    format that its suffix contradicts is refused rather than either one silently ignored."""
     if input_format == "lines":
         return "lines"
-    if name.endswith(".jsonl.gz"):
-        return "jsonl.gz"
-    if name.endswith(".jsonl"):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(".txt") and input_format in ("auto", "txt"):
-        return "txt"
-    return input_format if input_format in ("jsonl", "parquet", "txt") else None
+    by_name = _suffix_kind(path.name)
+    if input_format not in ("jsonl", "parquet", "txt"):
+        return by_name
+    if by_name is None:
+        return "jsonl.gz" if input_format == "jsonl" and path.name.endswith(".gz") else input_format
+    if by_name.split(".")[0] != input_format:
+        raise InputError(
+            path, f"--input-format {input_format}, but its name says {by_name}: rename the file, or leave "
+            "--input-format auto"
+        )  # fmt: skip
+    return by_name
 
 
 def hub_dataset(path: str | Path) -> Path:
@@ -304,18 +322,26 @@ class DocumentSource:
                 return [SourceFile(path, "datasets", path.name)]
             if self.input_format == "datasets":
                 raise InputError(path, "not a folder written by datasets' save_to_disk (no state.json)")
+            if self.input_format == "txt":
+                raise InputError(path, "a folder: --input-format txt reads one .txt file as one document")
+            # In a folder only suffixes decide (a README is not a shard), unless every file is lines;
+            # --input-format jsonl or parquet keeps that kind's shards only.
+            wanted = {"lines": ("lines",), "jsonl": ("jsonl", "jsonl.gz"), "parquet": ("parquet",)}.get(
+                self.input_format, ("jsonl", "jsonl.gz", "parquet")
+            )
             files = []
             for p in sorted(path.rglob("*")):
                 rel = p.relative_to(path)
                 if not p.is_file() or any(part.startswith(".") for part in rel.parts):
                     continue
-                # In a folder only suffixes decide (a README is not a shard), unless every file is lines.
-                kind = _kind(p, "lines" if self.input_format == "lines" else "auto")
-                if kind and kind != "txt":
+                kind = "lines" if self.input_format == "lines" else _suffix_kind(p.name)
+                if kind in wanted:
                     files.append(SourceFile(p, kind, rel.as_posix()))
             if not files:
-                wanted = "plain-text files" if self.input_format == "lines" else ", ".join(SHARD_SUFFIXES)
-                raise InputError(path, f"a folder with no input shards ({wanted})")
+                shown = (
+                    "plain-text files" if self.input_format == "lines" else ", ".join(f".{k}" for k in wanted)
+                )
+                raise InputError(path, f"a folder with no input shards ({shown})")
             return files
         kind = _kind(path, self.input_format)
         if kind is None or self.input_format == "datasets":

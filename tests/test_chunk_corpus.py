@@ -89,6 +89,32 @@ def test_every_input_layout_reads_the_same_documents(tmp_path, emma):
     ]
 
 
+def test_a_named_input_format_is_read_as_named_or_refused(tmp_path, emma):
+    """It used to be ignored wherever a suffix was known: ``parquet`` on a folder read its JSONL too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = emma[:6]
+    write_jsonl(tmp_path / "corpus.json", rows)  # a suffix that says nothing: read as named
+    with gzip.open(tmp_path / "part-0.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    for name in ("corpus.json", "part-0.gz"):
+        assert [d.text for d in DocumentSource(tmp_path / name, "jsonl")] == [r["text"] for r in rows]
+    with pytest.raises(InputError, match="no input shards|must be"):
+        DocumentSource(tmp_path / "corpus.json")  # auto: the suffix is no format
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    for fmt, says in (("parquet", "jsonl"), ("txt", "jsonl")):
+        with pytest.raises(InputError, match=f"c.jsonl: --input-format {fmt}, but its name says {says}"):
+            DocumentSource(tmp_path / "c.jsonl", fmt)
+    shards = tmp_path / "shards"
+    write_jsonl(shards / "a.jsonl", rows[:3])
+    pq.write_table(pa.Table.from_pylist(rows[3:]), shards / "b.parquet")
+    assert [d.text for d in DocumentSource(shards, "parquet")] == [r["text"] for r in rows[3:]]
+    assert [d.text for d in DocumentSource(shards, "jsonl")] == [r["text"] for r in rows[:3]]
+    with pytest.raises(InputError, match="a folder: --input-format txt"):
+        DocumentSource(shards, "txt")
+
+
 @settings(max_examples=40, deadline=None)
 @given(start=st.integers(0, 60), length=st.integers(0, 60))
 def test_any_range_reads_from_its_checkpoint(tmp_path_factory, emma, start, length):
