@@ -79,14 +79,14 @@ def copy(name: str, dest: str | None) -> Path:
     name, here); an existing file is never overwritten."""
     source = find(name)
     if source is None:
-        raise FileNotFoundError(f"no shipped recipe {name!r}; `metachunk recipes list` lists them")
+        raise InputError(name, "no shipped recipe of that name; `metachunk recipes list` lists them")
     target = Path(dest) if dest else Path(source.name)
     if target.is_dir() or (
         dest and dest.endswith(("/", os.sep))
     ):  # `cp demo runs/recipes/`: into that folder
         target = target / source.name
     if target.exists():
-        raise FileExistsError(f"{target} exists; name another destination")
+        raise InputError(target, "exists; name another destination")
     write_bytes(target, source.read_bytes())  # atomic: a copy cut short would be refused by the next `cp`
     return target
 
@@ -117,8 +117,5 @@ def run_list(cfg: ListConfig) -> Result:
 def run_copy(cfg: CopyConfig) -> Result:
     if not cfg.name:
         raise InputError("recipes cp", "which recipe? give a NAME from `metachunk recipes list`")
-    try:
-        print(copy(cfg.name, cfg.dest))
-    except (FileNotFoundError, FileExistsError) as e:
-        raise InputError(cfg.dest or cfg.name, str(e)) from None
+    print(copy(cfg.name, cfg.dest))
     return Result()

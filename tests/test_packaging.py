@@ -159,7 +159,9 @@ def test_shipped_recipes_are_found_by_name_and_copied(tmp_path, monkeypatch, cap
         shipped.RECIPES / "train" / "cpu_smoke.yaml"
     ).read_bytes()
     assert main(["recipes", "cp", "train/cpu_smoke", "mine.yaml"]) == 2  # exists: never overwritten
-    assert main(["recipes", "cp", "no/such"]) == 2
+    assert main(["recipes", "cp", "no/such", "other.yaml"]) == 2
+    # the name is what is wrong, not the destination (the error used to blame other.yaml)
+    assert "metachunk: error: no/such: no shipped recipe of that name" in capsys.readouterr().err
     assert main(["recipes", "cp"]) == 2  # no name: which recipe, not a traceback
 
 
