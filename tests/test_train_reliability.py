@@ -38,7 +38,7 @@ def _cli(argv, capsys):
 
 
 def _one_line_error(err: str, text: str) -> None:
-    assert "Traceback" not in err, err
+    assert "Traceback" not in err and "usage:" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("train: ")]
     assert len(errors) == 1 and text in errors[0], err
 
@@ -214,7 +214,8 @@ def _no_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "case",
     ["unknown model", "invalid YAML", "missing config", "no chat template", "report_to", "hub_token",
-     "no such test split", "deepspeed not a JSON object", "deepspeed not JSON"],
+     "no such test split", "deepspeed not a JSON object", "deepspeed not JSON", "a recipe value's type",
+     "a flag's type"],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load, case):
     config, model, extra = RECIPE, str(tiny_model_dir), []
@@ -246,6 +247,15 @@ def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path,
         config.write_text(RECIPE.read_text() + f"\ndeepspeed: {ds}\n")
         text = f"deepspeed config {ds}: " + (
             "the top level must be a JSON object" if "object" in case else "not JSON"
+        )
+    elif case == "a recipe value's type":  # argparse printed the usage of every SFTConfig flag first (9 KB)
+        config = _recipe_without(tmp_path, "learning_rate")
+        config.write_text(config.read_text() + "learning_rate: 1e-5x\n")
+        text = f"--config {config}: field 'learning_rate': invalid float value: '1e-5x'"
+    elif case == "a flag's type":
+        extra, text = (
+            ["--learning-rate", "fast"],
+            "argument --learning_rate/--learning-rate: invalid float value",
         )
     else:
         extra, text = ["--report_to", "tensorbored"], "field 'report_to': unknown 'tensorbored'"

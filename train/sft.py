@@ -96,7 +96,19 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     check_renamed(recipe, argv)
     check_deepspeed_file(recipe, argv)  # SFTConfig reads the JSON as it is built
     argv = argv + checkpointing_said(recipe, argv, SFTConfig)
-    parser = TrlParser((ModelDataArguments, SFTConfig))
+
+    class RecipeParser(TrlParser):
+        def error(self, message: str):
+            # argparse prints the usage of every SFTConfig flag (9 KB) before its one line; a recipe's
+            # value is named as its field instead (TrlParser passes the YAML's values as defaults).
+            flag, _, problem = message.partition(": ")
+            name = flag.removeprefix("argument --").split("/")[0]
+            flags = {a.split("=")[0].removeprefix("--").replace("-", "_") for a in argv if a.startswith("--")}
+            if flag.startswith("argument --") and name in recipe and name not in flags:
+                raise ValueError(f"--config {argv[argv.index('--config') + 1]}: field '{name}': {problem}")
+            raise ValueError(message)
+
+    parser = RecipeParser((ModelDataArguments, SFTConfig))
     model_args, sft_args = parser.parse_args_and_config(argv)
     if (
         sft_args.hub_token
