@@ -408,7 +408,7 @@ class MocChunker:
         self._models: dict[Path, _LM] = {}
         self._grammars: dict[Path, ExpertGrammar] = {}
         self.grammar_version = grammar_library()[1] if options.constrained else None  # before any load
-        self.router = self._lm(self.router_path)
+        self.router = self.lm(self.router_path)
         self.label_ids = label_token_ids(self.router.tokenizer)
         self.reset_stats()
 
@@ -425,7 +425,8 @@ class MocChunker:
         self.seconds = {"router": 0.0, "experts": 0.0, "fallback": 0.0, "recovery": 0.0}
         self.prompt_sha256: dict[str, str] = {}
 
-    def _lm(self, path: Path) -> _LM:
+    def lm(self, path: Path) -> _LM:
+        """The model at ``path`` (the router, an expert or the fallback), loaded once per chunker."""
         if path not in self._models:
             self._models[path] = _LM(path, self.device, self.dtype)
         return self._models[path]
@@ -515,7 +516,7 @@ class MocChunker:
         for w in windows:
             by_label.setdefault(w.label, []).append(w)
         for label, group in sorted(by_label.items()):
-            lm = self._lm(self.expert_paths[label])
+            lm = self.lm(self.expert_paths[label])
             pending = group
             for attempt in range(self.opts.retries + 1):
                 if not pending:
@@ -568,7 +569,7 @@ class MocChunker:
         if not windows:
             return
         started = time.perf_counter()
-        lm = self._lm(self.fallback_path)
+        lm = self.lm(self.fallback_path)
         texts = [w.text for w in windows]
         sentences = [split_sentences(t, w.doc.lang) for t, w in zip(texts, windows)]
         scores = score_documents(lm.model, lm.tokenizer, texts, sentences, self.max_context, self.batch_size)

@@ -154,7 +154,8 @@ class MarginScorer:
         body = self.prompt.pair_template.format(sentence1=sentence1.strip(), sentence2=sentence2.strip())
         return self._encode(body + self.tail)
 
-    def _margins_from_logits(self, logits: torch.Tensor) -> np.ndarray:
+    def margins_from_logits(self, logits: torch.Tensor) -> np.ndarray:
+        """``P(keep) - P(split)`` per row of next-token ``logits``, the softmax taken in float32."""
         import torch
 
         probs = torch.softmax(logits.float(), dim=-1)
@@ -231,7 +232,7 @@ class MarginScorer:
                 ).last_hidden_state
                 last = torch.as_tensor([len(suffixes[i]) - 1 for i in idx], device=self.device)
                 logits = lm_head_logits(self.model, hidden[torch.arange(len(idx), device=self.device), last])
-                out[idx] = self._margins_from_logits(logits)
+                out[idx] = self.margins_from_logits(logits)
             return out
 
     def margin_single(self, sentence1: str, sentence2: str) -> float:
@@ -241,7 +242,7 @@ class MarginScorer:
         with torch.inference_mode():
             ids = torch.as_tensor([self.prefix_ids + self.pair_ids(sentence1, sentence2)], device=self.device)
             logits = self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
-            return float(self._margins_from_logits(logits)[0])
+            return float(self.margins_from_logits(logits)[0])
 
 
 class Threshold:

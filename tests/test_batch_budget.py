@@ -193,6 +193,6 @@ def test_a_gpu_reads_the_head_in_bigger_tiles_and_the_tile_changes_no_score(tiny
     hidden = torch.randn(300, model.config.hidden_size)
     targets = torch.randint(0, model.config.vocab_size, (300,))
     with torch.inference_mode():  # as token_nll calls it
-        small = scoring._sliced_nll(model, hidden, targets, head_rows=64, vocab_block=100)
-        whole = scoring._sliced_nll(model, hidden, targets, head_rows=8192, vocab_block=32768)  # one tile
+        small = scoring.sliced_nll(model, hidden, targets, head_rows=64, vocab_block=100)
+        whole = scoring.sliced_nll(model, hidden, targets, head_rows=8192, vocab_block=32768)  # one tile
     torch.testing.assert_close(small, whole, rtol=1e-5, atol=1e-5)

@@ -106,16 +106,16 @@ def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, tmp_path):
 def test_a_streamed_rewrite_against_transformers_serve(local_teacher, tmp_path, monkeypatch):
     """``transformers serve`` streams too: the rewrite's answers arrive as SSE chunks, assembled
     into chat completions, with no stream cut or error."""
-    from metachunk.teacher import Endpoint
+    from metachunk.streaming import ChatStream
 
-    streams = []  # every answer read as a stream, not as one body
-    read_stream = Endpoint._read_stream
+    streams = []  # every answer assembled from a stream's chunks, not read as one body
+    body = ChatStream.body
 
-    async def counted(self, *args, **kwargs):
+    def counted(self):
         streams.append(1)
-        return await read_stream(self, *args, **kwargs)
+        return body(self)
 
-    monkeypatch.setattr(Endpoint, "_read_stream", counted)
+    monkeypatch.setattr(ChatStream, "body", counted)
     write_emma_chunks(tmp_path, n_chunks=1)
     block = {"model": "smollm2", "serve_preset": True, "base_url": local_teacher.base_url, "stream": True,
              "temperature": 0.0, "max_tokens": 48, "concurrency": 1, "timeout": 300, "max_retries": 1}  # fmt: skip

@@ -1,7 +1,9 @@
 """The distillation engine's pure parts: answer parsing, prompts, the store, budget, config."""
 
+import contextlib
 import json
 import multiprocessing
+import sqlite3
 import string
 import subprocess
 import sys
@@ -166,10 +168,10 @@ def test_store_is_append_only_and_a_success_wins(tmp_path):
 
     reopened = AnswerStore(path)
     assert reopened.has_answer("a") and reopened.total_cost == 0.5
-    rows = reopened._db.execute("SELECT COUNT(*) FROM answers").fetchone()[0]
-    assert rows == 3  # nothing was updated or deleted
+    with contextlib.closing(sqlite3.connect(path)) as db:  # the file as any SQLite reader sees it
+        assert db.execute("SELECT COUNT(*) FROM answers").fetchone()[0] == 3  # nothing updated or deleted
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert reopened.totals()["m"]["answered"] == 1 and reopened.totals()["m"]["errors"] == 2
-    assert reopened._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 # ----------------------------------------------------------------------------------------- budget
@@ -237,11 +239,12 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    first._db.execute(
-        "INSERT INTO claims VALUES ('d', 'gone', ?, ?, ?, 0.4)",
-        (first.host, int(dead.stdout), time.time() + 60),
-    )
-    first._db.execute("INSERT INTO claims VALUES ('e', 'far', 'elsewhere', 1, ?, 0.4)", (time.time() - 1,))
+    with contextlib.closing(sqlite3.connect(first.path, isolation_level=None)) as db:  # claims by other runs
+        db.execute(
+            "INSERT INTO claims VALUES ('d', 'gone', ?, ?, ?, 0.4)",
+            (first.host, int(dead.stdout), time.time() + 60),
+        )
+        db.execute("INSERT INTO claims VALUES ('e', 'far', 'elsewhere', 1, ?, 0.4)", (time.time() - 1,))
     assert second.claim("d", reserve=0.1, limit=1.0).outcome == "claimed"
     assert second.claim("e", reserve=0.1, limit=1.0).outcome == "claimed"
     first.close()

@@ -79,7 +79,7 @@ def test_constrained_answers_always_parse(tiny_model_dir):
     assert c["mask_steps"] > 0 and c["mask_rows"] >= c["mask_steps"] and c["mask_seconds"] > 0
     assert m["schema_sha256"] == {"moc_expert": load_moc_schema().sha256}
 
-    lm = moc._lm(moc.expert_paths[0])
+    lm = moc.lm(moc.expert_paths[0])
     bounds = [3, 2, 1]
     answers = moc.generate(lm, [expert_messages(t, lang) for t, lang in zip(TEXTS, LANGS)], 0, bounds)
     for answer, bound in zip(answers, bounds):
@@ -97,7 +97,7 @@ def test_no_invalid_json_at_any_temperature(tiny_model_dir, temperature, seed):
     """Sampling hotter, the random model writes long strings the budget cuts: those are truncated
     (length failures); an answer that stops always parses."""
     moc = chunker(tiny_model_dir, max_new_tokens=24, temperature=temperature, top_p=1.0, seed=seed)
-    lm = moc._lm(moc.expert_paths[0])
+    lm = moc.lm(moc.expert_paths[0])
     answers = moc.generate(lm, [expert_messages(t, lang) for t, lang in zip(TEXTS, LANGS)], 0, [4, 3, 1])
     for answer in answers:
         assert answer.text.startswith("[")
@@ -159,7 +159,7 @@ def test_constrained_generate_gets_one_processor_per_batch(tiny_model_dir, monke
 
     monkeypatch.setattr(moc_module, "generate_batched", spy)
     moc = chunker(tiny_model_dir, batch_size=2)
-    lm = moc._lm(moc.expert_paths[0])
+    lm = moc.lm(moc.expert_paths[0])
     moc.generate(lm, [expert_messages(t, lang) for t, lang in zip(TEXTS, LANGS)], 0, [4, 3, 1])
     assert sorted(i for batch, _ in seen for i in batch) == [0, 1, 2]
     assert len(seen) == 2 and all(len(p) == 1 for _, p in seen)

@@ -269,14 +269,14 @@ def test_margin_sign_from_logits(scorers):
     logits[1, scorer.split_id] = 30.0  # model says "1" = split
     logits[3, scorer.keep_id] = logits[3, scorer.split_id] = 5.0
     logits[3, 0] = 6.0
-    out = scorer._margins_from_logits(logits.to(torch.bfloat16))
+    out = scorer.margins_from_logits(logits.to(torch.bfloat16))
     assert out.dtype == np.float64 and out.shape == (4,)
     assert out[0] == pytest.approx(1.0, abs=1e-6) and out[0] > 0
     assert out[1] == pytest.approx(-1.0, abs=1e-6) and out[1] < 0
     assert out[2] == 0.0 and out[3] == 0.0
     probs = torch.softmax(torch.tensor([[2.0, 0.0, 1.0]]), dim=-1)[0]
     scorer_like = type("S", (), {"keep_id": 2, "split_id": 0})()
-    got = MarginScorer._margins_from_logits(scorer_like, torch.tensor([[2.0, 0.0, 1.0]]))
+    got = MarginScorer.margins_from_logits(scorer_like, torch.tensor([[2.0, 0.0, 1.0]]))
     assert got[0] == pytest.approx(float(probs[2] - probs[0]))
 
 
@@ -323,7 +323,7 @@ def test_prefix_cache_matches_single_pass(scorers, lang, monkeypatch):
         rows.extend(logits.float().cpu())
         return np.arange(len(rows) - len(logits), len(rows), dtype=np.float64)
 
-    monkeypatch.setattr(scorer, "_margins_from_logits", capture)
+    monkeypatch.setattr(scorer, "margins_from_logits", capture)
     single_rows = [rows[int(scorer.margin_single(a, b))] for a, b in PAIRS]
     batched_rows = [rows[int(k)] for k in scorer.margins(PAIRS, batch_size=3)]
     for got, want in zip(batched_rows, single_rows):

@@ -576,7 +576,7 @@ def test_sliced_head_equals_a_full_log_softmax_with_bias_and_softcap(rows, cols)
 
     import torch
 
-    from metachunk.engine.scoring import _sliced_nll
+    from metachunk.engine.scoring import sliced_nll
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=True)
@@ -590,8 +590,8 @@ def test_sliced_head_equals_a_full_log_softmax_with_bias_and_softcap(rows, cols)
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             expected = -torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
-            got = _sliced_nll(model, hidden, targets, rows, vocab_block=cols)
-            low = _sliced_nll(model, hidden, targets, rows, head.weight.to(torch.bfloat16), vocab_block=cols)
+            got = sliced_nll(model, hidden, targets, rows, vocab_block=cols)
+            low = sliced_nll(model, hidden, targets, rows, head.weight.to(torch.bfloat16), vocab_block=cols)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         assert 0 < float((low - expected).abs().max()) < 0.5  # bf16 normaliser (logits of ~10)
         # Only the normaliser is bf16: each position scored against two targets is off by the same
@@ -603,7 +603,7 @@ def test_sliced_head_equals_a_full_log_softmax_with_bias_and_softcap(rows, cols)
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             expected = -torch.log_softmax(logits, -1).repeat(2, 1).gather(1, pair[:, None]).squeeze(1)
-            low = _sliced_nll(
+            low = sliced_nll(
                 model, hidden.repeat(2, 1), pair, rows, head.weight.to(torch.bfloat16), vocab_block=cols
             )
         error = low - expected

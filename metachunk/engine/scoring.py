@@ -73,7 +73,7 @@ def lm_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return _softcap(model, model.get_output_embeddings()(hidden).float())
 
 
-def _sliced_nll(
+def sliced_nll(
     model,
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -164,7 +164,7 @@ def _sliced_nll(
 
 
 def head_compiles(model, head_dtype: torch.dtype) -> bool:
-    """Whether `_sliced_nll` reduces ``model``'s head tiles, computed in ``head_dtype``, with the
+    """Whether `sliced_nll` reduces ``model``'s head tiles, computed in ``head_dtype``, with the
     compiled kernel (`metachunk.engine.kernels.lse_rows_compiled`): bf16 logits on a device in
     ``COMPILED_LSE_DEVICES``, and no soft-capping (which the kernel leaves out)."""
     device = model.get_output_embeddings().weight.device
@@ -173,7 +173,7 @@ def head_compiles(model, head_dtype: torch.dtype) -> bool:
 
 
 def warm_up_head(model, head_dtype: torch.dtype | None = None) -> None:
-    """Run the LM head (`_sliced_nll`, in ``head_dtype`` as `token_nll` would) once on a whole tile
+    """Run the LM head (`sliced_nll`, in ``head_dtype`` as `token_nll` would) once on a whole tile
     of positions and once on a single row, so that what it compiles on first use (on a GPU,
     `metachunk.engine.kernels.lse_rows_compiled` and its one-row graph) is compiled while the model
     loads, not in its first batch. Nothing to do where no tile is compiled."""
@@ -185,10 +185,10 @@ def warm_up_head(model, head_dtype: torch.dtype | None = None) -> None:
     rows = head_tile(device)[0]
     hidden = torch.zeros(rows + 1, weight.shape[1], dtype=weight.dtype, device=device)
     with torch.inference_mode():
-        _sliced_nll(model, hidden, torch.zeros(rows + 1, dtype=torch.long, device=device), rows, low)
+        sliced_nll(model, hidden, torch.zeros(rows + 1, dtype=torch.long, device=device), rows, low)
 
 
-# Head tiles (see _sliced_nll): positions x vocabulary entries, 32 MB of fp32 logits per tile on
+# Head tiles (see sliced_nll): positions x vocabulary entries, 32 MB of fp32 logits per tile on
 # CPU, where a tile should stay in cache. On a GPU a tile that small is a few microseconds of
 # tensor-core work against the launches of its matmul, copy and reductions, so tiles there are
 # 32x bigger (0.5 GB of bf16 logits, 1 GB in fp32): 1.5M scored tokens of a 152K vocabulary are
@@ -263,7 +263,7 @@ def token_nll_kv_trim(
             states, first = hidden[:-1], a + 1
         else:  # the previous block's last state predicts this block's first token
             states, first = torch.cat([prev_last[None], hidden[:-1]]), a
-        out[first:b] = _sliced_nll(model, states, x[first:b], head_rows, low).cpu().numpy()
+        out[first:b] = sliced_nll(model, states, x[first:b], head_rows, low).cpu().numpy()
         prev_last = hidden[-1]
         for layer in cache.layers:
             if layer.keys.shape[-2] > ATTENTION_SINKS + keep:
@@ -368,7 +368,7 @@ def token_nll(
     similar length share a padded batch (`plan_batches`).
 
     ``head_dtype`` (default: the weights' dtype) runs the LM head's matmul in another dtype, e.g.
-    ``torch.bfloat16`` for speed on CPUs with AMX; see `_sliced_nll` for what stays exact.
+    ``torch.bfloat16`` for speed on CPUs with AMX; see `sliced_nll` for what stays exact.
 
     ``streams`` (default `default_streams`: one per torch thread on CPU, one on a GPU)
     scores that many batches at a time, in threads that share the model and each take
@@ -638,7 +638,7 @@ class _HeadQueue:
         if take == 0:
             return 0
         hidden, targets = torch.cat(self.hidden), torch.cat(self.targets)
-        nll = _sliced_nll(self.model, hidden[:take], targets[:take], self.head_rows, self.low)
+        nll = sliced_nll(self.model, hidden[:take], targets[:take], self.head_rows, self.low)
         ready = None
         if nll.device.type == "cuda":
             stream = torch.cuda.current_stream(nll.device)  # the copy's, whichever GPU is current
@@ -760,7 +760,7 @@ def continuation_nll(
         # the state predicting token t: the prefix's last one for t = 0, else the row's own t - 1
         states = torch.cat([prefix_last.expand(len(batch), 1, -1), hidden[:, :-1]], dim=1)
         real = (torch.arange(longest)[None, :] < lengths[:, None]).to(device)
-        nll = _sliced_nll(model, states[real], ids[real], head_rows).cpu().numpy()
+        nll = sliced_nll(model, states[real], ids[real], head_rows).cpu().numpy()
         offset = 0
         for r, k in enumerate(batch):
             n = int(lengths[r])
