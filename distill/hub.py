@@ -6,8 +6,10 @@ Only what the card describes is sent: ``README.md`` (the card, whose ``configs``
 holds a card and parquet files and a token is set. The upload itself, the token and the offline
 switch are `metachunk.hub.push_folder`'s, shared with ``metachunk export --push``: the token
 comes from the argument or ``HF_TOKEN`` and is never logged or printed, and a push refuses
-``HF_HUB_OFFLINE=1``. A pushed dataset is read back by its id: ``dataset_name: ORG/NAME`` in a
-training recipe.
+``HF_HUB_OFFLINE=1``. A push replaces what the last one sent (`DELETE_PATTERNS`: a rebuild in
+fewer shards leaves no stale shard behind), and ``--tag`` names one publication (a tag on another
+commit is refused before anything is sent). A pushed dataset is read back by its id:
+``dataset_name: ORG/NAME`` in a training recipe.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from metachunk.artifacts import InputError
 from metachunk.command import Reads, Result
 from metachunk.config import option
 
-ALLOW_PATTERNS = ["README.md", "data/*.parquet", "*.png", "dataset_info*.json", "regen_manifest.json"]
 MANIFEST_NAME = "regen_manifest.json"
+ALLOW_PATTERNS = ["README.md", "data/*.parquet", "*.png", "dataset_info*.json", "regen_manifest.json"]
+# What a push replaces: after it, the repo's files of these kinds are the folder's (a rebuild in fewer
+# shards leaves no stale shard for load_dataset to read). Named narrowly: a file someone added by hand stays.
+DELETE_PATTERNS = ["data/*.parquet", "token_lengths.png", "dataset_info*.json", MANIFEST_NAME]
 
 
 @dataclass
@@ -93,8 +98,8 @@ def push_dataset(
     _check_dataset_dir(dataset_dir)
     if regen_manifest is None:
         return push_folder(dataset_dir, repo_id, repo_type="dataset", allow_patterns=ALLOW_PATTERNS,
-                           private=private, token=token, commit_message=commit_message, revision=revision,
-                           tag=tag)  # fmt: skip
+                           delete_patterns=DELETE_PATTERNS, private=private, token=token,
+                           commit_message=commit_message, revision=revision, tag=tag)  # fmt: skip
     manifest = _read_manifest(Path(regen_manifest))
     remote = read_remote_file(repo_id, MANIFEST_NAME, repo_type="dataset", revision=revision, token=token)
     if remote is not None and json.loads(remote).get("manifest_sha256") == manifest["manifest_sha256"]:
@@ -111,8 +116,8 @@ def push_dataset(
         card = staging / "README.md"
         card.write_text(card.read_text(encoding="utf-8").rstrip("\n") + "\n\n" + provenance_section(manifest),
                         encoding="utf-8")  # fmt: skip
-        return push_folder(staging, repo_id, repo_type="dataset", allow_patterns=ALLOW_PATTERNS, private=private,
-                           token=token, commit_message=commit_message or f"metachunk run {manifest['name']} "
+        return push_folder(staging, repo_id, repo_type="dataset", allow_patterns=ALLOW_PATTERNS,
+                           delete_patterns=DELETE_PATTERNS, private=private, token=token, commit_message=commit_message or f"metachunk run {manifest['name']} "
                            f"({manifest['manifest_sha256'][:12]})", revision=revision, tag=tag)  # fmt: skip
 
 
@@ -128,16 +133,16 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _ensure_tag(repo_id: str, tag: str, revision: str | None, token: str | None) -> None:
+    """``tag`` on the head of ``revision``, which holds this run already: made if missing, kept if it
+    is there, refused if it marks another commit (`metachunk.hub.tag_target`)."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
-    from metachunk.hub import hub_token
+    from metachunk.hub import hub_requests, hub_token, tag_target
 
-    try:
-        HfApi(token=hub_token(token)).create_tag(repo_id, tag=tag, repo_type="dataset", revision=revision)
-    except HfHubHTTPError as e:  # 409: the tag exists already
-        if getattr(e.response, "status_code", None) != 409:
-            raise
+    api = HfApi(token=hub_token(token))
+    with hub_requests(repo_id):
+        if tag_target(api, repo_id, "dataset", tag, revision or "main") is None:
+            api.create_tag(repo_id, tag=tag, repo_type="dataset", revision=revision)
 
 
 def provenance_section(manifest: dict) -> str:

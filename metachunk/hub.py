@@ -19,6 +19,7 @@ write, and it is never logged or printed: it only travels in the Authorization h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -39,7 +40,10 @@ def hub_token(token: str | None = None) -> str:
     """``token`` or ``$HF_TOKEN``; ``ValueError`` (before any request) when there is none."""
     token = token or os.environ.get("HF_TOKEN", "").strip()
     if not token:
-        raise ValueError("no Hub token: set the HF_TOKEN environment variable (a write token) to push")
+        raise ValueError(
+            "no Hub token: set the HF_TOKEN environment variable (a write token) to push; metachunk takes "
+            "secrets from the environment only, not from the file `hf auth login` writes"
+        )
     register_secret(token)  # from here on, redact() masks it in everything written or printed
     return token
 
@@ -106,21 +110,51 @@ def snapshot(text: str, repo_type: str = "model", token: str | None = None) -> P
         raise HubNotFound(f"{name}: the Hub answered {status}") from None
 
 
+class HubRequestError(OSError):
+    """The Hub refused a request, or could not be reached: one line naming the repo and what the
+    Hub said (the CLI prints it and exits 1)."""
+
+
+@contextlib.contextmanager
+def hub_requests(repo_id: str):
+    """``huggingface_hub``'s HTTP errors, whose text spans lines (URL, request id, body), as one
+    `HubRequestError` line naming ``repo_id``."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        yield
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        said = " ".join((e.server_message or str(e)).split())
+        raise HubRequestError(f"{repo_id}: the Hub answered {status or 'no status'}: {said}") from None
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
     *,
     repo_type: str,
     allow_patterns: Sequence[str] | None = None,
+    delete_patterns: Sequence[str] | None = None,
     private: bool = False,
     token: str | None = None,
     commit_message: str | None = None,
     revision: str | None = None,
     tag: str | None = None,
 ) -> str:
-    """Create ``repo_id`` if needed (an existing repo keeps its visibility), upload the files of
-    ``folder`` that match ``allow_patterns`` in one commit to ``revision`` (a branch, created from
-    main if new; default main), tag that commit ``tag`` if given, and return the repo URL."""
+    """Create ``repo_id`` if needed, upload the files of ``folder`` that match ``allow_patterns``
+    to ``revision`` (a branch, created from main if new; default main), tag that commit ``tag`` if
+    given, and return the repo URL.
+
+    ``delete_patterns``: the remote files of these kinds that ``folder`` no longer has are deleted
+    in the same commit (``upload_folder``'s own argument), so that a push replaces what the last
+    one sent (a dataset rebuilt in fewer shards, a model re-exported in more) instead of leaving
+    stale files for ``load_dataset`` or ``from_pretrained`` to read. A new repo is private with
+    ``private``, else as its namespace's default says (``create_repo(private=None)``); an existing
+    repo keeps its visibility. A tag names one publication: one that marks another commit than
+    the branch's head is refused before anything is uploaded, and rerunning the push that made it
+    (nothing changed, so no new commit) succeeds
+    (https://huggingface.co/docs/huggingface_hub/package_reference/hf_api)."""
     from huggingface_hub import HfApi
 
     check_repo_id(repo_id)
@@ -128,22 +162,45 @@ def push_folder(
     check_online_allowed()
     folder = Path(folder)
     api = HfApi(token=token)
-    url = api.create_repo(repo_id, repo_type=repo_type, private=private, exist_ok=True)
-    if revision and revision != "main":
-        api.create_branch(repo_id, branch=revision, repo_type=repo_type, exist_ok=True)
-    logger.info("uploading %s to %s", folder, url)
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        repo_type=repo_type,
-        folder_path=folder,
-        allow_patterns=list(allow_patterns) if allow_patterns is not None else None,
-        commit_message=commit_message or f"Upload {folder.name} with metachunk",
-        revision=revision,
-    )
-    if tag:
-        api.create_tag(repo_id, tag=tag, repo_type=repo_type, revision=commit.oid,
-                       tag_message=f"metachunk: {commit_message or folder.name}")  # fmt: skip
+    branch = revision or "main"
+    with hub_requests(repo_id):
+        url = api.create_repo(repo_id, repo_type=repo_type, private=True if private else None, exist_ok=True)
+        if branch != "main":
+            api.create_branch(repo_id, branch=branch, repo_type=repo_type, exist_ok=True)
+        tagged = tag_target(api, repo_id, repo_type, tag, branch) if tag else None
+        logger.info("uploading %s to %s", folder, url)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            repo_type=repo_type,
+            folder_path=folder,
+            allow_patterns=list(allow_patterns) if allow_patterns is not None else None,
+            delete_patterns=list(delete_patterns) if delete_patterns is not None else None,
+            commit_message=commit_message or f"Upload {folder.name} with metachunk",
+            revision=revision,
+        )
+        if tag and tagged is None:
+            api.create_tag(repo_id, tag=tag, repo_type=repo_type, revision=commit.oid,
+                           tag_message=f"metachunk: {commit_message or folder.name}")  # fmt: skip
+        elif tag and tagged != commit.oid:
+            raise HubRequestError(
+                f"{repo_id}: {branch} is now commit {commit.oid[:12]}, but tag {tag!r} stays on {tagged[:12]} (the "
+                "files changed since it was made): tag this publication with a new name"
+            )
     return str(url)
+
+
+def tag_target(api, repo_id: str, repo_type: str, tag: str, branch: str) -> str | None:
+    """The commit ``tag`` marks in the repo (None when there is no such tag); a tag on any other
+    commit than ``branch``'s head is a `ValueError`: a tag names one publication, and moving it
+    would change what ``revision=TAG`` loads."""
+    refs = api.list_repo_refs(repo_id, repo_type=repo_type)
+    target = next((t.target_commit for t in refs.tags if t.name == tag), None)
+    head = next((b.target_commit for b in refs.branches if b.name == branch), None)
+    if target is not None and target != head:
+        raise ValueError(
+            f"tag {tag!r} already marks commit {target[:12]} of {repo_id}, not the head of {branch}: name a new tag"
+        )
+    return target
 
 
 def read_remote_file(repo_id: str, filename: str, *, repo_type: str, revision: str | None = None,

@@ -26,6 +26,8 @@ _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(
 # /api/{models|datasets}/{ns}/{name}[/revision/{revision}]  and  .../tree/{revision}
 _INFO = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)(?:/revision/([^/]+))?$")
 _TREE = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)/tree/([^/]+)$")
+# /api/{models|datasets}/{ns}/{name}/refs  (list_repo_refs)
+_REFS = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)/refs$")
 # /api/{models|datasets|spaces}/{ns}/{name}/{branch|tag}/{name or revision}
 _REF = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(branch|tag)/([^/]+)$")
 _LFS = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
@@ -35,6 +37,21 @@ def front_matter(text: str) -> dict:
     match = re.match(r"^---\n(.*?)\n---\n", text, re.S)
     assert match, "no YAML front matter"
     return yaml.safe_load(match.group(1))
+
+
+GITATTRIBUTES = (
+    b"*.parquet filter=lfs diff=lfs merge=lfs -text\n*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+)
+
+
+def remote_oid(content: bytes | None, mode: str) -> str | None:
+    """The oid the Hub gives a file in its preupload answer: the sha256 of an LFS file's content, the
+    git blob sha1 of a regular one (``huggingface_hub``'s ``CommitOperationAdd._local_oid`` compares them)."""
+    if content is None:
+        return None
+    if mode == "lfs":
+        return hashlib.sha256(content).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
 
 
 class FakeHub:
@@ -56,6 +73,7 @@ class FakeHub:
         self.last_revision = {}  # (repo type, repo id) -> the branch of its last commit
         self.heads = {}  # (repo type, repo id, branch or tag) -> commit oid
         self.snapshots = {}  # commit oid -> {path: bytes} as of that commit
+        self.tag_names = set()  # (repo type, repo id, tag)
 
     def handler(self, request):
         import httpx2
@@ -76,6 +94,11 @@ class FakeHub:
         if (request.method, path) == ("POST", "/api/repos/create"):
             payload = json.loads(body)
             prefix = {"dataset": "datasets/", "space": "spaces/"}.get(payload.get("type"), "")
+            main = (payload.get("type") or "model", f"{payload['organization']}/{payload['name']}", "main")
+            if main not in self.revisions:  # the Hub's first commit of a new repo: its .gitattributes alone
+                oid = hashlib.sha1(f"{main}@initial".encode()).hexdigest()
+                self.revisions[main] = {".gitattributes": GITATTRIBUTES}
+                self.heads[main], self.snapshots[oid] = oid, dict(self.revisions[main])
             return httpx2.Response(
                 200,
                 json={"url": f"https://huggingface.co/{prefix}{payload['organization']}/{payload['name']}"},
@@ -89,20 +112,40 @@ class FakeHub:
         api, lfs = _API.match(path), _LFS.match(path)
         if request.method == "POST" and api and api.group(3) == "preupload":
             files = json.loads(body)["files"]
+            there = self.revisions.get((api.group(1)[:-1], api.group(2), path.rsplit("/", 1)[1]), {})
+
+            def mode(name):
+                return "lfs" if name.endswith(self.lfs_suffixes) else "regular"
+
+            # the remote file's oid, as the Hub answers it: the client leaves out a file that has not changed
             return httpx2.Response(
                 200,
                 json={
                     "files": [
                         {
                             "path": f["path"],
-                            "uploadMode": "lfs" if f["path"].endswith(self.lfs_suffixes) else "regular",
+                            "uploadMode": mode(f["path"]),
                             "shouldIgnore": False,
-                            "oid": None,
+                            "oid": remote_oid(there.get(f["path"]), mode(f["path"])),
                         }
                         for f in files
                     ]
                 },
             )
+        refs = _REFS.match(path)
+        if request.method == "GET" and refs:  # list_repo_refs
+            kind, repo = refs.group(1)[:-1], refs.group(2)
+            named = [(k[2], oid) for k, oid in self.heads.items() if k[:2] == (kind, repo)]
+            if not named:
+                return httpx2.Response(
+                    404, headers={"X-Error-Code": "RepoNotFound"}, json={"error": "RepoNotFound"}
+                )
+            tags = [(n, oid) for n, oid in named if (kind, repo, n) in self.tag_names]
+            branches = [(n, oid) for n, oid in named if (kind, repo, n) not in self.tag_names]
+            return httpx2.Response(200, json={
+                "branches": [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": oid} for n, oid in branches],
+                "tags": [{"name": n, "ref": f"refs/tags/{n}", "targetCommit": oid} for n, oid in tags],
+                "converts": []})  # fmt: skip
         if request.method == "POST" and lfs and lfs.group(3) == "batch":
             objects = json.loads(body)["objects"]
             verify = f"https://huggingface.co{path.rsplit('/', 1)[0]}/verify"
@@ -173,8 +216,9 @@ class FakeHub:
             source = self.revisions.get(
                 (kind[:-1], repo, self.last_revision.get((kind[:-1], repo), "main")), {}
             )
-            self.revisions[(kind[:-1], repo, tag)] = dict(source)
+            self.revisions[(kind[:-1], repo, tag)] = dict(self.snapshots.get(name, source))
             self.heads[(kind[:-1], repo, tag)] = name
+            self.tag_names.add((kind[:-1], repo, tag))
             self.tags.append((repo, tag, name))
             return httpx2.Response(200, json={})
         if request.method == "POST" and api and api.group(3) == "commit":
@@ -184,6 +228,12 @@ class FakeHub:
             revision = path.rsplit("/", 1)[1]
             files = self.revisions.setdefault((kind[:-1], repo, revision), {})
             files.update(self._files_of(self.commits[-1]))
+            for line in self.commits[-1]:
+                if line["key"] == "deletedFile":
+                    files.pop(line["value"]["path"], None)
+                elif line["key"] == "deletedFolder":
+                    for name in [f for f in files if f.startswith(line["value"]["path"].rstrip("/") + "/")]:
+                        del files[name]
             self.last_revision[(kind[:-1], repo)] = revision
             prefix = "" if kind == "models" else f"{kind}/"
             oid = hashlib.sha1(f"{kind}/{repo}@{len(self.commits)}".encode()).hexdigest()

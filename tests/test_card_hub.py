@@ -305,12 +305,8 @@ def _push_and_check(hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys):
     (commit,) = hub.commits
     assert commit[0] == {"key": "header", "value": {"summary": "Upload demo set", "description": ""}}
     create = next(json.loads(body) for m, url, _, body in hub.requests if url.endswith("/api/repos/create"))
-    assert create == {
-        "name": "metachunk-rewrite-demo",
-        "organization": "someone",
-        "type": "dataset",
-        "visibility": "public",
-    }
+    # no visibility asked for: the namespace's default decides (create_repo(private=None))
+    assert create == {"name": "metachunk-rewrite-demo", "organization": "someone", "type": "dataset"}
 
     # the token went to the Hub in the Authorization header, and nowhere else
     assert hub.unexpected == []
@@ -360,6 +356,86 @@ def test_push_through_the_default_pipeline(fake_hub, dataset_dir, tmp_path, monk
         pytest.skip("hf_xet is not installed: upload_folder uses the path tested above")
     _push_and_check(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys)
     assert fake_hub.stored == {}
+
+
+def _main_files(hub) -> set[str]:
+    return set(hub.revisions[("dataset", REPO, "main")])
+
+
+def test_a_second_push_replaces_what_the_first_sent(fake_hub, dataset_dir, tmp_path, monkeypatch):
+    """A rebuild in fewer shards: the old shards went, so load_dataset reads the new rows only. The same
+    push again sends nothing (each file's oid is the Hub's already), and a file added by hand stays."""
+    import shutil
+
+    from datasets import load_dataset
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    push_dataset(dataset_dir, REPO)
+    fake_hub.revisions[("dataset", REPO, "main")]["notes/by-hand.png"] = b"a maintainer's file"
+    assert len(fake_hub.commits) == 1
+    push_dataset(dataset_dir, REPO)
+    assert len(fake_hub.commits) == 1  # nothing changed: no commit
+    data = dataset_dir / "data"
+    shutil.copyfile(data / "train-00000-of-00002.parquet", data / "train-00000-of-00001.parquet")
+    for old in ("train-00000-of-00002.parquet", "train-00001-of-00002.parquet"):
+        (data / old).unlink()
+    rebuilt = full_stats()
+    rebuilt["rows"]["train"] = 3
+    write_dataset_card(dataset_dir, rebuilt, cards_dir=tmp_path / "data_cards")
+    push_dataset(dataset_dir, REPO)
+    assert len(fake_hub.commits) == 2
+    assert _main_files(fake_hub) == {".gitattributes", "README.md", "token_lengths.png", "notes/by-hand.png",
+                                     "data/train-00000-of-00001.parquet", "data/validation-00000-of-00001.parquet"}  # fmt: skip
+    remote = tmp_path / "remote"
+    for name, content in fake_hub.revisions[("dataset", REPO, "main")].items():
+        (remote / name).parent.mkdir(parents=True, exist_ok=True)
+        (remote / name).write_bytes(content)
+    assert (
+        len(load_dataset(str(remote), split="train")) == 3
+    )  # the card's data_files glob reads the new shard only
+
+
+def test_a_tag_names_one_publication(fake_hub, dataset_dir, tmp_path, monkeypatch, capsys):
+    """The same tagged push again succeeds without a commit; a tag that marks an older commit is refused
+    before anything is sent (it was a 409 after the upload, leaving main published and untagged)."""
+    from metachunk.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    argv = ["data", "push", str(dataset_dir), "--repo-id", REPO]
+    assert main([*argv, "--tag", "v1"]) == 0
+    assert main([*argv, "--tag", "v1"]) == 0 and len(fake_hub.commits) == 1
+    (dataset_dir / "data" / "validation-00000-of-00001.parquet").unlink()
+    assert main([*argv, "--tag", "v2"]) == 0 and len(fake_hub.commits) == 2
+    capsys.readouterr()
+    assert main([*argv, "--tag", "v1"]) == 2 and len(fake_hub.commits) == 2
+    err = capsys.readouterr().err
+    assert f"tag 'v1' already marks commit {fake_hub.heads[('dataset', REPO, 'v1')][:12]}" in err, err
+    assert [t[1] for t in fake_hub.tags] == ["v1", "v2"]
+
+
+def test_a_hub_refusal_is_one_line(fake_hub, dataset_dir, tmp_path, monkeypatch, capsys):
+    import httpx2
+
+    from metachunk.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    answer = fake_hub.handler
+
+    def forbidden(request):
+        if request.url.path == "/api/repos/create":
+            return httpx2.Response(
+                403, json={"error": "You don't have the rights to create a dataset under\nthe namespace"}
+            )
+        return answer(request)
+
+    monkeypatch.setattr(fake_hub, "handler", forbidden)
+    assert main(["data", "push", str(dataset_dir), "--repo-id", REPO]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and TOKEN not in err, err
+    assert f"metachunk: error: {REPO}: the Hub answered 403: You don't have the rights" in err
 
 
 def test_push_without_token_or_files_sends_nothing(fake_hub, dataset_dir, tmp_path, monkeypatch):

@@ -38,8 +38,9 @@ The flow, top to bottom (`export`):
    interrupted export leaves ``--out`` as it was; only a hidden ``.NAME.export-*`` temp folder
    can remain next to it.
 5. **Push** (``--push ORG/NAME``): `metachunk.hub.push_folder` (shared with ``metachunk
-   data push``) uploads exactly the exported files to a model repo; the token comes from
-   ``HF_TOKEN`` only and is never printed.
+   data push``) uploads exactly the exported files to a model repo, and deletes the files of an
+   earlier export it no longer has (`MODEL_FILE_PATTERNS`); the token comes from ``HF_TOKEN`` only and
+   is never printed.
 
 The card (``metachunk.train.card.render_model_card``) says only what the run recorded: `read_run` reads
 ``metachunk_run.json`` (``metachunk.train.sft.run_facts``: base model, dataset build report, hyperparameters,
@@ -537,11 +538,19 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             cfg.push,
             repo_type="model",
             allow_patterns=[p.relative_to(cfg.out).as_posix() for p in files],
+            delete_patterns=MODEL_FILE_PATTERNS,
             private=cfg.private,
             commit_message=cfg.commit_message,
         )
     return result
 
+
+# What `from_pretrained` reads from a model repo, and so what a push replaces: an earlier export's
+# weights, index or chat template left beside the new ones would be loaded instead of them (transformers
+# reads model.safetensors before an index, chat_template.jinja before tokenizer_config.json's template).
+MODEL_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                       "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                       "added_tokens.json", "vocab.*", "merges.txt", "chat_template.jinja", "chat_template.json"]  # fmt: skip
 
 # ---- `metachunk export` --------------------------------------------------------------------------
 
