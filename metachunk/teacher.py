@@ -24,10 +24,17 @@ The request path, in order:
    model is built per answer, and the bytes we parse are the bytes we keep. An answer without
    ``usage`` is counted at the same upper-bound estimate and marked ``usage_estimated``.
 
+A send that got no answer may still have been billed (a read timeout, which openai's client
+retries; a stream cut mid-answer; a 200 whose body does not parse): each is counted at the
+reservation's worst case in the stored row's cost, counted on the wire per request key
+(`Endpoint.take_counts`), so that the budget sees it and a rerun sending it again cannot spend
+without bound. A connection that never opened and an error status count nothing.
+
 The overshoot bound: a run stops before a reservation passes the cap, and reservations are upper
 bounds once the endpoint is calibrated, so the spend passes the cap by at most what the requests
-in flight when the cap is reached were billed above their reservations: never more than one
-concurrency window of requests.
+holding a claim when the cap is reached cost above their reservations. Claims are taken before an
+endpoint's concurrency slot, so they number up to the run's workers (docs/reliability.md), and a
+request whose sends time out or break may cost up to ``max_retries + 1`` worst cases.
 
 **Structured outputs.** A stage whose answer must be JSON passes its answer schema
 (`Schema`) with the request, and the teacher's ``structured_output`` says
@@ -67,6 +74,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +94,7 @@ if TYPE_CHECKING:
     import openai
 
 T = TypeVar("T")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell takes as a variable name
 R = TypeVar("R")
 
 SENDS_SCHEMA = ("json_schema", "json_object_schema")
@@ -303,6 +312,12 @@ class TeacherConfig:
             raise ValueError(
                 f"provider {self.provider!r} has no Batch API: set 'batch_endpoint' or use mode: online"
             )
+        if self.api_key_env is not None and not ENV_NAME.fullmatch(str(self.api_key_env)):
+            # a key pasted here by mistake: refused without repeating it (it would reach the error and the records)
+            raise ValueError(
+                "'api_key_env' must name an environment variable (letters, digits and _), not hold the key "
+                "itself; the value given is not shown"
+            )
         for name, url in [("base_url", self.base_url)] + [("base_urls", u) for u in self.base_urls or []]:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name!r} must be an http(s) URL, got {safe_url(str(url))!r}")
@@ -418,8 +433,9 @@ TRANSPORT_FAILURES = ("timeout", "connection", "malformed_response", "stream_cut
 
 
 def is_transport_failure(reason: str) -> bool:
-    """A failed answer's ``reason`` says no answer was paid for (timeout, connection, HTTP error,
-    malformed body): the store keeps only the error, and the next run sends the request again."""
+    """A failed answer's ``reason`` says no answer came back (timeout, connection, HTTP error,
+    malformed body): the store keeps the error, with what its sends may have been billed as its
+    cost, and the next run sends the request again."""
     return reason in TRANSPORT_FAILURES or reason.startswith("http_")
 
 
@@ -507,9 +523,10 @@ class Answer:
 
 def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
     """``(prompt, completion, answer text, well-formed)`` from a 200 body; the token counts are
-    None when the server sent no usage, or a usage without the completion's count (neither
-    ``completion_tokens`` nor ``total_tokens``): the caller then counts the answer at its upper
-    estimate, never at 0. A body that is not a chat completion is ``malformed_response`` (retried
+    None when the server sent no usage, a usage without the completion's count (neither
+    ``completion_tokens`` nor ``total_tokens``), or one with a negative count (``total_tokens``
+    below ``prompt_tokens`` included): the caller then counts the answer at its upper estimate,
+    never at 0 or below. A body that is not a chat completion is ``malformed_response`` (retried
     like a transport error).
 
     A chat completion's ``usage`` has ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``
@@ -526,10 +543,14 @@ def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
             return None, None, text, True
         prompt = int(usage["prompt_tokens"])
         if usage.get("completion_tokens") is not None:
-            return prompt, int(usage["completion_tokens"]), text, True
-        if usage.get("total_tokens") is not None:
-            return prompt, int(usage["total_tokens"]) - prompt, text, True
-        return None, None, text, True
+            completion = int(usage["completion_tokens"])
+        elif usage.get("total_tokens") is not None:
+            completion = int(usage["total_tokens"]) - prompt
+        else:
+            return None, None, text, True
+        if prompt < 0 or completion < 0:  # a count no server bills: the usage is not to be trusted
+            return None, None, text, True
+        return prompt, completion, text, True
     except (ValueError, KeyError, IndexError, TypeError):
         return None, None, "", False
 
@@ -587,7 +608,12 @@ def api_key(cfg: TeacherConfig) -> str:
     """The key named by ``api_key_env`` (registered for redaction), or "EMPTY" for local servers."""
     if not cfg.api_key_env:
         return "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
-    key = os.environ.get(cfg.api_key_env, "")
+    raw = os.environ.get(cfg.api_key_env, "")
+    key = (
+        raw.strip()
+    )  # a key pasted with its newline (`export K=$(cat key.txt)` keeps none, an .env file may)
+    if raw and raw != key:
+        register_secret(raw)
     if not key:
         raise FatalTeacherError(f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set")
     register_secret(key)  # from here on, redact() masks it in everything written or printed
@@ -629,12 +655,26 @@ class Endpoint:
         self.requests = TokenBucket(cfg.rpm) if cfg.rpm else None
         self.tokens = TokenBucket(cfg.tpm) if cfg.tpm else None
         self.sent = 0
+        # Per request key: the HTTP requests that left (openai's retries included) and those answered by
+        # an error status, which no provider bills. The rest may have been billed: `Teacher._send` counts them.
+        self.requests_sent: dict[str, int] = {}
+        self.error_statuses: dict[str, int] = {}
+
+    def take_counts(self, key: str) -> tuple[int, int]:
+        """``(requests sent, answered by an error status)`` for ``key`` since the last call."""
+        return self.requests_sent.pop(key, 0), self.error_statuses.pop(key, 0)
 
     async def _wait_out_pause(self, request) -> None:
+        key = request.headers.get("X-Request-Key")
+        if key is not None:
+            self.requests_sent[key] = self.requests_sent.get(key, 0) + 1
         while (delay := self.pause_until - time.monotonic()) > 0:
             await asyncio.sleep(delay)
 
     async def _note_rate_limit(self, response) -> None:
+        key = response.request.headers.get("X-Request-Key")
+        if key is not None and response.status_code >= 400:
+            self.error_statuses[key] = self.error_statuses.get(key, 0) + 1
         if response.status_code == 429:
             delay = retry_after_seconds(response.headers)
             delay = 1.0 if delay is None or delay <= 0 else min(delay, 120.0)
@@ -780,8 +820,11 @@ class EndpointGroup:
             try:
                 response = await endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:
-                if len(self.endpoints) == 1 or _transport_reason(e) != "connection":
+                reason, opened = _transport_reason(e)
+                if len(self.endpoints) == 1 or reason != "connection":
                     raise
+                if not opened:  # tried on the next endpoint: this one never received it
+                    endpoint.requests_sent[key] = max(0, endpoint.requests_sent.get(key, 0) - 1)
                 endpoint.down_for = min(60.0, max(1.0, 2 * endpoint.down_for))
                 endpoint.down_until = time.monotonic() + endpoint.down_for
                 tried.add(id(endpoint))
@@ -792,6 +835,17 @@ class EndpointGroup:
                 endpoint.in_flight -= 1
             endpoint.down_for = 0.0
             return response, endpoint
+
+    def sends_maybe_billed(self, key: str, answered: bool = False, never_sent: bool = False) -> int:
+        """How many of the requests sent for ``key`` since the last call, on any endpoint, may have
+        been billed without an answer: every one that left, less those answered by an error status
+        (no provider bills one), the answer itself (``answered``) and a last one whose connection
+        never opened (``never_sent``)."""
+        sent = refused = 0
+        for endpoint in self.endpoints:
+            s, r = endpoint.take_counts(key)
+            sent, refused = sent + s, refused + r
+        return max(0, sent - refused - int(answered) - int(never_sent))
 
     async def close(self) -> None:
         for endpoint in self.endpoints:
@@ -1054,15 +1108,23 @@ class Teacher:
 
         model = self.cfg.model
         estimated_tokens = prompt_estimate + max_tokens
+        # A send that got no answer may still be billed: the server may have generated it (a read timeout, a
+        # stream cut mid-answer, a 200 whose body did not parse). Each is counted at the reservation's worst
+        # case, in the row's cost, so that the budget sees it and a rerun that sends it again cannot spend
+        # without bound. A connection that never opened and an error status are not billed.
+        worst_case = self.price.cost(prompt_estimate, max_tokens)
+        maybe_billed = 0.0
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 raw, via = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
-                reason = _transport_reason(e)
+                reason, opened = _transport_reason(e)
                 self.endpoint.note_connection(reason == "connection")
-                return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, 0.0)
+                maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key, never_sent=not opened)
+                return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, maybe_billed)
             except openai.APIStatusError as e:
                 self.endpoint.note_connection(False)
+                maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key)
                 if e.status_code in (401, 403, 404):
                     raise FatalTeacherError(
                         redact(
@@ -1071,20 +1133,29 @@ class Teacher:
                     ) from None
                 self.endpoint.note_refusal(e if e.status_code in (400, 422) else None)
                 return StoredAnswer(
-                    key, model, "error", f"http_{e.status_code}", redact(_short(e.message)), 0, 0, 0.0
+                    key,
+                    model,
+                    "error",
+                    f"http_{e.status_code}",
+                    redact(_short(e.message)),
+                    0,
+                    0,
+                    maybe_billed,
                 )
             except StreamBroken as e:  # after the headers: retried here, like a malformed body
                 self.endpoint.note_connection(False)
                 self.endpoint.note_refusal(None)
+                maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key)
                 raw = f"{e.reason}: {e.detail}"
                 if attempt < self.cfg.max_retries:
                     await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
                     continue
-                return StoredAnswer(key, model, "error", e.reason, redact(_short(raw)), 0, 0, 0.0)
+                return StoredAnswer(key, model, "error", e.reason, redact(_short(raw)), 0, 0, maybe_billed)
             self.endpoint.note_connection(False)
             self.endpoint.note_refusal(None)
             raw = redact(raw, headers=False)
             prompt_tokens, completion_tokens, text, well_formed = read_usage(raw)
+            maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key, answered=well_formed)
             if well_formed:
                 estimated = prompt_tokens is None
                 if estimated:  # counted, never free: the same upper estimate the reservation used
@@ -1092,7 +1163,7 @@ class Teacher:
                     completion_tokens = min(max_tokens, self.count_tokens(text))
                 if via.tokens:  # replace the estimate by the real usage
                     via.tokens.give_back(estimated_tokens, prompt_tokens + completion_tokens)
-                cost = self.price.cost(prompt_tokens, completion_tokens)
+                cost = self.price.cost(prompt_tokens, completion_tokens) + maybe_billed
                 return StoredAnswer(
                     key,
                     model,
@@ -1106,19 +1177,24 @@ class Teacher:
                 )
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
-        return StoredAnswer(key, model, "error", "malformed_response", redact(_short(raw)), 0, 0, 0.0)
+        return StoredAnswer(
+            key, model, "error", "malformed_response", redact(_short(raw)), 0, 0, maybe_billed
+        )
 
 
-def _transport_reason(error: openai.APIConnectionError) -> str:
-    """``timeout`` or ``connection``. The aiohttp transport reports every failed connection (refused,
-    reset, closed early) as a connect timeout; the aiohttp error underneath tells them apart."""
+def _transport_reason(error: openai.APIConnectionError) -> tuple[str, bool]:
+    """``(reason, opened)``: ``timeout`` or ``connection``, and whether the last request reached the
+    server (False when its connection never opened: nothing was sent, so nothing was billed). The
+    aiohttp transport reports every failed connection (refused, reset, closed early) as a connect
+    timeout; the aiohttp error underneath tells them apart."""
     import aiohttp
     import openai
 
     cause = error.__cause__.__cause__ if error.__cause__ is not None else None
+    opened = not isinstance(cause, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
     if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError):
-        return "connection"
-    return "timeout" if isinstance(error, openai.APITimeoutError) else "connection"
+        return "connection", opened
+    return ("timeout" if isinstance(error, openai.APITimeoutError) else "connection"), opened
 
 
 def _short(text: str, limit: int = 500) -> str:

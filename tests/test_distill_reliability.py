@@ -842,3 +842,50 @@ def test_one_run_with_repeated_documents_pays_each_request_once(tmp_path):
     summary = job.meta()["summary"]
     assert summary["requests_sent"] == stats["requests"] and summary["answers_waited_for"] > 0
     assert summary["paid"] == pytest.approx(job.query("SELECT SUM(cost) FROM answers")[0][0])  # paid once
+
+
+# --------------------------------------------------------------------------------------------
+# 12. A send that got no answer may still be billed: counted, at its worst case, in the store
+# --------------------------------------------------------------------------------------------
+
+
+def _failed_row_cost(
+    tmp_path: Path, base_url: str, marker: str, max_retries: int, stream: bool = False
+) -> float:
+    """The store's cost for one reflection request (marker in the chunk) that ends failed."""
+    job = make_job(tmp_path, base_url, {"d": [chunk_text(7, marker)]},
+                   teacher={"timeout": 1.0, "max_retries": max_retries, "concurrency": 1, "stream": stream},
+                   prices={"loopback": {"input": 1000.0, "output": 2000.0}})  # fmt: skip
+    done = job.cli("rewrite", timeout=120)
+    assert done.returncode == 4, done.stderr
+    ((cost,),) = job.query("SELECT cost FROM answers WHERE status = 'error'")
+    return cost
+
+
+def test_sends_that_may_be_billed_without_an_answer_are_counted_at_their_worst_case(tmp_path):
+    """A read timeout (the server may have generated the answer), a stream cut mid-answer and a 200 whose
+    body does not parse were stored at $0 and sent again by every rerun, outside any --max-cost. Each send
+    now counts at the reservation's worst case: openai's own retries of a timeout included (counted on the
+    wire, by the X-Request-Key of each HTTP request); an error status (500) is never billed."""
+    with serve_in_subprocess(latency=0.0, replies=REPLIES, hang_seconds=30) as server:
+        once = _failed_row_cost(tmp_path / "hang0", server.base_url, "[[fault:hang]]", max_retries=0)
+        thrice = _failed_row_cost(tmp_path / "hang2", server.base_url, "[[fault:hang]]", max_retries=2)
+        malformed = _failed_row_cost(
+            tmp_path / "malformed", server.base_url, "[[fault:malformed]]", max_retries=1
+        )
+        cut = _failed_row_cost(
+            tmp_path / "cut", server.base_url, "[[fault:malformed]]", max_retries=1, stream=True
+        )
+        refused = _failed_row_cost(tmp_path / "500", server.base_url, "[[fault:500]]", max_retries=2)
+        # answered on the second send: the answer's own usage, plus the first send at its worst case
+        job = make_job(tmp_path / "once", server.base_url, {"d": [chunk_text(7, "[[fault:malformed*1]]")]},
+                       teacher={"max_retries": 1, "concurrency": 1},
+                       prices={"loopback": {"input": 1000.0, "output": 2000.0}})  # fmt: skip
+        assert job.cli("rewrite", timeout=120).returncode in (0, 4)
+        first = job.query("SELECT prompt_tokens, completion_tokens, cost FROM answers ORDER BY id LIMIT 1")[0]
+        stats = server.stats()
+    assert once > 0 and thrice == pytest.approx(3 * once)  # the same prompt, the same worst case
+    assert malformed > 0 and cut > 0 and refused == 0.0
+    assert stats["by_outcome"]["500"] == 3
+    billed = (1000.0 * first[0] + 2000.0 * first[1]) / 1e6
+    assert first[2] > billed * 1.5  # the malformed first send's worst case is more than its answer

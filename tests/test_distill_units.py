@@ -61,6 +61,10 @@ def test_split_reasoning(content, reasoning_content, answer, reasoning):
         ({"prompt_tokens": 100}, (None, None)),  # the completion uncounted: no usage, never free
         ({"completion_tokens": 5}, (None, None)),
         (None, (None, None)),
+        # counts no server bills: a cost below zero would hide spend from the budget
+        ({"prompt_tokens": 900, "total_tokens": 40}, (None, None)),
+        ({"prompt_tokens": -1000000, "completion_tokens": 5}, (None, None)),
+        ({"prompt_tokens": 10, "completion_tokens": -3}, (None, None)),
     ],
 )
 def test_read_usage_counts_an_answer_only_when_its_usage_counts_both_sides(usage, counts):
@@ -480,3 +484,15 @@ def test_the_token_bucket_gets_back_only_what_it_took_beyond_the_usage():
     asyncio.run(bucket.take(5000))  # past the burst: takes the whole bucket, once
     bucket.give_back(5000, 400)  # the estimate was 5,000, but only 1,000 was taken: 600 unused
     assert 600 <= bucket.level < 610  # (a few tokens refill while the test runs)
+
+
+def test_api_key_env_names_a_variable_and_a_pasted_key_is_not_repeated(monkeypatch):
+    from metachunk.teacher import api_key
+
+    pasted = "sk-proj-PASTEDKEY1234567890"
+    with pytest.raises(ValueError, match="must name an environment variable") as e:
+        TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env=pasted)
+    assert pasted not in str(e.value)
+    monkeypatch.setenv("METACHUNK_TEST_KEY", "sk-test-with-newline\n")  # as an .env file may hold it
+    cfg = TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env="METACHUNK_TEST_KEY")
+    assert api_key(cfg) == "sk-test-with-newline"
