@@ -429,7 +429,14 @@ def split_reasoning(content: str, reasoning_content: str | None) -> tuple[str, s
 
 
 # A stream cut before its finish_reason, or an error event inside it, is a transport failure too.
-TRANSPORT_FAILURES = ("timeout", "connection", "malformed_response", "stream_cut", "stream_error")
+TRANSPORT_FAILURES = (
+    "timeout",
+    "connection",
+    "malformed_response",
+    "stream_cut",
+    "stream_error",
+    "cancelled",
+)
 
 
 def is_transport_failure(reason: str) -> bool:
@@ -1086,9 +1093,18 @@ class Teacher:
                 waited = True
             await asyncio.sleep(WAIT_POLL_SECONDS)
         try:
+            self.endpoint.check_reachable()  # a stopped endpoint sends nothing more (the sends in flight finish)
             row = await self._send(payload, key, messages, prompt_estimate, max_tokens)
-        except BaseException:  # cancelled, or the endpoint is gone: the reservation must not outlive it
-            self.store.release(key)
+        except BaseException:  # stopped, cancelled (Ctrl-C, SIGTERM), or the endpoint is gone
+            # A send that left may be billed, answer or not: it is counted at its worst case, as a transport
+            # failure the next run sends again. One that never left only gives its reservation back.
+            sends = self.endpoint.sends_maybe_billed(key)
+            if sends:
+                cost = sends * self.price.cost(prompt_estimate, max_tokens)
+                self.store.put(StoredAnswer(key, self.cfg.model, "error", "cancelled", "stopped while in flight",
+                                            0, 0, cost))  # fmt: skip
+            else:
+                self.store.release(key)
             raise
         calibration = None
         if row.ok and not row.usage_estimated:
@@ -1287,7 +1303,8 @@ class TeacherPool:
         the requests whose reservation does not fit end ``BudgetExceeded`` inside ``fn`` (which
         records them as pending, or raises to stop), so the run sends everything that fits the cap.
         An endpoint that cannot answer (unreachable, or refusing every request for the same reason)
-        stops it: the other workers are cancelled and what finished is kept.
+        stops it: no new request is sent, the ones in flight finish and are stored, and what
+        finished is kept.
         Any other error (or a KeyboardInterrupt) cancels every worker and is raised. ``close``: the
         pool's HTTP clients are closed at the end (pass False to map again over the same pool).
         ``results``: where ``fn(item)`` goes, index by index (default a new list; a disk-backed
@@ -1321,8 +1338,16 @@ class TeacherPool:
         stop: EndpointStop | None = None
         try:
             try:
-                await asyncio.gather(*tasks)
-            except BaseException:  # the first error (or a cancellation) cancels the rest
+                try:
+                    await asyncio.gather(*tasks)
+                except EndpointStop:
+                    # Nothing more is sent (each send checks its endpoint first), but the sends in flight are
+                    # let finish and be stored: the server may be generating them, and billing them, already.
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+            except EndpointStop:
+                raise
+            except BaseException:  # any other error (or a cancellation, Ctrl-C) cancels the rest
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

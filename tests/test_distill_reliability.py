@@ -751,7 +751,9 @@ def test_an_unreachable_endpoint_stops_the_run_early_with_one_line(tmp_path):
     records = job.records()  # written, every one failed in transport or never sent
     assert len(records) == 40 and {r["status"] for r in records} <= {"failed", "pending"}
     errors = job.query("SELECT COUNT(*) FROM answers WHERE reason = 'connection'")[0][0]
-    assert 6 <= errors <= 6 + 4  # the bound, plus the requests already in flight
+    # the bound, plus the requests already in flight (finished, not cancelled): up to the run's 8 workers
+    # (concurrency 4, two chunks per slot)
+    assert 6 <= errors <= 6 + 8
     assert seconds < 60
 
 
@@ -889,3 +891,44 @@ def test_sends_that_may_be_billed_without_an_answer_are_counted_at_their_worst_c
     assert stats["by_outcome"]["500"] == 3
     billed = (1000.0 * first[0] + 2000.0 * first[1]) / 1e6
     assert first[2] > billed * 1.5  # the malformed first send's worst case is more than its answer
+
+
+def test_a_stop_lets_the_sends_in_flight_finish_and_keeps_their_answers(tmp_path):
+    """A refusal that stops the run used to cancel every request in flight: the server had generated
+    (and billed) them, the store kept nothing, and the rerun paid for them again."""
+    docs = {f"c{i}": [chunk_text(i, "[[fault:400]]" if i == 0 else "")] for i in range(6)}
+    with serve_in_subprocess(latency=1.0, replies=REPLIES) as server:
+        job = make_job(
+            tmp_path,
+            server.base_url,
+            docs,
+            teacher={"concurrency": 4, "refusals_to_stop": 1, "max_retries": 0},
+        )
+        done = job.cli("rewrite", timeout=120)
+        first = server.stats()
+    assert done.returncode == 4 and "refuses the request" in done.stderr, done.stderr
+    answered = job.query("SELECT COUNT(*) FROM answers WHERE status = 'ok'")[0][0]
+    assert answered == first["by_outcome"]["ok"] >= 3  # every answer the server gave was kept
+    assert first["requests"] == first["by_outcome"]["ok"] + 1  # and nothing was sent after the stop
+
+
+def test_a_send_stopped_in_flight_is_counted_as_maybe_billed(tmp_path):
+    """SIGTERM (or Ctrl-C) cancels the sends in flight: each had left, so the server may bill it; it was
+    given its reservation back and counted nothing. It is now stored at its worst case, and sent again."""
+    docs = {f"c{i}": [chunk_text(i)] for i in range(4)}
+    with serve_in_subprocess(latency=30.0, replies=REPLIES) as server:
+        job = make_job(tmp_path, server.base_url, docs, teacher={"concurrency": 2, "max_retries": 0, "timeout": 60},
+                       prices={"loopback": {"input": 1000.0, "output": 2000.0}})  # fmt: skip
+        run = subprocess.Popen([sys.executable, "-m", "metachunk.cli", "distill", "rewrite", "--config",
+                                str(job.recipe)], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while server.stats()["requests"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=60)
+        sent = server.stats()["requests"]
+    assert run.returncode == 143 and "Traceback" not in err, err
+    rows = job.query("SELECT reason, cost FROM answers")
+    assert len(rows) == sent == 2 and all(reason == "cancelled" and cost > 0 for reason, cost in rows), rows
+    assert not job.query("SELECT COUNT(*) FROM claims")[0][0]  # no reservation outlives the run

@@ -57,8 +57,8 @@ Two deterministic ways to script them:
 2. ``--random-faults '{"429": 0.05, "500": 0.02}'`` with ``--seed``: every chat arrival draws
    from one ``random.Random(seed)`` and gets a fault with those probabilities (markers win).
 
-Kinds: ``401``, ``429`` (with ``Retry-After``), ``500``, ``503`` (JSON error bodies; these four are
-answered at once, without the latency), ``hang`` (answers normally after ``--hang-seconds``; a
+Kinds: ``400`` (a refusal), ``401``, ``429`` (with ``Retry-After``), ``500``, ``503`` (JSON error
+bodies; these five are answered at once, without the latency), ``hang`` (answers normally after ``--hang-seconds``; a
 client that gives up is no problem), ``malformed`` (200 with a truncated JSON body), ``empty``
 (content ""), ``length`` (half the content, ``finish_reason`` "length"), ``think`` (content
 prefixed by ``<think>I reason about it.</think>``) and ``reasoning`` (an extra
@@ -118,7 +118,7 @@ else:  # run as a script: its folder is on sys.path
     from providers import FAKES
 
 FAULT_KINDS = (
-    "401", "429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning", "filter",
+    "400", "401", "429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning", "filter",
     "stream_error", "stall",
 )  # fmt: skip
 THINK_TEXT = "I reason about it."
@@ -157,6 +157,7 @@ def _error_body(message: str, kind: str) -> bytes:
 
 
 _ERROR_BODIES = {
+    "400": _error_body("this request is refused", "invalid_request_error"),
     "401": _error_body("invalid api key", "authentication_error"),
     "429": _error_body("rate limited", "rate_limit_error"),
     "500": _error_body("internal server error", "server_error"),
@@ -631,7 +632,7 @@ class LoopbackServer:
 
         if fault == "stream_error" and not streamed:
             fault = "500"
-        if fault in ("401", "429", "500", "503"):
+        if fault in ("400", "401", "429", "500", "503"):
             body = _ERROR_BODIES[fault]
             if auth:
                 body = _error_body(f"request refused; it had Authorization: {auth}", "server_error")
