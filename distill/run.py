@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -151,6 +152,9 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
             got = batch.import_results(store, offline.stages, path)
             print(f"{path}: {got['answered']} answers stored, {got['failed']} failed, {got['skipped']} already "
                   "stored", file=sys.stderr)  # fmt: skip
+        if cfg.max_cost is not None and store.spent() > cfg.max_cost:  # paid already, wherever they ran
+            print(f"distill: the imported answers bring the store's spend to ${store.spent():.4f}, past --max-cost "
+                  f"{cfg.max_cost}: nothing more is sent", file=sys.stderr)  # fmt: skip
     while True:
         pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost)
         if not cfg.export_batch:
@@ -163,10 +167,16 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
         result.sent, result.paid = counts.online_sent, counts.online_paid + counts.cost
         result.batch = counts.to_json()
         if cfg.export_batch:
-            n = batch.export(pool.stages, cfg.export_batch)
+            capped = cfg.max_cost is not None and math.isfinite(cfg.max_cost)
+            room = max(0.0, cfg.max_cost - store.spent()) if capped else None
+            n, left = batch.export(pool.stages, cfg.export_batch, room)
             result.batch["exported"] = n
             print(f"{cfg.export_batch}: {n} requests for `vllm run-batch -i {cfg.export_batch} -o RESULTS.jsonl`; "
                   "then rerun with --import-batch RESULTS.jsonl", file=sys.stderr)  # fmt: skip
+            if left:
+                result.batch["left_out_by_max_cost"] = left
+                print(f"{cfg.export_batch}: {left} more requests left out: their worst cases pass --max-cost "
+                      f"{cfg.max_cost} (${room:.4f} left); export them once these are imported", file=sys.stderr)  # fmt: skip
             return result
         if result.stopped:
             return result

@@ -243,17 +243,25 @@ def collect(store: AnswerStore, teacher: Teacher, row: dict, batch, client, coun
           f"{tally['expired']} expired", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def export(teachers: dict[str, Teacher], path) -> int:
-    """The spooled requests as Batch JSONL for ``vllm run-batch``; returns how many."""
+def export(teachers: dict[str, Teacher], path, room: float | None = None) -> tuple[int, int]:
+    """The spooled requests as Batch JSONL for ``vllm run-batch`` or a provider; returns how many
+    were written, and how many were left out. ``room``: the dollars left under ``--max-cost``
+    (the cap less the store's spend): the requests are taken in order while their worst cases
+    (each one's reservation) fit, as `submit` takes them, since an exported file is paid wherever it
+    runs; the rest wait for a later export."""
     from metachunk.artifacts import AtomicWriter
 
-    n = 0
+    n = left = 0
+    worst = 0.0
     with AtomicWriter(path) as f:
         for teacher, entries in spooled(teachers).values():
-            for key, (payload, _) in entries.items():
+            for key, (payload, reserve) in entries.items():
+                if room is not None and worst + reserve > room:
+                    left += 1
+                    continue
                 f.write(batch_line(key, payload, teacher.cfg.batch_endpoint))
-                n += 1
-    return n
+                n, worst = n + 1, worst + reserve
+    return n, left
 
 
 def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> dict:

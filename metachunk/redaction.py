@@ -27,10 +27,18 @@ _URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
 
 
 def register_secret(value: str | None) -> None:
-    """Remember ``value`` (an API key, a token) so that `redact` removes it everywhere.
-    Short values are refused as secrets: masking every "x" or "EMPTY" would garble real text."""
+    """Remember ``value`` (an API key, a token) so that `redact` removes it everywhere, also as a
+    JSON string holds it escaped: a raw body is redacted before it is parsed, and a server may
+    write ``/`` as ``\\/`` (PHP's and some Java encoders' default) or escape non-ASCII, which the
+    parsed text then reads back as the key itself. Short values are refused as secrets: masking
+    every "x" or "EMPTY" would garble real text."""
     if value and len(value) >= 8:
-        _secrets.add(value)
+        import json
+
+        escaped = json.dumps(value)[1:-1]
+        _secrets.update(
+            {value, escaped, escaped.replace("/", "\\/"), json.dumps(value, ensure_ascii=False)[1:-1]}
+        )
 
 
 def redact(text: str, headers: bool = True) -> str:

@@ -318,3 +318,31 @@ def test_a_results_line_of_the_wrong_shape_names_its_file_and_line(tmp_path, cap
         assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results)]) == 2
         err = capsys.readouterr().err
         assert f"{results}:2: expected a Batch API result line" in err and "Traceback" not in err
+
+
+def test_an_export_takes_only_the_requests_whose_worst_case_fits_the_cap(tmp_path, capsys):
+    """An exported file is paid wherever it runs: --max-cost bounds it as it bounds a submitted batch (it
+    exported every request, and the import stored spend far past the cap without a word)."""
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")  # never contacted
+    everything = tmp_path / "all.jsonl"
+    assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(everything)]) == 0
+    capped = tmp_path / "capped.jsonl"
+    capsys.readouterr()
+    cap = "0.005"  # room for some of the six reflection requests' worst cases, not all
+    assert (
+        main(
+            ["distill", "rewrite", "--config", str(recipe), "--export-batch", str(capped), "--max-cost", cap]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    n = len(capped.read_text().splitlines())
+    assert 0 < n < len(everything.read_text().splitlines()) == 6, err
+    assert f"{6 - n} more requests left out: their worst cases pass --max-cost {float(cap)}" in err
+    results = tmp_path / "results.jsonl"
+    vllm_results(
+        everything, results, usage={"prompt_tokens": 100000, "completion_tokens": 5, "total_tokens": 100005}
+    )
+    assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results), "--max-cost", cap,
+                 "--export-batch", str(tmp_path / "next.jsonl")]) == 0  # fmt: skip
+    assert "past --max-cost" in capsys.readouterr().err

@@ -496,3 +496,21 @@ def test_api_key_env_names_a_variable_and_a_pasted_key_is_not_repeated(monkeypat
     monkeypatch.setenv("METACHUNK_TEST_KEY", "sk-test-with-newline\n")  # as an .env file may hold it
     cfg = TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env="METACHUNK_TEST_KEY")
     assert api_key(cfg) == "sk-test-with-newline"
+
+
+def test_a_key_a_server_echoes_json_escaped_is_masked_before_the_body_is_parsed():
+    """A raw body is redacted, then parsed: a key whose ``/`` the server wrote as ``\\/`` (PHP's default)
+    passed the mask and came back whole from json.loads, into the records."""
+    from metachunk.redaction import MASK, redact, register_secret
+
+    key = "Ab3/xYz9+SeCrEt/KEY42-é"
+    register_secret(key)
+    for encoded in (
+        json.dumps(key),
+        json.dumps(key).replace("/", "\\/"),
+        json.dumps(key, ensure_ascii=False),
+    ):
+        raw = '{"choices": [{"message": {"content": "seen key ' + encoded[1:-1] + '"}}]}'
+        assert (
+            json.loads(redact(raw, headers=False))["choices"][0]["message"]["content"] == f"seen key {MASK}"
+        )
