@@ -64,13 +64,12 @@ import numpy as np
 from metachunk import config
 from metachunk.artifacts import (
     SCHEMA_VERSION,
-    AtomicWriter,
     Document,
     InputError,
+    OutputSet,
     check_unicode,
     jsonl_line,
     read_json,
-    write_json,
 )
 from metachunk.command import Reads, Result
 from metachunk.config import block, option
@@ -583,15 +582,16 @@ def prepare_crud(
     def record(d: Document) -> str:
         return jsonl_line({"id": d.id, "text": d.text, "source": sources.get(d.id)})
 
-    out.mkdir(parents=True, exist_ok=True)
-    with AtomicWriter(out / "test_documents.jsonl") as f:
-        f.writelines(record(d) for d in test_docs)
-    with AtomicWriter(out / "train_pool.jsonl") as f:
-        f.writelines(record(d) for d in pool_docs)
-    with AtomicWriter(out / "qa_matches.jsonl") as f:
+    # The test set, the pool, the matches and the report are replaced together or not at all: a new test
+    # set beside an old pool (a full disk, or a kill, while the pool was written) would leak test documents.
+    with OutputSet() as outputs:
+        out.mkdir(parents=True, exist_ok=True)
+        outputs.open(out / "test_documents.jsonl").writelines(record(d) for d in test_docs)
+        outputs.open(out / "train_pool.jsonl").writelines(record(d) for d in pool_docs)
+        matches_file = outputs.open(out / "qa_matches.jsonl")
         for m in matches:
             entry = qa[m.qa_id]
-            f.write(
+            matches_file.write(
                 jsonl_line(
                     {
                         "qa_id": m.qa_id,
@@ -607,46 +607,47 @@ def prepare_crud(
                 )
             )
 
-    statuses = {s: sum(m.status == s for m in matches) for s in STATUSES}
-    report = {
-        "schema_version": SCHEMA_VERSION,
-        "inputs": {"news": str(news_path), "qa": str(qa_path)},
-        "documents": len(docs),
-        "qa_entries": len(matches),
-        **statuses,
-        "test_documents": len(test_docs),
-        "train_pool": len(pool_docs),
-        "near_duplicates_removed": len(removed),
-        "near_duplicate_pairs": removed,
-        "exact_duplicate_groups": exact_groups,
-        "thresholds": {
-            "match_threshold": match_threshold,
-            "margin": margin,
-            "near_dup_threshold": near_dup_threshold,
-            "num_perm": num_perm,
-            "shingle": index.shingle,
-        },
-        "method": {
-            "matching": "sentence- and key-string matching over an IDF-weighted character-trigram "
-            "shortlist; texts NFKC-normalised, lower-cased, whitespace removed",
-            "confidence": f"{KEY_SHARE} * K + {1 - KEY_SHARE:.1f} * A (K alone without informative "
-            f"answers). K: key strings' credit weighted by min(length, {KEY_WEIGHT_CAP}); A: mean "
-            "credit of informative answers. Credit: 1 if verbatim, else max(0, (f - 0.5) / 0.5) with "
-            "f the best share of the string's character bigrams held by one sentence",
-            "status": "matched: confidence >= match_threshold and runner-up < confidence - margin; "
-            "ambiguous: >= match_threshold with other articles within the margin (all become test "
-            "documents); unmatched: otherwise",
-            "leakage": "exact copies (normalised text) and near duplicates (character 5-gram "
-            "Jaccard >= near_dup_threshold; MinHash LSH candidates, exact Jaccard check) of test "
-            "documents are removed from the training pool",
-        },
-        "confidence_histogram": _histogram(m.confidence for m in matches),
-    }
-    rejected = finish_rejects(rejects, "data prepare-crud")
-    if rejected is not None:
-        report["rejects"] = rejected
-    write_json(out / "report.json", report)
-    return report
+        statuses = {s: sum(m.status == s for m in matches) for s in STATUSES}
+        report = {
+            "schema_version": SCHEMA_VERSION,
+            "inputs": {"news": str(news_path), "qa": str(qa_path)},
+            "documents": len(docs),
+            "qa_entries": len(matches),
+            **statuses,
+            "test_documents": len(test_docs),
+            "train_pool": len(pool_docs),
+            "near_duplicates_removed": len(removed),
+            "near_duplicate_pairs": removed,
+            "exact_duplicate_groups": exact_groups,
+            "thresholds": {
+                "match_threshold": match_threshold,
+                "margin": margin,
+                "near_dup_threshold": near_dup_threshold,
+                "num_perm": num_perm,
+                "shingle": index.shingle,
+            },
+            "method": {
+                "matching": "sentence- and key-string matching over an IDF-weighted character-trigram "
+                "shortlist; texts NFKC-normalised, lower-cased, whitespace removed",
+                "confidence": f"{KEY_SHARE} * K + {1 - KEY_SHARE:.1f} * A (K alone without informative "
+                f"answers). K: key strings' credit weighted by min(length, {KEY_WEIGHT_CAP}); A: mean "
+                "credit of informative answers. Credit: 1 if verbatim, else max(0, (f - 0.5) / 0.5) with "
+                "f the best share of the string's character bigrams held by one sentence",
+                "status": "matched: confidence >= match_threshold and runner-up < confidence - margin; "
+                "ambiguous: >= match_threshold with other articles within the margin (all become test "
+                "documents); unmatched: otherwise",
+                "leakage": "exact copies (normalised text) and near duplicates (character 5-gram "
+                "Jaccard >= near_dup_threshold; MinHash LSH candidates, exact Jaccard check) of test "
+                "documents are removed from the training pool",
+            },
+            "confidence_histogram": _histogram(m.confidence for m in matches),
+        }
+        rejected = finish_rejects(rejects, "data prepare-crud")
+        if rejected is not None:
+            report["rejects"] = rejected
+        outputs.write_json(out / "report.json", report)
+        outputs.commit(last=out / "report.json")
+        return report
 
 
 def print_report(report: dict, file=None) -> None:

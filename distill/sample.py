@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, jsonl_line, write_json
+from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, OutputSet, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.config import block, option
 from metachunk.sources import BadRows, finish_rejects, read_documents
@@ -138,7 +138,11 @@ def sample(cfg: SampleConfig) -> dict:
     picked = {long_positions[i] for i in rng.sample(range(pool_size), min(cfg.n_docs, pool_size))}
     del long_positions
     n_docs = 0
-    with AtomicWriter(out / "documents.jsonl") as docs_file:
+    # The drawn documents, chunks.jsonl and sample.json are replaced together at the end: drawn here to a
+    # staging file (the chunker's input), so that a chunking that fails leaves the last sample whole, not
+    # new documents beside old chunks whose offsets point into other texts.
+    drawn = out / ".documents.drawn.jsonl"
+    with AtomicWriter(drawn) as docs_file:
         for k, d in enumerate(
             read_documents(cfg.pool, rejects=rejects, max_row_bytes=cfg.bad_rows.max_row_bytes)
         ):
@@ -147,7 +151,7 @@ def sample(cfg: SampleConfig) -> dict:
                 n_docs += 1
 
     chunk_cfg = ChunkConfig(
-        input=out / "documents.jsonl",
+        input=drawn,
         output=out / "ppl",
         method="ppl",
         model=cfg.model,
@@ -172,7 +176,9 @@ def sample(cfg: SampleConfig) -> dict:
     rng.shuffle(turns)
     sampled_buckets: Counter = Counter()
     n_chunks = n_selected = 0
-    with AtomicWriter(out / "chunks.jsonl") as chunks_file:
+    with OutputSet() as outputs:
+        outputs.adopt(out / "documents.jsonl", drawn)
+        chunks_file = outputs.open(out / "chunks.jsonl")
         for position, chunked in enumerate(read_chunk_records(out / "ppl")):
             wanted = [
                 turns[(position * cfg.chunks_per_doc + j) % n_buckets] for j in range(cfg.chunks_per_doc)
@@ -191,23 +197,24 @@ def sample(cfg: SampleConfig) -> dict:
             chunks_file.write(jsonl_line(record))
             n_chunks += len(chunked["chunks"])
             n_selected += len(selected)
-    names = bucket_names(cfg.edges)
-    report = {
-        "schema_version": SCHEMA_VERSION,
-        "command": "data sample",
-        "config": config.to_dict(cfg),
-        "pool_long_documents": pool_size,
-        "documents": n_docs,
-        "chunks": n_chunks,
-        "selected_chunks": n_selected,
-        "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},
-        "seconds": round(time.perf_counter() - started, 2),
-    }
-    rejected = finish_rejects(rejects, "data sample")
-    if rejected is not None:
-        report["rejects"] = rejected
-    write_json(out / "sample.json", report)
-    return report
+        names = bucket_names(cfg.edges)
+        report = {
+            "schema_version": SCHEMA_VERSION,
+            "command": "data sample",
+            "config": config.to_dict(cfg),
+            "pool_long_documents": pool_size,
+            "documents": n_docs,
+            "chunks": n_chunks,
+            "selected_chunks": n_selected,
+            "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        rejected = finish_rejects(rejects, "data sample")
+        if rejected is not None:
+            report["rejects"] = rejected
+        outputs.write_json(out / "sample.json", report)
+        outputs.commit(last=out / "sample.json")
+        return report
 
 
 def print_report(report: dict, file=None) -> None:

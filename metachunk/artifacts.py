@@ -204,6 +204,66 @@ class OutputPair:
         return False
 
 
+class OutputSet:
+    """Several output files replaced together or not at all, where they share a folder with other
+    outputs (so `replace_dir` cannot swap the folder): a training pool and the test set it must not
+    overlap, say.
+
+    ```
+    with OutputSet() as outputs:
+        outputs.open(out / "test.jsonl").writelines(...)  # a temp file beside each path
+        outputs.open(out / "pool.jsonl").writelines(...)
+        outputs.commit(last=out / "report.json")
+    ```
+
+    `commit` syncs every temp file first, so a full disk or any other error up to then leaves every
+    previous file exactly as it was; leaving the block without it (an error, Ctrl-C, a kill) removes
+    the temps and changes nothing. Then renames, which need no space: ``last`` (the set's report) is
+    removed first and renamed in at the end, so that a crash within the renames (microseconds) leaves
+    no report beside a mixed set: a set without its report is unfinished (rerun the command).
+    """
+
+    def __enter__(self) -> OutputSet:
+        self._files: dict[Path, tuple] = {}
+        return self
+
+    def open(self, path: str | Path):
+        """A text file to write ``path``'s new content to (a temp file beside it)."""
+        path = Path(path)
+        self._files[path] = _temp_file(path)
+        return self._files[path][0]
+
+    def write_json(self, path: str | Path, obj) -> None:
+        """``obj`` as `write_json` writes it, replaced with the rest."""
+        file = self.open(path)
+        json.dump(obj, file, ensure_ascii=False, indent=2)
+        file.write("\n")
+
+    def adopt(self, path: str | Path, written: str | Path) -> None:
+        """``written`` (a whole file, synced, in ``path``'s folder: what an earlier step wrote
+        through `AtomicWriter`) becomes ``path`` at `commit`, with the rest; it is not removed if
+        the set is not committed."""
+        self._files[Path(path)] = (None, str(written))
+
+    def commit(self, last: str | Path | None = None) -> None:
+        for path, (file, _) in self._files.items():
+            if file is not None:
+                _close_durably(file, path)
+        last = Path(last) if last is not None else None
+        if last is not None and last in self._files and last.exists():
+            os.unlink(last)
+        for path, (_, tmp) in sorted(self._files.items(), key=lambda item: item[0] == last):
+            os.replace(tmp, path)
+
+    def __exit__(self, exc_type, exc, tb):
+        for file, tmp in self._files.values():
+            if file is not None:  # an adopted file is its writer's to keep
+                file.close()
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return False
+
+
 def replace_dir(staging: str | Path, final: str | Path) -> None:
     """Put the finished folder ``staging`` at ``final``, replacing a previous ``final``.
 

@@ -110,7 +110,7 @@ def test_by_default_a_bad_row_is_an_error_and_a_broken_input_stops(tmp_path, cap
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.rejects.jsonl").exists()
 
 
-def test_data_sample_skips_bad_pool_rows(tmp_path, capsys, corpora, tiny_model_dir):
+def test_data_sample_skips_bad_pool_rows(tmp_path, capsys, corpora, tiny_model_dir, monkeypatch):
     good, mixed = corpora
     args = ["--n-docs", 6, "--min-doc-chars", 10, "--model", tiny_model_dir, "--lang", "en", "--target-len", 60,
             "--len-unit", "char", "--no-progress", "--max-row-bytes", 1000]  # fmt: skip
@@ -128,6 +128,24 @@ def test_data_sample_skips_bad_pool_rows(tmp_path, capsys, corpora, tiny_model_d
     assert len((tmp_path / "mixed.rejects.jsonl").read_text().splitlines()) == 5
     assert json.loads((tmp_path / "mixed" / "sample.json").read_text())["rejects"]["rows"] == 5
     assert sample(mixed, tmp_path / "strict")[0] == 2
+
+    # A new draw whose chunking fails leaves the last sample whole: documents.jsonl was replaced first,
+    # beside chunks whose offsets pointed into the old documents.
+    def outputs():  # the staged draw (hidden, the chunker's input) is the next run's to replace
+        return {
+            p.name: p.read_bytes() for p in (tmp_path / "good").iterdir() if p.is_file() and p.name[0] != "."
+        }
+
+    before = outputs()
+    import metachunk.chunking.run
+
+    def fails(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metachunk.chunking.run, "run_sharded", fails)
+    rc, err = sample(good, tmp_path / "good", "--seed", "7")
+    assert rc == 1 and "No space left" in err, err
+    assert outputs() == before and set(before) == {"documents.jsonl", "chunks.jsonl", "sample.json"}
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:

@@ -147,6 +147,36 @@ def test_planted_near_duplicate_and_exact_copy_leave_the_pool(tmp_path):
     assert metro["evidence"]["answers_ignored"] == ["无法推断"]
 
 
+def test_a_failure_while_writing_leaves_the_last_test_set_and_pool_together(tmp_path, monkeypatch):
+    """The four outputs were replaced one by one: a full disk while the pool was written left a new test
+    set beside the old pool, which held the new test documents (a leak)."""
+    import errno
+    import os
+
+    news = tmp_path / "news.jsonl"
+    docs = [("src", SOURCE), ("other", OTHER), ("edited", EDITED), ("copy", SOURCE)]
+    news.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs), encoding="utf-8")
+    qa = tmp_path / "qa.json"
+    qa.write_text(json.dumps(PLANTED_QA, ensure_ascii=False), encoding="utf-8")
+    out = tmp_path / "out"
+    prepare_crud(news, qa, out)
+    before = {name: (out / name).read_bytes() for name in OUTPUTS}
+    fsync = os.fsync
+    calls = []
+
+    def disk_full_at_the_second_file(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", disk_full_at_the_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        prepare_crud(news, qa, out, match_threshold=0.99)  # a different run
+    assert {name: (out / name).read_bytes() for name in OUTPUTS} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(OUTPUTS)  # and no temp file is left
+
+
 def test_two_sources_within_the_margin_are_ambiguous_and_a_clear_winner_is_matched():
     other_report = "据报道，" + SOURCE[:60] + "此外，当地还公布了新的公交线路调整方案，涉及十二条线路。"
     docs = [Document("a", SOURCE), Document("b", other_report), Document("c", OTHER)]
