@@ -24,7 +24,7 @@ Synthetic inputs, written by the parent into a temp dir (seeded, so every run bu
 Every size runs in a fresh child process (this script re-invoked with ``--child``). The child
 imports everything the build needs (datasets, pyarrow, transformers, matplotlib, datasketch), loads
 and warms the tokenizer once, frees it, and records its RSS: the baseline. It then runs
-``build_sft`` (timed: wall seconds, and ``stats["build"]["rows_per_s"]``) and reads its peak RSS
+``build_sft`` (timed: wall seconds, and ``stats["timing"]["rows_per_s"]``) and reads its peak RSS
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the process-lifetime peak, also read at the
 baseline) and its RSS at the end. Only after that does it check the result: the dataset dir loads
 with ``datasets.load_dataset(dir)`` (cache in the temp dir) and has exactly one row per record.
@@ -262,8 +262,8 @@ def child(args: argparse.Namespace) -> None:
                 "input_records": stats["input_records"],
                 "rows": stats["rows"],
                 "filters": stats["filters"],
-                "rows_per_s": stats["build"]["rows_per_s"],
-                "build_seconds": stats["build"]["seconds"],
+                "rows_per_s": stats["timing"]["rows_per_s"],
+                "build_seconds": stats["timing"]["seconds"],
                 "wall_s": wall,
                 "token_lengths": {k: stats["token_lengths"][k] for k in ("prompt", "completion")},
                 "rss_start": rss_start,

@@ -34,7 +34,7 @@ missing, at any depth:
  "leakage": {"method": str, "threshold": float, "test_documents": int, "rows_checked": int,
              "contaminated": int},
  "teacher_usage": {"prompt_tokens": int, "completion_tokens": int, "cost_usd": float},
- "build": {"command": str, "seed": int, "seconds": float, "rows_per_s": float},
+ "build": {"command": str, "seed": int},   # what made it; how long it took is no property of the data
  "limitations": [str],
  "sizes": {"train": {"num_bytes": int, "download_size": int}, ...}}
 ```
@@ -177,13 +177,10 @@ def token_lengths_entry(
     }
 
 
-def build_entry(command: str, seed: int, seconds: float, rows: int) -> dict:
-    return {
-        "command": command,
-        "seed": seed,
-        "seconds": round(seconds, 2),
-        "rows_per_s": round(rows / seconds, 1) if seconds > 0 else 0.0,
-    }
+def build_entry(command: str, seed: int) -> dict:
+    """The card's and build_report.json's ``build``: only what decides the rows, so that a rebuild of
+    the same records writes the same bytes (and a regeneration does not retrain on an unchanged set)."""
+    return {"command": command, "seed": seed}
 
 
 def size_category(n: int) -> str:
@@ -454,8 +451,6 @@ def _build(stats: dict) -> str:
             _fenced(command, "bash") if command else f"Command: {NOT_MEASURED}.",
             "",
             f"- Seed: {_num(build.get('seed'))}",
-            f"- Seconds: {_num(build.get('seconds'), '.1f')}",
-            f"- Rows/s: {_num(build.get('rows_per_s'), '.2f')}",
         ]
     )
 

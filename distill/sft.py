@@ -429,13 +429,17 @@ def _finish(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seconds:
         cfg.tokenizer,
         cfg.max_tokens,
     )
-    stats = _card_stats(cfg, maker, target, inputs, seconds)
+    stats = _card_stats(cfg, maker, target, inputs)
     write_json(target.staging / "build_report.json", stats)
     write_dataset_card(target.staging, stats, maker.features(), cards_dir=Path(cfg.cards_dir))
-    return stats
+    # The build's time is the caller's (the terminal, bench/sft_build.py, a regeneration's manifest), not
+    # the dataset's: in its files it would change the bytes of every rebuild of the same records.
+    total = sum(w.rows for w in target.writers.values())
+    return {**stats, "timing": {"seconds": round(seconds, 2),
+                                "rows_per_s": round(total / seconds, 1) if seconds > 0 else 0.0}}  # fmt: skip
 
 
-def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seconds: float) -> dict:
+def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs) -> dict:
     langs = sorted(target.langs or inputs.record_langs) or ["en"]
     rows = {s: w.rows for s, w in target.writers.items()}
     total = sum(rows.values())
@@ -475,7 +479,7 @@ def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seco
         },
         "teacher_usage": {**inputs.usage, "cost_usd": round(inputs.usage["cost_usd"], 6)},
         **({"rejects": inputs.rejects} if inputs.rejects is not None else {}),
-        "build": build_entry(command + maker.command_args(target.key), cfg.seed, seconds, total),
+        "build": build_entry(command + maker.command_args(target.key), cfg.seed),
         "limitations": maker.limitations(
             target.key, target.labels, total, inputs.n_records, len(inputs.test_ids), inputs.teachers
         ),
@@ -500,11 +504,11 @@ def print_stats(stats: dict, file=None) -> None:
         s = lengths[part]
         print(f"  {part:<10} tokens ({lengths['tokenizer']}): min {s['min']} mean {s['mean']} p50 {s['p50']} "
               f"p95 {s['p95']} max {s['max']}", file=file)  # fmt: skip
-    usage, build = stats["teacher_usage"], stats["build"]
+    usage, timing = stats["teacher_usage"], stats["timing"]
     print(f"  teacher usage: {usage['prompt_tokens']:,} prompt + {usage['completion_tokens']:,} completion tokens, "
           f"${usage['cost_usd']:.4f}; leakage: {stats['leakage']['contaminated']} contaminated of "
           f"{stats['leakage']['rows_checked']} checked against {stats['leakage']['test_documents']} test documents; "
-          f"{build['rows_per_s']} rows/s", file=file)  # fmt: skip
+          f"{timing['rows_per_s']} rows/s", file=file)  # fmt: skip
 
 
 # ---- `metachunk data build-sft` ------------------------------------------------------------------

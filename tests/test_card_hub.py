@@ -114,8 +114,6 @@ def full_stats() -> dict:
         "build": {
             "command": "metachunk distill sft --task rewrite",
             "seed": 1234,
-            "seconds": 3.25,
-            "rows_per_s": 2.15,
         },
         "limitations": ["Only one novel (Emma) is represented."],
     }
@@ -187,7 +185,6 @@ def test_card_round_trip_loads_with_datasets(dataset_dir, tmp_path):
         "- Completion tokens: 20456",
         "- Cost: 0.0000 USD",
         "- Seed: 1234",
-        "- Rows/s: 2.15",
         "| prompt tokens | 40 | 61.6 | 61 | 79.0 | 80 |",
         "| completion tokens | 9 | 17.6 | 14 | 30.4 | 33 |",
         "| reflection | SmolLM2-135M-Instruct |",

@@ -114,6 +114,25 @@ def test_every_filter_catches_its_planted_record(planted, tiny_model_dir):
     assert (planted / "ds" / "token_lengths.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_rebuild_of_the_same_records_writes_the_same_bytes(planted, tiny_model_dir):
+    """The card and build_report.json carried the build's seconds and rows/s: every rebuild changed
+    them, so a regeneration retrained on an unchanged set and a push of it made a new commit."""
+    import time
+
+    def build():
+        cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
+                             documents=planted / "docs.jsonl", cards_dir=planted / "cards",
+                             tokenizer=str(tiny_model_dir), max_tokens=2048)  # fmt: skip
+        stats = build_sft(cfg, progress=False)
+        assert stats["timing"]["seconds"] > 0  # the caller still gets the time
+        return {p.relative_to(planted / "ds").as_posix(): p.read_bytes() for p in (planted / "ds").rglob("*")
+                if p.is_file()}  # fmt: skip
+
+    first = build()
+    time.sleep(0.05)
+    assert build() == first and "build_report.json" in first
+
+
 def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):
     from datasets import load_dataset
     from transformers import AutoTokenizer
