@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,12 +132,40 @@ def _not_a_folder(path: Path) -> None:
         raise IsADirectoryError(errno.EISDIR, "a folder, where a file is to be written", str(path))
 
 
+def _owner() -> str:
+    """Who writes a temp file, in its name (``PID@HOST``): what lets a later writer on this host tell
+    a killed writer's leftovers from a live writer's file."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_temps(path: Path) -> None:
+    """The temp files beside ``path`` that a writer killed before its rename left (``kill -9``,
+    a lost node): each names its writer, and one whose process is gone from this host is removed. A
+    live writer's, or another host's (a shared file system), is left alone."""
+    host = socket.gethostname()
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid, at, rest = stale.name[len(path.name) + 2 :].partition("@")
+        if at and pid.isdigit() and rest.startswith(f"{host}.") and not _pid_alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
 def _temp_file(path: Path):
     """``(text file, temp path)``: a new temp file beside ``path`` (same directory, so a rename
-    into place never crosses file systems)."""
+    into place never crosses file systems), named by its writer; a killed writer's are removed first."""
     _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_dead_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd, like=path)
     return os.fdopen(fd, "w", encoding="utf-8"), tmp
 
@@ -317,11 +346,12 @@ def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=path.suffix or ".png", dir=path.parent)
+    remove_dead_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd, like=path)
     os.close(fd)
     try:
-        fig.savefig(tmp, dpi=dpi)
+        fig.savefig(tmp, dpi=dpi, format=(path.suffix[1:] or "png"))
         os.replace(tmp, path)
     finally:
         plt.close(fig)
