@@ -307,6 +307,7 @@ class DocumentSource:
         self.path, self.input_format = hub_dataset(path), input_format
         self.text_field, self.id_field = text_field, id_field
         self.files = self._files()
+        self._follow = None  # (position, index, the documents from there on): where the last range ended
 
     def _files(self) -> list[SourceFile]:
         path = self.path
@@ -471,8 +472,13 @@ class DocumentSource:
         if not groups:
             return
         for batch in pf.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
+            if row + batch.num_rows <= cursor:  # before the cursor: decoded, never made Python objects
+                row += batch.num_rows
+                continue
+            if row < cursor:
+                batch, row = batch.slice(cursor - row), cursor
             for record in batch.to_pylist():
-                if row >= cursor and (doc := self._checked_document(file, record, row + 1)):
+                if doc := self._checked_document(file, record, row + 1):
                     yield 0, row, doc
                 row += 1
 
@@ -541,9 +547,23 @@ class DocumentSource:
                 if cp[0] > start:
                     break
                 position, k, cursor, before = cp
-        skipped = {tuple(s) for s in index.skipped} if index is not None else set()
-        docs = self._from(k, cursor, before, skipped)
-        yield from islice(docs, start - position, None if stop is None else stop - position)
+        follow = self._follow
+        self._follow = None
+        if follow is not None and follow[0] == start and follow[1] is index:
+            # The next range of a read that ended here (a worker's consecutive shards): go on from where it
+            # stopped. A gzip or parquet file cannot seek to a checkpoint, and re-reading it up to each
+            # shard's start made a run's reading grow with the square of the corpus.
+            position, docs = start, follow[2]
+        else:
+            skipped = {tuple(s) for s in index.skipped} if index is not None else set()
+            docs = self._from(k, cursor, before, skipped)
+        wanted = None if stop is None else stop - position
+        n = 0
+        for doc in islice(docs, start - position, wanted):
+            n += 1
+            yield doc
+        if stop is not None and n == stop - start:  # read to its end: the next range may follow on
+            self._follow = (stop, index, docs)
 
     def _from(self, k: int, cursor: int, before: int, skipped: set = frozenset()) -> Iterator[Document]:
         for j in range(k, len(self.files)):

@@ -133,6 +133,27 @@ def test_any_range_reads_from_its_checkpoint(tmp_path_factory, emma, start, leng
     assert [d.text for d in source.documents(start, stop, index)] == [r["text"] for r in emma[start:stop]]
 
 
+def test_consecutive_ranges_follow_on_and_any_other_range_reads_from_its_checkpoint(tmp_path, emma):
+    """A worker's consecutive shards: the next range goes on from where the last one stopped, where a gzip
+    or parquet file used to be read again up to each shard's start (bench/shard_reads.py measures it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    with gzip.open(folder / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in emma[:30])
+    pq.write_table(pa.Table.from_pylist(emma[30:]), folder / "b.parquet")
+    source = DocumentSource(folder)
+    index = source.scan(every=7)
+    texts = [r["text"] for r in emma]
+    for start, stop in [(0, 10), (10, 25), (25, 60), (5, 12), (12, 31), (31, 31), (31, 45), (3, 4), (44, 60)]:
+        assert [d.text for d in source.documents(start, stop, index)] == texts[start:stop], (start, stop)
+    partly = source.documents(0, 20, index)
+    next(partly)  # a range not read to its end is not followed on
+    assert [d.text for d in source.documents(20, 40, index)] == texts[20:40]
+
+
 @pytest.mark.parametrize(
     "name, content, fmt, expected",
     [
