@@ -126,7 +126,7 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
         f"| training rows | {facts['rows']} |",
         f"| training tokens | {facts['tokens']:,} |",
         f"| completion tokens (carrying the loss) | {facts['completion_tokens']:,} |",
-        f"- Base model: `{tiny_model_dir}`",
+        f"- Base model: `…/{tiny_model_dir.name}`",  # an absolute path shows only its last part
         "- Dataset: metachunk-rewrite-ds (Hub id: not recorded; its card is README.md in the dataset folder)",
         "- Rows: train 11, validation 3",
         "| learning_rate | 1e-05 |",
@@ -337,6 +337,9 @@ def test_push_uploads_the_exported_folder(fake_hub, tiny_model_dir, tmp_path, mo
     card = sent["README.md"].decode()
     assert _front_matter(card)["base_model"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert "# metachunk-rewriter-tiny" in card and "Command: not recorded." in card
+    # pushed: the usage lines name the repo, and no line names a folder of this machine
+    assert f'AutoModelForCausalLM.from_pretrained("{REPO}")' in card and "path/to/" not in card
+    assert str(tmp_path) not in card and f"- Exported from: `…/{model_dir.name}`" in card
     assert "Hyperparameters: not recorded." in card and "| final training loss | not recorded |" in card
     assert "| qa.f1 | 0.5000 |" in card and "| qa.n | 20 |" in card and "| eval_loss | 1.2500 |" in card
     assert json.loads(sent["eval_results.json"]) == {"qa": {"f1": 0.5, "n": 20}, "eval_loss": 1.25}

@@ -86,6 +86,23 @@ def _flatten(obj, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), obj)]
 
 
+def shown_path(path) -> str:
+    """A local path as a card shows it: as given when relative (what the user typed), else only its
+    last part. A card is a public document once pushed: an absolute path names a user's home, cache
+    and folder layout, and says nothing to its readers."""
+    p = Path(str(path))
+    return str(p) if not p.is_absolute() else f"…/{p.name}"
+
+
+def _local(path) -> str:
+    return _code(None if path is None else shown_path(path))
+
+
+def _where(export_facts: dict) -> str:
+    """How the usage lines name the model: its Hub id when pushed, else the folder it is in."""
+    return export_facts.get("repo_id") or f"path/to/{export_facts['title']}"
+
+
 def _base_model_id(export_facts: dict, facts: dict) -> str | None:
     if export_facts["base_model_id"]:
         return export_facts["base_model_id"]
@@ -108,14 +125,14 @@ def _front_matter(run: Run, export_facts: dict) -> str:
     ).to_yaml()
 
 
-def _what_it_is(run: Run, title: str) -> str:
+def _what_it_is(run: Run, title: str, where: str) -> str:
     task = (run.facts.get("dataset_report") or {}).get("task")
     if task in PURPOSE:
         what, flag = PURPOSE[task]
         field_name = "`rewritten`" if task == "rewrite" else "`summary`"
         text = (
             f"`{title}` is {what}. It was fine-tuned with metachunk on completions written by teacher LLMs. "
-            f"Use it with metachunk: `metachunk chunk docs.jsonl -o chunks.jsonl {flag} path/to/{title}` adds a "
+            f"Use it with metachunk: `metachunk chunk docs.jsonl -o chunks.jsonl {flag} {where}` adds a "
             f"{field_name} field to every chunk, prompting the model exactly as in training."
         )
     elif task:
@@ -140,10 +157,10 @@ def _base_section(run: Run, export_facts: dict) -> str:
 
     preset = PRESETS.get(base) if base else None
     lines = [
-        f"- Base model: {_code(base)}"
+        f"- Base model: {_local(base)}"
         + (f", the metachunk preset {preset.description}" if preset else "")
         + (f" ([{hub_id}](https://huggingface.co/{hub_id}))" if hub_id else ""),
-        f"- Base model folder used in training: {_code(facts.get('base_model_dir'))}",
+        f"- Base model folder used in training: {_local(facts.get('base_model_dir'))}",
     ]
     model_args = facts.get("model_args") or {}
     if model_args.get("use_peft"):
@@ -161,7 +178,7 @@ def _base_section(run: Run, export_facts: dict) -> str:
         "zero": "DeepSpeed ZeRO shards consolidated to the fp32 master weights",
     }[export_facts["kind"]]
     lines += [
-        f"- Exported from: `{export_facts['checkpoint']}` ({kind})"
+        f"- Exported from: {_local(export_facts['checkpoint'])} ({kind})"
         + (f", the checkpoint at step {run.checkpoint_step}" if run.checkpoint_step is not None else ""),
         f"- Parameters: {export_facts['parameters']:,} ({export_facts['dtype']})",
         f"- Generation config: {export_facts['generation_config']}",
@@ -173,7 +190,7 @@ def _data_section(run: Run, dataset_id: str | None) -> str:
     report = run.facts.get("dataset_report")
     path = run.facts.get("dataset")
     if not report:
-        return f"## Training data\n\nDataset: {_code(path)}; its build report: {NOT_RECORDED}."
+        return f"## Training data\n\nDataset: {_local(path)}; its build report: {NOT_RECORDED}."
     name = report.get("name") or NOT_RECORDED
     split_rows = report.get("rows") or {}
     teachers = sorted({t.get("model") for t in report.get("teachers") or [] if t.get("model")})
@@ -182,7 +199,7 @@ def _data_section(run: Run, dataset_id: str | None) -> str:
         f"- Dataset: [{name}](https://huggingface.co/datasets/{dataset_id})"
         if dataset_id
         else f"- Dataset: {name} (Hub id: {NOT_RECORDED}; its card is README.md in the dataset folder)",
-        f"- Dataset folder: {_code(path)}",
+        f"- Dataset folder: {_local(path)}",
         f"- Task: {report.get('task') or NOT_RECORDED}",
         "- Rows: " + (", ".join(f"{s} {n:,}" for s, n in split_rows.items()) if split_rows else NOT_RECORDED),
         f"- Language: {', '.join(report['language']) if report.get('language') else NOT_RECORDED}",
@@ -287,7 +304,7 @@ def _throughput_rows(summary: dict | None) -> list[list[str]]:
     ]  # fmt: skip
 
 
-def _use_section(run: Run, title: str) -> str:
+def _use_section(run: Run, where: str) -> str:
     task = (run.facts.get("dataset_report") or {}).get("task")
     purpose = {
         "rewrite": "Rewriting RAG chunks so that each stands on its own before it is embedded and indexed, "
@@ -300,8 +317,8 @@ def _use_section(run: Run, title: str) -> str:
     )
     code = f"""from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tokenizer = AutoTokenizer.from_pretrained("path/to/{title}")
-model = AutoModelForCausalLM.from_pretrained("path/to/{title}")
+tokenizer = AutoTokenizer.from_pretrained("{where}")
+model = AutoModelForCausalLM.from_pretrained("{where}")
 messages = [...]  # the system and user messages of the training prompt
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 output = model.generate(**inputs, max_new_tokens=256)
@@ -341,16 +358,17 @@ def _limitations(run: Run) -> str:
 def render_model_card(run: Run, export_facts: dict) -> str:
     """README.md: YAML front matter, then what it is, base model, data, recipe, results, use, limits.
 
-    ``export_facts`` (``metachunk.train.export``): ``title``, ``base_model_id`` and ``dataset_id`` (Hub ids or None),
+    ``export_facts`` (``metachunk.train.export``): ``title``, ``repo_id`` (where it is pushed, or None),
+    ``base_model_id`` and ``dataset_id`` (Hub ids or None),
     ``checkpoint``, ``kind``, ``parameters``, ``dtype``, ``generation_config``, ``loss_png``."""
     title = export_facts["title"]
     sections = [
-        _what_it_is(run, title),
+        _what_it_is(run, title, _where(export_facts)),
         _base_section(run, export_facts),
         _data_section(run, export_facts["dataset_id"]),
         _recipe_section(run),
         _results_section(run, export_facts),
-        _use_section(run, title),
+        _use_section(run, _where(export_facts)),
         _limitations(run),
     ]
     return "---\n" + _front_matter(run, export_facts) + "\n---\n\n" + "\n\n".join(sections) + "\n"

@@ -67,7 +67,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_card
+from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_card, shown_path
 from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
@@ -457,7 +457,7 @@ def write_generation_config(folders: list[Path], tokenizer, into: Path) -> str:
         if (folder / "generation_config.json").is_file():
             GenerationConfig.from_pretrained(folder)  # it must parse
             shutil.copyfile(folder / "generation_config.json", into / "generation_config.json")
-            return f"copied from {folder}"
+            return f"copied from {shown_path(folder)}"
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -511,6 +511,7 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             "generation_config": generation,
             "loss_png": (tmp / "loss.png").is_file(),
             "title": cfg.push.split("/")[1] if cfg.push else cfg.out.name,
+            "repo_id": cfg.push,
             "base_model_id": cfg.base_model_id,
             "dataset_id": cfg.dataset_id,
         }
