@@ -114,7 +114,7 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
     assert meta == {
         "language": ["en"],
         "library_name": "transformers",
-        "license": "other",  # the dataset report's
+        "license": "other",  # the base model's folder has no card to take it from
         "pipeline_tag": "text-generation",
         "tags": ["metachunk", "text-chunking", "rag", "rewrite"],
     }  # no base_model: a local dir has no Hub id; no datasets: none given
@@ -409,3 +409,20 @@ def test_zero3_checkpoint_exports_gathered_weights_or_consolidates_shards(
     facts = json.loads((run / "metachunk_run.json").read_text())
     assert "the checkpoint at step 2" in card and "| world_size (processes) | 2 |" in card
     assert f"| final training loss | {facts['final_train_loss']:.4f} |" in card
+
+
+def test_the_models_license_is_its_base_models_not_its_datasets(tmp_path):
+    """A fine-tune's weights are under its base model's terms: the card took the training data's license."""
+    from metachunk.train.card import base_license
+
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "README.md").write_text("---\nlicense: other\nlicense_name: qwen-research\nlicense_link: "
+                                    "https://huggingface.co/Qwen/Qwen2.5-3B-Instruct/blob/main/LICENSE\n---\n# Qwen\n")  # fmt: skip
+    assert base_license(qwen) == {"license": "other", "license_name": "qwen-research",
+                                  "license_link": "https://huggingface.co/Qwen/Qwen2.5-3B-Instruct/blob/main/LICENSE"}  # fmt: skip
+    smol = tmp_path / "smol"
+    smol.mkdir()
+    (smol / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    assert base_license(smol) == {"license": "apache-2.0"}
+    assert base_license(tmp_path / "gone") == base_license(None) == {"license": "other"}

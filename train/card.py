@@ -109,6 +109,28 @@ def _base_model_id(export_facts: dict, facts: dict) -> str | None:
     return PRESET_HUB_IDS.get(facts.get("base_model"))
 
 
+def base_license(base_model_dir) -> dict:
+    """The license the base model's own card declares (``license``, and ``license_name`` /
+    ``license_link`` for ``other``), read from the README.md of the folder it was trained from: a
+    fine-tune's weights are under its base's terms, not its training data's. ``{"license":
+    "other"}`` when that card is not there (a converted preset, another machine) or names none."""
+    from huggingface_hub import ModelCard
+
+    card = Path(str(base_model_dir)) / "README.md" if base_model_dir else None
+    if card is None or not card.is_file():
+        return {"license": "other"}
+    try:
+        data = ModelCard.load(card).data
+    except Exception:  # noqa: BLE001 - a card the Hub's parser cannot read declares nothing we can use
+        return {"license": "other"}
+    found = {k: getattr(data, k, None) for k in ("license", "license_name", "license_link")}
+    return (
+        {k: v for k, v in found.items() if isinstance(v, str) and v}
+        if found["license"]
+        else {"license": "other"}
+    )
+
+
 def _front_matter(run: Run, export_facts: dict) -> str:
     from huggingface_hub import ModelCardData
 
@@ -120,7 +142,7 @@ def _front_matter(run: Run, export_facts: dict) -> str:
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=TAGS + ([task] if task else []),
-        license=report.get("license") or "other",
+        **base_license(run.facts.get("base_model_dir")),
         language=report.get("language") or None,  # unknown: left out rather than guessed
     ).to_yaml()
 
@@ -203,6 +225,8 @@ def _data_section(run: Run, dataset_id: str | None) -> str:
         f"- Task: {report.get('task') or NOT_RECORDED}",
         "- Rows: " + (", ".join(f"{s} {n:,}" for s, n in split_rows.items()) if split_rows else NOT_RECORDED),
         f"- Language: {', '.join(report['language']) if report.get('language') else NOT_RECORDED}",
+        f"- Dataset license: {report.get('license') or NOT_RECORDED} (the model's own, in the front matter, "
+        "is its base model's)",
         f"- Teacher models: {', '.join(teachers) if teachers else NOT_RECORDED}",
         f"- Rows used in training: {_value(run.facts.get('rows'))}"
         + (f" ({over:,} more dropped: longer than max_length)" if over else "")
