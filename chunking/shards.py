@@ -524,7 +524,7 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
 
     import multiprocessing as mp
     import threading
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: CUDA and OpenMP need it
     slots, progress = ctx.Queue(), ctx.Queue()
@@ -547,12 +547,18 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
         with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
                                  initargs=(cfg, index.to_json(), plan, slots, progress)) as pool:  # fmt: skip
             try:
-                futures = [pool.submit(_worker_shard, i) for i in pending]
-                for future in as_completed(futures):
-                    i, data, stats, s, slot, report = future.result()
-                    output.commit(i, data, stats)
-                    seconds[i] = s
-                    reports[slot] = report  # a worker's counts so far: its last shard's report holds them all
+                # A shard's future holds its bytes: each is dropped once committed (a list of them all, or
+                # as_completed's, kept every shard of the run in this process's memory until the end).
+                running = {pool.submit(_worker_shard, i) for i in pending}
+                while running:
+                    done, running = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        i, data, stats, s, slot, report = future.result()
+                        output.commit(i, data, stats)
+                        seconds[i] = s
+                        reports[slot] = (
+                            report  # a worker's counts so far: its last shard's report holds them all
+                        )
             except BaseException:  # stopped (Ctrl-C, SIGTERM) or failed: the workers' shards are not awaited
                 pool.shutdown(wait=False, cancel_futures=True)
                 for process in mp.active_children():
