@@ -97,7 +97,7 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     source = source_of(cfg, rejects)
     # Every line checked before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the run streams them again.
-    index = source.scan()
+    index = source.scan(progress=progress)
     rejected = finish_rejects(rejects, "chunk")
     plan = ShardPlan(index.documents, 1)
     started = time.perf_counter()
@@ -176,7 +176,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     started = time.perf_counter()
     rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
-    index = source.scan()  # every file:line check, before any model loads
+    index = source.scan(progress=progress)  # every file:line check, before any model loads
     rejected = finish_rejects(rejects, "chunk")
     scan_s = time.perf_counter() - started
     plan = ShardPlan(index.documents, cfg.shards or max(1, -(-index.documents // DOCS_PER_SHARD)))

@@ -523,14 +523,22 @@ class DocumentSource:
                 first_seen[doc.id] = f"{file.name}:{number}" if len(self.files) > 1 else f"line {number}"
                 yield k, cursor, before, doc
 
-    def scan(self, every: int = CHECKPOINT_EVERY) -> SourceIndex:
-        """Read and check everything once; see the module docstring."""
+    def scan(self, every: int = CHECKPOINT_EVERY, progress: bool = False) -> SourceIndex:
+        """Read and check everything once; see the module docstring. ``progress``: a bar of the
+        documents checked, with their rate (a corpus of millions takes minutes to check)."""
+        from tqdm import tqdm
+
         index = SourceIndex()
-        for k, cursor, before, doc in self.checked(index):
-            if index.documents % every == 0:
-                index.checkpoints.append((index.documents, k, cursor, before))
-            index.documents += 1
-            index.chars += len(doc.text)
+        # shown after 2 s only: a small input's check (and its one-line error) prints no bar
+        with tqdm(unit="doc", desc=f"check {self.path.name}", disable=not progress, dynamic_ncols=True,
+                  mininterval=0.5, delay=2.0) as bar:  # fmt: skip
+            for k, cursor, before, doc in self.checked(index):
+                if index.documents % every == 0:
+                    index.checkpoints.append((index.documents, k, cursor, before))
+                    bar.update(every if index.documents else 0)
+                index.documents += 1
+                index.chars += len(doc.text)
+            bar.update(index.documents - bar.n)
         digest = hashlib.sha256()
         for file in self.files:
             _hash_file(digest, file)
