@@ -41,14 +41,30 @@ NOTHING_MISSING = {"none", "无", "无。", "none."}
 
 @dataclass(frozen=True, slots=True)  # slots: a run holds one per chunk (20K at the paper's scale)
 class ChunkJob:
+    """One chunk to distil. Its text and its context window are read off its document when asked
+    for: the document is one string its chunks share, where a copy of the window per chunk made a
+    run's memory grow as chunks x ``max_context_chars`` (bench/distill_jobs_memory.py)."""
+
     doc_id: str
     index: int  # position of the chunk in its document
     start: int
     end: int
-    text: str
     lang: str
-    context: str  # the whole document (bounded) or the chunk's most related chunks
+    document: str  # the whole document's text
     context_spans: tuple[tuple[int, int], ...] = ()  # where the context comes from in the document
+    related: str | None = None  # the context, when it is the chunk's most related chunks (joined)
+
+    @property
+    def text(self) -> str:
+        return self.document[self.start : self.end]
+
+    @property
+    def context(self) -> str:
+        """The whole document (bounded: a window around the chunk) or its most related chunks."""
+        if self.related is not None:
+            return self.related
+        left, right = self.context_spans[0]
+        return self.document[left:right]
 
 
 @dataclass(frozen=True)
@@ -324,9 +340,7 @@ def read_jobs(cfg: DistillConfig, rejects: Rejects | None = None) -> list[ChunkJ
         for i in selected:
             c = chunks[i]
             left, right = window_span(len(text), c["start"], c["end"], cfg.max_context_chars)
-            jobs.append(
-                ChunkJob(doc_id, i, c["start"], c["end"], c["text"], lang, text[left:right], ((left, right),))
-            )
+            jobs.append(ChunkJob(doc_id, i, c["start"], c["end"], lang, text, ((left, right),)))
             if cfg.context == "related":  # the chunks are kept only to find each one's related ones
                 related.append(chunks)
             if cfg.limit is not None and len(jobs) >= cfg.limit:
@@ -402,7 +416,9 @@ def with_related_context(
         top = related_chunks(vecs, job.index, cfg.context_top_k)
         context = CONTEXT_SEPARATOR.join(chunks[i]["text"] for i in top)[: cfg.max_context_chars]
         spans = tuple((chunks[i]["start"], chunks[i]["end"]) for i in top)
-        out.append(ChunkJob(job.doc_id, job.index, job.start, job.end, job.text, job.lang, context, spans))
+        out.append(
+            ChunkJob(job.doc_id, job.index, job.start, job.end, job.lang, job.document, spans, context)
+        )
     return out
 
 
