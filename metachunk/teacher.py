@@ -361,6 +361,9 @@ class TeacherConfig:
                 f"teacher {self.model!r}: the URL in environment variable {name} holds credentials "
                 "(user:key@host): put the key in the variable that 'api_key_env' names instead"
             )
+        # A URL kept out of the recipe may carry a token in its path or query (a gateway's account or
+        # route key): what follows its host is masked wherever it would be printed or stored.
+        register_secret(url.rstrip("/")[len("/".join(url.split("/")[:3])) :])
         return url.rstrip("/")
 
     def generation_params(self) -> dict:

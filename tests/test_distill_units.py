@@ -514,3 +514,17 @@ def test_a_key_a_server_echoes_json_escaped_is_masked_before_the_body_is_parsed(
         assert (
             json.loads(redact(raw, headers=False))["choices"][0]["message"]["content"] == f"seen key {MASK}"
         )
+
+
+def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypatch):
+    """base_url_env keeps a gateway's URL out of the recipe; a token in its path reached stderr and the
+    answer store (the calibration table's endpoint)."""
+    from metachunk.redaction import MASK, redact, safe_url
+
+    monkeypatch.setenv("METACHUNK_TEST_URL", "https://gateway.example.com/v1/acct-7f3a9c2e51/openai/")
+    cfg = TeacherConfig(model="m", base_url_env="METACHUNK_TEST_URL")
+    url = cfg.endpoint_url()
+    assert url == "https://gateway.example.com/v1/acct-7f3a9c2e51/openai"
+    assert safe_url(url) == f"https://gateway.example.com{MASK}" and "acct-7f3a9c2e51" not in redact(
+        f"at {url}/chat"
+    )
