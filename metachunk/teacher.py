@@ -28,13 +28,16 @@ A send that got no answer may still have been billed (a read timeout, which open
 retries; a stream cut mid-answer; a 200 whose body does not parse): each is counted at the
 reservation's worst case in the stored row's cost, counted on the wire per request key
 (`Endpoint.take_counts`), so that the budget sees it and a rerun sending it again cannot spend
-without bound. A connection that never opened and an error status count nothing.
+without bound. An error status counts nothing, nor do the tries of a request whose last try never
+connected (a server that is down).
 
 The overshoot bound: a run stops before a reservation passes the cap, and reservations are upper
 bounds once the endpoint is calibrated, so the spend passes the cap by at most what the requests
 holding a claim when the cap is reached cost above their reservations. Claims are taken before an
 endpoint's concurrency slot, so they number up to the run's workers (docs/reliability.md), and a
-request whose sends time out or break may cost up to ``max_retries + 1`` worst cases.
+request whose sends time out may cost up to ``max_retries + 1`` worst cases; a streamed one whose
+streams break, up to ``(max_retries + 1)**2`` (each retry of a broken stream is retried by the client
+on a timeout too).
 
 **Structured outputs.** A stage whose answer must be JSON passes its answer schema
 (`Schema`) with the request, and the teacher's ``structured_output`` says
@@ -675,11 +678,11 @@ class Endpoint:
         return self.requests_sent.pop(key, 0), self.error_statuses.pop(key, 0)
 
     async def _wait_out_pause(self, request) -> None:
-        key = request.headers.get("X-Request-Key")
-        if key is not None:
-            self.requests_sent[key] = self.requests_sent.get(key, 0) + 1
         while (delay := self.pause_until - time.monotonic()) > 0:
             await asyncio.sleep(delay)
+        key = request.headers.get("X-Request-Key")
+        if key is not None:  # counted as it leaves: a stop during the pause sent nothing
+            self.requests_sent[key] = self.requests_sent.get(key, 0) + 1
 
     async def _note_rate_limit(self, response) -> None:
         key = response.request.headers.get("X-Request-Key")
@@ -767,6 +770,7 @@ class EndpointGroup:
         self.refusal: tuple = ()  # the last refusal's (status, code, message), and how many in a row
         self.refusals = 0
         self.refused_for_good = ""  # set: the run stops with this line (RequestsRefused)
+        self.stopped: EndpointStop | None = None  # once raised, the stop every later send meets
         self.permanent_codes = providers.permanent_codes(cfg.provider)
 
     @property
@@ -801,16 +805,21 @@ class EndpointGroup:
             )
 
     def check_reachable(self) -> None:
-        """Past ``max_connection_errors`` such requests in a row, or a refusal that will repeat, stop the run."""
+        """Past ``max_connection_errors`` such requests in a row, or a refusal that will repeat, stop the run.
+        The stop holds: an answer that arrives after it (a send that was in flight) does not undo it."""
+        if self.stopped is not None:
+            raise self.stopped
         if self.refused_for_good:
-            raise RequestsRefused(
+            self.stopped = RequestsRefused(
                 self.refused_for_good + " (the records are written; a rerun sends them again)"
             )
-        if self.connection_errors >= self.cfg.max_connection_errors:
-            raise EndpointUnreachable(
+        elif self.connection_errors >= self.cfg.max_connection_errors:
+            self.stopped = EndpointUnreachable(
                 f"teacher {self.cfg.model!r}: cannot connect to {self.url} "
                 f"({self.connection_errors} requests in a row failed to connect); is the server running?"
             )
+        if self.stopped is not None:
+            raise self.stopped
 
     def _pick(self, tried: set[int]) -> Endpoint:
         now = time.monotonic()
@@ -833,8 +842,8 @@ class EndpointGroup:
                 reason, opened = _transport_reason(e)
                 if len(self.endpoints) == 1 or reason != "connection":
                     raise
-                if not opened:  # tried on the next endpoint: this one never received it
-                    endpoint.requests_sent[key] = max(0, endpoint.requests_sent.get(key, 0) - 1)
+                if not opened:  # tried on the next endpoint: this one never received it, however often tried
+                    endpoint.take_counts(key)
                 endpoint.down_for = min(60.0, max(1.0, 2 * endpoint.down_for))
                 endpoint.down_until = time.monotonic() + endpoint.down_for
                 tried.add(id(endpoint))
@@ -849,13 +858,14 @@ class EndpointGroup:
     def sends_maybe_billed(self, key: str, answered: bool = False, never_sent: bool = False) -> int:
         """How many of the requests sent for ``key`` since the last call, on any endpoint, may have
         been billed without an answer: every one that left, less those answered by an error status
-        (no provider bills one), the answer itself (``answered``) and a last one whose connection
-        never opened (``never_sent``)."""
+        (no provider bills one) and the answer itself (``answered``). ``never_sent``: the last try's
+        connection never opened; openai's client retried it as it retries a timeout, and the tries
+        are taken to have failed alike (a server that is down is billed nothing)."""
         sent = refused = 0
         for endpoint in self.endpoints:
             s, r = endpoint.take_counts(key)
             sent, refused = sent + s, refused + r
-        return max(0, sent - refused - int(answered) - int(never_sent))
+        return 0 if never_sent else max(0, sent - refused - int(answered))
 
     async def close(self) -> None:
         for endpoint in self.endpoints:
@@ -934,6 +944,9 @@ class Teacher:
             self.wire_model = str(resolve(cfg.model))
         self.offline = endpoint is None  # dry run / status: answer from the store or say "pending"
         self.cached = 0  # answers served from the store
+        self.maybe_billed: dict[
+            str, float
+        ] = {}  # by request key: the sends in flight that may be billed, in $
         self.waited = (
             0  # answers another sender (a process, or a request of this one) was paying for when wanted
         )
@@ -1102,8 +1115,9 @@ class Teacher:
             # A send that left may be billed, answer or not: it is counted at its worst case, as a transport
             # failure the next run sends again. One that never left only gives its reservation back.
             sends = self.endpoint.sends_maybe_billed(key)
-            if sends:
-                cost = sends * self.price.cost(prompt_estimate, max_tokens)
+            earlier = self.maybe_billed.pop(key, 0.0)  # what _send had counted before it was cut short
+            if sends or earlier:
+                cost = earlier + sends * self.price.cost(prompt_estimate, max_tokens)
                 self.store.put(StoredAnswer(key, self.cfg.model, "error", "cancelled", "stopped while in flight",
                                             0, 0, cost))  # fmt: skip
             else:
@@ -1132,18 +1146,21 @@ class Teacher:
         # case, in the row's cost, so that the budget sees it and a rerun that sends it again cannot spend
         # without bound. A connection that never opened and an error status are not billed.
         worst_case = self.price.cost(prompt_estimate, max_tokens)
-        maybe_billed = 0.0
+        billed = (
+            self.maybe_billed
+        )  # by key: an exception out of here (a 401 after a timeout, Ctrl-C) keeps it
+        billed[key] = 0.0
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 raw, via = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
                 reason, opened = _transport_reason(e)
                 self.endpoint.note_connection(reason == "connection")
-                maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key, never_sent=not opened)
-                return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, maybe_billed)
+                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key, never_sent=not opened)
+                return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, billed.pop(key))
             except openai.APIStatusError as e:
                 self.endpoint.note_connection(False)
-                maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key)
+                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
                 if e.status_code in (401, 403, 404):
                     raise FatalTeacherError(
                         redact(
@@ -1159,22 +1176,22 @@ class Teacher:
                     redact(_short(e.message)),
                     0,
                     0,
-                    maybe_billed,
+                    billed.pop(key),
                 )
             except StreamBroken as e:  # after the headers: retried here, like a malformed body
                 self.endpoint.note_connection(False)
                 self.endpoint.note_refusal(None)
-                maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key)
+                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
                 raw = f"{e.reason}: {e.detail}"
                 if attempt < self.cfg.max_retries:
                     await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
                     continue
-                return StoredAnswer(key, model, "error", e.reason, redact(_short(raw)), 0, 0, maybe_billed)
+                return StoredAnswer(key, model, "error", e.reason, redact(_short(raw)), 0, 0, billed.pop(key))
             self.endpoint.note_connection(False)
             self.endpoint.note_refusal(None)
             raw = redact(raw, headers=False)
             prompt_tokens, completion_tokens, text, well_formed = read_usage(raw)
-            maybe_billed += worst_case * self.endpoint.sends_maybe_billed(key, answered=well_formed)
+            billed[key] += worst_case * self.endpoint.sends_maybe_billed(key, answered=well_formed)
             if well_formed:
                 estimated = prompt_tokens is None
                 if estimated:  # counted, never free: the same upper estimate the reservation used
@@ -1182,7 +1199,7 @@ class Teacher:
                     completion_tokens = min(max_tokens, self.count_tokens(text))
                 if via.tokens:  # replace the estimate by the real usage
                     via.tokens.give_back(estimated_tokens, prompt_tokens + completion_tokens)
-                cost = self.price.cost(prompt_tokens, completion_tokens) + maybe_billed
+                cost = self.price.cost(prompt_tokens, completion_tokens) + billed.pop(key)
                 return StoredAnswer(
                     key,
                     model,
@@ -1197,7 +1214,7 @@ class Teacher:
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
         return StoredAnswer(
-            key, model, "error", "malformed_response", redact(_short(raw)), 0, 0, maybe_billed
+            key, model, "error", "malformed_response", redact(_short(raw)), 0, 0, billed.pop(key)
         )
 
 

@@ -886,8 +886,10 @@ def test_sends_that_may_be_billed_without_an_answer_are_counted_at_their_worst_c
         assert job.cli("rewrite", timeout=120).returncode in (0, 4)
         first = job.query("SELECT prompt_tokens, completion_tokens, cost FROM answers ORDER BY id LIMIT 1")[0]
         stats = server.stats()
+    # a server that is down is billed nothing, however often openai's client tried to connect
+    down = _failed_row_cost(tmp_path / "down", f"http://127.0.0.1:{closed_port()}/v1", "", max_retries=2)
     assert once > 0 and thrice == pytest.approx(3 * once)  # the same prompt, the same worst case
-    assert malformed > 0 and cut > 0 and refused == 0.0
+    assert malformed > 0 and cut > 0 and refused == 0.0 and down == 0.0
     assert stats["by_outcome"]["500"] == 3
     billed = (1000.0 * first[0] + 2000.0 * first[1]) / 1e6
     assert first[2] > billed * 1.5  # the malformed first send's worst case is more than its answer
