@@ -56,6 +56,23 @@ def redact(text: str, headers: bool = True) -> str:
     return _URL_PASSWORD.sub(lambda m: m.group(1) + MASK + "@", text)
 
 
+_private_urls: dict[str, str] = {}  # a URL kept out of the recipe -> how it is shown
+
+
+def register_private_url(url: str) -> None:
+    """A URL read from the environment (``base_url_env``), which may carry a token after its host (a
+    gateway's account or route key): `safe_url` shows it as its scheme and host only. Only there: the
+    path itself is no secret to mask in every text (``/openai/v1`` is in answers about APIs)."""
+    host_end = len("/".join(url.split("/")[:3]))
+    if url[host_end:]:
+        _private_urls[url] = url[:host_end] + "/" + MASK
+
+
 def safe_url(url: str) -> str:
-    """A URL fit to print: no password, no registered secret (a key in the query string)."""
+    """A URL fit to print: no password, no registered secret (a key in the query string), and a
+    private URL's path masked."""
+    for private, shown in _private_urls.items():
+        if url.startswith(private):
+            url = shown + url[len(private) :]
+            break
     return redact(url)

@@ -88,7 +88,7 @@ from metachunk.artifacts import InputError
 from metachunk.config import option
 from metachunk.prompts import Schema
 from metachunk.providers import PROVIDERS, SAMPLING_PARAMS, STRUCTURED_OUTPUTS, TOKEN_FIELDS
-from metachunk.redaction import redact, register_secret, safe_url
+from metachunk.redaction import redact, register_private_url, register_secret, safe_url
 from metachunk.store import AnswerStore, StoredAnswer
 from metachunk.streaming import REASONING_FIELDS, ChatStream
 
@@ -98,6 +98,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell takes as a variable name
+CONVENTIONAL_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # what a variable is named by convention
 R = TypeVar("R")
 
 SENDS_SCHEMA = ("json_schema", "json_object_schema")
@@ -364,9 +365,7 @@ class TeacherConfig:
                 f"teacher {self.model!r}: the URL in environment variable {name} holds credentials "
                 "(user:key@host): put the key in the variable that 'api_key_env' names instead"
             )
-        # A URL kept out of the recipe may carry a token in its path or query (a gateway's account or
-        # route key): what follows its host is masked wherever it would be printed or stored.
-        register_secret(url.rstrip("/")[len("/".join(url.split("/")[:3])) :])
+        register_private_url(url.rstrip("/"))  # printed and stored as its host only (safe_url)
         return url.rstrip("/")
 
     def generation_params(self) -> dict:
@@ -628,7 +627,11 @@ def api_key(cfg: TeacherConfig) -> str:
     if raw and raw != key:
         register_secret(raw)
     if not key:
-        raise FatalTeacherError(f"teacher {cfg.model!r}: environment variable {cfg.api_key_env} is not set")
+        # Named only when it reads as a variable's name: a key pasted there (gsk_..., hf_...) passes ENV_NAME.
+        name = (
+            cfg.api_key_env if CONVENTIONAL_ENV_NAME.fullmatch(cfg.api_key_env) else "that api_key_env names"
+        )
+        raise FatalTeacherError(f"teacher {cfg.model!r}: the environment variable {name} is not set")
     register_secret(key)  # from here on, redact() masks it in everything written or printed
     return key
 

@@ -493,6 +493,20 @@ def test_api_key_env_names_a_variable_and_a_pasted_key_is_not_repeated(monkeypat
     with pytest.raises(ValueError, match="must name an environment variable") as e:
         TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env=pasted)
     assert pasted not in str(e.value)
+    from metachunk.teacher import FatalTeacherError
+
+    for shaped_like_a_name in (
+        "gsk_abcDEF123456789xyz",
+        "hf_AbCdEfGhIjKlMnOpQrSt",
+    ):  # keys ENV_NAME lets through
+        monkeypatch.delenv(shaped_like_a_name, raising=False)
+        cfg = TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env=shaped_like_a_name)
+        with pytest.raises(FatalTeacherError, match="the environment variable that api_key_env names") as e:
+            api_key(cfg)
+        assert shaped_like_a_name not in str(e.value)
+    monkeypatch.delenv("TEACHER_API_KEY", raising=False)
+    with pytest.raises(FatalTeacherError, match="the environment variable TEACHER_API_KEY is not set"):
+        api_key(TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env="TEACHER_API_KEY"))
     monkeypatch.setenv("METACHUNK_TEST_KEY", "sk-test-with-newline\n")  # as an .env file may hold it
     cfg = TeacherConfig(model="m", base_url="http://127.0.0.1:9/v1", api_key_env="METACHUNK_TEST_KEY")
     assert api_key(cfg) == "sk-test-with-newline"
@@ -525,6 +539,9 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
     cfg = TeacherConfig(model="m", base_url_env="METACHUNK_TEST_URL")
     url = cfg.endpoint_url()
     assert url == "https://gateway.example.com/v1/acct-7f3a9c2e51/openai"
-    assert safe_url(url) == f"https://gateway.example.com{MASK}" and "acct-7f3a9c2e51" not in redact(
-        f"at {url}/chat"
+    assert safe_url(url) == f"https://gateway.example.com/{MASK}"
+    assert safe_url(f"{url}/chat/completions") == f"https://gateway.example.com/{MASK}/chat/completions"
+    # only where the URL is shown: a path is no secret to mask in every answer
+    assert (
+        redact("an answer about /v1/acct-7f3a9c2e51/openai") == "an answer about /v1/acct-7f3a9c2e51/openai"
     )
