@@ -12,8 +12,8 @@ One `DocumentSource` covers every input layout the toolkit accepts:
   ``--input-format lines`` (sorted by path; hidden files skipped; ``.txt`` files are not read from a
   folder); ``--input-format jsonl`` or ``parquet`` reads that kind's shards only.
 
-A named ``--input-format`` reads a file whose suffix says nothing (``corpus.json``, ``part-0``) as
-that format; a suffix that contradicts it (``parquet`` on ``x.jsonl``) is refused.
+A named ``--input-format`` reads a file whose suffix says nothing (``corpus.json``, ``part-0``), or
+``.txt``, as that format; a suffix that contradicts it (``parquet`` on ``x.jsonl``) is refused.
 
 ``text_field`` and ``id_field`` name the columns for corpora that do not call them ``text`` and
 ``id``. A record without an id is named by its line (or row) number; in a folder of shards, by
@@ -261,7 +261,7 @@ def _kind(path: Path, input_format: str) -> str | None:
     by_name = _suffix_kind(path.name)
     if input_format not in ("jsonl", "parquet", "txt"):
         return by_name
-    if by_name is None:
+    if by_name is None or by_name == "txt":  # .txt says little: JSON lines are often saved so
         return "jsonl.gz" if input_format == "jsonl" and path.name.endswith(".gz") else input_format
     if by_name.split(".")[0] != input_format:
         raise InputError(

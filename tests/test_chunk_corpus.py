@@ -98,7 +98,8 @@ def test_a_named_input_format_is_read_as_named_or_refused(tmp_path, emma):
     write_jsonl(tmp_path / "corpus.json", rows)  # a suffix that says nothing: read as named
     with gzip.open(tmp_path / "part-0.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    for name in ("corpus.json", "part-0.gz"):
+    write_jsonl(tmp_path / "lines.txt", rows)  # as it was before: .txt read as the format named
+    for name in ("corpus.json", "part-0.gz", "lines.txt"):
         assert [d.text for d in DocumentSource(tmp_path / name, "jsonl")] == [r["text"] for r in rows]
     with pytest.raises(InputError, match="no input shards|must be"):
         DocumentSource(tmp_path / "corpus.json")  # auto: the suffix is no format
