@@ -132,10 +132,20 @@ def _not_a_folder(path: Path) -> None:
         raise IsADirectoryError(errno.EISDIR, "a folder, where a file is to be written", str(path))
 
 
+def _process_space() -> str:
+    """``HOST+NS``: the host, and the PID namespace its process ids belong to (containers on one host
+    share its name, not their process ids). ``+`` is in no host name, so no host's reads as another's."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc (macOS): one namespace per host
+        namespace = 0
+    return f"{socket.gethostname()}+{namespace}"
+
+
 def _owner() -> str:
-    """Who writes a temp file, in its name (``PID@HOST``): what lets a later writer on this host tell
-    a killed writer's leftovers from a live writer's file."""
-    return f"{os.getpid()}@{socket.gethostname()}"
+    """Who writes a temp file, in its name (``PID@HOST+NS``): what lets a later writer in the same
+    process space tell a killed writer's leftovers from a live writer's file."""
+    return f"{os.getpid()}@{_process_space()}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -150,12 +160,13 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_dead_temps(path: Path) -> None:
     """The temp files beside ``path`` that a writer killed before its rename left (``kill -9``,
-    a lost node): each names its writer, and one whose process is gone from this host is removed. A
-    live writer's, or another host's (a shared file system), is left alone."""
-    host = socket.gethostname()
+    a lost node): each names its writer, and one whose process is gone from this host's process
+    space is removed. A live writer's, another host's (a shared file system) or another container's
+    is left alone."""
+    here = _process_space()
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid, at, rest = stale.name[len(path.name) + 2 :].partition("@")
-        if at and pid.isdigit() and rest.startswith(f"{host}.") and not _pid_alive(int(pid)):
+        if at and pid.isdigit() and rest.startswith(f"{here}.") and not _pid_alive(int(pid)):
             stale.unlink(missing_ok=True)
 
 
@@ -327,7 +338,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd, like=path)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -524,26 +524,27 @@ def test_a_replaced_output_keeps_the_mode_its_owner_gave_it(tmp_path):
 
 def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path):
     """kill -9 between a temp file's creation and its rename left ``.OUT.xxxx.tmp`` for good (the
-    reviewer found 3 MB of them beside one output). A temp file names its writer (PID@HOST): the next
-    writer of the same output removes the ones whose process is gone, never a live writer's or another
-    host's (a shared file system)."""
+    reviewer found 3 MB of them beside one output). A temp file names its writer (PID@HOST+PIDNS): the
+    next writer of the same output removes the ones whose process is gone, never a live writer's, another
+    host's (a shared file system) or another container's on this host."""
     import socket
     import subprocess
     import sys
 
     from metachunk import artifacts
 
-    host = socket.gethostname()
+    host, namespace = socket.gethostname(), os.stat("/proc/self/ns/pid").st_ino
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    dead, live, elsewhere = (tmp_path / f".out.jsonl.{owner}.abcd1234.tmp" for owner in
-                             (f"{gone.stdout.strip()}@{host}", f"{os.getpid()}@{host}", f"{gone.stdout.strip()}@other-host"))  # fmt: skip
-    for stale in (dead, live, elsewhere):
+    ).stdout.strip()
+    owners = [f"{gone}@{host}+{namespace}", f"{os.getpid()}@{host}+{namespace}", f"{gone}@other-host+1",
+              f"{gone}@{host}+1", f"{gone}@{host}.cluster+{namespace}"]  # fmt: skip
+    dead, live, *elsewhere = (tmp_path / f".out.jsonl.{owner}.abcd1234.tmp" for owner in owners)
+    for stale in (dead, live, *elsewhere):
         stale.write_text("half an output")
     with artifacts.AtomicWriter(tmp_path / "out.jsonl") as f:
         f.write("{}\n")
-    assert not dead.exists() and live.exists() and elsewhere.exists()
+    assert not dead.exists() and live.exists() and all(p.exists() for p in elsewhere)
     plot = tmp_path / ".plot.png.1@x.tmp"  # another file's temp names are not this output's
     plot.write_text("x")
     with artifacts.AtomicWriter(tmp_path / "out.jsonl") as f:
