@@ -237,6 +237,7 @@ class ShardedOutput:
         self.manifest_path = self.root / MANIFEST
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = FileLock(str(self.root / f".{MANIFEST}.lock"))  # hidden: datasets skips it
+        self.fingerprint = None  # this run's, once `open` has written its manifest
 
     def path(self, i: int) -> Path:
         return self.root / self.plan.name(i, self.fmt)
@@ -293,7 +294,20 @@ class ShardedOutput:
             manifest["run"] = (previous or {}).get("run", {"attempts": 0, "seconds": 0.0})
             manifest["run"]["attempts"] += 1
             write_json(self.manifest_path, manifest)
+            self.fingerprint = head["fingerprint"]
             return {int(k) for k in done}
+
+    def current_manifest(self) -> dict:
+        """The manifest, still this run's: another run on the folder with another config (started while
+        this one loaded its model, before a shard was done) has replaced it, and this one stops rather
+        than enter its shards there. Called under the lock."""
+        manifest = self.read_manifest()
+        if manifest is None or manifest.get("fingerprint") != self.fingerprint:
+            raise InputError(
+                self.manifest_path, "another run with another config took this folder over while this one "
+                "ran; this one stops (its shards are not entered)"
+            )  # fmt: skip
+        return manifest
 
     def remove_stale_temps(self, shards) -> None:
         """Temp files a killed run left for these shards (only their writer makes them)."""
@@ -308,7 +322,7 @@ class ShardedOutput:
         write_bytes(path, data)
         entry = {"file": path.name, **stats, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         with self.lock:
-            manifest = self.read_manifest()
+            manifest = self.current_manifest()
             manifest["shards"]["done"][f"{i:05d}"] = entry
             manifest["shards"]["done"] = dict(sorted(manifest["shards"]["done"].items()))
             write_json(self.manifest_path, manifest)
@@ -316,7 +330,7 @@ class ShardedOutput:
     def finish(self, run: dict) -> dict:
         """Adds this attempt's ``run`` figures; when every shard is done, the summary."""
         with self.lock:
-            manifest = self.read_manifest()
+            manifest = self.current_manifest()
             previous = manifest.get("run", {})
             run = {**run, "attempts": previous.get("attempts", 1),
                    "seconds": round(previous.get("seconds", 0.0) + run["this_attempt_seconds"], 2)}  # fmt: skip

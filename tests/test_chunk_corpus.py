@@ -397,3 +397,27 @@ def test_data_sample_chunks_through_the_shards_and_a_rerun_resumes(tmp_path, cap
     assert sample(cfg)["selected_chunks"] == first["selected_chunks"]
     assert "resuming: 1 of 1 shards done, 0 to chunk" in capsys.readouterr().err
     assert (tmp_path / "s" / "chunks.jsonl").read_bytes() == chunks
+
+
+def test_a_run_whose_folder_another_config_took_over_enters_no_shard(tmp_path):
+    """A folder with no shard done starts again on a changed config without --overwrite: the first run,
+    still loading its model, must then not enter its shards in the second run's manifest."""
+    from metachunk.chunking.shards import ShardedOutput, ShardPlan
+
+    plan = ShardPlan(4, 2)
+
+    def head(fingerprint):
+        return {"fingerprint": fingerprint, "fingerprint_of": {"config": fingerprint},
+                "shards": {"count": 2, "format": "jsonl"}}  # fmt: skip
+
+    first, second = (
+        ShardedOutput(tmp_path / "out", plan, "jsonl"),
+        ShardedOutput(tmp_path / "out", plan, "jsonl"),
+    )
+    assert first.open(head("a"), overwrite=False) == set()
+    assert second.open(head("b"), overwrite=False) == set()  # nothing done: it starts again
+    stats = {"documents": 2, "chunks": 2, "chunk_chars": 10}
+    with pytest.raises(InputError, match="another run with another config took this folder over"):
+        first.commit(0, b"{}\n", stats)
+    second.commit(1, b"{}\n", stats)
+    assert list(json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"]["done"]) == ["00001"]
