@@ -537,8 +537,9 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
         return seconds, [worker.report()]
 
     import multiprocessing as mp
+    import queue
     import threading
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import ProcessPoolExecutor
 
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker: CUDA and OpenMP need it
     slots, progress = ctx.Queue(), ctx.Queue()
@@ -561,18 +562,21 @@ def run_local(cfg, source, index, plan, output: ShardedOutput, pending: list[int
         with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker,
                                  initargs=(cfg, index.to_json(), plan, slots, progress)) as pool:  # fmt: skip
             try:
-                # A shard's future holds its bytes: each is dropped once committed (a list of them all, or
-                # as_completed's, kept every shard of the run in this process's memory until the end).
-                running = {pool.submit(_worker_shard, i) for i in pending}
-                while running:
-                    done, running = wait(running, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        i, data, stats, s, slot, report = future.result()
-                        output.commit(i, data, stats)
-                        seconds[i] = s
-                        reports[slot] = (
-                            report  # a worker's counts so far: its last shard's report holds them all
-                        )
+                # A shard's future holds its bytes: each reaches this loop once, through the queue, and is
+                # dropped once committed (a list of them all, or as_completed's, kept every shard of the run
+                # in this process's memory until the end; wait() rescans them all on each return).
+                finished: queue.SimpleQueue = queue.SimpleQueue()
+                for i in pending:
+                    pool.submit(_worker_shard, i).add_done_callback(finished.put)
+                for _ in pending:
+                    future = None
+                    while future is None:  # short waits: a signal is handled between two
+                        with contextlib.suppress(queue.Empty):
+                            future = finished.get(timeout=0.5)
+                    i, data, stats, s, slot, report = future.result()
+                    output.commit(i, data, stats)
+                    seconds[i] = s
+                    reports[slot] = report  # a worker's counts so far: its last shard's report holds them all
             except BaseException:  # stopped (Ctrl-C, SIGTERM) or failed: the workers' shards are not awaited
                 pool.shutdown(wait=False, cancel_futures=True)
                 for process in mp.active_children():

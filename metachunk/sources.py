@@ -563,6 +563,8 @@ class DocumentSource:
             # shard's start made a run's reading grow with the square of the corpus.
             position, docs = start, follow[2]
         else:
+            if follow is not None:  # not followed on: its file is closed now, not when collected
+                follow[2].close()
             skipped = {tuple(s) for s in index.skipped} if index is not None else set()
             docs = self._from(k, cursor, before, skipped)
         wanted = None if stop is None else stop - position
