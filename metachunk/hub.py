@@ -119,6 +119,7 @@ class HubRequestError(OSError):
 def hub_requests(repo_id: str):
     """``huggingface_hub``'s HTTP errors, whose text spans lines (URL, request id, body), as one
     `HubRequestError` line naming ``repo_id``."""
+    import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
@@ -127,6 +128,8 @@ def hub_requests(repo_id: str):
         status = e.response.status_code if e.response is not None else None
         said = " ".join((e.server_message or str(e)).split())
         raise HubRequestError(f"{repo_id}: the Hub answered {status or 'no status'}: {said}") from None
+    except httpx2.TransportError as e:  # no answer at all: no route, DNS, a proxy, a timeout
+        raise HubRequestError(f"{repo_id}: the Hub could not be reached ({type(e).__name__}: {e})") from None
 
 
 def push_folder(
@@ -152,8 +155,8 @@ def push_folder(
     stale files for ``load_dataset`` or ``from_pretrained`` to read. A new repo is private with
     ``private``, else as its namespace's default says (``create_repo(private=None)``); an existing
     repo keeps its visibility. A tag names one publication: one that marks another commit than
-    the branch's head is refused before anything is uploaded, and rerunning the push that made it
-    (nothing changed, so no new commit) succeeds
+    the branch's head, or the head with other files than this folder's, is refused before anything
+    is uploaded, and rerunning the push that made it succeeds without a request that writes
     (https://huggingface.co/docs/huggingface_hub/package_reference/hf_api)."""
     from huggingface_hub import HfApi
 
@@ -168,6 +171,13 @@ def push_folder(
         if branch != "main":
             api.create_branch(repo_id, branch=branch, repo_type=repo_type, exist_ok=True)
         tagged = tag_target(api, repo_id, repo_type, tag, branch) if tag else None
+        if tagged is not None:  # the tag marks the head: this push may only be the one that made it
+            if not holds_folder(api, repo_id, repo_type, tagged, folder, allow_patterns, delete_patterns):
+                raise ValueError(
+                    f"tag {tag!r} marks the head of {branch} in {repo_id}, whose files differ from this folder's: "
+                    "name a new tag (a tag is one publication)"
+                )
+            return str(url)  # the same push again: the tag already marks exactly this
         logger.info("uploading %s to %s", folder, url)
         commit = api.upload_folder(
             repo_id=repo_id,
@@ -178,15 +188,44 @@ def push_folder(
             commit_message=commit_message or f"Upload {folder.name} with metachunk",
             revision=revision,
         )
-        if tag and tagged is None:
+        if tag:
             api.create_tag(repo_id, tag=tag, repo_type=repo_type, revision=commit.oid,
                            tag_message=f"metachunk: {commit_message or folder.name}")  # fmt: skip
-        elif tag and tagged != commit.oid:
-            raise HubRequestError(
-                f"{repo_id}: {branch} is now commit {commit.oid[:12]}, but tag {tag!r} stays on {tagged[:12]} (the "
-                "files changed since it was made): tag this publication with a new name"
-            )
     return str(url)
+
+
+def holds_folder(api, repo_id: str, repo_type: str, revision: str, folder: Path,
+                 allow_patterns: Sequence[str] | None, delete_patterns: Sequence[str] | None) -> bool:  # fmt: skip
+    """Whether the repo at ``revision`` holds exactly what a push of ``folder`` would leave there:
+    each file it would send, byte for byte (the Hub's oid of it: the sha256 of an LFS file, the git
+    blob sha1 of another), and none of the kinds it replaces that the folder lacks."""
+    import fnmatch
+    import hashlib
+
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import filter_repo_objects
+
+    remote = {f.path: f for f in api.list_repo_tree(repo_id, repo_type=repo_type, revision=revision, recursive=True)
+              if isinstance(f, RepoFile)}  # fmt: skip
+    local = list(filter_repo_objects(
+        [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file()],
+        allow_patterns=list(allow_patterns) if allow_patterns is not None else None,
+    ))  # fmt: skip
+    for name in local:
+        there = remote.get(name)
+        if there is None:
+            return False
+        content = (folder / name).read_bytes()
+        if there.lfs is not None:
+            same = hashlib.sha256(content).hexdigest() == there.lfs.sha256
+        else:
+            same = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest() == there.blob_id
+        if not same:
+            return False
+    stale = [
+        n for n in remote if n not in local and any(fnmatch.fnmatch(n, p) for p in delete_patterns or [])
+    ]
+    return not stale
 
 
 def tag_target(api, repo_id: str, repo_type: str, tag: str, branch: str) -> str | None:

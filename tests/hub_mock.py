@@ -181,8 +181,7 @@ class FakeHub:
             if info:
                 return httpx2.Response(200, json={"id": repo, "sha": oid,
                                                   "siblings": [{"rfilename": f} for f in sorted(files)]})  # fmt: skip
-            return httpx2.Response(200, json=[{"type": "file", "oid": hashlib.sha1(c).hexdigest(), "size": len(c),
-                                               "path": f} for f, c in sorted(files.items())])  # fmt: skip
+            return httpx2.Response(200, json=[self._tree_entry(f, c) for f, c in sorted(files.items())])
         resolve = _RESOLVE.match(path)
         if request.method in ("HEAD", "GET") and resolve:  # hf_hub_download
             kind, repo, revision, filename = (
@@ -245,6 +244,13 @@ class FakeHub:
             )
         self.unexpected.append((request.method, str(request.url)))
         return httpx2.Response(404, json={"error": f"not emulated: {request.method} {path}"})
+
+    def _tree_entry(self, path: str, content: bytes) -> dict:
+        """A file of ``list_repo_tree``: its git blob oid, and an LFS file's sha256 (``RepoFile.lfs``)."""
+        entry = {"type": "file", "oid": remote_oid(content, "regular"), "size": len(content), "path": path}
+        if path.endswith(self.lfs_suffixes):
+            entry["lfs"] = {"oid": remote_oid(content, "lfs"), "size": len(content), "pointerSize": 134}
+        return entry
 
     def _at(self, kind: str, repo: str, revision: str) -> tuple[str | None, dict | None]:
         """``(commit oid, files)`` of a branch, a tag or a commit oid; ``(None, None)`` if unknown."""

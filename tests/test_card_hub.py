@@ -402,8 +402,13 @@ def test_a_tag_names_one_publication(fake_hub, dataset_dir, tmp_path, monkeypatc
     write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
     argv = ["data", "push", str(dataset_dir), "--repo-id", REPO]
     assert main([*argv, "--tag", "v1"]) == 0
-    assert main([*argv, "--tag", "v1"]) == 0 and len(fake_hub.commits) == 1
+    assert main([*argv, "--tag", "v1"]) == 0  # the same push again: no commit, no second tag
+    assert len(fake_hub.commits) == 1 and [t[1] for t in fake_hub.tags] == ["v1"]
     (dataset_dir / "data" / "validation-00000-of-00001.parquet").unlink()
+    capsys.readouterr()
+    # v1 marks the head, whose files this folder no longer matches: refused before anything is sent
+    assert main([*argv, "--tag", "v1"]) == 2 and len(fake_hub.commits) == 1
+    assert "tag 'v1' marks the head of main" in capsys.readouterr().err
     assert main([*argv, "--tag", "v2"]) == 0 and len(fake_hub.commits) == 2
     capsys.readouterr()
     assert main([*argv, "--tag", "v1"]) == 2 and len(fake_hub.commits) == 2
