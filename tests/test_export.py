@@ -140,7 +140,9 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
         "- Trained on 11 rows for 2 optimizer steps.",
     ):
         assert line in card, line
-    assert "--output_dir " + str(run) in card  # the recipe: the run's real arguments
+    # the recipe: the run's arguments, an absolute path by its last part (shlex quotes the "…")
+    assert f"--output_dir '…/{run.name}'" in card
+    assert str(tmp_path) not in card
     assert "sha256 `" in card and "{chunk}" in card  # the student prompt it was trained on
     assert card.count("not recorded") == 2
 
