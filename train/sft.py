@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
             flag, _, problem = message.partition(": ")
             name = flag.removeprefix("argument --").split("/")[0]
             flags = {a.split("=")[0].removeprefix("--").replace("-", "_") for a in argv if a.startswith("--")}
-            if flag.startswith("argument --") and name in recipe and name not in flags:
+            given = any(name.startswith(f) for f in flags if f)  # argparse takes an abbreviated flag too
+            if flag.startswith("argument --") and name in recipe and not given:
                 raise ValueError(f"--config {argv[argv.index('--config') + 1]}: field '{name}': {problem}")
             raise ValueError(message)
 
