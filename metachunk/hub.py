@@ -197,8 +197,10 @@ def push_folder(
 def holds_folder(api, repo_id: str, repo_type: str, revision: str, folder: Path,
                  allow_patterns: Sequence[str] | None, delete_patterns: Sequence[str] | None) -> bool:  # fmt: skip
     """Whether the repo at ``revision`` holds exactly what a push of ``folder`` would leave there:
-    each file it would send, byte for byte (the Hub's oid of it: the sha256 of an LFS file, the git
-    blob sha1 of another), and none of the kinds it replaces that the folder lacks."""
+    each file it would send, byte for byte (the Hub's oid of it: the sha256 of an LFS file, Xet-stored
+    ones included, the git blob sha1 of another; a tree entry's ``lfs.oid`` and ``oid``,
+    https://huggingface.co/docs/huggingface.js/hub/interfaces/ListFileEntry), and none of the kinds it
+    replaces that the folder lacks."""
     import fnmatch
     import hashlib
 
