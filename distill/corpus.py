@@ -645,8 +645,7 @@ def prepare_crud(
         rejected = finish_rejects(rejects, "data prepare-crud")
         if rejected is not None:
             report["rejects"] = rejected
-        outputs.write_json(out / "report.json", report)
-        outputs.commit(last=out / "report.json")
+        outputs.commit(out / "report.json", report)
         return report
 
 

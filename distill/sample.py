@@ -212,8 +212,7 @@ def sample(cfg: SampleConfig) -> dict:
         rejected = finish_rejects(rejects, "data sample")
         if rejected is not None:
             report["rejects"] = rejected
-        outputs.write_json(out / "sample.json", report)
-        outputs.commit(last=out / "sample.json")
+        outputs.commit(out / "sample.json", report)
         return report
 
 

@@ -253,14 +253,15 @@ class OutputSet:
     with OutputSet() as outputs:
         outputs.open(out / "test.jsonl").writelines(...)  # a temp file beside each path
         outputs.open(out / "pool.jsonl").writelines(...)
-        outputs.commit(last=out / "report.json")
+        outputs.commit(out / "report.json", report)
     ```
 
-    `commit` syncs every temp file first, so a full disk or any other error up to then leaves every
-    previous file exactly as it was; leaving the block without it (an error, Ctrl-C, a kill) removes
-    the temps and changes nothing. Then renames, which need no space: ``last`` (the set's report) is
-    removed first and renamed in at the end, so that a crash within the renames (microseconds) leaves
-    no report beside a mixed set: a set without its report is unfinished (rerun the command).
+    `commit` writes the set's report and syncs every temp file first, so a full disk or any other
+    error up to then leaves every previous file exactly as it was; leaving the block without it (an
+    error, Ctrl-C, a kill) removes the temps and changes nothing. Then renames, which need no space:
+    the report is removed first and renamed in at the end, so that a crash within the renames
+    (microseconds) leaves no report beside a mixed set: a set without its report is unfinished
+    (rerun the command).
     """
 
     def __enter__(self) -> OutputSet:
@@ -273,26 +274,22 @@ class OutputSet:
         self._files[path] = _temp_file(path)
         return self._files[path][0]
 
-    def write_json(self, path: str | Path, obj) -> None:
-        """``obj`` as `write_json` writes it, replaced with the rest."""
-        file = self.open(path)
-        json.dump(obj, file, ensure_ascii=False, indent=2)
-        file.write("\n")
-
     def adopt(self, path: str | Path, written: str | Path) -> None:
         """``written`` (a whole file, synced, in ``path``'s folder: what an earlier step wrote
         through `AtomicWriter`) becomes ``path`` at `commit`, with the rest; it is not removed if
         the set is not committed."""
         self._files[Path(path)] = (None, str(written))
 
-    def commit(self, last: str | Path | None = None) -> None:
+    def commit(self, report: str | Path, obj) -> None:
+        """The set in place, ``report`` (``obj`` as `write_json` writes it) renamed in last."""
+        report = Path(report)
+        _dump_json(obj, self.open(report))
         for path, (file, _) in self._files.items():
             if file is not None:
                 _close_durably(file, path)
-        last = Path(last) if last is not None else None
-        if last is not None and last in self._files and last.exists():
-            os.unlink(last)
-        for path, (_, tmp) in sorted(self._files.items(), key=lambda item: item[0] == last):
+        if report.exists():
+            os.unlink(report)
+        for path, (_, tmp) in sorted(self._files.items(), key=lambda item: item[0] == report):
             os.replace(tmp, path)
 
     def __exit__(self, exc_type, exc, tb):
@@ -371,11 +368,15 @@ def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
     return path
 
 
+def _dump_json(obj, file, default=None) -> None:
+    json.dump(obj, file, ensure_ascii=False, indent=2, default=default)
+    file.write("\n")
+
+
 def write_json(path: str | Path, obj, default=None) -> None:
     """``obj`` as indented JSON, atomically; ``default`` as in `json.dump` (e.g. ``str``)."""
     with AtomicWriter(path) as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2, default=default)
-        f.write("\n")
+        _dump_json(obj, f, default)
 
 
 def read_json(path: str | Path) -> dict:
