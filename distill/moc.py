@@ -57,7 +57,7 @@ Record (one per document, ``OUT/moc.jsonl``):
  "status": "ok" | "pending" | "failed", "reason",     # failed: transport reason or "no_chunks"
  "windows": [{"start", "end", "tokens", "over_budget", "status": "ok"|"failed"|"pending", "reason",
               "answer": {stage entry: teacher, params, prompt_sha256, schema_sha256, request_key,
-                         cached, usage, cost, spent, attempts, raw, text, finish_reason,
+                         usage, cost, spent, attempts, raw, text, finish_reason,
                          json_outcomes: ["valid" | "repaired" | "unparseable", one per answer]},
               "returned", "accepted": [[start, end, distance]], "carried": [start, end] | null,
               "flagged": [{"index", "text", "near": [start, end, score]}], "forced_edge", "widened",

@@ -442,7 +442,10 @@ def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
     unfinished = 0
     for record, item in zip(result.records, result.items):
         for stage, entry in task.entries(record):
-            cached[stage] += entry.get("cached", False)
+            # Nothing is sent: an answer here was stored, and counts unless the next run sends it again.
+            cached[stage] += entry["status"] != "pending" and not (
+                entry["status"] == "failed" and is_transport_failure(entry["reason"])
+            )
         # Pending, or failed in transport (the next run sends it again): still to send.
         if record["status"] != "pending" and not (
             record["status"] == "failed" and is_transport_failure(record["reason"])

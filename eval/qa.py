@@ -640,7 +640,7 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
         for (q, _, _), ids, a in zip(judged, final_ids, answers):
             f.write(jsonl_line({
                 "qid": q.qid, "question": q.question, "reference": q.answer, "prediction": a.text,
-                "status": a.status, "reason": a.reason, "finish_reason": a.finish_reason, "cached": a.cached,
+                "status": a.status, "reason": a.reason, "finish_reason": a.finish_reason,
                 "usage": {"prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens},
                 "context": [[chunks[c].doc_id, chunks[c].chunk_index] for c in ids], "prompt_sha256": prompt.sha256,
             }))  # fmt: skip

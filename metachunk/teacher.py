@@ -518,7 +518,8 @@ class Answer:
             "params": self.params,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
             "cost": round(self.cost, 8),
-            "cached": self.cached,
+            # No "cached": whether this run or an earlier one paid for it is the run's business (the
+            # meta file counts answers from the store); a rerun writes the same bytes.
             "request_key": self.key,
         }
         if self.usage_estimated:

@@ -64,7 +64,7 @@ def test_both_pipelines_against_smollm2(local_teacher, tmp_path):
         for r in records:
             assert r["status"] in {"ok", "complete_as_is", "failed"}, r
             first = r["stages"][stages[0] if task == "rewrite" else "summary_local"]
-            assert first["usage"]["completion_tokens"] > 0 and not first["cached"]
+            assert first["usage"]["completion_tokens"] > 0
             if r["status"] == "ok":
                 assert r["output"].strip()
         meta = json.loads((tmp_path / "run" / f"{task}.meta.json").read_text(encoding="utf-8"))

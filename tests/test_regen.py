@@ -118,6 +118,12 @@ def test_stages_are_skipped_while_unchanged_and_a_change_reruns_only_downstream(
         code, out, _ = run(capsys, recipe, "--plan")
         assert out.count(" cached") == 3
 
+        # Rerun to the same bytes (the answers from the store): what reads them stays cached.
+        code, out, err = run(capsys, recipe, "--rerun", "sample", "rewrite")
+        assert code == 0, err
+        assert "metachunk data sample --config" in err and "metachunk distill rewrite --config" in err
+        assert "sft (data build-sft rewrite): cached" in err and server.stats()["requests"] == paid
+
         write_recipe(tmp_path, pool, tiny_model_dir, base_url, validation=0.5)  # only sft's config
         code, out, err = run(capsys, recipe)
         assert code == 0, err
