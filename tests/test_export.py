@@ -319,11 +319,12 @@ def test_push_uploads_the_exported_folder(fake_hub, tiny_model_dir, tmp_path, mo
     fake_hub.lfs_suffixes = (".safetensors",)
     caplog.set_level(logging.DEBUG)
     argv = ["export", "--checkpoint", str(model_dir), "--out", str(out), "--push", REPO, "--private",
-            "--base-model-id", "Qwen/Qwen2.5-0.5B-Instruct"]  # fmt: skip
+            "--base-model-id", "Qwen/Qwen2.5-0.5B-Instruct", "--tag", "v1"]  # fmt: skip
     assert main(argv) == 0
     stdout, stderr = capsys.readouterr()
     assert stdout.strip() == f"https://huggingface.co/{REPO}"
     assert f"; pushed to https://huggingface.co/{REPO}" in stderr
+    assert [t[1] for t in fake_hub.tags] == ["v1"] and len(fake_hub.commits) == 1
 
     sent = fake_hub.committed_files()
     assert sent == {p.name: p.read_bytes() for p in out.iterdir()}  # the whole export, byte for byte

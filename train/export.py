@@ -129,6 +129,13 @@ class ExportConfig:
     commit_message: str | None = option(
         None, "--push: commit message; default: 'Upload <out name> with metachunk'"
     )
+    revision: str | None = option(
+        None, "--push: branch to publish to (created from main if new); default main"
+    )
+    tag: str | None = option(
+        None,
+        "--push: tag the published commit (one per release): from_pretrained(repo, revision=TAG) loads it",
+    )
     base_model_id: str | None = option(
         None, "the card's base_model (a Hub id); default: known for presets, else left out (local dirs)"
     )
@@ -542,6 +549,8 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             delete_patterns=MODEL_FILE_PATTERNS,
             private=cfg.private,
             commit_message=cfg.commit_message,
+            revision=cfg.revision,
+            tag=cfg.tag,
         )
     return result
 
