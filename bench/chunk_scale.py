@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import InputError, write_json
+from metachunk.artifacts import InputError, read_run_log, write_json
 from metachunk.named_data import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def bench_resume(args) -> dict:
     rerun_wall = time.perf_counter() - started
     if rerun.returncode != 0:
         sys.exit(f"chunk_scale: the rerun failed:\n{rerun.stderr[-2000:]}")
-    run = json.loads((killed / "manifest.json").read_text())["run"]
+    run = read_run_log(killed)[-1]
     identical = shard_bytes(killed) == shard_bytes(whole)
     print(
         f"resume: killed at {kill_at:.1f} s with {len(done)} of 12 shards done ({done_docs} documents); "

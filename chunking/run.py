@@ -229,7 +229,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         "threads_per_worker": cfg.threads_per_worker,
         "streams": cfg.streams,
         "device": cfg.device,
-        "this_attempt_seconds": round(time.perf_counter() - started, 2),
+        "seconds": round(time.perf_counter() - started, 2),
         "scan_seconds": round(scan_s, 2),
         "resume_check_seconds": round(skip_s, 2),
         "shards_skipped": len(mine) - len(pending),
@@ -238,10 +238,8 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         "shard_seconds": {f"{i:05d}": round(s, 2) for i, s in sorted(seconds.items())},
         # each worker's method and students blocks (moc, lumber: windows, requests, fallbacks ...)
         **({"workers_report": reports} if any(reports) else {}),
-        **({"length_fit": length_fit} if length_fit else {}),
-        **({"rejects": rejected} if rejected is not None else {}),
     }
-    manifest = output.finish(run)
+    manifest = output.finish(run, {"length_fit": length_fit, "rejects": rejected})
     state = (
         "complete"
         if manifest["complete"]
@@ -250,14 +248,14 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     summary = manifest.get("summary", {})
     print(
         f"{cfg.output}: {plan.shards} shards, {state}; this run chunked {todo_docs} documents "
-        f"({run['shards_skipped']} shards skipped) in {run['this_attempt_seconds']:.1f}s"
+        f"({run['shards_skipped']} shards skipped) in {run['seconds']:.1f}s"
         + (f"; {summary['documents']} documents, {summary['chunks']} chunks, mean "
            f"{summary['mean_chunk_chars']} chars/chunk" if summary else ""),
         file=sys.stderr,
     )  # fmt: skip
     for report in reports:
         print_method_lines([], report.get("students", {}))
-    return manifest
+    return {**manifest, "run": run}  # the caller's summary: this attempt's method counts too
 
 
 def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
@@ -271,7 +269,7 @@ def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) ->
 
 def run(cfg: ChunkConfig) -> Result:
     manifest = chunk_corpus(cfg)
-    rejected = manifest.get("rejects") or manifest.get("run", {}).get("rejects")
+    rejected = manifest.get("rejects")
     return Result(skipped_exit(rejected), summary(manifest), rejects=rejected)
 
 
@@ -283,11 +281,11 @@ def summary(manifest: dict) -> dict:
         for k, v in manifest.get("summary", {}).items()
         if k in ("documents", "chunks", "mean_chunk_chars")
     }
-    rejects = manifest.get("rejects") or manifest.get("run", {}).get("rejects")
+    rejects = manifest.get("rejects")
     if rejects:
         out["rejected_rows"] = rejects["rows"]
     blocks = manifest.get("run", {}).get("workers_report") or [manifest]  # a folder: one per worker
-    fit = manifest.get("length_fit") or manifest.get("run", {}).get("length_fit")
+    fit = manifest.get("length_fit")
     if fit:
         out["target_len"] = fit["target_len"]
     mocs = [b["moc"] for b in blocks if "moc" in b]

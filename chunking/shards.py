@@ -6,6 +6,7 @@
 DIR/train-00000-of-00008.jsonl      (or .parquet with --output-format parquet)
 ...
 DIR/manifest.json                   config, θ, prompt hashes, fingerprints, shards done, counts
+DIR/runs.jsonl                      how each attempt ran: engine, workers, device, seconds
 ```
 
 The shard names follow the ``datasets`` split convention, so ``load_dataset("json", data_dir=DIR)``
@@ -22,7 +23,8 @@ manifest's ``shards.done`` (with its sha256), which is replaced atomically under
 rerun of the same command checks the manifest's fingerprint (config, input bytes, model files,
 prompts, metachunk version), keeps every done shard whose file still has its hash, and chunks the
 rest. So a kill -9 costs at most the shards in flight: one per worker. A changed config, model or
-input is refused (``--overwrite`` starts again).
+input is refused (``--overwrite`` starts again). The manifest says what the folder holds, never how
+an attempt ran (that goes to ``runs.jsonl``), so a rerun or a resume leaves it byte-identical.
 
 **Engines**, all running `chunk_shard` on shards and `ShardedOutput.commit` on the
 results, so they write the same bytes:
@@ -38,8 +40,7 @@ results, so they write the same bytes:
 
 Runtime settings (engine, workers, threads, device) are not part of the fingerprint: a resumed run
 may use more machines. Different hardware (or thread counts) may change scores in the last float
-digits, so a resume on other hardware is not byte-identical; the manifest's ``run`` block says what
-ran.
+digits, so a resume on other hardware is not byte-identical; ``runs.jsonl`` says what ran.
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ from pathlib import Path
 from metachunk.chunking.overlap import overlapped
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, InputError, jsonl_line, write_bytes, write_json
+from metachunk.artifacts import (
+    SCHEMA_VERSION,
+    InputError,
+    append_run_log,
+    jsonl_line,
+    write_bytes,
+    write_json,
+)
 from metachunk.command import Reads
 from metachunk.sources import MAX_ROW_BYTES, DocumentSource, Rejects, SourceIndex, read_records
 
@@ -291,8 +299,8 @@ class ShardedOutput:
                     if path.is_file() and _sha256(path) == entry["sha256"]:
                         done[key] = entry
             manifest = {**head, "shards": {**head["shards"], "done": done}, "complete": False}
-            manifest["run"] = (previous or {}).get("run", {"attempts": 0, "seconds": 0.0})
-            manifest["run"]["attempts"] += 1
+            if previous is not None and "length_fit" in previous:  # what the done shards were chunked with
+                manifest["length_fit"] = previous["length_fit"]
             write_json(self.manifest_path, manifest)
             self.fingerprint = head["fingerprint"]
             return {int(k) for k in done}
@@ -327,14 +335,13 @@ class ShardedOutput:
             manifest["shards"]["done"] = dict(sorted(manifest["shards"]["done"].items()))
             write_json(self.manifest_path, manifest)
 
-    def finish(self, run: dict) -> dict:
-        """Adds this attempt's ``run`` figures; when every shard is done, the summary."""
+    def finish(self, run: dict, made: dict) -> dict:
+        """Enters ``made`` (the fitted ``length_fit``, the ``rejects``: what the output is, set when not
+        None) and, when every shard is done, the summary; appends ``run`` (how this attempt went) to
+        the run log."""
         with self.lock:
             manifest = self.current_manifest()
-            previous = manifest.get("run", {})
-            run = {**run, "attempts": previous.get("attempts", 1),
-                   "seconds": round(previous.get("seconds", 0.0) + run["this_attempt_seconds"], 2)}  # fmt: skip
-            manifest["run"] = run
+            manifest.update({k: v for k, v in made.items() if v is not None})
             done = manifest["shards"]["done"]
             if len(done) == self.plan.shards:
                 n_chunks = sum(e["chunks"] for e in done.values())
@@ -346,6 +353,7 @@ class ShardedOutput:
                 }
                 manifest["complete"] = True
             write_json(self.manifest_path, manifest)
+            append_run_log(self.root, run)
             return manifest
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, OutputSet, jsonl_line
+from metachunk.artifacts import SCHEMA_VERSION, AtomicWriter, OutputSet, append_run_log, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.config import block, option
 from metachunk.sources import BadRows, finish_rejects, read_documents
@@ -201,19 +201,21 @@ def sample(cfg: SampleConfig) -> dict:
         report = {
             "schema_version": SCHEMA_VERSION,
             "command": "data sample",
-            "config": config.to_dict(cfg),
+            "config": config.computed(cfg),  # what decides the sample; how it ran goes to runs.jsonl
             "pool_long_documents": pool_size,
             "documents": n_docs,
             "chunks": n_chunks,
             "selected_chunks": n_selected,
             "selected_by_length": {names[b]: sampled_buckets.get(b, 0) for b in range(n_buckets)},
-            "seconds": round(time.perf_counter() - started, 2),
         }
         rejected = finish_rejects(rejects, "data sample")
         if rejected is not None:
             report["rejects"] = rejected
         outputs.commit(out / "sample.json", report)
-        return report
+    computed = config.computed(cfg)
+    how = {k: v for k, v in config.to_dict(cfg).items() if k not in computed}
+    append_run_log(out, {"command": "data sample", **how, "seconds": round(time.perf_counter() - started, 2)})
+    return report
 
 
 def print_report(report: dict, file=None) -> None:

@@ -9,6 +9,8 @@ in place of a good one:
   both are written in full to temp files first, so running out of space (or any error) leaves the
   previous pair untouched; only then are they renamed in (see `OutputPair.commit`).
 * `replace_dir` - a finished folder (dataset, exported model) swapped in for the previous one.
+* `append_run_log` - how an attempt ran (engine, device, seconds), one line per attempt in the
+  folder's ``runs.jsonl``, kept apart from what it made so that a rerun writes the same bytes.
 """
 
 from __future__ import annotations
@@ -410,6 +412,45 @@ def read_jsonl(path: str | Path):
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+
+
+# How each attempt on an output folder ran: engine, workers, device, seconds, what it skipped. That is
+# not what the folder holds, so it stays out of its manifest and reports (a resume or a rerun then
+# writes them byte for byte) and out of `metachunk run`'s digests of the folder.
+RUN_LOG = "runs.jsonl"
+
+
+def append_run_log(folder: str | Path, record: dict) -> None:
+    """``record`` as one more line of ``folder/runs.jsonl``, with the UTC time it finished. One
+    ``O_APPEND`` write per line, so the lines of ranks finishing together do not interleave; a line a
+    kill cut short is ended first, and `read_run_log` skips it."""
+    import datetime
+
+    path = Path(folder) / RUN_LOG
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    line = jsonl_line({"finished": stamp, **record}).encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        while line:
+            line = line[os.write(fd, line) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_run_log(folder: str | Path) -> list[dict]:
+    """The attempts `append_run_log` recorded in ``folder``, oldest first ([] when none)."""
+    path = Path(folder) / RUN_LOG
+    if not path.is_file():
+        return []
+    runs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            runs.append(json.loads(line))
+    return runs
 
 
 def jsonl_line(obj) -> str:

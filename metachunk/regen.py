@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, write_json
+from metachunk.artifacts import EXIT_EMPTY, RUN_LOG, AtomicWriter, InputError, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.named_data import MissingDataset, name_of
@@ -218,7 +218,8 @@ class Digests:
         return digest.hexdigest()
 
     def path(self, path: str | Path) -> str | None:
-        """A file's sha256, or a folder's (its non-hidden files by relative path); None if absent."""
+        """A file's sha256, or a folder's (its files by relative path, less hidden files, locks,
+        answer stores and run logs); None if absent."""
         path = Path(path)
         if path.is_file():
             return self.file(path)
@@ -227,11 +228,12 @@ class Digests:
         digest = hashlib.sha256()
         for p in sorted(path.rglob("*")):
             rel = p.relative_to(path)
-            # Hidden files, locks and answer stores (shared, append-only) are not what a stage made.
+            # Hidden files, locks, answer stores (shared, append-only) and run logs (how each attempt
+            # went: `metachunk.artifacts.RUN_LOG`) are not what a stage made.
             if (
                 p.is_file()
                 and not any(part.startswith(".") for part in rel.parts)
-                and not (".sqlite" in p.name or p.suffix == ".lock")
+                and not (".sqlite" in p.name or p.suffix == ".lock" or p.name == RUN_LOG)
             ):
                 digest.update(f"{rel.as_posix()}\0{self.file(p)}\n".encode())
         return digest.hexdigest()

@@ -95,7 +95,7 @@ def test_a_folder_skips_the_same_rows_in_every_shard(tmp_path, capsys, corpora):
     lines = (tmp_path / "mixed_dir.rejects.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["line"] for line in lines) == sorted(BAD)  # each once
     manifest = json.loads((tmp_path / "mixed_dir" / "manifest.json").read_text())
-    assert manifest["run"]["rejects"]["rows"] == 5 and manifest["complete"]
+    assert manifest["rejects"]["rows"] == 5 and manifest["complete"]
 
 
 def test_by_default_a_bad_row_is_an_error_and_a_broken_input_stops(tmp_path, capsys, corpora):
@@ -145,7 +145,12 @@ def test_data_sample_skips_bad_pool_rows(tmp_path, capsys, corpora, tiny_model_d
     monkeypatch.setattr(metachunk.chunking.run, "run_sharded", fails)
     rc, err = sample(good, tmp_path / "good", "--seed", "7")
     assert rc == 1 and "No space left" in err, err
-    assert outputs() == before and set(before) == {"documents.jsonl", "chunks.jsonl", "sample.json"}
+    assert outputs() == before and set(before) == {
+        "documents.jsonl",
+        "chunks.jsonl",
+        "sample.json",
+        "runs.jsonl",
+    }
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.data import data_file
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, read_run_log
 from metachunk.cli import main
 from metachunk.sources import DocumentSource
 
@@ -221,21 +221,18 @@ def test_folder_loads_with_datasets_and_chunks_tile_their_documents(tmp_path, ca
 
 def test_one_and_two_workers_write_the_same_bytes(tmp_path, capsys, emma, tiny_model_dir):
     src = write_jsonl(tmp_path / "emma.jsonl", emma)
-    outs = {}
+    outs, manifests = {}, {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
         rc, err = chunk(capsys, src, "-o", out, "--model", tiny_model_dir, "--shards", 4, "--workers", workers,
                         "--threads-per-worker", 1, "--emit-sentences")  # fmt: skip
         assert rc == 0, err
         outs[workers] = shard_bytes(out)
-        assert json.loads((out / "manifest.json").read_text())["run"]["workers"] == workers
-    assert len(outs[1]) == 4 and outs[1] == outs[2]
-
-
-def _manifest_without_run(folder: Path) -> dict:
-    m = json.loads((folder / "manifest.json").read_text())
-    m.pop("run")
-    return m
+        assert read_run_log(out)[-1]["workers"] == workers
+        manifests[workers] = (out / "manifest.json").read_bytes()
+    assert (
+        len(outs[1]) == 4 and outs[1] == outs[2] and manifests[1] == manifests[2]
+    )  # how it ran is in runs.jsonl
 
 
 def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, emma, tiny_model_dir):
@@ -268,11 +265,11 @@ def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, e
     resumed = subprocess.run([*argv, "-o", str(out)], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming: {n_done} of 16 shards done" in resumed.stderr
-    run = json.loads((out / "manifest.json").read_text())["run"]
-    assert run["attempts"] == 2 and run["shards_skipped"] == n_done
-    assert run["documents_chunked"] == 480 - 30 * n_done  # only the shards not done: 30 documents each
+    runs = read_run_log(out)  # the killed attempt finished nothing, so wrote no line
+    assert len(runs) == 1 and runs[0]["shards_skipped"] == n_done
+    assert runs[0]["documents_chunked"] == 480 - 30 * n_done  # only the shards not done: 30 documents each
     assert shard_bytes(out) == shard_bytes(whole)
-    assert _manifest_without_run(out) == _manifest_without_run(whole)
+    assert (out / "manifest.json").read_bytes() == (whole / "manifest.json").read_bytes()
     assert not list(out.glob(".*.tmp"))  # the killed run's temp files are gone, its manifest's too
 
 
@@ -327,7 +324,7 @@ def test_torchrun_ranks_split_the_shards_and_write_the_same_bytes(tmp_path, caps
     assert "(rank 0 of 2)" in proc.stderr and "(rank 1 of 2)" in proc.stderr
     assert shard_bytes(ranks) == shard_bytes(tmp_path / "local")
     manifest = json.loads((ranks / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["run"]["engine"] == "torchrun (2 ranks)"
+    assert manifest["complete"] and [r["engine"] for r in read_run_log(ranks)] == ["torchrun (2 ranks)"] * 2
 
 
 def test_ray_actors_write_the_same_bytes_as_the_local_engine(tmp_path, capsys, emma, tiny_model_dir):
@@ -343,7 +340,7 @@ def test_ray_actors_write_the_same_bytes_as_the_local_engine(tmp_path, capsys, e
         assert rc == 0, err
         assert shard_bytes(half) == shard_bytes(tmp_path / "local")
         manifest = json.loads((half / "manifest.json").read_text())
-        assert manifest["run"]["engine"] == "ray" and manifest["complete"]
+        assert read_run_log(half)[-1]["engine"] == "ray" and manifest["complete"]
         manifest["shards"]["done"].pop("00003")
         (half / "manifest.json").write_text(json.dumps(manifest))
         next(half.glob("train-00003-*")).unlink()  # so the bytes below are the rerun's, not the old file's
@@ -391,7 +388,7 @@ def test_data_sample_chunks_through_the_shards_and_a_rerun_resumes(tmp_path, cap
     first = sample(cfg)
     chunks = (tmp_path / "s" / "chunks.jsonl").read_bytes()
     manifest = json.loads((tmp_path / "s" / "ppl" / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["run"]["workers"] == 2
+    assert manifest["complete"] and read_run_log(tmp_path / "s" / "ppl")[-1]["workers"] == 2
     assert first["documents"] == 12 == manifest["summary"]["documents"]
     capsys.readouterr()
     assert sample(cfg)["selected_chunks"] == first["selected_chunks"]

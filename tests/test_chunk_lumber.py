@@ -31,6 +31,7 @@ from metachunk.chunking.sentences import split_sentences
 from support.data import data_file
 from support.loopback_server import serve_in_subprocess
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main as metachunk
 from metachunk.config import load_yaml
 
@@ -397,7 +398,7 @@ def test_lumber_into_a_folder_of_shards_resumes_and_pays_nothing_twice(server, t
     assert b"".join(p.read_bytes() for p in shards) == (tmp_path / "one.jsonl").read_bytes()
     assert server.stats()["requests"] - before == sent  # the same requests: answered by the store
     manifest = json.loads((folder / "manifest.json").read_text())
-    lumber = manifest["run"]["workers_report"][0]["lumber"]
+    lumber = read_run_log(folder)[-1]["workers_report"][0]["lumber"]
     assert (lumber["requests_sent"], lumber["answers_from_store"]) == (0, 6)
     assert set(manifest["prompt_sha256"]) == {"chunking/prompts/lumber.en.txt", "chunking/prompts/lumber.zh.txt",
                                               "chunking/prompts/lumber.schema.json"}  # fmt: skip

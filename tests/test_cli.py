@@ -650,7 +650,7 @@ def test_mean_chunk_chars_into_a_folder_writes_the_files_chunks(tmp_path, capsys
     assert b"".join(p.read_bytes() for p in shards) == (tmp_path / "one.jsonl").read_bytes()
     manifest = json.loads((tmp_path / "dir" / "manifest.json").read_text())
     file_meta = json.loads((tmp_path / "one.meta.json").read_text())
-    assert manifest["run"]["length_fit"] == file_meta["length_fit"]
+    assert manifest["length_fit"] == file_meta["length_fit"]
     assert manifest["summary"]["mean_chunk_chars"] == file_meta["summary"]["mean_chunk_chars"]
 
 

@@ -174,6 +174,8 @@ def test_3b_recipes_name_their_batching_and_kernels(recipe, monkeypatch):
     assert model_args.attn_implementation == "flex_attention"
     check_packing(sft_args)
     check_attention(model_args.attn_implementation, sft_args)
+    with pytest.raises(ValueError, match="field 'max_length': packing"):  # TRL's refusal came after the load
+        check_packing(_parse(["--config", str(recipe), "--packing", "true"])[1])
     assert sft_args.loss_type == "nll" and sft_args.label_smoothing_factor == 0  # the fused LM head's path
     assert sft_args.optim == "adamw_torch_fused" and not sft_args.use_liger_kernel
     assert Path(sft_args.deepspeed).name == "zero2.json" and sft_args.activation_checkpointing

@@ -20,6 +20,7 @@ from metachunk.distill.hub import push_dataset
 from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import serve_in_subprocess
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main
 
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
@@ -340,7 +341,7 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
     recipe = {"name": "rerun", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
-        {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed.jsonl"),
+        {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
                                                      "method": "fixed", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
     path = tmp_path / "regen.yaml"
@@ -350,6 +351,14 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     code, _, err = run(capsys, path, "--rerun", "docs")
     assert code == 0, err
     assert "== run: docs: metachunk data passages" in err and "fixed (chunk): cached, skipped" in err
+
+    def made():  # the digest of the chunk folder, as what reads it sees it
+        return json.loads((tmp_path / "state" / "state.json").read_text())["stages"]["fixed"]["outputs"]
+
+    before = made()
+    code, _, err = run(capsys, path, "--rerun", "fixed")  # a folder run again: its manifest is unchanged
+    assert code == 0 and "== run: fixed: metachunk chunk" in err, err
+    assert made() == before and len(read_run_log(tmp_path / "fixed")) == 2
     code, _, err = run(capsys, path, "--rerun", "nope")
     assert code == 2 and "regen.yaml" in err and "no stage named 'nope'" in err and "Traceback" not in err
 

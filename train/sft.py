@@ -347,6 +347,13 @@ def padding_free(sft_args) -> bool:
 
 
 def check_packing(sft_args) -> None:
+    """What TRL's SFTTrainer would refuse or do silently, refused before any model loads."""
+    if (sft_args.packing or sft_args.eval_packing) and sft_args.max_length is None:
+        # SFTTrainer raises "When packing is enabled, `max_length` can't be `None`" once the model is loaded.
+        raise ValueError(
+            "field 'max_length': packing cuts rows into sequences of max_length tokens, so it needs one "
+            "(--max_length 12288, say)"
+        )
     if sft_args.padding_free and not sft_args.packing and sft_args.max_length is not None:
         raise ValueError(
             "field 'padding_free' without packing does not truncate rows to max_length: set max_length: null "
