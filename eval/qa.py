@@ -358,6 +358,10 @@ def evaluate(cfg: QAConfig) -> dict:
         check_lexical_lengths(chunks, Path(cfg.chunks))  # a chunk too long to index is refused, never cut
     embedder_path = str(resolve(cfg.embedder).resolve()) if dense else None
     embedder = load_sentence_embedder(cfg.embedder, device=cfg.device) if dense else None
+    unread = None
+    if dense:
+        texts = [q.question for q, _, _ in judged] + [c.indexed_text for c in chunks]
+        unread = unread_share(cfg.embedder, embedder.tokenizer, texts, "--embedder", "its dense retrieval")
     timings["embedder_load"] = time.perf_counter() - t
     key = index_key(file_sha256(cfg.chunks), embedder_path, cfg.index_text, cfg.retriever, lexical)
     name = collection_name(key)
@@ -504,6 +508,7 @@ def evaluate(cfg: QAConfig) -> dict:
             **({"lexical": lexical.key()} if lexical else {}),
             **({"rrf_k": cfg.rrf_k, "fusion_limit": cfg.fusion_limit} if cfg.retriever == "hybrid" else {}),
             "embedder": embedder_path,
+            "embedder_unknown_tokens": unread,
             "index_text": cfg.index_text,
             "chunks_lacking_field": lacking,
             "embedder_max_seq_length": limit_tokens,
@@ -648,6 +653,15 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
     from metachunk.eval.metrics import qa_scores
 
     t = time.perf_counter()
+    references = [q.answer for q, _, _ in judged]
+    details["scorers_unknown_tokens"] = {
+        flag: unread_share(model, tokenizer_of(model), references, flag, "its scores")
+        for flag, model in (
+            ("--bertscore-model", cfg.bertscore_model),
+            ("--score-embedder", cfg.score_embedder),
+        )
+        if model != "none"
+    }
     scores, per_question = qa_scores(
         [a.text for a in answers],
         [q.answer for q, _, _ in judged],
@@ -662,6 +676,32 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
     metrics["answers_cut_at_max_tokens"] = sum(1 for a in answers if a.finish_reason == "length")
     metrics["avg_answer_tokens"] = round(sum(a.completion_tokens for a in answers) / len(answers), 2)
     return metrics, details, per_question
+
+
+def tokenizer_of(model: str):
+    """The tokenizer of a scoring model (a preset or a folder), or None where it has none to load."""
+    from transformers import AutoTokenizer
+
+    from metachunk.models import resolve
+
+    try:
+        return AutoTokenizer.from_pretrained(str(resolve(model)))
+    except (OSError, ValueError):  # no tokenizer files: the scorer's own load says why
+        return None
+
+
+def unread_share(model: str, tokenizer, texts: list[str], flag: str, what: str) -> float | None:
+    """The share of ``texts``' tokens ``model`` reads as unknown (`metachunk.models.unknown_token_share`;
+    None without a tokenizer), said on stderr when it does not read them."""
+    from metachunk.models import UNREAD_SHARE, unknown_token_share
+
+    if tokenizer is None:
+        return None
+    share = round(unknown_token_share(tokenizer, texts), 4)
+    if share > UNREAD_SHARE:
+        print(f"metachunk: eval qa: {model} ({flag}) reads {share:.0%} of these texts' tokens as unknown: "
+              f"{what} would follow its unknown token, not the text; name a model that reads the language", file=sys.stderr)  # fmt: skip
+    return share
 
 
 # ------------------------------------------------------------------------------------- summary

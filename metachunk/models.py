@@ -428,6 +428,25 @@ def load_sentence_embedder(name_or_dir: str = "minilm", device: str | None = Non
     return SentenceTransformer(str(resolve(name_or_dir)), device=device)
 
 
+# A model that maps more of a text's tokens to its unknown token than this does not read the language:
+# MiniLM (an English WordPiece vocabulary) reads well over half of a Chinese news article as [UNK].
+UNREAD_SHARE = 0.05
+
+
+def unknown_token_share(tokenizer, texts: list[str], sample: int = 256) -> float:
+    """The share of the tokens of (up to ``sample`` of) ``texts`` that ``tokenizer`` (a model's, or a
+    SentenceTransformer's ``.tokenizer``) maps to its unknown token: 0.0 for a byte-level tokenizer,
+    which has none. Above `UNREAD_SHARE`, embeddings and BERTScore from that model follow [UNK]
+    patterns, not the text."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not texts:
+        return 0.0
+    step = max(1, len(texts) // sample)
+    ids = tokenizer(texts[::step][:sample], add_special_tokens=False)["input_ids"]
+    total = sum(len(row) for row in ids)
+    return sum(row.count(unk) for row in ids) / total if total else 0.0
+
+
 # ---- `metachunk models list | fetch` -------------------------------------------------------------
 
 

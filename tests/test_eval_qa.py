@@ -722,6 +722,35 @@ def test_real_minilm_finds_the_planted_answer(planted, tmp_path):
     assert doc["metrics"]["n_chunks"] == 8 and doc["metrics"]["avg_chunk_tokens"] > 0
     row = read_jsonl(tmp_path / "m" / "retrieval.jsonl")[1]
     assert row["hits"][0]["text"].startswith("apple cherry")  # "Which cherry?" -> the cherriest chunk
+    assert doc["details"]["index"]["embedder_unknown_tokens"] == 0.0  # MiniLM reads English
+
+
+@pytest.mark.integration
+def test_a_model_that_does_not_read_the_language_is_named(tmp_path, capsys, tiny_model_dir):
+    """MiniLM's English WordPiece vocabulary reads most of a Chinese text as [UNK]: its embeddings (dense
+    retrieval, embedding similarity, BERTScore) follow that token, and eval qa says so and records the share.
+    A byte-level tokenizer (Qwen2's) has no unknown token."""
+    from transformers import AutoTokenizer
+
+    from metachunk.models import UNREAD_SHARE, ModelNotFoundError, preset_dir, unknown_token_share
+
+    try:
+        minilm = AutoTokenizer.from_pretrained(str(preset_dir("minilm")))
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    zh = ["西安发放体育消费券，市民可在指定场馆使用。", "上海车展今天开幕，多家车企发布新车型。"]
+    assert unknown_token_share(minilm, zh) > 0.5 > UNREAD_SHARE
+    assert unknown_token_share(minilm, ["Emma Woodhouse, handsome, clever, and rich."]) == 0.0
+    assert unknown_token_share(AutoTokenizer.from_pretrained(str(tiny_model_dir)), zh) == 0.0
+
+    chunks = write_chunks(tmp_path / "zh.jsonl", {"A": zh})
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": "上海车展什么时候开幕？", "answer": "今天",
+                                     "chunk_must_contain": "上海车展今天开幕"}, ensure_ascii=False) + "\n")  # fmt: skip
+    doc = qa.evaluate(parse(["--chunks", str(chunks), "--qa", str(questions), "--out", str(tmp_path / "m"),
+                             "--top-k", "1", "--no-progress"]))  # fmt: skip
+    assert doc["details"]["index"]["embedder_unknown_tokens"] > 0.5
+    assert "minilm (--embedder) reads" in capsys.readouterr().err
 
 
 def test_bad_chunk_records_and_question_rows_are_skipped_on_request(planted, planted_embedder, tmp_path):
