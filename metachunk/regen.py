@@ -52,8 +52,10 @@ stages downstream rerun only if its outputs change. A teacher stage's answers st
 ``regen_manifest.json`` (in ``state``) records how the rows were made: the recipe text and its
 hash, the metachunk version and git commit, every stage's inputs, outputs, models and summary,
 the prompt and schema hashes, the teachers' model names (never keys or URLs) and the wall time.
-``manifest_sha256`` hashes the part that says *what* was made (not when, nor how long it took),
-so ``data push --regen-manifest`` can tell that the Hub already holds this exact run.
+``manifest_sha256`` hashes what was made: the recipe's hash, and per stage its fingerprint (what it
+ran on and with) and the hashes of what it wrote. Not when, how long, nor what a run paid or read from
+a store (a rerun from the answer store makes the same bytes), nor where the files lie; so
+``data push --regen-manifest`` can tell that the Hub already holds this exact run.
 """
 
 from __future__ import annotations
@@ -546,7 +548,10 @@ class Runner:
             "prompts": dict(sorted(self.prompts.items())),
             "stages": [{k: v for k, v in e.items() if k not in ("status", "seconds")} for e in report],
         }
-        sha = hashlib.sha256(json.dumps(what, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+        made = {"recipe": self.recipe.sha256,
+                "stages": [[e["name"], e["run"], e["fingerprint"], sorted(v for v in e["outputs"].values() if v)]
+                           for e in report]}  # fmt: skip
+        sha = hashlib.sha256(json.dumps(made, ensure_ascii=False).encode()).hexdigest()
         manifest = {"schema_version": 1, "name": self.recipe.name, "manifest_sha256": sha, **what,
                     # seconds: this invocation; made_in_seconds: the run that made the stage's outputs
                     "run": {"stages": {e["name"]: {"status": e["status"], "seconds": e["seconds"],
