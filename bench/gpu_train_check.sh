@@ -65,6 +65,10 @@ if [[ $DRY == 1 ]]; then
 else
   BIG=qwen2.5-3b; SMALL=qwen2-0.5b
   DEVICE_ARGS=()
+  # Padding-free micro-batches change length every step: flex attention must stay one dynamic graph. A run
+  # that hits torch's recompile limit falls back to eager for that frame and its MFU is not the recipe's;
+  # the reasons go into each step's log, and the summary names a step that hit the limit.
+  export TORCH_LOGS=recompiles
   TRAIN_STEPS=12; LOG_STEPS=4; RESUME_STEPS=12; KILL_AFTER=6; RESUME_REL=0.02
   # PACK_LEN: the packed run's sequences hold about the 3 rows of zero2's padding-free micro-batch (the carried
   # set's rows are 3,200-4,200 tokens: sequences of 4,096 would hold one row each, and pack nothing)
@@ -207,5 +211,9 @@ if facts.exists() and report.exists():
         a800 = tokens / a800_rate / 3600
         print(f"   on 2 x A800 at the same MFU ({t['mfu']:.1%}): {a800:.3g} hours ({2 * a800:.3g} GPU-hours)")
 PYEOF
+for log in "$WORK"/*.log; do
+  [[ -f $log ]] && grep -q "recompile_limit" "$log" &&
+    echo "== $(basename "$log" .log): hit torch's recompile limit (its rate is not the compiled recipe's); see $log" | tee -a "$SUMMARY"
+done
 echo "summary: $SUMMARY"
 exit $status
