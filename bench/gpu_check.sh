@@ -131,8 +131,9 @@ elif [[ -f "$WORK/chunks_w1/manifest.json" && -f "$WORK/chunks_w2/manifest.json"
     echo "== chunk: 1 and 2 workers wrote DIFFERENT shards" | tee -a "$SUMMARY"; status=1
   fi
   "$PY" -P - "$WORK" <<'PYEOF' | tee -a "$SUMMARY"
-import json, sys
-s = {w: json.load(open(f"{sys.argv[1]}/chunks_w{w}/manifest.json"))["run"]["this_attempt_seconds"] for w in (1, 2)}
+import sys
+from metachunk.artifacts import read_run_log
+s = {w: read_run_log(f"{sys.argv[1]}/chunks_w{w}")[-1]["seconds"] for w in (1, 2)}
 print(f"== chunk: 1 worker {s[1]} s, 2 workers on one device {s[2]} s: {s[1] / s[2]:.2f}x")
 PYEOF
 else

@@ -6,7 +6,7 @@
 DIR/train-00000-of-00008.jsonl      (or .parquet with --output-format parquet)
 ...
 DIR/manifest.json                   config, θ, prompt hashes, fingerprints, shards done, counts
-DIR/runs.jsonl                      how each attempt ran: engine, workers, device, seconds
+DIR/runs.jsonl                      how each finished attempt ran: engine, workers, device, seconds
 ```
 
 The shard names follow the ``datasets`` split convention, so ``load_dataset("json", data_dir=DIR)``
@@ -145,7 +145,7 @@ class ShardWorker:
             self.students.close()
 
     def report(self) -> dict:
-        """The method's own block (moc, lumber) and the students', as a run's manifest records them."""
+        """The method's own block (moc, lumber) and the students', as a run's log records them."""
         out = {"students": self.students.manifest()} if self.students else {}
         return {**out, **self.chunker.manifest()}
 
@@ -299,8 +299,10 @@ class ShardedOutput:
                     if path.is_file() and _sha256(path) == entry["sha256"]:
                         done[key] = entry
             manifest = {**head, "shards": {**head["shards"], "done": done}, "complete": False}
-            if previous is not None and "length_fit" in previous:  # what the done shards were chunked with
-                manifest["length_fit"] = previous["length_fit"]
+            # what the done shards were chunked with (a manifest written before runs.jsonl kept it in "run")
+            fit = (previous or {}).get("length_fit") or (previous or {}).get("run", {}).get("length_fit")
+            if fit:
+                manifest["length_fit"] = fit
             write_json(self.manifest_path, manifest)
             self.fingerprint = head["fingerprint"]
             return {int(k) for k in done}

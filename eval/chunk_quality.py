@@ -429,7 +429,6 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
         "chunks": len(all_chunks),
         "avg_chunk_chars": round(sum(map(len, all_chunks)) / len(all_chunks), 2),
         "chunks_truncated": truncated,
-        "seconds": round(elapsed, 2),
     }
     metrics = {k: v for k, v in metrics.items() if v is not None}
     details = {
@@ -449,7 +448,8 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
             metrics[name] = value
     if rejected is not None:
         details["rejects"] = rejected
-    return {"metrics": metrics, "details": details, "bc_values": bcs, "items": items}
+    return {"metrics": metrics, "details": details, "bc_values": bcs, "items": items,
+            "run": {"seconds": round(elapsed, 2)}}  # fmt: skip
 
 
 def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: float) -> Path:
@@ -508,8 +508,8 @@ def run(cfg: ChunkQualityConfig) -> Result:
     if not cfg.save_matrices:
         for d in docs:
             d.pop("nll_alone"), d.pop("nll_cond")
-    write_run(cfg.out, "chunk-quality", config.to_dict(cfg), result["metrics"], result["details"],
-              items=result["items"])  # fmt: skip
+    write_run(cfg.out, "chunk-quality", cfg, result["metrics"], result["details"], items=result["items"],
+              run=result["run"])  # fmt: skip
     report = Path(cfg.out) / "report.md"
     text = report.read_text(encoding="utf-8")
     with AtomicWriter(report) as f:
@@ -521,7 +521,7 @@ def run(cfg: ChunkQualityConfig) -> Result:
     print(
         f"BC {m.get('bc_mean', float('nan')):.4f}  CS_c {m.get('cs_complete', float('nan')):.4f}  "
         f"CS_i {m.get('cs_incomplete', float('nan')):.4f}  ({m['docs']} docs, {m['pairs_computed']}/{m['pairs_total']} "
-        f"pairs, cap {cfg.max_pairs or 'none'}; {m['seconds']} s) -> {Path(cfg.out) / 'metrics.json'}",
+        f"pairs, cap {cfg.max_pairs or 'none'}; {result['run']['seconds']} s) -> {Path(cfg.out) / 'metrics.json'}",
         file=sys.stderr,
     )
     from metachunk.eval.report import summary

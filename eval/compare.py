@@ -337,7 +337,7 @@ def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
 
 # Metric families drawn together, one grouped bar chart each (the metrics of a family share a scale).
 FAMILIES = {
-    "retrieval": r"^(hits|mrr|map)@\d+$",
+    "retrieval": r"^(hits|mrr|map|dcg)@\d+$",
     "boundary_clarity": r"^bc_",
     "chunk_stickiness": r"^cs_",
     "generation": r"^(bleu|rouge|bertscore|f1)",

@@ -470,13 +470,13 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     if cfg.confidence:
         details["statistics"] = intervals(item_rows, paired_names(list(rows), labels, cfg.k), cfg.confidence,
                                           cfg.n_resamples, cfg.seed)  # fmt: skip
-    metrics["seconds"] = round(time.perf_counter() - t0, 2)
     if rejected is not None:
         details["rejects"] = rejected
     return {
         "metrics": {k: v for k, v in metrics.items() if v is not None},
         "details": details,
         "items": item_rows,
+        "run": {"seconds": round(time.perf_counter() - t0, 2)},
     }
 
 
@@ -616,8 +616,8 @@ def run(cfg: DiagnosticsConfig) -> Result:
         return Result(2)
     pngs = plot(cfg.out, result, cfg.k)
     result["details"]["plots"] = [p.name for p in pngs]
-    write_run(cfg.out, "diagnostics", config.to_dict(cfg), result["metrics"], result["details"],
-              items=result["items"])  # fmt: skip
+    write_run(cfg.out, "diagnostics", cfg, result["metrics"], result["details"], items=result["items"],
+              run=result["run"])  # fmt: skip
     report = Path(cfg.out) / "report.md"
     text = report.read_text(encoding="utf-8")
     extra = report_tables(result, cfg.k) + "".join(f"\n![{p.stem}]({p.name})\n" for p in pngs)

@@ -74,8 +74,14 @@ class QAConfig:
         "CRUD entries to ask: matched only, or also ambiguous",
         choices=["matched", "matched+ambiguous"],
     )
+    relevance: str = option(
+        "share",
+        "when a chunk is relevant: share (it holds --min-share of an evidence string, or the largest share of it) "
+        "or whole (it holds the string whole: GutenQA's and Meta-Chunking's rule)",
+        choices=["share", "whole"],
+    )
     min_share: float = option(
-        0.5, "a chunk is relevant when it holds this share of an evidence string (or the largest share of it)"
+        0.5, "--relevance share: a chunk is relevant when it holds this share of an evidence string"
     )
     fuzzy_threshold: float = option(
         90.0, "GutenQA: rapidfuzz partial ratio needed to accept a must-contain string not found verbatim"
@@ -233,11 +239,25 @@ def _none(name: str | None) -> str | None:
 # ------------------------------------------------------------------------------------------ run
 
 
+# Figures of how a run went, not of what it measured: they go to OUT/runs.jsonl, so that metrics.json,
+# which eval compare and `metachunk run` read, is the same for the same inputs.
+RUN_FACTS = (
+    "load_seconds",
+    "seconds",
+    "scoring_seconds",
+    "requests_sent",
+    "answers_from_store",
+    "base_url",
+    "cache",
+)
+
+
 def run(cfg: QAConfig) -> Result:
     from metachunk.eval.report import summary
 
-    result = evaluate(cfg)
-    print_summary(result, cfg)
+    facts: dict = {}
+    result = evaluate(cfg, facts)
+    print_summary(result, facts, cfg)
     rejected = result["details"].get("rejects")
     return Result.with_rejects(summary(result["metrics"]), rejected)
 
@@ -273,8 +293,9 @@ def outputs(cfg: QAConfig) -> list:
     return [cfg.out, *cfg.bad_rows.outputs(cfg.out)]
 
 
-def evaluate(cfg: QAConfig) -> dict:
-    """The whole command; returns the metrics.json object."""
+def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
+    """The whole command; returns the metrics.json object. ``facts``, given, is filled with how the
+    run went: the line it appends to ``OUT/runs.jsonl``."""
     from metachunk.eval.index import (
         ChunkIndex,
         Lexical,
@@ -295,6 +316,7 @@ def evaluate(cfg: QAConfig) -> dict:
     )
 
     timings: dict[str, float] = {}
+    facts = {} if facts is None else facts  # how this run went: its runs.jsonl line, not metrics.json
     started = time.perf_counter()
     out = Path(cfg.out)
 
@@ -338,10 +360,14 @@ def evaluate(cfg: QAConfig) -> dict:
     judged = []
     for q in questions:
         evidence = find_evidence(q, docs_for(q), fuzzy=fmt == "gutenqa", fuzzy_threshold=cfg.fuzzy_threshold)
-        judged.append((q, evidence, relevant_chunks(evidence, chunks_by_doc, cfg.min_share)))
-    n_all, n_answerable = len(judged), sum(1 for _, _, rel in judged if rel)
+        judged.append((q, evidence, relevant_chunks(evidence, chunks_by_doc, cfg.min_share, cfg.relevance)))
+
+    def answerable(evidence) -> bool:  # by where the evidence is, never by how a chunker cut it
+        return any(ev.doc_id in chunks_by_doc for ev in evidence)
+
+    n_all, n_answerable = len(judged), sum(1 for _, ev, _ in judged if answerable(ev))
     if cfg.questions == "answerable":
-        judged = [j for j in judged if j[2]]
+        judged = [j for j in judged if answerable(j[1])]
     if cfg.limit is not None:
         judged = judged[: cfg.limit]
     if not judged:
@@ -369,6 +395,7 @@ def evaluate(cfg: QAConfig) -> dict:
     try:
         t = time.perf_counter()
         built = not index.has(name, len(chunks))
+        facts["index_built"] = built
         if built:
             vectors = None
             if dense:
@@ -466,7 +493,8 @@ def evaluate(cfg: QAConfig) -> dict:
     )
     metrics: dict[str, float] = {
         "n_questions": len(judged),
-        "n_answerable": sum(1 for _, _, rel in judged if rel),
+        "n_answerable": sum(1 for _, ev, _ in judged if answerable(ev)),  # evidence in the chunked documents
+        "n_with_relevant_chunk": sum(1 for _, _, rel in judged if rel),  # under --relevance whole, fewer
         "n_chunks": len(chunks),
         "n_documents": len(docs),
         "avg_chunk_chars": round(sum(lengths) / len(lengths), 2),
@@ -495,15 +523,19 @@ def evaluate(cfg: QAConfig) -> dict:
         "answerable_in_file": n_answerable,
         "evidence_found_by": _count_how(evidence_rows),
         "relevance": (
-            f"a chunk is relevant when it holds >= {cfg.min_share:.0%} of an evidence span, or the largest "
-            "share of it; GutenQA evidence: chunk_must_contain (verbatim, normalised, or fuzzy); CRUD evidence: "
+            (
+                "a chunk is relevant when it holds an evidence span whole"
+                if cfg.relevance == "whole"
+                else f"a chunk is relevant when it holds >= {cfg.min_share:.0%} of an evidence span, or the largest "
+                "share of it"
+            )
+            + "; GutenQA evidence: chunk_must_contain (verbatim, normalised, or fuzzy); CRUD evidence: "
             "key strings of the answer inside the matched article(s) (see eval/retrieval.py)"
         ),
         "index": {
             "db": str(Path(cfg.index_dir) / "index.db"),
             "collection": name,
             "key": key,
-            "built": built,
             "retriever": cfg.retriever,
             **({"lexical": lexical.key()} if lexical else {}),
             **({"rrf_k": cfg.rrf_k, "fusion_limit": cfg.fusion_limit} if cfg.retriever == "hybrid" else {}),
@@ -514,8 +546,7 @@ def evaluate(cfg: QAConfig) -> dict:
             "embedder_max_seq_length": limit_tokens,
         },
         "retrieval_depth": depth,
-        "rerank": {k: v for k, v in rerank_info.items() if k != "scores"} or None,
-        "timings_s": timings,
+        "rerank": {k: v for k, v in rerank_info.items() if k not in ("scores", *RUN_FACTS)} or None,
     }
 
     # ---- generation
@@ -525,13 +556,16 @@ def evaluate(cfg: QAConfig) -> dict:
         metrics.update(gen_metrics)
         for item, scores in zip(items, per_question):  # the answer scores beside the retrieval ones
             item.update(scores)
-        details["generation"] = gen_details
+        details["generation"] = {k: v for k, v in gen_details.items() if k not in RUN_FACTS}
+        facts["generation"] = {k: v for k, v in gen_details.items() if k in RUN_FACTS}
         timings["generation_and_scoring"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - started
-    details["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
+    facts["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
+    if rerank_info:
+        facts["rerank"] = {k: v for k, v in rerank_info.items() if k in RUN_FACTS}
     from metachunk.eval.report import write_run
 
-    return write_run(out, "qa", config.to_dict(cfg), metrics, details, items=items)
+    return write_run(out, "qa", cfg, metrics, details, items=items, run=facts)
 
 
 def _count_how(evidence_rows: list[dict]) -> dict[str, int]:
@@ -707,7 +741,8 @@ def unread_share(model: str, tokenizer, texts: list[str], flag: str, what: str) 
 # ------------------------------------------------------------------------------------- summary
 
 
-def print_summary(doc: dict, cfg: QAConfig, file=None) -> None:
+def print_summary(doc: dict, facts: dict, cfg: QAConfig, file=None) -> None:
+    """What the run found (``doc``: its metrics.json) and how it went (``facts``: its runs.jsonl line)."""
     file = file or sys.stdout
     m, d = doc["metrics"], doc["details"]
     index = d["index"]
@@ -716,17 +751,18 @@ def print_summary(doc: dict, cfg: QAConfig, file=None) -> None:
           f"{m['avg_chunk_tokens']:.0f} tokens", file=file)  # fmt: skip
     print(
         f"index: {index.get('retriever', 'dense')} {index['collection']} in {index['db']} "
-        f"({'built' if index['built'] else 'reused'})",
+        f"({'built' if facts['index_built'] else 'reused'})",
         file=file,
     )
     shown = [
         k
         for k in m
-        if k.split("@")[0] in ("hits", "mrr", "map", "reranked_hits", "reranked_mrr", "reranked_map")
+        if k.split("@")[0]
+        in ("hits", "mrr", "map", "dcg", "reranked_hits", "reranked_mrr", "reranked_map", "reranked_dcg")
     ]
     print("  ".join(f"{k} {m[k]:.4f}" for k in shown), file=file)
     gen = [k for k in ("bleu_avg", "rouge_l", "bertscore_f1", "embedding_similarity", "f1") if k in m]
     if gen:
         print("  ".join(f"{k} {m[k]:.4f}" for k in gen), file=file)
     print(f"wrote {Path(cfg.out) / 'metrics.json'}, report.md, retrieval.jsonl", file=file)
-    print(json.dumps(d["timings_s"]), file=file)
+    print(json.dumps(facts["timings_s"]), file=file)

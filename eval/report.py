@@ -4,6 +4,10 @@ Both are written atomically, so a crash mid-run never leaves a half-written repo
 ``metrics.json`` is the contract ``eval compare`` reads: ``{"schema_version", "command", "run",
 "config", "metrics": {name: number}, "details": {...}}``; ``metrics`` holds flat numbers only.
 
+How the run went (seconds, what it loaded, what it sent, the device) is one line of
+``runs.jsonl`` (`metachunk.artifacts.append_run_log`), not part of ``metrics.json``: the same inputs
+give the same ``metrics.json``, and what reads it (``eval compare``, ``metachunk run``) sees no change.
+
 ``items.jsonl`` (when the command has them) holds the same metrics per item, one line per question
 (``eval qa``) or document (``eval chunk-quality``): ``{"id", METRIC: value, ...}``, where every
 metric named there is the mean of its items. ``eval compare`` bootstraps its confidence intervals,
@@ -15,17 +19,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from metachunk import config as configs
 from metachunk import markdown
-from metachunk.artifacts import AtomicWriter, InputError, read_json, read_jsonl
+from metachunk.artifacts import AtomicWriter, InputError, append_run_log, read_json, read_jsonl
 
 SCHEMA_VERSION = 1
 
 
-def write_run(out: Path, command: str, config: dict, metrics: dict[str, float], details: dict | None = None,
-              title: str | None = None, items: list[dict] | None = None) -> dict:  # fmt: skip
-    """Write ``out/metrics.json``, ``out/report.md`` and, given ``items``, ``out/items.jsonl``;
-    returns the metrics.json object."""
+def write_run(out: Path, command: str, cfg, metrics: dict[str, float], details: dict | None = None,
+              title: str | None = None, items: list[dict] | None = None, run: dict | None = None) -> dict:  # fmt: skip
+    """Write ``out/metrics.json`` (with ``cfg``'s settings that decide the result: `metachunk.config.computed`
+    of a config dataclass, or a dict as it is), ``out/report.md``
+    and, given ``items``, ``out/items.jsonl``; append ``run`` (how it went) and ``cfg``'s runtime
+    settings to ``out/runs.jsonl``. Returns the metrics.json object."""
     out = Path(out)
+    dataclass = cfg is not None and not isinstance(cfg, dict)  # a command's config, or its settings as given
+    config = configs.computed(cfg) if dataclass else dict(cfg or {})
     if items is not None:
         with AtomicWriter(out / "items.jsonl") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in items)
@@ -43,6 +52,8 @@ def write_run(out: Path, command: str, config: dict, metrics: dict[str, float], 
         ["metric", "value"], [[name, format_value(value)] for name, value in metrics.items()])]  # fmt: skip
     with AtomicWriter(out / "report.md") as f:
         f.write("\n".join(lines) + "\n")
+    runtime = {k: v for k, v in configs.to_dict(cfg).items() if k not in config} if dataclass else {}
+    append_run_log(out, {"command": f"eval {command}", **runtime, **(run or {})})
     return doc
 
 

@@ -20,25 +20,37 @@ Two QA sources (``--qa-format``, detected from the file when ``auto``):
      the question names;
   3. every ``key_info`` string of the entry.
 
-**Relevance of a chunk** (both formats), by offsets in the original document: a chunk is relevant
-when it covers at least ``min_share`` (default 0.5) of an evidence span, **or** it is the chunk that
-covers the largest part of that span. So a string inside one chunk makes that chunk relevant; a
-string cut in two makes relevant the chunk(s) holding at least half of it (both halves of a 50/50
-cut); a string spread over three or more small chunks still has one relevant chunk, the one holding
-most of it. Every question whose evidence is in the corpus therefore has at least one relevant
-chunk, whatever the chunker. A question with no evidence in the corpus (its chapter or article was
-not chunked) has none; it counts as a miss (``--questions answerable`` leaves such questions out).
+**Relevance of a chunk** (both formats), by offsets in the original document, under one of two
+rules (``--relevance``):
+
+* ``whole``: the chunk holds an evidence span whole. This is GutenQA's rule (LumberChunker's
+  evaluation counts a chunk that contains ``chunk_must_contain``) and Meta-Chunking's (the gold
+  string inside the chunk): a chunk that cuts through the evidence is not relevant, and a question
+  whose evidence every chunker cut has no relevant chunk and counts as a miss, which is what a
+  chunking evaluation is there to see.
+* ``share`` (the default, which the published tables use): the chunk covers at least ``min_share``
+  (default 0.5) of an evidence span, **or** it is the chunk that covers the largest part of that
+  span. So a string cut in two makes relevant the chunk(s) holding at least half of it, and a
+  string spread over three or more small chunks still has one relevant chunk. Every question whose
+  evidence is in the corpus has at least one relevant chunk, whatever the chunker.
+
+A question with no evidence in the chunked documents (its chapter or article was not chunked)
+counts as a miss under both (``--questions answerable`` leaves such questions out; which questions
+those are depends on the evidence, never on the chunker).
 
 **Metrics** over questions, at cutoff ``k`` (ranks are 1-based):
 
 * Hits@k: 1 if any of the first ``k`` chunks is relevant;
 * MRR@k: 1 / rank of the first relevant chunk within ``k``, else 0;
 * MAP@k: mean of AP@k = (1 / min(R, k)) * sum over relevant ranks r <= k of precision@r, where R
-  is the number of relevant chunks in the whole corpus (0 when R = 0).
+  is the number of relevant chunks in the whole corpus (0 when R = 0);
+* DCG@k: 1 / log2(r + 1) for the first relevant rank r <= k, else 0: GutenQA's DCG with binary
+  relevance, where only the first match counts.
 """
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -307,9 +319,13 @@ def _fuzzy(needles: list[str], pool: list[NormalizedDoc], threshold: float) -> l
 
 
 def relevant_chunks(
-    evidence: Sequence[Evidence], chunks_by_doc: dict[str, list[tuple[int, int, int]]], min_share: float
+    evidence: Sequence[Evidence],
+    chunks_by_doc: dict[str, list[tuple[int, int, int]]],
+    min_share: float,
+    rule: str = "share",
 ) -> set[int]:
-    """Ids of the relevant chunks. ``chunks_by_doc[doc_id]``: ``(chunk id, start, end)``."""
+    """Ids of the relevant chunks under ``rule`` (``share`` or ``whole``). ``chunks_by_doc[doc_id]``:
+    ``(chunk id, start, end)``."""
     relevant: set[int] = set()
     for ev in evidence:
         length = max(1, ev.end - ev.start)
@@ -320,6 +336,9 @@ def relevant_chunks(
                 shares.append((overlap / length, cid))
         if not shares:
             continue
+        if rule == "whole":
+            relevant.update(cid for s, cid in shares if s >= 1.0)
+            continue
         top = max(s for s, _ in shares)
         relevant.update(cid for s, cid in shares if s >= min_share or s == top)
     return relevant
@@ -329,7 +348,7 @@ def relevant_chunks(
 
 
 def rank_metrics(flags: Sequence[bool], n_relevant: int, k: int) -> dict[str, float]:
-    """Hits@k, MRR@k and AP@k of one ranked list (``flags[i]``: rank i+1 is relevant)."""
+    """Hits@k, MRR@k, AP@k and DCG@k of one ranked list (``flags[i]``: rank i+1 is relevant)."""
     top = list(flags[:k])
     first = next((i for i, f in enumerate(top) if f), None)
     hits, ap = 0, 0.0
@@ -342,6 +361,7 @@ def rank_metrics(flags: Sequence[bool], n_relevant: int, k: int) -> dict[str, fl
         "hits": float(first is not None),
         "mrr": 0.0 if first is None else 1.0 / (first + 1),
         "map": ap / denominator if denominator else 0.0,
+        "dcg": 0.0 if first is None else 1.0 / math.log2(first + 2),
     }
 
 
@@ -357,7 +377,7 @@ def aggregate(
     score_ks: Sequence[int],
     prefix: str = "",
 ) -> dict[str, float]:
-    """Mean Hits@k for every ``k`` in ``hit_ks``; mean MRR@k and MAP@k for every ``k`` in ``score_ks``."""
+    """Mean Hits@k for every ``k`` in ``hit_ks``; mean MRR@k, MAP@k and DCG@k for every ``k`` in ``score_ks``."""
     n = len(ranked)
     out: dict[str, float] = {}
     if not n:
@@ -365,7 +385,7 @@ def aggregate(
     for k in hit_ks:
         out[f"{prefix}hits@{k}"] = sum(rank_metrics(f, r, k)["hits"] for f, r in zip(ranked, n_relevant)) / n
     for k in sorted(set(score_ks)):
-        for name in ("mrr", "map"):
+        for name in ("mrr", "map", "dcg"):
             out[f"{prefix}{name}@{k}"] = (
                 sum(rank_metrics(f, r, k)[name] for f, r in zip(ranked, n_relevant)) / n
             )

@@ -421,14 +421,21 @@ RUN_LOG = "runs.jsonl"
 
 
 def append_run_log(folder: str | Path, record: dict) -> None:
-    """``record`` as one more line of ``folder/runs.jsonl``, with the UTC time it finished. One
-    ``O_APPEND`` write per line, so the lines of ranks finishing together do not interleave; a line a
-    kill cut short is ended first, and `read_run_log` skips it."""
+    """``record`` as one more line of ``folder/runs.jsonl``, with the UTC time it finished, under the
+    log's lock (ranks or runs finishing together write whole lines); a line a kill cut short is ended
+    first, and `read_run_log` skips it."""
     import datetime
+
+    from filelock import FileLock
 
     path = Path(folder) / RUN_LOG
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     line = jsonl_line({"finished": stamp, **record}).encode()
+    with FileLock(str(path.parent / f".{RUN_LOG}.lock")):
+        _append(path, line)
+
+
+def _append(path: Path, line: bytes) -> None:
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size = os.fstat(fd).st_size
@@ -442,14 +449,16 @@ def append_run_log(folder: str | Path, record: dict) -> None:
 
 
 def read_run_log(folder: str | Path) -> list[dict]:
-    """The attempts `append_run_log` recorded in ``folder``, oldest first ([] when none)."""
+    """The attempts `append_run_log` recorded in ``folder``, oldest first ([] when none). A line cut
+    short (inside a character, even) is skipped; lines split at ``\\n`` only (JSON leaves U+2028 raw)."""
     path = Path(folder) / RUN_LOG
     if not path.is_file():
         return []
     runs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            runs.append(json.loads(line))
+    for line in path.read_bytes().split(b"\n"):
+        with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
+            if line.strip():
+                runs.append(json.loads(line.decode("utf-8")))
     return runs
 
 

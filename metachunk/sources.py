@@ -51,7 +51,15 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from metachunk.artifacts import EXIT_SKIPPED, AtomicWriter, Document, InputError, check_unicode, read_json
+from metachunk.artifacts import (
+    EXIT_SKIPPED,
+    RUN_LOG,
+    AtomicWriter,
+    Document,
+    InputError,
+    check_unicode,
+    read_json,
+)
 from metachunk.config import option
 
 FORMATS = ("auto", "jsonl", "lines", "parquet", "datasets", "txt")
@@ -333,7 +341,8 @@ class DocumentSource:
             files = []
             for p in sorted(path.rglob("*")):
                 rel = p.relative_to(path)
-                if not p.is_file() or any(part.startswith(".") for part in rel.parts):
+                # a run log (chunk and eval folders' runs.jsonl) is how a folder was made, not its rows
+                if not p.is_file() or any(part.startswith(".") for part in rel.parts) or p.name == RUN_LOG:
                     continue
                 kind = "lines" if self.input_format == "lines" else _suffix_kind(p.name)
                 if kind in wanted:

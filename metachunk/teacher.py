@@ -518,8 +518,8 @@ class Answer:
             "params": self.params,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
             "cost": round(self.cost, 8),
-            # No "cached": whether this run or an earlier one paid for it is the run's business (the
-            # meta file counts answers from the store); a rerun writes the same bytes.
+            # A record says what the answer is, not how this run got it (the meta file counts answers from
+            # the store), so a rerun writes the same bytes.
             "request_key": self.key,
         }
         if self.usage_estimated:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.data import data_file
 
-from metachunk.artifacts import InputError, read_run_log
+from metachunk.artifacts import RUN_LOG, InputError, append_run_log, read_run_log
 from metachunk.cli import main
 from metachunk.sources import DocumentSource
 
@@ -55,6 +55,19 @@ def chunk(capsys, *argv) -> tuple[int, str]:
 
 
 # ---- inputs -------------------------------------------------------------------------------------
+
+
+def test_the_run_log_keeps_whole_lines_and_skips_a_cut_one(tmp_path, emma):
+    """runs.jsonl: a line a kill cut inside a character is skipped and ended before the next; a value
+    with U+2028 (JSON leaves it raw) stays one line; a folder read as input leaves the log out."""
+    append_run_log(tmp_path, {"note": "first \u2028 line"})
+    with (tmp_path / RUN_LOG).open("ab") as f:
+        f.write('{"note": "cut in é'.encode()[:-1])  # half of a two-byte character
+    append_run_log(tmp_path, {"note": "third"})
+    assert [r["note"] for r in read_run_log(tmp_path)] == ["first \u2028 line", "third"]
+    assert all(r["finished"].endswith("+00:00") for r in read_run_log(tmp_path))
+    write_jsonl(tmp_path / "docs.jsonl", emma[:2])
+    assert [d.id for d in DocumentSource(tmp_path)] == [r["id"] for r in emma[:2]]
 
 
 def test_every_input_layout_reads_the_same_documents(tmp_path, emma):

@@ -12,6 +12,7 @@ import yaml
 from support.data import data_file
 from support.fixtures import write_emma_chunks
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main as metachunk
 
 pytestmark = pytest.mark.integration
@@ -94,12 +95,12 @@ def test_eval_qa_with_the_local_teacher_as_generator(local_teacher, tmp_path):
     metrics = doc["metrics"]
     for name in ("hits@2", "mrr@2", "bleu_avg", "rouge_l", "bertscore_f1", "embedding_similarity", "f1"):
         assert name in metrics, name
-    assert doc["details"]["generation"]["requests_sent"] == 1 and metrics["answers_failed"] == 0
+    assert read_run_log(out)[-1]["generation"]["requests_sent"] == 1 and metrics["answers_failed"] == 0
     answers = [json.loads(line) for line in (out / "answers.jsonl").open(encoding="utf-8")]
     assert len(answers) == 1 and answers[0]["prediction"].strip()
     assert metachunk(argv) == 0  # the rerun: the answer comes from answers.sqlite
     again = json.loads((out / "metrics.json").read_text(encoding="utf-8"))
-    assert again["details"]["generation"]["answers_from_store"] == 1
+    assert read_run_log(out)[-1]["generation"]["answers_from_store"] == 1
     assert again["metrics"]["bleu_avg"] == metrics["bleu_avg"]
 
 

@@ -104,8 +104,8 @@ def test_runs_with_one_label_are_one_column(tmp_path):
     qa = [tmp_path / "fixed_qa", tmp_path / "ppl_qa"]
     quality = [tmp_path / "fixed_q", tmp_path / "ppl_q"]
     for i, (a, b) in enumerate(zip(qa, quality)):
-        write_run(a, "qa", {}, {"hits@8": 0.5 + i / 10, "avg_chunk_chars": 500.0 + i})
-        write_run(b, "chunk-quality", {}, {"bc": 0.9 - i / 10, "avg_chunk_chars": 999.0})
+        write_run(a, "qa", None, {"hits@8": 0.5 + i / 10, "avg_chunk_chars": 500.0 + i})
+        write_run(b, "chunk-quality", None, {"bc": 0.9 - i / 10, "avg_chunk_chars": 999.0})
     out = tmp_path / "cmp.md"
     result = compare(CompareConfig(runs=[qa[0], quality[0], qa[1], quality[1]], out=out,
                                    labels=["fixed", "fixed", "ppl", "ppl"], plots=False))  # fmt: skip
@@ -121,7 +121,11 @@ def test_runs_with_one_label_are_one_column(tmp_path):
 def _items_run(path, values: dict[str, float], length=500.0):
     rows = [{"id": f"q{i}", "hits@1": v} for i, v in values.items()]
     write_run(
-        path, "qa", {}, {"hits@1": sum(values.values()) / len(values), "avg_chunk_chars": length}, items=rows
+        path,
+        "qa",
+        None,
+        {"hits@1": sum(values.values()) / len(values), "avg_chunk_chars": length},
+        items=rows,
     )
     return path
 
@@ -164,7 +168,9 @@ def test_clustered_items_resample_whole_clusters(tmp_path):
         rows = [
             {"id": f"e{i // 5}#{i % 5}", "cluster": f"e{i // 5}", "hits@1": v} for i, v in enumerate(values)
         ]
-        write_run(path, "qa", {}, {"hits@1": sum(values) / len(values), "avg_chunk_chars": 500.0}, items=rows)
+        write_run(
+            path, "qa", None, {"hits@1": sum(values) / len(values), "avg_chunk_chars": 500.0}, items=rows
+        )
         return path
 
     base = [0.0] * 30

@@ -31,6 +31,8 @@ from metachunk.eval.retrieval import (
 )
 from support.data import data_file
 
+from metachunk.artifacts import read_run_log
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------- planted data
@@ -180,13 +182,21 @@ def qa_scores(monkeypatch):
 
 def test_rank_metrics_by_hand():
     m = rank_metrics([False, True, False, True], n_relevant=3, k=4)
-    assert m == {"hits": 1.0, "mrr": 0.5, "map": pytest.approx((1 / 2 + 2 / 4) / 3)}
-    assert rank_metrics([False, True], n_relevant=1, k=1) == {"hits": 0.0, "mrr": 0.0, "map": 0.0}
+    # DCG: GutenQA's, binary relevance, the first match only: 1 / log2(2 + 1)
+    assert m == {
+        "hits": 1.0,
+        "mrr": 0.5,
+        "map": pytest.approx((1 / 2 + 2 / 4) / 3),
+        "dcg": pytest.approx(1 / 1.5849625),
+    }
+    assert rank_metrics([True], n_relevant=1, k=1)["dcg"] == 1.0
+    assert rank_metrics([False, True], n_relevant=1, k=1) == {"hits": 0.0, "mrr": 0.0, "map": 0.0, "dcg": 0.0}
     assert rank_metrics([False, False], n_relevant=0, k=2)["map"] == 0.0
     # AP@k divides by min(R, k): 5 relevant chunks, 2 of them in a top 2
     assert rank_metrics([True, True], n_relevant=5, k=2)["map"] == 1.0
     m = aggregate([[True, False], [False, True]], [1, 1], hit_ks=[1, 2], score_ks=[2], prefix="x_")
-    assert m == {"x_hits@1": 0.5, "x_hits@2": 1.0, "x_mrr@2": 0.75, "x_map@2": 0.75}
+    assert m == {"x_hits@1": 0.5, "x_hits@2": 1.0, "x_mrr@2": 0.75, "x_map@2": 0.75,
+                 "x_dcg@2": pytest.approx((1 + 1 / 1.5849625) / 2)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- relevance
@@ -200,10 +210,10 @@ def _chunks_by_doc(doc_id: str, pieces: list[str]) -> tuple[str, dict]:
     return text, {doc_id: spans}
 
 
-def _relevant(question: Question, doc_id: str, pieces: list[str], min_share=0.5) -> set[int]:
+def _relevant(question: Question, doc_id: str, pieces: list[str], min_share=0.5, rule="share") -> set[int]:
     text, by_doc = _chunks_by_doc(doc_id, pieces)
     evidence = find_evidence(question, {doc_id: NormalizedDoc(doc_id, text)}, fuzzy=True)
-    return relevant_chunks(evidence, by_doc, min_share)
+    return relevant_chunks(evidence, by_doc, min_share, rule)
 
 
 def _gq(must: str) -> Question:
@@ -226,6 +236,17 @@ def test_gutenqa_must_contain_cut_in_two_or_three():
     assert _relevant(_gq(must), "d", ["xxabc", "defg", "hijyy"]) == {1}
     # min_share 0.3: each chunk holding >= 30%
     assert _relevant(_gq(must), "d", ["xxabc", "defg", "hijyy"], min_share=0.3) == {0, 1, 2}
+
+
+def test_whole_relevance_is_gutenqas_a_cut_evidence_string_has_no_relevant_chunk():
+    pieces = ["Alpha beta gamma. ", "The needle sits here whole. ", "Omega."]
+    assert _relevant(_gq("needle sits here"), "d", pieces, rule="whole") == {1}
+    assert _relevant(_gq("0123456789"), "d", ["xx0123456", "789yy"], rule="whole") == set()
+    assert _relevant(_gq("0123456789"), "d", ["xx01234", "56789yy"], rule="whole") == set()
+    # found through the normalisation map (curly quotes in the book, straight in GutenQA): still whole
+    assert _relevant(
+        _gq("'Yes,' said she"), "d", ["x. ", "\u2018Yes,\u2019 said she. ", "y"], rule="whole"
+    ) == {1}
 
 
 def test_gutenqa_normalised_and_fuzzy_matches():
@@ -414,8 +435,16 @@ def test_planted_corpus_metrics_through_the_cli(planted, planted_embedder, tmp_p
         assert m[name] == pytest.approx(value), name
     assert m["n_questions"] == 4 and m["n_answerable"] == 3 and m["n_chunks"] == 8
     assert m["avg_chunk_chars"] == pytest.approx(sum(len(t) for d in PLANTED.values() for t in d) / 8)
-    assert doc["details"]["qa_format"] == "gutenqa" and doc["details"]["index"]["built"] is True
+    assert doc["details"]["qa_format"] == "gutenqa" and read_run_log(out)[-1]["index_built"] is True
     assert "| hits@3 | 0.7500 |" in (out / "report.md").read_text()
+    assert m["dcg@3"] == pytest.approx((1 / math.log2(3) + 1 + 1 + 0) / 4)
+    # every planted string sits whole in one chunk: GutenQA's rule gives the same figures
+    whole = qa.evaluate(parse(["--chunks", str(chunks), "--qa", str(questions), "--top-k", "3", "--out",
+                               str(tmp_path / "whole"), "--no-progress", "--relevance", "whole"]))  # fmt: skip
+    assert {k: whole["metrics"][k] for k in EXPECTED} == {k: m[k] for k in EXPECTED}
+    assert whole["details"]["relevance"].startswith(
+        "a chunk is relevant when it holds an evidence span whole"
+    )
 
     rows = read_jsonl(out / "retrieval.jsonl")
     assert [r["qid"] for r in rows] == ["gutenqa-0", "gutenqa-1", "gutenqa-2", "gutenqa-3"]
@@ -447,12 +476,13 @@ def test_index_is_reused_until_the_chunks_change(planted, planted_embedder, tmp_
                 "--top-k", "3", "--no-progress", "--index-text", mode]  # fmt: skip
         return qa.evaluate(parse(argv))
 
+    def built(out: str) -> bool:
+        return read_run_log(tmp_path / out)[-1]["index_built"]
+
     first = run("one")
-    assert first["details"]["index"]["built"] and len(planted_embedder.embedded) == 8 + 4
+    assert built("one") and len(planted_embedder.embedded) == 8 + 4
     second = run("two")
-    assert (
-        not second["details"]["index"]["built"] and len(planted_embedder.embedded) == 8 + 4 + 4
-    )  # questions only
+    assert not built("two") and len(planted_embedder.embedded) == 8 + 4 + 4  # questions only
     assert second["details"]["index"]["collection"] == first["details"]["index"]["collection"]
     assert read_jsonl(tmp_path / "one" / "retrieval.jsonl") == read_jsonl(
         tmp_path / "two" / "retrieval.jsonl"
@@ -461,11 +491,11 @@ def test_index_is_reused_until_the_chunks_change(planted, planted_embedder, tmp_
     changed = dict(PLANTED, B=[*PLANTED["B"][:3], "echo echo echo echo. "])
     other = write_chunks(tmp_path / "changed.jsonl", changed)
     third = run("three", other)
-    assert third["details"]["index"]["built"]
+    assert built("three")
     assert third["details"]["index"]["collection"] != first["details"]["index"]["collection"]
     summaries = write_chunks(tmp_path / "sum.jsonl", PLANTED, {("A", 1): {"summary": "banana banana"}})
-    fourth = run("four", summaries, "summary+chunk")
-    assert fourth["details"]["index"]["built"]
+    run("four", summaries, "summary+chunk")
+    assert built("four")
     hit = read_jsonl(tmp_path / "four" / "retrieval.jsonl")[0]["hits"][1]
     assert hit["indexed_text"] == "banana banana\n\napple banana. " and hit["text"] == "apple banana. "
     with pytest.raises(ValueError, match="no chunk has a 'rewritten' field"):
@@ -629,10 +659,14 @@ def test_endpoint_generator_answers_once(planted, planted_embedder, qa_scores, t
                 "--bertscore-model", "none", "--score-embedder", "none", "--max-new-tokens", "64"]  # fmt: skip
         first = qa.evaluate(parse(argv))
         assert server.stats()["requests"] == 2
+        metrics = (out / "metrics.json").read_bytes()
         second = qa.evaluate(parse(argv))
         assert server.stats()["requests"] == 2  # nothing sent again
-    assert first["details"]["generation"]["requests_sent"] == 2
-    assert second["details"]["generation"]["answers_from_store"] == 2
+    first_run, second_run = read_run_log(out)  # how each went; metrics.json is the same bytes
+    assert (
+        first_run["generation"]["requests_sent"] == 2 and second_run["generation"]["answers_from_store"] == 2
+    )
+    assert (out / "metrics.json").read_bytes() == metrics and second == first
     answers = read_jsonl(out / "answers.jsonl")
     assert [a["prediction"] for a in answers] == ["the apple one", "a cherry"]
     assert [a["reference"] for a in answers] == ["the apple one", "the cherry one"]

@@ -29,14 +29,15 @@ def smoke_recipe(tmp_path: Path, tiny: str, generate: bool) -> Path:
     ones from 2 chunks, compared in the same report."""
     recipe = load_recipe("emma.yaml", tmp_path)
     keep = {"docs", "chunk_fixed", "chunk_sentence", "qa_fixed", "qa_sentence", "quality_fixed",
-            "quality_sentence", "compare"}  # fmt: skip
+            "quality_sentence", "qa_fixed_whole", "qa_sentence_whole", "compare_whole", "compare"}  # fmt: skip
     recipe["stages"] = [s for s in recipe["stages"] if s["name"] in keep]
     if generate:
         generation = load_recipe("emma_generation.yaml", tmp_path)
         recipe["local_teacher"] = {**generation["local_teacher"], "backend": "llama.cpp"}
         answers = [s for s in generation["stages"] if s["name"] in ("gen_fixed", "gen_sentence")]
-        recipe["stages"][-1:-1] = answers  # before the compare stage, which reads them too
-        compare = recipe["stages"][-1]["config"]
+        at = next(i for i, s in enumerate(recipe["stages"]) if s["name"] == "compare")
+        recipe["stages"][at:at] = answers  # before the compare stage, which reads them too
+        compare = next(s for s in recipe["stages"] if s["name"] == "compare")["config"]
         compare["runs"] += [s["config"]["out"] for s in answers]
         compare["labels"] += ["fixed", "sentence"]
         compare["metrics"] += ["f1", "rouge_l", "bleu_avg", "bertscore_f1"]
@@ -85,6 +86,8 @@ def test_the_emma_experiment_in_small_runs_and_reports_intervals(tmp_path, tiny_
         assert answers and all(json.loads(a)["status"] == "ok" for a in answers)
         assert {"f1", "rouge_l", "bleu_avg", "bertscore_f1"} <= set(stats["intervals"])
         assert set(stats["differences"]["f1"]) == {"sentence"}
+    whole = json.loads((tmp_path / "emma" / "compare_whole.json").read_text())  # GutenQA's relevance rule
+    assert set(whole["metrics"]["dcg@8"]) == {"fixed", "sentence"}
     report = (tmp_path / "emma" / "compare.md").read_text()
     assert "bootstrap intervals" in report and "Paired differences from `fixed`" in report
     # a rerun skips every stage: each says so, and none runs its command
