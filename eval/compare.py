@@ -295,7 +295,11 @@ def interval_tables(labels: list[str], stats: dict) -> list[str]:
                 return "–"
             lo, hi = d["interval"]
             verdict = "**resolved**" if d["resolved"] else "noise"
-            return f"{d['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict}"
+            # Paired over the items both runs scored: a run cut short (--limit, skipped rows) is compared
+            # on fewer items than its column's mean, and the cell says so.
+            most = max(stats["items"][name].get(label, 0), stats["items"][name].get(base, 0))
+            fewer = f" (paired n={d['paired_items']} of {most})" if d["paired_items"] < most else ""
+            return f"{d['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict}{fewer}"
 
         rows = [[name] + [diff_cell(name, label) for label in others] for name in stats["differences"]]
         lines.append(markdown_table(["metric", *others], rows))

@@ -152,6 +152,10 @@ def test_bootstrap_intervals_and_paired_differences(tmp_path):
     again = compare(CompareConfig(runs=runs, out=tmp_path / "again.md", plots=False, n_resamples=1000))
     assert again["statistics"] == stats
     assert (tmp_path / "cmp_hits@1.png").read_bytes()[:4] == b"\x89PNG"
+    assert "paired n=" not in text  # every item in both
+    short = [runs[0], _items_run(tmp_path / "d", {i: 1.0 for i in range(20)})]  # a run cut short
+    compare(CompareConfig(runs=short, out=tmp_path / "short.md", plots=False, n_resamples=1000))
+    assert "(paired n=20 of 30)" in (tmp_path / "short.md").read_text()
 
 
 def test_a_baseline_no_run_has_is_named(tmp_path):
