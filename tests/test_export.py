@@ -357,6 +357,47 @@ def test_push_uploads_the_exported_folder(fake_hub, tiny_model_dir, tmp_path, mo
     assert TOKEN.encode() not in b"".join(sent.values())
 
 
+def test_a_failed_push_is_retried_without_exporting_again(
+    fake_hub, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """`export --out DIR --push REPO` without --checkpoint publishes the export already at DIR: no model
+    is loaded or written (the folder's files keep their mtimes); a folder that is no export is refused."""
+    from huggingface_hub import constants
+
+    import metachunk.hub
+    from metachunk.cli import main
+
+    out = tmp_path / "export"
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    fake_hub.lfs_suffixes = (".safetensors",)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("the network went away")
+
+    with monkeypatch.context() as m:  # the export is written, then its push fails
+        m.setattr(metachunk.hub, "push_folder", unreachable)
+        with pytest.raises(OSError):
+            _export(tiny_model_dir, out, push=REPO)
+    assert fake_hub.commits == []
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["export", "--out", str(out), "--push", REPO, "--tag", "v1"]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout.strip() == f"https://huggingface.co/{REPO}" and "parameters" in stderr
+    assert fake_hub.committed_files() == {p.name: p.read_bytes() for p in out.iterdir()}
+    assert [t[1] for t in fake_hub.tags] == ["v1"]
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing exported again
+
+    _export(tiny_model_dir, tmp_path / "local")  # a card for no repo: its usage lines name a local path
+    assert main(["export", "--out", str(tmp_path / "local"), "--push", REPO]) == 2
+    assert "its model card was written for another repo, or none" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "--out", str(tmp_path / "empty"), "--push", REPO]) == 2
+    assert "holds no metachunk export to push" in capsys.readouterr().err
+    assert main(["export", "--out", str(out)]) == 2  # neither a checkpoint nor a push
+    assert "field 'checkpoint' is required" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(
     __import__("importlib.util").util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
 )

@@ -2,6 +2,9 @@
 
 ``metachunk export --checkpoint runs/train/rewriter --out models/rewriter [--merge-lora] [--push ORG/NAME]``
 
+``metachunk export --out models/rewriter --push ORG/NAME`` (no ``--checkpoint``) publishes the export
+already at ``--out``: a push that failed is retried without loading and writing the model again.
+
 The flow, top to bottom (`export`):
 
 1. **Check everything before any model loads.** `find_weights` says what the checkpoint
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import sys
@@ -146,10 +150,14 @@ class ExportConfig:
 
     def __post_init__(self):
         config.check_choices(self)
-        for name in ("checkpoint", "out"):
-            if getattr(self, name) is None:
-                raise ValueError(f"field {name!r} is required (--{name})")
-        self.checkpoint, self.out = Path(self.checkpoint), Path(self.out)
+        if self.out is None:
+            raise ValueError("field 'out' is required (--out)")
+        if self.checkpoint is None and self.push is None:
+            raise ValueError(
+                "field 'checkpoint' is required (--checkpoint); without it, --push publishes the export at --out"
+            )
+        self.checkpoint = None if self.checkpoint is None else Path(self.checkpoint)
+        self.out = Path(self.out)
         from transformers.utils.hub import convert_file_size_to_int  # what save_pretrained parses it with
 
         try:
@@ -299,6 +307,11 @@ def check(cfg: ExportConfig) -> Weights:
         if not (cfg.checkpoint / "config.json").is_file():
             raise InputError(cfg.checkpoint, "ZeRO shards but no config.json to build the model from")
     _check_out(cfg)
+    _check_push(cfg)
+    return weights
+
+
+def _check_push(cfg: ExportConfig) -> None:
     if cfg.push:
         from metachunk.hub import check_online_allowed, hub_token
 
@@ -307,7 +320,6 @@ def check(cfg: ExportConfig) -> Weights:
             check_online_allowed()
         except ValueError as e:  # no token, or HF_HUB_OFFLINE=1: before any work
             raise InputError("export --push", str(e)) from None
-    return weights
 
 
 # ------------------------------------------------------------------------------------ what the run was
@@ -481,8 +493,25 @@ def _publishable_modes(folder: Path, files: list[Path]) -> None:
 
 
 def export(cfg: ExportConfig, progress=None) -> ExportResult:
-    """Check, load, write into a temp folder next to ``cfg.out``, swap into place, push."""
+    """Check, load, write into a temp folder next to ``cfg.out``, swap into place, push. Without a
+    checkpoint, push the export already at ``cfg.out``."""
     say = progress or (lambda msg: print(f"export: {msg}", file=sys.stderr))
+    if cfg.checkpoint is None:
+        if not is_export(cfg.out):
+            raise InputError(
+                cfg.out, "holds no metachunk export to push: export a --checkpoint into it first"
+            )
+        if f'"{cfg.push}"' not in (cfg.out / "README.md").read_text(encoding="utf-8"):
+            # its card's usage lines load the repo it was exported for, or a local placeholder
+            raise InputError(cfg.out, f"its model card was written for another repo, or none: export it again "
+                             f"with --checkpoint and --push {cfg.push}")  # fmt: skip
+        _check_push(cfg)
+        model_config = _read_json(cfg.out / "config.json")
+        files = sorted(p for p in cfg.out.rglob("*") if p.is_file())
+        result = ExportResult(cfg.out, "exported", len(files), sum(p.stat().st_size for p in files),
+                              _safetensors_parameters(cfg.out),
+                              str(model_config.get("dtype") or model_config.get("torch_dtype") or "unknown"))  # fmt: skip
+        return _push(cfg, result, files, say)
     weights = check(cfg)
     run = read_run(cfg.checkpoint)
     from transformers import AutoTokenizer
@@ -537,6 +566,22 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
     result = ExportResult(
         cfg.out, weights.kind, len(files), sum(p.stat().st_size for p in files), parameters, dtype
     )
+    return _push(cfg, result, files, say)
+
+
+def _safetensors_parameters(folder: Path) -> int:
+    """The parameters in a folder's safetensors files, from their headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="numpy") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+def _push(cfg: ExportConfig, result: ExportResult, files: list[Path], say) -> ExportResult:
     if cfg.push:
         from metachunk.hub import push_folder
 
