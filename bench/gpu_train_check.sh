@@ -14,7 +14,7 @@
 #   6. ZeRO-2 with DeepSpeed's FusedAdam instead of torch's fused AdamW (GPU only)
 #   7. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
 #      (target >= 0.8x plain batched generate)
-# Steps by name (GPU_TRAIN_STEPS=zero2,zero3,zero2_no_recompute,resume,accelerate,zero2_packed,zero2_padded,zero2_fusedadam,export,
+# Steps by name (GPU_TRAIN_STEPS=zero2,zero3,zero2_no_recompute,resume,accelerate,zero2_packed,zero2_packed_no_recompute,zero2_padded,zero2_fusedadam,export,
 # rewrite_speed; default all) split the list over several slots: a device command runs at most 10 minutes, and
 # the whole list is estimated at ~14 (not measured). With the same GPU_CHECK_DIR, the models and the dataset are reused.
 # Each training step runs few optimizer steps of a smaller batch than the recipe's 96 rows
@@ -90,7 +90,7 @@ SMALL_MODEL=$WORK/random-$SMALL
 # rewrite_speed read the resume's checkpoint).
 wants_any() { local s; for s; do wanted "$s" && return 0; done; return 1; }
 if [[ ! -f $BIG_MODEL/config.json ]] && { [[ -z "${GPU_TRAIN_DATASET:-}" && ! -f $DATASET/build_report.json ]] ||
-     wants_any zero2 zero3 zero2_no_recompute accelerate zero2_packed zero2_padded zero2_fusedadam; }; then
+     wants_any zero2 zero3 zero2_no_recompute accelerate zero2_packed zero2_packed_no_recompute zero2_padded zero2_fusedadam; }; then
   step "random_$BIG" "$PY" -P "$ROOT/bench/random_model.py" --shape "$BIG" --out "$BIG_MODEL"
 fi
 [[ -f $SMALL_MODEL/config.json ]] || ! wanted resume ||
@@ -101,7 +101,7 @@ fi
 # What every run shares: the data, a short run, no evaluation or checkpoints unless asked, the device's settings.
 COMMON=(--dataset_name "$DATASET" --max_steps "$TRAIN_STEPS" --gradient_accumulation_steps "$ACCUM"
         --logging_steps "$LOG_STEPS" --eval_strategy no --save_strategy no --report_to none "${DEVICE_ARGS[@]}")
-# Each launch has its own rendezvous port, GPU_TRAIN_PORT_BASE + 1..8 (default 29500 + 1..8): two checks on one
+# Each launch has its own rendezvous port, GPU_TRAIN_PORT_BASE + 1..9 (default 29500 + 1..9): two checks on one
 # machine (the test suite's dry run beside another) set different bases.
 PORT_BASE=${GPU_TRAIN_PORT_BASE:-29500}
 train() {  # train NAME PORT_OFFSET LAUNCHER... : a launch of metachunk.train on the 3B recipe (each on its own port)
@@ -149,6 +149,17 @@ train accelerate 4 "$PY" -m accelerate.commands.launch --config_file recipes/acc
 
 train zero2_packed 5 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1
+# Packed and without recomputation, on a GPU that holds the activations: the layout the MFU target names
+# (ZeRO-2 with packing) at the rate the recipe's recomputation caps (it adds a third forward pass, ~3/4 of
+# the hardware's rate at most; the callback counts model FLOPs, not the recomputed ones).
+if [[ $DRY == 0 ]]; then
+  if (( gib >= 120 )); then
+    train zero2_packed_no_recompute 9 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+      --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1 --activation_checkpointing false
+  else
+    skip zero2_packed_no_recompute "the GPU has ${gib} GiB; the 3B without recomputation needs ~110 GB"
+  fi
+fi
 train zero2_padded 6 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
 
@@ -181,7 +192,8 @@ from pathlib import Path
 import yaml
 out, dataset, recipe = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 print("== throughput, as each run's trainer measured it (metachunk_run.json):")
-for name in ("zero2", "zero2_no_recompute", "zero3", "accelerate", "zero2_packed", "zero2_padded", "zero2_fusedadam", "resume/whole"):
+for name in ("zero2", "zero2_no_recompute", "zero3", "accelerate", "zero2_packed", "zero2_packed_no_recompute", "zero2_padded",
+             "zero2_fusedadam", "resume/whole"):
     facts = out / name / "metachunk_run.json"
     if not facts.exists():
         print(f"   {name}: no run record")  # not run (GPU_TRAIN_STEPS, the dry run), or it failed: see its log
