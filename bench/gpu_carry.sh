@@ -66,17 +66,17 @@ Device commands, in the order the issues ask (kind: nvidia-h200, the GPU the iss
 may not hold zero2_no_recompute; carry: ["$CARRY"]; a command runs at most 10 minutes, so each names a share of
 the steps, and a step that would pass the command's budget is cut or skipped and said so; a slot of 15 minutes,
 start-up included, fits one or two):
-  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2,zero3,zero2_no_recompute bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero2_packed,zero2_packed_no_recompute,zero2 bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=240 GPU_CHECK_STEPS=ppl_speed,msp_speed,plain_vs_engine_qwen2-0.5b,plain_vs_engine_qwen2-1.5b,engine_profile bash bench/gpu_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=zero3,zero2_no_recompute,accelerate bash bench/gpu_train_check.sh
   $env $train GPU_CHECK_STEP_TIMEOUT=330 GPU_TRAIN_STEPS=resume,export,rewrite_speed bash bench/gpu_train_check.sh
-  $env $train GPU_CHECK_STEP_TIMEOUT=200 GPU_TRAIN_STEPS=accelerate,zero2_packed,zero2_padded bash bench/gpu_train_check.sh
-  $env $train GPU_CHECK_STEP_TIMEOUT=400 GPU_TRAIN_STEPS=zero2_fusedadam bash bench/gpu_train_check.sh
+  $env $train GPU_CHECK_STEP_TIMEOUT=400 GPU_TRAIN_STEPS=zero2_padded,zero2_fusedadam bash bench/gpu_train_check.sh
   $env GPU_CHECK_STEP_TIMEOUT=300 GPU_CHECK_STEPS=plain_vs_engine_qwen2-7b,scoring_parity bash bench/gpu_check.sh
 Each command starts from what the machine holds (a bare machine rebuilds the models, datasets and runs):
 export and rewrite_speed need resume in the same command; resume is three launches (whole, killed,
 resumed), and zero2_fusedadam compiles DeepSpeed's FusedAdam first. Left out of gpu_check.sh: its
 rewrite_speed (a random student; the training check's rewrites with the export), train_mfu (a standalone
-probe; issue 48's MFU is the trainer's own callback, in the zero2 runs) and chunk_1_workers,chunk_2_workers
+probe; issue 48's MFU is the trainer's own callback, in the zero2 runs: packed first, as the issue asks) and chunk_1_workers,chunk_2_workers
 (1 against 2 workers' shards on one GPU; add them to a command with time to spare).
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF
