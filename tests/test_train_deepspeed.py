@@ -164,3 +164,22 @@ def test_zero3_two_cpu_processes_match_one_process(sft_dataset, tiny_model_dir, 
     precision = json.loads((ds_out / "metachunk_run.json").read_text())["precision"]
     assert precision == {"dtype": "float32", "bf16": False, "fp16": False, "autocast": None, "bf16_given": True,
                          "saved_dtype": "float32"}  # fmt: skip
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_zero2_trains_a_bf16_model_with_fp32_gradient_accumulation(sft_dataset, tiny_model_dir, tmp_path):
+    """The shipped ZeRO-2 config asks DeepSpeed to accumulate gradients in fp32 (`data_types`), as the 3B
+    recipes' bf16 runs over 32 micro-batches need: a bf16 model under it trains (CPU, 2 micro-batches a step)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    assert json.loads((DS / "zero2.json").read_text())["data_types"] == {"grad_accum_dtype": "fp32"}
+    out = tmp_path / "bf16"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
+           "--module", "metachunk.train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir),
+           "--dataset_name", str(sft_dataset), "--max_steps", "2", "--max_length", "4096", "--output_dir", str(out),
+           "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--bf16", "true",
+           "--dtype", "bfloat16", "--deepspeed", str(DS / "zero2.json"), "--ddp_backend", "gloo"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = _losses(out)
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
