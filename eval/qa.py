@@ -375,21 +375,24 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
     timings["relevance"] = time.perf_counter() - t
 
     # ---- index
-    from metachunk.models import load_sentence_embedder, resolve
+    from metachunk.models import fingerprint, load_sentence_embedder
 
     t = time.perf_counter()
     dense = cfg.retriever in ("dense", "hybrid")
     lexical = None if cfg.retriever == "dense" else Lexical.for_lang(lang, cfg.jieba_mode)
     if lexical is not None:
         check_lexical_lengths(chunks, Path(cfg.chunks))  # a chunk too long to index is refused, never cut
-    embedder_path = str(resolve(cfg.embedder).resolve()) if dense else None
+    # The embedder by what identifies its outputs (its config files, weight names and sizes), not by where it
+    # lies: the same model in another venv or cache reuses the index.
+    embedder_id = {"name": cfg.embedder, "sha256": fingerprint(cfg.embedder)["sha256"]} if dense else None
     embedder = load_sentence_embedder(cfg.embedder, device=cfg.device) if dense else None
     unread = None
     if dense:
         texts = [q.question for q, _, _ in judged] + [c.indexed_text for c in chunks]
         unread = unread_share(cfg.embedder, embedder.tokenizer, texts, "--embedder", "its dense retrieval")
     timings["embedder_load"] = time.perf_counter() - t
-    key = index_key(file_sha256(cfg.chunks), embedder_path, cfg.index_text, cfg.retriever, lexical)
+    key = index_key(file_sha256(cfg.chunks), embedder_id and embedder_id["sha256"], cfg.index_text, cfg.retriever,
+                    lexical)  # fmt: skip
     name = collection_name(key)
     index = ChunkIndex(cfg.index_dir)
     try:
@@ -406,7 +409,7 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
                     cfg.progress,
                     desc="embed chunks",
                 )
-            info = {"chunks": str(Path(cfg.chunks).resolve()), "embedder": embedder_path,
+            info = {"chunks": str(Path(cfg.chunks).resolve()), "embedder": embedder_id,
                     "index_text": cfg.index_text, "retriever": cfg.retriever,
                     **({"lexical": lexical.key()} if lexical else {}), "key": key}  # fmt: skip
             index.build(name, chunks, vectors, info, lexical=lexical)
@@ -539,7 +542,7 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
             "retriever": cfg.retriever,
             **({"lexical": lexical.key()} if lexical else {}),
             **({"rrf_k": cfg.rrf_k, "fusion_limit": cfg.fusion_limit} if cfg.retriever == "hybrid" else {}),
-            "embedder": embedder_path,
+            "embedder": embedder_id,
             "embedder_unknown_tokens": unread,
             "index_text": cfg.index_text,
             "chunks_lacking_field": lacking,
