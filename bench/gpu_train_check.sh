@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The training figures on one GPU, as one prepared script for a 15-minute device slot, in the order a slot
 # should spend its time (GPU_CHECK_STEP_TIMEOUT bounds each step):
-#   1. the wheelhouse install (GPU_CHECK_WHEELHOUSE), then the 3B recipe under ZeRO-2 as shipped
-#      (padding-free rows, flex attention): `deepspeed --num_gpus 1 --module metachunk.train --config
-#      recipes/train/rewriter_qwen2.5-3b.yaml` on a random Qwen2.5-3B-shaped model; the trainer's own
-#      callback prints tokens/s, TFLOP/s and MFU (target >= 40%)
+#   1. the wheelhouse install (GPU_CHECK_WHEELHOUSE), then the 3B recipe under ZeRO-2 with packing (bfd
+#      sequences of PACK_LEN tokens), with the recipe's recomputation and, on a GPU of >= 120 GiB, without;
+#      then as shipped (padding-free rows, flex attention): `deepspeed --num_gpus 1 --module metachunk.train
+#      --config recipes/train/rewriter_qwen2.5-3b.yaml` on a random Qwen2.5-3B-shaped model; the trainer's
+#      own callback prints tokens/s, TFLOP/s and MFU (target >= 40% under ZeRO-2 with packing)
 #   2. under ZeRO-3 (--deepspeed recipes/deepspeed/zero3.json), then ZeRO-2 without activation recomputation
 #      (the recipe's is sized for 80 GB; GPU only)
 #   3. kill -9 and --resume_from_checkpoint latest on the Qwen2-0.5B shape at lr 1e-3 (bench/train_resume.py):
 #      the loss curve continues, no step counted twice, the same learning rate and tokens per step
 #   4. the 3B recipe under `accelerate launch --config_file recipes/accelerate/zero2.yaml`
-#   5. ZeRO-2 packed (bfd sequences of PACK_LEN tokens) and padded (sdpa): the other batch layouts
+#   5. ZeRO-2 padded (sdpa): the other batch layout
 #   6. ZeRO-2 with DeepSpeed's FusedAdam instead of torch's fused AdamW (GPU only)
 #   7. `metachunk export` of step 3's run, and bench/rewrite_speed.py with the export as the student
 #      (target >= 0.8x plain batched generate)
@@ -124,13 +125,29 @@ skip() {  # skip NAME WHY: a step this device cannot run, said in the summary in
   echo "== $1: skipped: $2" | tee -a "$SUMMARY"
 }
 
+# The GPU's memory decides which runs without recomputation fit (GPU only: the dry run never recomputes).
+gib=0
+[[ $DRY == 0 ]] && gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)' 2>/dev/null || echo 0)
+# ZeRO-2 with packing first, the layout issue 48's MFU target names (bfd sequences of PACK_LEN tokens).
+train zero2_packed 5 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+  --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1
+# Packed and without recomputation, on a GPU that holds the activations: the layout the MFU target names
+# (ZeRO-2 with packing) at the rate the recipe's recomputation caps (it adds a third forward pass, ~3/4 of
+# the hardware's rate at most; the callback counts model FLOPs, not the recomputed ones).
+if [[ $DRY == 0 ]]; then
+  if (( gib >= 120 )); then
+    train zero2_packed_no_recompute 9 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
+      --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1 --activation_checkpointing false
+  else
+    skip zero2_packed_no_recompute "the GPU has ${gib} GiB; the 3B without recomputation needs ~110 GB"
+  fi
+fi
 train zero2 1 "${deepspeed[@]}" --deepspeed "$DS/zero2.json"
 train zero3 2 "${deepspeed[@]}" --deepspeed "$DS/zero3.json"
 # The recipe recomputes activations (sized for an 80 GB GPU); a 141 GB one may hold them: the same run without
 # recomputation, its rate and peak memory beside zero2's (GPU only: the dry run never recomputes). By the
 # recipe's estimate, ~49 GB of states and ~49 GB of activations: on a smaller GPU it could only run out of memory.
 if [[ $DRY == 0 ]]; then
-  gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)' 2>/dev/null || echo 0)
   if (( gib >= 120 )); then
     train zero2_no_recompute 8 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" --activation_checkpointing false
   else
@@ -147,19 +164,6 @@ step resume "$PY" -P "$ROOT/bench/train_resume.py" --out "$WORK/resume" --kill-a
 train accelerate 4 "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 \
   --main_process_port @PORT@ -m metachunk.train --deepspeed "$DS/zero2.json"
 
-train zero2_packed 5 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
-  --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1
-# Packed and without recomputation, on a GPU that holds the activations: the layout the MFU target names
-# (ZeRO-2 with packing) at the rate the recipe's recomputation caps (it adds a third forward pass, ~3/4 of
-# the hardware's rate at most; the callback counts model FLOPs, not the recomputed ones).
-if [[ $DRY == 0 ]]; then
-  if (( gib >= 120 )); then
-    train zero2_packed_no_recompute 9 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
-      --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1 --activation_checkpointing false
-  else
-    skip zero2_packed_no_recompute "the GPU has ${gib} GiB; the 3B without recomputation needs ~110 GB"
-  fi
-fi
 train zero2_padded 6 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --padding_free false --max_length "$MAX_LEN" --attn_implementation sdpa
 

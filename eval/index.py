@@ -189,7 +189,7 @@ class Lexical:
 def index_key(chunks_sha256: str, embedder: str | None, mode: str, retriever: str = "dense",
               lexical: Lexical | None = None) -> str:  # fmt: skip
     keyed = {"chunks_sha256": chunks_sha256, "embedder": embedder, "index_text": mode, "schema": INDEX_SCHEMA}
-    if retriever != "dense":  # a dense index keeps the key it always had
+    if retriever != "dense":  # the lexical retrievers' settings
         keyed.update(retriever=retriever, **lexical.key())
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()
 

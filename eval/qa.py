@@ -375,24 +375,27 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
     timings["relevance"] = time.perf_counter() - t
 
     # ---- index
-    from metachunk.models import fingerprint, load_sentence_embedder
+    from metachunk.models import PRESETS, fingerprint, load_sentence_embedder, resolve
 
     t = time.perf_counter()
     dense = cfg.retriever in ("dense", "hybrid")
     lexical = None if cfg.retriever == "dense" else Lexical.for_lang(lang, cfg.jieba_mode)
     if lexical is not None:
         check_lexical_lengths(chunks, Path(cfg.chunks))  # a chunk too long to index is refused, never cut
-    # The embedder by what identifies its outputs (its config files, weight names and sizes), not by where it
-    # lies: the same model in another venv or cache reuses the index.
+    # The embedder by what identifies its outputs (its config files, weight names and sizes); a preset, whose
+    # files its name fixes, not by where it lies (another venv or cache reuses the index), a local folder by
+    # its place too (two fine-tunes of one model have the same configs and sizes).
     embedder_id = {"name": cfg.embedder, "sha256": fingerprint(cfg.embedder)["sha256"]} if dense else None
+    if dense and cfg.embedder not in PRESETS:
+        embedder_id["path"] = str(resolve(cfg.embedder).resolve())
     embedder = load_sentence_embedder(cfg.embedder, device=cfg.device) if dense else None
     unread = None
     if dense:
         texts = [q.question for q, _, _ in judged] + [c.indexed_text for c in chunks]
         unread = unread_share(cfg.embedder, embedder.tokenizer, texts, "--embedder", "its dense retrieval")
     timings["embedder_load"] = time.perf_counter() - t
-    key = index_key(file_sha256(cfg.chunks), embedder_id and embedder_id["sha256"], cfg.index_text, cfg.retriever,
-                    lexical)  # fmt: skip
+    embedder_key = embedder_id and ":".join(v for k, v in embedder_id.items() if k != "name")
+    key = index_key(file_sha256(cfg.chunks), embedder_key, cfg.index_text, cfg.retriever, lexical)
     name = collection_name(key)
     index = ChunkIndex(cfg.index_dir)
     try:

@@ -394,6 +394,8 @@ def test_a_failed_push_is_retried_without_exporting_again(
     (tmp_path / "empty").mkdir()
     assert main(["export", "--out", str(tmp_path / "empty"), "--push", REPO]) == 2
     assert "holds no metachunk export to push" in capsys.readouterr().err
+    assert main(["export", "--out", str(out), "--push", REPO, "--base-model-id", "Qwen/Qwen2.5-0.5B"]) == 2
+    assert "--base-model-id shapes an export" in capsys.readouterr().err  # the card is written already
     assert main(["export", "--out", str(out)]) == 2  # neither a checkpoint nor a push
     assert "field 'checkpoint' is required" in capsys.readouterr().err
 

@@ -501,7 +501,11 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             raise InputError(
                 cfg.out, "holds no metachunk export to push: export a --checkpoint into it first"
             )
-        if f'"{cfg.push}"' not in (cfg.out / "README.md").read_text(encoding="utf-8"):
+        exporting = [name for name, default in EXPORT_ONLY.items() if getattr(cfg, name) != default]
+        if exporting:  # what only an export does: the folder and its card are written already
+            raise InputError("export", f"--{exporting[0].replace('_', '-')} shapes an export; without "
+                             "--checkpoint, --push publishes the export at --out as it is")  # fmt: skip
+        if f'"{cfg.push}"' not in (cfg.out / "README.md").read_text(encoding="utf-8", errors="replace"):
             # its card's usage lines load the repo it was exported for, or a local placeholder
             raise InputError(cfg.out, f"its model card was written for another repo, or none: export it again "
                              f"with --checkpoint and --push {cfg.push}")  # fmt: skip
@@ -567,6 +571,11 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
         cfg.out, weights.kind, len(files), sum(p.stat().st_size for p in files), parameters, dtype
     )
     return _push(cfg, result, files, say)
+
+
+# The settings that shape an export (its weights, its card), refused where --push only publishes one.
+EXPORT_ONLY = {"merge_lora": False, "base_model": None, "trust_zero_shards": False, "dtype": "auto",
+               "max_shard_size": "5GB", "overwrite": False, "base_model_id": None, "dataset_id": None}  # fmt: skip
 
 
 def _safetensors_parameters(folder: Path) -> int:
