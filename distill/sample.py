@@ -212,8 +212,7 @@ def sample(cfg: SampleConfig) -> dict:
         if rejected is not None:
             report["rejects"] = rejected
         outputs.commit(out / "sample.json", report)
-    computed = config.computed(cfg)
-    how = {k: v for k, v in config.to_dict(cfg).items() if k not in computed}
+    how = config.runtime(cfg)
     append_run_log(out, {"command": "data sample", **how, "seconds": round(time.perf_counter() - started, 2)})
     return report
 

@@ -52,7 +52,7 @@ def write_run(out: Path, command: str, cfg, metrics: dict[str, float], details: 
         ["metric", "value"], [[name, format_value(value)] for name, value in metrics.items()])]  # fmt: skip
     with AtomicWriter(out / "report.md") as f:
         f.write("\n".join(lines) + "\n")
-    runtime = {k: v for k, v in configs.to_dict(cfg).items() if k not in config} if dataclass else {}
+    runtime = configs.runtime(cfg) if dataclass else {}
     append_run_log(out, {"command": f"eval {command}", **runtime, **(run or {})})
     return doc
 

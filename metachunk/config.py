@@ -374,6 +374,13 @@ def to_dict(cfg) -> dict:
     return out
 
 
+def runtime(cfg) -> dict:
+    """How a run goes, not what it makes: the settings [`computed`][metachunk.config.computed] leaves
+    out, as [`to_dict`][metachunk.config.to_dict] writes them (a run log records them)."""
+    decides = computed(cfg)
+    return {k: v for k, v in to_dict(cfg).items() if k not in decides}
+
+
 def computed(cfg) -> dict:
     """The settings that decide what a run makes: [`to_dict`][metachunk.config.to_dict] less every field marked
     ``runtime=True``, in nested blocks (teacher blocks) too. Fingerprints hash this. A file of a
