@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import write_json
+from metachunk.artifacts import read_run_log, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -157,7 +157,7 @@ def batch(servers, n: int, online_cost: float) -> dict:
     runs = {t: distill(recipe(root, t, urls, docs, chunks, mode="batch"), t) for t in ("rewrite", "summary")}
     cost, rounds, batches = 0.0, 0, 0
     for t in ("rewrite", "summary"):
-        summary = json.loads((root / "run" / f"{t}.meta.json").read_text())["summary"]
+        summary = next(r for r in reversed(read_run_log(root / "run")) if r["command"] == f"distill {t}")
         cost += summary["paid"]
         rounds += summary["batch"]["rounds"]
         batches += summary["batch"]["batches"]
@@ -170,8 +170,8 @@ def batch(servers, n: int, online_cost: float) -> dict:
 
 
 def paid(label: str) -> float:
-    return sum(json.loads((OUT / label / "run" / f"{t}.meta.json").read_text())["summary"]["paid"]
-               for t in ("rewrite", "summary"))  # fmt: skip
+    runs = read_run_log(OUT / label / "run")  # every attempt paid its own share
+    return sum(r["paid"] for r in runs if r["command"] in ("distill rewrite", "distill summary"))
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from metachunk.distill.pipelines import ChunkTask, StageRunner
 from metachunk.distill.prompts import load_prompt, load_schema
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, OutputPair, jsonl_line
+from metachunk.artifacts import SCHEMA_VERSION, OutputPair, append_run_log, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.sources import Rejects, finish_rejects
 from metachunk.store import AnswerStore
@@ -280,22 +280,27 @@ async def drive(
 
 
 def write_records(cfg: DistillConfig, result: RunResult) -> dict:
-    """``OUT/TASK.jsonl`` and ``OUT/TASK.meta.json``, replaced together; returns the summary."""
+    """``OUT/TASK.jsonl`` and ``OUT/TASK.meta.json``, replaced together, then one line for this
+    attempt in ``OUT/runs.jsonl``; returns the summary (both parts).
+
+    The meta file's summary says what the records are (outcomes, usage and cost in them, rejects),
+    so a rerun answered from the store writes the same bytes. How this attempt went (seconds,
+    requests sent, answers from the store, paid, why it stopped, batch rounds) is the run log's."""
     task = result.task
-    summary = task.summarize(result.records)
-    summary.update(
-        seconds=round(result.seconds, 2),
-        requests_sent=result.sent,
-        answers_from_store=result.cached,
-        answers_waited_for=result.waited,
-        paid=round(result.paid, 6),
-        store_spent=round(result.spent, 6),
-        stopped=result.stopped,
-    )
-    if result.batch is not None:
-        summary["batch"] = result.batch
+    made = task.summarize(result.records)
     if result.rejects is not None:
-        summary["rejects"] = result.rejects
+        made["rejects"] = result.rejects
+    attempt = {
+        "seconds": round(result.seconds, 2),
+        "requests_sent": result.sent,
+        "answers_from_store": result.cached,
+        "answers_waited_for": result.waited,
+        "paid": round(result.paid, 6),
+        "store_spent": round(result.spent, 6),
+        "stopped": result.stopped,
+    }
+    if result.batch is not None:
+        attempt["batch"] = result.batch
     prompts = {
         f"{stage}.{lang}": load_prompt(stage, lang).sha256
         for stage in task.stages
@@ -308,8 +313,9 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
             pair.file.write(jsonl_line(record))
         pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {task.name}", "config": config.to_dict(cfg),
                      **task.manifest(), "prompt_sha256": prompts, "schema_sha256": schemas,
-                     "summary": summary})  # fmt: skip
-    return summary
+                     "summary": made})  # fmt: skip
+    append_run_log(cfg.out, {"command": f"distill {task.name}", **config.runtime(cfg), **attempt})
+    return {**made, **attempt}
 
 
 # ---- the command: `metachunk distill TASK` / `distill status` / `--dry-run` ------------------------

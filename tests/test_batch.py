@@ -17,6 +17,7 @@ import pytest
 import yaml
 from support.loopback_server import serve_in_subprocess
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main
 
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
@@ -50,7 +51,8 @@ def records(root):
 
 
 def summary(root):
-    return json.loads((root / "run" / "rewrite.meta.json").read_text())["summary"]
+    """The last run's line in ``run/runs.jsonl`` (its batch rounds, requests sent, paid)."""
+    return read_run_log(root / "run")[-1]
 
 
 def test_chained_stages_run_as_batch_rounds_at_the_discount_and_a_rerun_sends_nothing(tmp_path, capsys):

@@ -36,6 +36,7 @@ from metachunk.distill.moc import (
 )
 from support.loopback_server import serve_in_subprocess
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main as cli_main
 
 WINDOW_TOKENS = 200
@@ -247,7 +248,8 @@ def distilled(tmp_path_factory, tiny_model_dir, counter):
             action = "status" if flags is None else "moc"
             code = cli_main(["distill", action, "--config", str(recipe), *(flags or [])])
             meta = json.loads((root / "run" / "moc.meta.json").read_text()) if name != "dry" else None
-            runs[name] = (code, server.stats()["requests"], meta)
+            attempt = read_run_log(root / "run")[-1] if name in ("first", "again") else None
+            runs[name] = (code, server.stats()["requests"], meta, attempt)
             if name == "first":
                 records = (root / "run" / "moc.jsonl").read_text()
         rerun_records = (root / "run" / "moc.jsonl").read_text()
@@ -318,18 +320,19 @@ def test_counts_dry_run_status_and_a_rerun_that_sends_nothing(distilled, capsys)
     n_requests = sum(w["answer"]["attempts"] for r in distilled.records.values() for w in r["windows"])
     assert n_requests == len(distilled.records["planted"]["windows"]) + PARSE_RETRIES + 1
     assert runs["dry"][:2] == (0, 0)  # the dry run sent nothing
-    code, sent, meta = runs["first"]
+    code, sent, meta, attempt = runs["first"]
     assert code == 4 and sent == n_requests  # 1 of 2 documents failed: over --max-failure-rate 0.25
+    assert attempt["requests_sent"] == n_requests and attempt["answers_from_store"] == 0
     summary = meta["summary"]
-    assert summary["requests_sent"] == n_requests and summary["answers_from_store"] == 0
     assert summary["outcome"] == {"ok": 1, "failed": 1} and summary["fallbacks"] == 1
     assert summary["chunks"]["accepted"] == len(distilled.truth) and summary["chunks"]["flagged"] == 2
     assert summary["prompt_tokens"] > 0 and summary["cost"] > 0
     assert meta["prompt_sha256"].keys() == {"moc_chunk.en"} and meta["config"]["task"] == "moc"
     assert runs["status"][:2] == (0, n_requests)
-    code, sent, meta = runs["again"]
+    code, sent, again_meta, attempt = runs["again"]
     assert code == 4 and sent == n_requests  # the rerun sent zero requests
-    assert meta["summary"]["requests_sent"] == 0 and meta["summary"]["answers_from_store"] == n_requests
+    assert attempt["requests_sent"] == 0 and attempt["answers_from_store"] == n_requests
+    assert again_meta == meta  # from the store: the same meta file
     for doc_id, record in distilled.records.items():
         again = distilled.rerun[doc_id]
         assert again == record  # from the store: the same record

@@ -34,6 +34,7 @@ from support.distill_jobs import KEY_ENV, Job, cli_env, make_job
 from support.fixtures import EMMA_SENTENCES
 from support.loopback_server import THINK_TEXT, serve_in_subprocess
 
+from metachunk.artifacts import read_run_log
 from metachunk.teacher import Endpoint, TeacherConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,9 +361,8 @@ def test_budget_stops_at_the_cap_and_resumes_when_raised(tmp_path, capsys):
         assert job.query("SELECT COUNT(*), SUM(cost), MIN(status), MAX(status) FROM answers") == [
             (10, 10.0, "ok", "ok")
         ]
-        meta = job.meta()
-        assert meta["summary"]["stopped"] == "budget"
-        assert meta["summary"]["cost"] == 10.0
+        assert job.last_run()["stopped"] == "budget"
+        assert job.meta()["summary"]["cost"] == 10.0
 
         assert job.main("rewrite", "--max-cost", "10.5") == 3
         assert server.stats()["requests"] == first["requests"]  # nothing more fits under the cap
@@ -672,7 +672,7 @@ def test_two_runs_sharing_a_store_never_pay_twice(tmp_path, stream):
     for n in (1, 2):
         records = [json.loads(line) for line in (tmp_path / f"run{n}" / "rewrite.jsonl").open()]
         assert len(records) == 24 and all(r["status"] == "ok" and r["output"] for r in records)
-    waited = [json.loads((tmp_path / f"run{n}" / "rewrite.meta.json").read_text())["summary"] for n in (1, 2)]
+    waited = [read_run_log(tmp_path / f"run{n}")[-1] for n in (1, 2)]
     assert sum(s["requests_sent"] for s in waited) == stats["requests"]  # each paid only its own share
     # They ran at once: both sent, or one waited for answers the other had claimed and was still paying for
     # (a run that started after the other finished would have read them all from the store, waiting for none).
@@ -839,7 +839,7 @@ def test_one_run_with_repeated_documents_pays_each_request_once(tmp_path):
     assert set(stats["by_key"].values()) == {1} and stats["requests"] == 3 * len(REWRITE)
     records = job.records()
     assert len(records) == 9 and all(r["status"] == "ok" and r["output"] for r in records)
-    summary = job.meta()["summary"]
+    summary = job.last_run()
     assert summary["requests_sent"] == stats["requests"] and summary["answers_waited_for"] > 0
     assert summary["paid"] == pytest.approx(job.query("SELECT SUM(cost) FROM answers")[0][0])  # paid once
 

@@ -14,6 +14,7 @@ import yaml
 from support.data import data_file
 from support.fixtures import write_emma_chunks
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main as metachunk
 from metachunk.local_teacher import LocalTeacher, llama_cpp_available, pick_backend
 
@@ -78,7 +79,8 @@ def test_refinement_under_the_schema_always_parses(llama_teacher, tmp_path):
     # A rerun sends nothing: the schema's hash is part of each stored request's key.
     assert metachunk(["distill", "rewrite", "--config", str(config)]) in (0, 4)
     again = json.loads((tmp_path / "run" / "rewrite.meta.json").read_text(encoding="utf-8"))
-    assert again["summary"]["requests_sent"] == 0
+    assert again == meta  # answered from the store: the same records and the same meta file
+    assert read_run_log(tmp_path / "run")[-1]["requests_sent"] == 0
 
 
 def test_moc_chunk_list_under_the_schema(llama_teacher, tmp_path):

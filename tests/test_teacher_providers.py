@@ -134,8 +134,7 @@ def test_a_refusal_that_repeats_stops_the_run_within_8_requests(tmp_path, provid
     assert len(records) == 20
     assert {r["status"] for r in records} <= {"ok", "failed", "pending"}
     assert any(r["reason"] == "http_400" for r in records)
-    meta = job.meta()
-    assert meta["summary"]["stopped"] == "refused"
+    assert job.last_run()["stopped"] == "refused"
 
     # Named, the provider's profile sends what it takes; the rerun retries the refused requests.
     recipe = yaml.safe_load(job.recipe.read_text(encoding="utf-8"))

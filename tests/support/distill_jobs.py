@@ -16,6 +16,7 @@ from metachunk.distill.pipelines import STAGES
 from metachunk.distill.run import DistillConfig
 
 from metachunk import config
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +39,10 @@ class Job:
 
     def meta(self) -> dict:
         return json.loads((self.out / f"{self.task}.meta.json").read_text(encoding="utf-8"))
+
+    def last_run(self) -> dict:
+        """How the last attempt went: its line in ``OUT/runs.jsonl`` (requests sent, paid, stopped)."""
+        return read_run_log(self.out)[-1]
 
     def cli(self, action: str, *flags: str, env: dict | None = None, timeout: float = 60):
         """``python -m metachunk.cli distill ACTION --config RECIPE FLAGS``; a hang fails the test."""
