@@ -76,7 +76,7 @@ Each command starts from what the machine holds (a bare machine rebuilds the mod
 export and rewrite_speed need resume in the same command; resume is three launches (whole, killed,
 resumed), and zero2_fusedadam compiles DeepSpeed's FusedAdam first. Left out of gpu_check.sh: its
 rewrite_speed (a random student; the training check's rewrites with the export), train_mfu (a standalone
-probe; issue 48's MFU is the trainer's own callback, in the zero2 runs: packed first, as the issue asks) and chunk_1_workers,chunk_2_workers
+probe; the 3B recipe's MFU is the trainer's own callback, in the zero2 runs: packed first) and chunk_1_workers,chunk_2_workers
 (1 against 2 workers' shards on one GPU; add them to a command with time to spare).
 What comes back (\$OUT): summary.txt, node-freeze.txt (the next NODE_FREEZE), node.txt, reports.tar.gz.
 EOF

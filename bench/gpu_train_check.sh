@@ -128,7 +128,7 @@ skip() {  # skip NAME WHY: a step this device cannot run, said in the summary in
 # The GPU's memory decides which runs without recomputation fit (GPU only: the dry run never recomputes).
 gib=0
 [[ $DRY == 0 ]] && gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)' 2>/dev/null || echo 0)
-# ZeRO-2 with packing first, the layout issue 48's MFU target names (bfd sequences of PACK_LEN tokens).
+# ZeRO-2 with packing first, the layout the 3B recipe's MFU target names (bfd sequences of PACK_LEN tokens).
 train zero2_packed 5 "${deepspeed[@]}" --deepspeed "$DS/zero2.json" \
   --packing true --max_length "$PACK_LEN" --per_device_train_batch_size 1
 # Packed and without recomputation, on a GPU that holds the activations: the layout the MFU target names

@@ -1,6 +1,6 @@
 """Where the PPL engine's scoring time goes on a GPU, from a torch.profiler trace: do kernel launches cost?
 
-Issue 47 asks for CUDA graphs or ``torch.compile`` "wherever a profile says launches cost". This is that
+CUDA graphs or ``torch.compile`` pay only where a profile says launches cost. This is that
 profile. `metachunk.engine.scoring.token_nll` scores ``--docs`` documents once to warm up (cuBLAS, flex
 attention's compiles), then again under ``torch.profiler`` with CPU and CUDA activity, and the script reads
 the trace:

@@ -12,7 +12,7 @@ Three ways to get the per-token NLL that PPL chunking needs, on the same documen
   does its ratio to an ``engine`` row (which starts from tokenized text); ``chunk`` is compared
   with its whole time. It sums NLL over its own tokenization, so it has no sentence PPL to compare
   (dPPL and F1 are blank).
-* ``chunk``: the whole ``metachunk chunk --method ppl`` command, issue 47's measure (:func:`chunk_worker`).
+* ``chunk``: the whole ``metachunk chunk --method ppl`` command, the engine's measure on a GPU (:func:`chunk_worker`).
 
 Every method but ``chunk`` scores one document untimed first (first-call setup, weights paged in).
 
@@ -119,7 +119,7 @@ def plain_batched(
     budget: int = 65536,
     head_rows: int = 8192,
 ) -> tuple[list[float], dict]:
-    """The batched pass a user would write (issue 47's ``plain``), timed apart from the engine: the
+    """The batched pass a user would write (``plain-batched``), timed apart from the engine: the
     documents tokenized in one call without special tokens; one window up to ``window`` tokens, longer
     ones in windows of ``window`` every ``stride`` tokens, each token scored once with at least
     ``window - stride`` tokens of context (a window's first ``window - stride`` targets are context
@@ -187,7 +187,7 @@ def plain_batched(
 
 
 def plain_flops(model, processed: int, scored: int) -> float:
-    """Issue 47's count, for every method alike: 2 x (matmul parameters without the input embedding or
+    """The plain-pass FLOP count, for every method alike: 2 x (matmul parameters without the input embedding or
     the head) x tokens processed + 2 x (head parameters) x tokens scored; a tied head counts once.
     Attention is not counted."""
     embed = model.get_input_embeddings().weight
@@ -290,7 +290,7 @@ def worker(args) -> None:
 
 def plain_batched_worker(args, docs: list[str]) -> None:
     """``plain-batched``: transformers' own model, SDPA attention, in the dtype ``--dtype`` names, with
-    ``auto`` read as the engine reads it (``pick_dtype``: bf16 on a GPU, as issue 47's pass), timed
+    ``auto`` read as the engine reads it (``pick_dtype``: bf16 on a GPU, as the plain pass), timed
     from the raw text: tokenize + score. Both sides are warmed alike (one document) and their peak
     memory counted from after the warm-up."""
     import torch
@@ -457,14 +457,14 @@ def gemm_worker(args) -> None:
         out[name] = max(
             gemm_rate(a, b, c, dtype, device, sync, n) for a, b, c in cases for n in lanes for _ in range(2)
         )
-    if device.type == "cuda" and "bfloat16" in out:  # issue 47's denominator, exactly as it is written
+    if device.type == "cuda" and "bfloat16" in out:  # the FLOP rate's denominator: an 8192^3 bf16 matmul
         out["issue_bfloat16"] = issue_gemm_rate(device)
     Path(args.out + ".json").write_text(json.dumps(out))
 
 
 def issue_gemm_rate(device) -> float:
     """GFLOP/s of an 8192^3 bf16 ``torch.matmul``: 10 products after 3 warm-ups, timed with CUDA events
-    (issue 47's GEMM probe)."""
+    (the GEMM probe)."""
     import torch
 
     n = 8192
@@ -652,7 +652,7 @@ def main() -> None:
         rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gemm.items())
         print(f"best GEMM on {args.device or 'this machine'}: {rates}")
         summary["best_gemm_gflops"] = gemm
-    # Issue 47's measure, alike for every method: its FLOP count (`plain_flops`: no attention, the head on
+    # The FLOP-rate measure, alike for every method: its FLOP count (`plain_flops`: no attention, the head on
     # scored tokens only) over the same seconds as the table's, against its 8192^3 bf16 GEMM on a GPU
     # (`issue_gemm_rate`), else the best GEMM of the method's dtype.
     for m in ("engine", "chunk", "plain-batched"):
@@ -664,7 +664,7 @@ def main() -> None:
         rate = r["issue_flops"] / (r["wall_s"] - r.get("plain", {}).get("tokenize_s", 0.0)) / 1e9
         fraction = rate / probe if probe else float("nan")
         print(
-            f"{m}: issue 47's count {r['issue_flops'] / 1e12:.2f} TFLOP, {rate:.0f} GFLOP/s = {fraction:.2f} of the GEMM"
+            f"{m}: plain-pass count {r['issue_flops'] / 1e12:.2f} TFLOP, {rate:.0f} GFLOP/s = {fraction:.2f} of the GEMM"
         )
         summary["methods"][m] |= {"issue_gflops": rate, "issue_gemm_fraction": fraction}
     if "engine" in results:

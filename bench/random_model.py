@@ -2,7 +2,7 @@
 
 Speed does not need trained weights: ``bench/ppl_speed.py``, ``bench/msp_speed.py`` and the
 training benches time the same matmuls on a random model of the right shape. The shapes are
-Qwen2(.5)'s, each with a 151,936-entry vocabulary, the one issue 47 measured with (Qwen2-0.5B's, 1.5B's and
+Qwen2(.5)'s, each with a 151,936-entry vocabulary, the one the GPU engine figures were measured with (Qwen2-0.5B's, 1.5B's and
 2.5-3B's; Qwen2-7B's real one is 152,064), since the LM head is the costly part for PPL:
 
 - ``qwen2-0.5b``: hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4,864, tied embeddings;

@@ -1,6 +1,6 @@
 """A trained rewriter at work: ``metachunk chunk --rewrite`` against plain batched ``model.generate``.
 
-Issue 48's item 6: an exported student loaded into the chunker rewrites a corpus's chunks, batched
+The trained student at work: an exported student loaded into the chunker rewrites a corpus's chunks, batched
 on the device, and its generated tokens per second are compared with what a user gets from the
 same model and the same prompts with plain batched ``generate``.
 

@@ -1,6 +1,6 @@
 """The GPU's scoring plan against the CPU reference, and a rerun against itself.
 
-Two checks of issue 47's output stability, on the same documents:
+Two checks of the engine's output stability, on the same documents:
 
 * **fp32 parity.** `metachunk.engine.scoring.token_nll` in float32 on ``--device`` with that
   device's plan (its batch budget, packed rows where the attention reads them, its head tiles)

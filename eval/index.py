@@ -9,8 +9,9 @@ Chunks come from ``metachunk chunk`` output (one JSONL row per document: ``{id, 
 * ``summary+chunk``: the summary (``chunk --summarize``), a blank line, then the chunk's text.
 
 The index lives in ``INDEX_DIR/index.db`` (a Milvus Lite database). One collection per index key,
-the sha256 of (the chunks file's bytes, the embedder's resolved path, ``index_text``, the schema
-version, and for a lexical index its retriever, analyzer, analyzer mode, k1 and b), so a rerun, or
+the sha256 of (the chunks file's bytes, the embedder's fingerprint (and, for a local folder, its
+resolved path), ``index_text``, the schema version, and for a lexical index its retriever, analyzer,
+analyzer mode, k1 and b), so a rerun, or
 another eval run on the same chunks, reuses the index; any edit of the chunks file, another
 embedder, another indexed text or other BM25 settings gives a new collection.
 

@@ -6,8 +6,8 @@ metachunk eval qa --chunks CHUNKS.jsonl --qa QA --embedder PRESET_OR_DIR --top-k
 ```
 
 1. **Chunks** (``metachunk chunk`` output) are embedded (``--index-text chunk|rewritten|summary+
-   chunk``) into ``INDEX_DIR/index.db``, one collection per (chunks file sha256, embedder, indexed
-   text), reused across runs (`metachunk.eval.index`).
+   chunk``) into ``INDEX_DIR/index.db``, one collection per index key (the chunks file, the embedder,
+   the indexed text and the retriever's settings: `metachunk.eval.index.index_key`), reused across runs.
 2. **Questions** (GutenQA ``questions.jsonl`` or CRUD ``qa_matches.jsonl``) are located in the
    documents and each chunk is judged relevant or not (`metachunk.eval.retrieval` states the rules).
 3. **Retrieval**: the ``top_k`` (or, with ``--rerank``, ``rerank_depth``) nearest chunks per

@@ -134,7 +134,7 @@ def _not_a_folder(path: Path) -> None:
         raise IsADirectoryError(errno.EISDIR, "a folder, where a file is to be written", str(path))
 
 
-def _process_space() -> str:
+def process_space() -> str:
     """``HOST+NS``: the host, and the PID namespace its process ids belong to (containers on one host
     share its name, not their process ids). ``+`` is in no host name, so no host's reads as another's."""
     try:
@@ -147,7 +147,7 @@ def _process_space() -> str:
 def _owner() -> str:
     """Who writes a temp file, in its name (``PID@HOST+NS``): what lets a later writer in the same
     process space tell a killed writer's leftovers from a live writer's file."""
-    return f"{os.getpid()}@{_process_space()}"
+    return f"{os.getpid()}@{process_space()}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -165,7 +165,7 @@ def remove_dead_temps(path: Path) -> None:
     a lost node): each names its writer, and one whose process is gone from this host's process
     space is removed. A live writer's, another host's (a shared file system) or another container's
     is left alone."""
-    here = _process_space()
+    here = process_space()
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid, at, rest = stale.name[len(path.name) + 2 :].partition("@")
         if at and pid.isdigit() and rest.startswith(f"{here}.") and not _pid_alive(int(pid)):

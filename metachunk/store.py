@@ -17,8 +17,10 @@ first run still goes), and none pays for a request another one is paying for:
   ``BEGIN IMMEDIATE`` transaction that checks for an answer and for a live claim. SQLite's write
   lock makes check-and-claim atomic across processes.
 - A process that wants a key someone else holds waits for the answer. It takes the claim over only
-  when the owner is dead: the owner's pid is gone (same host), or its lease was not renewed in
-  time (`AnswerStore.renew_claims` runs every few seconds in the owner).
+  when the owner is dead: the owner's pid is gone from the same process space (host and PID
+  namespace: `metachunk.artifacts.process_space`; containers on one host may share its name, never
+  their pids), or its lease was not renewed in time (`AnswerStore.renew_claims` runs every few
+  seconds in the owner).
 - The answer row and the claim's release are one transaction.
 - The budget is shared the same way: `claim` refuses a reservation when the cost of every
   row in the store plus every live claim's reservation (all processes) would pass the cap.
@@ -32,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, process_space
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
@@ -175,7 +176,7 @@ class AnswerStore:
             for table, column, kind in _ADDED_COLUMNS:
                 if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-        self.host = socket.gethostname()
+        self.host = process_space()  # HOST+NS: a pid is asked about only in its own namespace
         self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         self._heartbeat = None  # the asyncio task renewing this process's leases
         self._seen = 0  # the highest answer row id whose cost is in total_cost
@@ -324,7 +325,8 @@ class AnswerStore:
         return expires >= time.time() and not self._known_dead(host, pid)
 
     def _known_dead(self, host: str, pid: int) -> bool:
-        """True when ``pid`` runs on this machine and is gone; a process elsewhere cannot be asked."""
+        """True when ``pid`` ran in this process space (host and PID namespace) and is gone; a process
+        elsewhere, or in another container on this host, cannot be asked."""
         if host != self.host:
             return False
         try:

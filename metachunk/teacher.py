@@ -9,8 +9,8 @@ The request path, in order:
    sent again; a request that only ever failed in transport is sent again.
 2. The key is claimed in the store, and in the same transaction the request's worst-case cost is
    reserved against ``--max-cost`` (the spend and reservations of every process on the store). A
-   key another live process is sending is waited for, not sent; a reservation that does not fit
-   stops the run cleanly. The worst case is the prompt at the endpoint's calibrated tokens per
+   key another live process is sending is waited for, not sent; a request whose reservation does
+   not fit is not sent (it stays pending) and the run goes on with what fits. The worst case is the prompt at the endpoint's calibrated tokens per
    byte (1 token per byte, an upper bound for byte-level BPE, until the endpoint has billed an
    answer), or the teacher's ``tokenizer`` count, plus ``max_tokens``.
 3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
@@ -394,7 +394,8 @@ class Price:
 
 
 class BudgetExceeded(Exception):
-    """The next request could push the spend past ``--max-cost``; nothing more is sent."""
+    """This request's reservation could push the spend past ``--max-cost``: it is not sent (a
+    smaller one may still fit)."""
 
 
 class FatalTeacherError(Exception):
@@ -518,7 +519,7 @@ class Answer:
             "params": self.params,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
             "cost": round(self.cost, 8),
-            # A record says what the answer is, not how this run got it (the meta file counts answers from
+            # A record says what the answer is, not how this run got it (the run log counts answers from
             # the store), so a rerun writes the same bytes.
             "request_key": self.key,
         }

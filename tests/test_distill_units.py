@@ -3,6 +3,8 @@
 import contextlib
 import json
 import multiprocessing
+import os
+import socket
 import sqlite3
 import string
 import subprocess
@@ -249,8 +251,21 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
             (first.host, int(dead.stdout), time.time() + 60),
         )
         db.execute("INSERT INTO claims VALUES ('e', 'far', 'elsewhere', 1, ?, 0.4)", (time.time() - 1,))
+        # The same pid in another container on this host (its host name, another PID namespace): alive
+        # there for all this process can tell, so its claim holds until its lease runs out.
+        db.execute(
+            "INSERT INTO claims VALUES ('c', 'container', ?, ?, ?, 0.0)",
+            (
+                f"{socket.gethostname()}+{os.stat('/proc/self/ns/pid').st_ino + 1}",
+                int(dead.stdout),
+                time.time() + 60,
+            ),
+        )
     assert second.claim("d", reserve=0.1, limit=1.0).outcome == "claimed"
     assert second.claim("e", reserve=0.1, limit=1.0).outcome == "claimed"
+    assert second.claim("c").outcome == "busy"
+    # which is why a claim names its owner's PID namespace beside the host (`artifacts.process_space`)
+    assert first.host == f"{socket.gethostname()}+{os.stat('/proc/self/ns/pid').st_ino}"
     first.close()
     second.close()
 

@@ -305,7 +305,7 @@ def test_the_pass_flops_count_from_the_models_shape_alone():
         head = 64 * 1000
         params = sum(p.numel() for p in real.parameters()) - head + (head if tied else 0)
         assert speed.exact_pass_flops(real, [1], 2048) == 2.0 * params + 4.0 * 64 * 2 * 1
-        # issue 47's count: the body on every token processed, the head (once, tied or not) on the scored
+        # the plain-pass FLOP count: the body on every token processed, the head (once, tied or not) on the scored
         body = params - head
         assert (
             speed.plain_flops(meta, 10, 7)
@@ -318,7 +318,7 @@ def test_the_pass_flops_count_from_the_models_shape_alone():
 
 
 def test_plain_batched_scores_each_token_once_from_its_own_window(tiny_model_dir):
-    """bench's plain-batched pass, the baseline issue 47 measures the engine against: its targets (built
+    """bench's plain-batched pass, the baseline the engine is measured against: its targets (built
     with tensor ops under a mask) are every token but the first, each scored once from the window that
     owns it, across padded batches and head chunks that split rows; checked against one forward per
     window and a sum by hand."""

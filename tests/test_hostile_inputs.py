@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 14, section 5): nothing is dropped, nothing is half-written, no traceback.
+"""Hostile inputs: nothing is dropped, nothing is half-written, no traceback.
 
 * every non-empty document gets chunks that tile it, whitespace-only ones included, with every
   chunking path; only the empty string gets none;

@@ -301,7 +301,7 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
     if model_args.attn_implementation is not None:
         check_attention(model_args.attn_implementation, sft_args)
     if model_args.attn_implementation == "flex_attention" and sft_args.use_cpu:
-        # it would load and run the first forward, then fail in backward (torch 2.13)
+        # it would load and run the first forward, then fail in backward
         raise ValueError(
             "field 'attn_implementation': flex_attention has no backward on CPU in PyTorch; use sdpa (or eager) "
             "with use_cpu"
