@@ -96,7 +96,9 @@ class RunResult:
     seconds: float
     sent: int
     cached: int
-    waited: int = 0  # answers another sender (a process on the store, or this run's own request) was paying for
+    waited: int = (
+        0  # answers another sender (a process on the store, or this run's own request) was paying for
+    )
     stopped: str = ""  # why the run stopped early: "budget", "unreachable", "refused", or ""
     stop_message: str = ""  # stopped by an endpoint: the one line saying why (with the provider's words)
     paid: float = 0.0  # billed to this run's requests
