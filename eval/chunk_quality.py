@@ -62,9 +62,10 @@ all the ``q`` read after it, ``--batch-size`` of them per forward pass
 (`metachunk.engine.scoring.continuation_nll`): faster than one forward pass per pair, since a
 context's forward pass is shared by every chunk read after it (``bench/eval_speed.py``; the figures are
 on the performance page). ``--max-pairs`` caps the
-ordered pairs per document; beyond it the nearest pairs are kept (by ``|i - j|``, forward before
-backward, then by position), so adjacent pairs, which BC needs, always come first. Pairs not
-computed are no edge. ``pairs_computed``, ``pairs_total`` and ``docs_capped`` say what the cap
+ordered pairs per document, but never below the ``N - 1`` adjacent forward pairs: BC is scored at
+every boundary. The cap's other pairs are the nearest (by ``|i - j|``, forward before backward,
+then by position). Pairs not computed are no edge, so under a cap of ``N - 1`` or less the graph
+is the path of adjacent pairs and CS restates BC (``CS_c = CS_i``). ``pairs_computed``, ``pairs_total`` and ``docs_capped`` say what the cap
 left out.
 
 Writes ``OUT/metrics.json`` + ``report.md`` (`metachunk.eval.report.write_run`) and
@@ -106,7 +107,9 @@ class ChunkQualityConfig:
         choices=list(CONVENTIONS),
     )
     max_pairs: int = option(
-        1024, "ordered chunk pairs scored per document at most (nearest first); 0 = all N(N-1)"
+        1024,
+        "ordered chunk pairs scored per document at most (nearest first), never fewer than the N-1 "
+        "adjacent ones BC needs; 0 = all N(N-1)",
     )
     max_chunk_tokens: int = option(1024, "a longer chunk keeps its first tokens as q, its last as d")
     limit: int | None = option(None, "only the first N documents")
@@ -212,12 +215,14 @@ def chunk_stickiness(ppl_alone, ppl_cond, k: float, convention: str = "paper", g
 
 def select_pairs(n: int, max_pairs: int = 0) -> list[tuple[int, int]]:
     """Ordered pairs ``(i, j)``, ``i != j``, nearest first: by ``|i - j|``, forward (``j > i``)
-    before backward, then by position; the first ``max_pairs`` of them (all when 0)."""
+    before backward, then by position. The ``n - 1`` adjacent forward pairs, BC's, are always all
+    there (a cap that took the first few would score a document's opening boundaries only); the
+    others fill up to ``max_pairs`` (all when 0)."""
     pairs = sorted(
         ((i, j) for i in range(n) for j in range(n) if i != j),
         key=lambda p: (abs(p[0] - p[1]), p[1] < p[0], p[0]),
     )
-    return pairs[:max_pairs] if max_pairs else pairs
+    return pairs[: max(max_pairs, n - 1)] if max_pairs else pairs
 
 
 # ------------------------------------------------------------------------------ model scoring

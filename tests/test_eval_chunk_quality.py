@@ -77,6 +77,9 @@ def test_structural_entropy():
 def test_pair_selection_nearest_first():
     assert cq.select_pairs(3) == [(0, 1), (1, 2), (1, 0), (2, 1), (0, 2), (2, 0)]
     assert cq.select_pairs(4, 3) == [(0, 1), (1, 2), (2, 3)]  # adjacent pairs (BC) come first
+    assert cq.select_pairs(4, 4) == [(0, 1), (1, 2), (2, 3), (1, 0)]  # then the nearest others
+    # A cap below the boundaries still scores every boundary: the first few would be the opening ones only.
+    assert cq.select_pairs(30, 8) == [(i, i + 1) for i in range(29)]
     assert len(cq.select_pairs(5, 0)) == 20
 
 
@@ -137,6 +140,17 @@ def _parse(argv):
     parser = argparse.ArgumentParser()
     config.add_arguments(parser, cq.CONFIG)
     return config.from_namespace(cq.CONFIG, parser.parse_args(argv))
+
+
+def test_a_cap_below_the_boundaries_still_scores_every_boundary(tmp_path, tiny_model_dir):
+    chunks = _chunks_file(tmp_path / "chunks.jsonl", {"a": TEXTS, "b": TEXTS[:3]})
+    cfg = _parse(["--chunks", str(chunks), "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"),
+                  "--max-pairs", "1", "--no-progress"])  # fmt: skip
+    assert cq.run(cfg).exit == 0
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())["metrics"]
+    # a: 4 chunks, 3 boundaries; b: 3 chunks, 2; a cap of 1 pair per document scores all 5, and no other pair
+    assert (m["boundaries"], m["pairs_computed"], m["docs_capped"]) == (5, 5, 2)
+    assert m["cs_complete"] == m["cs_incomplete"]  # the same path graph: CS restates BC
 
 
 def test_end_to_end_through_the_parser(tmp_path, tiny_model_dir, capsys):
