@@ -208,6 +208,19 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
     assert ("constrained by xgrammar" if on else "unconstrained") in err
 
 
+def accepts(grammar, answer: str) -> bool:
+    """Whether ``grammar`` accepts ``answer`` whole, through xgrammar's public API: a matcher compiled
+    with an empty vocabulary reads strings only (``GrammarMatcher.accept_string``, then
+    ``is_terminated``, as xgrammar's python/xgrammar/matcher.py documents them)."""
+    import xgrammar
+
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([]), cache_enabled=False).compile_grammar(
+        grammar
+    )
+    matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(answer) and matcher.is_terminated()
+
+
 # ------------------------------------------------------------------------------------- anchored
 
 
@@ -218,7 +231,6 @@ def test_anchored_grammar_accepts_the_training_form_and_nothing_else():
     from metachunk.chunking.moc_answers import expert_element as element
     from metachunk.chunking.moc_answers import recover_spans
     from metachunk.chunking.moc_grammar import anchored_grammar, window_segments
-    from xgrammar.testing import _is_grammar_accept_string as accepts
 
     text = (
         'He said "stop\\here" now, twice over.\nThen a second sentence follows it closely. '
@@ -251,7 +263,6 @@ def test_anchored_heads_grow_until_recovery_is_unambiguous():
     never lands on an earlier sentence; with the 10-character heads it would."""
     from metachunk.chunking.moc_answers import ANCHOR_SCALES, anchor_head, anchor_tail, recover_spans
     from metachunk.chunking.moc_grammar import anchored_grammar, window_segments
-    from xgrammar.testing import _is_grammar_accept_string as accepts
 
     text = long_doc(6)
     segments = window_segments(text, [s.end for s in split_sentences(text, "en")])
