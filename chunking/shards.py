@@ -63,6 +63,7 @@ from metachunk.artifacts import (
     SCHEMA_VERSION,
     InputError,
     append_run_log,
+    json_sha256,
     jsonl_line,
     write_bytes,
     write_json,
@@ -424,16 +425,16 @@ def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPl
     models = {name: model_fingerprint(name) for name in what.models if is_model(name)}
     prompts = file_hashes(what.prompts)
     fingerprint_of = {
-        "config": _json_sha(computed),
+        "config": json_sha256(computed),
         "input": index.sha256,
-        "models": _json_sha(models),
-        "prompts": _json_sha(prompts),
+        "models": json_sha256(models),
+        "prompts": json_sha256(prompts),
         "metachunk": __version__,
     }
     return {
         "schema_version": SCHEMA_VERSION,
         "command": "chunk",
-        "fingerprint": _json_sha(fingerprint_of),
+        "fingerprint": json_sha256(fingerprint_of),
         "fingerprint_of": fingerprint_of,
         "config": computed,
         "threshold": cfg.effective_threshold,
@@ -451,10 +452,6 @@ def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPl
             "assignment": "contiguous input positions: shard i holds documents floor(i*n/N) .. floor((i+1)*n/N)-1",
         },
     }
-
-
-def _json_sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 # ---- engines ------------------------------------------------------------------------------------

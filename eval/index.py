@@ -43,7 +43,7 @@ from pathlib import Path
 
 from metachunk.chunking.shards import chunk_rows
 
-from metachunk.artifacts import AtomicWriter, InputError, check_unicode
+from metachunk.artifacts import AtomicWriter, InputError, check_unicode, json_sha256
 from metachunk.sources import MAX_ROW_BYTES, Rejects, refuse_or_skip
 
 INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
@@ -192,7 +192,7 @@ def index_key(chunks_sha256: str, embedder: str | None, mode: str, retriever: st
     keyed = {"chunks_sha256": chunks_sha256, "embedder": embedder, "index_text": mode, "schema": INDEX_SCHEMA}
     if retriever != "dense":  # the lexical retrievers' settings
         keyed.update(retriever=retriever, **lexical.key())
-    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode("utf-8")).hexdigest()
+    return json_sha256(keyed)
 
 
 def check_lexical_lengths(chunks: Sequence[ChunkRecord], path: Path) -> None:

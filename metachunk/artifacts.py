@@ -462,5 +462,14 @@ def read_run_log(folder: str | Path) -> list[dict]:
     return runs
 
 
+def json_sha256(obj) -> str:
+    """The sha256 of ``obj`` as canonical JSON (keys sorted, text as UTF-8, not escaped): the one
+    content hash behind the request keys of the answer store, the stage and chunk-folder
+    fingerprints and the eval index keys. Changing it would re-key every paid answer."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 def jsonl_line(obj) -> str:
     return json.dumps(obj, ensure_ascii=False) + "\n"

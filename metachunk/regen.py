@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import EXIT_EMPTY, RUN_LOG, AtomicWriter, InputError, write_json
+from metachunk.artifacts import EXIT_EMPTY, RUN_LOG, AtomicWriter, InputError, json_sha256, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.named_data import MissingDataset, name_of
@@ -293,7 +293,7 @@ def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Di
     named = {name_of(p) or p: d for p, d in inputs.items()}
     material = {"run": stage.run, "config": registry.identity(command, cfg), "inputs": named,
                 "models": model_prints, "prompts": prompts, "code": code_digest.command_code((command.module,))}  # fmt: skip
-    sha = hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    sha = json_sha256(material)
     teachers = command.load().teachers(cfg) if hasattr(command.load(), "teachers") else {}
     return Fingerprint(sha, inputs, model_prints, registry.outputs(command, cfg),
                        [*reads.paths, *reads.models], prompts, teachers)  # fmt: skip

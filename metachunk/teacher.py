@@ -72,7 +72,6 @@ import asyncio
 import dataclasses
 import email.utils
 import functools
-import hashlib
 import json
 import math
 import os
@@ -84,7 +83,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from metachunk import config, providers
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, json_sha256
 from metachunk.config import option
 from metachunk.prompts import Schema
 from metachunk.providers import PROVIDERS, SAMPLING_PARAMS, STRUCTURED_OUTPUTS, TOKEN_FIELDS
@@ -990,10 +989,10 @@ class Teacher:
             payload["response_format"] = fmt
             if self.cfg.structured_output in SENDS_SCHEMA:
                 keyed["schema_sha256"] = schema.sha256
-        digest = hashlib.sha256(json.dumps(keyed, ensure_ascii=False, sort_keys=True).encode("utf-8"))
+        key = json_sha256(keyed)
         if self.wire_model != self.cfg.model:
             payload["model"] = self.wire_model
-        return payload, digest.hexdigest()
+        return payload, key
 
     # -- token counts for reservations and for answers without usage
 

@@ -560,3 +560,14 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
     assert (
         redact("an answer about /v1/acct-7f3a9c2e51/openai") == "an answer about /v1/acct-7f3a9c2e51/openai"
     )
+
+
+def test_the_request_key_hash_never_changes():
+    """Every stored (paid) answer is found by this hash of its request: a change of its JSON form
+    (key order, escaping, encoding) would re-key the store and pay for every answer again."""
+    from metachunk.artifacts import json_sha256
+
+    request = {"request": {"model": "m", "messages": [{"role": "user", "content": "今天 café"}], "max_tokens": 8},
+               "prompt_sha256": "ab", "attempt": 0}  # fmt: skip
+    assert json_sha256(request) == "ffa5b97be854a3049df0b54a4e8d2c0c4d5b91b842e44a13471fa25bdf7ae19f"
+    assert json_sha256(dict(reversed(request.items()))) == json_sha256(request)
