@@ -12,8 +12,8 @@ real Emma chunks and the same model:
 
 Chunks: the first ``--paragraphs`` paragraphs of *Emma* joined with blank lines, split into
 sentences and packed to at most ``--target-words`` words (:func:`metachunk.chunking.baselines.sentence_chunks`,
-the LlamaIndex-style baseline); the first ``--chunks`` chunks form one document. Pairs: the
-nearest ``--max-pairs`` ordered pairs (``eval chunk-quality --max-pairs``).
+the LlamaIndex-style baseline); the first ``--chunks`` chunks form one document. Pairs: as ``eval chunk-quality --max-pairs``
+picks them (every adjacent pair, then the nearest others up to the cap).
 
 Timing is fair on a shared machine: the work is cut into blocks (all chunks alone, then the
 pairs of ``--block`` contexts at a time) and every block is run by all variants back to back in

@@ -61,7 +61,8 @@ class DistillConfig:
     )
     out: Path = option(
         None,
-        "run directory: TASK.jsonl (one record per chunk; moc: per document), TASK.meta.json, answers.sqlite",
+        "run directory: TASK.jsonl (one record per chunk; moc: per document), TASK.meta.json, runs.jsonl "
+        "(one line per attempt), answers.sqlite",
     )
     cache: Path | None = option(
         None,

@@ -72,9 +72,10 @@ Record (one per document, ``OUT/moc.jsonl``):
               "recoverable"}]}
 ```
 
-``OUT/moc.meta.json`` holds the config, the prompt and schema hashes, the tokenizer and the run's
-counts (requests sent, answers from the store, tokens, cost, chunks returned / accepted / flagged,
-fallbacks, labels, samples, answers valid by the schema / repaired / unparseable).
+``OUT/moc.meta.json`` holds the config, the prompt and schema hashes, the tokenizer and the records'
+counts (tokens, cost, chunks returned / accepted / flagged, fallbacks, labels, samples, answers valid
+by the schema / repaired / unparseable); requests sent and answers from the store are each
+attempt's, in ``OUT/runs.jsonl``.
 """
 
 from __future__ import annotations

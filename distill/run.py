@@ -96,9 +96,8 @@ class RunResult:
     seconds: float
     sent: int
     cached: int
-    waited: int = (
-        0  # answers another sender (a process on the store, or this run's own request) was paying for
-    )
+    # answers another sender (a process on the store, or this run's own request) was paying for
+    waited: int = 0
     stopped: str = ""  # why the run stopped early: "budget", "unreachable", "refused", or ""
     stop_message: str = ""  # stopped by an endpoint: the one line saying why (with the provider's words)
     paid: float = 0.0  # billed to this run's requests
@@ -323,17 +322,10 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
 # ---- the command: `metachunk distill TASK` / `distill status` / `--dry-run` ------------------------
 
 CONFIG = DistillConfig
-# The manifest summary's counts a run reports.
-SUMMARY_KEYS = (
-    "chunks",
-    "documents",
-    "outcome",
-    "requests_sent",
-    "answers_from_store",
-    "cost",
-    "paid",
-    "json_answers",
-)
+# What a run reports to `metachunk run` (its stage summary, the regen manifest, a dataset card's "what it
+# made"): the records' counts and the cost in them. What this attempt sent and paid is its summary line's
+# and the run log's: on a card, "paid 0" would describe the rerun, not the rows.
+SUMMARY_KEYS = ("chunks", "documents", "outcome", "cost", "json_answers")
 
 
 def run(cfg: DistillConfig) -> Result:

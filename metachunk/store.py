@@ -59,8 +59,8 @@ CREATE TABLE IF NOT EXISTS answers (
 CREATE INDEX IF NOT EXISTS answers_key ON answers (key);
 CREATE TABLE IF NOT EXISTS claims (
     key TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,              -- host:pid:tag of the process sending the request
-    host TEXT NOT NULL,
+    owner TEXT NOT NULL,              -- HOST+NS:pid:tag of the process sending the request
+    host TEXT NOT NULL,               -- HOST+NS: its host and PID namespace (artifacts.process_space)
     pid INTEGER NOT NULL,
     expires REAL NOT NULL,            -- wall-clock time; the owner renews it while it runs
     reserved REAL NOT NULL DEFAULT 0  -- the request's worst-case cost, counted by every budget
@@ -321,13 +321,15 @@ class AnswerStore:
         )
 
     def _alive(self, host: str, pid: int, expires: float) -> bool:
-        # a dead owner on this machine is known at once, not after its lease
+        # a dead owner in this process space is known at once, not after its lease
         return expires >= time.time() and not self._known_dead(host, pid)
 
     def _known_dead(self, host: str, pid: int) -> bool:
         """True when ``pid`` ran in this process space (host and PID namespace) and is gone; a process
-        elsewhere, or in another container on this host, cannot be asked."""
-        if host != self.host:
+        elsewhere, or in another container on this host, cannot be asked. A row an older version
+        wrote names the host alone; it is asked here as that version asked (a batch it began
+        submitting would otherwise hold a rerun for the whole upload window)."""
+        if host != self.host and host != self.host.rsplit("+", 1)[0]:
             return False
         try:
             os.kill(pid, 0)
