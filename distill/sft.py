@@ -43,6 +43,7 @@ from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.sources import (
     BadRows,
+    DocumentTexts,
     finish_rejects,
     read_documents,
     read_records,
@@ -277,8 +278,8 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
             distilled, f"no documents: pass --documents (no {maker.meta_name} next to the records)"
         )
     rejects = cfg.bad_rows.rejects(cfg.out)
-    docs = {d.id: d.text for d in read_documents(documents_path, rejects=rejects,
-                                                 max_row_bytes=cfg.bad_rows.max_row_bytes)}  # fmt: skip
+    # Read as the records ask, in bounded memory while they come in the documents' order (distill's).
+    docs = DocumentTexts(documents_path, rejects=rejects, max_row_bytes=cfg.bad_rows.max_row_bytes)
 
     def document(doc_id: str, line_no: int) -> str:
         text = docs.get(doc_id)
@@ -364,6 +365,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                             "source_record": f"{distilled.name}:{line_no}",
                         }
                     )
+        docs.finish()  # every document row checked, asked for or not
         inputs.rejects = finish_rejects(rejects, "data build-sft")
         all_stats = {}
         for key, target in targets.items():

@@ -609,6 +609,51 @@ def read_documents(path: str | Path, input_format: str = "auto", text_field: str
     )
 
 
+class DocumentTexts:
+    """Texts by id from a documents file, read front to back as they are asked for: a reader whose ids
+    come in the file's order (records made from it, as distill keeps its input order) holds only
+    the last ``window`` documents, so memory is bounded by the window, not by the corpus. An id
+    asked for after the read has passed it (records in another order) loads every text once, as a
+    dict: correct in any order, bounded only in the file's. Only the ids read are held besides
+    (an id the file lacks is known once the read has ended). `finish` reads the rest, so every row
+    is checked (and a bad one rejected) as a full read would."""
+
+    def __init__(self, path: str | Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES,
+                 window: int = 256):  # fmt: skip
+        from collections import OrderedDict
+
+        self.path, self.window = Path(path), window
+        self._read = lambda: read_documents(path, rejects=rejects, max_row_bytes=max_row_bytes)
+        self._ahead = self._read()
+        self._recent: OrderedDict[str, str] = OrderedDict()
+        self._passed: set[str] = set()
+        self.all: dict[str, str] | None = None  # set once an id was asked out of order
+
+    def get(self, doc_id: str) -> str | None:
+        """The document's text, or None when the file has no such id."""
+        if self.all is not None:
+            return self.all.get(doc_id)
+        if doc_id in self._recent:
+            return self._recent[doc_id]
+        if doc_id in self._passed:  # behind the read: the asker's order is not the file's
+            self.all = {d.id: d.text for d in self._read()}
+            self._recent.clear()
+            return self.all.get(doc_id)
+        for doc in self._ahead:
+            self._passed.add(doc.id)
+            self._recent[doc.id] = doc.text
+            if len(self._recent) > self.window:
+                self._recent.popitem(last=False)
+            if doc.id == doc_id:
+                return doc.text
+        return None
+
+    def finish(self) -> None:
+        """Read (and check) the rows no one asked for."""
+        for doc in self._ahead:
+            self._passed.add(doc.id)
+
+
 def _hash_file(digest, file: SourceFile) -> None:
     """The input's bytes (a folder's files in order), so a changed input is a changed hash."""
     paths = sorted(p for p in file.path.rglob("*") if p.is_file()) if file.path.is_dir() else [file.path]

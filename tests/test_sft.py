@@ -210,3 +210,45 @@ def test_bad_records_are_skipped_on_request(planted, tiny_model_dir, capsys):
     assert json.loads((planted / "ds-mixed" / "build_report.json").read_text())["rejects"]["rows"] == 3
     rc, err = build("mixed")
     assert rc == 2 and f"rewrite.jsonl:{len(good) + 1}: invalid JSON" in err
+
+
+def test_documents_are_read_as_the_records_ask_holding_a_window(tmp_path):
+    """build-sft's documents: asked in the file's order, at most ``window`` texts are held; asked out of
+    order, every text is loaded once and the answers stay right; an id the file lacks is None."""
+    from metachunk.sources import DocumentTexts, Rejects
+
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"id": f"d{i}", "text": f"text {i}"}) for i in range(50)]
+    lines.insert(30, "{not json")  # a bad row no one asks past: `finish` still reads it
+    path.write_text("\n".join(lines) + "\n")
+    rejects = Rejects(None)
+    docs = DocumentTexts(path, rejects=rejects, window=4)
+    for i in (0, 0, 1, 3, 3, 7, 20, 21):  # the records of distill: in order, a document asked many times
+        assert docs.get(f"d{i}") == f"text {i}"
+        assert len(docs._recent) <= 4 and docs.all is None
+    assert docs.get("d10") == "text 10"  # passed and out of the window: the rest is loaded once
+    assert docs.all is not None and docs.get("d2") == "text 2" and docs.get("nope") is None
+    docs.finish()
+    assert [r["line"] for r in rejects.rows.values()] == [31]
+
+    ordered = DocumentTexts(path, rejects=Rejects(None), window=4)
+    assert ordered.get("nope") is None and ordered.all is None  # read to the end, held nothing
+    ordered.finish()
+
+
+def test_documents_in_another_order_build_the_same_dataset(planted, tiny_model_dir):
+    """The bounded read needs the records in the documents' order only to stay small: reversed
+    documents give the same rows (the card and report name the documents file)."""
+
+    def build(documents):
+        cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
+                             documents=documents, cards_dir=planted / "cards", tokenizer=str(tiny_model_dir),
+                             max_tokens=2048)  # fmt: skip
+        build_sft(cfg, progress=False)
+        return {p.relative_to(planted / "ds").as_posix(): p.read_bytes() for p in (planted / "ds").rglob("*")
+                if p.is_file() and p.parent.name == "data"}  # fmt: skip
+
+    first = build(planted / "docs.jsonl")
+    lines = (planted / "docs.jsonl").read_text().splitlines()
+    (planted / "reversed.jsonl").write_text("\n".join(reversed(lines)) + "\n")
+    assert first and build(planted / "reversed.jsonl") == first
