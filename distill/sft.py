@@ -43,6 +43,7 @@ from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.sources import (
     BadRows,
+    DocumentsFileError,
     DocumentTexts,
     finish_rejects,
     read_documents,
@@ -246,6 +247,8 @@ def _record_rows(maker, record: dict, distilled: Path, line_no: int, document) -
             for key in ("prompt_tokens", "completion_tokens", "cost"):
                 if not isinstance(spent.get(key, 0), (int, float)):
                     raise TypeError(f"stage {stage!r}: {key} is not a number")
+    except InputError:  # already names its file and line (a document the record names is missing)
+        raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(distilled, f"not a {maker.kind} record ({type(e).__name__}: {e})", line_no) from None
     return rec, rows, entries
@@ -313,6 +316,8 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
             for line_no, raw, record in read_records(distilled, rejects, cfg.bad_rows.max_row_bytes):
                 try:  # the whole record is checked, its rows made, before any row is kept
                     rec, rows, entries = _record_rows(maker, record, distilled, line_no, document)
+                except DocumentsFileError:  # the documents file's fault, not this record's
+                    raise
                 except InputError as e:
                     refuse_or_skip(rejects, e, raw)
                     continue

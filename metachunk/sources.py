@@ -40,6 +40,7 @@ mostly broken.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -609,6 +610,11 @@ def read_documents(path: str | Path, input_format: str = "auto", text_field: str
     )
 
 
+class DocumentsFileError(InputError):
+    """The documents file a `DocumentTexts` reads could not be read on (a cut gzip, more bad rows
+    than ``max_bad_rows``): an error of that file, never of the record that asked."""
+
+
 class DocumentTexts:
     """Texts by id from a documents file, read front to back as they are asked for: a reader whose ids
     come in the file's order (records made from it, as distill keeps its input order) holds only
@@ -616,42 +622,61 @@ class DocumentTexts:
     asked for after the read has passed it (records in another order) loads every text once, as a
     dict: correct in any order, bounded only in the file's. Only the ids read are held besides
     (an id the file lacks is known once the read has ended). `finish` reads the rest, so every row
-    is checked (and a bad one rejected) as a full read would."""
+    is checked (and a bad one rejected) as a full read would. The file is opened once (a Hub
+    dataset is resolved to one snapshot, however often it is read)."""
 
     def __init__(self, path: str | Path, rejects: Rejects | None = None, max_row_bytes: int = MAX_ROW_BYTES,
                  window: int = 256):  # fmt: skip
         from collections import OrderedDict
 
-        self.path, self.window = Path(path), window
-        self._read = lambda: read_documents(path, rejects=rejects, max_row_bytes=max_row_bytes)
-        self._ahead = self._read()
+        self.window = window
+        self._source = DocumentSource(path, rejects=rejects, max_row_bytes=max_row_bytes)
+        self._ahead = iter(self._source)
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._passed: set[str] = set()
+        self._failed: DocumentsFileError | None = None
         self.all: dict[str, str] | None = None  # set once an id was asked out of order
 
     def get(self, doc_id: str) -> str | None:
         """The document's text, or None when the file has no such id."""
+        if self._failed is not None:
+            raise self._failed
         if self.all is not None:
             return self.all.get(doc_id)
         if doc_id in self._recent:
             return self._recent[doc_id]
-        if doc_id in self._passed:  # behind the read: the asker's order is not the file's
-            self.all = {d.id: d.text for d in self._read()}
-            self._recent.clear()
-            return self.all.get(doc_id)
-        for doc in self._ahead:
-            self._passed.add(doc.id)
-            self._recent[doc.id] = doc.text
-            if len(self._recent) > self.window:
-                self._recent.popitem(last=False)
-            if doc.id == doc_id:
-                return doc.text
+        with self._reading():
+            if doc_id in self._passed:  # behind the read: the asker's order is not the file's
+                self.all = {d.id: d.text for d in self._source}
+                self._recent.clear()
+                self._ahead = iter(())  # the whole file is read
+                return self.all.get(doc_id)
+            for doc in self._ahead:
+                self._passed.add(doc.id)
+                self._recent[doc.id] = doc.text
+                if len(self._recent) > self.window:
+                    self._recent.popitem(last=False)
+                if doc.id == doc_id:
+                    return doc.text
         return None
 
     def finish(self) -> None:
         """Read (and check) the rows no one asked for."""
-        for doc in self._ahead:
-            self._passed.add(doc.id)
+        if self._failed is not None:
+            raise self._failed
+        with self._reading():
+            for doc in self._ahead:
+                self._passed.add(doc.id)
+
+    @contextlib.contextmanager
+    def _reading(self):
+        try:
+            yield
+        except DocumentsFileError:
+            raise
+        except InputError as e:  # the read cannot go on: every later ask fails the same way
+            self._failed = DocumentsFileError(e.path, e.reason, e.line)
+            raise self._failed from None
 
 
 def _hash_file(digest, file: SourceFile) -> None:

@@ -324,12 +324,11 @@ class AnswerStore:
         # a dead owner in this process space is known at once, not after its lease
         return expires >= time.time() and not self._known_dead(host, pid)
 
-    def _known_dead(self, host: str, pid: int) -> bool:
+    def _known_dead(self, host: str, pid: int, legacy: bool = False) -> bool:
         """True when ``pid`` ran in this process space (host and PID namespace) and is gone; a process
-        elsewhere, or in another container on this host, cannot be asked. A row an older version
-        wrote names the host alone; it is asked here as that version asked (a batch it began
-        submitting would otherwise hold a rerun for the whole upload window)."""
-        if host != self.host and host != self.host.rsplit("+", 1)[0]:
+        elsewhere, or in another container on this host, cannot be asked. ``legacy``: a row an older
+        version wrote names the host alone, and is asked here as that version asked it."""
+        if host != self.host and not (legacy and host == self.host.rsplit("+", 1)[0]):
             return False
         try:
             os.kill(pid, 0)
@@ -438,8 +437,10 @@ class AnswerStore:
         own are not: it waits for batches only once its submitting returned."""
         if host is None or (host == self.host and pid == os.getpid()):
             return False
-        # a pid reused by another process still ends with the window
-        return time.time() - created < UPLOAD_SECONDS and not self._known_dead(host, pid)
+        # A pid reused by another process still ends with the window. A batch row an older version wrote
+        # (the host alone) is asked as it asked: else it would hold a rerun for the whole window; a claim's
+        # is never asked, its 30 s lease decides.
+        return time.time() - created < UPLOAD_SECONDS and not self._known_dead(host, pid, legacy=True)
 
     def batch_item(self, key: str) -> tuple[str | None, int, float]:
         """``(latest state, batches it was in, its last reservation)`` of a request key."""

@@ -236,6 +236,27 @@ def test_documents_are_read_as_the_records_ask_holding_a_window(tmp_path):
     ordered.finish()
 
 
+def test_a_documents_file_that_cannot_be_read_on_is_its_error_not_the_asking_records(tmp_path):
+    """A cut gzip under --on-bad-row skip: the read cannot go on, and that is the documents file's
+    error (exit 2), raised again on every later ask, never a bad record to skip."""
+    import gzip
+
+    from metachunk.sources import DocumentsFileError, DocumentTexts, Rejects
+
+    body = "".join(json.dumps({"id": f"d{i}", "text": "x" * 200 + str(i)}) + "\n" for i in range(2000))
+    whole = gzip.compress(body.encode())
+    path = tmp_path / "docs.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    docs = DocumentTexts(path, rejects=Rejects(None))
+    assert docs.get("d0").endswith("0")
+    with pytest.raises(DocumentsFileError):
+        docs.get("d1999")
+    with pytest.raises(DocumentsFileError):
+        docs.get("d1")
+    with pytest.raises(DocumentsFileError):
+        docs.finish()
+
+
 def test_documents_in_another_order_build_the_same_dataset(planted, tiny_model_dir):
     """The bounded read needs the records in the documents' order only to stay small: reversed
     documents give the same rows (the card and report name the documents file)."""
