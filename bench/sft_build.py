@@ -38,8 +38,9 @@ The parent prints rows/s and peak - baseline for each size, the ratio of the two
 the marginal memory per extra record. Target: bounded memory, i.e. the 20K build's extra memory far
 below 10x the 2K build's (10x means memory grows with every row, as a list of outputs would);
 "far below" is read as < 5x (``--target``). It cannot be ~1x: the builder keeps a small state per
-row by design (all documents, the near-duplicate index of kept chunks: a MinHash LSH entry of ~6 KB
-plus the chunk text, exact hashes, token lengths, document ids), ~9 KiB per record here.
+row by design (the near-duplicate index of kept chunks: a MinHash LSH entry of ~6 KB plus the chunk
+text, exact hashes, token lengths, document ids; the documents themselves only as a window of 256, the
+records coming in their order).
 
 The figures, and where a row's time goes: docs/performance.md (Measured numbers).
 
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"record loop only: {loop_large / MIB:.1f} / {loop_small / MIB:.1f} MiB = {loop_ratio:.2f}x "
-        f"(marginal {loop_per_row / 1024:.1f} KiB per extra record: documents, near-duplicate index, "
+        f"(marginal {loop_per_row / 1024:.1f} KiB per extra record: near-duplicate index, document ids, "
         "hashes, token lengths)"
     )
     if small["ru_maxrss_baseline"] > small["rss_baseline"] + 16 * MIB:
