@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -466,8 +467,6 @@ def json_sha256(obj) -> str:
     """The sha256 of ``obj`` as canonical JSON (keys sorted, text as UTF-8, not escaped): the one
     content hash behind the request keys of the answer store, the stage and chunk-folder
     fingerprints and the eval index keys. Changing it would re-key every paid answer."""
-    import hashlib
-
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 

@@ -665,8 +665,8 @@ class DocumentTexts:
         if self._failed is not None:
             raise self._failed
         with self._reading():
-            for doc in self._ahead:
-                self._passed.add(doc.id)
+            for _ in self._ahead:
+                pass
 
     @contextlib.contextmanager
     def _reading(self):
