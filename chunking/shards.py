@@ -6,6 +6,7 @@
 DIR/train-00000-of-00008.jsonl      (or .parquet with --output-format parquet)
 ...
 DIR/manifest.json                   config, θ, prompt hashes, fingerprints, shards done, counts
+DIR/.shards-done.jsonl              the shards finished since the manifest was last written (hidden)
 DIR/runs.jsonl                      how each finished attempt ran: engine, workers, device, seconds
 ```
 
@@ -18,11 +19,13 @@ manifest as data).
 ``floor(i*n/N)`` to ``floor((i+1)*n/N) - 1``: contiguous, so the shards read in name order are the
 input in order. The assignment depends on the input alone, never on how many workers run.
 
-**Resume.** Each shard is written to a temp file and renamed in; only then is it entered in the
-manifest's ``shards.done`` (with its sha256), which is replaced atomically under a file lock. A
-rerun of the same command checks the manifest's fingerprint (config, input bytes, model files,
-prompts, metachunk version), keeps every done shard whose file still has its hash, and chunks the
-rest. So a kill -9 costs at most the shards in flight: one per worker. A changed config, model or
+**Resume.** Each shard is written to a temp file and renamed in; only then is it entered (with its
+sha256) in the folder's journal of finished shards, one line appended under a file lock, which the
+manifest's ``shards.done`` takes in often at first and then ever more rarely (`ShardedOutput`), so
+a run of many thousands of shards does not rewrite a growing manifest after each. A rerun of the
+same command checks the manifest's fingerprint (config, input bytes, model files, prompts,
+metachunk version), keeps every done shard, of the manifest or the journal, whose file still has
+its hash, and chunks the rest. So a kill -9 costs at most the shards in flight: one per worker. A changed config, model or
 input is refused (``--overwrite`` starts again). The manifest says what the folder holds, never how
 an attempt ran (that goes to ``runs.jsonl``), so a rerun or a resume leaves it byte-identical.
 
@@ -62,9 +65,11 @@ from metachunk import config
 from metachunk.artifacts import (
     SCHEMA_VERSION,
     InputError,
+    append_record,
     append_run_log,
     json_sha256,
     jsonl_line,
+    read_records_appended,
     write_bytes,
     write_json,
 )
@@ -73,6 +78,9 @@ from metachunk.sources import MAX_ROW_BYTES, DocumentSource, Rejects, SourceInde
 
 DOCS_PER_SHARD = 256
 MANIFEST = "manifest.json"
+# The shards finished since the manifest was last written (`ShardedOutput`); hidden, so ``datasets``,
+# a folder read as a corpus and `metachunk run`'s digest of the folder pass it by.
+JOURNAL = ".shards-done.jsonl"
 # Where a run reads from and writes to: the input is fingerprinted by its bytes, and a folder may move.
 PLACE_FIELDS = ("input", "output")
 
@@ -237,16 +245,28 @@ def shard_bytes(worker: ShardWorker, cfg, source, index, plan, i, on_documents=N
 
 
 class ShardedOutput:
-    """The dataset folder: its shards, and the manifest that says which are done."""
+    """The dataset folder: its shards, and the manifest that says which are done.
+
+    A finished shard is entered in a journal (`JOURNAL`, one appended line), not straight into the
+    manifest: rewriting a manifest that lists every done shard after each shard would cost time and
+    bytes that grow with the square of the shards (a 10M-document corpus makes ~39K shards and a ~8 MB
+    manifest). The manifest takes in the journal when the shards since its last rewrite reach a
+    sixteenth of those it lists (so after each of the first 16, then ever more rarely: the bytes
+    written stay a small multiple of the final manifest's), when a run opens or finishes the folder,
+    and on a resume, which reads both. The journal's first line names the run's fingerprint: a run
+    with another config that takes the folder over starts a new one."""
 
     def __init__(self, root: str | Path, plan: ShardPlan, fmt: str):
         from filelock import FileLock
 
         self.root, self.plan, self.fmt = Path(root), plan, fmt
         self.manifest_path = self.root / MANIFEST
+        self.journal = self.root / JOURNAL
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = FileLock(str(self.root / f".{MANIFEST}.lock"))  # hidden: datasets skips it
         self.fingerprint = None  # this run's, once `open` has written its manifest
+        self.listed = 0  # shards the manifest listed when this process last wrote it
+        self.unlisted = 0  # shards this process entered in the journal since
 
     def path(self, i: int) -> Path:
         return self.root / self.plan.name(i, self.fmt)
@@ -261,21 +281,49 @@ class ShardedOutput:
                 self.manifest_path, f"invalid JSON ({e.msg}); use --overwrite to start again"
             ) from None
 
+    def journal_owner(self) -> str | None:
+        """The fingerprint on the journal's first line (written whole, by a rename), or None."""
+        try:
+            with open(self.journal, "rb") as f:
+                return json.loads(f.readline()).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def with_journal(self, manifest: dict) -> dict:
+        """``manifest`` with the shards its run's journal lists and it does not yet."""
+        records = read_records_appended(self.journal)
+        if records and records[0].get("fingerprint") == manifest.get("fingerprint"):
+            done = manifest["shards"]["done"]
+            done.update((r["shard"], r["entry"]) for r in records[1:] if "shard" in r)
+            manifest["shards"]["done"] = dict(sorted(done.items()))
+        return manifest
+
+    def write_manifest(self, manifest: dict) -> None:
+        """The manifest, then a journal holding only its header: every shard is in the manifest now.
+        A kill between the two leaves the old journal, whose shards the manifest already lists."""
+        write_json(self.manifest_path, manifest)
+        write_bytes(self.journal, jsonl_line({"fingerprint": manifest["fingerprint"]}).encode())
+        self.listed, self.unlisted = len(manifest["shards"]["done"]), 0
+
     def open(self, head: dict, overwrite: bool, restart_if_changed: bool = False) -> set[int]:
         """Start or resume: returns the shards already done. ``head`` is the manifest's fixed part
         (config, fingerprints, input, shards plan); a different fingerprint is refused once a shard
         is done (before that, the run starts again)."""
         with self.lock:
-            # every manifest write holds the lock: a manifest temp file found here is a killed writer's
-            for stale in self.root.glob(f".{MANIFEST}.*.tmp"):
+            # every manifest and journal write holds the lock: a temp file of theirs found here is a killed writer's
+            for stale in (*self.root.glob(f".{MANIFEST}.*.tmp"), *self.root.glob(f".{JOURNAL}.*.tmp")):
                 stale.unlink(missing_ok=True)
             previous = self.read_manifest()
-            if previous is None and any(p.name != f".{MANIFEST}.lock" for p in self.root.iterdir()):
+            if previous is None and any(
+                p.name not in (f".{MANIFEST}.lock", JOURNAL) for p in self.root.iterdir()
+            ):
                 if not overwrite:
                     raise InputError(
                         self.root, "exists and holds no manifest.json: not a metachunk chunk folder "
                         "(use --overwrite to replace its shards, or another -o)"
                     )  # fmt: skip
+            if previous is not None:
+                previous = self.with_journal(previous)
             if previous is not None and previous.get("fingerprint") != head["fingerprint"]:
                 # A run that stopped before its first shard (its model refused, say) leaves nothing to keep.
                 overwrite = overwrite or restart_if_changed or not previous.get("shards", {}).get("done")
@@ -304,21 +352,24 @@ class ShardedOutput:
             fit = (previous or {}).get("length_fit") or (previous or {}).get("run", {}).get("length_fit")
             if fit:
                 manifest["length_fit"] = fit
-            write_json(self.manifest_path, manifest)
+            self.write_manifest(manifest)
             self.fingerprint = head["fingerprint"]
             return {int(k) for k in done}
 
     def current_manifest(self) -> dict:
-        """The manifest, still this run's: another run on the folder with another config (started while
-        this one loaded its model, before a shard was done) has replaced it, and this one stops rather
-        than enter its shards there. Called under the lock."""
+        """The manifest with its journal, still this run's: another run on the folder with another
+        config (started while this one loaded its model, before a shard was done) has replaced it, and
+        this one stops rather than enter its shards there. Called under the lock."""
         manifest = self.read_manifest()
         if manifest is None or manifest.get("fingerprint") != self.fingerprint:
-            raise InputError(
-                self.manifest_path, "another run with another config took this folder over while this one "
-                "ran; this one stops (its shards are not entered)"
-            )  # fmt: skip
-        return manifest
+            raise self.taken_over()
+        return self.with_journal(manifest)
+
+    def taken_over(self) -> InputError:
+        return InputError(
+            self.manifest_path, "another run with another config took this folder over while this one "
+            "ran; this one stops (its shards are not entered)"
+        )  # fmt: skip
 
     def remove_stale_temps(self, shards) -> None:
         """Temp files a killed run left for these shards (only their writer makes them)."""
@@ -328,15 +379,17 @@ class ShardedOutput:
                 p.unlink(missing_ok=True)
 
     def commit(self, i: int, data: bytes, stats: dict) -> None:
-        """The shard's file, renamed in, then its entry in the manifest."""
+        """The shard's file, renamed in, then its entry in the journal (and, when due, the manifest)."""
         path = self.path(i)
         write_bytes(path, data)
         entry = {"file": path.name, **stats, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         with self.lock:
-            manifest = self.current_manifest()
-            manifest["shards"]["done"][f"{i:05d}"] = entry
-            manifest["shards"]["done"] = dict(sorted(manifest["shards"]["done"].items()))
-            write_json(self.manifest_path, manifest)
+            if self.journal_owner() != self.fingerprint:
+                raise self.taken_over()
+            append_record(self.journal, {"shard": f"{i:05d}", "entry": entry})
+            self.unlisted += 1
+            if self.unlisted * 16 >= self.listed:
+                self.write_manifest(self.current_manifest())
 
     def finish(self, run: dict, made: dict) -> dict:
         """Enters ``made`` (the fitted ``length_fit``, the ``rejects``: what the output is, set when not
@@ -355,7 +408,7 @@ class ShardedOutput:
                     "mean_chunk_chars": round(chars / n_chunks, 1) if n_chunks else 0.0,
                 }
                 manifest["complete"] = True
-            write_json(self.manifest_path, manifest)
+            self.write_manifest(manifest)
             append_run_log(self.root, run)
             return manifest
 

@@ -11,6 +11,8 @@ in place of a good one:
 * `replace_dir` - a finished folder (dataset, exported model) swapped in for the previous one.
 * `append_run_log` - how an attempt ran (engine, device, seconds), one line per attempt in the
   folder's ``runs.jsonl``, kept apart from what it made so that a rerun writes the same bytes.
+* `append_record` - one durable JSON line at the end of a log (run logs, a chunk folder's journal of
+  finished shards), where a line a kill cut short spoils only itself.
 """
 
 from __future__ import annotations
@@ -423,20 +425,22 @@ RUN_LOG = "runs.jsonl"
 
 def append_run_log(folder: str | Path, record: dict) -> None:
     """``record`` as one more line of ``folder/runs.jsonl``, with the UTC time it finished, under the
-    log's lock (ranks or runs finishing together write whole lines); a line a kill cut short is ended
-    first, and `read_run_log` skips it."""
+    log's lock (ranks or runs finishing together write whole lines)."""
     import datetime
 
     from filelock import FileLock
 
     path = Path(folder) / RUN_LOG
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    line = jsonl_line({"finished": stamp, **record}).encode()
     with FileLock(str(path.parent / f".{RUN_LOG}.lock")):
-        _append(path, line)
+        append_record(path, {"finished": stamp, **record})
 
 
-def _append(path: Path, line: bytes) -> None:
+def append_record(path: str | Path, record: dict) -> None:
+    """``record`` as one JSON line at the end of ``path``, synced before it returns. A line a kill cut
+    short is ended first, so it spoils only itself (`read_records_appended` skips it). The caller holds
+    whatever lock keeps other writers out."""
+    line = jsonl_line(record).encode()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size = os.fstat(fd).st_size
@@ -449,18 +453,24 @@ def _append(path: Path, line: bytes) -> None:
         os.close(fd)
 
 
-def read_run_log(folder: str | Path) -> list[dict]:
-    """The attempts `append_run_log` recorded in ``folder``, oldest first ([] when none). A line cut
-    short (inside a character, even) is skipped; lines split at ``\\n`` only (JSON leaves U+2028 raw)."""
-    path = Path(folder) / RUN_LOG
+def read_records_appended(path: str | Path) -> list[dict]:
+    """The records `append_record` wrote to ``path``, oldest first ([] when there is no file). A line
+    cut short (inside a character, even) is skipped; lines split at ``\\n`` only (JSON leaves U+2028
+    raw)."""
+    path = Path(path)
     if not path.is_file():
         return []
-    runs = []
+    records = []
     for line in path.read_bytes().split(b"\n"):
         with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
             if line.strip():
-                runs.append(json.loads(line.decode("utf-8")))
-    return runs
+                records.append(json.loads(line.decode("utf-8")))
+    return records
+
+
+def read_run_log(folder: str | Path) -> list[dict]:
+    """The attempts `append_run_log` recorded in ``folder``, oldest first ([] when none)."""
+    return read_records_appended(Path(folder) / RUN_LOG)
 
 
 def json_sha256(obj) -> str:

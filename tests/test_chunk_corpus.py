@@ -248,6 +248,49 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path, capsys, emma, tiny_m
     )  # how it ran is in runs.jsonl
 
 
+def test_a_folder_of_many_shards_enters_them_in_a_journal_and_a_resume_reads_both(tmp_path):
+    """`ShardedOutput`: each shard's entry is one journal line; the manifest takes the journal in after
+    each of the first 16 shards, then once the new ones reach a sixteenth of those it lists, so its
+    rewrites (and bytes) grow with the shards, not with their square. A run killed between rewrites
+    loses nothing: the next open reads the manifest and the journal, keeps the shards whose files
+    still hold their hash (not a cut journal line, not a changed file), and starts a fresh journal.
+    A run with another config that takes the folder over stops this one at its next shard."""
+    from metachunk.chunking.shards import JOURNAL, ShardedOutput, ShardPlan
+
+    plan = ShardPlan(documents=2000, shards=200)
+    head = {
+        "fingerprint": "a",
+        "fingerprint_of": {"config": "a"},
+        "shards": {"count": 200, "format": "jsonl"},
+    }
+    out = ShardedOutput(tmp_path, plan, "jsonl")
+    assert out.open(head, overwrite=False) == set()
+    writes = []
+    real_write = out.write_manifest
+    out.write_manifest = lambda m: (writes.append(len(m["shards"]["done"])), real_write(m))[1]
+    for i in range(150):
+        out.commit(i, f"shard {i}\n".encode(), {"documents": 10, "chunks": 1, "chunk_chars": 8})
+    assert writes[:16] == list(range(1, 17))  # every one of the first 16
+    assert all(b - a >= a // 16 for a, b in zip(writes, writes[1:]))  # then ever more rarely
+    assert len(writes) < 60
+    listed = json.loads((tmp_path / "manifest.json").read_text())["shards"]["done"]
+    assert len(listed) == writes[-1] < 150  # the last shards are in the journal only: as a kill leaves them
+    with (tmp_path / JOURNAL).open("ab") as f:
+        f.write(b'{"shard": "00150", "entry": {"fi')  # a line a kill cut short
+    (tmp_path / plan.name(149, "jsonl")).write_text("changed after the run\n")
+
+    again = ShardedOutput(tmp_path, plan, "jsonl")
+    assert again.open(head, overwrite=False) == set(range(149))  # 149: its file no longer has its hash
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert sorted(manifest["shards"]["done"]) == [f"{i:05d}" for i in range(149)]
+    assert (tmp_path / JOURNAL).read_text() == '{"fingerprint": "a"}\n'
+
+    other = ShardedOutput(tmp_path, plan, "jsonl")  # another config, let in by --overwrite
+    other.open({**head, "fingerprint": "b", "fingerprint_of": {"config": "b"}}, overwrite=True)
+    with pytest.raises(InputError, match="took this folder over"):
+        again.commit(150, b"late\n", {"documents": 10, "chunks": 1, "chunk_chars": 4})
+
+
 def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, emma, tiny_model_dir):
     docs = [{"id": f"{r['id']}-{k}", "text": r["text"]} for k in range(8) for r in emma]  # 480
     src = write_jsonl(tmp_path / "emma.jsonl", docs)
