@@ -60,7 +60,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from metachunk.artifacts import InputError, write_json  # noqa: E402
+from metachunk.artifacts import InputError, read_run_log, write_json  # noqa: E402
 from metachunk.named_data import resolve  # noqa: E402
 
 CORPUS = {"emma": "data:gutenqa-emma/paragraphs.jsonl", "crud": "data:crud-news/news.jsonl"}
@@ -331,7 +331,7 @@ def plain_batched_worker(args, docs: list[str]) -> None:
 def chunk_worker(args, docs: list[str]) -> None:
     """``chunk``: the whole ``metachunk chunk --method ppl`` command on the documents, as a user runs
     it (reading, splitting, tokenizing, scoring, deciding, writing; on a GPU the reading ahead and
-    writing behind of chunking/overlap.py), timed as its summary's seconds minus its model load."""
+    writing behind of chunking/overlap.py), timed as its run log's seconds minus its model load."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -356,8 +356,9 @@ def chunk_worker(args, docs: list[str]) -> None:
     if cli(argv) != 0:
         raise SystemExit("ppl_speed: metachunk chunk failed")
     cpu = time.process_time() - cpu0
-    meta = json.loads((folder / "chunks.meta.json").read_text())
-    summary = meta["summary"]
+    summary = json.loads((folder / "chunks.meta.json").read_text())["summary"]  # what it made
+    run = read_run_log(folder / "chunks.jsonl")[-1]  # how it ran: seconds, the model's load, dtype, kernels
+    report = (run.get("workers_report") or [{}])[0]
     # For the token and FLOP counts only: the tokenizer, and the model's shape on the meta device (no
     # weights: a 7B in float32 on the CPU would cost 30 GB and most of a GPU step's time limit).
     tok = load_tokenizer(args.model)
@@ -366,12 +367,12 @@ def chunk_worker(args, docs: list[str]) -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve(args.model)))
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     np.savez(args.out)
-    result = {"wall_s": summary["seconds"] - summary["model_load_seconds"], "cpu_s": cpu,
+    result = {"wall_s": run["seconds"] - run["model_load_seconds"], "cpu_s": cpu,
               "load_rss_mb": 0.0, "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu, "tokens": sum(lengths),
-              "sentences": 0, "spans": None, "dtype": meta.get("dtype", {}), "streams": 1,
+              "sentences": 0, "spans": None, "dtype": report.get("dtype", {}), "streams": 1,
               "flops": exact_pass_flops(model, lengths, args.max_context), "shapes": model_shapes(model),
               "issue_flops": plain_flops(model, **window_counts(lengths, args.max_context)),
-              "chunk_summary": summary, "kernels": meta.get("scoring", {}).get("kernels", {})}  # fmt: skip
+              "chunk_summary": summary, "kernels": report.get("scoring", {}).get("kernels", {})}  # fmt: skip
     Path(args.out + ".json").write_text(json.dumps(result))
 
 

@@ -21,12 +21,12 @@ start the next window at that unit. Here:
   a failed request) is asked again ``--lumber-retries`` times (default 0) as a fresh request, then
   cut by the fallback: the whole window becomes a chunk (it ends at a unit boundary, so at a
   sentence end, and holds about the token budget) and the next window starts after it. Each
-  fallback is counted by reason in the run's ``.meta.json``.
+  fallback is counted by reason in the run's line of ``runs.jsonl``.
 * **Structured answers.** With the teacher's ``structured_output`` other than ``none``, each
   window asks for ``{"id": n}`` (``chunking/prompts/lumber.schema.json``) with ``id`` narrowed to an
   enum of the window's later IDs (`window_schema`), so a server that decodes under the schema
   (llama.cpp, vLLM, OpenAI) can only name a usable cut. Each answer's outcome (valid, repaired: an
-  ID read from text, unparseable) is counted in the ``.meta.json``, and its range is judged as above.
+  ID read from text, unparseable) is counted in the run log, and its range is judged as above.
 * **The teacher** is the block named ``--lumber-teacher`` (default ``lumber``) of a ``teachers:``
   mapping, written as in a distill recipe (`metachunk.teacher.TeacherConfig`: any
   OpenAI-compatible endpoint, or the local ``metachunk teacher serve`` with ``serve_preset``),

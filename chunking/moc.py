@@ -30,7 +30,7 @@ format and its recovery against the text: pure functions) and `metachunk.chunkin
   of which no element can be found in the text (``unrecovered``) are counted by cause and retried
   (each retry adds 0.4 to temperature and top-p, capped at 1); after the last retry the window is
   chunked by PPL chunking (`metachunk.chunking.ppl`) with the router's model or
-  ``--moc-fallback-model``, counted in the run's ``.meta.json`` with the cause of its last failure.
+  ``--moc-fallback-model``, counted in the run's line of ``runs.jsonl`` with the cause of its last failure.
 * **Windows** (Appendix A.3's sliding window with chunk buffer): a document longer than
   ``window_chars`` is processed window by window, cut at sentence ends
   (`metachunk.chunking.sentences.split_sentences`); the last chunk of each window (when shorter than
@@ -163,7 +163,7 @@ class MocOptions:
         None,
         "moc, at toy scale: where a router or expert dir holds no model (its training set had no rows), "
         "the trained expert of the nearest granularity stands in, else this model (e.g. smollm2); the "
-        "run's .meta.json names every stand-in. Default: a missing model is an error",
+        "run's line of runs.jsonl names every stand-in. Default: a missing model is an error",
     )
 
     def check(self) -> None:
@@ -620,7 +620,7 @@ class MocChunker:
         return [d.chunks or tile(len(d.text), [0]) for d in docs]  # only "" has no chunk
 
     def manifest(self) -> dict:
-        """What the run's ``.meta.json`` records about the MoC run."""
+        """What the run log records about the MoC run."""
         temperature, top_p = self.sampling(0)
         models = {str(p): lm for p, lm in self._models.items()}
         return {
@@ -667,7 +667,7 @@ class MocChunker:
         }
 
     def constrained_manifest(self) -> dict:
-        """The ``constrained`` block of the manifest: on or off, the library, what the grammar
+        """The moc block's ``constrained`` part: on or off, the library, what the grammar
         allows, and what it cost (compiling; masking the logits, over decoding steps and rows)."""
         if not self.opts.constrained:
             return {"enabled": False, "library": None, "version": None, "anchored": False}

@@ -446,7 +446,7 @@ class Chunker:
     """Loads what the configured method needs once, then chunks batches of documents.
 
     Every method is run the same way: [`chunk`][metachunk.chunking.pipeline.Chunker.chunk] each batch, [`close`][metachunk.chunking.pipeline.Chunker.close] at the end, then
-    `prompt_sha256`, `manifest` (the method's part of the run's ``.meta.json``) and
+    `prompt_sha256`, `manifest` (the method's part of the run's line in its run log) and
     `summary_lines` (for the terminal). A method that shows its own progress bar
     (`own_progress`: lumber, in characters with the teacher's requests and cost) takes the
     run's size as ``total_chars``; the caller then shows none.
@@ -542,7 +542,7 @@ class Chunker:
         return shas
 
     def manifest(self) -> dict:
-        """The method's own block of the run's ``.meta.json``: ``moc`` (router/experts, retries, PPL
+        """The method's own block of the run's line in its run log: ``moc`` (router/experts, retries, PPL
         fallbacks, recovery counts) or ``lumber`` (teacher, answer store, windows, requests sent /
         from the store, fallbacks, cost); nothing for the other methods."""
         if self.moc is not None:

@@ -1,7 +1,9 @@
 """``metachunk chunk``: the command, over `metachunk.chunking.shards`.
 
 ``-o FILE.jsonl`` writes one file and ``FILE.meta.json``; ``-o DIR`` writes a dataset folder of
-shards and ``manifest.json``, resumable. Both are one implementation
+shards and ``manifest.json``, resumable. Either manifest says what the output holds; how each attempt
+ran (seconds, the method's and the students' blocks) is a line of ``FILE.runs.jsonl`` or
+``DIR/runs.jsonl``, so a rerun writes the same bytes. Both are one implementation
 (`chunk_corpus` here: a file is the one-shard plan), so every method
 (moc and lumber too) and every option (``--rewrite``/``--summarize``, ``--plot``,
 ``--mean-chunk-chars``) works with either.
@@ -32,7 +34,7 @@ from metachunk.chunking.shards import (
 )
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, jsonl_line
+from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, append_run_log, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.sources import DocumentSource, finish_rejects, skipped_exit
 
@@ -90,7 +92,7 @@ def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -
 
 def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     """The one-shard case: the output and ``OUTPUT.meta.json`` are replaced together or not at all
-    (`OutputPair`)."""
+    (`OutputPair`); then the attempt's line in ``OUTPUT.runs.jsonl``."""
     from tqdm import tqdm
 
     rejects = cfg.bad_rows.rejects(cfg.output)
@@ -121,24 +123,32 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             "documents": stats["documents"],
             "chunks": stats["chunks"],
             "mean_chunk_chars": round(stats["chunk_chars"] / stats["chunks"], 1) if stats["chunks"] else 0.0,
-            "seconds": round(seconds, 2),
-            "model_load_seconds": round(load_s, 2),
         }
+        # What the file holds, as a folder's manifest says it; how this attempt ran goes to the run log.
         manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.to_dict(cfg),
                     "threshold": cfg.effective_threshold, "prompt_sha256": worker.chunker.prompt_sha256,
                     "summary": summary}  # fmt: skip
-        if "students" in report:  # which rewriter / summarizer (path), prompt versions, context and decoding
-            manifest["students"] = report.pop("students")
         if length_fit:
             manifest["length_fit"] = length_fit
         if rejected is not None:  # --on-bad-row skip: how many rows were left out, and where they went
             manifest["rejects"] = rejected
-        manifest.update(report)  # the method's own block: moc, lumber
         pair.commit(manifest)
+    run = {
+        "engine": "local",
+        "workers": 1,
+        "threads_per_worker": cfg.threads_per_worker,
+        "streams": cfg.streams,
+        "device": cfg.device,
+        "seconds": round(seconds, 2),
+        "model_load_seconds": round(load_s, 2),
+        # the method's block (dtype, scoring; moc, lumber: windows, requests ...) and the students'
+        **({"workers_report": [report]} if report else {}),
+    }
+    append_run_log(cfg.output, run)
     print(f"{cfg.output}: {summary['documents']} documents, {summary['chunks']} chunks, mean "
           f"{summary['mean_chunk_chars']} chars/chunk, {seconds:.1f}s", file=sys.stderr)  # fmt: skip
-    print_method_lines(worker.chunker.summary_lines(), manifest.get("students", {}))
-    return manifest
+    print_method_lines(worker.chunker.summary_lines(), report.get("students", {}))
+    return {**manifest, "run": run}  # the caller's summary: this attempt's method counts too
 
 
 def print_method_lines(lines: list[str], students: dict) -> None:
@@ -274,8 +284,9 @@ def run(cfg: ChunkConfig) -> Result:
 
 
 def summary(manifest: dict) -> dict:
-    """A run's counts, from the manifest it wrote: documents, chunks and mean length; the fitted
-    ``target_len``; MoC's windows, PPL fallbacks and stand-ins; what the students added."""
+    """A run's counts, from the manifest it wrote and its run log's line (``manifest["run"]``):
+    documents, chunks and mean length; the fitted ``target_len``; MoC's windows, PPL fallbacks and
+    stand-ins; what the students added."""
     out = {
         k: v
         for k, v in manifest.get("summary", {}).items()

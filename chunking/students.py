@@ -7,7 +7,7 @@ its job on the prompt it was trained on. This module is the one home of that pro
 rows and the chunker build it with the same functions:
 
 * the instruction: ``chunking/prompts/student_{task}.{lang}.txt`` (its sha256 is its version,
-  recorded on every SFT row and in the manifest of every chunk run that uses it);
+  recorded on every SFT row and in the run log of every chunk run that uses it);
 * the context, as spans of the document (what distill records store as ``context_spans``): the
   document around the chunk (`window_span`: all of it when it fits in ``max_context_chars``,
   else a window centred on the chunk), or the chunk's ``top_k`` most similar chunks of the same
@@ -384,7 +384,7 @@ class ChunkStudents:
         self.bar.close()
 
     def manifest(self) -> dict:
-        """What the run's ``.meta.json`` records: which students, from where, decoded how."""
+        """What the run's line in its run log records: which students, from where, decoded how."""
         context = {"mode": self.context.mode, "max_chars": self.context.max_chars}
         if self.context.mode == "related":
             context.update(top_k=self.context.top_k, embedder=self.embedder_name)

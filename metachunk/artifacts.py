@@ -10,7 +10,8 @@ in place of a good one:
   previous pair untouched; only then are they renamed in (see `OutputPair.commit`).
 * `replace_dir` - a finished folder (dataset, exported model) swapped in for the previous one.
 * `append_run_log` - how an attempt ran (engine, device, seconds), one line per attempt in the
-  folder's ``runs.jsonl``, kept apart from what it made so that a rerun writes the same bytes.
+  folder's ``runs.jsonl`` (a file's ``FILE.runs.jsonl``), kept apart from what it made so that a
+  rerun writes the same bytes.
 * `append_record` - one durable JSON line at the end of a log (run logs, a chunk folder's journal of
   finished shards), where a line a kill cut short spoils only itself.
 """
@@ -417,32 +418,45 @@ def read_jsonl(path: str | Path):
                 raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
 
 
-# How each attempt on an output folder ran: engine, workers, device, seconds, what it skipped. That is
-# not what the folder holds, so it stays out of its manifest and reports (a resume or a rerun then
-# writes them byte for byte) and out of `metachunk run`'s digests of the folder.
+# How each attempt on an output ran: engine, workers, device, seconds, what it skipped. That is not what
+# the output holds, so it stays out of its manifest and reports (a resume or a rerun then writes them
+# byte for byte) and out of `metachunk run`'s digests. A folder keeps it in its ``runs.jsonl``; an
+# output file (``chunk -o FILE.jsonl``) in ``FILE.runs.jsonl`` beside it, as its ``FILE.meta.json``.
 RUN_LOG = "runs.jsonl"
 
 
-def append_run_log(folder: str | Path, record: dict) -> None:
-    """``record`` as one more line of ``folder/runs.jsonl``, with the UTC time it finished, under the
-    log's lock (ranks or runs finishing together write whole lines)."""
+def run_log_path(output: str | Path) -> Path:
+    """Where the attempts on ``output`` are logged: ``output/runs.jsonl`` for a folder, else
+    ``OUTPUT.runs.jsonl`` beside the file."""
+    output = Path(output)
+    return output / RUN_LOG if output.is_dir() else output.with_suffix(f".{RUN_LOG}")
+
+
+def is_run_log(name: str) -> bool:
+    """A file name `run_log_path` gives: how attempts ran, not what they made."""
+    return name == RUN_LOG or name.endswith(f".{RUN_LOG}")
+
+
+def append_run_log(output: str | Path, record: dict) -> None:
+    """``record`` as one more line of ``output``'s run log (`run_log_path`), with the UTC time it
+    finished."""
     import datetime
 
-    from filelock import FileLock
-
-    path = Path(folder) / RUN_LOG
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    with FileLock(str(path.parent / f".{RUN_LOG}.lock")):
-        append_record(path, {"finished": stamp, **record})
+    append_record(run_log_path(output), {"finished": stamp, **record})
 
 
 def append_record(path: str | Path, record: dict) -> None:
-    """``record`` as one JSON line at the end of ``path``, synced before it returns. A line a kill cut
-    short is ended first, so it spoils only itself (`read_records_appended` skips it). The caller holds
-    whatever lock keeps other writers out."""
+    """``record`` as one JSON line at the end of ``path``, synced before it returns, under a lock on
+    the file itself (``flock``: ranks or runs finishing together write whole lines, and no lock file
+    is left beside it). A line a kill cut short is ended first, so it spoils only itself
+    (`read_records_appended` skips it)."""
+    import fcntl
+
     line = jsonl_line(record).encode()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
@@ -450,7 +464,7 @@ def append_record(path: str | Path, record: dict) -> None:
             line = line[os.write(fd, line) :]
         os.fsync(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # and with it the lock
 
 
 def read_records_appended(path: str | Path) -> list[dict]:
@@ -468,9 +482,10 @@ def read_records_appended(path: str | Path) -> list[dict]:
     return records
 
 
-def read_run_log(folder: str | Path) -> list[dict]:
-    """The attempts `append_run_log` recorded in ``folder``, oldest first ([] when none)."""
-    return read_records_appended(Path(folder) / RUN_LOG)
+def read_run_log(output: str | Path) -> list[dict]:
+    """The attempts `append_run_log` recorded for ``output`` (a folder or a file), oldest first ([]
+    when none)."""
+    return read_records_appended(run_log_path(output))
 
 
 def json_sha256(obj) -> str:

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import EXIT_EMPTY, RUN_LOG, AtomicWriter, InputError, json_sha256, write_json
+from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, is_run_log, json_sha256, write_json
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.named_data import MissingDataset, name_of
@@ -231,11 +231,11 @@ class Digests:
         for p in sorted(path.rglob("*")):
             rel = p.relative_to(path)
             # Hidden files, locks, answer stores (shared, append-only) and run logs (how each attempt
-            # went: `metachunk.artifacts.RUN_LOG`) are not what a stage made.
+            # went: `metachunk.artifacts.is_run_log`) are not what a stage made.
             if (
                 p.is_file()
                 and not any(part.startswith(".") for part in rel.parts)
-                and not (".sqlite" in p.name or p.suffix == ".lock" or p.name == RUN_LOG)
+                and not (".sqlite" in p.name or p.suffix == ".lock" or is_run_log(p.name))
             ):
                 digest.update(f"{rel.as_posix()}\0{self.file(p)}\n".encode())
         return digest.hexdigest()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from metachunk.chunking.students import FIELDS, ContextSpec, chunk_prompts, load_student_prompt
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main
 
 SENTENCES_EN = [
@@ -102,7 +103,8 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
     meta = json.loads(out.with_suffix(".meta.json").read_text(encoding="utf-8"))
     assert meta["config"]["rewrite"] == meta["config"]["summarize"] == str(student)
     n_chunks = sum(len(r["chunks"]) for r in records)
-    for task, run in meta["students"].items():
+    students = read_run_log(out)[-1]["workers_report"][0]["students"]  # how the run went: its run log
+    for task, run in students.items():
         assert run["model"] == str(student) and run["path"] == str(student.resolve())
         assert run["field"] == FIELDS[task] and run["chunks"] == n_chunks
         assert run["prompt_sha256"] == {
@@ -114,9 +116,9 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
         assert gen["do_sample"] is False and gen["forced_greedy"] is True and gen["num_beams"] == 1
         assert "temperature" not in gen and "top_k" not in gen and gen["suppress_tokens"]
         assert 0 < run["new_tokens"]
-    assert meta["students"]["summary"]["generation"]["max_new_tokens"] == 256
-    assert meta["students"]["summary"]["new_tokens"] <= 256 * n_chunks
-    assert "1.5" in meta["students"]["rewrite"]["generation"]["max_new_tokens"]
+    assert students["summary"]["generation"]["max_new_tokens"] == 256
+    assert students["summary"]["new_tokens"] <= 256 * n_chunks
+    assert "1.5" in students["rewrite"]["generation"]["max_new_tokens"]
     assert "rewrite (" in err and "summary (" in err
 
     # One flag alone; batches of one give the same (greedy) answers as batches of eight.
@@ -126,7 +128,7 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
     for r, again in zip(records, read_jsonl(alone)):
         assert [c["summary"] for c in again["chunks"]] == [c["summary"] for c in r["chunks"]]
         assert all("rewritten" not in c for c in again["chunks"])
-    assert set(json.loads(alone.with_suffix(".meta.json").read_text())["students"]) == {"summary"}
+    assert set(read_run_log(alone)[-1]["workers_report"][0]["students"]) == {"summary"}
 
 
 def test_a_blank_chunk_is_kept_and_not_sent_to_the_students(tmp_path, capsys, student):
@@ -147,7 +149,7 @@ def test_rewrite_budget_flag(tmp_path, capsys, student, docs_file):
         capsys, docs_file, "-o", out, *BASELINE, "--rewrite", student, "--rewrite-max-new-tokens", "3"
     )
     assert rc == 0, err
-    run = json.loads(out.with_suffix(".meta.json").read_text())["students"]["rewrite"]
+    run = read_run_log(out)[-1]["workers_report"][0]["students"]["rewrite"]
     assert run["generation"]["max_new_tokens"] == 3
     assert 0 < run["new_tokens"] <= 3 * run["chunks"]
 

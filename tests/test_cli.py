@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.data import data_file
 
-from metachunk.artifacts import SCHEMA_VERSION
+from metachunk.artifacts import SCHEMA_VERSION, read_run_log
 from metachunk.cli import main
 
 EN = "Emma was clever and rich. She had lived nearly twenty-one years!\n\nMr. Knightley came in. Was he sensible? He was."
@@ -84,7 +84,15 @@ def test_jsonl_ids_schema_and_manifest(tmp_path, capsys, tiny):
     assert manifest["summary"]["chunks"] == sum(len(r["chunks"]) for r in records)
     assert manifest["prompt_sha256"] == {}
     assert str(out) in err and "3 documents" in err
-    assert sorted(p.name for p in out.parent.iterdir()) == ["chunks.jsonl", "chunks.meta.json"]
+    assert "seconds" not in manifest["summary"] and "dtype" not in manifest  # how it ran: the run log
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "chunks.jsonl",
+        "chunks.meta.json",
+        "chunks.runs.jsonl",
+    ]
+    attempt = read_run_log(out)[-1]
+    assert attempt["seconds"] >= attempt["model_load_seconds"] > 0
+    assert attempt["workers_report"][0]["dtype"]["dtype"] in ("float32", "bfloat16")  # auto: by the CPU
 
 
 def test_txt_input_emit_sentences_and_plot(tmp_path, capsys, tiny):

@@ -293,7 +293,7 @@ def test_enospc_writing_the_manifest_keeps_the_old_pair(tmp_path, capsys, monkey
     monkeypatch.setattr(os, "fsync", real_fsync)
     rc, err = chunk_cli(capsys, src, "-o", out, "--method", "fixed", "--target-len", "9")
     assert rc == 0, err
-    assert sorted(snapshot(out.parent)) == ["chunks.jsonl", "chunks.meta.json"]
+    assert sorted(snapshot(out.parent)) == ["chunks.jsonl", "chunks.meta.json", "chunks.runs.jsonl"]
     assert json.loads(out.with_suffix(".meta.json").read_text())["summary"]["documents"] == 2
 
 

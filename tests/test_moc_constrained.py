@@ -19,6 +19,7 @@ from metachunk.chunking.moc_answers import parse_expert_answer
 from metachunk.chunking.moc_grammar import expert_schema, load_moc_schema
 from metachunk.chunking.sentences import split_sentences
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main
 from metachunk.models import ModelNotFoundError
 from metachunk.prompts import parse_schema
@@ -199,12 +200,13 @@ def test_cli_records_the_flag(tmp_path, tiny_model_dir, capsys, flag):
     assert ["".join(c["text"] for c in r["chunks"]) for r in records] == TEXTS
     meta = json.loads(Path(str(out).replace(".jsonl", ".meta.json")).read_text())
     assert meta["config"]["moc_constrained"] is on
-    c = meta["moc"]["constrained"]
+    moc = read_run_log(out)[-1]["workers_report"][0]["moc"]
+    c = moc["constrained"]
     assert c["enabled"] is on
     assert (c["library"], c["version"]) == (("xgrammar", version("xgrammar")) if on else (None, None))
-    assert meta["moc"]["schema_sha256"]["moc_expert"] == load_moc_schema().sha256
+    assert moc["schema_sha256"]["moc_expert"] == load_moc_schema().sha256
     if on:
-        assert meta["moc"]["invalid_json"] == 0
+        assert moc["invalid_json"] == 0
     assert ("constrained by xgrammar" if on else "unconstrained") in err
 
 
@@ -354,7 +356,8 @@ def test_cli_records_anchored(tmp_path, tiny_model_dir, capsys):
         assert "".join(c["text"] for c in r["chunks"]) == text
     meta = json.loads(Path(str(out).replace(".jsonl", ".meta.json")).read_text())
     assert meta["config"]["moc_anchored"] is True
-    c = meta["moc"]["constrained"]
+    moc = read_run_log(out)[-1]["workers_report"][0]["moc"]
+    c = moc["constrained"]
     assert c["anchored"] is True and c["grammars_compiled"] > 0 and "anchored_compile_seconds" in c
-    assert meta["moc"]["fallback"]["windows"] < meta["moc"]["windows"]
-    assert meta["moc"]["unrecovered_answers"] == meta["moc"]["invalid_json"] == 0
+    assert moc["fallback"]["windows"] < moc["windows"]
+    assert moc["unrecovered_answers"] == moc["invalid_json"] == 0

@@ -1,10 +1,9 @@
 """Model presets: listing, resolution of names and local dirs, and clear errors."""
 
-import json
-
 import pytest
 
 from metachunk import models
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main
 
 
@@ -76,13 +75,13 @@ def test_the_chunk_manifest_records_the_dtype_and_why(tmp_path, tiny_model_dir, 
                             if "amx_bf16" in c else None)  # fmt: skip
         out = tmp_path / f"{picked}.jsonl"
         assert main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--lang", "en"]) == 0
-        meta = json.loads(out.with_suffix(".meta.json").read_text())
-        assert meta["dtype"]["dtype"] == picked and meta["dtype"]["why"].startswith("auto:")
+        dtype = read_run_log(out)[-1]["workers_report"][0]["dtype"]
+        assert dtype["dtype"] == picked and dtype["why"].startswith("auto:")
     out = tmp_path / "exact.jsonl"
     assert (
         main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32"]) == 0
     )
-    assert json.loads(out.with_suffix(".meta.json").read_text())["dtype"] == {
+    assert read_run_log(out)[-1]["workers_report"][0]["dtype"] == {
         "dtype": "float32",
         "why": "asked for",
     }

@@ -17,6 +17,7 @@ import pytest
 from metachunk.chunking.overlap import overlapped
 from support.data import data_file
 
+from metachunk.artifacts import read_run_log
 from metachunk.cli import main
 from metachunk.stopping import Stopped
 
@@ -306,8 +307,8 @@ def test_the_first_group_is_read_split_and_tokenized_while_the_model_loads(
                "--prefetch", "2"])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     assert len(load_s) == 1
-    summary = json.loads(out.with_suffix(".meta.json").read_text())["summary"]
-    assert round(load_s[0], 2) <= summary["model_load_seconds"] < load_s[0] + 1.5
+    run = read_run_log(out)[-1]
+    assert round(load_s[0], 2) <= run["model_load_seconds"] < load_s[0] + 1.5
 
     monkeypatch.setattr(pipeline.Chunker, "prepare", real_prepare)
     monkeypatch.setattr(models, "load_causal_lm_model", real_load)

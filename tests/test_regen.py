@@ -259,8 +259,8 @@ def test_an_empty_stage_skips_what_needs_its_output_unless_that_stage_copes(sft_
     assert code == 0, err
     assert "nothing to train" in err and "export_expert_1 (export): skipped, nothing to do" in err
     assert not (tmp_path / "export").exists()
-    meta = json.loads((tmp_path / "moc.meta.json").read_text())
-    assert meta["moc"]["stand_ins"] == {"expert 1": tiny}  # the nearest trained granularity: expert 0
+    moc = read_run_log(tmp_path / "moc.jsonl")[-1]["workers_report"][0]["moc"]
+    assert moc["stand_ins"] == {"expert 1": tiny}  # the nearest trained granularity: expert 0
     state = json.loads((tmp_path / "state" / "state.json").read_text())
     assert state["stages"]["train_expert_1"]["exit"] == 5 and "export_expert_1" not in state["stages"]
     code, out, err = run(capsys, path)
