@@ -58,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import write_bytes, write_json
+from metachunk.artifacts import append_run_log, write_bytes, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench_out" / "chonkie_compare"
@@ -522,8 +522,8 @@ def child(args) -> None:
 
 
 def write_chunks(path: Path, method: str, ids: list[str], outputs, res: dict) -> None:
-    """``metachunk chunk``'s output: one ``{schema_version, id, method, chunks}`` line per document
-    and ``FILE.meta.json`` with ``summary.mean_chunk_chars``."""
+    """``metachunk chunk``'s output: one ``{schema_version, id, method, chunks}`` line per document,
+    ``FILE.meta.json`` with ``summary.mean_chunk_chars``, and the seconds in ``FILE.runs.jsonl``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for doc_id, chunks in zip(ids, outputs):
@@ -531,9 +531,9 @@ def write_chunks(path: Path, method: str, ids: list[str], outputs, res: dict) ->
                    "chunks": [{"text": x, "start": s, "end": e} for x, s, e in chunks]}  # fmt: skip
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     meta = {"schema_version": 1, "command": "bench/chonkie_compare.py", "method": method, "params": res["params"],
-            "summary": {"documents": len(ids), "chunks": res["n_chunks"], "mean_chunk_chars": res["mean_chunk_chars"],
-                        "seconds": res["chunk_s"], "model_load_seconds": res["load_s"]}}  # fmt: skip
+            "summary": {"documents": len(ids), "chunks": res["n_chunks"], "mean_chunk_chars": res["mean_chunk_chars"]}}  # fmt: skip
     path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    append_run_log(path, {"seconds": res["chunk_s"], "model_load_seconds": res["load_s"]})
 
 
 # ---- the parent: inputs, one child per chunker, eval, the table ----------------------------------

@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from metachunk.chunking.shards import shards_done
+
 from metachunk.artifacts import InputError, read_run_log, write_json
 from metachunk.named_data import resolve
 
@@ -155,8 +157,7 @@ def bench_resume(args) -> dict:
         time.sleep(kill_at)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    manifest = json.loads((killed / "manifest.json").read_text())
-    done = manifest["shards"]["done"]
+    done = shards_done(killed)  # the manifest's and the journal's: a kill -9 leaves both
     done_docs = sum(e["documents"] for e in done.values())
     counts = [int(m) for m in re.findall(r"\| (\d+)/\d+ \[", log.read_text(errors="replace"))]
     scored = max(counts, default=0)

@@ -543,8 +543,9 @@ class Chunker:
 
     def manifest(self) -> dict:
         """The method's own block of the run's line in its run log: ``moc`` (router/experts, retries, PPL
-        fallbacks, recovery counts) or ``lumber`` (teacher, answer store, windows, requests sent /
-        from the store, fallbacks, cost); nothing for the other methods."""
+        fallbacks, recovery counts), ``lumber`` (teacher, answer store, windows, requests sent /
+        from the store, fallbacks, cost), or for ppl and msp the weights' ``dtype`` (and ppl's
+        ``scoring``: streams, kernels, attention); nothing for the rest."""
         if self.moc is not None:
             return {"moc": self.moc.manifest()}
         if self.lumber is not None:

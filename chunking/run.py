@@ -95,6 +95,9 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     (`OutputPair`); then the attempt's line in ``OUTPUT.runs.jsonl``."""
     from tqdm import tqdm
 
+    from metachunk.models import fingerprint as model_fingerprint
+    from metachunk.models import is_model
+
     rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
     # Every line checked before any model loads: a bad line 9,000 should not cost a model load
@@ -124,21 +127,26 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             "chunks": stats["chunks"],
             "mean_chunk_chars": round(stats["chunk_chars"] / stats["chunks"], 1) if stats["chunks"] else 0.0,
         }
-        # What the file holds, as a folder's manifest says it; how this attempt ran goes to the run log.
-        manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.to_dict(cfg),
-                    "threshold": cfg.effective_threshold, "prompt_sha256": worker.chunker.prompt_sha256,
-                    "summary": summary}  # fmt: skip
+        # What the file holds, as a folder's manifest says it: the settings that decide it (no runtime
+        # ones), the models' fingerprints, every prompt's hash (the students' too). How this attempt
+        # ran goes to the run log, so a rerun writes these bytes again.
+        prompts = {
+            **worker.chunker.prompt_sha256,
+            **(worker.students.prompt_sha256 if worker.students else {}),
+        }
+        models = {name: model_fingerprint(name) for name in reads(cfg).models if is_model(name)}
+        manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.computed(cfg),
+                    "threshold": cfg.effective_threshold, "prompt_sha256": dict(sorted(prompts.items())),
+                    "models": models, "summary": summary}  # fmt: skip
         if length_fit:
             manifest["length_fit"] = length_fit
         if rejected is not None:  # --on-bad-row skip: how many rows were left out, and where they went
             manifest["rejects"] = rejected
         pair.commit(manifest)
     run = {
+        **config.runtime(cfg),
         "engine": "local",
         "workers": 1,
-        "threads_per_worker": cfg.threads_per_worker,
-        "streams": cfg.streams,
-        "device": cfg.device,
         "seconds": round(seconds, 2),
         "model_load_seconds": round(load_s, 2),
         # the method's block (dtype, scoring; moc, lumber: windows, requests ...) and the students'
@@ -232,6 +240,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
             # A signal can land inside a shard's write, after its temp file exists and before the writer's
             # cleanup is armed (inside tempfile.mkstemp): this run writes these shards and nothing else does.
             output.remove_stale_temps(pending)
+            output.settle()
             raise
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",

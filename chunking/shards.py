@@ -290,13 +290,7 @@ class ShardedOutput:
             return None
 
     def with_journal(self, manifest: dict) -> dict:
-        """``manifest`` with the shards its run's journal lists and it does not yet."""
-        records = read_records_appended(self.journal)
-        if records and records[0].get("fingerprint") == manifest.get("fingerprint"):
-            done = manifest["shards"]["done"]
-            done.update((r["shard"], r["entry"]) for r in records[1:] if "shard" in r)
-            manifest["shards"]["done"] = dict(sorted(done.items()))
-        return manifest
+        return with_journal(manifest, self.journal)
 
     def write_manifest(self, manifest: dict) -> None:
         """The manifest, then a journal holding only its header: every shard is in the manifest now.
@@ -340,6 +334,9 @@ class ShardedOutput:
                 previous = None
                 for p in self.root.glob("train-*-of-*.*"):
                     p.unlink()
+                # the journal first: a run still writing here stops at its next shard, even if this one
+                # is killed before it writes its own
+                self.journal.unlink(missing_ok=True)
                 self.manifest_path.unlink(missing_ok=True)
             done = {}
             if previous is not None:
@@ -391,6 +388,13 @@ class ShardedOutput:
             if self.unlisted * 16 >= self.listed:
                 self.write_manifest(self.current_manifest())
 
+    def settle(self) -> None:
+        """A stopped run's last act (SIGTERM, Ctrl-C, an error): the manifest takes the journal in, so
+        it lists every shard done. Best effort: a kill -9 cannot, and a resume reads the journal anyway."""
+        with contextlib.suppress(Exception), self.lock:
+            if self.fingerprint is not None and self.journal_owner() == self.fingerprint and self.unlisted:
+                self.write_manifest(self.current_manifest())
+
     def finish(self, run: dict, made: dict) -> dict:
         """Enters ``made`` (the fitted ``length_fit``, the ``rejects``: what the output is, set when not
         None) and, when every shard is done, the summary; appends ``run`` (how this attempt went) to
@@ -411,6 +415,26 @@ class ShardedOutput:
             self.write_manifest(manifest)
             append_run_log(self.root, run)
             return manifest
+
+
+def with_journal(manifest: dict, journal: Path) -> dict:
+    """``manifest`` with the shards its run's journal lists and it does not yet."""
+    records = read_records_appended(journal)
+    if records and records[0].get("fingerprint") == manifest.get("fingerprint"):
+        done = manifest["shards"]["done"]
+        done.update((r["shard"], r["entry"]) for r in records[1:] if "shard" in r)
+        manifest["shards"]["done"] = dict(sorted(done.items()))
+    return manifest
+
+
+def shards_done(root: str | Path) -> dict:
+    """The shards a chunk folder holds done, by number: its manifest's and its journal's (the two
+    differ while a run is on, or after a kill -9). {} when it has no manifest yet."""
+    try:
+        manifest = json.loads((Path(root) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return with_journal(manifest, Path(root) / JOURNAL)["shards"]["done"]
 
 
 def _sha256(path: Path) -> str:

@@ -54,11 +54,11 @@ from pathlib import Path
 
 from metachunk.artifacts import (
     EXIT_SKIPPED,
+    RUN_LOG,
     AtomicWriter,
     Document,
     InputError,
     check_unicode,
-    is_run_log,
     read_json,
 )
 from metachunk.config import option
@@ -343,7 +343,7 @@ class DocumentSource:
             for p in sorted(path.rglob("*")):
                 rel = p.relative_to(path)
                 # a run log (chunk and eval folders' runs.jsonl) is how a folder was made, not its rows
-                if not p.is_file() or any(part.startswith(".") for part in rel.parts) or is_run_log(p.name):
+                if not p.is_file() or any(part.startswith(".") for part in rel.parts) or p.name == RUN_LOG:
                     continue
                 kind = "lines" if self.input_format == "lines" else _suffix_kind(p.name)
                 if kind in wanted:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metachunk.chunking.shards import shards_done
 from support.data import data_file
 
 from metachunk.artifacts import RUN_LOG, InputError, append_run_log, read_run_log
@@ -254,7 +255,8 @@ def test_a_folder_of_many_shards_enters_them_in_a_journal_and_a_resume_reads_bot
     rewrites (and bytes) grow with the shards, not with their square. A run killed between rewrites
     loses nothing: the next open reads the manifest and the journal, keeps the shards whose files
     still hold their hash (not a cut journal line, not a changed file), and starts a fresh journal.
-    A run with another config that takes the folder over stops this one at its next shard."""
+    A stopped run's manifest takes the journal in (`settle`). A run with another config that takes the
+    folder over stops this one at its next shard."""
     from metachunk.chunking.shards import JOURNAL, ShardedOutput, ShardPlan
 
     plan = ShardPlan(documents=2000, shards=200)
@@ -285,6 +287,16 @@ def test_a_folder_of_many_shards_enters_them_in_a_journal_and_a_resume_reads_bot
     assert sorted(manifest["shards"]["done"]) == [f"{i:05d}" for i in range(149)]
     assert (tmp_path / JOURNAL).read_text() == '{"fingerprint": "a"}\n'
 
+    for i in range(149, 200):
+        again.commit(i, f"shard {i}\n".encode(), {"documents": 10, "chunks": 1, "chunk_chars": 8})
+    assert (
+        len(shards_done(tmp_path))
+        == 200
+        > len(json.loads((tmp_path / "manifest.json").read_text())["shards"]["done"])
+    )
+    again.settle()  # a stopped run's last act: the manifest lists every shard done
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["shards"]["done"]) == 200
+
     other = ShardedOutput(tmp_path, plan, "jsonl")  # another config, let in by --overwrite
     other.open({**head, "fingerprint": "b", "fingerprint_of": {"config": "b"}}, overwrite=True)
     with pytest.raises(InputError, match="took this folder over"):
@@ -304,18 +316,14 @@ def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, e
     proc = subprocess.Popen([*argv, "-o", str(out)], env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # kill -9 once a few shards are in, before the end
-        try:
-            done = json.loads((out / "manifest.json").read_text())["shards"]["done"]
-        except (OSError, ValueError):
-            done = {}
-        if len(done) >= 3:
+        if len(shards_done(out)) >= 3:
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
     proc.wait()
     killed = json.loads((out / "manifest.json").read_text())
     assert proc.returncode == -signal.SIGKILL and not killed["complete"], "the run ended before the kill"
-    n_done = len(killed["shards"]["done"])
+    n_done = len(shards_done(out))  # the manifest's and the journal's (a kill can fall between the two)
     (out / ".manifest.json.x1y2z3.tmp").write_text('{"schema_ver')  # as a kill inside a manifest write leaves
 
     resumed = subprocess.run([*argv, "-o", str(out)], env=env, capture_output=True, text=True)
