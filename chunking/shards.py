@@ -70,6 +70,7 @@ from metachunk.artifacts import (
     json_sha256,
     jsonl_line,
     read_records_appended,
+    staged_bytes,
     write_bytes,
     write_json,
 )
@@ -304,9 +305,7 @@ class ShardedOutput:
         (config, fingerprints, input, shards plan); a different fingerprint is refused once a shard
         is done (before that, the run starts again)."""
         with self.lock:
-            # every manifest and journal write holds the lock: a temp file of theirs found here is a killed writer's
-            for stale in (*self.root.glob(f".{MANIFEST}.*.tmp"), *self.root.glob(f".{JOURNAL}.*.tmp")):
-                stale.unlink(missing_ok=True)
+            self.remove_bookkeeping_temps()
             previous = self.read_manifest()
             if previous is None and any(
                 p.name not in (f".{MANIFEST}.lock", JOURNAL) for p in self.root.iterdir()
@@ -376,22 +375,32 @@ class ShardedOutput:
                 p.unlink(missing_ok=True)
 
     def commit(self, i: int, data: bytes, stats: dict) -> None:
-        """The shard's file, renamed in, then its entry in the journal (and, when due, the manifest)."""
+        """The shard's file, written aside, renamed in, then its entry in the journal (and, when due,
+        the manifest). The rename waits for the lock and the check that the folder is still this
+        run's: a run another config took the folder from never replaces that run's shard."""
         path = self.path(i)
-        write_bytes(path, data)
         entry = {"file": path.name, **stats, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        with self.lock:
+        with staged_bytes(path, data) as rename_in, self.lock:
             if self.journal_owner() != self.fingerprint:
                 raise self.taken_over()
+            rename_in()
             append_record(self.journal, {"shard": f"{i:05d}", "entry": entry})
             self.unlisted += 1
             if self.unlisted * 16 >= self.listed:
                 self.write_manifest(self.current_manifest())
 
+    def remove_bookkeeping_temps(self) -> None:
+        """Every manifest and journal write holds the lock: a temp file of theirs found by a holder of
+        the lock is a killed writer's, or this process's own, cut short by a stop. Called under the lock."""
+        for stale in (*self.root.glob(f".{MANIFEST}.*.tmp"), *self.root.glob(f".{JOURNAL}.*.tmp")):
+            stale.unlink(missing_ok=True)
+
     def settle(self) -> None:
         """A stopped run's last act (SIGTERM, Ctrl-C, an error): the manifest takes the journal in, so
-        it lists every shard done. Best effort: a kill -9 cannot, and a resume reads the journal anyway."""
+        it lists every shard done, and a manifest or journal write the stop cut short leaves no temp
+        file. Best effort: a kill -9 cannot, and a resume reads the journal anyway."""
         with contextlib.suppress(Exception), self.lock:
+            self.remove_bookkeeping_temps()
             if self.fingerprint is not None and self.journal_owner() == self.fingerprint and self.unlisted:
                 self.write_manifest(self.current_manifest())
 

@@ -338,6 +338,15 @@ def replace_dir(staging: str | Path, final: str | Path) -> None:
 
 def write_bytes(path: str | Path, data: bytes) -> None:
     """``data`` at ``path``, through a synced temp file beside it and a rename."""
+    with staged_bytes(path, data) as rename_in:
+        rename_in()
+
+
+@contextlib.contextmanager
+def staged_bytes(path: str | Path, data: bytes):
+    """``data`` in a synced temp file beside ``path``; yields the function that renames it in. The
+    caller renames it when it may (under a lock, after a check); a temp file not renamed in is
+    removed on the way out."""
     path = Path(path)
     _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -347,7 +356,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             _close_durably(f, path)
-        os.replace(tmp, path)
+        yield lambda: os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

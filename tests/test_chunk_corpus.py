@@ -299,8 +299,11 @@ def test_a_folder_of_many_shards_enters_them_in_a_journal_and_a_resume_reads_bot
 
     other = ShardedOutput(tmp_path, plan, "jsonl")  # another config, let in by --overwrite
     other.open({**head, "fingerprint": "b", "fingerprint_of": {"config": "b"}}, overwrite=True)
+    other.commit(150, b"the other run's\n", {"documents": 10, "chunks": 1, "chunk_chars": 4})
     with pytest.raises(InputError, match="took this folder over"):
         again.commit(150, b"late\n", {"documents": 10, "chunks": 1, "chunk_chars": 4})
+    assert (tmp_path / plan.name(150, "jsonl")).read_bytes() == b"the other run's\n"  # not replaced
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, emma, tiny_model_dir):
