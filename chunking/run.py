@@ -104,6 +104,8 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     # and 8,999 documents of work. Texts are not kept; the run streams them again.
     index = source.scan(progress=progress)
     rejected = finish_rejects(rejects, "chunk")
+    # Before any model loads, as a folder's manifest head: a model that cannot be found stops the run here.
+    models = {name: model_fingerprint(name) for name in reads(cfg).models if is_model(name)}
     plan = ShardPlan(index.documents, 1)
     started = time.perf_counter()
     worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
@@ -134,7 +136,6 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             **worker.chunker.prompt_sha256,
             **(worker.students.prompt_sha256 if worker.students else {}),
         }
-        models = {name: model_fingerprint(name) for name in reads(cfg).models if is_model(name)}
         manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.computed(cfg),
                     "threshold": cfg.effective_threshold, "prompt_sha256": dict(sorted(prompts.items())),
                     "models": models, "summary": summary}  # fmt: skip
@@ -239,8 +240,10 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         except BaseException:
             # A signal can land inside a shard's write, after its temp file exists and before the writer's
             # cleanup is armed (inside tempfile.mkstemp): this run writes these shards and nothing else does.
-            output.remove_stale_temps(pending)
-            output.settle()
+            try:
+                output.remove_stale_temps(pending, mine=True)
+            finally:
+                output.settle()
             raise
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",

@@ -71,6 +71,7 @@ from metachunk.artifacts import (
     jsonl_line,
     read_records_appended,
     staged_bytes,
+    temp_writer_gone,
     write_bytes,
     write_json,
 )
@@ -367,11 +368,14 @@ class ShardedOutput:
             "ran; this one stops (its shards are not entered)"
         )  # fmt: skip
 
-    def remove_stale_temps(self, shards) -> None:
-        """Temp files a killed run left for these shards (only their writer makes them)."""
+    def remove_stale_temps(self, shards, mine: bool = False) -> None:
+        """Temp files these shards' writers left and no longer write: a killed run's, or with ``mine``
+        this process's own (a stop inside a write). A live run's (the same command started twice) is
+        left alone. One pass over the folder, whatever the number of shards."""
         names = {self.plan.name(i, self.fmt) for i in shards}
-        for p in self.root.glob(".*.tmp"):
-            if any(p.name.startswith(f".{n}.") for n in names):
+        for p in self.root.glob(".train-*.tmp"):
+            name, _, tail = p.name[1:].partition(f".{self.fmt}.")
+            if f"{name}.{self.fmt}" in names and temp_writer_gone(tail, mine):
                 p.unlink(missing_ok=True)
 
     def commit(self, i: int, data: bytes, stats: dict) -> None:
@@ -399,7 +403,7 @@ class ShardedOutput:
         """A stopped run's last act (SIGTERM, Ctrl-C, an error): the manifest takes the journal in, so
         it lists every shard done, and a manifest or journal write the stop cut short leaves no temp
         file. Best effort: a kill -9 cannot, and a resume reads the journal anyway."""
-        with contextlib.suppress(Exception), self.lock:
+        with contextlib.suppress(Exception), self.lock.acquire(timeout=10):  # a stop does not wait long
             self.remove_bookkeeping_temps()
             if self.fingerprint is not None and self.journal_owner() == self.fingerprint and self.unlisted:
                 self.write_manifest(self.current_manifest())

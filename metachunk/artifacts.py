@@ -169,11 +169,19 @@ def remove_dead_temps(path: Path) -> None:
     a lost node): each names its writer, and one whose process is gone from this host's process
     space is removed. A live writer's, another host's (a shared file system) or another container's
     is left alone."""
-    here = process_space()
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid, at, rest = stale.name[len(path.name) + 2 :].partition("@")
-        if at and pid.isdigit() and rest.startswith(f"{here}.") and not _pid_alive(int(pid)):
+        if temp_writer_gone(stale.name[len(path.name) + 2 :]):
             stale.unlink(missing_ok=True)
+
+
+def temp_writer_gone(tail: str, mine: bool = False) -> bool:
+    """Whether the writer a temp file names is gone: ``tail`` is the part of the temp's name after
+    ``.TARGET.`` (``PID@HOST+NS.XXXX.tmp``). Gone: a process of this host's process space that no
+    longer runs, or with ``mine`` this process (a stop that cut its own write short)."""
+    pid, at, rest = tail.partition("@")
+    if not (at and pid.isdigit() and rest.startswith(f"{process_space()}.")):
+        return False
+    return (mine and int(pid) == os.getpid()) or not _pid_alive(int(pid))
 
 
 def _temp_file(path: Path):

@@ -306,6 +306,33 @@ def test_a_folder_of_many_shards_enters_them_in_a_journal_and_a_resume_reads_bot
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_shards_temp_file_is_removed_only_when_its_writer_is_gone(tmp_path):
+    """A run's start removes the temp files a killed writer left for its shards, never a live run's
+    (the same command started twice); a stopped run removes its own too (``mine``)."""
+    from metachunk.chunking.shards import ShardedOutput, ShardPlan
+
+    from metachunk.artifacts import process_space
+
+    plan = ShardPlan(documents=20, shards=2)
+    out = ShardedOutput(tmp_path, plan, "jsonl")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        temps = {who: tmp_path / f".{plan.name(0, 'jsonl')}.{pid}@{process_space()}.x1y2.tmp"
+                 for who, pid in (("live", live.pid), ("dead", dead.pid), ("mine", os.getpid()))}  # fmt: skip
+        for t in temps.values():
+            t.write_text("part of a shard")
+        out.remove_stale_temps([0, 1])
+        assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == sorted(
+            temps[w].name for w in ("live", "mine")
+        )
+        out.remove_stale_temps([0, 1], mine=True)
+        assert [p.name for p in tmp_path.glob(".*.tmp")] == [temps["live"].name]
+    finally:
+        live.kill()
+
+
 def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, emma, tiny_model_dir):
     docs = [{"id": f"{r['id']}-{k}", "text": r["text"]} for k in range(8) for r in emma]  # 480
     src = write_jsonl(tmp_path / "emma.jsonl", docs)
