@@ -21,7 +21,7 @@ start the next window at that unit. Here:
   a failed request) is asked again ``--lumber-retries`` times (default 0) as a fresh request, then
   cut by the fallback: the whole window becomes a chunk (it ends at a unit boundary, so at a
   sentence end, and holds about the token budget) and the next window starts after it. Each
-  fallback is counted by reason in the run's line of ``runs.jsonl``.
+  fallback is counted by reason in the run's line of its run log (``OUTPUT.runs.jsonl``).
 * **Structured answers.** With the teacher's ``structured_output`` other than ``none``, each
   window asks for ``{"id": n}`` (``chunking/prompts/lumber.schema.json``) with ``id`` narrowed to an
   enum of the window's later IDs (`window_schema`), so a server that decodes under the schema

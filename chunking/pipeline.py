@@ -231,7 +231,7 @@ class ChunkConfig:
         "model weights dtype; auto = bfloat16 on a GPU and on a CPU that computes it natively (AMX or "
         "AVX-512 BF16 flags: faster where the matrix products dominate; docs/performance.md), "
         "float32 elsewhere; float32 is exact (equals the per-sentence reference within 1e-4); the run's "
-        "manifest records what was picked and why",
+        "line in its run log (OUTPUT.runs.jsonl, a folder's runs.jsonl) records what was picked and why",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     long_context: str = option(

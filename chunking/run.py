@@ -72,7 +72,7 @@ def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, pr
 
 def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
     """``metachunk chunk INPUT -o OUTPUT``: scan, plan, (resume,) chunk, finish; returns the run's
-    manifest. ``-o FILE.jsonl`` is the one-shard plan, run here and written with ``FILE.meta.json``
+    manifest, with this attempt's run-log line under ``run``. ``-o FILE.jsonl`` is the one-shard plan, run here and written with ``FILE.meta.json``
     as one pair; ``-o DIR`` is the folder of shards (`chunk_folder`). Every method and option
     works both ways.
 

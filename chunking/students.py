@@ -7,7 +7,8 @@ its job on the prompt it was trained on. This module is the one home of that pro
 rows and the chunker build it with the same functions:
 
 * the instruction: ``chunking/prompts/student_{task}.{lang}.txt`` (its sha256 is its version,
-  recorded on every SFT row and in the run log of every chunk run that uses it);
+  recorded on every SFT row, and in the ``.meta.json`` (``prompt_sha256``) and the run log of every
+  chunk run that uses it);
 * the context, as spans of the document (what distill records store as ``context_spans``): the
   document around the chunk (`window_span`: all of it when it fits in ``max_context_chars``,
   else a window centred on the chunk), or the chunk's ``top_k`` most similar chunks of the same

@@ -1,7 +1,7 @@
 """Constrained decoding of the MoC experts (chunking/moc_grammar.py, --moc-constrained): the answer schema
 file, xgrammar's logits processor on a random tiny model (every answer that ends parses, an answer
 the budget cuts is truncated, never invalid JSON), the free-decoding path of --no-moc-constrained,
-and what the run's manifest records."""
+and what the run's meta (its config) and run log (the `moc` block) record."""
 
 from __future__ import annotations
 

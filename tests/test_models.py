@@ -65,7 +65,7 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it_natively():
     assert pick_dtype("float32", "cpu", AMX) == ("float32", "asked for")  # the exact path stays exact
 
 
-def test_the_chunk_manifest_records_the_dtype_and_why(tmp_path, tiny_model_dir, monkeypatch):
+def test_the_chunk_run_log_records_the_dtype_and_why(tmp_path, tiny_model_dir, monkeypatch):
     from metachunk import models
 
     src = tmp_path / "d.jsonl"
