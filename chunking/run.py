@@ -27,6 +27,7 @@ from metachunk.chunking.shards import (
     distributed_rank,
     is_dataset_dir,
     manifest_head,
+    model_fingerprints,
     reads,
     run_local,
     run_ray,
@@ -72,9 +73,9 @@ def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, pr
 
 def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:
     """``metachunk chunk INPUT -o OUTPUT``: scan, plan, (resume,) chunk, finish; returns the run's
-    manifest, with this attempt's run-log line under ``run``. ``-o FILE.jsonl`` is the one-shard plan, run here and written with ``FILE.meta.json``
-    as one pair; ``-o DIR`` is the folder of shards (`chunk_folder`). Every method and option
-    works both ways.
+    manifest, with this attempt's run-log line under ``run``. ``-o FILE.jsonl`` is the one-shard
+    plan, run here and written with ``FILE.meta.json`` as one pair; ``-o DIR`` is the folder of
+    shards (`chunk_folder`). Every method and option works both ways.
 
     ``restart_if_changed``: a folder another run wrote is started again instead of refused (for a
     stage's own intermediate folder, such as ``data sample``'s ``OUT/ppl/``)."""
@@ -95,17 +96,13 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     (`OutputPair`); then the attempt's line in ``OUTPUT.runs.jsonl``."""
     from tqdm import tqdm
 
-    from metachunk.models import fingerprint as model_fingerprint
-    from metachunk.models import is_model
-
     rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
     # Every line checked before any model loads: a bad line 9,000 should not cost a model load
     # and 8,999 documents of work. Texts are not kept; the run streams them again.
     index = source.scan(progress=progress)
     rejected = finish_rejects(rejects, "chunk")
-    # Before any model loads, as a folder's manifest head: a model that cannot be found stops the run here.
-    models = {name: model_fingerprint(name) for name in reads(cfg).models if is_model(name)}
+    models = model_fingerprints(cfg)  # before any model loads, as a folder's manifest head
     plan = ShardPlan(index.documents, 1)
     started = time.perf_counter()
     worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)

@@ -291,9 +291,6 @@ class ShardedOutput:
         except (OSError, ValueError, AttributeError):
             return None
 
-    def with_journal(self, manifest: dict) -> dict:
-        return with_journal(manifest, self.journal)
-
     def write_manifest(self, manifest: dict) -> None:
         """The manifest, then a journal holding only its header: every shard is in the manifest now.
         A kill between the two leaves the old journal, whose shards the manifest already lists."""
@@ -317,7 +314,7 @@ class ShardedOutput:
                         "(use --overwrite to replace its shards, or another -o)"
                     )  # fmt: skip
             if previous is not None:
-                previous = self.with_journal(previous)
+                previous = with_journal(previous, self.journal)
             if previous is not None and previous.get("fingerprint") != head["fingerprint"]:
                 # A run that stopped before its first shard (its model refused, say) leaves nothing to keep.
                 overwrite = overwrite or restart_if_changed or not previous.get("shards", {}).get("done")
@@ -360,7 +357,7 @@ class ShardedOutput:
         manifest = self.read_manifest()
         if manifest is None or manifest.get("fingerprint") != self.fingerprint:
             raise self.taken_over()
-        return self.with_journal(manifest)
+        return with_journal(manifest, self.journal)
 
     def taken_over(self) -> InputError:
         return InputError(
@@ -503,17 +500,22 @@ def reads(cfg) -> Reads:
     )
 
 
+def model_fingerprints(cfg) -> dict:
+    """The fingerprint of every model a chunk run reads (`reads`), by name: what a file's meta and a
+    folder's manifest record. A model that cannot be found stops the run here, before any loads."""
+    from metachunk.models import fingerprint, is_model
+
+    return {name: fingerprint(name) for name in reads(cfg).models if is_model(name)}
+
+
 def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan) -> dict:
     """The deterministic part of the manifest, with the fingerprint that resume compares."""
     from metachunk import __version__
-    from metachunk.models import fingerprint as model_fingerprint
-    from metachunk.models import is_model
     from metachunk.prompts import file_hashes
 
     computed = {k: v for k, v in config.computed(cfg).items() if k not in PLACE_FIELDS}
-    what = reads(cfg)
-    models = {name: model_fingerprint(name) for name in what.models if is_model(name)}
-    prompts = file_hashes(what.prompts)
+    models = model_fingerprints(cfg)
+    prompts = file_hashes(reads(cfg).prompts)
     fingerprint_of = {
         "config": json_sha256(computed),
         "input": index.sha256,
