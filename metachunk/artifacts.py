@@ -154,7 +154,8 @@ def _owner() -> str:
     return f"{os.getpid()}@{process_space()}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs in this process space."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -181,7 +182,7 @@ def temp_writer_gone(tail: str, mine: bool = False) -> bool:
     pid, at, rest = tail.partition("@")
     if not (at and pid.isdigit() and rest.startswith(f"{process_space()}.")):
         return False
-    return (mine and int(pid) == os.getpid()) or not _pid_alive(int(pid))
+    return (mine and int(pid) == os.getpid()) or not pid_alive(int(pid))
 
 
 def _temp_file(path: Path):
@@ -503,6 +504,12 @@ def read_run_log(output: str | Path) -> list[dict]:
     """The attempts `append_run_log` recorded for ``output`` (a folder or a file), oldest first ([]
     when none)."""
     return read_records_appended(run_log_path(output))
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def json_sha256(obj) -> str:

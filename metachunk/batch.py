@@ -81,6 +81,43 @@ def _client(cfg: TeacherConfig):
                          timeout=cfg.timeout)  # fmt: skip
 
 
+def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: float):
+    """``batches.create`` for one uploaded file, run once at the provider whatever fails on the way.
+    openai's client sends no idempotency key and retries a create whose answer was lost (a 502, a
+    connection reset): the provider would run, and bill, a second batch of the same requests. So each
+    try here is sent once, and after a failed one the provider's list says whether it was made."""
+    import openai
+
+    once = client.with_options(max_retries=0)
+    attempt = 0
+    while True:
+        try:
+            return once.batches.create(input_file_id=file_id, endpoint=cfg.batch_endpoint,
+                                       completion_window=cfg.completion_window,
+                                       metadata={"metachunk_batch": batch})  # fmt: skip
+        except (openai.APIConnectionError, openai.APIStatusError) as e:
+            status = getattr(e, "status_code", None)  # None: the connection failed or timed out
+            if attempt == cfg.max_retries or not (
+                status is None or status in (408, 409, 429) or status >= 500
+            ):
+                raise
+        time.sleep(min(0.5 * 2**attempt, 8.0))
+        attempt += 1
+        if (made := batch_of_file(client, file_id, since)) is not None:
+            return made
+
+
+def batch_of_file(client, file_id: str, since: float):
+    """The provider's batch made from ``file_id``, or None. The list is newest first: it is read back
+    to a few minutes before ``since`` (when the file was uploaded), not through the account's history."""
+    for batch in client.batches.list(limit=100):
+        if batch.input_file_id == file_id:
+            return batch
+        if batch.created_at < since - 600:
+            return None
+    return None
+
+
 def endpoint_name(cfg: TeacherConfig) -> str:
     return f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}"
 
@@ -130,9 +167,7 @@ def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None
             body = "".join(line for k, line, _ in lines if k in keep).encode("utf-8")
             uploaded = client.files.create(file=(f"metachunk-{batch}.jsonl", body), purpose="batch")
             store.update_batch(batch, input_file_id=uploaded.id, status="uploaded")
-            created = client.batches.create(input_file_id=uploaded.id, endpoint=cfg.batch_endpoint,
-                                            completion_window=cfg.completion_window,
-                                            metadata={"metachunk_batch": batch})  # fmt: skip
+            created = create_once(client, cfg, uploaded.id, batch, since=time.time())
             store.update_batch(batch, batch_id=created.id, status="submitted")
             counts.batches += 1
             counts.requests += len(claimed)
@@ -158,22 +193,22 @@ def wait(
                 continue
             cfg = teacher.cfg
             client = clients.get(row["endpoint"]) or clients.setdefault(row["endpoint"], _client(cfg))
-            if row["being_submitted"]:  # another live run is uploading it or creating the batch: not yet ours
+            # uploaded, and its run killed before batches.create: a run that takes it over creates it
+            recovering = row["batch_id"] is None and row["status"] == "uploaded"
+            if row["being_submitted"] or (recovering and not store.take_batch(row["id"])):
+                # another live run is uploading it, creating the batch, or recovering it: not yet ours
                 delay = cfg.batch_poll_seconds
                 next_poll = delay if next_poll is None else min(next_poll, delay)
                 continue
             if row["status"] == "claimed":  # killed before the upload: nothing was sent
                 store.drop_batch(row["id"])
                 continue
-            if row["batch_id"] is None:  # killed between upload and batches.create
-                found = [b for b in client.batches.list(limit=100) if b.input_file_id == row["input_file_id"]]
-                if not found:
-                    created = client.batches.create(input_file_id=row["input_file_id"], endpoint=cfg.batch_endpoint,
-                                                    completion_window=cfg.completion_window,
-                                                    metadata={"metachunk_batch": row["id"]})  # fmt: skip
-                    found = [created]
-                store.update_batch(row["id"], batch_id=found[0].id, status="submitted")
-                row["batch_id"] = found[0].id
+            if recovering:
+                found = batch_of_file(client, row["input_file_id"], since=row["created"])
+                if found is None:
+                    found = create_once(client, cfg, row["input_file_id"], row["id"], since=row["created"])
+                store.update_batch(row["id"], batch_id=found.id, status="submitted")
+                row["batch_id"] = found.id
             batch = client.batches.retrieve(row["batch_id"])
             if batch.status in TERMINAL:
                 collect(store, teacher, row, batch, client, counts)
@@ -224,10 +259,11 @@ def collect(store: AnswerStore, teacher: Teacher, row: dict, batch, client, coun
                                                 usage_estimated=estimated))  # fmt: skip
                     states[key] = "answered"
                     continue
-            message = redact(json.dumps(item.get("error") or body or {}, ensure_ascii=False)[:500])
-            answers.append(
-                StoredAnswer(key, cfg.model, "error", f"batch_http_{status_code}", message, 0, 0, 0.0)
-            )
+            # A 200 whose body is no chat completion was generated, and billed: its worst case, as online.
+            billed = reserved[key] if ok and status_code == 200 else 0.0
+            message = redact(json.dumps(item.get("error") or body or {}, ensure_ascii=False))
+            answers.append(StoredAnswer(key, cfg.model, "error", f"batch_http_{status_code}",
+                                        message[:500], 0, 0, billed))  # fmt: skip
             states[key] = "failed"
     for key in reserved:  # no line: expired with the batch (or the whole batch failed)
         states.setdefault(key, "failed" if batch.status == "failed" else "expired")

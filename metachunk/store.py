@@ -41,7 +41,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from metachunk.artifacts import InputError, process_space
+from metachunk.artifacts import InputError, pid_alive, process_space
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
@@ -99,6 +99,10 @@ _ADDED_COLUMNS = (
 )
 
 LEASE_SECONDS = 30.0  # a claim not renewed for this long belongs to a dead process
+# ... unless its owner runs in this process space, where it is asked: a process stopped (Ctrl-Z) or
+# waiting on the store's lock for longer than the lease cannot renew it, yet will send. The lease then
+# only bounds how long a reused pid holds the claim.
+SAME_SPACE_GRACE_SECONDS = 3600.0
 # A batch whose file another process was uploading counts as orphaned after this long: on another
 # machine its process cannot be asked whether it still runs, and an upload of the largest file allowed
 # takes minutes.
@@ -321,8 +325,10 @@ class AnswerStore:
         )
 
     def _alive(self, host: str, pid: int, expires: float) -> bool:
-        # a dead owner in this process space is known at once, not after its lease
-        return expires >= time.time() and not self._known_dead(host, pid)
+        # an owner in this process space is asked (a dead one is known at once); elsewhere the lease says
+        if host == self.host:
+            return expires + SAME_SPACE_GRACE_SECONDS >= time.time() and pid_alive(pid)
+        return expires >= time.time()
 
     def _known_dead(self, host: str, pid: int, legacy: bool = False) -> bool:
         """True when ``pid`` ran in this process space (host and PID namespace) and is gone; a process
@@ -330,21 +336,16 @@ class AnswerStore:
         version wrote names the host alone, and is asked here as that version asked it."""
         if host != self.host and not (legacy and host == self.host.rsplit("+", 1)[0]):
             return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, under another user
-            pass
-        return False
+        return not pid_alive(pid)
 
     def _reserved(self, excluding: str = "") -> float:
-        """The reservations of every unexpired claim, this process's and others'. A dead owner's
-        count until `claims_in_flight` clears them: erring high, and one query per request
-        instead of a liveness check per claim."""
+        """The reservations of every claim that may be live (its lease unexpired, or within the grace
+        an owner in this process space gets), this process's and others'. A dead owner's count until
+        `claims_in_flight` clears them: erring high, and one query per request instead of a
+        liveness check per claim."""
         (total,) = self._db.execute(
             "SELECT COALESCE(SUM(reserved), 0) FROM claims WHERE expires >= ? AND key != ?",
-            (time.time(), excluding),
+            (time.time() - SAME_SPACE_GRACE_SECONDS, excluding),
         ).fetchone()
         return total
 
@@ -417,6 +418,27 @@ class AnswerStore:
     def update_batch(self, batch: str, **fields) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
         self._db.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*fields.values(), batch))
+
+    def take_batch(self, batch: str) -> bool:
+        """Take over an uploaded batch whose submitting run is gone, to create it at the provider:
+        True for one process only (the check and the take are one transaction), so two runs
+        recovering the same killed one do not both create it. Across machines a run is asked only by
+        the upload window, as `live_batches` asks it."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._db.execute(
+                "SELECT batch_id, host, pid, created FROM batches WHERE id = ?", (batch,)
+            ).fetchone()
+            taken = row is not None and row[0] is None and not self._submitting(*row[1:])
+            if taken:
+                self._db.execute(
+                    "UPDATE batches SET host = ?, pid = ? WHERE id = ?", (self.host, os.getpid(), batch)
+                )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return taken
 
     def live_batches(self) -> list[dict]:
         """Batches not done yet, oldest first, with their request keys."""

@@ -28,16 +28,17 @@ A send that got no answer may still have been billed (a read timeout, which open
 retries; a stream cut mid-answer; a 200 whose body does not parse): each is counted at the
 reservation's worst case in the stored row's cost, counted on the wire per request key
 (`Endpoint.take_counts`), so that the budget sees it and a rerun sending it again cannot spend
-without bound. An error status counts nothing, nor do the tries of a request whose last try never
-connected (a server that is down).
+without bound. Each try is counted alone: one whose connection never opened counts nothing, nor
+does an error status that says the request was not served (a gateway's 502 or 504 may hide an
+upstream that answered, and counts).
 
 The overshoot bound: a run stops before a reservation passes the cap, and reservations are upper
 bounds once the endpoint is calibrated, so the spend passes the cap by at most what the requests
 holding a claim when the cap is reached cost above their reservations. Claims are taken before an
 endpoint's concurrency slot, so they number up to the run's workers (docs/reliability.md), and a
-request whose sends time out may cost up to ``max_retries + 1`` worst cases; a streamed one whose
-streams break, up to ``(max_retries + 1)**2`` (each retry of a broken stream is retried by the client
-on a timeout too).
+request may cost up to ``(max_retries + 1)**2`` worst cases: we retry a broken stream or a 200 that
+does not parse, and the client retries each of those tries on a timeout (times the endpoints, with
+``base_urls``: a request that fails to connect moves to the next).
 
 **Structured outputs.** A stage whose answer must be JSON passes its answer schema
 (`Schema`) with the request, and the teacher's ``structured_output`` says
@@ -101,6 +102,11 @@ CONVENTIONAL_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # what a variable 
 R = TypeVar("R")
 
 SENDS_SCHEMA = ("json_schema", "json_object_schema")
+# Error statuses from a gateway in front of the model server, whose upstream may have received the
+# request and generated (and billed) the answer: 502 and 504 (RFC 9110 15.6.3, 15.6.5), and
+# Cloudflare's 520 and 524, sent when the origin took the request but did not answer in time
+# (https://httpcodes.fyi/524/). Every other error status says the request was not served.
+MAYBE_SERVED_STATUSES = frozenset({502, 504, 520, 524})
 
 
 def response_format(mode: str, schema: Schema | None) -> dict | None:
@@ -656,7 +662,8 @@ class Endpoint:
         # The aiohttp transport keeps the httpx2 client in front (its event hooks, and openai's retries,
         # work unchanged) but replaces httpcore2's pool, which scans every pooled connection on each
         # request: at 64 connections that alone costs ~1 ms of CPU per request.
-        http = openai.DefaultAioHttpClient(
+        http = _wire_client_class()(
+            self._note_unopened,
             limits=httpx2.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
             timeout=cfg.timeout,
             event_hooks={"request": [self._wait_out_pause], "response": [self._note_rate_limit]},
@@ -672,14 +679,20 @@ class Endpoint:
         self.requests = TokenBucket(cfg.rpm) if cfg.rpm else None
         self.tokens = TokenBucket(cfg.tpm) if cfg.tpm else None
         self.sent = 0
-        # Per request key: the HTTP requests that left (openai's retries included) and those answered by
-        # an error status, which no provider bills. The rest may have been billed: `Teacher._send` counts them.
+        # Per request key, every try counted (openai's retries included): the HTTP requests that left,
+        # those answered by an error status that says the request was not served, and those whose
+        # connection never opened. The rest may have been billed: `Teacher._send` counts them.
         self.requests_sent: dict[str, int] = {}
-        self.error_statuses: dict[str, int] = {}
+        self.not_served: dict[str, int] = {}
+        self.unopened: dict[str, int] = {}
+        # When each key's last try left: a stream's deadline counts from it.
+        self.left_at: dict[str, float] = {}
 
     def take_counts(self, key: str) -> tuple[int, int]:
-        """``(requests sent, answered by an error status)`` for ``key`` since the last call."""
-        return self.requests_sent.pop(key, 0), self.error_statuses.pop(key, 0)
+        """``(requests sent, of which never served)`` for ``key`` since the last call."""
+        self.left_at.pop(key, None)
+        sent = self.requests_sent.pop(key, 0)
+        return sent, self.not_served.pop(key, 0) + self.unopened.pop(key, 0)
 
     async def _wait_out_pause(self, request) -> None:
         while (delay := self.pause_until - time.monotonic()) > 0:
@@ -687,11 +700,21 @@ class Endpoint:
         key = request.headers.get("X-Request-Key")
         if key is not None:  # counted as it leaves: a stop during the pause sent nothing
             self.requests_sent[key] = self.requests_sent.get(key, 0) + 1
+            self.left_at[key] = asyncio.get_running_loop().time()
+
+    def _note_unopened(self, request) -> None:
+        key = request.headers.get("X-Request-Key")
+        if key is not None:
+            self.unopened[key] = self.unopened.get(key, 0) + 1
 
     async def _note_rate_limit(self, response) -> None:
         key = response.request.headers.get("X-Request-Key")
-        if key is not None and response.status_code >= 400:
-            self.error_statuses[key] = self.error_statuses.get(key, 0) + 1
+        if (
+            key is not None
+            and response.status_code >= 400
+            and response.status_code not in MAYBE_SERVED_STATUSES
+        ):
+            self.not_served[key] = self.not_served.get(key, 0) + 1
         if response.status_code == 429:
             delay = retry_after_seconds(response.headers)
             delay = 1.0 if delay is None or delay <= 0 else min(delay, 120.0)
@@ -717,7 +740,6 @@ class Endpoint:
                 return response.text
             # openai's client sends it (its retries cover everything before the first byte of the
             # stream) and parses the SSE events; an error event inside the stream raises APIError.
-            end = asyncio.get_running_loop().time() + self.cfg.timeout
             stream = await self.client.post(
                 "/chat/completions",
                 body=wire_body(self.cfg, payload),
@@ -726,10 +748,12 @@ class Endpoint:
                 stream_cls=openai.AsyncStream[object],
                 options=options,
             )
-            return await self._read_stream(stream, end)
+            # ``timeout`` after the try that answered left: not after the first, nor a 429's pause
+            loop = asyncio.get_running_loop()
+            return await self._read_stream(stream, self.left_at.get(key, loop.time()) + self.cfg.timeout)
 
     async def _read_stream(self, stream, end: float) -> str:
-        """Assemble the chunks, by ``end`` (``timeout`` after the request left) and within
+        """Assemble the chunks, by ``end`` (``timeout`` after the answering try left) and within
         ``stream_idle_timeout`` between two chunks."""
         import openai
 
@@ -805,7 +829,7 @@ class EndpointGroup:
             why = f"code {code}" if code in self.permanent_codes else f"{self.refusals} requests in a row"
             self.refused_for_good = redact(
                 f"teacher {self.cfg.model!r} at {self.url} refuses the request ({why}): HTTP "
-                f"{error.status_code}{' ' + code if code else ''}: {_short(message)}"
+                f"{error.status_code}{' ' + code if code else ''}: {_short(redact(message))}"
             )
 
     def check_reachable(self) -> None:
@@ -843,11 +867,9 @@ class EndpointGroup:
             try:
                 response = await endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:
-                reason, opened = _transport_reason(e)
+                reason = _transport_reason(e)
                 if len(self.endpoints) == 1 or reason != "connection":
                     raise
-                if not opened:  # tried on the next endpoint: this one never received it, however often tried
-                    endpoint.take_counts(key)
                 endpoint.down_for = min(60.0, max(1.0, 2 * endpoint.down_for))
                 endpoint.down_until = time.monotonic() + endpoint.down_for
                 tried.add(id(endpoint))
@@ -859,17 +881,15 @@ class EndpointGroup:
             endpoint.down_for = 0.0
             return response, endpoint
 
-    def sends_maybe_billed(self, key: str, answered: bool = False, never_sent: bool = False) -> int:
+    def sends_maybe_billed(self, key: str, answered: bool = False) -> int:
         """How many of the requests sent for ``key`` since the last call, on any endpoint, may have
-        been billed without an answer: every one that left, less those answered by an error status
-        (no provider bills one) and the answer itself (``answered``). ``never_sent``: the last try's
-        connection never opened; openai's client retried it as it retries a timeout, and the tries
-        are taken to have failed alike (a server that is down is billed nothing)."""
-        sent = refused = 0
+        been billed without an answer: every try that left, less those never served (an error status
+        that says so, a connection that never opened) and the answer itself (``answered``)."""
+        sent = unserved = 0
         for endpoint in self.endpoints:
-            s, r = endpoint.take_counts(key)
-            sent, refused = sent + s, refused + r
-        return 0 if never_sent else max(0, sent - refused - int(answered))
+            s, u = endpoint.take_counts(key)
+            sent, unserved = sent + s, unserved + u
+        return max(0, sent - unserved - int(answered))
 
     async def close(self) -> None:
         for endpoint in self.endpoints:
@@ -996,9 +1016,18 @@ class Teacher:
 
     # -- token counts for reservations and for answers without usage
 
-    def _tokens_per_byte(self) -> float:
-        """The endpoint's largest billed prompt tokens per byte so far; 1.0 before any answer."""
-        return max(self.store.tokens_per_byte(self.calibration_key) or 0.0, 0.0) or 1.0
+    def calibrated_as(self, contents: list[str]) -> str:
+        """The calibration row for texts like ``contents``: the endpoint's, for their share of
+        non-ASCII bytes in quarters. A BPE spends about twice the tokens per byte on Chinese as on
+        English, so a ratio learnt on English prompts is no upper bound for Chinese ones."""
+        size = sum(len(c.encode("utf-8")) for c in contents)
+        non_ascii = size - sum(len(c.encode("ascii", "ignore")) for c in contents)
+        return f"{self.calibration_key} #{round(4 * non_ascii / max(1, size))}/4 non-ASCII"
+
+    def _tokens_per_byte(self, contents: list[str]) -> float:
+        """The largest billed prompt tokens per byte so far for texts like ``contents``; 1.0 before
+        any answer."""
+        return max(self.store.tokens_per_byte(self.calibrated_as(contents)) or 0.0, 0.0) or 1.0
 
     def count_tokens(self, text: str, messages: list[dict] | None = None) -> int:
         """Tokens of ``messages`` (a prompt) or ``text`` (an answer): the teacher's tokenizer when
@@ -1013,9 +1042,10 @@ class Teacher:
             body = sum(len(self._tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
             return body + TEMPLATE_TOKENS * (len(messages) + 1)
         if messages is None:
-            return math.ceil(len(text.encode("utf-8")) * self._tokens_per_byte())
+            return math.ceil(len(text.encode("utf-8")) * self._tokens_per_byte([text]))
         template = TEMPLATE_TOKENS * (len(messages) + 1)
-        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte()) + template
+        contents = [m["content"] for m in messages]
+        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte(contents)) + template
 
     async def complete(
         self, messages: list[dict], prompt_sha: str, attempt: int = 0, schema: Schema | None = None
@@ -1129,7 +1159,8 @@ class Teacher:
             raise
         calibration = None
         if row.ok and not row.usage_estimated:
-            calibration = (self.calibration_key, row.prompt_tokens / max(1, prompt_bytes(messages)))
+            calibrated_as = self.calibrated_as([m["content"] for m in messages])
+            calibration = (calibrated_as, row.prompt_tokens / max(1, prompt_bytes(messages)))
         self.store.put(row, calibration)
         self.endpoint.check_reachable()  # after the put: the failure is recorded for the rerun
         self.budget.paid += row.cost
@@ -1148,7 +1179,8 @@ class Teacher:
         # A send that got no answer may still be billed: the server may have generated it (a read timeout, a
         # stream cut mid-answer, a 200 whose body did not parse). Each is counted at the reservation's worst
         # case, in the row's cost, so that the budget sees it and a rerun that sends it again cannot spend
-        # without bound. A connection that never opened and an error status are not billed.
+        # without bound. A try whose connection never opened is not, nor one answered by an error status
+        # that says it was not served.
         worst_case = self.price.cost(prompt_estimate, max_tokens)
         billed = (
             self.maybe_billed
@@ -1158,9 +1190,9 @@ class Teacher:
             try:
                 raw, via = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
-                reason, opened = _transport_reason(e)
+                reason = _transport_reason(e)
                 self.endpoint.note_connection(reason == "connection")
-                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key, never_sent=not opened)
+                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
                 return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, billed.pop(key))
             except openai.APIStatusError as e:
                 self.endpoint.note_connection(False)
@@ -1168,7 +1200,7 @@ class Teacher:
                 if e.status_code in (401, 403, 404):
                     raise FatalTeacherError(
                         redact(
-                            f"teacher {model!r} at {self.endpoint.url}: HTTP {e.status_code}: {_short(e.message)}"
+                            f"teacher {model!r} at {self.endpoint.url}: HTTP {e.status_code}: {_short(redact(e.message))}"
                         )
                     ) from None
                 self.endpoint.note_refusal(e if e.status_code in (400, 422) else None)
@@ -1177,7 +1209,7 @@ class Teacher:
                     model,
                     "error",
                     f"http_{e.status_code}",
-                    redact(_short(e.message)),
+                    _short(redact(e.message)),
                     0,
                     0,
                     billed.pop(key),
@@ -1190,7 +1222,7 @@ class Teacher:
                 if attempt < self.cfg.max_retries:
                     await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
                     continue
-                return StoredAnswer(key, model, "error", e.reason, redact(_short(raw)), 0, 0, billed.pop(key))
+                return StoredAnswer(key, model, "error", e.reason, _short(redact(raw)), 0, 0, billed.pop(key))
             self.endpoint.note_connection(False)
             self.endpoint.note_refusal(None)
             raw = redact(raw, headers=False)
@@ -1218,23 +1250,57 @@ class Teacher:
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
         return StoredAnswer(
-            key, model, "error", "malformed_response", redact(_short(raw)), 0, 0, billed.pop(key)
+            key, model, "error", "malformed_response", _short(redact(raw)), 0, 0, billed.pop(key)
         )
 
 
-def _transport_reason(error: openai.APIConnectionError) -> tuple[str, bool]:
-    """``(reason, opened)``: ``timeout`` or ``connection``, and whether the last request reached the
-    server (False when its connection never opened: nothing was sent, so nothing was billed). The
-    aiohttp transport reports every failed connection (refused, reset, closed early) as a connect
-    timeout; the aiohttp error underneath tells them apart."""
+def _transport_reason(error: openai.APIConnectionError) -> str:
+    """``timeout`` or ``connection``. The aiohttp transport reports every failed connection (refused,
+    reset, closed early) as a connect timeout; the aiohttp error underneath tells them apart. A
+    connection that never opened (refused, or a connect timeout: a host that drops packets) is
+    ``connection``: it counts towards ``max_connection_errors`` and moves the request to another of
+    ``base_urls``."""
     import aiohttp
     import openai
 
     cause = error.__cause__.__cause__ if error.__cause__ is not None else None
-    opened = not isinstance(cause, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+    if _never_opened(cause):
+        return "connection"
     if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError):
-        return "connection", opened
-    return ("timeout" if isinstance(error, openai.APITimeoutError) else "connection"), opened
+        return "connection"
+    return "timeout" if isinstance(error, openai.APITimeoutError) else "connection"
+
+
+def _never_opened(error: BaseException | None) -> bool:
+    """Whether aiohttp's ``error`` says the connection never opened: the request never left, so no
+    server saw it."""
+    import aiohttp
+
+    return isinstance(error, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+
+
+@functools.cache
+def _wire_client_class():
+    """openai's aiohttp client, telling ``on_unopened(request)`` of each try whose connection never
+    opened: openai's client retries those as it retries a read timeout and shows only the last try's
+    error, yet only the timeout may have been served (and billed). ``send`` is the public method
+    openai's client calls for every try (https://www.python-httpx.org/advanced/clients/)."""
+    import openai
+
+    class WireClient(openai.DefaultAioHttpClient):
+        def __init__(self, on_unopened: Callable, **kwargs):
+            super().__init__(**kwargs)
+            self.on_unopened = on_unopened
+
+        async def send(self, request, **kwargs):
+            try:
+                return await super().send(request, **kwargs)
+            except Exception as e:  # httpx2's error, raised from aiohttp's
+                if _never_opened(e.__cause__):
+                    self.on_unopened(request)
+                raise
+
+    return WireClient
 
 
 def _short(text: str, limit: int = 500) -> str:

@@ -118,6 +118,60 @@ def test_a_kill_mid_poll_resumes_polling_and_never_resubmits_a_live_batch(tmp_pa
     assert all(r["status"] == "ok" for r in records(tmp_path))
 
 
+def test_a_create_whose_answer_was_lost_runs_one_batch(tmp_path, capsys):
+    """The provider made the batch but a gateway answered 502. openai's client, which sends no
+    idempotency key, sent the create again: two batches of the same requests ran and were billed."""
+    with serve_in_subprocess(replies=REPLIES) as server:
+        recipe = write_job(tmp_path, server.base_url, markers={0: " [[batch:lose_create]]"})
+        assert main(["distill", "rewrite", "--config", str(recipe)]) == 0, capsys.readouterr().err
+        stats = server.stats()
+    assert len(stats["batches"]) == 3 and summary(tmp_path)["batch"]["batches"] == 3  # one per stage
+    assert all(n == 1 for n in stats["by_key"].values()) and stats["requests"] == 0
+    assert all(r["status"] == "ok" for r in records(tmp_path))
+
+
+def test_a_batch_answer_whose_body_does_not_parse_counts_its_worst_case(tmp_path, capsys):
+    """The provider generated (and billed) it: stored at $0, it was outside --max-cost, as online."""
+    with serve_in_subprocess(replies=REPLIES) as server:
+        recipe = write_job(tmp_path, server.base_url, n=2, markers={0: " [[batch:malformed]]"}, max_retries=0)
+        main(["distill", "rewrite", "--config", str(recipe)])
+    with sqlite3.connect(tmp_path / "run" / "answers.sqlite") as db:
+        rows = db.execute("SELECT a.cost, c.reserved FROM answers a JOIN batch_items c ON c.key = a.key"
+                          " WHERE a.reason = 'batch_http_200'").fetchall()  # fmt: skip
+    assert rows and all(cost == reserved > 0 for cost, reserved in rows)
+
+
+def test_two_runs_recovering_a_killed_runs_upload_create_one_batch(tmp_path):
+    """Run A was killed between its upload and batches.create. Runs B and C, on its store, both see it
+    gone and find no batch at the provider: only the one that takes it over creates it."""
+    from metachunk import batch
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherConfig
+
+    cfg = TeacherConfig("loopback", base_url="http://127.0.0.1:9/v1", mode="batch")
+    path = tmp_path / "answers.sqlite"
+
+    def in_another_run(code: str) -> str:
+        done = subprocess.run([sys.executable, "-c", "import sys\nfrom metachunk.store import AnswerStore\n"
+                               f"s = AnswerStore(sys.argv[1])\n{code}", str(path)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    # run A: claimed and uploaded (as its row says), then gone
+    in_another_run(f"b, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
+                   "s.update_batch(b, input_file_id='file-1', status='uploaded')")  # fmt: skip
+    store = AnswerStore(path)  # run B
+    (row,) = store.live_batches()
+    assert not row["being_submitted"]  # A is gone
+    assert store.take_batch(row["id"])
+    assert in_another_run(f"print(s.take_batch({row['id']!r}))") == "False"  # run C: B, alive, holds it
+    assert store.take_batch(row["id"])  # B may ask again
+    store.update_batch(row["id"], batch_id="batch_1", status="submitted")
+    store.close()
+    assert in_another_run(f"print(s.take_batch({row['id']!r}))") == "False"  # created: nothing to take
+
+
 def test_export_for_vllm_run_batch_then_import_its_results(tmp_path, capsys):
     recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")  # never contacted
     exported = tmp_path / "round1.jsonl"

@@ -14,14 +14,17 @@ document, so its marker does not leak into the context of other chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import os
 import random
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -242,6 +245,28 @@ def test_429_pauses_every_request_to_the_endpoint():
     assert len(later) == 7  # the retry and the six new requests
     for key, t in later:
         assert t >= pause_end, f"{key} left {pause_end - t:.3f} s before the pause ended"
+
+
+def test_a_streams_timeout_counts_from_the_try_that_answered():
+    """``timeout`` bounds a stream from when its request left. It was counted from the first try,
+    so a 429's pause longer than the timeout cut the answered stream at its first byte: a send
+    counted at its worst case, and sent again."""
+
+    async def scenario(base_url: str) -> str:
+        cfg = TeacherConfig(model="loopback", base_url=base_url, stream=True, timeout=1.0, max_retries=2)
+        endpoint = Endpoint(cfg)
+        try:
+            text = "paused longer than the timeout [[fault:429@1.5*1]][[fault:stall*2]]"
+            payload = {"model": "loopback", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+            return await endpoint.post(payload, "paused", 10)
+        finally:
+            await endpoint.close()
+
+    with serve_in_subprocess(latency=0.0, hang_seconds=0.3) as server:  # the answer stalls 0.3 s mid-stream
+        body = asyncio.run(asyncio.wait_for(scenario(server.base_url), 20))
+        stats = server.stats()
+    assert json.loads(body)["choices"][0]["finish_reason"] == "stop"
+    assert stats["by_outcome"] == {"429": 1, "stall": 1}
 
 
 # --------------------------------------------------------------------------------------------
@@ -755,6 +780,46 @@ def test_an_unreachable_endpoint_stops_the_run_early_with_one_line(tmp_path):
     assert seconds < 60
 
 
+@contextlib.contextmanager
+def dropping_connections():
+    """A port whose accept queue is full and never read: the kernel drops each new SYN, as a host behind
+    a firewall does, so a connection times out rather than being refused."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for s in [*fillers, listener]:
+            s.close()
+
+
+def test_an_endpoint_whose_connections_time_out_stops_the_run_as_unreachable(tmp_path):
+    """A connect timeout (packets dropped) was taken for a read timeout: it reset the count of
+    requests in a row that failed to connect, so the run sent every request to a dead host, each
+    waiting out its timeout. It is a failed connection: never billed, and counted towards the stop."""
+    docs = one_chunk_per_doc({f"c{i}": chunk_text(i) for i in range(30)})
+    teacher = {"timeout": 1.0, "max_retries": 0, "concurrency": 2, "max_connection_errors": 3}
+    with dropping_connections() as url:
+        job = make_job(
+            tmp_path, url, docs, teacher=teacher, prices={"loopback": {"input": 1.0, "output": 2.0}}
+        )
+        done = job.cli("rewrite", timeout=120)
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("metachunk:")]
+    assert f"cannot connect to {url}" in line
+    reasons = dict(job.query("SELECT reason, COUNT(*) FROM answers GROUP BY reason"))
+    assert (
+        set(reasons) == {"connection"} and 3 <= reasons["connection"] <= 3 + 4
+    )  # the bound, and those in flight
+    assert job.query("SELECT SUM(cost) FROM answers")[0][0] == 0.0  # nothing reached a server
+
+
 def test_summary_stops_at_an_unreachable_endpoint_whichever_stage_meets_it(tmp_path):
     """Summary asks two stages at once: the one that finds the endpoint unreachable stops the run
     even when the other stage failed first (its record is not written half-asked)."""
@@ -866,7 +931,8 @@ def test_sends_that_may_be_billed_without_an_answer_are_counted_at_their_worst_c
     """A read timeout (the server may have generated the answer), a stream cut mid-answer and a 200 whose
     body does not parse were stored at $0 and sent again by every rerun, outside any --max-cost. Each send
     now counts at the reservation's worst case: openai's own retries of a timeout included (counted on the
-    wire, by the X-Request-Key of each HTTP request); an error status (500) is never billed."""
+    wire, by the X-Request-Key of each HTTP request); an error status that says the request was not
+    served (500) is not, but a gateway's timeout (504: its upstream may have answered) is."""
     with serve_in_subprocess(latency=0.0, replies=REPLIES, hang_seconds=30) as server:
         once = _failed_row_cost(tmp_path / "hang0", server.base_url, "[[fault:hang]]", max_retries=0)
         thrice = _failed_row_cost(tmp_path / "hang2", server.base_url, "[[fault:hang]]", max_retries=2)
@@ -877,6 +943,7 @@ def test_sends_that_may_be_billed_without_an_answer_are_counted_at_their_worst_c
             tmp_path / "cut", server.base_url, "[[fault:malformed]]", max_retries=1, stream=True
         )
         refused = _failed_row_cost(tmp_path / "500", server.base_url, "[[fault:500]]", max_retries=2)
+        gateway = _failed_row_cost(tmp_path / "504", server.base_url, "[[fault:504]]", max_retries=2)
         # answered on the second send: the answer's own usage, plus the first send at its worst case
         job = make_job(tmp_path / "once", server.base_url, {"d": [chunk_text(7, "[[fault:malformed*1]]")]},
                        teacher={"max_retries": 1, "concurrency": 1},
@@ -888,9 +955,43 @@ def test_sends_that_may_be_billed_without_an_answer_are_counted_at_their_worst_c
     down = _failed_row_cost(tmp_path / "down", f"http://127.0.0.1:{closed_port()}/v1", "", max_retries=2)
     assert once > 0 and thrice == pytest.approx(3 * once)  # the same prompt, the same worst case
     assert malformed > 0 and cut > 0 and refused == 0.0 and down == 0.0
-    assert stats["by_outcome"]["500"] == 3
+    assert gateway == pytest.approx(3 * once, rel=0.01)  # openai's client retried the 504 twice
+    assert stats["by_outcome"]["500"] == 3 and stats["by_outcome"]["504"] == 3
     billed = (1000.0 * first[0] + 2000.0 * first[1]) / 1e6
     assert first[2] > billed * 1.5  # the malformed first send's worst case is more than its answer
+
+
+@contextlib.contextmanager
+def takes_one_request_then_goes_down():
+    """A server that takes one request, never answers it, and stops listening: openai's client retries
+    the read timeout and finds the port closed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        held.append(connection)
+        listener.close()
+        connection.recv(1 << 16)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+
+
+def test_a_timeout_then_a_server_that_went_down_counts_the_timeout(tmp_path):
+    """The tries of one request are counted one by one: the first was read (and may have been
+    generated and billed), the two after it found the port closed. The request used to count $0,
+    because its last try never connected."""
+    with serve_in_subprocess(latency=0.0, replies=REPLIES, hang_seconds=30) as server:
+        once = _failed_row_cost(tmp_path / "hang0", server.base_url, "[[fault:hang]]", max_retries=0)
+    with takes_one_request_then_goes_down() as url:
+        mixed = _failed_row_cost(tmp_path / "mixed", url, "[[fault:hang]]", max_retries=2)
+    assert once > 0 and mixed == pytest.approx(once)
 
 
 def test_a_stop_lets_the_sends_in_flight_finish_and_keeps_their_answers(tmp_path):

@@ -277,6 +277,24 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
     second.close()
 
 
+def test_a_live_owner_in_this_process_space_keeps_its_claim_past_its_lease(tmp_path):
+    """A process stopped (Ctrl-Z), or waiting on the store's lock, longer than the 30 s lease cannot
+    renew it, yet sends once it goes on: another run that took its claim paid for the request too."""
+    store = AnswerStore(tmp_path / "a.sqlite")
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with contextlib.closing(sqlite3.connect(store.path, isolation_level=None)) as db:
+            db.execute("INSERT INTO claims VALUES ('s', 'stopped', ?, ?, ?, 0.4)",
+                       (store.host, stopped.pid, time.time() - 60))  # fmt: skip
+        assert store.claim("s").outcome == "busy"
+        assert store.claim("t", reserve=0.7, limit=1.0).outcome == "over_budget"  # its reservation counts
+    finally:
+        stopped.kill()
+        stopped.wait()
+    assert store.claim("s").outcome == "claimed"  # gone: taken at once
+    store.close()
+
+
 def open_a_store_after(barrier, path, errors):
     barrier.wait()  # every process opens the new file at the same moment
     try:
@@ -472,10 +490,15 @@ def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teache
     plain = Teacher(TeacherConfig(model="m"), None, store, Price(), Budget(None, store))
     size = len("Be brief.Emma 爱 Knightley".encode())
     assert plain.count_tokens("", messages) == size + overhead  # uncalibrated: 1 token per byte
-    store.put(StoredAnswer("k", "m", "ok", "", "{}", 1, 1, 0.0), calibration=("", 0.25))
-    store.put(StoredAnswer("k2", "m", "ok", "", "{}", 1, 1, 0.0), calibration=("", 0.2))  # lower: kept max
-    assert store.tokens_per_byte("") == 0.25
+    key = plain.calibrated_as([m["content"] for m in messages])
+    store.put(StoredAnswer("k", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(key, 0.25))
+    store.put(StoredAnswer("k2", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(key, 0.2))  # lower: kept max
+    assert store.tokens_per_byte(key) == 0.25
     assert plain.count_tokens("", messages) == -(-size // 4) + overhead
+    # Chinese is calibrated apart: a ratio learnt on (mostly) English prompts is no upper bound for it
+    chinese = [{"role": "user", "content": "爱玛" * 10}]
+    assert plain.calibrated_as(["爱玛"]) != key
+    assert plain.count_tokens("", chinese) == len(("爱玛" * 10).encode()) + TEMPLATE_TOKENS * 2
     counted = Teacher(TeacherConfig(model="m", tokenizer=str(tiny_model_dir)), None, store, Price(),
                       Budget(None, store))  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

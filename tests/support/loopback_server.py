@@ -26,7 +26,9 @@ Endpoints
     ``by_key`` by ``custom_id`` and in ``batch_requests``. Markers in a line's messages:
     ``[[batch:error]]`` puts that line in the error file (status 500); ``[[batch:expire]]`` leaves it
     unanswered and ends the batch ``expired`` (the other lines in the output file); ``[[batch:fail]]``
-    fails the whole batch in validation (no output).
+    fails the whole batch in validation (no output); ``[[batch:malformed]]`` answers that line 200 with
+    a body that is no chat completion (no ``choices``). A file with ``[[batch:lose_create]]`` in a line:
+    its first ``POST /v1/batches`` makes the batch but answers 502, as a gateway that lost the answer.
 ``GET /stats``
     ``{"requests": n, "by_key": {key: n}, "by_outcome": {"ok": n, "429": n, ...},
     "response_format": {key: the last response_format that key's request carried}}`` over chat
@@ -118,7 +120,7 @@ else:  # run as a script: its folder is on sys.path
     from providers import FAKES
 
 FAULT_KINDS = (
-    "400", "401", "429", "500", "503", "hang", "malformed", "empty", "length", "think", "reasoning", "filter",
+    "400", "401", "429", "500", "503", "504", "hang", "malformed", "empty", "length", "think", "reasoning", "filter",
     "stream_error", "stall",
 )  # fmt: skip
 THINK_TEXT = "I reason about it."
@@ -139,7 +141,9 @@ _REASONS = {
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     501: "Not Implemented",
+    502: "Bad Gateway",
     503: "Service Unavailable",
+    504: "Gateway Timeout",
     401: "Unauthorized",
 }
 BILLING = ("quarter", "byte", "low", "none")
@@ -162,6 +166,7 @@ _ERROR_BODIES = {
     "429": _error_body("rate limited", "rate_limit_error"),
     "500": _error_body("internal server error", "server_error"),
     "503": _error_body("service unavailable", "server_error"),
+    "504": _error_body("upstream timed out", "server_error"),  # a gateway's: the upstream may have answered
 }
 
 
@@ -501,6 +506,10 @@ class LoopbackServer:
             if request.get("input_file_id") not in self.files:
                 return 400, _error_body("unknown input_file_id", "invalid_request_error")
             batch_id = f"batch_{len(self.batches) + 1}"
+            lose = b"[[batch:lose_create]]" in self.files[request["input_file_id"]]
+            lose = lose and not any(
+                b["input_file_id"] == request["input_file_id"] for b in self.batches.values()
+            )
             self.batches[batch_id] = {
                 "id": batch_id, "object": "batch", "endpoint": request.get("endpoint"), "errors": None,
                 "input_file_id": request["input_file_id"], "completion_window": request.get("completion_window"),
@@ -510,6 +519,8 @@ class LoopbackServer:
                 "metadata": request.get("metadata"),
             }  # fmt: skip
             self._polls[batch_id] = 0
+            if lose:
+                return 502, _error_body("bad gateway", "server_error")
             return 200, json.dumps(self.batches[batch_id]).encode()
         if parts[1] == "batches" and method == "GET" and len(parts) == 2:
             return 200, json.dumps({"object": "list", "data": list(self.batches.values()), "has_more": False,
@@ -556,6 +567,10 @@ class LoopbackServer:
             content = next(
                 (reply for pattern, reply in self._replies if pattern.search(text)), "answer " + key[:12]
             )
+            if "[[batch:malformed]]" in text:
+                output.append({"id": f"br-{key[:8]}", "custom_id": key, "error": None,
+                               "response": {"status_code": 200, "request_id": "r", "body": {"id": "x"}}})  # fmt: skip
+                continue
             body = json.dumps(payload)
             usage = {"prompt_tokens": max(1, len(body) // 4), "completion_tokens": max(1, len(content) // 4)}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -632,7 +647,7 @@ class LoopbackServer:
 
         if fault == "stream_error" and not streamed:
             fault = "500"
-        if fault in ("400", "401", "429", "500", "503"):
+        if fault in _ERROR_BODIES:
             body = _ERROR_BODIES[fault]
             if auth:
                 body = _error_body(f"request refused; it had Authorization: {auth}", "server_error")
