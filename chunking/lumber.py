@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from metachunk.chunking.sentences import CJK_RE
 from metachunk.chunking.types import Sentence
 
 from metachunk import config
@@ -153,7 +154,6 @@ def window_schema(first: int, last: int) -> Schema:
 
 # ---------------------------------------------------------------------------------- units & windows
 
-_CJK_RE = re.compile("[\u3007\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f]")
 _LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 
 
@@ -162,8 +162,8 @@ def lumber_token_estimate(text: str) -> int:
     whitespace-separated word (the paper's ``count_words``), plus 1 per CJK character (each counted
     apart from the words around it). Not the teacher client's `metachunk.teacher.estimate_tokens`
     (bytes / 3, for budget tables)."""
-    cjk = len(_CJK_RE.findall(text))
-    return cjk + round(1.2 * len(_CJK_RE.sub(" ", text).split()))
+    cjk = len(CJK_RE.findall(text))
+    return cjk + round(1.2 * len(CJK_RE.sub(" ", text).split()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -304,7 +304,7 @@ def summary(manifest: dict) -> dict:
     rejects = manifest.get("rejects")
     if rejects:
         out["rejected_rows"] = rejects["rows"]
-    blocks = manifest.get("run", {}).get("workers_report") or [manifest]  # a folder: one per worker
+    blocks = manifest.get("run", {}).get("workers_report") or [{}]  # one per worker that reported
     fit = manifest.get("length_fit")
     if fit:
         out["target_len"] = fit["target_len"]

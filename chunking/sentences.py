@@ -48,7 +48,7 @@ ZH_THRESHOLD = 0.2
 
 # CJK Unified Ideographs, Extension A, compatibility ideographs, Extensions B-H, and 〇.
 _CJK_CHARS = "\u3007\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"
-_CJK_RE = re.compile(f"[{_CJK_CHARS}]")
+CJK_RE = re.compile(f"[{_CJK_CHARS}]")  # one CJK character (also lumber.py's word count)
 
 # Closing quotes and brackets that stay with the sentence they close. Straight quotes are
 # included as the spec asks, even though one can occasionally open the next sentence instead.
@@ -96,7 +96,7 @@ def detect_lang(text: str) -> str:
     non_space = sum(map(len, text.split()))
     if non_space == 0:
         return "en"
-    cjk = len(_CJK_RE.findall(text))
+    cjk = len(CJK_RE.findall(text))
     return "zh" if cjk >= ZH_THRESHOLD * non_space else "en"
 
 

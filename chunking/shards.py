@@ -67,6 +67,7 @@ from metachunk.artifacts import (
     InputError,
     append_record,
     append_run_log,
+    file_sha256,
     json_sha256,
     jsonl_line,
     read_records_appended,
@@ -339,7 +340,7 @@ class ShardedOutput:
             if previous is not None:
                 for key, entry in previous["shards"]["done"].items():
                     path = self.root / entry["file"]
-                    if path.is_file() and _sha256(path) == entry["sha256"]:
+                    if path.is_file() and file_sha256(path) == entry["sha256"]:
                         done[key] = entry
             manifest = {**head, "shards": {**head["shards"], "done": done}, "complete": False}
             # what the done shards were chunked with (a manifest written before runs.jsonl kept it in "run")
@@ -445,14 +446,6 @@ def shards_done(root: str | Path) -> dict:
     except (OSError, ValueError):
         return {}
     return with_journal(manifest, Path(root) / JOURNAL)["shards"]["done"]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- what a run reads, and its fingerprint -------------------------------------------------------

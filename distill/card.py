@@ -46,7 +46,6 @@ features only, since ``datasets`` wants a byte count next to every split size.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -212,13 +211,6 @@ def _num(value, fmt: str = "") -> str:
     return str(value)
 
 
-def _fenced(text: str, lang: str = "text") -> str:
-    """A fenced block that the text cannot close: the fence is longer than any backtick run in it."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
-
-
 def _yaml_header(stats: dict, features) -> str:
     from datasets import DatasetInfo, SplitDict, SplitInfo
     from datasets.info import DatasetInfosDict
@@ -281,7 +273,7 @@ def _summary(stats: dict) -> str:
         "",
         "Load it, and fine-tune a student with TRL (loss on the completion only):",
         "",
-        _fenced(
+        markdown.fenced(
             "from datasets import load_dataset\n"
             "from trl import SFTConfig, SFTTrainer\n"
             "\n"
@@ -345,7 +337,7 @@ def _prompts(stats: dict) -> str:
             "",
             f"sha256: `{p['sha256']}`" if p.get("sha256") else f"sha256: {NOT_MEASURED}",
             "",
-            _fenced(p["text"]) if p.get("text") is not None else f"Text: {NOT_MEASURED}.",
+            markdown.fenced(p["text"]) if p.get("text") is not None else f"Text: {NOT_MEASURED}.",
         ]
     return "\n".join(out)
 
@@ -448,7 +440,7 @@ def _build(stats: dict) -> str:
         [
             "## Build",
             "",
-            _fenced(command, "bash") if command else f"Command: {NOT_MEASURED}.",
+            markdown.fenced(command, "bash") if command else f"Command: {NOT_MEASURED}.",
             "",
             f"- Seed: {_num(build.get('seed'))}",
         ]

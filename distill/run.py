@@ -383,9 +383,9 @@ def outputs(cfg: DistillConfig) -> list:
     return [records_path(cfg), *cfg.bad_rows.outputs(records_path(cfg))]
 
 
-# `metachunk distill` exit statuses (also in its --help: EPILOG).
+# `metachunk distill` exit statuses, as its --help lists them (EPILOG); 1 and 2 are the CLI's.
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_BUDGET, EXIT_FAILURES = 0, 1, 2, 3, 4
-EXIT_CODES_HELP = """exit status:
+EPILOG = """exit status:
   0  every record was written and the failure rate is at most --max-failure-rate
   1  an unexpected error or an OS error (disk full, permission denied)
   2  a bad config or input file (the message names the file, line and field), or a refused key
@@ -394,7 +394,6 @@ EXIT_CODES_HELP = """exit status:
      could not be reached, or it refused the requests for a reason that repeats (its message is
      printed); the records are written and a rerun retries the transport failures
   6  done, leaving out the input rows --on-bad-row skip rejected (in OUT/TASK.rejects.jsonl)"""
-EPILOG = EXIT_CODES_HELP
 
 
 def exit_status(cfg: DistillConfig, result: RunResult, file=None) -> int:

@@ -49,7 +49,7 @@ class SampleConfig:
     chunks_per_doc: int = option(1, "chunks sampled per document")
     min_chunk_chars: int = option(50, "chunks shorter than this are never sampled (too little to rewrite)")
     bucket_edges: list[int] | None = option(
-        None, "chunk length bucket edges in characters (recipe only); default 100, 200, 400, 800"
+        None, "chunk length bucket edges in characters; default 100, 200, 400, 800"
     )
     seed: int = option(0, "seed for the document draw and the chunk choice")
     model: str = option("gemma3-270m", "PPL chunking model: preset name or local HF dir")

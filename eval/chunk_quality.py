@@ -84,6 +84,7 @@ from pathlib import Path
 
 import numpy as np
 from metachunk.chunking.shards import chunk_rows
+from metachunk.eval.report import mean_of_known
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, check_unicode, write_figure
@@ -346,11 +347,6 @@ def _nan_to_none(a: np.ndarray, digits: int = 5):
     )
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return float(np.mean(values)) if values else None
-
-
 def evaluate(cfg: ChunkQualityConfig) -> dict:
     from tqdm import tqdm
 
@@ -394,7 +390,7 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
             # both conventions from the same matrices: the paper's equations and the released scripts
             both = {}
             for convention in CONVENTIONS:
-                both[f"bc_mean@{convention}"] = _mean(
+                both[f"bc_mean@{convention}"] = mean_of_known(
                     boundary_clarity(ppl_alone, ppl_cond, convention).tolist()
                 )
                 for graph in ("complete", "incomplete"):
@@ -403,7 +399,7 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
                     )[0]
             per_doc.append({
                 **row, "pairs_computed": len(pairs), "capped": len(pairs) < row["pairs_total"],
-                "bc": _nan_to_none(bc), "bc_mean": _mean(bc.tolist()),
+                "bc": _nan_to_none(bc), "bc_mean": mean_of_known(bc.tolist()),
                 "cs_complete": cs_c, "edges_complete": m_c, "cs_incomplete": cs_i, "edges_incomplete": m_i,
                 "conventions": both, "nll_alone": _nan_to_none(alone), "nll_cond": _nan_to_none(cond),
             })  # fmt: skip
@@ -412,10 +408,10 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     all_chunks = [t for _, texts in docs for t in texts]
 
     def avg(key):
-        return _mean([d[key] for d in scored])
+        return mean_of_known([d[key] for d in scored])
 
     metrics = {
-        "bc_mean": _mean(bcs),
+        "bc_mean": mean_of_known(bcs),
         "bc_doc_mean": avg("bc_mean"),
         "cs_complete": avg("cs_complete"),
         "cs_incomplete": avg("cs_incomplete"),
@@ -448,7 +444,7 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     items = [{"id": d["id"], "bc_doc_mean": d["bc_mean"], "cs_complete": d["cs_complete"],
               "cs_incomplete": d["cs_incomplete"], **d["conventions"]} for d in scored]  # fmt: skip
     for name in scored[0]["conventions"] if scored else {}:  # per-document means, as bc_doc_mean
-        value = _mean([d["conventions"][name] for d in scored])
+        value = mean_of_known([d["conventions"][name] for d in scored])
         if value is not None:
             metrics[name] = value
     if rejected is not None:

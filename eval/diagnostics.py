@@ -54,7 +54,6 @@ was computed.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 import time
@@ -62,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from metachunk.eval.report import known, mean_of_known
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
@@ -314,15 +314,6 @@ def similarity_scores(rows, k: int, vectors: dict[str, np.ndarray], query_vector
     return out
 
 
-def _known(value) -> bool:
-    return value is not None and not (isinstance(value, float) and math.isnan(value))
-
-
-def _mean(values) -> float | None:
-    values = [v for v in values if _known(v)]
-    return float(np.mean(values)) if values else None
-
-
 def paired_names(labels: list[str], model_labels: list[str], k: int) -> list[tuple[str, str]]:
     """``(metric, its baseline)`` pairs whose item-by-item difference gets an interval: each
     model's rewrite PPL against the originals', and each retrieval label against the first."""
@@ -387,7 +378,7 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     items: dict[str, dict[str, float]] = {}  # item id (chunk:N, q:QID) -> its value of each metric
 
     def put(item: str, name: str, value) -> None:
-        if _known(value):
+        if known(value):
             items.setdefault(item, {})[name] = float(value)
 
     details: dict = {
@@ -409,10 +400,10 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
         details["avgsim"] = {}
         for label, rs in rows.items():
             sims = similarity_scores(rs, cfg.k, chunk_vecs, [query_vecs[r["question"]] for r in rs])
-            stored = [_mean([h["score"] for h in r["hits"][: cfg.k]]) for r in rs]
-            metrics[f"avgsim@{cfg.k}_{label}"] = _mean([s for s, _ in sims])
-            metrics[f"pairsim@{cfg.k}_{label}"] = _mean([p for _, p in sims])
-            metrics[f"retriever_avgsim@{cfg.k}_{label}"] = _mean(stored)
+            stored = [mean_of_known([h["score"] for h in r["hits"][: cfg.k]]) for r in rs]
+            metrics[f"avgsim@{cfg.k}_{label}"] = mean_of_known([s for s, _ in sims])
+            metrics[f"pairsim@{cfg.k}_{label}"] = mean_of_known([p for _, p in sims])
+            metrics[f"retriever_avgsim@{cfg.k}_{label}"] = mean_of_known(stored)
             metrics[f"questions_{label}"] = len(rs)
             for r, (s, p), st in zip(rs, sims, stored):
                 put(f"q:{r['qid']}", f"avgsim@{cfg.k}_{label}", s)
@@ -452,7 +443,7 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
         for label, rs in rows.items():
             scores = cp_scores(model, tokenizer, rs, cfg.k, cfg.cp_prompt, cfg.max_context, cfg.batch_tokens,
                                cfg.progress, f"cp {mlabel} {label}")  # fmt: skip
-            cp = _mean(scores)
+            cp = mean_of_known(scores)
             for r, score in zip(rs, scores):
                 put(f"q:{r['qid']}", f"cp_{mlabel}_{label}", score)
             if cp is not None:

@@ -141,7 +141,9 @@ class QAConfig:
         runtime=True,
     )
     serve_preset: bool = option(
-        False, "endpoint is `metachunk teacher serve`: send the served folder of the preset named as MODEL"
+        False,
+        "endpoint without a generator_teacher block (the block's serve_preset holds there): it is "
+        "`metachunk teacher serve`, so send the served folder of the preset named as MODEL",
     )
     concurrency: int = option(
         8, "endpoint without a generator_teacher block: requests in flight", runtime=True

@@ -17,6 +17,7 @@ and pairs two runs item by item, from these lines.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from metachunk import config as configs
@@ -78,6 +79,19 @@ def read_items(run_dir: Path) -> list[dict] | None:
             raise InputError(path, "field 'id' is missing", number)
         rows.append(row)
     return rows
+
+
+def known(value) -> bool:
+    """Whether a metric's value was measured: not None, not NaN."""
+    return value is not None and not math.isnan(value)
+
+
+def mean_of_known(values) -> float | None:
+    """The mean of the `known` values; None when there are none."""
+    import numpy as np
+
+    values = [v for v in values if known(v)]
+    return float(np.mean(values)) if values else None
 
 
 def format_value(value) -> str:

@@ -137,11 +137,14 @@ def _add_flag(parser: argparse.ArgumentParser, name: str, f: dataclasses.Field, 
     meta = f.metadata
     helptext = meta.get("help", "")
     if f.default is not dataclasses.MISSING and f.default is not None:
-        helptext += f" (default: {f.default})"
+        plain = not isinstance(f.default, str) or (f.default.isprintable() and f.default.strip() == f.default)
+        helptext += f" (default: {f.default if plain else repr(f.default)})"  # "\n\n" shown, not blank lines
     item = _scalar_list(kind)
     nargs = {"nargs": "+"} if item else {}
     kind = item or kind
     if meta.get("positional"):
+        if "choices" in meta:  # checked when the config is built (an absent positional is None), listed here
+            helptext += f" (one of: {', '.join(map(str, meta['choices']))})"
         # default=None, not SUPPRESS: argparse runs a string default of an absent optional
         # positional through ``type`` (Path("==SUPPRESS==")), which would override the recipe.
         # from_namespace drops None values instead.

@@ -2,8 +2,10 @@
 (``metachunk data prepare-crud``, `metachunk.distill.corpus`: which article each QA entry comes from)
 and the one that evaluates on it (`metachunk.eval.retrieval`: the evidence a retrieved chunk must hold).
 
-Both compare texts in one normal form and skip the same answers that state no fact to look for
-(无法推断, 是的, a single character, ...), so a question that has evidence for one has it for both.
+Both skip the same answers that state no fact to look for (`informative`: 无法推断, 是的, a single
+character, ...). Each matches in its own normal form: `normalize` here (NFKC, lower case, no
+whitespace); the evaluation's also drops quote marks, which a chunk and its answer often write
+differently (`metachunk.eval.retrieval.normalize_with_map`), and maps offsets back to the text.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import InputError
+from metachunk.artifacts import InputError, file_sha256
 from metachunk.command import Result
 
 PREFIX = "data:"
@@ -221,11 +221,6 @@ def resolve_all(value):
     if isinstance(value, dict):
         return {k: resolve_all(v) for k, v in value.items()}
     return value
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def mismatches(dataset: Dataset, folder: Path) -> list[str]:

@@ -73,7 +73,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk import config
-from metachunk.artifacts import EXIT_EMPTY, AtomicWriter, InputError, is_run_log, json_sha256, write_json
+from metachunk.artifacts import (
+    EXIT_EMPTY,
+    AtomicWriter,
+    InputError,
+    file_sha256,
+    is_run_log,
+    json_sha256,
+    write_json,
+)
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.named_data import MissingDataset, name_of
@@ -212,12 +220,9 @@ class Digests:
         hit = self.known.get(key)
         if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
             return hit[2]
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        self.known[key] = [st.st_size, st.st_mtime_ns, digest.hexdigest()]
-        return digest.hexdigest()
+        digest = file_sha256(path)
+        self.known[key] = [st.st_size, st.st_mtime_ns, digest]
+        return digest
 
     def path(self, path: str | Path) -> str | None:
         """A file's sha256, or a folder's (its files by relative path, less hidden files, locks,
