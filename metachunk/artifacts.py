@@ -154,6 +154,16 @@ def _owner() -> str:
     return f"{os.getpid()}@{process_space()}"
 
 
+def process_started(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``'s 22nd field, see
+    proc(5)): with the pid, it names one process, since a pid is reused. None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])  # the fields after the command's name start at the 3rd
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs in this process space."""
     try:

@@ -27,6 +27,7 @@ with ``retry_mode: online``, up to ``max_retries`` times. ``--export-batch`` / `
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -85,16 +86,19 @@ def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: flo
     """``batches.create`` for one uploaded file, run once at the provider whatever fails on the way.
     openai's client sends no idempotency key and retries a create whose answer was lost (a 502, a
     connection reset): the provider would run, and bill, a second batch of the same requests. So each
-    try here is sent once, and after a failed one the provider's list says whether it was made."""
+    try here is sent once, and after a failed one the provider's list says whether it was made. A try
+    that timed out may be made after the list was read: once a later try is made, any other batch of
+    the file is looked for again, and all but the first are cancelled (while they validate, unbilled)."""
     import openai
 
     once = client.with_options(max_retries=0)
     attempt = 0
     while True:
         try:
-            return once.batches.create(input_file_id=file_id, endpoint=cfg.batch_endpoint,
+            made = once.batches.create(input_file_id=file_id, endpoint=cfg.batch_endpoint,
                                        completion_window=cfg.completion_window,
                                        metadata={"metachunk_batch": batch})  # fmt: skip
+            break
         except (openai.APIConnectionError, openai.APIStatusError) as e:
             status = getattr(e, "status_code", None)  # None: the connection failed or timed out
             if attempt == cfg.max_retries or not (
@@ -103,19 +107,36 @@ def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: flo
                 raise
         time.sleep(min(0.5 * 2**attempt, 8.0))
         attempt += 1
-        if (made := batch_of_file(client, file_id, since)) is not None:
-            return made
+        if found := batches_of_file(client, file_id, since):
+            return first_made(found)
+    if attempt == 0:
+        return made
+    every = {b.id: b for b in [made, *batches_of_file(client, file_id, since)]}
+    first = first_made(list(every.values()))
+    for extra in every.values():
+        if extra.id != first.id:
+            client.batches.cancel(extra.id)
+    return first
 
 
-def batch_of_file(client, file_id: str, since: float):
-    """The provider's batch made from ``file_id``, or None. The list is newest first: it is read back
-    to a few minutes before ``since`` (when the file was uploaded), not through the account's history."""
+def batches_of_file(client, file_id: str, since: float) -> list:
+    """The provider's batches made from ``file_id``. Providers list newest first (e.g.
+    https://docs.perplexity.ai/api-reference/batches-list-get): such a list is read back to ten
+    minutes before ``since`` (when the file was uploaded), not through the account's history; one in
+    another order is read whole."""
+    found, newest_first, last = [], True, math.inf
     for batch in client.batches.list(limit=100):
         if batch.input_file_id == file_id:
-            return batch
-        if batch.created_at < since - 600:
-            return None
-    return None
+            found.append(batch)
+        newest_first, last = newest_first and batch.created_at <= last, batch.created_at
+        if newest_first and batch.created_at < since - 600:
+            break
+    return found
+
+
+def first_made(batches: list):
+    """The batch made first: the one kept when a file was made into more than one."""
+    return min(batches, key=lambda b: (b.created_at, b.id))
 
 
 def endpoint_name(cfg: TeacherConfig) -> str:
@@ -204,9 +225,12 @@ def wait(
                 store.drop_batch(row["id"])
                 continue
             if recovering:
-                found = batch_of_file(client, row["input_file_id"], since=row["created"])
-                if found is None:
-                    found = create_once(client, cfg, row["input_file_id"], row["id"], since=row["created"])
+                existing = batches_of_file(client, row["input_file_id"], since=row["created"])
+                found = (
+                    first_made(existing)
+                    if existing
+                    else create_once(client, cfg, row["input_file_id"], row["id"], row["created"])
+                )
                 store.update_batch(row["id"], batch_id=found.id, status="submitted")
                 row["batch_id"] = found.id
             batch = client.batches.retrieve(row["batch_id"])

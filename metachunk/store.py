@@ -41,7 +41,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from metachunk.artifacts import InputError, pid_alive, process_space
+from metachunk.artifacts import InputError, pid_alive, process_space, process_started
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS answers (
@@ -96,6 +96,8 @@ _ADDED_COLUMNS = (
     ("answers", "usage_estimated", "INTEGER NOT NULL DEFAULT 0"),  # the tokens are our (upper) estimate
     ("batches", "host", "TEXT"),  # the process uploading the batch's file, until it is submitted
     ("batches", "pid", "INTEGER"),
+    ("claims", "started", "INTEGER"),  # when the owner's process started (a reused pid is another process)
+    ("batches", "taken", "REAL"),  # when a run took over a killed run's upload (`take_batch`)
 )
 
 LEASE_SECONDS = 30.0  # a claim not renewed for this long belongs to a dead process
@@ -182,6 +184,7 @@ class AnswerStore:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self.host = process_space()  # HOST+NS: a pid is asked about only in its own namespace
         self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.started = process_started(os.getpid())
         self._heartbeat = None  # the asyncio task renewing this process's leases
         self._seen = 0  # the highest answer row id whose cost is in total_cost
         self.total_cost = 0.0  # every answer row in the file, whichever process wrote it
@@ -266,7 +269,7 @@ class AnswerStore:
         if self.has_answer(key):
             return Claim("answered")
         held = self._db.execute(
-            "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
+            "SELECT owner, host, pid, expires, started FROM claims WHERE key = ?", (key,)
         ).fetchone()
         # Busy for its own holder too: two coroutines of one process asking the same request (copies
         # of a document) pay once, the second waiting for the first's answer.
@@ -279,7 +282,7 @@ class AnswerStore:
                 self._db.execute("COMMIT")
                 return Claim("answered")
             held = self._db.execute(
-                "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
+                "SELECT owner, host, pid, expires, started FROM claims WHERE key = ?", (key,)
             ).fetchone()
             if held is not None and self._alive(*held[1:]):
                 self._db.execute("COMMIT")
@@ -288,8 +291,17 @@ class AnswerStore:
                 self._db.execute("COMMIT")
                 return Claim("over_budget")
             self._db.execute(
-                "INSERT OR REPLACE INTO claims (key, owner, host, pid, expires, reserved) VALUES (?, ?, ?, ?, ?, ?)",
-                (key, self.owner, self.host, os.getpid(), time.time() + self.lease_seconds, reserve),
+                "INSERT OR REPLACE INTO claims (key, owner, host, pid, expires, reserved, started)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    key,
+                    self.owner,
+                    self.host,
+                    os.getpid(),
+                    time.time() + self.lease_seconds,
+                    reserve,
+                    self.started,
+                ),
             )
             self._db.execute("COMMIT")
         except BaseException:
@@ -324,10 +336,12 @@ class AnswerStore:
             "UPDATE claims SET expires = ? WHERE owner = ?", (time.time() + self.lease_seconds, self.owner)
         )
 
-    def _alive(self, host: str, pid: int, expires: float) -> bool:
-        # an owner in this process space is asked (a dead one is known at once); elsewhere the lease says
+    def _alive(self, host: str, pid: int, expires: float, started: int | None = None) -> bool:
+        # An owner in this process space is asked (a dead one is known at once, a reused pid by its start
+        # time); elsewhere the lease says.
         if host == self.host:
-            return expires + SAME_SPACE_GRACE_SECONDS >= time.time() and pid_alive(pid)
+            alive = pid_alive(pid) and (started is None or process_started(pid) in (None, started))
+            return alive and expires + SAME_SPACE_GRACE_SECONDS >= time.time()
         return expires >= time.time()
 
     def _known_dead(self, host: str, pid: int, legacy: bool = False) -> bool:
@@ -343,9 +357,11 @@ class AnswerStore:
         an owner in this process space gets), this process's and others'. A dead owner's count until
         `claims_in_flight` clears them: erring high, and one query per request instead of a
         liveness check per claim."""
+        now = time.time()
         (total,) = self._db.execute(
-            "SELECT COALESCE(SUM(reserved), 0) FROM claims WHERE expires >= ? AND key != ?",
-            (time.time() - SAME_SPACE_GRACE_SECONDS, excluding),
+            "SELECT COALESCE(SUM(reserved), 0) FROM claims"
+            " WHERE key != ? AND (expires >= ? OR (host = ? AND expires >= ?))",
+            (excluding, now, self.host, now - SAME_SPACE_GRACE_SECONDS),
         ).fetchone()
         return total
 
@@ -355,7 +371,7 @@ class AnswerStore:
         end. A Batch API job's claims are not counted: they settle when the batch does, up to a day."""
         dead, online = [], 0
         for key, owner, *held in self._db.execute(
-            "SELECT key, owner, host, pid, expires FROM claims"
+            "SELECT key, owner, host, pid, expires, started FROM claims"
         ).fetchall():
             if not self._alive(*held):
                 dead.append((key, owner))
@@ -383,12 +399,13 @@ class AnswerStore:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             self._refresh()
+            self.claims_in_flight()  # dead owners' claims cleared: their reservations would refuse this batch
             reserved = self._reserved()
             for n, (key, reserve) in enumerate(entries):
                 if self.has_answer(key):
                     continue
                 held = self._db.execute(
-                    "SELECT owner, host, pid, expires FROM claims WHERE key = ?", (key,)
+                    "SELECT owner, host, pid, expires, started FROM claims WHERE key = ?", (key,)
                 ).fetchone()
                 if held is not None and self._alive(*held[1:]):
                     continue  # someone is sending it (online, this process included, or in another live batch)
@@ -423,17 +440,17 @@ class AnswerStore:
         """Take over an uploaded batch whose submitting run is gone, to create it at the provider:
         True for one process only (the check and the take are one transaction), so two runs
         recovering the same killed one do not both create it. Across machines a run is asked only by
-        the upload window, as `live_batches` asks it."""
+        the upload window, which starts again when a run takes it."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             row = self._db.execute(
-                "SELECT batch_id, host, pid, created FROM batches WHERE id = ?", (batch,)
+                "SELECT batch_id, host, pid, MAX(created, COALESCE(taken, 0)) FROM batches WHERE id = ?",
+                (batch,),
             ).fetchone()
             taken = row is not None and row[0] is None and not self._submitting(*row[1:])
             if taken:
-                self._db.execute(
-                    "UPDATE batches SET host = ?, pid = ? WHERE id = ?", (self.host, os.getpid(), batch)
-                )
+                self._db.execute("UPDATE batches SET host = ?, pid = ?, taken = ? WHERE id = ?",
+                                 (self.host, os.getpid(), time.time(), batch))  # fmt: skip
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -443,18 +460,19 @@ class AnswerStore:
     def live_batches(self) -> list[dict]:
         """Batches not done yet, oldest first, with their request keys."""
         rows = self._db.execute(
-            "SELECT id, endpoint, input_file_id, batch_id, status, requests, created, host, pid FROM batches"
-            " WHERE status != 'done' ORDER BY created"
+            "SELECT id, endpoint, input_file_id, batch_id, status, requests, created, host, pid,"
+            " MAX(created, COALESCE(taken, 0)) FROM batches WHERE status != 'done' ORDER BY created"
         ).fetchall()
         out = []
-        for bid, endpoint, file_id, batch_id, status, n, created, host, pid in rows:
+        for bid, endpoint, file_id, batch_id, status, n, created, host, pid, since in rows:
             keys = [k for (k,) in self._db.execute("SELECT key FROM batch_items WHERE batch = ?", (bid,))]
             out.append({"id": bid, "endpoint": endpoint, "input_file_id": file_id, "batch_id": batch_id,
                         "status": status, "requests": n, "keys": keys,
-                        "being_submitted": batch_id is None and self._submitting(host, pid, created)})  # fmt: skip
+                        "created": created,
+                        "being_submitted": batch_id is None and self._submitting(host, pid, since)})  # fmt: skip
         return out
 
-    def _submitting(self, host: str | None, pid: int | None, created: float) -> bool:
+    def _submitting(self, host: str | None, pid: int | None, since: float) -> bool:
         """Whether another live process may still be uploading or creating this batch. This process's
         own are not: it waits for batches only once its submitting returned."""
         if host is None or (host == self.host and pid == os.getpid()):
@@ -462,7 +480,7 @@ class AnswerStore:
         # A pid reused by another process still ends with the window. A batch row an older version wrote
         # (the host alone) is asked as it asked: else it would hold a rerun for the whole window; a claim's
         # is never asked, its 30 s lease decides.
-        return time.time() - created < UPLOAD_SECONDS and not self._known_dead(host, pid, legacy=True)
+        return time.time() - since < UPLOAD_SECONDS and not self._known_dead(host, pid, legacy=True)
 
     def batch_item(self, key: str) -> tuple[str | None, int, float]:
         """``(latest state, batches it was in, its last reservation)`` of a request key."""
@@ -522,11 +540,13 @@ class AnswerStore:
 
     # -- calibration
 
-    def tokens_per_byte(self, endpoint: str) -> float | None:
-        row = self._db.execute(
-            "SELECT tokens_per_byte FROM calibration WHERE endpoint = ?", (endpoint,)
+    def tokens_per_byte(self, *endpoints: str) -> float | None:
+        """The largest calibrated ratio of the named rows; None when none is calibrated."""
+        marks = ", ".join("?" * len(endpoints))
+        (ratio,) = self._db.execute(
+            f"SELECT MAX(tokens_per_byte) FROM calibration WHERE endpoint IN ({marks})", endpoints
         ).fetchone()
-        return row[0] if row else None
+        return ratio
 
     # -- reports
 

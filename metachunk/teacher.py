@@ -420,6 +420,15 @@ def estimate_tokens(text: str) -> int:
 TEMPLATE_TOKENS = 8
 
 
+def non_ascii_quarter(contents: list[str]) -> int:
+    """The share of non-ASCII bytes in ``contents``, in quarters (0 to 4): prompts are calibrated
+    apart by it, since a BPE spends about twice the tokens per byte on Chinese as on English, and a
+    ratio learnt on English prompts is no upper bound for Chinese ones."""
+    size = sum(len(c.encode("utf-8")) for c in contents)
+    non_ascii = size - sum(len(c.encode("ascii", "ignore")) for c in contents)
+    return round(4 * non_ascii / max(1, size))
+
+
 def prompt_bytes(messages: list[dict]) -> int:
     """The UTF-8 bytes of a prompt's contents: what prompt tokens are calibrated against."""
     return sum(len(m["content"].encode("utf-8")) for m in messages)
@@ -1017,17 +1026,17 @@ class Teacher:
     # -- token counts for reservations and for answers without usage
 
     def calibrated_as(self, contents: list[str]) -> str:
-        """The calibration row for texts like ``contents``: the endpoint's, for their share of
-        non-ASCII bytes in quarters. A BPE spends about twice the tokens per byte on Chinese as on
-        English, so a ratio learnt on English prompts is no upper bound for Chinese ones."""
-        size = sum(len(c.encode("utf-8")) for c in contents)
-        non_ascii = size - sum(len(c.encode("ascii", "ignore")) for c in contents)
-        return f"{self.calibration_key} #{round(4 * non_ascii / max(1, size))}/4 non-ASCII"
+        """The calibration row that an answer to a prompt of ``contents`` raises."""
+        return self._calibration_row(non_ascii_quarter(contents))
+
+    def _calibration_row(self, quarter: int) -> str:
+        return f"{self.calibration_key} #{quarter}/4 non-ASCII"
 
     def _tokens_per_byte(self, contents: list[str]) -> float:
-        """The largest billed prompt tokens per byte so far for texts like ``contents``; 1.0 before
-        any answer."""
-        return max(self.store.tokens_per_byte(self.calibrated_as(contents)) or 0.0, 0.0) or 1.0
+        """The largest billed prompt tokens per byte so far for texts like ``contents`` or with more
+        non-ASCII bytes (which spend more tokens a byte); 1.0 before any such answer."""
+        rows = [self._calibration_row(q) for q in range(non_ascii_quarter(contents), 5)]
+        return max(self.store.tokens_per_byte(*rows) or 0.0, 0.0) or 1.0
 
     def count_tokens(self, text: str, messages: list[dict] | None = None) -> int:
         """Tokens of ``messages`` (a prompt) or ``text`` (an answer): the teacher's tokenizer when

@@ -141,9 +141,59 @@ def test_a_batch_answer_whose_body_does_not_parse_counts_its_worst_case(tmp_path
     assert rows and all(cost == reserved > 0 for cost, reserved in rows)
 
 
+def test_a_create_the_list_showed_late_is_kept_and_the_second_cancelled(tmp_path, capsys):
+    """The first create was made but answered 502, and the list read after it did not show it yet:
+    the second try made another batch of the same file. Once made, the list is read again and every
+    batch of the file but the first is cancelled, before it runs."""
+    with serve_in_subprocess(replies=REPLIES) as server:
+        recipe = write_job(tmp_path, server.base_url, markers={0: " [[batch:late_create]]"})
+        assert main(["distill", "rewrite", "--config", str(recipe)]) == 0, capsys.readouterr().err
+        stats = server.stats()
+    states = sorted(stats["batches"].values())
+    assert states == ["cancelled"] * 3 + ["completed"] * 3  # one made twice per stage, one of each cancelled
+    assert all(n == 1 for n in stats["by_key"].values()) and stats["requests"] == 0
+    assert all(r["status"] == "ok" for r in records(tmp_path))
+
+
+def test_a_run_killed_between_upload_and_create_is_created_once_by_the_next(tmp_path):
+    """Run A uploaded its file, then died before batches.create: the next run's wait takes the batch
+    over, finds no batch made from the file at the provider, creates one, and collects it."""
+    from metachunk import batch
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherConfig, TeacherPool
+
+    path = tmp_path / "answers.sqlite"
+    with serve_in_subprocess(replies=REPLIES) as server:
+        cfg = TeacherConfig("loopback", base_url=server.base_url, mode="batch", batch_poll_seconds=0.02)
+        payload = {
+            "model": "loopback",
+            "messages": [{"role": "user", "content": "Who is Emma?"}],
+            "max_tokens": 8,
+        }
+        run_a = (
+            "import sys, openai\nfrom metachunk import batch\nfrom metachunk.store import AnswerStore\n"
+            f"s = AnswerStore(sys.argv[1])\nb, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
+            f"line = batch.batch_line('k', {payload!r}, {cfg.batch_endpoint!r})\n"
+            f"f = openai.OpenAI(base_url={server.base_url!r}, api_key='x').files.create(file=('a.jsonl', line.encode()), purpose='batch')\n"
+            "s.update_batch(b, input_file_id=f.id, status='uploaded')"
+        )  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", run_a, str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        store = AnswerStore(path)
+        counts = batch.BatchCounts()
+        batch.wait(store, {"s": TeacherPool({"s": cfg}, {}, store)["s"]}, counts, progress=False)
+        stats = server.stats()
+    assert len(stats["batches"]) == 1 and stats["batch_requests"] == 1
+    assert store.live_batches() == [] and store.has_answer("k") and counts.answered == 1
+    store.close()
+
+
 def test_two_runs_recovering_a_killed_runs_upload_create_one_batch(tmp_path):
     """Run A was killed between its upload and batches.create. Runs B and C, on its store, both see it
-    gone and find no batch at the provider: only the one that takes it over creates it."""
+    gone and find no batch at the provider: only the one that takes it over creates it (the window in
+    which a run on another machine counts as live starts again when it takes it)."""
     from metachunk import batch
     from metachunk.store import AnswerStore
     from metachunk.teacher import TeacherConfig
@@ -161,6 +211,8 @@ def test_two_runs_recovering_a_killed_runs_upload_create_one_batch(tmp_path):
     # run A: claimed and uploaded (as its row says), then gone
     in_another_run(f"b, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
                    "s.update_batch(b, input_file_id='file-1', status='uploaded')")  # fmt: skip
+    with sqlite3.connect(path) as db:  # two hours ago: past the upload window A's row started with
+        db.execute("UPDATE batches SET created = created - 7200")
     store = AnswerStore(path)  # run B
     (row,) = store.live_batches()
     assert not row["being_submitted"]  # A is gone

@@ -247,14 +247,17 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
     )
     with contextlib.closing(sqlite3.connect(first.path, isolation_level=None)) as db:  # claims by other runs
         db.execute(
-            "INSERT INTO claims VALUES ('d', 'gone', ?, ?, ?, 0.4)",
+            "INSERT INTO claims (key, owner, host, pid, expires, reserved) VALUES ('d', 'gone', ?, ?, ?, 0.4)",
             (first.host, int(dead.stdout), time.time() + 60),
         )
-        db.execute("INSERT INTO claims VALUES ('e', 'far', 'elsewhere', 1, ?, 0.4)", (time.time() - 1,))
+        db.execute(
+            "INSERT INTO claims (key, owner, host, pid, expires, reserved) VALUES ('e', 'far', 'elsewhere', 1, ?, 0.4)",
+            (time.time() - 1,),
+        )
         # The same pid in another container on this host (its host name, another PID namespace): alive
         # there for all this process can tell, so its claim holds until its lease runs out.
         db.execute(
-            "INSERT INTO claims VALUES ('c', 'container', ?, ?, ?, 0.0)",
+            "INSERT INTO claims (key, owner, host, pid, expires, reserved) VALUES ('c', 'container', ?, ?, ?, 0.0)",
             (
                 f"{socket.gethostname()}+{os.stat('/proc/self/ns/pid').st_ino + 1}",
                 int(dead.stdout),
@@ -267,7 +270,7 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
     # A claim an older version wrote names the host alone: it may be another container's, so only its
     # lease decides; a batch such a version began submitting is asked as that version asked it.
     with contextlib.closing(sqlite3.connect(first.path, isolation_level=None)) as db:
-        db.execute("INSERT INTO claims VALUES ('l', 'old', ?, ?, ?, 0.0)",
+        db.execute("INSERT INTO claims (key, owner, host, pid, expires, reserved) VALUES ('l', 'old', ?, ?, ?, 0.0)",
                    (socket.gethostname(), int(dead.stdout), time.time() + 60))  # fmt: skip
     assert second.claim("l").outcome == "busy"
     assert not second._submitting(socket.gethostname(), int(dead.stdout), time.time())
@@ -279,19 +282,41 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
 
 def test_a_live_owner_in_this_process_space_keeps_its_claim_past_its_lease(tmp_path):
     """A process stopped (Ctrl-Z), or waiting on the store's lock, longer than the 30 s lease cannot
-    renew it, yet sends once it goes on: another run that took its claim paid for the request too."""
+    renew it, yet sends once it goes on: another run that took its claim paid for the request too.
+    A pid reused by another process (its start time differs) is not that owner."""
+    from metachunk.artifacts import process_started
+
     store = AnswerStore(tmp_path / "a.sqlite")
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        started = process_started(stopped.pid)
         with contextlib.closing(sqlite3.connect(store.path, isolation_level=None)) as db:
-            db.execute("INSERT INTO claims VALUES ('s', 'stopped', ?, ?, ?, 0.4)",
-                       (store.host, stopped.pid, time.time() - 60))  # fmt: skip
+            for key, when in (("s", started), ("r", started - 1)):  # r: the same pid, another process
+                db.execute("INSERT INTO claims (key, owner, host, pid, expires, reserved, started)"
+                           " VALUES (?, 'stopped', ?, ?, ?, 0.4, ?)",
+                           (key, store.host, stopped.pid, time.time() - 60, when))  # fmt: skip
         assert store.claim("s").outcome == "busy"
         assert store.claim("t", reserve=0.7, limit=1.0).outcome == "over_budget"  # its reservation counts
+        assert store.claim("r", reserve=0.1).outcome == "claimed"
     finally:
         stopped.kill()
         stopped.wait()
     assert store.claim("s").outcome == "claimed"  # gone: taken at once
+    store.close()
+
+
+def test_a_dead_runs_claims_do_not_refuse_a_batch(tmp_path):
+    """A claim in this process space counts for up to an hour past its lease while its owner may
+    live; a batch's claim clears the dead owners' first, as an online claim does before a refusal."""
+    store = AnswerStore(tmp_path / "a.sqlite")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    with contextlib.closing(sqlite3.connect(store.path, isolation_level=None)) as db:
+        db.execute("INSERT INTO claims (key, owner, host, pid, expires, reserved) VALUES ('d', 'gone', ?, ?, ?, 0.9)",
+                   (store.host, int(dead.stdout), time.time() - 60))  # fmt: skip
+    _, claimed, refused = store.claim_batch("m @ url", [("k1", 0.2)], 1.0, 3600)
+    assert claimed == ["k1"] and refused == 0
     store.close()
 
 
@@ -499,6 +524,12 @@ def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teache
     chinese = [{"role": "user", "content": "爱玛" * 10}]
     assert plain.calibrated_as(["爱玛"]) != key
     assert plain.count_tokens("", chinese) == len(("爱玛" * 10).encode()) + TEMPLATE_TOKENS * 2
+    store.put(
+        StoredAnswer("k3", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(plain.calibrated_as(["爱玛"]), 0.5)
+    )
+    assert plain.count_tokens("", chinese) == len(("爱玛" * 10).encode()) // 2 + TEMPLATE_TOKENS * 2
+    # a ratio learnt on prompts with more non-ASCII bytes bounds these too
+    assert plain.count_tokens("", messages) == -(-size // 2) + overhead
     counted = Teacher(TeacherConfig(model="m", tokenizer=str(tiny_model_dir)), None, store, Price(),
                       Budget(None, store))  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -28,7 +28,9 @@ Endpoints
     unanswered and ends the batch ``expired`` (the other lines in the output file); ``[[batch:fail]]``
     fails the whole batch in validation (no output); ``[[batch:malformed]]`` answers that line 200 with
     a body that is no chat completion (no ``choices``). A file with ``[[batch:lose_create]]`` in a line:
-    its first ``POST /v1/batches`` makes the batch but answers 502, as a gateway that lost the answer.
+    its first ``POST /v1/batches`` makes the batch but answers 502, as a gateway that lost the answer;
+    with ``[[batch:late_create]]`` that batch is also left out of ``GET /v1/batches`` until the file's
+    next create (a list that lags). ``POST /v1/batches/{id}/cancel`` cancels a batch.
 ``GET /stats``
     ``{"requests": n, "by_key": {key: n}, "by_outcome": {"ok": n, "429": n, ...},
     "response_format": {key: the last response_format that key's request carried}}`` over chat
@@ -409,6 +411,7 @@ class LoopbackServer:
         self.files: dict[str, bytes] = {}
         self.batches: dict[str, dict] = {}
         self._polls: dict[str, int] = {}
+        self._unlisted: set[str] = set()  # batches the list does not show yet ([[batch:late_create]])
         self.batch_requests = 0
         self._models_body = json.dumps(
             {"object": "list", "data": [{"id": "loopback", "object": "model"}]}
@@ -506,10 +509,12 @@ class LoopbackServer:
             if request.get("input_file_id") not in self.files:
                 return 400, _error_body("unknown input_file_id", "invalid_request_error")
             batch_id = f"batch_{len(self.batches) + 1}"
-            lose = b"[[batch:lose_create]]" in self.files[request["input_file_id"]]
-            lose = lose and not any(
-                b["input_file_id"] == request["input_file_id"] for b in self.batches.values()
-            )
+            made = [b["id"] for b in self.batches.values() if b["input_file_id"] == request["input_file_id"]]
+            late = b"[[batch:late_create]]" in self.files[request["input_file_id"]] and not made
+            lose = late or (b"[[batch:lose_create]]" in self.files[request["input_file_id"]] and not made)
+            self._unlisted.difference_update(made)
+            if late:
+                self._unlisted.add(batch_id)
             self.batches[batch_id] = {
                 "id": batch_id, "object": "batch", "endpoint": request.get("endpoint"), "errors": None,
                 "input_file_id": request["input_file_id"], "completion_window": request.get("completion_window"),
@@ -523,8 +528,16 @@ class LoopbackServer:
                 return 502, _error_body("bad gateway", "server_error")
             return 200, json.dumps(self.batches[batch_id]).encode()
         if parts[1] == "batches" and method == "GET" and len(parts) == 2:
-            return 200, json.dumps({"object": "list", "data": list(self.batches.values()), "has_more": False,
+            listed = [
+                b for b in reversed(self.batches.values()) if b["id"] not in self._unlisted
+            ]  # newest first
+            return 200, json.dumps({"object": "list", "data": listed, "has_more": False,
                                     "first_id": None, "last_id": None}).encode()  # fmt: skip
+        if parts[1] == "batches" and method == "POST" and len(parts) == 4 and parts[3] == "cancel":
+            if parts[2] not in self.batches:
+                return 404, _error_body("no such batch", "invalid_request_error")
+            self.batches[parts[2]].update(status="cancelled", cancelled_at=now)
+            return 200, json.dumps(self.batches[parts[2]]).encode()
         if parts[1] == "batches" and method == "GET" and len(parts) == 3:
             batch = self.batches.get(parts[2])
             if batch is None:
