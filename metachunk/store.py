@@ -380,6 +380,13 @@ class AnswerStore:
         self._db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", dead)
         return online
 
+    def holds(self, key: str) -> bool:
+        """Whether this process holds the claim on ``key`` (it has not stored an answer for it)."""
+        return (
+            self._db.execute("SELECT 1 FROM claims WHERE key = ? AND owner = ?", (key, self.owner)).fetchone()
+            is not None
+        )
+
     def claims_held(self) -> int:
         """Claims (in-flight requests) this process holds: 0 once every request has settled."""
         return self._db.execute("SELECT COUNT(*) FROM claims WHERE owner = ?", (self.owner,)).fetchone()[0]

@@ -1151,10 +1151,16 @@ class Teacher:
             else:  # busy: another sender (a process, or a request of this one) has this very request
                 waited = True
             await asyncio.sleep(WAIT_POLL_SECONDS)
+        row = None
         try:
             self.endpoint.check_reachable()  # a stopped endpoint sends nothing more (the sends in flight finish)
             row = await self._send(payload, key, messages, prompt_estimate, max_tokens)
+            self._keep(row, messages)
         except BaseException:  # stopped, cancelled (Ctrl-C, SIGTERM), or the endpoint is gone
+            if row is not None:  # a stop (SIGTERM raises anywhere) between the answer and its row: keep it
+                if self.store.holds(key):
+                    self._keep(row, messages)
+                raise
             # A send that left may be billed, answer or not: it is counted at its worst case, as a transport
             # failure the next run sends again. One that never left only gives its reservation back.
             sends = self.endpoint.sends_maybe_billed(key)
@@ -1166,15 +1172,18 @@ class Teacher:
             else:
                 self.store.release(key)
             raise
-        calibration = None
-        if row.ok and not row.usage_estimated:
-            calibrated_as = self.calibrated_as([m["content"] for m in messages])
-            calibration = (calibrated_as, row.prompt_tokens / max(1, prompt_bytes(messages)))
-        self.store.put(row, calibration)
         self.endpoint.check_reachable()  # after the put: the failure is recorded for the rerun
         self.budget.paid += row.cost
         self.tokens_used += row.prompt_tokens + row.completion_tokens
         return Answer.from_stored(row, params, cached=False)
+
+    def _keep(self, row: StoredAnswer, messages: list[dict]) -> None:
+        """Store ``row`` (its claim released with it); an answer with the billed usage calibrates."""
+        calibration = None
+        if row.ok and not row.usage_estimated:
+            calibration = (self.calibrated_as([m["content"] for m in messages]),
+                           row.prompt_tokens / max(1, prompt_bytes(messages)))  # fmt: skip
+        self.store.put(row, calibration)
 
     async def _send(
         self, payload: dict, key: str, messages: list[dict], prompt_estimate: int, max_tokens: int

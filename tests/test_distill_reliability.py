@@ -247,6 +247,36 @@ def test_429_pauses_every_request_to_the_endpoint():
         assert t >= pause_end, f"{key} left {pause_end - t:.3f} s before the pause ended"
 
 
+def test_a_stop_between_an_answer_and_its_row_keeps_the_answer(tmp_path):
+    """SIGTERM raises `Stopped` wherever the main thread is. Between a paid answer's arrival and its
+    row in the store it lost the answer (and its claim's reservation), and the rerun paid again."""
+    from metachunk.stopping import Stopped
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherPool
+
+    class StoppedAtThePut(AnswerStore):
+        stops = 1
+
+        def put(self, answer, calibration=None):
+            if self.stops and answer.ok:  # the signal lands just before the answer's row is written
+                self.stops -= 1
+                raise Stopped(signal.SIGTERM)
+            super().put(answer, calibration)
+
+    store = StoppedAtThePut(tmp_path / "a.sqlite")
+    with serve_in_subprocess(latency=0.0) as server:
+        pool = TeacherPool(
+            {"s": TeacherConfig("loopback", base_url=server.base_url, max_retries=0)}, {}, store
+        )
+        with pytest.raises(Stopped):
+            asyncio.run(asyncio.wait_for(pool["s"].complete([{"role": "user", "content": "hi"}], "sha"), 20))
+        assert server.stats()["requests"] == 1
+    with sqlite3.connect(store.path) as db:
+        assert db.execute("SELECT status FROM answers").fetchall() == [("ok",)]
+    assert store.claims_held() == 0
+    store.close()
+
+
 def test_a_streams_timeout_counts_from_the_try_that_answered():
     """``timeout`` bounds a stream from when its request left. It was counted from the first try,
     so a 429's pause longer than the timeout cut the answered stream at its first byte: a send
