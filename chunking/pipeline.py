@@ -14,6 +14,7 @@ work flat, as the recipe keys and flags they always had (``--router``, ``--moc-w
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -342,8 +343,10 @@ class ChunkConfig:
         if self.mean_chunk_chars is not None or self.mean_chunk_chars_of is not None:
             if self.mean_chunk_chars is not None and self.mean_chunk_chars_of is not None:
                 raise ValueError("give --mean-chunk-chars or --mean-chunk-chars-of, not both")
-            if self.mean_chunk_chars is not None and self.mean_chunk_chars <= 0:
-                raise ValueError(f"--mean-chunk-chars must be > 0, got {self.mean_chunk_chars}")
+            if self.mean_chunk_chars is not None and not 0 < self.mean_chunk_chars < math.inf:  # NaN too
+                raise ValueError(
+                    f"--mean-chunk-chars must be a finite number > 0, got {self.mean_chunk_chars}"
+                )
             if not 0 < self.mean_chunk_chars_tolerance < 1:
                 raise ValueError("--mean-chunk-chars-tolerance must be in (0, 1)")
         if self.method == "lumber":  # each method's options check themselves
@@ -376,11 +379,14 @@ def goal_mean_chars(cfg: ChunkConfig) -> float | None:
         return cfg.mean_chunk_chars
     meta = Path(cfg.mean_chunk_chars_of).with_suffix(".meta.json")
     try:
-        return float(json.loads(meta.read_text(encoding="utf-8"))["summary"]["mean_chunk_chars"])
+        goal = float(json.loads(meta.read_text(encoding="utf-8"))["summary"]["mean_chunk_chars"])
     except FileNotFoundError:
         raise InputError(meta, "no such file (--mean-chunk-chars-of names a chunk run's output)") from None
     except (ValueError, KeyError, TypeError):
         raise InputError(meta, "field 'summary.mean_chunk_chars': missing or not a number") from None
+    if not 0 < goal < math.inf:  # a run that made no chunks has mean 0: no length to match
+        raise InputError(meta, f"field 'summary.mean_chunk_chars': {goal} is no length to match")
+    return goal
 
 
 def fit_target_len(chunker: Chunker, docs: Sequence[ChunkedDocument], goal: float, tolerance: float) -> dict:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from metachunk.eval.report import format_value, markdown_table, read_items, read_run
 
-from metachunk.artifacts import AtomicWriter, write_figure
+from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.command import Reads, Result
 from metachunk.config import option
 
@@ -73,8 +73,12 @@ class CompareConfig:
             raise ValueError("field 'runs': give at least one eval run dir")
         if self.labels and len(self.labels) != len(self.runs):
             raise ValueError(f"field 'labels': {len(self.labels)} labels for {len(self.runs)} runs")
-        if self.length_tolerance < 0:
-            raise ValueError("field 'length_tolerance' must be >= 0")
+        if not self.length_tolerance >= 0:  # NaN too: it would turn the length check off
+            raise ValueError("field 'length_tolerance' must be a number >= 0")
+        if Path(self.out).suffix == ".json":
+            raise ValueError(
+                "field 'out': the Markdown report (its numbers go beside it as OUT.json): name it .md"
+            )
         if not 0 <= self.confidence < 1:
             raise ValueError("field 'confidence' must be in [0, 1)")
         if self.n_resamples < 100:
@@ -212,6 +216,11 @@ def compare(cfg: CompareConfig) -> dict:
         raise ValueError(f"run dir names repeat ({given}): pass --labels")
     labels, docs, dirs = merged_runs(list(cfg.runs), given)
     lengths = {label: doc["metrics"].get(LENGTH_KEY) for label, doc in zip(labels, docs)}
+    for label, length in lengths.items():
+        if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))):
+            raise InputError(
+                Path(dirs[label][0]) / "metrics.json", f"field 'metrics.{LENGTH_KEY}': not a number"
+            )
     try:
         spread = check_lengths(lengths, cfg.length_tolerance)
         forced = False
@@ -414,4 +423,5 @@ def inputs(cfg: CompareConfig) -> Reads:
 
 
 def outputs(cfg: CompareConfig) -> list:
-    return [cfg.out]
+    """The report and, beside it, its numbers (``OUT.json``); the plots are named from them."""
+    return [cfg.out, Path(cfg.out).with_suffix(".json")] if cfg.out else []

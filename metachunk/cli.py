@@ -17,7 +17,7 @@ import sys
 
 from metachunk import config
 from metachunk.artifacts import InputError
-from metachunk.command import Command, Registry, Result
+from metachunk.command import Command, Registry, Result, refuse_writing_over_inputs
 from metachunk.models import DeviceNotFoundError, ModelNotFoundError
 from metachunk.redaction import redact
 
@@ -226,8 +226,11 @@ def parse(argv: list[str]):
 
 
 def run(command: Command, cfg) -> Result:
-    fn = getattr(command.load(), command.run)
-    return fn(cfg, registry()) if command.words == ("run",) else fn(cfg)
+    module = command.load()
+    if command.words == ("run",):
+        return getattr(module, command.run)(cfg, registry())
+    refuse_writing_over_inputs(module, cfg)
+    return getattr(module, command.run)(cfg)
 
 
 def invoke(argv: list[str]) -> Result:

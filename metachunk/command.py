@@ -5,7 +5,8 @@ A command is a module (``metachunk.distill.sample``, ``metachunk.eval.qa``, ...)
 * ``CONFIG``: its config dataclass ([`metachunk.config`][metachunk.config]: YAML recipe and CLI flags);
 * ``run(cfg) -> Result``: the work, returning its exit status and what it made;
 * ``inputs(cfg) -> Reads``: the files, folders, models and prompt or schema files it reads;
-* ``outputs(cfg) -> list[str]``: the paths it writes, which a later run checks are still as it left them.
+* ``outputs(cfg) -> list[str]``: the paths it writes, which a later run checks are still as it left them
+  (and which the CLI refuses when they would replace what ``inputs`` names: `refuse_writing_over_inputs`).
 
 Optionally ``estimate(cfg) -> Result`` (a teacher stage's dry run: ``Result.estimate``),
 ``teachers(cfg) -> dict[str, str]`` (the model name of each teacher block it sends requests with),
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from metachunk.artifacts import EXIT_SKIPPED
+from metachunk.artifacts import EXIT_SKIPPED, InputError
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,28 @@ class Reads:
             return tuple(dict.fromkeys(str(v) for v in values if v not in (None, "")))
 
         return cls(keep(paths), keep(models), tuple(dict.fromkeys(Path(p) for p in prompts)))
+
+
+def refuse_writing_over_inputs(module: ModuleType, cfg) -> None:
+    """Refuse a run whose output would replace what it reads: an output that is an input, one inside
+    an input folder (a shard of the corpus; a run's own metrics; a resume would read it back as
+    input), or an output folder holding an input (replaced by the run's own files)."""
+    reads, writes = getattr(module, "inputs", None), getattr(module, "outputs", None)
+    if reads is None or writes is None:
+        return
+    inputs = [Path(p).resolve() for p in reads(cfg).paths]
+    for output in writes(cfg):
+        if output in (None, ""):
+            continue
+        out = Path(output).resolve()
+        for read in inputs:
+            if out == read:
+                raise InputError(output, "is the input the run reads: write the output elsewhere")
+            if read in out.parents and read.is_dir():
+                raise InputError(output, f"an output inside the input folder {read}: write it elsewhere")
+            if out in read.parents and (out.is_dir() or not out.suffix):
+                raise InputError(output, f"an output folder holding what the run reads ({read}): it would be "
+                                 "replaced; write it elsewhere")  # fmt: skip
 
 
 @dataclass

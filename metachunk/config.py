@@ -230,6 +230,8 @@ def load_yaml(cls, path: Path) -> dict:
         raise InputError(path, "config file not found") from None
     except IsADirectoryError:
         raise InputError(path, "a folder, not a recipe file") from None
+    except UnicodeDecodeError as e:
+        raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet

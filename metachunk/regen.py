@@ -130,7 +130,10 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
     path = shipped.resolve(path)
     if not path.is_file():
         raise InputError(path, "no such recipe (nor a shipped one of that name: `metachunk recipes list`)")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -177,6 +180,8 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
                              f"says which), got {s['local_teacher']!r}")  # fmt: skip
         seen.add(name)
         stages.append(Stage(name, run, cfg, s.get("local_teacher", False), allow_exit, on_empty))
+    if not isinstance(raw.get("state") or "", str):
+        raise InputError(path, f"state: a folder path, got {raw['state']!r}")
     state = Path(raw.get("state") or Path("runs") / "regen" / path.stem)
     return Recipe(path, text, str(raw.get("name") or path.stem), state, stages, local_teacher_spec(path, raw))
 

@@ -328,6 +328,94 @@ def test_output_equal_to_the_input_is_refused(tmp_path, capsys):
     assert src.read_bytes() == original and sorted(p.name for p in src.parent.iterdir()) == ["d.jsonl"]
 
 
+def test_no_command_writes_over_what_it_reads(tmp_path, capsys):
+    """An output that is an input, lies in an input folder, or is a folder holding an input was
+    written over the input: `data passages` replaced its own input, `chunk` replaced a shard of its
+    corpus (or read its own shards back on resume), `data prepare-crud` replaced its news file, and
+    `eval compare` replaced a run's metrics.json with its own."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(json.dumps({"id": "a", "text": EN}) + "\n")
+    paras = tmp_path / "paras.jsonl"
+    paras.write_text(json.dumps({"id": "p", "text": EN, "chapter": 1}) + "\n")
+    news = corpus / "news.jsonl"
+    news.write_text(json.dumps({"id": "n", "title": "t", "text": EN}) + "\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text('{"metrics": {"hits@8": 0.5}}\n')
+    before = {p: p.read_bytes() for p in (*corpus.iterdir(), paras, run / "metrics.json")}
+    for argv, expected in (
+        (["data", "passages", "--input", str(paras), "--out", str(paras)], "is the input"),
+        (
+            [
+                "chunk",
+                str(corpus),
+                "-o",
+                str(corpus / "a.jsonl"),
+                "--method",
+                "sentence",
+                "--target-len",
+                "50",
+            ],
+            "inside the input folder",
+        ),
+        (
+            ["chunk", str(corpus), "-o", str(corpus / "out"), "--method", "sentence", "--target-len", "50"],
+            "inside the input folder",
+        ),
+        (["data", "prepare-crud", "--news", str(news), "--qa", str(paras), "--out", str(corpus)], "holding"),
+        (
+            ["eval", "compare", str(run), str(run), "--out", str(run / "metrics.md")],
+            "inside the input folder",
+        ),
+    ):
+        assert_one_line_error(main(argv), capsys.readouterr().err, 2, expected)
+    assert {p: p.read_bytes() for p in before} == before and not (corpus / "out").exists()
+
+
+def test_bad_values_a_probe_found_are_one_line_errors(tmp_path, capsys):
+    """Each of these ended in a traceback (exit 1)."""
+    docs = tmp_path / "d.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": EN}) + "\n")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"input: d.jsonl\nnote: caf\xe9\n")
+    state = tmp_path / "state.yaml"
+    state.write_text("state: 5\nstages:\n  - {name: a, run: chunk, config: {input: d.jsonl, output: o.jsonl,"
+                     " method: sentence, target_len: 50}}\n")  # fmt: skip
+    runs = []
+    for name, length in (("one", 100.0), ("two", "100")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"metrics": {"avg_chunk_chars": length}}))
+        runs.append(str(tmp_path / name))
+    for argv, expected in (
+        (["chunk", "--config", str(latin)], "not UTF-8 text (byte 24)"),
+        (["run", str(latin)], "not UTF-8 text"),
+        (["run", str(state)], "state: a folder path, got 5"),
+        (
+            [
+                "chunk",
+                str(docs),
+                "-o",
+                str(tmp_path / "o.jsonl"),
+                "--method",
+                "sentence",
+                "--mean-chunk-chars",
+                "inf",
+            ],
+            "finite number > 0",
+        ),
+        (
+            ["eval", "compare", *runs, "--out", str(tmp_path / "r.md")],
+            "'metrics.avg_chunk_chars': not a number",
+        ),
+        (["eval", "compare", *runs[:1], "--out", str(tmp_path / "r.json")], "name it .md"),
+    ):
+        rc, err = main(argv), capsys.readouterr().err
+        assert (
+            rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1 and expected in err
+        ), err
+
+
 # --------------------------------------------------------------------------------------------
 # 6. Bad chunk files for `metachunk distill`
 # --------------------------------------------------------------------------------------------
