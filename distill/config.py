@@ -6,6 +6,7 @@ imports another to learn a config's type.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +149,10 @@ class DistillConfig:
             raise ValueError(f"'limit' must be >= 1, got {self.limit}")
         if self.parse_retries < 0:
             raise ValueError(f"'parse_retries' must be >= 0, got {self.parse_retries}")
+        if self.max_context_chars < 1:
+            raise ValueError(f"'max_context_chars' must be >= 1, got {self.max_context_chars}")
+        if not math.isfinite(self.threshold):  # NaN would keep no item, silently
+            raise ValueError(f"'threshold' must be a number, got {self.threshold}")
         modes = {t.get("mode", "online") if isinstance(t, dict) else t.mode for t in self.teachers.values()}
         if (self.import_batch or self.export_batch) and modes == {"online"}:  # else ignored, and paid online
             raise ValueError("--import-batch and --export-batch are for teachers in 'mode: batch'; every teacher "

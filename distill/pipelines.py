@@ -330,9 +330,13 @@ def read_jobs(cfg: DistillConfig, rejects: Rejects | None = None) -> list[ChunkJ
     docs = {d.id: d.text for d in read_documents(cfg.documents, rejects=rejects,
                                                  max_row_bytes=cfg.bad_rows.max_row_bytes)}  # fmt: skip
     jobs, related = [], []
+    first_line: dict[str, int] = {}  # each document's record: a second would distil its chunks twice
     for number, raw, record in read_records(cfg.chunks, rejects, cfg.bad_rows.max_row_bytes):
         try:
             doc_id, text, chunks, selected = _chunks_record(cfg, docs, record, number)
+            if first_line.setdefault(doc_id, number) != number:
+                raise InputError(cfg.chunks, f"field 'id': document {doc_id!r} has a record already, at line "
+                                 f"{first_line[doc_id]}", number)  # fmt: skip
         except InputError as e:
             refuse_or_skip(rejects, e, raw)
             continue

@@ -83,6 +83,8 @@ class CompareConfig:
             raise ValueError("field 'confidence' must be in [0, 1)")
         if self.n_resamples < 100:
             raise ValueError("field 'n_resamples' must be >= 100")
+        if self.seed < 0:  # numpy's generators take none below 0
+            raise ValueError("field 'seed' must be >= 0")
 
 
 CONFIG = CompareConfig

@@ -421,6 +421,8 @@ def read_json(path: str | Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(path, "no such file") from None
+    except IsADirectoryError:
+        raise InputError(path, "a folder, not a file") from None
     except UnicodeDecodeError as e:
         raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
@@ -436,8 +438,12 @@ def read_jsonl(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "a folder, not a file" if path.is_dir() else "no such file")
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
             if not line.strip():
                 continue
             try:

@@ -326,6 +326,8 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
     merged = {**(defaults or {}), **(load_yaml(cls, config_path) if config_path else {})}
     # None / [] = not given (an absent optional positional): the recipe's value stands
     given = {k: v for k, v in values.items() if v is not None and v != []}
+    # Where a bad value came from: the recipe, the flags, or (both given) either.
+    where = f"{config_path} or the command line" if config_path and given else config_path or "command line"
     kinds = _field_types(cls)
     merged.update({k: v for k, v in given.items() if k in kinds})
     for name, (block_name, inner, _) in _flat_fields(cls).items():  # a flat block's flags
@@ -335,7 +337,7 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
                     merged.get(block_name) or kinds[block_name](), **{inner.name: given[name]}
                 )
             except (TypeError, ValueError) as e:  # the block's __post_init__ rejected the flag's value
-                raise InputError(config_path or "command line", str(e)) from None
+                raise InputError(where, str(e)) from None
     # `data:NAME/FILE` names a file of a named dataset (metachunk.named_data): the run reads the
     # file it resolves to, so a missing dataset is one line that names its fetch command.
     for key, value in merged.items():
@@ -350,7 +352,7 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
     try:
         return cls(**merged)
     except (TypeError, ValueError) as e:  # a required field is missing, or __post_init__ rejected a value
-        raise InputError(config_path or "command line", str(e)) from None
+        raise InputError(where, str(e)) from None
 
 
 def to_dict(cfg) -> dict:

@@ -461,6 +461,7 @@ class Runner:
         started = time.perf_counter()
         report = []
         empty: set[str] = set()  # what the empty stages of this run did not write
+        writers: dict[str, str] = {}  # each output, and the stage that writes it
         with contextlib.ExitStack() as self._exit:
             for stage in self.recipe.stages:
                 t0 = time.perf_counter()
@@ -468,6 +469,10 @@ class Runner:
                     self.local_teacher(start=False)
                 fitted = self.fitted(stage)
                 fp = self.fingerprint(fitted)
+                for out in map(os.path.normpath, fp.outputs):  # the later one would replace it, every run
+                    if writers.setdefault(out, stage.name) != stage.name:
+                        raise InputError(self.recipe.path, f"stages {writers[out]!r} and {stage.name!r} both "
+                                         f"write {out}: give each its own output")  # fmt: skip
                 if self.cached(fitted, fp):
                     done = self.state["stages"][stage.name]
                     empty.update(map(os.path.normpath, done.get("empty", [])))

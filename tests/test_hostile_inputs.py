@@ -387,6 +387,15 @@ def test_bad_values_a_probe_found_are_one_line_errors(tmp_path, capsys):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.json").write_text(json.dumps({"metrics": {"avg_chunk_chars": length}}))
         runs.append(str(tmp_path / name))
+    three = tmp_path / "three"  # a good run whose items.jsonl is not UTF-8
+    three.mkdir()
+    (three / "metrics.json").write_text(json.dumps({"metrics": {"avg_chunk_chars": 100.0}}))
+    (three / "items.jsonl").write_bytes(b'{"id": "q1", "hits@8": 1}\n{"id": "q\xff"}\n')
+    qa_dir = tmp_path / "qa"
+    qa_dir.mkdir()
+    distill = tmp_path / "distill.yaml"
+    distill.write_text(f"task: summary\nchunks: {docs}\ndocuments: {docs}\nout: {tmp_path / 'run'}\n"
+                       "teachers:\n  summary_global: &t {model: m}\n  summary_local: *t\n  summary_fuse: *t\n")  # fmt: skip
     for argv, expected in (
         (["chunk", "--config", str(latin)], "not UTF-8 text (byte 24)"),
         (["run", str(latin)], "not UTF-8 text"),
@@ -409,6 +418,23 @@ def test_bad_values_a_probe_found_are_one_line_errors(tmp_path, capsys):
             "'metrics.avg_chunk_chars': not a number",
         ),
         (["eval", "compare", *runs[:1], "--out", str(tmp_path / "r.json")], "name it .md"),
+        (
+            ["eval", "compare", runs[0], str(three), "--out", str(tmp_path / "r.md")],
+            "items.jsonl:2: invalid UTF-8",
+        ),
+        (
+            ["data", "prepare-crud", "--news", str(docs), "--qa", str(qa_dir), "--out", str(tmp_path / "pc")],
+            "a folder, not a file",
+        ),
+        (["eval", "compare", runs[0], "--seed", "-1"], "field 'seed' must be >= 0"),
+        (
+            ["distill", "summary", "--config", str(distill), "--dry-run", "--threshold", "nan"],
+            "'threshold' must be",
+        ),
+        (
+            ["distill", "summary", "--config", str(distill), "--dry-run", "--max-context-chars", "0"],
+            f"{distill} or the command line: 'max_context_chars' must be >= 1",
+        ),
     ):
         rc, err = main(argv), capsys.readouterr().err
         assert (
@@ -431,6 +457,7 @@ CHUNKS = [
     ("record", "expected"),
     [
         ({"id": "d", "chunks": CHUNKS, "selected": [0, 2]}, "'selected': 2 is not a chunk index (0-1)"),
+        ({"id": "d", "chunks": CHUNKS}, "document 'd' has a record already, at line 1"),  # distilled twice
         ({"id": "d", "chunks": CHUNKS, "selected": [-1]}, "'selected': -1 is not a chunk index (0-1)"),
         ({"id": "d", "chunks": CHUNKS, "selected": "0"}, "'selected' must be a list of chunk indices"),
         ({"id": "d", "chunks": CHUNKS, "selected": [True]}, "'selected': True is not a chunk index"),

@@ -368,6 +368,21 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     assert code == 2 and "regen.yaml" in err and "no stage named 'nope'" in err and "Traceback" not in err
 
 
+def test_two_stages_writing_one_output_are_refused(tmp_path, capsys):
+    """The second replaced the first's output, and each rerun ran both again."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": SENTENCES[0]}) + "\n")
+    chunk = {"input": str(docs), "output": str(tmp_path / "same.jsonl"), "method": "fixed", "lang": "en"}
+    recipe = {"name": "twice", "state": str(tmp_path / "state"), "stages": [
+        {"name": "a", "run": "chunk", "config": {**chunk, "target_len": 40}},
+        {"name": "b", "run": "chunk", "config": {**chunk, "target_len": 80}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 2 and "stages 'a' and 'b' both write" in err and "Traceback" not in err, err
+
+
 def test_the_local_teacher_answers_eval_qa_generator_blocks_too(tmp_path):
     """A stage with `local_teacher: true` gets the served teacher in distill's `teachers` blocks and
     in eval qa's `generator_teacher`, under the name the server answers to (the preset's, for llama.cpp)."""
