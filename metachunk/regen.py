@@ -444,8 +444,15 @@ class Runner:
                 return {}
 
     def fingerprint(self, stage: Stage, suffix: str = ".yaml") -> Fingerprint:
-        """The stage's config as its command will read it, written to ``stages/``, and its fingerprint."""
-        fp = fingerprint(stage, self.registry, self._write_stage_config(stage, suffix), self.digests)
+        """The stage's config as its command will read it, written to ``stages/``, and its fingerprint.
+        A bad value in it is the recipe's, and named there: the copy is the runner's."""
+        path = self._write_stage_config(stage, suffix)
+        try:
+            fp = fingerprint(stage, self.registry, path, self.digests)
+        except InputError as e:
+            if Path(e.path) != path:
+                raise
+            raise InputError(self.recipe.path, f"stage {stage.name!r}, config: {e.reason}") from None
         self.prompts.update(fp.prompts)
         return fp
 

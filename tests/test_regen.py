@@ -182,9 +182,16 @@ STAGE = "stages:\n  - name: a\n    run: data sample\n    config: {}\n"
         (STAGE + "local_teacher: {backend: llamacpp}\n", "local_teacher.backend: one of auto, llama.cpp"),
         (STAGE + "local_teacher: {modle: smollm2}\n", "local_teacher: unknown key(s) modle"),
         (STAGE + "local_teacher: {threads: 0}\n", "local_teacher.threads"),
+        # a bad value in a stage's config: named in the recipe, not in the runner's copy of it
+        (
+            "state: st\nstages:\n  - {name: c1, run: chunk, config: {input: d.jsonl, output: o.jsonl, "
+            "method: sentence, target_len: abc}}\n",
+            "stage 'c1', config: field 'target_len' must be int",
+        ),
     ],
 )
-def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys, text, field):
+def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys, monkeypatch, text, field):
+    monkeypatch.chdir(tmp_path)  # a recipe's relative paths (state:) land here
     path = tmp_path / "bad.yaml"
     path.write_text(text, encoding="utf-8")
     code, _, err = run(capsys, path)
