@@ -1282,11 +1282,10 @@ def _transport_reason(error: openai.APIConnectionError) -> str:
     import openai
 
     cause = error.__cause__.__cause__ if error.__cause__ is not None else None
-    if _never_opened(cause):
+    cut = isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError)
+    if _never_opened(cause) or cut or not isinstance(error, openai.APITimeoutError):
         return "connection"
-    if isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError):
-        return "connection"
-    return "timeout" if isinstance(error, openai.APITimeoutError) else "connection"
+    return "timeout"
 
 
 def _never_opened(error: BaseException | None) -> bool:
