@@ -450,7 +450,7 @@ class Runner:
         try:
             fp = fingerprint(stage, self.registry, path, self.digests)
         except InputError as e:
-            if Path(e.path) != path:
+            if Path(e.path) != path or type(e) is not InputError:  # a missing dataset: the plan says fetch it
                 raise
             raise InputError(self.recipe.path, f"stage {stage.name!r}, config: {e.reason}") from None
         self.prompts.update(fp.prompts)
