@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.eval.report import format_value, markdown_table, read_items, read_run
+from metachunk.eval.report import format_value, known, markdown_table, read_items, read_run
 
 from metachunk.artifacts import AtomicWriter, InputError, write_figure
 from metachunk.command import Reads, Result
@@ -127,7 +127,8 @@ def merged_runs(runs: list[Path], labels: list[str]) -> tuple[list[str], list[di
             if row.get("cluster") is not None:
                 clusters[str(row["id"])] = str(row["cluster"])
             for name, value in row.items():
-                if name != "id" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if name != "id" and numeric and known(value):  # a NaN: an item the metric did not measure
                     items.setdefault(name, {})[str(row["id"])] = float(value)
         if label not in docs:
             docs[label] = {"metrics": dict(doc["metrics"]), "command": doc.get("command"), "items": items,

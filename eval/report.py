@@ -69,7 +69,8 @@ def read_run(run_dir: Path) -> dict:
 
 
 def read_items(run_dir: Path) -> list[dict] | None:
-    """A run's per-item metrics (``items.jsonl``), or None when it has none."""
+    """A run's per-item metrics (``items.jsonl``), or None when it has none. A NaN (as `known`
+    says) is an item the metric did not measure."""
     path = Path(run_dir) / "items.jsonl"
     if not path.is_file():
         return None
@@ -77,6 +78,10 @@ def read_items(run_dir: Path) -> list[dict] | None:
     for number, row in read_jsonl(path):
         if not isinstance(row, dict) or "id" not in row:
             raise InputError(path, "field 'id' is missing", number)
+        for name, value in row.items():
+            # Python's json reads Infinity; no metric here is infinite, so the file is damaged.
+            if isinstance(value, float) and math.isinf(value):
+                raise InputError(path, f"field {name!r}: {value} is not a metric's value", number)
         rows.append(row)
     return rows
 

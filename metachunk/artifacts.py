@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -183,6 +184,20 @@ def remove_dead_temps(path: Path) -> None:
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         if temp_writer_gone(stale.name[len(path.name) + 2 :]):
             stale.unlink(missing_ok=True)
+
+
+def remove_dead_temps_of(output: str | Path) -> None:
+    """`remove_dead_temps` for an output a command wrote, a file or a folder of files: what a killed
+    run left beside it or in it, when nothing will write it again (a cached stage of `metachunk run`)."""
+    output = Path(output)
+    if not output.is_dir():
+        remove_dead_temps(output)
+        return
+    for temp in output.rglob(".*.tmp"):
+        # .TARGET.PID@HOST+NS.XXXX.tmp: no host name holds an "@", so the last ".PID@" ends TARGET
+        named = re.fullmatch(r"\.(.+)\.(\d+@.+)", temp.name)
+        if named and temp.is_file() and temp_writer_gone(named[2]):
+            temp.unlink(missing_ok=True)
 
 
 def temp_writer_gone(tail: str, mine: bool = False) -> bool:
@@ -426,10 +441,18 @@ def read_json(path: str | Path) -> dict:
     except UnicodeDecodeError as e:
         raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
-        raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", e.lineno) from None
+        raise InputError(path, json_error(e), e.lineno) from None
     if not isinstance(data, dict):
         raise InputError(path, f"expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def json_error(e: json.JSONDecodeError) -> str:
+    """``json.loads``'s complaint in one phrase: its message and where, a column, or the end of the text
+    when it stopped there (a line or a file cut short, as a killed writer leaves it)."""
+    if e.pos >= len(e.doc.rstrip()):
+        return f"invalid JSON ({e.msg} at the end: cut short?)"
+    return f"invalid JSON ({e.msg} at column {e.colno})"
 
 
 def read_jsonl(path: str | Path):
@@ -449,7 +472,7 @@ def read_jsonl(path: str | Path):
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+                raise InputError(path, json_error(e), number) from None
 
 
 # How each attempt on an output ran: engine, workers, device, seconds, what it skipped. That is not what

@@ -80,6 +80,7 @@ from metachunk.artifacts import (
     file_sha256,
     is_run_log,
     json_sha256,
+    remove_dead_temps_of,
     write_json,
 )
 from metachunk.command import Registry, Result
@@ -484,6 +485,8 @@ class Runner:
                     done = self.state["stages"][stage.name]
                     empty.update(map(os.path.normpath, done.get("empty", [])))
                     status = "empty" if done.get("empty") else "cached"
+                    for out in fp.outputs:  # a later run that was killed writing them left its temps
+                        remove_dead_temps_of(out)
                     print(
                         f"== run: {stage.name} ({stage.run}): {status}, skipped", file=sys.stderr, flush=True
                     )

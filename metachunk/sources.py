@@ -59,6 +59,7 @@ from metachunk.artifacts import (
     Document,
     InputError,
     check_unicode,
+    json_error,
     read_json,
 )
 from metachunk.config import option
@@ -211,7 +212,7 @@ def read_records(path: str | Path, rejects: Rejects | None = None, max_row_bytes
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise BadRow(path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+                    raise BadRow(path, json_error(e), number) from None
                 if not isinstance(record, dict):
                     raise BadRow(path, "expected a JSON object", number)
             except BadRow as e:
@@ -430,7 +431,7 @@ class DocumentSource:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(file.path, f"invalid JSON ({e.msg} at column {e.colno})", number) from None
+            raise InputError(file.path, json_error(e), number) from None
         if not isinstance(record, dict):
             raise InputError(file.path, f"expected a JSON object with a {self.text_field!r} field", number)
         return self._document(file, record, number)

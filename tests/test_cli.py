@@ -239,8 +239,18 @@ def test_semantic_method_minilm(tmp_path, capsys, tiny):
 GOOD = b'{"text": "Fine. Really fine."}\n'  # no id: each line's id is its line number
 
 BAD_INPUTS = {
-    "invalid-json": ("bad.jsonl", GOOD * 3 + b'{"text": oops}\n' + GOOD, ["bad.jsonl:4", "invalid JSON"]),
+    "invalid-json": (
+        "bad.jsonl",
+        GOOD * 3 + b'{"text": oops}\n' + GOOD,
+        ["bad.jsonl:4", "invalid JSON", "column 10"],
+    ),
     "truncated-json": ("bad.jsonl", GOOD + b'{"text": "unterminated\n', ["bad.jsonl:2", "invalid JSON"]),
+    # the column of an error at the line's end was its newline's: "column 1" of the next line
+    "cut-short-json": (
+        "bad.jsonl",
+        GOOD + b'{"text": "x"\n' + GOOD,
+        ["bad.jsonl:2", "at the end: cut short?"],
+    ),
     "missing-text": (
         "bad.jsonl",
         GOOD + GOOD + b'{"id": "x", "body": "hi"}\n',

@@ -197,3 +197,19 @@ def test_clustered_items_resample_whole_clusters(tmp_path):
     assert "6 clusters" in (tmp_path / "c.md").read_text()
     # one cluster only: no interval can be drawn from it
     assert bootstrap_interval([[0.0, 1.0, 1.0]], 0.95, 1000, 0, ["a", "a", "a"]) is None
+
+
+def test_an_unmeasured_item_is_left_out_and_an_infinite_one_is_named(tmp_path):
+    """A NaN in items.jsonl (Python's json writes and reads it) is an item the metric did not measure:
+    the interval is drawn from the others. Infinity is no metric's value: the file and line are named."""
+    values = {i: float(i % 2) for i in range(10)}
+    run_dir = _items_run(tmp_path / "a", {**values, 10: float("nan")})
+    stats = compare(CompareConfig(runs=[run_dir], out=tmp_path / "c.md", plots=False, n_resamples=500))
+    assert stats["statistics"]["items"]["hits@1"] == {"a": 10}
+    lo, hi = stats["statistics"]["intervals"]["hits@1"]["a"]
+    assert 0.0 <= lo < 0.5 < hi <= 1.0
+    lines = (run_dir / "items.jsonl").read_text().splitlines()
+    lines[3] = lines[3].replace('"hits@1": 1.0', '"hits@1": Infinity')
+    (run_dir / "items.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=r"items.jsonl:4: field 'hits@1': inf"):
+        compare(CompareConfig(runs=[run_dir], out=tmp_path / "d.md", plots=False))

@@ -375,6 +375,43 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     assert code == 2 and "regen.yaml" in err and "no stage named 'nope'" in err and "Traceback" not in err
 
 
+def test_a_cached_stage_sweeps_what_a_killed_run_left_beside_its_outputs(tmp_path, capsys):
+    """A forced rerun killed mid-write leaves its temp file, and the next run finds the stage cached, so
+    no write of that output would have removed it. A live writer's temp stays."""
+    from metachunk.artifacts import process_space
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": SENTENCES[0]}) + "\n")
+    recipe = {"name": "swept", "state": str(tmp_path / "state"), "stages": [
+        {"name": "file", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "c.jsonl"),
+                                                    "method": "fixed", "target_len": 40, "lang": "en"}},
+        {"name": "folder", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "sharded"),
+                                                      "method": "fixed", "target_len": 40, "lang": "en"}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert run(capsys, path)[0] == 0
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        shard = next((tmp_path / "sharded").glob("train-*.jsonl")).name
+        temps = {
+            "dead file": tmp_path / f".c.jsonl.{dead.pid}@{process_space()}.a1b2.tmp",
+            "dead shard": tmp_path / "sharded" / f".{shard}.{dead.pid}@{process_space()}.c3d4.tmp",
+            "dead manifest": tmp_path / "sharded" / f".manifest.json.{dead.pid}@{process_space()}.e5f6.tmp",
+            "live shard": tmp_path / "sharded" / f".{shard}.{live.pid}@{process_space()}.g7h8.tmp",
+        }
+        for temp in temps.values():
+            temp.write_text("half written")
+        code, _, err = run(capsys, path)
+        assert code == 0 and "file (chunk): cached" in err and "folder (chunk): cached" in err, err
+        assert [w for w, t in temps.items() if t.exists()] == ["live shard"]
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_two_stages_writing_one_output_are_refused(tmp_path, capsys):
     """The second replaced the first's output, and each rerun ran both again."""
     docs = tmp_path / "docs.jsonl"
