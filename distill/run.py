@@ -37,6 +37,7 @@ from metachunk.distill.prompts import load_prompt, load_schema
 from metachunk import config
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, append_run_log, jsonl_line
 from metachunk.command import Reads, Result
+from metachunk.redaction import redact
 from metachunk.sources import Rejects, finish_rejects
 from metachunk.store import AnswerStore
 from metachunk.teacher import Price, TeacherPool, is_transport_failure, wire_body
@@ -498,4 +499,4 @@ def print_request_bodies(cfg: DistillConfig, result: RunResult, file, cut: int =
             f"mode {teacher.mode}; request body:",
             file=file,
         )
-        print(json.dumps(shown, ensure_ascii=False, indent=2), file=file)
+        print(redact(json.dumps(shown, ensure_ascii=False, indent=2)), file=file)  # extra_body may hold a key

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from metachunk.engine.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
 from metachunk.prompts import Prompt, load_prompt_file
+from metachunk.redaction import url_credentials
 
 PROMPT_NAME = "rag_answer"
 
@@ -59,6 +60,9 @@ def parse_generator(spec: str) -> tuple[str, str]:
             f"--generator must be BASE_URL:MODEL with a path in the URL, e.g. "
             f"http://127.0.0.1:8000/v1:Qwen2-7B-Instruct; got {spec!r}"
         )
+    if credentials := url_credentials(spec):
+        raise ValueError(f"--generator's URL holds {credentials}: put the key in the environment variable "
+                         "that --api-key-env names, so that it never reaches a file")  # fmt: skip
     return f"{scheme}://{host}/{base_path}".rstrip("/"), model
 
 

@@ -26,6 +26,7 @@ with ``retry_mode: online``, up to ``max_retries`` times. ``--export-batch`` / `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -35,7 +36,16 @@ from pathlib import Path
 
 from metachunk.redaction import redact
 from metachunk.store import AnswerStore, StoredAnswer
-from metachunk.teacher import Teacher, TeacherConfig, api_key, read_usage, safe_url
+from metachunk.teacher import (
+    EndpointUnreachable,
+    FatalTeacherError,
+    Teacher,
+    TeacherConfig,
+    api_key,
+    provider_message,
+    read_usage,
+    safe_url,
+)
 
 HOLD_SLACK_SECONDS = 3600.0  # claims outlive the completion window by this much
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -80,6 +90,24 @@ def _client(cfg: TeacherConfig):
 
     return openai.OpenAI(base_url=cfg.endpoint_urls()[0], api_key=api_key(cfg), max_retries=cfg.max_retries,
                          timeout=cfg.timeout)  # fmt: skip
+
+
+@contextlib.contextmanager
+def provider_errors(cfg: TeacherConfig):
+    """A Batch API call the provider refused, or could not be reached for, after the client's own retries:
+    the run stops with one line (exit 2, or 4 for a connection that failed), the provider's words redacted
+    (a gateway may quote the request's path). The store keeps what each batch had reached: a later run
+    drops a batch whose upload never happened and takes over one uploaded but not created."""
+    import openai
+
+    try:
+        yield
+    except openai.APIStatusError as e:
+        raise FatalTeacherError(redact(f"teacher {cfg.model!r} at {safe_url(cfg.endpoint_urls()[0])}: Batch API: "
+                                       f"HTTP {e.status_code}: {provider_message(e)[:500]}")) from None  # fmt: skip
+    except openai.APIConnectionError as e:
+        raise EndpointUnreachable(redact(f"teacher {cfg.model!r} at {safe_url(cfg.endpoint_urls()[0])}: Batch "
+                                         f"API: {e}; the batches in the store are picked up by a rerun")) from None  # fmt: skip
 
 
 def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: float):
@@ -178,23 +206,24 @@ def submit(store: AnswerStore, teachers: dict[str, Teacher], limit: float | None
             size += n
         if current:
             files.append(current)
-        for lines in files:
-            batch, claimed, over = store.claim_batch(name, [(k, r) for k, _, r in lines], limit, hold)
-            counts.refused_by_budget += over
-            refused += over
-            if not claimed:
-                continue
-            keep = set(claimed)
-            body = "".join(line for k, line, _ in lines if k in keep).encode("utf-8")
-            uploaded = client.files.create(file=(f"metachunk-{batch}.jsonl", body), purpose="batch")
-            store.update_batch(batch, input_file_id=uploaded.id, status="uploaded")
-            created = create_once(client, cfg, uploaded.id, batch, since=time.time())
-            store.update_batch(batch, batch_id=created.id, status="submitted")
-            counts.batches += 1
-            counts.requests += len(claimed)
-            submitted += len(claimed)
-            print(f"batch: {created.id} submitted to {name}: {len(claimed)} requests ({len(body):,} bytes)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        with provider_errors(cfg):
+            for lines in files:
+                batch, claimed, over = store.claim_batch(name, [(k, r) for k, _, r in lines], limit, hold)
+                counts.refused_by_budget += over
+                refused += over
+                if not claimed:
+                    continue
+                keep = set(claimed)
+                body = "".join(line for k, line, _ in lines if k in keep).encode("utf-8")
+                uploaded = client.files.create(file=(f"metachunk-{batch}.jsonl", body), purpose="batch")
+                store.update_batch(batch, input_file_id=uploaded.id, status="uploaded")
+                created = create_once(client, cfg, uploaded.id, batch, since=time.time())
+                store.update_batch(batch, batch_id=created.id, status="submitted")
+                counts.batches += 1
+                counts.requests += len(claimed)
+                submitted += len(claimed)
+                print(f"batch: {created.id} submitted to {name}: {len(claimed)} requests ({len(body):,} bytes)",
+                      file=sys.stderr, flush=True)  # fmt: skip
     return submitted, refused
 
 
@@ -213,37 +242,38 @@ def wait(
             if teacher is None:  # another recipe's batch on this store: not ours to collect
                 continue
             cfg = teacher.cfg
-            client = clients.get(row["endpoint"]) or clients.setdefault(row["endpoint"], _client(cfg))
-            # uploaded, and its run killed before batches.create: a run that takes it over creates it
-            recovering = row["batch_id"] is None and row["status"] == "uploaded"
-            if row["being_submitted"] or (recovering and not store.take_batch(row["id"])):
-                # another live run is uploading it, creating the batch, or recovering it: not yet ours
-                delay = cfg.batch_poll_seconds
+            with provider_errors(cfg):  # the provider's refusal or absence: one line, not a traceback
+                client = clients.get(row["endpoint"]) or clients.setdefault(row["endpoint"], _client(cfg))
+                # uploaded, and its run killed before batches.create: a run that takes it over creates it
+                recovering = row["batch_id"] is None and row["status"] == "uploaded"
+                if row["being_submitted"] or (recovering and not store.take_batch(row["id"])):
+                    # another live run is uploading it, creating the batch, or recovering it: not yet ours
+                    delay = cfg.batch_poll_seconds
+                    next_poll = delay if next_poll is None else min(next_poll, delay)
+                    continue
+                if row["status"] == "claimed":  # killed before the upload: nothing was sent
+                    store.drop_batch(row["id"])
+                    continue
+                if recovering:
+                    existing = batches_of_file(client, row["input_file_id"], since=row["created"])
+                    found = (
+                        first_made(existing)
+                        if existing
+                        else create_once(client, cfg, row["input_file_id"], row["id"], row["created"])
+                    )
+                    store.update_batch(row["id"], batch_id=found.id, status="submitted")
+                    row["batch_id"] = found.id
+                batch = client.batches.retrieve(row["batch_id"])
+                if batch.status in TERMINAL:
+                    collect(store, teacher, row, batch, client, counts)
+                    continue
+                delay = delays.get(row["id"], cfg.batch_poll_seconds)
+                delays[row["id"]] = min(600.0, delay * 1.5)
                 next_poll = delay if next_poll is None else min(next_poll, delay)
-                continue
-            if row["status"] == "claimed":  # killed before the upload: nothing was sent
-                store.drop_batch(row["id"])
-                continue
-            if recovering:
-                existing = batches_of_file(client, row["input_file_id"], since=row["created"])
-                found = (
-                    first_made(existing)
-                    if existing
-                    else create_once(client, cfg, row["input_file_id"], row["id"], row["created"])
-                )
-                store.update_batch(row["id"], batch_id=found.id, status="submitted")
-                row["batch_id"] = found.id
-            batch = client.batches.retrieve(row["batch_id"])
-            if batch.status in TERMINAL:
-                collect(store, teacher, row, batch, client, counts)
-                continue
-            delay = delays.get(row["id"], cfg.batch_poll_seconds)
-            delays[row["id"]] = min(600.0, delay * 1.5)
-            next_poll = delay if next_poll is None else min(next_poll, delay)
-            if progress:
-                rc = batch.request_counts
-                print(f"batch: {batch.id} {batch.status}" + (f" ({rc.completed + rc.failed}/{rc.total})" if rc else "")
-                      + f"; next poll in {delay:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
+                if progress:
+                    rc = batch.request_counts
+                    print(f"batch: {batch.id} {batch.status}" + (f" ({rc.completed + rc.failed}/{rc.total})" if rc else "")
+                          + f"; next poll in {delay:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
         if next_poll is None:
             if all(by_endpoint.get(r["endpoint"]) is None for r in store.live_batches()):
                 break

@@ -3,7 +3,8 @@
 Every API key the toolkit reads from the environment is registered here the moment it is read;
 `redact` then replaces it, wherever it appears, by ``[REDACTED]``, together with the value
 of any ``Authorization`` / ``api-key`` / ``x-api-key`` header quoted in a text (a server that
-echoes the request headers in an error body) and the password part of a URL. Writers call it
+echoes the request headers in an error body), the userinfo of a URL, a credential in a URL's query
+string, and the path of a URL read from the environment. Writers call it
 before writing, not after: the answer store, records, exception messages, the CLI's error lines
 and tracebacks.
 """
@@ -23,7 +24,15 @@ _HEADER = re.compile(
     ([^\s"',;}]+)                                                           # the value
     """
 )
-_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+# The userinfo of a URL (``https://user:password@host``, ``https://TOKEN@host``): all of it, up to the
+# host's "@" (a password may hold an "@" of its own).
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@")
+# A credential in a URL's query string (``?api_key=``, ``&token=``, a signed URL's ``sig=``).
+CREDENTIAL_PARAMS = ("key", "api_key", "api-key", "apikey", "token", "access_token", "auth", "password",
+                     "secret", "sig", "signature", "code")  # fmt: skip
+_QUERY_CREDENTIAL = re.compile(
+    r"(?i)([?&](?:" + "|".join(map(re.escape, CREDENTIAL_PARAMS)) + r")=)[^&\s\"'#]+"
+)
 
 
 def register_secret(value: str | None) -> None:
@@ -52,20 +61,39 @@ def redact(text: str, headers: bool = True) -> str:
             text = text.replace(secret, MASK)
     if not headers:
         return text
+    for path in sorted(_private_paths, key=len, reverse=True):  # a gateway's 404 quotes the request's path
+        if path in text:
+            text = text.replace(path, MASK)
     text = _HEADER.sub(lambda m: m.group(1) + (m.group(2) + " " if m.group(2) else "") + MASK, text)
-    return _URL_PASSWORD.sub(lambda m: m.group(1) + MASK + "@", text)
+    text = _QUERY_CREDENTIAL.sub(lambda m: m.group(1) + MASK, text)
+    return _URL_USERINFO.sub(lambda m: m.group(1) + MASK + "@", text)
+
+
+def url_credentials(url: str) -> str | None:
+    """What in ``url`` is a credential (``user:key@host``, ``?api_key=...``), said without repeating it;
+    None when nothing is. Such a URL is refused where it is configured: the key belongs in the environment
+    variable that ``api_key_env`` names, and the URL is written to manifests and logs."""
+    authority = url.partition("://")[2].split("/")[0].split("?")[0].split("#")[0]
+    if "@" in authority:
+        return "credentials (user:key@host)"
+    found = _QUERY_CREDENTIAL.search(url)
+    return f"a credential in its query string ({found.group(1)[1:]}...)" if found else None
 
 
 _private_urls: dict[str, str] = {}  # a URL kept out of the recipe -> how it is shown
+_private_paths: set[str] = set()  # their paths, and the long segments of those, masked in error texts
 
 
 def register_private_url(url: str) -> None:
     """A URL read from the environment (``base_url_env``), which may carry a token after its host (a
-    gateway's account or route key): `safe_url` shows it as its scheme and host only. Only there: the
-    path itself is no secret to mask in every text (``/openai/v1`` is in answers about APIs)."""
+    gateway's account or route key): `safe_url` shows it as its scheme and host only, and `redact` masks
+    its path, and each segment of 8 characters or more, in error texts (a server's 404 quotes the path it
+    was sent). Not in answers (``headers=False``): ``/openai/v1`` is in answers about APIs."""
     host_end = len("/".join(url.split("/")[:3]))
-    if url[host_end:]:
+    path = url[host_end:].rstrip("/")
+    if path:
         _private_urls[url] = url[:host_end] + "/" + MASK
+        _private_paths.update(p for p in [path, *path.split("/")] if len(p) >= 8)
 
 
 def safe_url(url: str) -> str:

@@ -88,7 +88,7 @@ from metachunk.artifacts import InputError, json_sha256
 from metachunk.config import option
 from metachunk.prompts import Schema
 from metachunk.providers import PROVIDERS, SAMPLING_PARAMS, STRUCTURED_OUTPUTS, TOKEN_FIELDS
-from metachunk.redaction import redact, register_private_url, register_secret, safe_url
+from metachunk.redaction import redact, register_private_url, register_secret, safe_url, url_credentials
 from metachunk.store import AnswerStore, StoredAnswer
 from metachunk.streaming import REASONING_FIELDS, ChatStream
 
@@ -330,9 +330,9 @@ class TeacherConfig:
         for name, url in [("base_url", self.base_url)] + [("base_urls", u) for u in self.base_urls or []]:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise ValueError(f"{name!r} must be an http(s) URL, got {safe_url(str(url))!r}")
-            if "@" in url.split("/")[2]:
+            if credentials := url_credentials(url):
                 raise ValueError(
-                    f"{name!r} holds credentials (user:key@host): name the key's environment variable in "
+                    f"{name!r} holds {credentials}: name the key's environment variable in "
                     "'api_key_env' instead, so that it never reaches a file"
                 )
         for name in ("max_tokens", "concurrency", "max_connection_errors", "refusals_to_stop"):
@@ -365,10 +365,10 @@ class TeacherConfig:
             raise FatalTeacherError(
                 f"teacher {self.model!r}: environment variable {name} must hold an http(s) URL"
             )
-        if "@" in url.split("/")[2]:
+        if credentials := url_credentials(url):
             raise FatalTeacherError(
-                f"teacher {self.model!r}: the URL in environment variable {name} holds credentials "
-                "(user:key@host): put the key in the variable that 'api_key_env' names instead"
+                f"teacher {self.model!r}: the URL in environment variable {name} holds {credentials}: "
+                "put the key in the variable that 'api_key_env' names instead"
             )
         register_private_url(url.rstrip("/"))  # printed and stored as its host only (safe_url)
         return url.rstrip("/")

@@ -454,3 +454,26 @@ def test_an_export_takes_only_the_requests_whose_worst_case_fits_the_cap(tmp_pat
     assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results), "--max-cost", cap,
                  "--export-batch", str(tmp_path / "next.jsonl")]) == 0  # fmt: skip
     assert "past --max-cost" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["batch", "online"])
+def test_a_provider_that_refuses_stops_the_run_in_one_line_without_the_private_path(tmp_path, capsys, monkeypatch,
+                                                                                    mode):  # fmt: skip
+    """A URL from the environment with a route key in its path, and a server whose 404 quotes the path it
+    was sent (OpenAI's "Invalid URL (POST ...)"): the Batch API's refusal was a traceback (exit 1) quoting
+    it, and the online one's error line quoted it too."""
+    with serve_in_subprocess(replies=REPLIES) as server:
+        recipe = write_job(tmp_path, server.base_url, n=2, mode=mode)
+        doc = yaml.safe_load(recipe.read_text())
+        for block in doc["teachers"].values():
+            del block["base_url"]
+            block["base_url_env"] = "METACHUNK_TEST_GATEWAY"
+        recipe.write_text(yaml.safe_dump(doc))
+        monkeypatch.setenv("METACHUNK_TEST_GATEWAY", server.base_url.replace("/v1", "/gw/ROUTESECRET42/v1"))
+        code = main(["distill", "rewrite", "--config", str(recipe)])
+    err = capsys.readouterr().err
+    assert code == 2 and "HTTP 404" in err and "Traceback" not in err, err
+    assert "ROUTESECRET42" not in err
+    store = tmp_path / "run" / "answers.sqlite"
+    if store.exists():
+        assert b"ROUTESECRET42" not in store.read_bytes()

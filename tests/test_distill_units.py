@@ -82,6 +82,8 @@ def test_read_usage_counts_an_answer_only_when_its_usage_counts_both_sides(usage
         ("http://127.0.0.1:8000/v1/", None),
         ("127.0.0.1:8000/v1", "must hold an http(s) URL"),
         ("https://user:s3cret-key@api.example/v1", "holds credentials"),
+        ("https://s3cret-key@api.example/v1", "holds credentials"),
+        ("https://api.example/v1?api_key=s3cret-key", "a credential in its query string (api_key=...)"),
     ],
 )
 def test_a_teacher_url_from_the_environment_is_checked_as_base_url_is(monkeypatch, url, refused):
@@ -617,10 +619,52 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
     assert url == "https://gateway.example.com/v1/acct-7f3a9c2e51/openai"
     assert safe_url(url) == f"https://gateway.example.com/{MASK}"
     assert safe_url(f"{url}/chat/completions") == f"https://gateway.example.com/{MASK}/chat/completions"
-    # only where the URL is shown: a path is no secret to mask in every answer
-    assert (
-        redact("an answer about /v1/acct-7f3a9c2e51/openai") == "an answer about /v1/acct-7f3a9c2e51/openai"
-    )
+    # a path is no secret to mask in every answer (headers=False)...
+    answer = "an answer about /v1/acct-7f3a9c2e51/openai"
+    assert redact(answer, headers=False) == answer
+    # ...but an error text that quotes it (OpenAI's 404: "Invalid URL (POST /v1/...)") is masked, the
+    # whole path or a long segment of it
+    assert redact("Invalid URL (POST /v1/acct-7f3a9c2e51/openai/files)") == f"Invalid URL (POST {MASK}/files)"
+    assert redact("no route acct-7f3a9c2e51") == f"no route {MASK}"
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        (
+            "cannot connect to http://h:9/v1?key=QUERYLEAK1234&x=1",
+            "cannot connect to http://h:9/v1?key=[REDACTED]&x=1",
+        ),
+        (
+            "GET https://h/v1?api-version=2024-10-21&token=abc",
+            "GET https://h/v1?api-version=2024-10-21&token=[REDACTED]",
+        ),
+        ("at https://TOKENABC@host/v1", "at https://[REDACTED]@host/v1"),  # a token as the user name
+        ("at https://u:p@ss@h/x", "at https://[REDACTED]@h/x"),  # a password holding an "@"
+    ],
+)
+def test_credentials_in_a_url_are_masked_in_error_texts(text, shown):
+    from metachunk.redaction import redact
+
+    assert redact(text) == shown
+
+
+def test_a_base_url_with_a_credential_in_its_query_is_refused_and_not_repeated():
+    """It reached the run's TASK.meta.json and the regen manifest a push uploads (a base_url is written
+    as given); only the value's name is said."""
+    for url in (
+        "https://api.example/v1?key=QUERYLEAK1234",
+        "https://api.example/v1?x=1&access_token=QUERYLEAK1234",
+    ):
+        with pytest.raises(ValueError, match="query string") as e:
+            TeacherConfig("m", base_url=url)
+        assert "QUERYLEAK1234" not in str(e.value)
+    TeacherConfig("m", base_url="https://res.openai.azure.com/openai/v1?api-version=preview")  # no credential
+    from metachunk.eval.generate import parse_generator
+
+    with pytest.raises(ValueError, match="query string") as e:
+        parse_generator("http://h:8000/v1?token=QUERYLEAK1234:qwen2")
+    assert "QUERYLEAK1234" not in str(e.value)
 
 
 def test_the_request_key_hash_never_changes():

@@ -80,6 +80,52 @@ def test_cpu_smoke_trains_and_saves_float32_and_records_it(sft_dataset, tiny_mod
         assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}
 
 
+class _Saver:
+    """A trainer's `save_model` as a ZeRO-3 save writes: shards and their index, then the tokenizer; it
+    can be cut short after ``cut_after`` files (a kill mid-save)."""
+
+    def __init__(self, shards: int, tag: str, cut_after: int | None = None, zero: bool = True):
+        self.shards, self.tag, self.cut_after, self.zero = shards, tag, cut_after, zero
+
+    def is_world_process_zero(self):
+        return self.zero
+
+    def save_model(self, folder):
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        names = [f"model-{i:05d}-of-{self.shards:05d}.safetensors" for i in range(1, self.shards + 1)]
+        files = {n: self.tag for n in names}
+        files |= {"model.safetensors.index.json": json.dumps(names), "tokenizer.json": self.tag}
+        for k, (name, text) in enumerate(files.items()):
+            if k == self.cut_after:
+                raise KeyboardInterrupt
+            (folder / name).write_text(text)
+
+
+def test_the_final_model_replaces_an_older_one_whole_or_not_at_all(tmp_path):
+    """A rerun into the same output_dir wrote over the old model in place: a kill mid-save left a cut
+    file, or new shards beside the old index, which loads a mix without an error."""
+    from metachunk.train.sft import FINAL_STAGING, RUN_FACTS, save_final_model
+
+    out = tmp_path / "run"
+    save_final_model(_Saver(3, "old"), out)
+    (out / RUN_FACTS).write_text("{}")
+    (out / "checkpoint-5").mkdir()
+    before = {p.name: p.read_text() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(KeyboardInterrupt):  # killed while saving: the old model and its facts are whole
+        save_final_model(_Saver(2, "new", cut_after=1), out)
+    assert {p.name: p.read_text() for p in out.iterdir() if p.is_file()} == before
+    save_final_model(_Saver(2, "new"), out)  # the next save: the new model only, no old shard beside it
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5", "model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors",
+                                                     "model.safetensors.index.json", "tokenizer.json"]  # fmt: skip
+    assert {p.read_text() for p in out.glob("*.safetensors")} == {"new"} and not (
+        out / FINAL_STAGING
+    ).exists()
+    save_final_model(_Saver(1, "other rank", zero=False), out)  # a rank other than 0 moves nothing
+    assert (out / "model-00001-of-00002.safetensors").read_text() == "new"
+
+
 def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):
     from metachunk.train.sft import parse_args
 

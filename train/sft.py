@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -573,6 +574,36 @@ def plot_losses(log_history: list[dict], path: Path) -> None:
 
 
 RUN_FACTS = "metachunk_run.json"  # what `metachunk export` writes the model card from
+FINAL_STAGING = ".final-model.partial"  # inside output_dir: the same file system, so each move is a rename
+
+
+def save_final_model(trainer, output_dir: str | Path) -> None:
+    """``trainer.save_model`` into ``output_dir``, beside its checkpoints, without ever leaving a half-written
+    model there: a rerun into the same folder (``metachunk run`` after a change) killed mid-save left a cut
+    ``model.safetensors`` over a good one, or a new shard beside the old ones, which loads without an error.
+
+    Every rank saves (ZeRO-3 gathers the weights) into a staging folder inside ``output_dir``; rank 0 then
+    renames each file into place: a sharded save's old index goes first, so that a kill between two renames
+    leaves a folder that fails to load, never one that loads a mix, and the new index last. The last run's
+    facts and log go before the weights move: they would vouch for the old weights."""
+    out = Path(output_dir)
+    staging = out / FINAL_STAGING
+    if trainer.is_world_process_zero():
+        shutil.rmtree(staging, ignore_errors=True)  # a killed save's
+    trainer.save_model(str(staging))
+    if not trainer.is_world_process_zero():
+        return
+    new = {p.name for p in staging.iterdir()}
+    for name in (RUN_FACTS, "train_log.json", *(p.name for p in out.glob("*.index.json"))):
+        (out / name).unlink(missing_ok=True)
+    for name in sorted(new, key=lambda n: n.endswith(".index.json")):  # the index last
+        if (out / name).is_dir():  # a folder (DeepSpeed's own checkpoint layout) is not renamed over
+            shutil.rmtree(out / name)
+        os.replace(staging / name, out / name)
+    for old in out.glob("*.safetensors"):  # an older save's weights the new one does not have (its shards)
+        if old.name not in new:
+            old.unlink()
+    staging.rmdir()
 
 
 def run_facts(model_args, sft_args, model_dir, trainer, **counts) -> dict:
@@ -747,7 +778,7 @@ def run(cfg: TrainConfig) -> Result:
         state = json.loads((Path(resume) / "trainer_state.json").read_text(encoding="utf-8"))
         print(f"train: resuming from {resume} at step {state['global_step']}", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(sft_args.output_dir)
+    save_final_model(trainer, sft_args.output_dir)
     summary = {}
     if trainer.is_world_process_zero():
         out = Path(sft_args.output_dir)

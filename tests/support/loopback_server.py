@@ -43,7 +43,7 @@ A ``response_format`` is checked as OpenAI-compatible servers check it: its ``ty
 ``json_schema`` object holding a ``name`` string and a ``schema`` object); anything else is
 answered 400 (counted ``400``). It does not change the answer: replies stay scripted.
 
-The ``/v1`` prefix is optional on the two API paths. Anything else gets a 404 JSON error.
+The ``/v1`` prefix is optional on the two API paths. Anything else gets a 404 JSON error quoting the path, as OpenAI's does.
 
 Faults
 ------
@@ -160,6 +160,11 @@ _MALFORMED_BODY = b'{"id": "x", "choices": ['
 
 def _error_body(message: str, kind: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind}}).encode()
+
+
+def _not_found_body(method: str, path: str) -> bytes:
+    """OpenAI's 404 for an unknown route, which quotes the request's path, as gateways' do too."""
+    return _error_body(f"Invalid URL ({method} {path})", "invalid_request_error")
 
 
 _ERROR_BODIES = {
@@ -417,7 +422,6 @@ class LoopbackServer:
             {"object": "list", "data": [{"id": "loopback", "object": "model"}]}
         ).encode()
         self._health_body = json.dumps({"status": "ok"}).encode()
-        self._not_found_body = _error_body("not found", "invalid_request_error")
 
     @property
     def base_url(self) -> str:
@@ -473,7 +477,7 @@ class LoopbackServer:
         elif method == "GET" and path == "/stats":
             data = json.dumps(self.stats()).encode()
         else:
-            connection.send(_response(404, self._not_found_body, keep_alive), keep_alive)
+            connection.send(_response(404, _not_found_body(method, path), keep_alive), keep_alive)
             return
         connection.send(_response(200, data, keep_alive), keep_alive)
 
@@ -544,7 +548,7 @@ class LoopbackServer:
                 return 404, _error_body("no such batch", "invalid_request_error")
             self._advance(batch, now)
             return 200, json.dumps(batch).encode()
-        return 404, self._not_found_body
+        return 404, _not_found_body(method, path)
 
     def _advance(self, batch: dict, now: int) -> None:
         if batch["status"] not in ("validating", "in_progress"):
