@@ -32,12 +32,20 @@ def scoring_pieces(doc: str, sentences: Sequence[Sentence]) -> list[str]:
 
 
 def tokenize_sentences(
-    tokenizer, doc: str, sentences: Sequence[Sentence]
+    tokenizer, doc: str, sentences: Sequence[Sentence], start: Sequence[int] | None = None
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of the document and, per sentence, its ``[first, last)`` token span."""
+    """Token ids of the document, after the ids the tokenizer starts a text with (``start``, `start_ids`:
+    Gemma's ``<bos>``, which then predicts the first token), and, per sentence, its ``[first, last)``
+    token span."""
     pieces = scoring_pieces(doc, sentences)
-    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
-    ids: list[int] = []
+    if not pieces:
+        return [], []
+    if start is None:
+        from metachunk.engine.scoring import start_ids
+
+        start = start_ids(tokenizer)
+    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"]
+    ids: list[int] = list(start)
     spans = []
     for piece_ids in encoded:
         spans.append((len(ids), len(ids) + len(piece_ids)))
@@ -104,7 +112,10 @@ def tokenize_documents(
     tokenizer, docs: Sequence[str], sentences: Sequence[Sequence[Sentence]]
 ) -> list[tuple[list[int], list[tuple[int, int]]]]:
     """Each document's token ids and its sentences' token spans (`tokenize_sentences`)."""
-    return [tokenize_sentences(tokenizer, d, s) for d, s in zip(docs, sentences)]
+    from metachunk.engine.scoring import start_ids
+
+    start = start_ids(tokenizer)
+    return [tokenize_sentences(tokenizer, d, s, start) for d, s in zip(docs, sentences)]
 
 
 def score_tokenized(

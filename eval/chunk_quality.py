@@ -233,7 +233,9 @@ def lead_ids(tokenizer) -> tuple[list[int], list[int]]:
     """``(start, alone)``: the ids every sequence starts with (whatever the tokenizer puts before a
     text, e.g. Gemma's ``<bos>``; often nothing), and the prefix a text is read "alone" after
     (``start``, or a single space where ``start`` is empty, so that its first token is scored)."""
-    start = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    from metachunk.engine.scoring import start_ids
+
+    start = start_ids(tokenizer)
     return start, start or list(tokenizer(" ", add_special_tokens=False)["input_ids"])
 
 

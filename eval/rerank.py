@@ -31,8 +31,9 @@ def ppl_pair_ids(
     tokenizer, passage: str, question: str, lang: str, max_passage_tokens: int
 ) -> tuple[list[int], int]:
     """``(ids, first scored position)`` of one pair: [BOS] passage, blank line, question + statement."""
-    # whatever the tokenizer puts before a text (Gemma's <bos>; nothing for SmolLM2's)
-    specials = tokenizer("", add_special_tokens=True)["input_ids"]
+    from metachunk.engine.scoring import start_ids
+
+    specials = start_ids(tokenizer)
     head = (
         specials + tokenizer(passage + SEPARATOR, add_special_tokens=False)["input_ids"][:max_passage_tokens]
     )

@@ -167,6 +167,41 @@ def test_tokenize_sentences_spans_cover_ids(tiny_tokenizer):
     assert tokenize_sentences(tiny_tokenizer, "", []) == ([], [])
 
 
+class _WithBos:
+    """The tiny tokenizer, putting a ``<bos>`` before every text as Gemma's does."""
+
+    def __init__(self, tokenizer, bos: int):
+        self.tokenizer, self.bos = tokenizer, bos
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if add_special_tokens:
+            ids = [[self.bos, *x] for x in ids] if isinstance(text, list) else [self.bos, *ids]
+        return {"input_ids": ids}
+
+
+def test_a_tokenizer_that_starts_texts_with_bos_scores_them_after_it(tiny_lm):
+    """Chunking tokenized without special tokens: Gemma read every document without the <bos> it was
+    trained with (its sentence scores 30-50% higher, a different boundary), while `eval chunk-quality`
+    scored the same text after it. Now the <bos> leads each document, predicts the first token, and the
+    sentences' spans start after it. A tokenizer with none (Qwen2's, SmolLM2's) tokenizes as before."""
+    from metachunk.chunking.ppl import score_documents
+
+    model, tok = tiny_lm
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    doc = DOCS[0]
+    sents = split_sentences(doc, "auto")
+    plain_ids, plain_spans = tokenize_sentences(tok, doc, sents)
+    ids, spans = tokenize_sentences(_WithBos(tok, bos), doc, sents)
+    assert ids == [bos, *plain_ids] and spans == [(a + 1, b + 1) for a, b in plain_spans]
+    (ppl,) = score_documents(model, _WithBos(tok, bos), [doc], [sents])
+    (nll,) = token_nll(model, [ids], max_context=4096)
+    assert not np.isnan(nll[1:]).any()  # the document's first token is scored, after the <bos>
+    np.testing.assert_allclose(ppl, sentence_ppl(nll, spans), atol=1e-5)
+    a, b = spans[0]
+    assert ppl[0] == pytest.approx(float(nll[a:b].mean()), abs=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # Window planning
 # --------------------------------------------------------------------------------------------

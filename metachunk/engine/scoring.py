@@ -44,6 +44,13 @@ class Window:
     score_from: int  # first token whose NLL this window produces
 
 
+def start_ids(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before any text: Gemma's ``<bos>``, nothing for Qwen2's or SmolLM2's. A model
+    trained with them reads a text after them, and scores it far worse without (every one of Gemma's
+    sentence scores is off), so each scored sequence starts with them."""
+    return list(tokenizer("", add_special_tokens=True)["input_ids"])
+
+
 def plan_windows(n_tokens: int, max_context: int, seq: int = 0) -> list[Window]:
     """Windows that together score tokens ``1..n_tokens-1`` exactly once."""
     if max_context < 2:
