@@ -165,24 +165,36 @@ def recover_spans(
     Each element is matched after the end of the previous match: first exactly
     (``head.*?tail``, DOTALL, shortest), else head and tail by edit distance (at most
     ``max_ratio`` of their length in edits), the tail searched from the head on (a short chunk's
-    head and tail may overlap). Spans are non-overlapping and increasing.
+    head and tail may overlap). An exact match that runs over the next element's head, where an
+    edit-distance one (with edits) ends before it, is the typo'd tail found verbatim further on (MoC §3.2.4 asks
+    for the closest match): the nearer one is taken. Spans are non-overlapping and increasing.
     """
     stats = RecoveryStats(elements=len(elements))
     spans: list[tuple[int, int]] = []
     cursor = 0
-    for element in elements:
+    heads = [split_element(element, placeholder)[0] for element in elements]
+    for k, element in enumerate(elements):
         head, tail = split_element(element, placeholder)
         if not head and not tail:
             stats.skipped += 1
             continue
         pattern = re.compile(re.escape(head) + ".*?" + re.escape(tail), re.DOTALL)
         m = pattern.search(text, cursor)
-        if m is not None and m.end() > m.start():
-            spans.append((m.start(), m.end()))
-            cursor = m.end()
-            stats.exact += 1
-            continue
         found = _fuzzy_span(text, head, tail, cursor, max_ratio)
+        if m is not None and m.end() > m.start():
+            next_head = heads[k + 1] if k + 1 < len(elements) else ""
+            nearer = (  # with edits: one without is the pattern's own match, or a head and tail overlapping
+                found is not None
+                and found[1] > 0
+                and found[0][1] < m.end()
+                and next_head
+                and text.find(next_head, found[0][1], m.end()) != -1
+            )
+            if not nearer:
+                spans.append((m.start(), m.end()))
+                cursor = m.end()
+                stats.exact += 1
+                continue
         if found is None:
             stats.skipped += 1
             continue

@@ -241,6 +241,21 @@ def test_one_typo_allowed_in_short_anchors():
     assert stats.skipped == 1
 
 
+def test_a_typod_tail_found_verbatim_further_on_does_not_swallow_the_next_chunks():
+    """The exact pattern ran from the head to a later exact copy of the typo'd tail, over three chunks;
+    the edit-distance match one edit away ends before the next element's head, and is taken."""
+    text = ("Emma was handsome, clever and rich. She lived with her father. Her father was kind. "
+            "Later Emma, clever and rich! The end came.")  # fmt: skip
+    elements = ["Emma was handsome[MASK]clever and rich!", "She lived[MASK]father.", "Her father[MASK]kind.",
+                "Later Emma[MASK]rich!"]  # fmt: skip
+    found, stats = recover_spans(text, elements)
+    assert [text[s:e] for s, e in found] == [
+        "Emma was handsome, clever and rich.", "She lived with her father.", "Her father was kind.",
+        "Later Emma, clever and rich!",
+    ]  # fmt: skip
+    assert (stats.exact, stats.fuzzy, stats.skipped) == (3, 1, 0)
+
+
 def test_recovery_with_repeated_heads():
     doc = "".join(f"Reporter: item {k} is here. More about item {k}.\n" for k in range(5))
     starts = [i for i in range(len(doc)) if doc.startswith("Reporter:", i)]
