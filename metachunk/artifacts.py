@@ -384,6 +384,7 @@ def staged_bytes(path: str | Path, data: bytes):
     path = Path(path)
     _not_a_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd, like=path)
     try:
@@ -397,23 +398,19 @@ def staged_bytes(path: str | Path, data: bytes):
 
 
 def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
-    """Save a matplotlib figure as ``path`` (PNG) through a temp file, then close it: a crash never
-    leaves half an image over a good one."""
+    """Save a matplotlib figure as ``path`` (PNG), then close it: rendered in memory, then written as
+    `write_bytes` writes (synced, renamed in), so a crash never leaves half an image over a good one."""
+    import io
+
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
-    ordinary_mode(fd, like=path)
-    os.close(fd)
+    image = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=dpi, format=(path.suffix[1:] or "png"))
-        os.replace(tmp, path)
+        fig.savefig(image, dpi=dpi, format=(path.suffix[1:] or "png"))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_bytes(path, image.getvalue())
     return path
 
 
