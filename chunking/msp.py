@@ -129,6 +129,13 @@ class MarginScorer:
         else:  # a base model: plain completion prompt
             self.head, self.tail = prompt.instruction, "\nAnswer:"
         self.prefix_ids = self._encode(self.head)
+        # A base model's plain prompt (Gemma-3-270m has no chat template) is read after the ids its
+        # tokenizer starts a text with, as PPL chunking reads a document; a template may write them itself.
+        from metachunk.engine.scoring import start_ids
+
+        start = start_ids(tokenizer)
+        if self.prefix_ids[: len(start)] != start:
+            self.prefix_ids = start + self.prefix_ids
         self.split_id = self._answer_token("1")
         self.keep_id = self._answer_token("2")
         self._prefix_cache = None

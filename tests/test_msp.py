@@ -244,6 +244,31 @@ def scorers(tiny_lm):
     return {lang: MarginScorer(model, tok, load_msp_prompt("table6", lang)) for lang in ("en", "zh")}
 
 
+def test_a_base_models_prompt_is_read_after_its_bos(tiny_lm, monkeypatch):
+    """Gemma-3-270m has no chat template: its plain prompt went in without the <bos> its tokenizer starts
+    every text with. A template that writes the <bos> itself gets no second one."""
+    import copy
+
+    model, tok = tiny_lm
+    base = copy.deepcopy(tok)
+    base.chat_template = None
+    bos = base.convert_tokens_to_ids("<|endoftext|>")
+    plain = MarginScorer(model, base, load_msp_prompt("table6", "en")).prefix_ids
+    real_call = type(base).__call__
+
+    def with_bos(self, text, add_special_tokens=True, **kwargs):
+        out = real_call(self, text, add_special_tokens=False, **kwargs)
+        if add_special_tokens:
+            out["input_ids"] = [bos, *out["input_ids"]]
+        return out
+
+    monkeypatch.setattr(type(base), "__call__", with_bos)
+    assert MarginScorer(model, base, load_msp_prompt("table6", "en")).prefix_ids == [bos, *plain]
+    base.chat_template = "<|endoftext|>{{ messages[0].content }}"  # the template writes the <bos>
+    templated = MarginScorer(model, base, load_msp_prompt("table6", "en")).prefix_ids
+    assert templated[0] == bos and templated[1] != bos
+
+
 def test_scorer_answer_tokens_and_prefix(scorers, tiny_lm):
     _, tok = tiny_lm
     for scorer in scorers.values():
