@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.train.sft import RUN_FACTS
+from metachunk.train.throughput import why_no_mfu
 
 from metachunk import markdown
 
@@ -332,7 +333,7 @@ def _throughput_rows(summary: dict | None) -> list[list[str]]:
         ["training throughput (tokens/s, all devices)", f"{summary['tokens_per_second']:,.1f}"],
         ["model TFLOP/s per device", f"{summary['tflops_per_device']:.4g}"],
         ["MFU", f"{mfu:.1%} of {peak:g} TFLOP/s (dense bf16 peak)" if mfu is not None
-         else f"n/a: no dense bf16 peak known for {summary['device']}"],
+         else f"n/a: {why_no_mfu(summary)}"],
         ["devices", f"{summary['world_size']} x {summary['device']}"],
         ["peak device memory (GiB)", f"{memory:g}" if memory is not None else "n/a: not a CUDA device"],
         ["throughput measured over", f"steps {first}-{last}" + (f", after {warm} warm-up step(s)" if warm else "")],

@@ -264,6 +264,7 @@ class ThroughputCallback(TrainerCallback):
         # the first steps of a run (compilation, allocator, caches) are not its rate
         self.warmup_steps = warmup_steps
         self.peak = peak  # dense bf16 TFLOP/s per device; None: by the device's name (CUDA only)
+        self.in_bf16 = True  # set at the start of training: bf16 autocast, or bf16 weights
         self.shape: ModelShape | None = None
         self.device = None
         self.device_name = ""
@@ -293,7 +294,9 @@ class ThroughputCallback(TrainerCallback):
         self.device = args.device
         self.device_name = device_name(self.device)
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if self.peak is None and self.device.type == "cuda":
+        # The peaks are bf16's: a run in fp32 (or fp16) measured against them would read as a poor bf16 run.
+        self.in_bf16 = bool(args.bf16) or next(model.parameters()).dtype == torch.bfloat16
+        if self.peak is None and self.device.type == "cuda" and self.in_bf16:
             self.peak = peak_tflops(self.device_name)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -434,6 +437,7 @@ class ThroughputCallback(TrainerCallback):
             "tokens_per_second_per_device": _rounded(rates["tokens_per_second_per_device"]),
             "tflops_per_device": _rounded(rates["tflops"]),
             "peak_tflops_per_device": self.peak,
+            "bf16": self.in_bf16,
             "mfu": _rounded(rates["mfu"]) if "mfu" in rates else None,
             "flops_dense": rates["flops_dense"],
             "flops_attention": rates["flops_attention"],
@@ -448,6 +452,14 @@ class ThroughputCallback(TrainerCallback):
         }
 
 
+def why_no_mfu(summary: dict) -> str:
+    """Why a run's `ThroughputCallback.summary` has no MFU: no bf16 peak is known for its device, or it did
+    not train in bf16 (the peaks known are bf16's)."""
+    if peak_tflops(summary["device"]) is None:
+        return f"no dense bf16 peak known for {summary['device']}"
+    return "not trained in bf16, and the peaks known are bf16's"
+
+
 def summary_line(summary: dict) -> str:
     """`ThroughputCallback.summary` as one line (``metachunk train`` prints it at the end)."""
     first, last = summary["steps"]
@@ -455,7 +467,7 @@ def summary_line(summary: dict) -> str:
     mfu = (
         f"MFU {summary['mfu']:.1%} of {summary['peak_tflops_per_device']:g} TFLOP/s"
         if summary.get("mfu") is not None
-        else f"MFU n/a (no dense bf16 peak known for {summary['device']})"
+        else f"MFU n/a ({why_no_mfu(summary)})"
     )
     memory = (
         f"; peak memory {summary['peak_memory_gib']} GiB"
