@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from metachunk.train.sft import RUN_FACTS
-from metachunk.train.throughput import why_no_mfu
 
 from metachunk import markdown
 
@@ -323,6 +322,9 @@ def _results_section(run: Run, export_facts: dict) -> str:
 
 def _throughput_rows(summary: dict | None) -> list[list[str]]:
     """The speed the trainer measured (``metachunk.train.throughput``: the steps after warm-up, model FLOPs)."""
+    # imported here: that module imports the Trainer, which loading the CLI's parser must not
+    from metachunk.train.throughput import why_no_mfu
+
     if not summary:
         return [["training throughput", NOT_RECORDED]]
     first, last = summary["steps"]
