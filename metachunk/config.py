@@ -324,8 +324,9 @@ def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):
     values = dict(vars(ns))
     config_path = values.pop("config", None)
     merged = {**(defaults or {}), **(load_yaml(cls, config_path) if config_path else {})}
-    # None / [] = not given (an absent optional positional): the recipe's value stands
-    given = {k: v for k, v in values.items() if v is not None and v != []}
+    # None / [] = not given (an absent optional positional): the recipe's value stands; a "_" name is the
+    # parser's own (the subcommand chosen), no setting
+    given = {k: v for k, v in values.items() if v is not None and v != [] and not k.startswith("_")}
     # Where a bad value came from: the recipe, the flags, or (both given) either.
     where = f"{config_path} or the command line" if config_path and given else config_path or "command line"
     kinds = _field_types(cls)

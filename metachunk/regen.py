@@ -313,6 +313,12 @@ def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Di
 # ---- the run ------------------------------------------------------------------------------------
 
 
+def _under_any(path: str, folders) -> bool:
+    """Whether ``path`` is one of ``folders`` (outputs: files or folders) or lies inside one."""
+    path = os.path.normpath(path)
+    return any(path == f or path.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -390,12 +396,54 @@ class Runner:
             )
         return self._teacher
 
+    def check_stages(self, plan: bool = False) -> None:
+        """Every stage's config parsed, every file it reads there or written by an earlier stage, and no two
+        stages writing one output, before anything runs: a typo in the last stage stopped a run only once
+        the stages before it had run (a training among them). Each error names the recipe and the stage.
+        With ``plan``, a stage waiting for a named dataset is the plan's to say (`metachunk data fetch`), and
+        what reads after it is not checked."""
+        import tempfile
+
+        import yaml
+
+        # each output, and the stage that writes it; the manifest so far is the runner's, for `data push`
+        written = {os.path.normpath(self.state_dir / "regen_manifest.json"): "(the runner)"}
+        with tempfile.TemporaryDirectory(prefix="metachunk-check-") as folder:
+            for stage in self.recipe.stages:
+                fitted = self.fitted(stage)
+                path = Path(folder) / f"{stage.name}.yaml"
+                path.write_text(
+                    yaml.safe_dump(fitted.config, sort_keys=False, allow_unicode=True), encoding="utf-8"
+                )
+                try:
+                    command, cfg = self.registry.config([*fitted.argv, "--config", str(path)])
+                except MissingDataset:
+                    if plan:
+                        return
+                    raise
+                except InputError as e:
+                    if Path(e.path) != path or type(e) is not InputError:
+                        raise
+                    raise InputError(self.recipe.path, f"stage {stage.name!r}, config: {e.reason}") from None
+                for read in self.registry.inputs(command, cfg).paths:
+                    local = "://" not in str(read)  # an hf:// dataset is the Hub's to find
+                    if local and not os.path.exists(read) and not _under_any(read, written):
+                        raise InputError(self.recipe.path, f"stage {stage.name!r} reads {read}, which is not there "
+                                         "and no earlier stage writes it (a recipe that makes it runs first?)")  # fmt: skip
+                for out in map(os.path.normpath, self.registry.outputs(command, cfg)):
+                    if (
+                        written.setdefault(out, stage.name) != stage.name
+                    ):  # the later would replace it, every run
+                        raise InputError(self.recipe.path, f"stages {written[out]!r} and {stage.name!r} both "
+                                         f"write {out}: give each its own output")  # fmt: skip
+
     def plan(self, out=None) -> list[dict]:
         """Which stages would run, and what the teacher stages would cost; runs nothing."""
         out = out or sys.stdout
         rows, total = [], {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
         upstream_runs = []
         print(f"plan: {self.recipe.name} ({self.recipe.path}), state {self.state_dir}", file=out)
+        self.check_stages(plan=True)
         for stage in self.recipe.stages:
             stage = self.fitted(stage)
             try:
@@ -469,7 +517,7 @@ class Runner:
         started = time.perf_counter()
         report = []
         empty: set[str] = set()  # what the empty stages of this run did not write
-        writers: dict[str, str] = {}  # each output, and the stage that writes it
+        self.check_stages()
         with contextlib.ExitStack() as self._exit:
             for stage in self.recipe.stages:
                 t0 = time.perf_counter()
@@ -477,10 +525,6 @@ class Runner:
                     self.local_teacher(start=False)
                 fitted = self.fitted(stage)
                 fp = self.fingerprint(fitted)
-                for out in map(os.path.normpath, fp.outputs):  # the later one would replace it, every run
-                    if writers.setdefault(out, stage.name) != stage.name:
-                        raise InputError(self.recipe.path, f"stages {writers[out]!r} and {stage.name!r} both "
-                                         f"write {out}: give each its own output")  # fmt: skip
                 if self.cached(fitted, fp):
                     done = self.state["stages"][stage.name]
                     empty.update(map(os.path.normpath, done.get("empty", [])))
@@ -611,7 +655,7 @@ class RunConfig:
     plan: bool = option(
         False,
         "print which stages would run and the teacher stages' estimated requests, tokens and cost; "
-        "run and send nothing",
+        "run and send nothing (it writes only the recipe's state folder)",
     )
     rerun: list[str] | None = option(
         None,

@@ -412,6 +412,57 @@ def test_a_cached_stage_sweeps_what_a_killed_run_left_beside_its_outputs(tmp_pat
         live.wait()
 
 
+@pytest.mark.parametrize(
+    "last, said",
+    [
+        ({"method": "fixd"}, "stage 'chunk', config: field 'method' must be one of"),
+        ({"target_length": 80}, "stage 'chunk', config: unknown field(s) 'target_length'"),
+        (
+            {"input": "docs_typo.jsonl"},
+            "stage 'chunk' reads docs_typo.jsonl, which is not there and no earlier stage writes it",
+        ),  # fmt: skip
+    ],
+)
+def test_every_stage_is_checked_before_the_first_runs(tmp_path, capsys, monkeypatch, last, said):
+    """A typo in the last stage stopped the run only after the stages before it had run (in the demo, a
+    training among them), and a bad value named the runner's copy of the stage's config, not the recipe."""
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(json.dumps({"id": "0", "text": SENTENCES[0]}) + "\n")
+    chunk = {
+        "input": "docs.jsonl",
+        "output": "fixed.jsonl",
+        "method": "fixed",
+        "target_len": 80,
+        "lang": "en",
+    }
+    recipe = {"name": "checked", "state": "state", "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": "docs.jsonl"}},
+        {"name": "chunk", "run": "chunk", "config": {**chunk, **last}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    for plan in ([], ["--plan"]):
+        code, _, err = run(capsys, path, *plan)
+        assert code == 2 and f"regen.yaml: {said}" in err and "Traceback" not in err, err
+        assert not (tmp_path / "docs.jsonl").exists()  # the first stage did not run
+        assert "stages/chunk.yaml" not in err
+
+
+def test_a_bad_value_in_a_config_file_names_that_file_alone(tmp_path, capsys):
+    """No flag was given, yet the error said 'FILE or the command line': the parser's own entry (the
+    subcommand chosen) was taken for a flag."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": SENTENCES[0]}) + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        yaml.safe_dump({"input": str(docs), "output": str(tmp_path / "o.jsonl"), "method": "fixd"})
+    )
+    assert main(["chunk", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg}: field 'method'" in err and "command line" not in err, err
+
+
 def test_two_stages_writing_one_output_are_refused(tmp_path, capsys):
     """The second replaced the first's output, and each rerun ran both again."""
     docs = tmp_path / "docs.jsonl"
