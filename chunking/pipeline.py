@@ -154,7 +154,7 @@ class ChunkConfig:
     method: str = option("ppl", "chunking method", choices=METHODS)
     model: str = option(
         "smollm2",
-        "model preset (see `metachunk models list`) or a local HF model dir, for ppl/msp and token lengths",
+        "model preset (see `metachunk models list`), a local HF model dir or a Hub id, for ppl/msp and token lengths",
     )
     lang: str = option(
         "auto",

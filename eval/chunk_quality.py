@@ -98,7 +98,7 @@ CONVENTIONS = ("paper", "released")
 @dataclass
 class ChunkQualityConfig:
     chunks: Path = option(None, "chunks JSONL from `metachunk chunk` (one row per document)")
-    model: str = option("smollm2", "causal LM that reads the chunks: preset or local HF dir")
+    model: str = option("smollm2", "causal LM that reads the chunks: preset, local HF dir or Hub id")
     out: Path = option(None, "run dir: metrics.json, report.md, chunk_quality.png")
     k: float = option(0.8, "edge threshold K in (0, 1) for Chunk Stickiness (paper: 0.8; Table 4: 0.7-0.9)")
     convention: str = option(

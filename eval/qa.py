@@ -368,6 +368,9 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
         return any(ev.doc_id in chunks_by_doc for ev in evidence)
 
     n_all, n_answerable = len(judged), sum(1 for _, ev, _ in judged if answerable(ev))
+    if cfg.questions == "all" and n_answerable < n_all:  # a subset of the corpus: the others are misses
+        print(f"eval qa: {n_all - n_answerable} of {n_all} questions have no evidence in these chunks' documents "
+              "and count as misses; --questions answerable asks only the others", file=sys.stderr)  # fmt: skip
     if cfg.questions == "answerable":
         judged = [j for j in judged if answerable(j[1])]
     if cfg.limit is not None:

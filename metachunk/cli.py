@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="metachunk", description="Distil teacher LLMs into small models for RAG chunking."
     )
     parser.add_argument("--version", action="version", version=f"metachunk {__version__}")
-    verbs = parser.add_subparsers(dest="_verb", required=True)
+    verbs = parser.add_subparsers(dest="_verb", required=True, metavar="COMMAND")
     groups = {}  # verb -> its subparsers (argparse's action has no public type)
     for command in COMMANDS:
         verb, *rest = command.words
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             if verb not in groups:
                 group = verbs.add_parser(verb, help=GROUPS[verb], description=GROUPS[verb])
-                groups[verb] = group.add_subparsers(dest="_action", required=True)
+                groups[verb] = group.add_subparsers(dest="_action", required=True, metavar="ACTION")
             module = command.load()
             epilog = getattr(module, "EPILOG", None)
             sub = groups[verb].add_parser(

@@ -259,6 +259,14 @@ def fields_from_mapping(cls, data: dict, path: Path, prefix: str = "") -> dict:
     if unknown:
         names = ", ".join(repr(prefix + k) for k in unknown)
         known = [n for k in kinds for n in [k, *(f for f, (b, _, _) in flat.items() if b == k)]]
+        import difflib
+
+        near = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        meant = {k: prefix + m[0] for k, m in near.items() if m}
+        if meant:  # a typo: the field it is nearest to, not the whole list
+            said = (repr(*meant.values()) if len(unknown) == 1
+                    else ", ".join(f"{prefix + k!r} -> {m!r}" for k, m in meant.items()))  # fmt: skip
+            raise InputError(path, f"unknown field(s) {names}; did you mean {said}?")
         raise InputError(path, f"unknown field(s) {names}; known: {', '.join(known)}")
     nested = {k: v for k, v in data.items() if k not in flat}
     for name, (block_name, inner, kind) in flat.items():

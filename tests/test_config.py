@@ -99,7 +99,8 @@ def test_a_flat_block_takes_nested_yaml_flat_yaml_and_flat_flags(tmp_path):
         ("moc_placeholder: '<x>'\n", "field 'moc_placeholder' must be one of"),
         ("moc_window_chars: 3\nmoc:\n  window_chars: 4\n", "'moc_window_chars' and moc.window_chars"),
         ("moc:\n  window: 3\n", "unknown field.*'moc.window'"),
-        ("moc_window: 3\n", "unknown field.*'moc_window'; known: method, moc, router, moc_window_chars"),
+        ("moc_window: 3\n", "unknown field.*'moc_window'; did you mean 'moc_window_chars'"),
+        ("zzz: 3\n", "unknown field.*'zzz'; known: method, moc, router, moc_window_chars"),  # nothing near
     ],
 )
 def test_flat_block_errors_name_the_key_as_written(tmp_path, yaml_text, match):

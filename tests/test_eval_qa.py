@@ -422,13 +422,15 @@ def test_the_document_is_rebuilt_from_chunks_that_agree(tmp_path, chunks, error,
 # ------------------------------------------------------------------------------- the command
 
 
-def test_planted_corpus_metrics_through_the_cli(planted, planted_embedder, tmp_path):
+def test_planted_corpus_metrics_through_the_cli(planted, planted_embedder, tmp_path, capsys):
     chunks, questions = planted
     out = tmp_path / "run"
     cfg = parse(
         ["--chunks", str(chunks), "--qa", str(questions), "--top-k", "3", "--out", str(out), "--no-progress"]
     )
     assert qa.run(cfg).exit == 0
+    # one question's evidence is in no chunked document: said, as it counts as a miss in every mean
+    assert "1 of 4 questions have no evidence in these chunks' documents" in capsys.readouterr().err
     doc = json.loads((out / "metrics.json").read_text())
     m = doc["metrics"]
     for name, value in EXPECTED.items():
