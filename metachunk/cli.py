@@ -200,9 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                 rest[0], help=command.help, description=command.help, epilog=epilog,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
             )  # fmt: skip
-        if command.words != ("train",):
+        flags = (
             config.add_arguments(sub, getattr(command.load(), command.config))
-        sub.set_defaults(_command=command)
+            if command.words != ("train",)
+            else []
+        )
+        sub.set_defaults(_command=command, _parser=sub, _flags=flags)
     return parser
 
 
@@ -214,7 +217,16 @@ def parse(argv: list[str]):
             return command, command.load().parse_config(argv[1:])
         except ValueError as e:
             raise InputError("train", f"invalid config: {e}") from None
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage and the flag a typo is nearest to
+        import difflib
+
+        typos = [u.split("=")[0] for u in unknown if u.startswith("--")]
+        near = [m[0] for u in typos for m in [difflib.get_close_matches(u, args._flags, n=1)] if m]
+        said = f"unrecognized arguments: {' '.join(unknown)}" + (
+            f"; did you mean {', '.join(near)}?" if near else ""
+        )
+        args._parser.error(said)
     command: Command = args._command
     cfg = config.from_namespace(getattr(command.load(), command.config), args, defaults=command.preset)
     for key, value in command.preset.items():

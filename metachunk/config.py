@@ -110,8 +110,9 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML."""
+def add_arguments(parser: argparse.ArgumentParser, cls) -> list[str]:
+    """Add one flag per field. Defaults are suppressed so that only explicit flags override YAML. Returns
+    the long flags (what a mistyped one is matched against)."""
     for old, new in getattr(cls, "RENAMED", {}).items():
         parser.add_argument(_flag(old), action=_Renamed, new=_flag(new), dest=f"renamed_{old}",
                             default=argparse.SUPPRESS)  # fmt: skip
@@ -123,17 +124,19 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     )
     kinds = _field_types(cls)
     flat = _flat_fields(cls)
+    flags = ["--config"]
     for f in dataclasses.fields(cls):
         if "prefix" in f.metadata:  # a flat block: its fields' flags, in place
             for name, (block_name, inner, kind) in flat.items():
                 if block_name == f.name and not _is_nested(kind):
-                    _add_flag(parser, name, inner, kind)
+                    flags += _add_flag(parser, name, inner, kind)
         elif not _is_nested(kinds[f.name]):  # nested fields are set in the recipe YAML only
-            _add_flag(parser, f.name, f, kinds[f.name])
+            flags += _add_flag(parser, f.name, f, kinds[f.name])
+    return flags
 
 
-def _add_flag(parser: argparse.ArgumentParser, name: str, f: dataclasses.Field, kind) -> None:
-    """The flag (or positional) of field ``f``, stored under ``name``."""
+def _add_flag(parser: argparse.ArgumentParser, name: str, f: dataclasses.Field, kind) -> list[str]:
+    """The flag (or positional) of field ``f``, stored under ``name``; returns its long flags."""
     meta = f.metadata
     helptext = meta.get("help", "")
     if f.default is not dataclasses.MISSING and f.default is not None:
@@ -155,7 +158,7 @@ def _add_flag(parser: argparse.ArgumentParser, name: str, f: dataclasses.Field, 
             nargs=("*" if item else "?") if f.default is not dataclasses.MISSING else nargs.get("nargs"),
             default=None,
         )
-        return
+        return []
     names = [meta.get("flag", "--" + name.replace("_", "-"))]
     if "short" in meta:
         names.insert(0, meta["short"])
@@ -167,6 +170,8 @@ def _add_flag(parser: argparse.ArgumentParser, name: str, f: dataclasses.Field, 
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
     parser.add_argument(*names, **kwargs)
+    long = [n for n in names if n.startswith("--")]
+    return long + [n.replace("--", "--no-", 1) for n in long] if kind is bool else long
 
 
 def _coerce(value, kind, where: Path, key: str):

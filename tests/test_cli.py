@@ -680,3 +680,12 @@ def test_mean_chunk_chars_refusals(tmp_path, capsys, tiny):
     rc, err = run(capsys, src, "-o", tmp_path / "o.jsonl", "--method", "fixed", "--mean-chunk-chars", "100",
                   "--mean-chunk-chars-of", tmp_path / "x.jsonl")  # fmt: skip
     assert rc == 2 and "not both" in err
+
+
+def test_a_mistyped_flag_is_answered_by_its_commands_parser_with_the_nearest_flag(capsys):
+    """It got the top-level usage and 'unrecognized arguments', nothing about the flag meant."""
+    with pytest.raises(SystemExit) as e:
+        main(["chunk", "docs.jsonl", "-o", "out.jsonl", "--target-length", "80"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "metachunk chunk: error: unrecognized arguments: --target-length 80" in err
+    assert "did you mean --target-len?" in err and "usage: metachunk chunk" in err
