@@ -430,10 +430,9 @@ class Runner:
                     if local and not os.path.exists(read) and not _under_any(read, written):
                         raise InputError(self.recipe.path, f"stage {stage.name!r} reads {read}, which is not there "
                                          "and no earlier stage writes it (a recipe that makes it runs first?)")  # fmt: skip
+                # two stages writing one output: the later would replace the earlier's, every run
                 for out in map(os.path.normpath, self.registry.outputs(command, cfg)):
-                    if (
-                        written.setdefault(out, stage.name) != stage.name
-                    ):  # the later would replace it, every run
+                    if written.setdefault(out, stage.name) != stage.name:
                         raise InputError(self.recipe.path, f"stages {written[out]!r} and {stage.name!r} both "
                                          f"write {out}: give each its own output")  # fmt: skip
 
