@@ -250,7 +250,9 @@ def worker(args) -> None:
                              long_context=args.long_context, streams=args.streams)  # fmt: skip
         if args.worker.startswith("loop"):
             return [
-                token_nll_incremental(model, [ids[a:b] for a, b in spans]) for ids, spans in docs_tokenized
+                # the start ids (Gemma's <bos>) first, as the engine reads them: the spans begin after them
+                token_nll_incremental(model, [ids[: spans[0][0]], *(ids[a:b] for a, b in spans)])
+                for ids, spans in docs_tokenized
             ]
         return [plain_nll(model, ids) for ids, _ in docs_tokenized]
 

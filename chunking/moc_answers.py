@@ -189,6 +189,7 @@ def recover_spans(
                 and found[0][1] < m.end()
                 and next_head
                 and text.find(next_head, found[0][1], m.end()) != -1
+                and text.find(next_head, m.end()) == -1  # else the next element is still found after it
             )
             if not nearer:
                 spans.append((m.start(), m.end()))

@@ -26,7 +26,7 @@ _HEADER = re.compile(
 )
 # The userinfo of a URL (``https://user:password@host``, ``https://TOKEN@host``): all of it, up to the
 # host's "@" (a password may hold an "@" of its own).
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@")
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#\"'<>,;(){}|]*@")
 # A credential in a URL's query string (``?api_key=``, ``&token=``, a signed URL's ``sig=``).
 CREDENTIAL_PARAMS = ("key", "api_key", "api-key", "apikey", "token", "access_token", "auth", "password",
                      "secret", "sig", "signature", "code")  # fmt: skip
@@ -81,19 +81,27 @@ def url_credentials(url: str) -> str | None:
 
 
 _private_urls: dict[str, str] = {}  # a URL kept out of the recipe -> how it is shown
-_private_paths: set[str] = set()  # their paths, and the long segments of those, masked in error texts
+_private_paths: set[str] = set()  # their paths, and the key-like segments of those, masked in error texts
 
 
 def register_private_url(url: str) -> None:
     """A URL read from the environment (``base_url_env``), which may carry a token after its host (a
     gateway's account or route key): `safe_url` shows it as its scheme and host only, and `redact` masks
-    its path, and each segment of 8 characters or more, in error texts (a server's 404 quotes the path it
+    its path, and each segment that looks like a key, in error texts (a server's 404 quotes the path it
     was sent). Not in answers (``headers=False``): ``/openai/v1`` is in answers about APIs."""
     host_end = len("/".join(url.split("/")[:3]))
     path = url[host_end:].rstrip("/")
     if path:
         _private_urls[url] = url[:host_end] + "/" + MASK
-        _private_paths.update(p for p in [path, *path.split("/")] if len(p) >= 8)
+        if len(path) >= 8:  # not "/v1": it is in every URL of every API
+            _private_paths.add(path)
+        _private_paths.update(p for p in path.split("/") if _looks_like_a_token(p))
+
+
+def _looks_like_a_token(segment: str) -> bool:
+    """A path segment that reads as a key, not a word (``acct-7f3a9c2e51``, not ``deployments``): masked on
+    its own where an error quotes only part of the path."""
+    return len(segment) >= 8 and any(c.isdigit() for c in segment) and any(c.isalpha() for c in segment)
 
 
 def safe_url(url: str) -> str:

@@ -314,8 +314,9 @@ def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Di
 
 
 def _under_any(path: str, folders) -> bool:
-    """Whether ``path`` is one of ``folders`` (outputs: files or folders) or lies inside one."""
-    path = os.path.normpath(path)
+    """Whether ``path`` is one of ``folders`` (outputs, files or folders, as `os.path.realpath` gives them)
+    or lies inside one; compared by real path, so a relative, an absolute and a symlinked spelling agree."""
+    path = os.path.realpath(path)
     return any(path == f or path.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
 
 
@@ -407,7 +408,7 @@ class Runner:
         import yaml
 
         # each output, and the stage that writes it; the manifest so far is the runner's, for `data push`
-        written = {os.path.normpath(self.state_dir / "regen_manifest.json"): "(the runner)"}
+        written = {os.path.realpath(self.state_dir / "regen_manifest.json"): "(the runner)"}
         with tempfile.TemporaryDirectory(prefix="metachunk-check-") as folder:
             for stage in self.recipe.stages:
                 fitted = self.fitted(stage)
@@ -431,10 +432,10 @@ class Runner:
                         raise InputError(self.recipe.path, f"stage {stage.name!r} reads {read}, which is not there "
                                          "and no earlier stage writes it (a recipe that makes it runs first?)")  # fmt: skip
                 # two stages writing one output: the later would replace the earlier's, every run
-                for out in map(os.path.normpath, self.registry.outputs(command, cfg)):
-                    if written.setdefault(out, stage.name) != stage.name:
-                        raise InputError(self.recipe.path, f"stages {written[out]!r} and {stage.name!r} both "
-                                         f"write {out}: give each its own output")  # fmt: skip
+                for out in self.registry.outputs(command, cfg):
+                    if written.setdefault(os.path.realpath(out), stage.name) != stage.name:
+                        raise InputError(self.recipe.path, f"stages {written[os.path.realpath(out)]!r} and "
+                                         f"{stage.name!r} both write {out}: give each its own output")  # fmt: skip
 
     def plan(self, out=None) -> list[dict]:
         """Which stages would run, and what the teacher stages would cost; runs nothing."""

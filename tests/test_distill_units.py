@@ -626,6 +626,13 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
     # whole path or a long segment of it
     assert redact("Invalid URL (POST /v1/acct-7f3a9c2e51/openai/files)") == f"Invalid URL (POST {MASK}/files)"
     assert redact("no route acct-7f3a9c2e51") == f"no route {MASK}"
+    # a segment that reads as a word is masked only as part of the whole path
+    monkeypatch.setenv("METACHUNK_TEST_URL2", "https://gw.example.com/openai/deployments/production")
+    TeacherConfig(model="m", base_url_env="METACHUNK_TEST_URL2").endpoint_url()
+    assert (
+        redact("runs/production/records.jsonl: no such file") == "runs/production/records.jsonl: no such file"
+    )
+    assert redact("POST /openai/deployments/production/chat") == f"POST {MASK}/chat"
 
 
 @pytest.mark.parametrize(
@@ -641,6 +648,11 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
         ),
         ("at https://TOKENABC@host/v1", "at https://[REDACTED]@host/v1"),  # a token as the user name
         ("at https://u:p@ss@h/x", "at https://[REDACTED]@h/x"),  # a password holding an "@"
+        # compact JSON: the userinfo stops at a quote, so a later e-mail address is no URL's
+        (
+            '{"base":"https://api.example.com","contact":"help@example.com"}',
+            '{"base":"https://api.example.com","contact":"help@example.com"}',
+        ),
     ],
 )
 def test_credentials_in_a_url_are_masked_in_error_texts(text, shown):

@@ -254,6 +254,16 @@ def test_a_typod_tail_found_verbatim_further_on_does_not_swallow_the_next_chunks
         "Later Emma, clever and rich!",
     ]  # fmt: skip
     assert (stats.exact, stats.fuzzy, stats.skipped) == (3, 1, 0)
+    # both rules right, the next head also inside this chunk after a one-edit copy of its tail, and again
+    # where the next chunk starts: the exact match loses nothing, and is kept
+    first = "Setup the router. Then restart the device! See Section two below. Then restart the device."
+    text = first + " Section two covers the firmware update procedure in detail."
+    for ratio in (0.0, 0.1):
+        found, stats = recover_spans(
+            text, ["Setup the router[MASK]restart the device.", "Section two[MASK]procedure in detail."],
+            max_ratio=ratio,
+        )  # fmt: skip
+        assert [s for s, _ in found] == [0, len(first) + 1] and stats.exact == 2
 
 
 def test_recovery_with_repeated_heads():

@@ -449,6 +449,24 @@ def test_every_stage_is_checked_before_the_first_runs(tmp_path, capsys, monkeypa
         assert "stages/chunk.yaml" not in err
 
 
+def test_a_file_an_earlier_stage_writes_is_found_however_it_is_spelled(tmp_path, capsys, monkeypatch):
+    """Written as docs.jsonl, read by its absolute path and through a symlinked folder: one file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path)
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(json.dumps({"id": "0", "text": SENTENCES[0]}) + "\n")
+    chunk = {"method": "fixed", "target_len": 80, "lang": "en"}
+    recipe = {"name": "spelled", "state": "state", "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": "docs.jsonl"}},
+        {"name": "a", "run": "chunk", "config": {**chunk, "input": str(tmp_path / "docs.jsonl"), "output": "a.jsonl"}},
+        {"name": "b", "run": "chunk", "config": {**chunk, "input": "link/docs.jsonl", "output": "b.jsonl"}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 0 and (tmp_path / "b.jsonl").exists(), err
+
+
 def test_a_bad_value_in_a_config_file_names_that_file_alone(tmp_path, capsys):
     """No flag was given, yet the error said 'FILE or the command line': the parser's own entry (the
     subcommand chosen) was taken for a flag."""

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -86,6 +87,7 @@ class _Saver:
 
     def __init__(self, shards: int, tag: str, cut_after: int | None = None, zero: bool = True):
         self.shards, self.tag, self.cut_after, self.zero = shards, tag, cut_after, zero
+        self.args = SimpleNamespace(push_to_hub=False)
 
     def is_world_process_zero(self):
         return self.zero
@@ -124,6 +126,11 @@ def test_the_final_model_replaces_an_older_one_whole_or_not_at_all(tmp_path):
     ).exists()
     save_final_model(_Saver(1, "other rank", zero=False), out)  # a rank other than 0 moves nothing
     assert (out / "model-00001-of-00002.safetensors").read_text() == "new"
+    # an old single file would load before an index: it goes before the new index comes
+    (out / "model.safetensors").write_text("old single file")
+    save_final_model(_Saver(2, "newer"), out)
+    assert not (out / "model.safetensors").exists()
+    assert (out / "model-00001-of-00002.safetensors").read_text() == "newer"
 
 
 def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):

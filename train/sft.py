@@ -585,8 +585,12 @@ def save_final_model(trainer, output_dir: str | Path) -> None:
     Every rank saves (ZeRO-3 gathers the weights) into a staging folder inside ``output_dir``; rank 0 then
     renames each file into place: a sharded save's old index goes first, so that a kill between two renames
     leaves a folder that fails to load, never one that loads a mix, and the new index last. The last run's
-    facts and log go before the weights move: they would vouch for the old weights."""
+    facts and log go before the weights move: they would vouch for the old weights. With ``push_to_hub`` the
+    Trainer's own save and upload run as they are (it would upload the staging folder too)."""
     out = Path(output_dir)
+    if getattr(trainer.args, "push_to_hub", False):  # the Trainer saves into output_dir and uploads it itself
+        trainer.save_model(str(out))
+        return
     staging = out / FINAL_STAGING
     if trainer.is_world_process_zero():
         shutil.rmtree(staging, ignore_errors=True)  # a killed save's
@@ -596,13 +600,13 @@ def save_final_model(trainer, output_dir: str | Path) -> None:
     new = {p.name for p in staging.iterdir()}
     for name in (RUN_FACTS, "train_log.json", *(p.name for p in out.glob("*.index.json"))):
         (out / name).unlink(missing_ok=True)
+    for old in out.glob("*.safetensors"):  # an older save's weights the new one does not have (its shards),
+        if old.name not in new:  # gone before the new index comes: a single old file would load first
+            old.unlink()
     for name in sorted(new, key=lambda n: n.endswith(".index.json")):  # the index last
         if (out / name).is_dir():  # a folder (DeepSpeed's own checkpoint layout) is not renamed over
             shutil.rmtree(out / name)
         os.replace(staging / name, out / name)
-    for old in out.glob("*.safetensors"):  # an older save's weights the new one does not have (its shards)
-        if old.name not in new:
-            old.unlink()
     staging.rmdir()
 
 
