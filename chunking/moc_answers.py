@@ -180,22 +180,28 @@ def recover_spans(
             continue
         pattern = re.compile(re.escape(head) + ".*?" + re.escape(tail), re.DOTALL)
         m = pattern.search(text, cursor)
-        found = _fuzzy_span(text, head, tail, cursor, max_ratio)
+        found = None
         if m is not None and m.end() > m.start():
             next_head = heads[k + 1] if k + 1 < len(elements) else ""
+            # the exact match holds the next head and none follows it: it may have run over the next element
+            swallows = (
+                next_head and next_head in text[m.start() : m.end()] and text.find(next_head, m.end()) == -1
+            )
+            if swallows:
+                found = _fuzzy_span(text, head, tail, cursor, max_ratio)
             nearer = (  # with edits: one without is the pattern's own match, or a head and tail overlapping
                 found is not None
                 and found[1] > 0
                 and found[0][1] < m.end()
-                and next_head
                 and text.find(next_head, found[0][1], m.end()) != -1
-                and text.find(next_head, m.end()) == -1  # else the next element is still found after it
             )
             if not nearer:
                 spans.append((m.start(), m.end()))
                 cursor = m.end()
                 stats.exact += 1
                 continue
+        else:
+            found = _fuzzy_span(text, head, tail, cursor, max_ratio)
         if found is None:
             stats.skipped += 1
             continue
