@@ -423,9 +423,7 @@ class Runner:
                         return
                     raise
                 except InputError as e:
-                    if Path(e.path) != path or type(e) is not InputError:
-                        raise
-                    raise InputError(self.recipe.path, f"stage {stage.name!r}, config: {e.reason}") from None
+                    raise self._named_in_recipe(e, path, stage) from None
                 for read in self.registry.inputs(command, cfg).paths:
                     local = "://" not in str(read)  # an hf:// dataset is the Hub's to find
                     if local and not os.path.exists(read) and not _under_any(read, written):
@@ -499,11 +497,16 @@ class Runner:
         try:
             fp = fingerprint(stage, self.registry, path, self.digests)
         except InputError as e:
-            if Path(e.path) != path or type(e) is not InputError:  # a missing dataset: the plan says fetch it
-                raise
-            raise InputError(self.recipe.path, f"stage {stage.name!r}, config: {e.reason}") from None
+            raise self._named_in_recipe(e, path, stage) from None
         self.prompts.update(fp.prompts)
         return fp
+
+    def _named_in_recipe(self, error: InputError, path: Path, stage: Stage) -> InputError:
+        """A bad value in the runner's copy of a stage's config (``path``) is the recipe's, and named there;
+        any other error (another file's, a missing dataset, whose plan says to fetch it) stays as it is."""
+        if Path(error.path) != path or type(error) is not InputError:
+            return error
+        return InputError(self.recipe.path, f"stage {stage.name!r}, config: {error.reason}")
 
     def _write_stage_config(self, stage: Stage, suffix: str = ".yaml") -> Path:
         import yaml
