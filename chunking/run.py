@@ -50,12 +50,17 @@ def fit_length(worker: ShardWorker, cfg, source: DocumentSource, goal: float, pr
     ``target_len`` whose chunks average ``goal`` characters (``cfg.target_len`` is set to it), and
     every document assembled at it. Returns ``(documents, length_fit)``."""
     from metachunk.chunking.pipeline import fit_target_len
-    from tqdm import tqdm
+
+    from metachunk.progress import bar as progress_bar
 
     chunker, group = worker.chunker, cfg.documents_per_call()
     segmented, docs = [], list(source.documents())
-    with tqdm(total=len(docs), unit="doc", desc=f"segment {cfg.method}", dynamic_ncols=True,
-              disable=chunker.own_progress or not progress) as bar:  # fmt: skip
+    with progress_bar(
+        total=len(docs),
+        unit="doc",
+        desc=f"segment {cfg.method}",
+        enabled=progress and not chunker.own_progress,
+    ) as bar:
         for k in range(0, len(docs), group):
             batch = docs[k : k + group]
             segmented += chunker.segment([d.id for d in batch], [d.text for d in batch])
@@ -94,7 +99,7 @@ def chunk_corpus(cfg, progress: bool = True, restart_if_changed: bool = False) -
 def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
     """The one-shard case: the output and ``OUTPUT.meta.json`` are replaced together or not at all
     (`OutputPair`); then the attempt's line in ``OUTPUT.runs.jsonl``."""
-    from tqdm import tqdm
+    from metachunk.progress import bar as progress_bar
 
     rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
@@ -111,8 +116,12 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
         fit_length(worker, cfg, source, goal, progress) if goal is not None else (None, None)
     )
     with OutputPair(cfg.output) as pair:
-        with tqdm(total=index.documents, unit="doc", desc=f"chunk {cfg.method}", dynamic_ncols=True,
-                  disable=worker.chunker.own_progress or not progress) as bar:  # fmt: skip
+        with progress_bar(
+            total=index.documents,
+            unit="doc",
+            desc=f"chunk {cfg.method}",
+            enabled=progress and not worker.chunker.own_progress,
+        ) as bar:
             try:
                 stats = chunk_shard(worker, cfg, source, index, plan, 0, lambda r: pair.file.write(jsonl_line(r)),
                                     bar.update, segmented)  # fmt: skip
@@ -171,7 +180,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     shards are written by this process."""
     from dataclasses import replace
 
-    from tqdm import tqdm
+    from metachunk.progress import bar as progress_bar
 
     rank, world = distributed_rank()
     if world > 1 and cfg.overwrite:
@@ -223,8 +232,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         cfg = replace(cfg, workers=1)
         worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
         segmented, length_fit = fit_length(worker, cfg, source, goal, progress)
-    with tqdm(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", dynamic_ncols=True,
-              disable=not progress) as bar:  # fmt: skip
+    with progress_bar(total=todo_docs, unit="doc", desc=f"chunk {cfg.method}{who}", enabled=progress) as bar:
         try:
             if not pending:
                 seconds, reports = {}, []

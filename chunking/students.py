@@ -285,7 +285,7 @@ class ChunkStudents:
         expected_docs: int | None = None,
         progress: bool = True,
     ):
-        from tqdm import tqdm
+        from metachunk.progress import bar as progress_bar
 
         self.context = context or ContextSpec()
         self.embedder_name = embedder
@@ -308,12 +308,11 @@ class ChunkStudents:
         self.expected_docs = expected_docs
         self.docs_seen = self.chunks_seen = 0
         self.prompt_sha256: dict[str, str] = {}
-        self.bar = tqdm(
+        self.bar = progress_bar(
             total=None,
             unit="chunk",
             desc=" + ".join(self.students),
-            dynamic_ncols=True,
-            disable=not progress,
+            enabled=progress,
         )
 
     @classmethod

@@ -263,10 +263,10 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     import tempfile
 
     from metachunk.distill.corpus import NearDuplicateIndex
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from metachunk.models import resolve
+    from metachunk.progress import bar as progress_bar
 
     started = time.perf_counter()
     distilled = Path(cfg.distilled)
@@ -312,7 +312,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         name = cfg.name if key is None else f"{cfg.name}-{key}"
         targets[key] = Target(key, where, name, staging, writers, NearDuplicateIndex(cfg.near_dup_threshold))
     try:
-        with tqdm(unit="rec", desc=f"build-sft {cfg.task}", disable=not progress) as bar:
+        with progress_bar(unit="rec", desc=f"build-sft {cfg.task}", enabled=progress) as bar:
             for line_no, raw, record in read_records(distilled, rejects, cfg.bad_rows.max_row_bytes):
                 try:  # the whole record is checked, its rows made, before any row is kept
                     rec, rows, entries = _record_rows(maker, record, distilled, line_no, document)

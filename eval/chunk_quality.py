@@ -350,9 +350,8 @@ def _nan_to_none(a: np.ndarray, digits: int = 5):
 
 
 def evaluate(cfg: ChunkQualityConfig) -> dict:
-    from tqdm import tqdm
-
     from metachunk.models import load_causal_lm
+    from metachunk.progress import bar as progress_bar
 
     rejects = cfg.bad_rows.rejects(cfg.out)
     docs = read_chunk_docs(cfg.chunks, cfg.limit, rejects, cfg.bad_rows.max_row_bytes)
@@ -372,8 +371,9 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     total = sum(sum(lengths[d]) + sum(lengths[d][j] for _, j in pairs) for d, _, pairs in plans if pairs)
     t0 = time.perf_counter()
     per_doc, bcs, truncated = [], [], 0
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="chunk-quality", disable=not cfg.progress,
-              dynamic_ncols=True) as bar:  # fmt: skip
+    with progress_bar(
+        total=total, unit="tok", unit_scale=True, desc="chunk-quality", enabled=cfg.progress
+    ) as bar:
         for doc_id, texts, pairs in plans:
             row = {"id": doc_id, "n_chunks": len(texts), "pairs_total": len(texts) * (len(texts) - 1)}
             if not pairs:

@@ -227,9 +227,9 @@ def model_label(name: str) -> str:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+    from metachunk.progress import bar as progress_bar
 
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not enabled, dynamic_ncols=True)
+    return progress_bar(total=total, unit="tok", unit_scale=True, desc=desc, enabled=enabled)
 
 
 def text_nll(model, tokenizer, texts, max_context: int = 2048, batch_tokens: int = 8192, progress: bool = False,

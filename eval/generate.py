@@ -194,12 +194,13 @@ class LocalGenerator:
 
     def generate(self, prompts: Sequence[list[dict]], progress: bool = True) -> list[Generated]:
         import torch
-        from tqdm import tqdm
+
+        from metachunk.progress import bar as progress_bar
 
         started = time.perf_counter()
         torch.manual_seed(self.seed)  # once per run: the batches draw from one stream
         ids = [self.encode(p) for p in prompts]
-        with tqdm(total=len(ids), unit="q", desc="generate", disable=not progress, dynamic_ncols=True) as bar:
+        with progress_bar(total=len(ids), unit="q", desc="generate", enabled=progress) as bar:
             done = generate_batched(self.model, self.tokenizer, ids, self.generation, self.batch_size,
                                     stop_ids=self.stop_ids, on_batch=bar.update)  # fmt: skip
         self.seconds += time.perf_counter() - started

@@ -220,13 +220,14 @@ def embed(
 ):
     """Unit-normalised float32 embeddings, one row per text, with a progress bar."""
     import numpy as np
-    from tqdm import tqdm
+
+    from metachunk.progress import bar as progress_bar
 
     dim = _dimension(model)
     out = np.zeros((len(texts), dim), dtype=np.float32)
     # Longest first: batches of similar length pad little; the rows go back to their places.
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    with tqdm(total=len(texts), unit="text", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=len(texts), unit="text", desc=desc, enabled=progress) as bar:
         for a in range(0, len(order), batch_size):
             rows = order[a : a + batch_size]
             vectors = model.encode(

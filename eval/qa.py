@@ -437,11 +437,9 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
                 "embed questions",
                 cfg.query_prefix,
             )
-        from tqdm import tqdm
+        from metachunk.progress import bar as progress_bar
 
-        with tqdm(
-            total=len(judged), unit="q", desc="retrieve", disable=not cfg.progress, dynamic_ncols=True
-        ) as bar:
+        with progress_bar(total=len(judged), unit="q", desc="retrieve", enabled=cfg.progress) as bar:
             if cfg.retriever == "dense":
                 found = index.search(name, query_vectors, depth, on_batch=bar.update)
             elif cfg.retriever == "bm25":

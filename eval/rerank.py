@@ -52,9 +52,9 @@ def ppl_scores(
 ) -> list[list[float]]:
     """Per ``(question, passages)``, each passage's score: - mean NLL of the question given it."""
     import numpy as np
-    from tqdm import tqdm
 
     from metachunk.engine.scoring import token_nll
+    from metachunk.progress import bar as progress_bar
 
     pairs, owners = [], []
     for q, (question, passages) in enumerate(queries):
@@ -65,7 +65,7 @@ def ppl_scores(
         return [[] for _ in queries]
     longest = max(len(ids) for ids, _ in pairs)
     total = sum(len(ids) - 1 for ids, _ in pairs)
-    with tqdm(total=total, unit="tok", desc="rerank ppl", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="tok", desc="rerank ppl", enabled=progress) as bar:
         nll = token_nll(
             model,
             [ids for ids, _ in pairs],
@@ -94,8 +94,17 @@ def cross_encoder_scores(
     pairs = [(question, passage) for question, passages in queries for passage in passages]
     if not pairs:
         return [[] for _ in queries]
-    scores = model.predict(pairs, batch_size=batch_size, show_progress_bar=progress, convert_to_numpy=True)
-    scores = [float(s) for s in (scores.reshape(len(pairs), -1)[:, 0] if scores.ndim > 1 else scores)]
+    from metachunk.progress import bar as progress_bar
+
+    scores = []
+    # in slices under our own bar (sentence-transformers' own would redraw into a log)
+    step = batch_size * 16
+    with progress_bar(total=len(pairs), unit="pair", desc="rerank cross-encoder", enabled=progress) as bar:
+        for a in range(0, len(pairs), step):
+            part = model.predict(pairs[a : a + step], batch_size=batch_size, show_progress_bar=False,
+                                 convert_to_numpy=True)  # fmt: skip
+            scores += [float(s) for s in (part.reshape(len(part), -1)[:, 0] if part.ndim > 1 else part)]
+            bar.update(len(part))
     out, i = [], 0
     for _, passages in queries:
         out.append(scores[i : i + len(passages)])

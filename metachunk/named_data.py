@@ -248,14 +248,16 @@ def present(dataset: Dataset) -> tuple[str, Path] | None:
 
 def _download(url: str, dest: Path) -> None:
     """``url`` into ``dest`` (a partial file is never left under that name), with a progress bar."""
-    from tqdm import tqdm
+    from metachunk.progress import bar as progress_bar
 
     part = dest.with_name(dest.name + ".part")
     request = urllib.request.Request(url, headers={"User-Agent": "metachunk"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response, open(part, "wb") as out:
             total = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=Path(url).name, leave=False) as bar:
+            with progress_bar(
+                total=total, unit="B", unit_scale=True, desc=Path(url).name, leave=False
+            ) as bar:
                 for block in iter(lambda: response.read(1 << 16), b""):
                     out.write(block)
                     bar.update(len(block))

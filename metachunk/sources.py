@@ -537,11 +537,11 @@ class DocumentSource:
     def scan(self, every: int = CHECKPOINT_EVERY, progress: bool = False) -> SourceIndex:
         """Read and check everything once; see the module docstring. ``progress``: a bar of the
         documents checked, with their rate (a corpus of millions takes minutes to check)."""
-        from tqdm import tqdm
+        from metachunk.progress import bar as progress_bar
 
         index = SourceIndex()
         # shown after 2 s only: a small input's check (and its one-line error) prints no bar
-        with tqdm(unit="doc", desc=f"check {self.path.name}", disable=not progress, dynamic_ncols=True,
+        with progress_bar(unit="doc", desc=f"check {self.path.name}", enabled=progress,
                   mininterval=0.5, delay=2.0) as bar:  # fmt: skip
             for k, cursor, before, doc in self.checked(index):
                 if index.documents % every == 0:

@@ -1416,13 +1416,13 @@ class TeacherPool:
         pool's HTTP clients are closed at the end (pass False to map again over the same pool).
         ``results``: where ``fn(item)`` goes, index by index (default a new list; a disk-backed
         sequence keeps a long run's memory flat)."""
-        from tqdm import tqdm
+        from metachunk.progress import bar as progress_bar
 
         if results is None:
             results = [None] * len(items)
         queue = iter(enumerate(items))
         started = shown = time.perf_counter()
-        bar = tqdm(total=len(items), unit=unit, desc=desc, disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(total=len(items), unit=unit, desc=desc, enabled=progress)
 
         def show() -> None:  # at most twice a second, and at the end
             nonlocal shown

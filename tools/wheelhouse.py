@@ -20,8 +20,8 @@ name from a package list) is fetched, unless ``--unversioned keep`` leaves it to
 
 What the node keeps, it keeps at a version this venv has not run: a version the list does not give,
 or one other than the closure's. Its own requirements at that version are unknown here, and may
-clash with what the folder brings (the H200 image's tokenizers 0.23.2 asks for huggingface-hub
-below 2, and the core needs 2.4). So the folder also carries the closure's version of each such
+clash with what the folder brings (a node's tokenizers 0.23.2 asks for huggingface-hub below 2,
+where the core needs 2.4). So the folder also carries the closure's version of each such
 package as a *spare*, where its file is small (``--spare-max-mb``; 0 carries none): pip's resolver
 keeps the node's version where it fits, and backtracks to the spare where the node's version does
 not meet a requirement or its own requirements conflict
@@ -75,7 +75,7 @@ PROJECT = "metachunk"
 FROM_SDIST = {"deepspeed"}
 # What those builds add that this venv's metadata cannot show. DeepSpeed's setup.py appends
 # nvidia-ml-py to its requirements when the torch it builds against is a CUDA build (not so on a
-# CPU machine like this one). Building it without isolation and without the `wheel` package needs
+# machine whose torch is a CPU build). Building it without isolation and without the `wheel` package needs
 # setuptools' own bdist_wheel, which setuptools has had since 70.1; that requirement lapses where
 # the node already has DeepSpeed and nothing is built.
 ADDED_ON_NODE = {"deepspeed": [("nvidia-ml-py", "deepspeed built against a CUDA torch")]}
@@ -553,9 +553,8 @@ def fetch(
     entries: list[Entry], target: Target, dest: Path, manifest: dict, spare_max_bytes: int
 ) -> tuple[list[Path], dict[str, str]]:
     """Writes the folder whole; returns its files and the spares left out, with why."""
-    from tqdm import tqdm
-
     from metachunk.artifacts import replace_dir
+    from metachunk.progress import bar as progress_bar
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
@@ -566,7 +565,7 @@ def fetch(
         scratch = staging / ".build"
         todo = [e for e in entries if e.action in ("fetch", "spare")]
         notes, dropped = {}, {}
-        for entry in tqdm(todo, desc="wheelhouse", unit="pkg", file=sys.stderr):
+        for entry in progress_bar(todo, desc="wheelhouse", unit="pkg"):
             try:
                 notes[entry.name] = fetch_one(entry, target, staging, scratch)
             except FetchFailed as e:
