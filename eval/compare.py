@@ -49,7 +49,12 @@ class CompareConfig:
     labels: list[str] | None = option(
         None, "one label per run (default: the run dir names); runs with the same label are one column"
     )
-    metrics: list[str] | None = option(None, "metrics to show (default: every metric any run reports)")
+    metrics: list[str] | None = option(
+        None,
+        "metrics to show and plot (default: every metric any run reports in the table, and plots of the "
+        "measured ones: those with per-item values, the retrieval, boundary, stickiness and generation "
+        "families, and avg_chunk_chars; not the counts and settings)",
+    )
     length_tolerance: float = option(
         0.1, "max relative spread of avg_chunk_chars, (longest - shortest) / shortest, before refusing"
     )
@@ -249,9 +254,10 @@ def compare(cfg: CompareConfig) -> dict:
     plots = {}
     if cfg.plots:
         cis = (stats or {}).get("intervals")
+        plotted = table if cfg.metrics else {name: table[name] for name in measured(names, docs)}
         plots = {
-            **plot_families(table, out.with_suffix(""), cis),
-            **plot_metrics(table, out.with_suffix(""), cis),
+            **plot_families(plotted, out.with_suffix(""), cis),
+            **plot_metrics(plotted, out.with_suffix(""), cis),
         }
     result["plots"] = {name: str(path) for name, path in plots.items()}
     lines = [f"# metachunk eval compare: {', '.join(labels)}", ""]
@@ -316,6 +322,19 @@ def interval_tables(labels: list[str], stats: dict) -> list[str]:
         rows = [[name] + [diff_cell(name, label) for label in others] for name in stats["differences"]]
         lines.append(markdown_table(["metric", *others], rows))
     return lines
+
+
+def measured(names: list[str], docs: list[dict]) -> list[str]:
+    """The names that measure the chunks, not count or configure a run (``docs``, ``k``,
+    ``max_pairs``): a metric some run has per-item values for, one of a family (`FAMILIES`), or the
+    average chunk length."""
+    import re
+
+    itemized = {name for doc in docs for name in doc["items"]}
+    return [
+        name for name in names
+        if name in itemized or name == LENGTH_KEY or any(re.match(p, name) for p in FAMILIES.values())
+    ]  # fmt: skip
 
 
 def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
