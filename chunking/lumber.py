@@ -61,7 +61,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from metachunk.chunking.sentences import CJK_RE
 from metachunk.chunking.types import Sentence
 
@@ -281,15 +280,7 @@ def resolve_teacher(opts: LumberOptions) -> tuple[str, TeacherConfig, dict[str, 
     sources = []
     if opts.teacher_config is not None:
         path = Path(opts.teacher_config)
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except FileNotFoundError:
-            raise InputError(path, "teacher config not found") from None
-        except yaml.YAMLError as e:
-            raise InputError(path, f"invalid YAML: {' '.join(str(e).split())}") from None
-        config.check_keys(data, path)
-        if not isinstance(data, dict):
-            raise InputError(path, "expected a mapping with a 'teachers:' block")
+        data = config.read_yaml_mapping(path, "teacher config")
         sources.append((path, {k: data[k] for k in ("teachers", "prices") if data.get(k) is not None}))
     inline = {k: v for k, v in (("teachers", opts.teachers), ("prices", opts.prices)) if v}
     if inline:
@@ -329,7 +320,7 @@ class LumberChunker:
         total_chars: int | None = None,
         progress: bool = True,
     ):
-        from tqdm import tqdm
+        from metachunk.progress import bar as progress_bar
 
         opts.check()
         self.opts = opts
@@ -362,13 +353,12 @@ class LumberChunker:
         self.prompt_tokens = self.completion_tokens = 0
         self.cost = 0.0  # of every answer used, from the store or paid now
         self.seconds = 0.0
-        self.bar = tqdm(
+        self.bar = progress_bar(
             total=total_chars,
             unit="char",
             unit_scale=True,
             desc="chunk lumber",
-            disable=not progress,
-            dynamic_ncols=True,
+            enabled=progress,
         )
         self._shown = 0.0
         self._started = time.perf_counter()

@@ -224,26 +224,37 @@ def check_keys(data, path: Path, where: str = "") -> None:
             check_keys(item, path, f"{where.rstrip('.')}[{i}].")
 
 
+def read_yaml_mapping(path: Path, what: str = "config file") -> dict:
+    """The YAML mapping in ``path`` (empty: ``{}``), its keys checked (`check_keys`); anything else is
+    an `InputError` naming the file, and the line where YAML says one: missing, a folder, not
+    UTF-8, invalid YAML, not a mapping. ``what`` names the file in those errors."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(path, f"{what} not found") from None
+    except IsADirectoryError:
+        raise InputError(path, f"a folder, not a {what}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise InputError(path, f"cannot read it ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet
+        raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise InputError(path, f"a {what} must be a mapping of field names to values")
+    check_keys(data, path)
+    return data
+
+
 def load_yaml(cls, path: Path) -> dict:
     """The recipe at ``path``, or the shipped recipe ``path`` names (`metachunk.shipped`)."""
     from metachunk import shipped
 
     path = shipped.resolve(path)
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except FileNotFoundError:
-        raise InputError(path, "config file not found") from None
-    except IsADirectoryError:
-        raise InputError(path, "a folder, not a recipe file") from None
-    except UnicodeDecodeError as e:
-        raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet
-        raise InputError(path, f"invalid YAML: {problem}", None if mark is None else mark.line + 1) from None
-    if not isinstance(data, dict):
-        raise InputError(path, "a recipe must be a mapping of field names to values")
-    check_keys(data, path)
+    data = read_yaml_mapping(path, "recipe file")
     return fields_from_mapping(cls, shipped.localize(data, shipped.is_shipped(path)), path)
 
 

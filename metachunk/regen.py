@@ -124,26 +124,15 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
     """The recipe at ``path``, checked: every problem names the file and the stage's field (with
     ``registry``, also that each ``run:`` names a command a stage can run: one that declares what
     it reads and writes)."""
-    import yaml
 
     from metachunk import shipped
 
     path = shipped.resolve(path)
     if not path.is_file():
         raise InputError(path, "no such recipe (nor a shipped one of that name: `metachunk recipes list`)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise InputError(
-            path, f"invalid YAML ({getattr(e, 'problem', e)})", mark.line + 1 if mark else None
-        ) from None
-    config.check_keys(raw, path)
-    if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or not raw["stages"]:
+    raw = config.read_yaml_mapping(path, "regeneration recipe")
+    text = path.read_text(encoding="utf-8")
+    if not isinstance(raw.get("stages"), list) or not raw["stages"]:
         raise InputError(path, "a regeneration recipe needs 'stages:', a list of {name, run, config}")
     raw = shipped.localize(raw, shipped.is_shipped(path))
     # x-*: blocks for YAML anchors (&teacher ... *teacher), as in compose files; the runner ignores them

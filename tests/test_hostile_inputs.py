@@ -396,9 +396,12 @@ def test_bad_values_a_probe_found_are_one_line_errors(tmp_path, capsys):
     distill = tmp_path / "distill.yaml"
     distill.write_text(f"task: summary\nchunks: {docs}\ndocuments: {docs}\nout: {tmp_path / 'run'}\n"
                        "teachers:\n  summary_global: &t {model: m}\n  summary_local: *t\n  summary_fuse: *t\n")  # fmt: skip
+    lumber = ["chunk", str(docs), "-o", str(tmp_path / "l.jsonl"), "--method", "lumber", "--teacher-config"]
     for argv, expected in (
         (["chunk", "--config", str(latin)], "not UTF-8 text (byte 24)"),
         (["run", str(latin)], "not UTF-8 text"),
+        ([*lumber, str(latin)], f"{latin}: not UTF-8 text (byte 24)"),
+        ([*lumber, str(qa_dir)], f"{qa_dir}: a folder, not a teacher config"),
         (["run", str(state)], "state: a folder path, got 5"),
         (
             [
