@@ -17,14 +17,11 @@ SCORE_LABELS = {
 def plot_profile(path: Path, doc, method: str, threshold: float | None = None) -> Path:
     """Write ``path`` (PNG): one point per sentence, a triangle at each meta-chunk boundary, and a
     dashed line at every sentence that ends a final chunk (after merging)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from metachunk.artifacts import new_figure
 
     scores = [math.nan if s.score is None else s.score for s in doc.sentences]
     ends = {i for i, s in enumerate(doc.sentences) if any(c.end == s.end for c in doc.chunks)}
-    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, len(scores) / 8)), 3.2))
+    fig, ax = new_figure(figsize=(max(6.0, min(24.0, len(scores) / 8)), 3.2))
     ax.plot(range(len(scores)), scores, marker=".", lw=0.8, color="tab:blue")
     for i in sorted(ends)[:-1]:
         ax.axvline(i, color="tab:red", ls="--", lw=0.6)

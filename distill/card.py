@@ -491,13 +491,10 @@ def plot_token_lengths(
 ) -> Path:
     """Write ``path`` (PNG): histograms of prompt and completion token counts, side by side, with a
     dashed line at ``max_tokens`` when given. Written to a temp file, then renamed into place."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from metachunk.artifacts import new_figure
 
     path = Path(path)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = new_figure(1, 2, figsize=(10, 3.6))
     for ax, lengths, name, color in (
         (axes[0], prompt_lengths, "prompt", "tab:blue"),
         (axes[1], completion_lengths, "completion", "tab:green"),

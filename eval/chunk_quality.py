@@ -457,12 +457,9 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
 
 def plot(out: Path, bcs: list[float], doc: dict | None, convention: str, k: float) -> Path:
 
-    import matplotlib
+    from metachunk.artifacts import new_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = new_figure(1, 2, figsize=(10, 4))
     ax = axes[0]
     if bcs:
         ax.hist(bcs, bins=min(30, max(5, len(bcs) // 2)), color="#4c72b0")

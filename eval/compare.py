@@ -341,10 +341,7 @@ def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
                  intervals: dict[str, dict[str, list | None]] | None = None) -> dict[str, Path]:  # fmt: skip
     """One bar chart per numeric metric: ``{prefix}_{metric}.png``, each written atomically, with
     the bootstrap intervals as error bars where there are any."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from metachunk.artifacts import new_figure
 
     paths = {}
     for name, values in table.items():
@@ -353,7 +350,7 @@ def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
         }
         if not numeric:
             continue
-        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(numeric), 3.2))
+        fig, ax = new_figure(figsize=(1.2 + 1.1 * len(numeric), 3.2))
         cis = (intervals or {}).get(name, {})
         yerr = None
         if any(cis.get(label) for label in numeric):
@@ -385,11 +382,9 @@ def plot_families(table: dict[str, dict[str, float | None]], prefix: Path,
     ``{prefix}_family_{family}.png``, a bar per run in each metric's group, the intervals drawn."""
     import re
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from metachunk.artifacts import new_figure
 
     paths = {}
     for family, pattern in FAMILIES.items():
@@ -398,7 +393,7 @@ def plot_families(table: dict[str, dict[str, float | None]], prefix: Path,
             continue
         labels = list(dict.fromkeys(label for n in names for label in table[n]))
         width = 0.8 / len(labels)
-        fig, ax = plt.subplots(figsize=(min(10.0, 2.0 + 0.35 * len(names) * len(labels)), 3.8))
+        fig, ax = new_figure(figsize=(min(10.0, 2.0 + 0.35 * len(names) * len(labels)), 3.8))
         x = np.arange(len(names))
         for k, label in enumerate(labels):
             values = [table[n].get(label) for n in names]

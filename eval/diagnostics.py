@@ -486,15 +486,12 @@ def _error_bars(details: dict, names: list[str], values: list[float]):
 
 
 def plot(out: Path, result: dict, k: int) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from metachunk.artifacts import new_figure
 
     out, metrics, details, paths = Path(out), result["metrics"], result["details"], []
     if details.get("ppl"):
         names = list(details["ppl"])
-        fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 2.2 * len(names)), 4))
+        fig, ax = new_figure(figsize=(max(4.5, 1.5 + 2.2 * len(names)), 4))
         data, positions, colors = [], [], []
         for i, name in enumerate(names):
             data += [details["ppl"][name]["original"], details["ppl"][name]["rewritten"]]
@@ -511,7 +508,7 @@ def plot(out: Path, result: dict, k: int) -> list[Path]:
         paths.append(_save(fig, out / "ppl_rewrite.png"))
     labels = list(details.get("avgsim", {}))
     if labels:
-        fig, ax = plt.subplots(figsize=(max(5.5, 2 + 1.6 * len(labels)), 3.5))
+        fig, ax = new_figure(figsize=(max(5.5, 2 + 1.6 * len(labels)), 3.5))
         width = 0.38
         x = np.arange(len(labels))
         for shift, key, color in ((-width / 2, "avgsim", "#4c72b0"), (width / 2, "pairsim", "#dd8452")):
@@ -529,7 +526,7 @@ def plot(out: Path, result: dict, k: int) -> list[Path]:
         paths.append(_save(fig, out / "avgsim.png"))
     if details.get("cp") and labels:
         names = list(details["cp"])
-        fig, ax = plt.subplots(figsize=(max(5.5, 2 + 1.6 * len(labels)), 3.5))
+        fig, ax = new_figure(figsize=(max(5.5, 2 + 1.6 * len(labels)), 3.5))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             keys = [f"cp_{name}_{label}" for label in labels]

@@ -397,19 +397,25 @@ def staged_bytes(path: str | Path, data: bytes):
             os.unlink(tmp)
 
 
+def new_figure(nrows: int = 1, ncols: int = 1, **figure_options):
+    """``(figure, axes)`` as ``pyplot.subplots`` gives them, without pyplot: no backend is chosen
+    and nothing global changes (a notebook's backend stays its own), and nothing holds the figure
+    once it is dropped. matplotlib's way to draw off screen:
+    https://matplotlib.org/stable/gallery/user_interfaces/web_application_server_sgskip.html"""
+    from matplotlib.figure import Figure
+
+    fig = Figure(**figure_options)
+    return fig, fig.subplots(nrows, ncols)
+
+
 def write_figure(fig, path: str | Path, dpi: int = 110) -> Path:
-    """Save a matplotlib figure as ``path`` (PNG), then close it: rendered in memory, then written as
+    """Save a matplotlib figure (`new_figure`'s) as ``path`` (PNG): rendered in memory, then written as
     `write_bytes` writes (synced, renamed in), so a crash never leaves half an image over a good one."""
     import io
 
-    import matplotlib.pyplot as plt
-
     path = Path(path)
     image = io.BytesIO()
-    try:
-        fig.savefig(image, dpi=dpi, format=(path.suffix[1:] or "png"))
-    finally:
-        plt.close(fig)
+    fig.savefig(image, dpi=dpi, format=(path.suffix[1:] or "png"))
     write_bytes(path, image.getvalue())
     return path
 

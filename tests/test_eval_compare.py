@@ -1,6 +1,9 @@
 """`metachunk eval compare`: side-by-side table, bar charts, and the equal-length guard."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from metachunk.eval.compare import (
@@ -215,3 +218,23 @@ def test_an_unmeasured_item_is_left_out_and_an_infinite_one_is_named(tmp_path):
     (run_dir / "items.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(InputError, match=r"items.jsonl:4: field 'hits@1': inf"):
         compare(CompareConfig(runs=[run_dir], out=tmp_path / "d.md", plots=False))
+
+
+def test_plots_leave_matplotlibs_backend_and_pyplot_alone(tmp_path):
+    # a notebook's backend is the user's: the charts are drawn off screen without pyplot
+    code = f"""
+import sys, matplotlib
+matplotlib.use("svg")
+from pathlib import Path
+from metachunk.eval.compare import CompareConfig, compare
+from tests.test_eval_compare import _runs
+tmp = Path({str(tmp_path)!r})
+compare(CompareConfig(runs=_runs(tmp, [500.0, 520.0]), out=tmp / "c.md", labels=["fixed", "ppl"]))
+assert (tmp / "c_hits@8.png").read_bytes()[:4] == b"\\x89PNG"
+print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["svg", "False"]

@@ -554,14 +554,11 @@ def effective_batch_size(sft_args) -> int:
 
 def plot_losses(log_history: list[dict], path: Path) -> None:
     """Training (and validation) loss against the step, written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from metachunk.artifacts import new_figure
 
     train = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
     valid = [(e["step"], e["eval_loss"]) for e in log_history if "eval_loss" in e]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = new_figure(figsize=(6, 3.5))
     if train:
         ax.plot(*zip(*train), label="train")
     if valid:
