@@ -98,6 +98,7 @@ class TextChunker:
         self._chunker = Chunker(self.config, progress=False)
 
     def __call__(self, text: str) -> list[Chunk]:
+        """The chunks of ``text``, in order, each ``text[chunk.start:chunk.end]``."""
         if not isinstance(text, str):
             raise TypeError(
                 f"text must be a str, got {type(text).__name__} (chunk_batch takes several texts)"
@@ -236,7 +237,7 @@ class SemanticChunker(TextChunker):
 class MoCChunker(TextChunker):
     """Mixture of Chunkers: the router picks a granularity per window, its expert writes the chunks
     (``experts``: four models, labels 0-3; the same one may repeat). ``options``:
-    `MocOptions` fields (``anchored=True``, ``max_new_tokens``, ...).
+    [`MocOptions`][metachunk.chunking.moc.MocOptions] fields (``anchored=True``, ``max_new_tokens``, ...).
 
     ```pycon
     >>> chunker = MoCChunker(router=model, experts=[model] * 4, target_len=40, lang="en")  # trained students
@@ -259,9 +260,9 @@ class MoCChunker(TextChunker):
 class LumberChunker(TextChunker):
     """LumberChunker (Duarte et al. 2024): a teacher LLM reads numbered paragraphs and names where
     the content shifts. ``teacher``: a teacher block (a mapping of
-    `TeacherConfig` fields), a ``TeacherConfig``, or a
+    [`TeacherConfig`][metachunk.teacher.TeacherConfig] fields), a ``TeacherConfig``, or a
     `Teacher` (its config, and its answer store unless ``cache`` is given);
-    ``options``: `LumberOptions` fields (``tokens``, ``cache``,
+    ``options``: [`LumberOptions`][metachunk.chunking.lumber.LumberOptions] fields (``tokens``, ``cache``,
     ``max_cost``). Every answer is kept in the answer store (default: one under metachunk's cache
     folder), so a text chunked again costs nothing.
 
@@ -295,8 +296,18 @@ class LumberChunker(TextChunker):
                                               **options), lang=lang)  # fmt: skip
 
 
-class _Student:
-    """A trained student applied to chunks with their context, as ``chunk --rewrite/--summarize``."""
+class TrainedStudent:
+    """A trained student applied to chunks with their context, as ``chunk --rewrite/--summarize``:
+    what [`Rewriter`][metachunk.chunking.api.Rewriter] and
+    [`Summarizer`][metachunk.chunking.api.Summarizer] share.
+
+    ``model``: a preset, a local folder (``metachunk export``'s) or a Hub id. Give the student the
+    context it learnt from, as its distill run did (the fields of
+    [`StudentOptions`][metachunk.chunking.pipeline.StudentOptions]): ``context`` ``"document"`` (the
+    text around the chunk, up to ``context_chars`` characters) or ``"related"`` (the ``top_k`` most
+    similar chunks of the document, by ``embedder``). ``max_new_tokens``: most new tokens per chunk
+    (default: the rewriter 1.5 x the chunk's tokens + 32, at most 1024; the summarizer 256). ``sample``: sample instead of greedy decoding. ``batch_size``:
+    chunks generated together."""
 
     task: ClassVar[str]
     field: ClassVar[str]
@@ -337,7 +348,7 @@ class _Student:
         self._students.close()
 
 
-class Rewriter(_Student):
+class Rewriter(TrainedStudent):
     """Each chunk rewritten to stand on its own (the student of ``distill rewrite``).
 
     ```pycon
@@ -353,7 +364,7 @@ class Rewriter(_Student):
     task, field = "rewrite", "rewritten"
 
 
-class Summarizer(_Student):
+class Summarizer(TrainedStudent):
     """One sentence on each chunk from the document's perspective (the student of ``distill summary``).
 
     ```pycon

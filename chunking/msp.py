@@ -44,9 +44,9 @@ ACCUMULATED_MAX_CHARS = 1500
 # and slower on CPU than 4 rows (bench/msp_speed.py).
 MAX_PADDING = 0.1
 # On a GPU a forward pass also has a fixed cost: every layer's kernel launches, the copy of the
-# prefix's KV cache and the host sync that reads the margins take milliseconds, in which an H200
-# runs on the order of a thousand tokens of a 1.5B model (an estimate from launch and GEMM rates,
-# not a measurement). There a batch may also pad by this many tokens before a new pass pays off: on
+# prefix's KV cache and the host sync that reads the margins take milliseconds, in which a
+# data-centre GPU runs on the order of a thousand tokens of a 1.5B model (an estimate from launch
+# and GEMM rates, not a measurement). There a batch may also pad by this many tokens before a new pass pays off: on
 # bench/msp_speed.py's 64 Emma pairs the 10% rule alone cut B=64 into 11 passes of 1 to 16 rows,
 # and this one into 4 (32, 21, 10 and 1 rows) with 23% more tokens.
 GPU_PASS_TOKENS = 1024

@@ -195,13 +195,14 @@ class ChunkConfig:
         4096, "ppl: tokens of context per window; older text is dropped, each token keeps >= half of it"
     )
     batch_size: int | None = option(
-        None, "sequences per forward pass (default: 8 on CPU; ppl on a GPU: what its free memory holds)"
+        None,
+        "sequences per forward pass (default: 8 on CPU; ppl and msp on a GPU: what its free memory holds)",
     )
     streams: int | None = option(
         None,
         "ppl: forward batches run side by side, in threads that share the model and split the torch "
-        "threads evenly; default one per torch thread on CPU (up to 8: faster than one batch on all "
-        "threads), 1 on GPU. Which batch runs in which stream is fixed by the plan, so a rerun gives the same output",
+        "threads evenly; default on CPU the most streams, up to 8, that split the torch threads evenly "
+        "(2 threads: 2 of 1; 12: 6 of 2; faster than one batch on all threads), 1 on GPU. Which batch runs in which stream is fixed by the plan, so a rerun gives the same output",
         runtime=True,
     )
     attn_implementation: str = option(

@@ -45,12 +45,12 @@ def inventory(site: Path) -> set[str]:
 
 def load_package() -> griffe.Module:
     sys.path.insert(0, str(ROOT / "docs"))
-    from griffe_stages import StageFolders
+    from griffe_extensions import OptionFields, StageFolders
 
     return griffe.load(
         "metachunk",
         search_paths=[str(ROOT)],
-        extensions=griffe.Extensions(StageFolders()),
+        extensions=griffe.Extensions(StageFolders(), OptionFields()),
         docstring_parser="sphinx",
         resolve_aliases=False,
     )

@@ -22,7 +22,7 @@ try:
 except PackageNotFoundError:  # imported from a checkout that was never installed
     __version__ = "0+unknown"
 
-# The public surface: the chunkers and the students (metachunk/chunking/api.py), imported when
+# The public surface: the chunkers and the students (chunking/api.py, installed as metachunk.chunking.api), imported when
 # first named, so `import metachunk` and the CLI stay light.
 __all__ = [
     "Chunk", "TextChunker", "PPLChunker", "MSPChunker", "MoCChunker", "LumberChunker", "FixedChunker",

@@ -430,3 +430,15 @@ def test_a_row_past_max_length_is_dropped_only_where_trl_would_cut_it(
     args = SimpleNamespace(max_length=64, packing=packing, packing_strategy=strategy, dataset_num_proc=None)
     fitted, over = fit_max_length(rows, tokenizer, args)
     assert len(fitted) == kept and over == 2 - kept
+
+
+def test_help_names_the_command_and_the_recipe(capsys):
+    from metachunk.train.sft import parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert out.startswith("usage: metachunk train --config RECIPE.yaml")
+    assert "deepspeed --module metachunk.train --config RECIPE.yaml" in out
+    assert "a Hub id ORG/NAME" in out

@@ -35,10 +35,14 @@ class ModelDataArguments:
     # model_name_or_path, dataset_name and dataset_test_split are the names of TRL's ModelConfig and
     # ScriptArguments, so that `trl sft --config` reads the same recipe
     model_name_or_path: str = field(
-        metadata={"help": "base model: a preset name (smollm2, ...) or a local HF model dir"}
+        metadata={
+            "help": "base model: a preset name (smollm2, ...), a local HF model dir or a Hub id ORG/NAME"
+        }
     )
     dataset_name: str = field(
-        metadata={"help": "dataset dir written by `metachunk data build-sft` (parquet + card)"}
+        metadata={
+            "help": "dataset dir written by `metachunk data build-sft` (parquet + card), or a Hub dataset id"
+        }
     )
     dataset_test_split: str = field(
         default="validation",
@@ -110,7 +114,14 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
                 raise ValueError(f"--config {argv[argv.index('--config') + 1]}: field '{name}': {problem}")
             raise ValueError(message)
 
-    parser = RecipeParser((ModelDataArguments, SFTConfig))
+    parser = RecipeParser(
+        (ModelDataArguments, SFTConfig),
+        prog="metachunk train",
+        usage="metachunk train --config RECIPE.yaml [--FIELD VALUE ...]\n"
+        "       deepspeed --module metachunk.train --config RECIPE.yaml [--FIELD VALUE ...]",
+        description="Fine-tune a student with TRL's SFTTrainer. --config names a recipe (recipes/train/, or a "
+        "shipped one by name); every field below can be set in it, and a flag overrides the recipe.",
+    )
     model_args, sft_args = parser.parse_args_and_config(argv)
     if (
         sft_args.hub_token

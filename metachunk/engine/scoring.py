@@ -215,7 +215,7 @@ def head_tile(device: torch.device) -> tuple[int, int]:
 
 # Tokens of the very start of a sequence that stay in a trimmed KV cache. LLMs park attention on
 # the first tokens ("attention sinks", StreamingLLM); dropping them from the cache wrecks every
-# later prediction (measured on SmolLM2: mean |NLL error| 1.05 nats without them, 0.32 with 4).
+# later prediction (docs/chunking.md: three times the NLL error without them on SmolLM2).
 ATTENTION_SINKS = 4
 
 
@@ -377,7 +377,7 @@ def token_nll(
     ``head_dtype`` (default: the weights' dtype) runs the LM head's matmul in another dtype, e.g.
     ``torch.bfloat16`` for speed on CPUs with AMX; see `sliced_nll` for what stays exact.
 
-    ``streams`` (default `default_streams`: one per torch thread on CPU, one on a GPU)
+    ``streams`` (default `default_streams`: on CPU up to 8 that split the torch threads evenly, one on a GPU)
     scores that many batches at a time, in threads that share the model and each take
     ``threads // streams`` torch threads. A document's result does not depend on the timing, and
     in the tests (fp32 and bf16, one thread a stream) not on the number of streams either; the
@@ -463,8 +463,8 @@ def token_nll(
 
 
 def default_streams(device: torch.device) -> int:
-    """Streams `token_nll` runs when not told: one per torch thread on CPU, up to
-    ``MAX_AUTO_STREAMS`` and in equal shares of the threads, and one on a GPU. On CPU one
+    """Streams `token_nll` runs when not told: on CPU the most streams, up to ``MAX_AUTO_STREAMS``,
+    that split the torch threads evenly (2 threads: 2 of 1; 12: 6 of 2; 7: 7 of 1), and one on a GPU. On CPU one
     forward pass over a ~500-token window does not keep two threads busy (RMSNorm, rotary, GELU,
     casts and the attention's small matmuls split poorly), where two windows side by side, one
     thread each, do (Gemma-3-270m in bf16 on CRUD articles: docs/performance.md)."""
