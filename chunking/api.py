@@ -289,7 +289,7 @@ class LumberChunker(TextChunker):
         block = teacher if isinstance(teacher, Mapping) else config.to_dict(teacher)
         block = {k: v for k, v in block.items() if v is not None}
         if options.get("cache") is None:  # shared and append-only: every answer is paid once, in any process
-            from metachunk.models import cache_dir
+            from metachunk.artifacts import cache_dir
 
             options["cache"] = cache_dir() / "lumber" / "answers.sqlite"
         super().__init__(lumber=LumberOptions(teachers={"lumber": dict(block)}, prices=dict(prices or {}) or None,

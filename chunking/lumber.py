@@ -69,7 +69,7 @@ from metachunk.artifacts import InputError
 from metachunk.config import option
 from metachunk.prompts import Prompt, Schema, load_prompt_file, load_schema_file
 from metachunk.store import AnswerStore
-from metachunk.structured import OUTCOMES, read_json
+from metachunk.structured import OUTCOMES, read_answer
 from metachunk.teacher import BudgetExceeded, Price, TeacherConfig, TeacherPool
 
 PROMPT_NAME = "lumber"
@@ -440,7 +440,7 @@ class LumberChunker:
             if schema is None:
                 found = parse_answer(answer.text)
             else:  # the window's range is judged below; the outcome is the answer's shape
-                found, outcome = read_json(
+                found, outcome = read_answer(
                     answer.text, load_lumber_schema(), parse_structured_answer, repair=False
                 )
                 self.outcomes[outcome] += 1

@@ -70,6 +70,7 @@ from metachunk.artifacts import (
     file_sha256,
     json_sha256,
     jsonl_line,
+    read_json,
     read_records_appended,
     staged_bytes,
     temp_writer_gone,
@@ -278,11 +279,9 @@ class ShardedOutput:
         if not self.manifest_path.is_file():
             return None
         try:
-            return json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise InputError(
-                self.manifest_path, f"invalid JSON ({e.msg}); use --overwrite to start again"
-            ) from None
+            return read_json(self.manifest_path)
+        except InputError as e:  # not UTF-8, not JSON, not an object
+            raise InputError(e.path, f"{e.reason}; use --overwrite to start again", e.line) from None
 
     def journal_owner(self) -> str | None:
         """The fingerprint on the journal's first line (written whole, by a rename), or None."""
@@ -765,11 +764,8 @@ def chunk_rows(path: str | Path, rejects: Rejects | None = None, max_row_bytes: 
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
             raise InputError(path, "a folder without manifest.json is not a metachunk chunk output")
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InputError(manifest_path, f"not JSON ({e})") from None
-        if not isinstance(manifest, dict) or not manifest.get("complete"):
+        manifest = read_json(manifest_path)
+        if not manifest.get("complete"):
             raise InputError(
                 manifest_path, "the run is not complete: rerun the same `metachunk chunk` to finish it"
             )

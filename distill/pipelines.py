@@ -10,7 +10,7 @@ a parser re-reads stored answers and sends nothing. A stage whose answer is empt
 parsed is asked again (``attempt`` + 1, a new cached request) up to ``parse_retries`` times,
 then the record fails with that stage's raw text kept. A stage whose answer is JSON
 (``refinement``) has an answer schema beside its prompts: its requests carry it as the teacher's
-``structured_output`` says, and each answer is read against it (`metachunk.structured.read_json`:
+``structured_output`` says, and each answer is read against it (`metachunk.structured.read_answer`:
 valid by the schema, repaired, or unparseable, counted per stage in the summary and the status table).
 
 `ChunkTask` is both pipelines as the driver (`metachunk.distill.run`) runs them: the chunks
@@ -33,7 +33,7 @@ from metachunk.distill.prompts import load_prompt, load_schema
 
 from metachunk.artifacts import SCHEMA_VERSION, InputError
 from metachunk.sources import Rejects, read_documents, read_records, refuse_or_skip
-from metachunk.structured import OUTCOMES, read_json
+from metachunk.structured import OUTCOMES, read_answer
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
 NOTHING_MISSING = {"none", "无", "无。", "none."}
@@ -199,7 +199,7 @@ class StageRunner:
                 value = parse(answer.text)
             else:
                 repair = teacher.cfg.structured_output == "none"  # nothing asked of the endpoint
-                value, outcome = read_json(answer.text, schema, parse, repair)
+                value, outcome = read_answer(answer.text, schema, parse, repair)
                 entry["json_outcomes"].append(outcome)
             if value is not None:
                 return value

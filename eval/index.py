@@ -148,8 +148,9 @@ def _document_chunks(where: Path, number: int, row: dict, mode: str, docs: dict)
     return doc_id, records, "".join(buffer), lacking
 
 
-def file_sha256(path: Path) -> str:
-    """The content hash of a chunks file, or of a chunk dataset folder's shards in order."""
+def chunks_sha256(path: Path) -> str:
+    """The content hash of a chunks file, or of a chunk dataset folder's shards in order (their
+    bytes end to end, as if one file)."""
     path = Path(path)
     digest = hashlib.sha256()
     for file in sorted(path.glob("train-*-of-*.*")) if path.is_dir() else [path]:

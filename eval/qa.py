@@ -302,9 +302,9 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
         ChunkIndex,
         Lexical,
         check_lexical_lengths,
+        chunks_sha256,
         collection_name,
         embed,
-        file_sha256,
         index_key,
         read_chunks,
     )
@@ -400,7 +400,7 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
         unread = unread_share(cfg.embedder, embedder.tokenizer, texts, "--embedder", "its dense retrieval")
     timings["embedder_load"] = time.perf_counter() - t
     embedder_key = embedder_id and ":".join(v for k, v in embedder_id.items() if k != "name")
-    key = index_key(file_sha256(cfg.chunks), embedder_key, cfg.index_text, cfg.retriever, lexical)
+    key = index_key(chunks_sha256(cfg.chunks), embedder_key, cfg.index_text, cfg.retriever, lexical)
     name = collection_name(key)
     index = ChunkIndex(cfg.index_dir)
     try:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from metachunk import config as configs
 from metachunk import markdown
-from metachunk.artifacts import AtomicWriter, InputError, append_run_log, read_json, read_jsonl
+from metachunk.artifacts import AtomicWriter, InputError, append_run_log, read_json
+from metachunk.sources import read_records
 
 SCHEMA_VERSION = 1
 
@@ -75,8 +76,8 @@ def read_items(run_dir: Path) -> list[dict] | None:
     if not path.is_file():
         return None
     rows = []
-    for number, row in read_jsonl(path):
-        if not isinstance(row, dict) or "id" not in row:
+    for number, _, row in read_records(path):
+        if "id" not in row:
             raise InputError(path, "field 'id' is missing", number)
         for name, value in row.items():
             # Python's json reads Infinity; no metric here is infinite, so the file is damaged.

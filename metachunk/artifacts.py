@@ -38,6 +38,12 @@ EXIT_EMPTY = 5
 EXIT_SKIPPED = 6  # finished, leaving out the bad input rows --on-bad-row skip rejected (metachunk.sources)
 
 
+def cache_dir() -> Path:
+    """metachunk's cache: ``$METACHUNK_CACHE``, else ``~/.cache/metachunk`` (converted presets,
+    fetched datasets, compiled kernels, LumberChunker's answers, localized shipped recipes)."""
+    return Path(os.environ.get("METACHUNK_CACHE", Path.home() / ".cache" / "metachunk"))
+
+
 class InputError(ValueError):
     """Bad user input. The message names the file, the line (when there is one) and the problem."""
 
@@ -456,26 +462,6 @@ def json_error(e: json.JSONDecodeError) -> str:
     if e.pos >= len(e.doc.rstrip()):
         return f"invalid JSON ({e.msg} at the end: cut short?)"
     return f"invalid JSON ({e.msg} at column {e.colno})"
-
-
-def read_jsonl(path: str | Path):
-    """``(line number, object)`` for every non-blank line of a JSONL file; a line that is not JSON
-    raises `InputError` naming the file and the line. Streamed: one line in memory."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "a folder, not a file" if path.is_dir() else "no such file")
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(path, json_error(e), number) from None
 
 
 # How each attempt on an output ran: engine, workers, device, seconds, what it skipped. That is not what

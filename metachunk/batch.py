@@ -44,6 +44,7 @@ from metachunk.teacher import (
     api_key,
     provider_message,
     read_usage,
+    retry_delay,
     safe_url,
 )
 
@@ -133,7 +134,7 @@ def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: flo
                 status is None or status in (408, 409, 429) or status >= 500
             ):
                 raise
-        time.sleep(min(0.5 * 2**attempt, 8.0))
+        time.sleep(retry_delay(attempt))
         attempt += 1
         if found := batches_of_file(client, file_id, since):
             return first_made(found)

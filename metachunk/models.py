@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.artifacts import replace_dir
+from metachunk.artifacts import cache_dir, replace_dir
 from metachunk.command import Result
 from metachunk.config import option
 
@@ -68,10 +68,6 @@ PRESETS: dict[str, Preset] = {
         "en",
     ),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("METACHUNK_CACHE", Path.home() / ".cache" / "metachunk"))
 
 
 def _package_dir(module: str, preset: Preset) -> Path:

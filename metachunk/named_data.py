@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.artifacts import InputError, file_sha256
+from metachunk.artifacts import InputError, cache_dir, file_sha256, replace_dir
 from metachunk.command import Result
 
 PREFIX = "data:"
@@ -158,9 +158,7 @@ DATASETS = {
 
 
 def cache_root() -> Path:
-    # metachunk.models.cache_dir's folder, spelled out: models imports the config loader, which
-    # imports this module.
-    return Path(os.environ.get("METACHUNK_CACHE", Path.home() / ".cache" / "metachunk")) / "data"
+    return cache_dir() / "data"
 
 
 def roots(dataset: Dataset) -> list[tuple[str, Path]]:
@@ -305,9 +303,7 @@ def fetch(name: str, base_url: str | None = None) -> tuple[str, Path]:
             if bad:
                 raise FetchError(f"{name}: converted files do not match the shipped sums: {', '.join(bad)}; "
                                  "nothing was installed")  # fmt: skip
-            if target.exists():  # an old, changed or partial copy: moved aside, then replaced whole
-                os.replace(target, Path(staging) / "replaced")
-            os.replace(folder, target)
+            replace_dir(folder, target)  # an old, changed or partial copy is replaced whole
     return "cache", target
 
 

@@ -40,7 +40,7 @@ def is_valid(data, schema: Schema) -> bool:
     return validator.is_valid(data)
 
 
-def read_json(
+def read_answer(
     text: str, schema: Schema, parse: Callable[[str], T | None], repair: bool
 ) -> tuple[T | None, str]:
     """``(value, outcome)`` of an answer ``text``: ``parse``'s value (None when nothing could be read)

@@ -952,6 +952,14 @@ def provider_message(error: openai.APIError) -> str:
     return error.message
 
 
+def retry_delay(attempt: int) -> float:
+    """Seconds before retry ``attempt + 1`` of what openai's client does not retry itself (a broken
+    stream, a 200 whose body does not parse, a batch's create): openai's own backoff, 0.5 s doubling
+    up to 8 s, less up to a quarter at random so that many senders do not retry in step (its
+    ``INITIAL_RETRY_DELAY``, ``MAX_RETRY_DELAY`` and jitter, ``openai/_base_client.py``)."""
+    return min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random())
+
+
 WAIT_POLL_SECONDS = 0.2  # how often a request another sender (process or coroutine) holds is looked for
 
 
@@ -1238,7 +1246,7 @@ class Teacher:
                 billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
                 raw = f"{e.reason}: {e.detail}"
                 if attempt < self.cfg.max_retries:
-                    await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
+                    await asyncio.sleep(retry_delay(attempt))
                     continue
                 return StoredAnswer(key, model, "error", e.reason, _short(redact(raw)), 0, 0, billed.pop(key))
             self.endpoint.note_connection(False)
@@ -1266,7 +1274,7 @@ class Teacher:
                     usage_estimated=estimated,
                 )
             if attempt < self.cfg.max_retries:
-                await asyncio.sleep(min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random()))
+                await asyncio.sleep(retry_delay(attempt))
         return StoredAnswer(
             key, model, "error", "malformed_response", _short(redact(raw)), 0, 0, billed.pop(key)
         )

@@ -391,6 +391,15 @@ def test_a_changed_config_or_input_is_refused_unless_overwrite(tmp_path, capsys,
     (tmp_path / "mine" / "notes.txt").write_text("a user's file")
     rc, err = chunk(capsys, src, "-o", tmp_path / "mine", "--method", "sentence", "--target-len", 80)
     assert rc == 2 and "holds no manifest.json" in err
+    for broken, says in (
+        (b'{"a": "\xff"}', "invalid UTF-8 at byte 7"),
+        (b'{"schema_version": 1', "cut short?"),
+        (b"[]", "got list"),
+    ):
+        (out / "manifest.json").write_bytes(broken)  # as a disk fault or another tool leaves it
+        rc, err = chunk(capsys, *base)
+        assert rc == 2 and err.strip().endswith("--overwrite to start again") and says in err, err
+        assert "Traceback" not in err
 
 
 def test_a_folder_takes_plots_and_names_them_by_input_position(tmp_path, capsys, emma, tiny_model_dir):

@@ -89,9 +89,13 @@ def test_a_chunk_output_folder_with_a_bad_manifest_is_named(tmp_path):
     from metachunk.chunking.shards import chunk_rows
 
     manifest = tmp_path / "manifest.json"
-    for text, error in (("garbage", "not JSON"), ('{"complete": true}', "field 'shards.done' is missing")):
+    for text, error in (
+        ("garbage", r":1: invalid JSON \(Expecting value at column 1\)"),
+        ("[]", ": expected a JSON object"),
+        ('{"complete": true}', ": field 'shards.done' is missing"),
+    ):
         manifest.write_text(text)
-        with pytest.raises(InputError, match=f"manifest.json: {error}"):
+        with pytest.raises(InputError, match=f"manifest.json{error}"):
             list(chunk_rows(tmp_path))
 
 

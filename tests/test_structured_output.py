@@ -23,7 +23,7 @@ from support.loopback_server import serve_in_subprocess
 from test_distill_reliability import REWRITE, chunk_text, make_job, one_chunk_per_doc, table
 
 from metachunk.prompts import Schema
-from metachunk.structured import read_json
+from metachunk.structured import read_answer
 from metachunk.teacher import Teacher, TeacherConfig, response_format, with_json_instruction
 
 REFINEMENT = load_schema("refinement")
@@ -91,7 +91,7 @@ def test_each_mode_sends_its_response_format_and_the_key_changes_only_when_it_mu
 
 def test_an_answer_is_valid_repaired_or_unparseable():
     def read(text, repair):
-        items, outcome = read_json(text, REFINEMENT, parse_items, repair)
+        items, outcome = read_answer(text, REFINEMENT, parse_items, repair)
         return outcome, None if items is None else [x.to_json() for x in items]
 
     for repair in (True, False):

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -557,10 +556,9 @@ def fetch(
     from metachunk.progress import bar as progress_bar
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the folder from whoever copies it
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent)
+    )  # replace_dir opens its mode
     try:
         scratch = staging / ".build"
         todo = [e for e in entries if e.action in ("fetch", "spare")]

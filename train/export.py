@@ -75,7 +75,7 @@ from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_ca
 from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
-from metachunk.artifacts import InputError, ordinary_mode, replace_dir
+from metachunk.artifacts import InputError, json_error, ordinary_mode, replace_dir
 from metachunk.command import Reads, Result
 from metachunk.config import option
 
@@ -266,17 +266,16 @@ def _check_out(cfg: ExportConfig) -> None:
 
 def is_export(folder: Path) -> bool:
     """An earlier ``metachunk export``: config.json and a card tagged ``metachunk``. Replaced without --overwrite."""
-    import yaml
+    from huggingface_hub import ModelCard
 
     card = folder / "README.md"
     if not ((folder / "config.json").is_file() and card.is_file()):
         return False
-    match = re.match(r"^---\n(.*?)\n---\n", card.read_text(encoding="utf-8", errors="replace"), re.S)
     try:
-        meta = yaml.safe_load(match.group(1)) if match else None
-    except yaml.YAMLError:
+        tags = ModelCard.load(card).data.tags
+    except Exception:  # noqa: BLE001 - a card the Hub's parser cannot read is not ours
         return False
-    return isinstance(meta, dict) and "metachunk" in (meta.get("tags") or [])
+    return "metachunk" in (tags or [])
 
 
 def check(cfg: ExportConfig) -> Weights:
@@ -326,10 +325,13 @@ def _check_push(cfg: ExportConfig) -> None:
 
 
 def _read_json(path: Path):
+    """Any JSON value (``train_log.json`` is a list; `artifacts.read_json` takes objects only)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
-        raise InputError(path, f"not JSON ({e.msg})", e.lineno) from None
+        raise InputError(path, json_error(e), e.lineno) from None
 
 
 def read_run(folder: Path) -> Run:

@@ -151,8 +151,7 @@ def shipped_config(argv: list[str]) -> list[str]:
     import yaml
 
     from metachunk import shipped
-    from metachunk.artifacts import AtomicWriter
-    from metachunk.models import cache_dir
+    from metachunk.artifacts import AtomicWriter, cache_dir
 
     if "--config" not in argv or argv.index("--config") + 1 == len(argv):
         return argv

@@ -123,7 +123,8 @@ def lse_rows_compiled(device: str = "cuda:0"):
 
 
 def _compiled(name: str) -> ctypes.CDLL | None:
-    from metachunk.models import cache_dir, cpu_flags
+    from metachunk.artifacts import cache_dir
+    from metachunk.models import cpu_flags
 
     if os.environ.get("METACHUNK_KERNELS", "1") == "0":
         _why[name] = "off (METACHUNK_KERNELS=0)"
