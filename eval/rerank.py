@@ -96,15 +96,20 @@ def cross_encoder_scores(
         return [[] for _ in queries]
     from metachunk.progress import bar as progress_bar
 
-    scores = []
-    # in slices under our own bar (sentence-transformers' own would redraw into a log)
+    # In slices under our own bar (sentence-transformers' own would redraw into a log). predict sorts
+    # its input by length so that a batch pads little; the slices are cut from the pairs sorted
+    # longest first, so that they batch alike.
+    order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))
+    scores = [0.0] * len(pairs)
     step = batch_size * 16
     with progress_bar(total=len(pairs), unit="pair", desc="rerank cross-encoder", enabled=progress) as bar:
-        for a in range(0, len(pairs), step):
-            part = model.predict(pairs[a : a + step], batch_size=batch_size, show_progress_bar=False,
+        for a in range(0, len(order), step):
+            rows = order[a : a + step]
+            part = model.predict([pairs[i] for i in rows], batch_size=batch_size, show_progress_bar=False,
                                  convert_to_numpy=True)  # fmt: skip
-            scores += [float(s) for s in (part.reshape(len(part), -1)[:, 0] if part.ndim > 1 else part)]
-            bar.update(len(part))
+            for i, s in zip(rows, part.reshape(len(rows), -1)[:, 0]):
+                scores[i] = float(s)
+            bar.update(len(rows))
     out, i = [], 0
     for _, passages in queries:
         out.append(scores[i : i + len(passages)])

@@ -49,7 +49,9 @@ def bar(iterable=None, *, total: float | None = None, desc: str = "", unit: str 
     from tqdm import tqdm
 
     stream = sys.stderr
-    if stream.isatty():
+    if stream is None:  # no stderr at all (a detached interpreter): nothing to draw on
+        enabled = False
+    elif stream.isatty():
         options.setdefault("dynamic_ncols", True)
     else:
         options["file"] = LineWriter(stream)

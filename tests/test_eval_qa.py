@@ -613,6 +613,20 @@ def test_cross_encoder_rerank_follows_its_scores(planted, planted_embedder, tmp_
     assert doc["details"]["rerank"]["method"] == "cross-encoder"
 
 
+def test_cross_encoder_scores_come_back_in_the_pairs_order_from_every_slice():
+    import numpy as np
+    from metachunk.eval.rerank import cross_encoder_scores
+
+    class Scorer:  # a pair's score is its passage's length: the order is checkable
+        def predict(self, pairs, batch_size, show_progress_bar, convert_to_numpy):
+            assert len(pairs) <= 16 * batch_size and not show_progress_bar
+            return np.array([[len(p)] for _, p in pairs], dtype=np.float32)
+
+    queries = [(f"q{i}", ["x" * ((7 * i + j) % 23 + 1) for j in range(i % 4)]) for i in range(30)]
+    scores = cross_encoder_scores(Scorer(), queries, batch_size=1)  # 45 pairs: three slices
+    assert scores == [[float(len(p)) for p in passages] for _, passages in queries]
+
+
 UMBRELLA = {
     "U": [
         "Umbrella umbrella umbrella sales rose in the spring, said the shopkeeper. ",
