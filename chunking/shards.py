@@ -105,6 +105,9 @@ def is_dataset_dir(output: str | Path) -> bool:
     if text.endswith(".jsonl") and not path.is_dir():
         return False
     if text.endswith(("/", os.sep)) or path.is_dir() or not path.suffix:
+        if path.exists() and not path.is_dir():  # /dev/null, or a file named without a suffix
+            raise InputError(output, "-o without a .jsonl suffix names a folder, and this is a file: "
+                             "give FILE.jsonl, or a folder")  # fmt: skip
         return True
     raise InputError(output, "-o takes FILE.jsonl (one file) or a folder (DIR/: a sharded dataset)")
 

@@ -154,6 +154,8 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
             got = batch.import_results(store, offline.stages, path)
             print(f"{path}: {got['answered']} answers stored, {got['failed']} failed, {got['skipped']} already "
                   "stored", file=sys.stderr)  # fmt: skip
+            for failure in got["failures"]:  # sent again by this run or the next
+                print(f"  {path}: {failure}", file=sys.stderr)
         if cfg.max_cost is not None and store.spent() > cfg.max_cost:  # paid already, wherever they ran
             print(f"distill: the imported answers bring the store's spend to ${store.spent():.4f}, past --max-cost "
                   f"{cfg.max_cost}: nothing more is sent", file=sys.stderr)  # fmt: skip

@@ -108,6 +108,10 @@ class BuildSftConfig:
             raise ValueError(f"'shard_rows' must be >= 1, got {self.shard_rows}")
         if not 0 < self.near_dup_threshold <= 1:
             raise ValueError(f"'near_dup_threshold' must be in (0, 1], got {self.near_dup_threshold}")
+        config.check_number(self, "min_overlap", low=0.0, high=1.0)  # NaN passed every filter test, silently
+        for name in ("max_tokens", "max_context_chars"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"field {name!r} must be >= 1, got {getattr(self, name)}")
         if self.name is None:
             self.name = f"metachunk-{self.task}-{Path(self.out).name}"
         if Path(self.name).name != self.name or self.name in (".", ".."):  # the card is CARDS_DIR/NAME.md

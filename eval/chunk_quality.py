@@ -139,8 +139,9 @@ class ChunkQualityConfig:
             raise ValueError(f"field 'k' must be in (0, 1), got {self.k}")
         if self.max_pairs < 0:
             raise ValueError("field 'max_pairs' must be >= 0 (0 = no cap)")
-        if self.max_chunk_tokens < 1:
-            raise ValueError("field 'max_chunk_tokens' must be >= 1")
+        for name in ("max_chunk_tokens", "batch_tokens", "batch_size", "limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"field {name!r} must be >= 1, got {getattr(self, name)}")
 
 
 CONFIG = ChunkQualityConfig
@@ -356,6 +357,10 @@ def evaluate(cfg: ChunkQualityConfig) -> dict:
     rejects = cfg.bad_rows.rejects(cfg.out)
     docs = read_chunk_docs(cfg.chunks, cfg.limit, rejects, cfg.bad_rows.max_row_bytes)
     rejected = finish_rejects(rejects, "eval chunk-quality")
+    if cfg.plot_doc is not None and all(
+        doc_id != cfg.plot_doc for doc_id, _ in docs
+    ):  # before the model loads
+        raise InputError(cfg.chunks, f"--plot-doc: no document {cfg.plot_doc!r} among those read")
     model, tokenizer = load_causal_lm(cfg.model, device=cfg.device, dtype=cfg.dtype)
     plans = []
     for doc_id, texts in docs:

@@ -205,6 +205,7 @@ class QAConfig:
                 raise ValueError(f"field {name!r} must be >= 1")
         if not 0 < self.min_share <= 1:
             raise ValueError("field 'min_share' must be in (0, 1]")
+        config.check_number(self, "fuzzy_threshold", low=0.0, high=100.0)  # rapidfuzz scores 0-100
         if self.max_cost is not None and not self.max_cost >= 0:  # nan fails this too
             raise ValueError(f"field 'max_cost' must be a number of dollars >= 0, got {self.max_cost}")
         if self.cutoffs and min(self.cutoffs) < 1:

@@ -355,12 +355,18 @@ def export(teachers: dict[str, Teacher], path, room: float | None = None) -> tup
     return n, left
 
 
+FAILURES_SHOWN = 5
+
+
 def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> dict:
-    """Store the answers of a results file (``vllm run-batch`` or a provider's output file)."""
+    """Store the answers of a results file (``vllm run-batch`` or a provider's output file). A result
+    that is not an answer (an error status, a body that is not a chat completion) is counted as
+    failed and sent again by the next run; ``counts["failures"]`` says where and why, for the first
+    `FAILURES_SHOWN`."""
     from metachunk.artifacts import InputError
 
     by_model = {t.cfg.model: t for t in teachers.values()}
-    answers, counts = [], {"answered": 0, "failed": 0, "skipped": 0}
+    answers, counts = [], {"answered": 0, "failed": 0, "skipped": 0, "failures": []}
     if not Path(path).exists() or Path(path).is_dir():  # a pipe (`<(...)`) is read as a file
         raise InputError(
             path, "a folder, not a results file" if Path(path).is_dir() else "no such results file"
@@ -410,6 +416,13 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
                     counts["answered"] += 1
                     continue
             counts["failed"] += 1
+            if len(counts["failures"]) < FAILURES_SHOWN:
+                status = response.get("status_code")
+                why = f"status {status!r}" if status != 200 else "status 200, but not a chat completion"
+                error = body.get("error") if isinstance(body, dict) else None
+                if isinstance(error, dict) and error.get("message"):
+                    why += f": {redact(str(error['message']))[:200]}"
+                counts["failures"].append(f"line {number}: {why}")
     for answer in answers:
         store.put(answer)
     return counts

@@ -296,7 +296,11 @@ def _invoke(argv: list[str]) -> Result:
 
         print(redact("".join(traceback.format_exception(e))), file=sys.stderr, end="")
         return Result(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from metachunk.stopping import Stopped
+
+        if isinstance(e, Stopped):  # SIGTERM or SIGHUP: `invoke` says which, with its status
+            raise
         print("metachunk: interrupted; no output file was replaced", file=sys.stderr)
         return Result(130)
 

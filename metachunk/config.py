@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import numbers
 import os
 import types
@@ -338,6 +339,27 @@ def check_choices(cfg) -> None:
         allowed = f.metadata.get("choices")
         if allowed and value is not None and value not in allowed:
             raise ValueError(f"field {name!r} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def check_number(
+    cfg, name: str, low: float | None = None, high: float | None = None, strict: bool = False
+) -> None:
+    """Call from ``__post_init__``: ``cfg.name`` is a finite number within ``[low, high]`` (``low``
+    itself excluded when ``strict``), else a ValueError naming the field and the range. YAML reads
+    ``.nan`` and ``.inf`` as floats, and a NaN passes every ``<`` and ``>`` check."""
+    value = getattr(cfg, name)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if (
+        number
+        and (low is None or value > low or (value == low and not strict))
+        and (high is None or value <= high)
+    ):
+        return
+    bounds = ([f"> {low}" if strict else f">= {low}"] if low is not None else []) + (
+        [f"<= {high}"] if high is not None else []
+    )
+    raise ValueError(f"field {name!r} must be a finite number{' ' + ' and '.join(bounds) if bounds else ''}, "
+                     f"got {value!r}")  # fmt: skip
 
 
 def from_namespace(cls, ns: argparse.Namespace, defaults: dict | None = None):

@@ -308,8 +308,12 @@ def serve(cfg: ServeConfig) -> Result:
             file=sys.stderr,
         )
         teacher.process.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from metachunk.stopping import Stopped
+
         print("stopping the local teacher", file=sys.stderr)
+        if isinstance(e, Stopped):  # SIGTERM or SIGHUP: the command's status says so (143, 129)
+            raise
     finally:
         teacher.stop()
     return Result()

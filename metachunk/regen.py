@@ -138,7 +138,7 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
     # x-*: blocks for YAML anchors (&teacher ... *teacher), as in compose files; the runner ignores them
     unknown = {k for k in raw if not str(k).startswith("x-")} - {"name", "state", "stages", "local_teacher"}
     if unknown:
-        raise InputError(path, f"unknown top-level key(s): {', '.join(sorted(unknown))}")
+        raise InputError(path, f"unknown top-level key(s): {', '.join(sorted(map(repr, unknown)))}")
     stages, seen = [], set()
     for i, s in enumerate(raw["stages"]):
         where = f"stages[{i}]"
@@ -146,7 +146,7 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
             raise InputError(path, f"{where}: expected a mapping with name, run and config")
         extra = set(s) - {"name", "run", "config", "local_teacher", "allow_exit", "on_empty_inputs"}
         if extra:
-            raise InputError(path, f"{where}: unknown key(s) {', '.join(sorted(extra))}")
+            raise InputError(path, f"{where}: unknown key(s) {', '.join(sorted(map(repr, extra)))}")
         name, run, cfg = s.get("name"), s.get("run"), s.get("config", {})
         if not isinstance(name, str) or not name or name in seen:
             raise InputError(path, f"{where}.name: a unique stage name is required (got {name!r})")
@@ -493,9 +493,14 @@ class Runner:
     def _named_in_recipe(self, error: InputError, path: Path, stage: Stage) -> InputError:
         """A bad value in the runner's copy of a stage's config (``path``) is the recipe's, and named there;
         any other error (another file's, a missing dataset, whose plan says to fetch it) stays as it is."""
-        if Path(error.path) != path or type(error) is not InputError:
+        if type(error) is not InputError:
             return error
-        return InputError(self.recipe.path, f"stage {stage.name!r}, config: {error.reason}")
+        if Path(error.path) == path:
+            return InputError(self.recipe.path, f"stage {stage.name!r}, config: {error.reason}")
+        if str(error.path) == "train":  # train's parser (TRL's) says "invalid config: [--config FILE: ]..."
+            reason = error.reason.removeprefix("invalid config: ").replace(f"--config {path}: ", "")
+            return InputError(self.recipe.path, f"stage {stage.name!r}, config: {reason}")
+        return error
 
     def _write_stage_config(self, stage: Stage, suffix: str = ".yaml") -> Path:
         import yaml

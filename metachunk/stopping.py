@@ -39,9 +39,12 @@ CAUGHT = (signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-class Stopped(BaseException):
-    """A command was stopped by ``signum``. A BaseException, as KeyboardInterrupt: ``except
-    Exception`` does not swallow it."""
+class Stopped(KeyboardInterrupt):
+    """A command was stopped by ``signum``: a KeyboardInterrupt, as Ctrl-C raises, so that what
+    lets Ctrl-C through lets it through too. asyncio's event loop re-raises only KeyboardInterrupt
+    and SystemExit from a callback and logs anything else (``asyncio.events.Handle._run``): a
+    plain BaseException raised there was swallowed and the command kept running. The exit status
+    tells them apart (`exit_status`; `metachunk.cli.invoke`)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

@@ -338,6 +338,17 @@ class TeacherConfig:
         for name in ("max_tokens", "concurrency", "max_connection_errors", "refusals_to_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name!r} must be >= 1")
+        # Checked here, not by the server: a NaN cannot be sent as JSON (the request fails after the
+        # run has started), and a rate of 0 or less would wait forever.
+        for name, low, high, strict in (("temperature", 0.0, None, False), ("top_p", 0.0, 1.0, False),
+                                        ("frequency_penalty", None, None, False), ("rpm", 0.0, None, True),
+                                        ("tpm", 0.0, None, True), ("timeout", 0.0, None, True),
+                                        ("stream_idle_timeout", 0.0, None, True),
+                                        ("batch_poll_seconds", 0.0, None, True), ("batch_discount", 0.0, 1.0, False)):  # fmt: skip
+            if getattr(self, name) is not None:
+                config.check_number(self, name, low, high, strict)
+        if self.max_retries < 0:
+            raise ValueError("'max_retries' must be >= 0")
         if self.max_tokens_limit is not None and self.max_tokens_limit < self.max_tokens:
             raise ValueError("'max_tokens_limit' must be >= 'max_tokens'")
 
@@ -393,6 +404,14 @@ class Price:
         None,
         "share of the price a Batch API request costs; unset: the teacher's batch_discount (OpenAI: 0.5)",
     )
+
+    def __post_init__(self):
+        # A NaN price made every paid answer unstorable (and paid again on each rerun); a negative
+        # one lowered the store's spend, which every run sharing the store counts against its cap.
+        for name in ("input", "output"):
+            config.check_number(self, name, low=0.0)
+        if self.batch_discount is not None:
+            config.check_number(self, "batch_discount", low=0.0, high=1.0)
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         return (prompt_tokens * self.input + completion_tokens * self.output) / 1e6

@@ -299,6 +299,25 @@ def test_an_unreadable_results_file_is_named(tmp_path, capsys):
         assert f"{path}" in err and expected in err and "Traceback" not in err
 
 
+def test_an_imported_result_that_is_no_answer_is_said_with_its_line(tmp_path, capsys):
+    recipe = write_job(tmp_path, "http://127.0.0.1:9/v1")
+    exported = tmp_path / "round1.jsonl"
+    assert main(["distill", "rewrite", "--config", str(recipe), "--export-batch", str(exported)]) == 0
+    results = tmp_path / "results.jsonl"
+    vllm_results(exported, results)
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    lines[1]["response"] = {"status_code": 500, "body": {"error": {"message": "the model crashed"}}}
+    lines[3]["response"]["body"]["choices"] = []
+    results.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    capsys.readouterr()
+    assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results),
+                 "--export-batch", str(tmp_path / "round2.jsonl")]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "4 answers stored, 2 failed" in err
+    assert "results.jsonl: line 2: status 500: the model crashed" in err
+    assert "results.jsonl: line 4: status 200, but not a chat completion" in err
+
+
 def test_an_imported_answer_from_a_model_no_teacher_names_is_refused_when_several_could_be_meant(
     tmp_path, capsys
 ):

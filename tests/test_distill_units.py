@@ -400,6 +400,29 @@ def test_teacher_config_validates():
         TeacherConfig("m", max_tokens=100, max_tokens_limit=50)
 
 
+@pytest.mark.parametrize(
+    "field, value, says",
+    [("temperature", float("nan"), ">= 0.0"), ("top_p", float("inf"), "<= 1.0"), ("top_p", 1.5, "<= 1.0"),
+     ("frequency_penalty", float("nan"), "got nan"), ("rpm", -1, "> 0.0"), ("rpm", 0, "> 0.0"),
+     ("tpm", -5.0, "> 0.0"), ("timeout", -1.0, "> 0.0"), ("stream_idle_timeout", 0, "> 0.0"),
+     ("batch_discount", 2.0, "<= 1.0"), ("temperature", "hot", "got .hot.")],
+)  # fmt: skip
+def test_a_sampling_value_or_rate_that_cannot_work_is_refused(field, value, says):
+    # a NaN cannot be sent as JSON (the run failed at its first send); a rate <= 0 waited forever
+    with pytest.raises(ValueError, match=f"field '{field}' must be a finite number.*{says}"):
+        TeacherConfig("m", **{field: value})
+    assert TeacherConfig("m", temperature=0, top_p=1, rpm=0.5, frequency_penalty=-1.5).rpm == 0.5
+
+
+@pytest.mark.parametrize("price", [{"input": float("nan")}, {"output": -1.0}, {"batch_discount": 1.5}])
+def test_a_price_that_would_lose_answers_or_lift_the_cap_is_refused(price):
+    # NaN: a paid answer's cost could not be stored (paid again on each rerun); negative: the
+    # shared store's spend went down, and every run on it could spend past its --max-cost
+    with pytest.raises(ValueError, match="must be a finite number >= 0.0"):
+        Price(**price)
+    assert Price(0, 0, 0).cost(10, 10) == 0
+
+
 def test_pool_map_keeps_input_order_and_stops_at_an_unreachable_endpoint(tmp_path):
     import asyncio
 

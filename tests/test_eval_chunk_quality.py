@@ -195,6 +195,11 @@ def test_bad_input_exits_2(tmp_path, tiny_model_dir, capsys):
     assert "bad.jsonl:1:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'k' must be in"):
         cq.ChunkQualityConfig(chunks=bad, out=tmp_path, k=1.2)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": "a", "chunks": [{"text": "One."}, {"text": "Two."}]}\n')
+    cfg = cq.ChunkQualityConfig(chunks=good, model="no-such-model", out=tmp_path / "o", plot_doc="b")
+    assert cq.run(cfg).exit == 2  # named before the model loads (this one does not exist)
+    assert "good.jsonl: --plot-doc: no document 'b' among those read" in capsys.readouterr().err
 
 
 def test_matrices_can_be_left_out(tmp_path, tiny_model_dir):

@@ -379,6 +379,7 @@ def test_bad_values_a_probe_found_are_one_line_errors(tmp_path, capsys):
     docs.write_text(json.dumps({"id": "a", "text": EN}) + "\n")
     latin = tmp_path / "latin.yaml"
     latin.write_bytes(b"input: d.jsonl\nnote: caf\xe9\n")
+    latin.with_suffix("").write_text("a file named without a suffix")
     state = tmp_path / "state.yaml"
     state.write_text("state: 5\nstages:\n  - {name: a, run: chunk, config: {input: d.jsonl, output: o.jsonl,"
                      " method: sentence, target_len: 50}}\n")  # fmt: skip
@@ -437,6 +438,67 @@ def test_bad_values_a_probe_found_are_one_line_errors(tmp_path, capsys):
         (
             ["distill", "summary", "--config", str(distill), "--dry-run", "--max-context-chars", "0"],
             f"{distill} or the command line: 'max_context_chars' must be >= 1",
+        ),
+        # exit 1 with "File exists": a name without a suffix is a folder
+        (
+            [
+                "chunk",
+                str(docs),
+                "-o",
+                str(latin.with_suffix("")),
+                "--method",
+                "sentence",
+                "--target-len",
+                "50",
+            ],
+            "-o without a .jsonl suffix names a folder, and this is a file",
+        ),
+        # accepted silently: NaN turned the lost-content filter off; the others ran and wrote results
+        (
+            [
+                "data",
+                "build-sft",
+                "rewrite",
+                "--distilled",
+                str(docs),
+                "--out",
+                str(tmp_path / "s"),
+                "--min-overlap",
+                "nan",
+            ],
+            "field 'min_overlap' must be a finite number >= 0.0 and <= 1.0, got nan",
+        ),
+        (
+            ["eval", "chunk-quality", "--chunks", str(docs), "--out", str(tmp_path / "cq"), "--limit", "-1"],
+            "field 'limit' must be >= 1, got -1",
+        ),
+        (
+            [
+                "eval",
+                "chunk-quality",
+                "--chunks",
+                str(docs),
+                "--out",
+                str(tmp_path / "cq"),
+                "--batch-size",
+                "0",
+            ],
+            "field 'batch_size' must be >= 1, got 0",
+        ),
+        (
+            [
+                "eval",
+                "qa",
+                "--chunks",
+                str(docs),
+                "--qa",
+                str(docs),
+                "--out",
+                str(tmp_path / "q"),
+                "--fuzzy-threshold",
+                "200",
+            ],
+            "field 'fuzzy_threshold' must be a finite number >= 0.0 and <= 100.0",
         ),
     ):
         rc, err = main(argv), capsys.readouterr().err

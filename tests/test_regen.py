@@ -182,11 +182,24 @@ STAGE = "stages:\n  - name: a\n    run: data sample\n    config: {}\n"
         (STAGE + "local_teacher: {backend: llamacpp}\n", "local_teacher.backend: one of auto, llama.cpp"),
         (STAGE + "local_teacher: {modle: smollm2}\n", "local_teacher: unknown key(s) modle"),
         (STAGE + "local_teacher: {threads: 0}\n", "local_teacher.threads"),
+        (STAGE + "2024: notes\n", "unknown top-level key(s): 2024"),  # a number beside a name
+        (STAGE + "    1: x\n    foo: y\n", "stages[0]: unknown key(s) 'foo', 1"),
         # a bad value in a stage's config: named in the recipe, not in the runner's copy of it
         (
             "state: st\nstages:\n  - {name: c1, run: chunk, config: {input: d.jsonl, output: o.jsonl, "
             "method: sentence, target_len: abc}}\n",
             "stage 'c1', config: field 'target_len' must be int",
+        ),
+        # a train stage's too: TRL's parser named the runner's temp copy
+        (
+            "state: st\nstages:\n  - {name: t, run: train, config: {model_name_or_path: m, dataset_name: d, "
+            "output_dir: o, use_cpu: true, bf16: false, learning_rate: fast}}\n",
+            "stage 't', config: field 'learning_rate': invalid float value: 'fast'",
+        ),
+        (
+            "state: st\nstages:\n  - {name: t, run: train, config: {model_name_or_path: m, dataset_name: d, "
+            "output_dir: o, use_cpu: true, bf16: false, per_device_train_batch_size: 0}}\n",
+            "stage 't', config: field 'per_device_train_batch_size' must be >= 1, got 0",
         ),
     ],
 )

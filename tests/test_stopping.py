@@ -418,3 +418,30 @@ def test_a_regeneration_run_stops_its_local_teacher(tmp_path, sig):
         kill_what_is_left(proc)
     state = tmp_path / "state" / "state.json"
     assert not state.exists() or "moc" not in json.loads(state.read_text())["stages"]  # a rerun runs it
+
+
+IN_A_CALLBACK = """
+import asyncio, os, signal, sys
+from metachunk.stopping import Stopped, stop_on_signals
+
+async def main():
+    # the signal is handled inside one of the loop's own callbacks (asyncio.events.Handle._run), as
+    # it most often is when a loop is busy
+    asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(5)
+    sys.exit(3)  # not stopped
+
+with stop_on_signals():
+    try:
+        asyncio.run(main())
+    except Stopped as e:
+        sys.exit(e.exit_status)
+"""
+
+
+def test_sigterm_stops_an_event_loop_inside_its_callbacks():
+    # asyncio logs and drops any BaseException a callback raises but KeyboardInterrupt and
+    # SystemExit: a Stopped that was not a KeyboardInterrupt left the loop running
+    run = subprocess.run([sys.executable, "-c", IN_A_CALLBACK], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr
+    assert "Exception in callback" not in run.stderr

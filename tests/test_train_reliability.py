@@ -268,7 +268,8 @@ def _no_chat_template(tiny_model_dir: Path, tmp_path: Path) -> Path:
     "case",
     ["unknown model", "invalid YAML", "missing config", "no chat template", "report_to", "hub_token",
      "no such test split", "deepspeed not a JSON object", "deepspeed not JSON", "a recipe value's type",
-     "a flag's type"],
+     "a flag's type", "a list for a number", "a number as a key", "not UTF-8", "batch size 0",
+     "accumulation 0", "learning rate NaN", "no step"],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load, case):
     config, model, extra = RECIPE, str(tiny_model_dir), []
@@ -305,6 +306,27 @@ def test_bad_input_is_one_line_and_exit_2(sft_dataset, tiny_model_dir, tmp_path,
         config = _recipe_without(tmp_path, "learning_rate")
         config.write_text(config.read_text() + "learning_rate: 1e-5x\n")
         text = f"--config {config}: field 'learning_rate': invalid float value: '1e-5x'"
+    elif case in ("a list for a number", "a number as a key", "not UTF-8"):
+        # TrlParser hands a recipe's values to argparse as defaults, unchecked unless strings: the
+        # list reached the Trainer after the model loaded, the number key was a TypeError
+        config = _recipe_without(tmp_path, "max_steps")
+        line, text = {"a list for a number": (b"max_steps: [1, 2]\n", "field 'max_steps' must be int, got list [1, 2]"),
+                      "a number as a key": (b"5: x\n", "key 5 is not a field name; quote it"),
+                      "not UTF-8": (b"run_name: caf\xe9\n", "not UTF-8 text (byte ")}[case]  # fmt: skip
+        config.write_bytes(config.read_bytes() + line)
+        text = f"--config {config}: {text}"
+    elif case in (
+        "batch size 0",
+        "accumulation 0",
+        "learning rate NaN",
+        "no step",
+    ):  # torch or the Trainer failed
+        extra, text = {  # after the load, with a traceback
+            "batch size 0": (["--per_device_train_batch_size", "0"], "field 'per_device_train_batch_size' must be >= 1"),
+            "accumulation 0": (["--gradient_accumulation_steps", "0"], "field 'gradient_accumulation_steps' must be >= 1"),
+            "learning rate NaN": (["--learning_rate", "nan"], "field 'learning_rate' must be a finite number >= 0.0"),
+            "no step": (["--max_steps", "0", "--num_train_epochs", "0"], "nothing would be trained"),
+        }[case]  # fmt: skip
     elif case == "a flag's type":
         extra, text = (
             ["--learning-rate", "fast"],

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from metachunk.artifacts import EXIT_EMPTY, EmptyInput, read_json, write_figure
 from metachunk.command import Reads, Result
+from metachunk.config import check_number
 
 
 @dataclass
@@ -98,6 +99,7 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
 
     argv = shipped_config(list(sys.argv[1:] if argv is None else argv))
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
+    check_value_types(recipe, argv, (ModelDataArguments, SFTConfig))
     check_renamed(recipe, argv)
     check_deepspeed_file(recipe, argv)  # SFTConfig reads the JSON as it is built
     argv = argv + checkpointing_said(recipe, argv, SFTConfig)
@@ -129,6 +131,7 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
         raise ValueError(
             "field 'hub_token': the Hub token is read from HF_TOKEN only, never from a recipe or a flag"
         )
+    check_values(sft_args)
     if check_inputs:
         check(model_args, sft_args)
     dtype = weights_dtype(model_args)
@@ -184,6 +187,8 @@ def read_recipe(argv: list[str]) -> dict:
         recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"--config {path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
     except yaml.YAMLError as e:
@@ -196,6 +201,46 @@ def read_recipe(argv: list[str]) -> dict:
 
     check_keys(recipe, path)
     return recipe
+
+
+SCALARS = {str, int, float, bool}  # a str field's, an enum's: one value, which argparse converts
+
+
+def check_value_types(recipe: dict, argv: list[str], classes) -> None:
+    """Each recipe value has its field's YAML type. TrlParser hands a recipe's values to argparse
+    as defaults, and argparse converts and checks a default only when it is a string: a list where
+    a number goes (``max_steps: [1, 2]``) reached the Trainer after the model had loaded. A string
+    is left to argparse, which converts it as it converts a flag."""
+    import dataclasses
+    import types
+    import typing
+
+    path = argv[argv.index("--config") + 1] if "--config" in argv else "the recipe"
+    fields = {}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        fields |= {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+    def accepts(kind) -> set[type]:
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            return set().union(*(accepts(a) for a in typing.get_args(kind) if a is not type(None)))
+        kind = typing.get_origin(kind) or kind
+        if kind in (list, tuple, set):
+            return {list}
+        if kind is dict:
+            return {dict}
+        return {bool: {bool}, int: {int}, float: {int, float}}.get(kind, SCALARS)
+
+    for key, value in recipe.items():
+        if not isinstance(key, str):
+            raise ValueError(f"--config {path}: key {key!r} is not a field name; quote it")
+        if key not in fields or value is None or isinstance(value, str):
+            continue  # an unknown name is argparse's to refuse, with its usage
+        got = type(value)
+        if got not in accepts(fields[key]):
+            kinds = accepts(fields[key])
+            names = "one value" if kinds == SCALARS else " or ".join(sorted(t.__name__ for t in kinds))
+            raise ValueError(f"--config {path}: field {key!r} must be {names}, got {got.__name__} {value!r}")
 
 
 RENAMED = {"model": "model_name_or_path", "dataset": "dataset_name"}  # the old names: TRL's now
@@ -266,6 +311,20 @@ def autocast_of(sft_args) -> str | None:
     takes ``ACCELERATE_MIXED_PRECISION`` when neither is set."""
     mixed = getattr(sft_args, "mixed_precision", "no")
     return mixed if mixed in ("bf16", "fp16") else None
+
+
+def check_values(sft_args) -> None:
+    """Values that torch or the Trainer would refuse only once the model has loaded, with a traceback
+    (no file is read: `metachunk run` checks them before its first stage)."""
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(sft_args, name) < 1:  # else torch's sampler or the Trainer fails once the model has loaded
+            raise ValueError(f"field {name!r} must be >= 1, got {getattr(sft_args, name)}")
+    check_number(sft_args, "learning_rate", low=0.0)  # AdamW refuses NaN and negatives, after the load
+    check_number(sft_args, "num_train_epochs", low=0.0)
+    if sft_args.max_steps <= 0 and sft_args.num_train_epochs == 0:
+        raise ValueError(
+            "fields 'max_steps' and 'num_train_epochs': both say no step; nothing would be trained"
+        )
 
 
 def check(model_args: ModelDataArguments, sft_args) -> None:
