@@ -201,10 +201,7 @@ def child(args: argparse.Namespace) -> None:
     # Jinja template), so that the baseline holds the fixed costs and the delta is the build's own.
     import datasets  # noqa: F401
     import datasketch  # noqa: F401
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
+    import matplotlib.figure  # noqa: F401
     import metachunk.distill.card
     import metachunk.distill.corpus  # noqa: F401
     import pyarrow.parquet  # noqa: F401

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from metachunk.artifacts import write_figure, write_json
+from metachunk.artifacts import new_figure, write_figure, write_json
 
 
 def logged(out: Path, key: str) -> dict[int, float]:
@@ -98,12 +98,7 @@ def kill_after_checkpoint(cmd: list[str], out: Path, step: int, log: Path, timeo
 
 
 def plot(reference: dict[int, float], resumed: dict[int, float], resumed_at: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
     ax.plot(list(reference), list(reference.values()), label="uninterrupted", lw=2, alpha=0.6)
     ax.plot(list(resumed), list(resumed.values()), "o", ms=3, label="killed, then resumed")
     ax.axvline(resumed_at, color="grey", ls="--", lw=1, label=f"kill -9, resumed at step {resumed_at}")

@@ -349,8 +349,7 @@ class ChunkStudents:
         estimate = self.chunks_seen
         if self.expected_docs and self.docs_seen:  # chunks per document so far x documents in all
             estimate = max(estimate, round(self.chunks_seen / self.docs_seen * self.expected_docs))
-        self.bar.total = estimate * len(self.students)
-        self.bar.refresh()
+        self.bar.total = estimate * len(self.students)  # shown at the bar's next timed redraw
         fields = [{} for _ in chunks]
         if not chunks:
             return [[] for _ in docs]

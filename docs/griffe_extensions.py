@@ -44,12 +44,14 @@ class OptionFields(griffe.Extension):
         self, *, node: ast.AST | griffe.ObjectNode, attr: griffe.Attribute, **kwargs
     ) -> None:
         call = getattr(node, "value", None)
-        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+        if not isinstance(call, ast.Call):
             return
-        if call.func.id not in FIELD_MAKERS or len(call.args) < 2:
+        # option(...) or config.option(...), as the module imports it
+        maker = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+        if maker not in FIELD_MAKERS or len(call.args) < 2:
             return
         default, help_node = call.args[0], call.args[1]
-        attr.value = ast.unparse(default) + ("()" if call.func.id == "block" else "")
+        attr.value = ast.unparse(default) + ("()" if maker == "block" else "")
         try:
             text = ast.literal_eval(help_node)
         except ValueError:  # a help built at import time: left without text

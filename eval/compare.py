@@ -52,8 +52,8 @@ class CompareConfig:
     metrics: list[str] | None = option(
         None,
         "metrics to show and plot (default: every metric any run reports in the table, and plots of the "
-        "measured ones: those with per-item values, the retrieval, boundary, stickiness and generation "
-        "families, and avg_chunk_chars; not the counts and settings)",
+        "measured ones: those with per-item values, the retrieval (reranked too), boundary, stickiness and "
+        "generation families, and avg_chunk_chars; not the counts and settings)",
     )
     length_tolerance: float = option(
         0.1, "max relative spread of avg_chunk_chars, (longest - shortest) / shortest, before refusing"
@@ -370,6 +370,7 @@ def plot_metrics(table: dict[str, dict[str, float | None]], prefix: Path,
 # Metric families drawn together, one grouped bar chart each (the metrics of a family share a scale).
 FAMILIES = {
     "retrieval": r"^(hits|mrr|map|dcg)@\d+$",
+    "reranked_retrieval": r"^reranked_(hits|mrr|map|dcg)@\d+$",
     "boundary_clarity": r"^bc_",
     "chunk_stickiness": r"^cs_",
     "generation": r"^(bleu|rouge|bertscore|f1)",

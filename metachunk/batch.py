@@ -358,6 +358,21 @@ def export(teachers: dict[str, Teacher], path, room: float | None = None) -> tup
 FAILURES_SHOWN = 5
 
 
+def failure_reason(item: dict, response: dict, body) -> str:
+    """Why a results line holds no answer, in one phrase. The message is where the format puts it:
+    OpenAI's error file has ``"response": null`` and ``"error": {"code", "message"}``
+    (https://platform.openai.com/docs/guides/batch), ``vllm run-batch`` a top-level ``"error"``
+    string, and a failed request's body an ``"error"`` object."""
+    status = response.get("status_code")
+    why = ("no response" if not response else f"status {status!r}") if status != 200 else (
+        "status 200, but not a chat completion")  # fmt: skip
+    for error in (item.get("error"), body.get("error") if isinstance(body, dict) else None):
+        message = error.get("message") or error.get("code") if isinstance(error, dict) else error
+        if message:
+            return f"{why}: {redact(str(message))[:200]}"
+    return why
+
+
 def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> dict:
     """Store the answers of a results file (``vllm run-batch`` or a provider's output file). A result
     that is not an answer (an error status, a body that is not a chat completion) is counted as
@@ -417,12 +432,7 @@ def import_results(store: AnswerStore, teachers: dict[str, Teacher], path) -> di
                     continue
             counts["failed"] += 1
             if len(counts["failures"]) < FAILURES_SHOWN:
-                status = response.get("status_code")
-                why = f"status {status!r}" if status != 200 else "status 200, but not a chat completion"
-                error = body.get("error") if isinstance(body, dict) else None
-                if isinstance(error, dict) and error.get("message"):
-                    why += f": {redact(str(error['message']))[:200]}"
-                counts["failures"].append(f"line {number}: {why}")
+                counts["failures"].append(f"line {number}: {failure_reason(item, response, body)}")
     for answer in answers:
         store.put(answer)
     return counts

@@ -226,11 +226,10 @@ def check_keys(data, path: Path, where: str = "") -> None:
 
 
 def read_yaml_mapping(path: Path, what: str = "config file") -> dict:
-    """The YAML mapping in ``path`` (empty: ``{}``), its keys checked (`check_keys`); anything else is
-    an `InputError` naming the file, and the line where YAML says one: missing, a folder, not
-    UTF-8, invalid YAML, not a mapping. ``what`` names the file in those errors."""
+    """The YAML mapping in ``path`` (`yaml_mapping`); a file that is missing, a folder or not UTF-8
+    is an `InputError` naming it. ``what`` names the file in those errors."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(path, f"{what} not found") from None
     except IsADirectoryError:
@@ -239,6 +238,14 @@ def read_yaml_mapping(path: Path, what: str = "config file") -> dict:
         raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise InputError(path, f"cannot read it ({e.strerror or e})") from None
+    return yaml_mapping(text, path, what)
+
+
+def yaml_mapping(text: str, path: Path, what: str = "config file") -> dict:
+    """The YAML mapping ``text`` (empty: ``{}``), read from ``path``, its keys checked (`check_keys`);
+    invalid YAML (with its line) or anything but a mapping is an `InputError` naming the file."""
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet

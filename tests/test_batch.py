@@ -308,12 +308,14 @@ def test_an_imported_result_that_is_no_answer_is_said_with_its_line(tmp_path, ca
     lines = [json.loads(x) for x in results.read_text().splitlines()]
     lines[1]["response"] = {"status_code": 500, "body": {"error": {"message": "the model crashed"}}}
     lines[3]["response"]["body"]["choices"] = []
+    lines[4] |= {"response": None, "error": {"code": "batch_expired", "message": "not run in time"}}  # OpenAI's
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     capsys.readouterr()
     assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results),
                  "--export-batch", str(tmp_path / "round2.jsonl")]) == 0  # fmt: skip
     err = capsys.readouterr().err
-    assert "4 answers stored, 2 failed" in err
+    assert "3 answers stored, 3 failed" in err
+    assert "results.jsonl: line 5: no response: not run in time" in err  # an error file's line
     assert "results.jsonl: line 2: status 500: the model crashed" in err
     assert "results.jsonl: line 4: status 200, but not a chat completion" in err
 

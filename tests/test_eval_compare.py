@@ -27,7 +27,13 @@ def _runs(tmp_path, lengths):
             out,
             "qa",
             {"chunks": f"c{i}.jsonl"},
-            {"hits@8": 0.5 + i / 10, "mrr@8": 0.25, "avg_chunk_chars": length, "n_questions": 30},
+            {
+                "hits@8": 0.5 + i / 10,
+                "mrr@8": 0.25,
+                "avg_chunk_chars": length,
+                "n_questions": 30,
+                "reranked_hits@8": 0.7,
+            },
         )
         dirs.append(out)
     return dirs
@@ -36,7 +42,13 @@ def _runs(tmp_path, lengths):
 def test_report_round_trip(tmp_path):
     (run_dir,) = _runs(tmp_path, [500.0])
     doc = read_run(run_dir)
-    assert doc["metrics"] == {"hits@8": 0.5, "mrr@8": 0.25, "avg_chunk_chars": 500.0, "n_questions": 30}
+    assert doc["metrics"] == {
+        "hits@8": 0.5,
+        "mrr@8": 0.25,
+        "avg_chunk_chars": 500.0,
+        "n_questions": 30,
+        "reranked_hits@8": 0.7,
+    }
     assert "| hits@8 | 0.5000 |" in (run_dir / "report.md").read_text()
 
 
@@ -50,7 +62,13 @@ def test_side_by_side_table_and_one_png_per_metric(tmp_path):
     for name in ("hits@8", "mrr@8", "avg_chunk_chars", "family_retrieval"):
         assert (tmp_path / "cmp" / f"report_{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert "| n_questions | 30 | 30 |" in text  # a count is in the table, not drawn
-    assert set(result["plots"]) == {"hits@8", "mrr@8", "avg_chunk_chars", "family:retrieval"}
+    assert set(result["plots"]) == {
+        "hits@8",
+        "mrr@8",
+        "avg_chunk_chars",
+        "family:retrieval",
+        "reranked_hits@8",
+    }
     assert json.loads(out.with_suffix(".json").read_text())["metrics"] == result["metrics"]
 
 

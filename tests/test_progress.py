@@ -70,3 +70,24 @@ def test_tqdms_environment_still_decides():
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TQDM_DISABLE": "1"},
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert run.stderr == ""
+
+
+def test_off_a_terminal_two_open_bars_write_no_cursor_codes_and_a_long_line_is_whole(stderr, monkeypatch):
+    log = stderr(io.StringIO())
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    tail = "0.9 req/s, 12 cached, 0 fallbacks, $0.1234" + ", and more" * 10
+    with bar(total=3, desc="students") as first, bar(total=2, desc="chunk lumber") as second:  # tqdm's pos 1
+        first.update(1)
+        second.set_postfix_str(tail, refresh=False)
+        second.update(2)
+    text = log.getvalue()
+    assert "\x1b" not in text and "\r" not in text
+    assert any(line.endswith(tail + "]") for line in text.splitlines())  # not cut to a width
+
+
+def test_a_notebook_keeps_tqdms_own_bar(stderr, monkeypatch):
+    out = stderr(io.StringIO())  # a notebook's stream says it is no terminal
+    monkeypatch.setitem(sys.modules, "ipykernel", object())
+    with bar(total=2, desc="x", mininterval=0) as b:
+        b.update(2)
+    assert out.getvalue().startswith("\rx:")
