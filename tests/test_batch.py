@@ -308,7 +308,10 @@ def test_an_imported_result_that_is_no_answer_is_said_with_its_line(tmp_path, ca
     lines = [json.loads(x) for x in results.read_text().splitlines()]
     lines[1]["response"] = {"status_code": 500, "body": {"error": {"message": "the model crashed"}}}
     lines[3]["response"]["body"]["choices"] = []
-    lines[4] |= {"response": None, "error": {"code": "batch_expired", "message": "not run in time"}}  # OpenAI's
+    lines[4] |= {
+        "response": None,
+        "error": {"code": "batch_expired", "message": "not run in time"},
+    }  # OpenAI's
     results.write_text("".join(json.dumps(x) + "\n" for x in lines))
     capsys.readouterr()
     assert main(["distill", "rewrite", "--config", str(recipe), "--import-batch", str(results),
