@@ -3,7 +3,8 @@
 Every bar in the package comes from `bar`. On a terminal it is tqdm's own bar, redrawn in place.
 Written to a file or a pipe (a Slurm log, ``2> run.log``, ``| tee``), tqdm's in-place redraws would
 leave one line thousands of ``\\r``-joined fragments long; there the same bar prints one whole line
-every 30 seconds and one at the end, which reads in ``less`` and ``grep``. A notebook keeps
+every 30 seconds and one at the end, which reads in ``less`` and ``grep``; work done within
+30 seconds prints none. A notebook keeps
 tqdm's own bar. ``TQDM_MININTERVAL=5`` gives a line every 5 seconds, ``TQDM_DISABLE=1`` no bar;
 tqdm's other variables apply on a terminal (https://tqdm.github.io/docs/tqdm/: "TQDM_*
 environment variables override defaults"), not to the log lines' width or glyphs.
@@ -75,6 +76,8 @@ def bar(iterable=None, *, total: float | None = None, desc: str = "", unit: str 
         options["mininterval"] = env_seconds("TQDM_MININTERVAL", LOG_INTERVAL_S)
         # tqdm's monitor redraws a bar idle for `maxinterval` (10 s): not more often than the above
         options["maxinterval"] = max(options["mininterval"], env_seconds("TQDM_MAXINTERVAL", 10))
+        # work shorter than that prints no line (a command's own summary says how it went)
+        options.setdefault("delay", options["mininterval"])
         options.pop("dynamic_ncols", None)
     if not enabled:  # else tqdm's default, which TQDM_DISABLE overrides
         options["disable"] = True

@@ -359,9 +359,7 @@ def test_kill_9_then_rerun_skips_done_shards_and_ends_byte_identical(tmp_path, e
     resumed = subprocess.run([*argv, "-o", str(out)], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming: {n_done} of 16 shards done" in resumed.stderr
-    # stderr is a pipe: the bar is whole lines, not a terminal's redraws
-    assert "\r" not in resumed.stderr
-    assert any(line.startswith("chunk ppl:") for line in resumed.stderr.splitlines())
+    assert "\r" not in resumed.stderr  # stderr is a pipe: a bar there is whole lines, not redraws
     runs = read_run_log(out)  # the killed attempt finished nothing, so wrote no line
     assert len(runs) == 1 and runs[0]["shards_skipped"] == n_done
     assert runs[0]["documents_chunked"] == 480 - 30 * n_done  # only the shards not done: 30 documents each

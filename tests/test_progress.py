@@ -41,13 +41,19 @@ def test_off_a_terminal_each_shown_state_is_one_whole_line(stderr, monkeypatch):
     assert "3/3" in lines[-1]
 
 
-def test_off_a_terminal_lines_come_at_most_every_interval(stderr):
+def test_off_a_terminal_lines_come_at_most_every_interval(stderr, monkeypatch):
     log = stderr(io.StringIO())
     with bar(total=1000, desc="check", unit="doc") as b:  # 30 s between lines by default
         for _ in range(1000):
             b.update(1)
+    assert log.getvalue() == ""  # done within the interval: no line at all
+    clock = iter(range(0, 10**6, 31))  # tqdm's clock, 31 s on at each reading
+    monkeypatch.setattr("tqdm.std.time", lambda: float(next(clock)))
+    with bar(total=1000, desc="check", unit="doc") as b:
+        for _ in range(3):
+            b.update(1)
     lines = log.getvalue().splitlines()
-    assert len(lines) == 2 and "0/1000" in lines[0] and "1000/1000" in lines[1]
+    assert lines and all(line.startswith("check:") for line in lines)
 
 
 def test_on_a_terminal_it_is_tqdms_own_redrawn_bar(stderr):
