@@ -274,7 +274,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     )
     summary = manifest.get("summary", {})
     print(
-        f"{cfg.output}: {plan.shards} shards, {state}; this run chunked {todo_docs} documents "
+        f"{cfg.output}: {plan.shards} shards, {state}; this run{who} chunked {todo_docs} documents "
         f"({run['shards_skipped']} shards skipped) in {run['seconds']:.1f}s"
         + (f"; {summary['documents']} documents, {summary['chunks']} chunks, mean "
            f"{summary['mean_chunk_chars']} chars/chunk" if summary else ""),

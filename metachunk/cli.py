@@ -215,8 +215,11 @@ def parse(argv: list[str]):
         command = find(("train",))
         try:
             return command, command.load().parse_config(argv[1:])
-        except ValueError as e:
-            raise InputError("train", f"invalid config: {e}") from None
+        except ValueError as e:  # named as other commands name theirs: by the recipe file, when there is one
+            recipe = argv[argv.index("--config") + 1] if "--config" in argv[1:-1] else None
+            if recipe is None:
+                raise InputError("train", f"invalid config: {e}") from None
+            raise InputError(recipe, str(e).removeprefix(f"--config {recipe}: ")) from None
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # said by the command's own parser, with its usage and the flag a typo is nearest to
         import difflib

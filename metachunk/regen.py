@@ -500,9 +500,6 @@ class Runner:
             return error
         if Path(error.path) == path:
             return InputError(self.recipe.path, f"stage {stage.name!r}, config: {error.reason}")
-        if str(error.path) == "train":  # train's parser (TRL's) says "invalid config: [--config FILE: ]..."
-            reason = error.reason.removeprefix("invalid config: ").replace(f"--config {path}: ", "")
-            return InputError(self.recipe.path, f"stage {stage.name!r}, config: {reason}")
         return error
 
     def _write_stage_config(self, stage: Stage, suffix: str = ".yaml") -> Path:
