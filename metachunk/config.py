@@ -226,8 +226,13 @@ def check_keys(data, path: Path, where: str = "") -> None:
 
 
 def read_yaml_mapping(path: Path, what: str = "config file") -> dict:
-    """The YAML mapping in ``path`` (`yaml_mapping`); a file that is missing, a folder or not UTF-8
-    is an `InputError` naming it. ``what`` names the file in those errors."""
+    """The YAML mapping in ``path`` (`read_text_file`, `yaml_mapping`)."""
+    return yaml_mapping(read_text_file(path, what), path, what)
+
+
+def read_text_file(path: Path, what: str = "config file") -> str:
+    """The UTF-8 text of ``path``; a file that is missing, a folder, unreadable or not UTF-8 is an
+    `InputError` naming it. ``what`` names the file in those errors."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -238,7 +243,7 @@ def read_yaml_mapping(path: Path, what: str = "config file") -> dict:
         raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise InputError(path, f"cannot read it ({e.strerror or e})") from None
-    return yaml_mapping(text, path, what)
+    return text
 
 
 def yaml_mapping(text: str, path: Path, what: str = "config file") -> dict:

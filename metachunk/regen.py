@@ -130,10 +130,7 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
     path = shipped.resolve(path)
     if not path.is_file():
         raise InputError(path, "no such recipe (nor a shipped one of that name: `metachunk recipes list`)")
-    try:  # the text kept (its sha256 is the recipe's) is the text parsed: read once
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(path, f"not UTF-8 text (byte {e.start})") from None
+    text = config.read_text_file(path, "regeneration recipe")  # kept as read: its sha256 is the recipe's
     raw = config.yaml_mapping(text, path, "regeneration recipe")
     if not isinstance(raw.get("stages"), list) or not raw["stages"]:
         raise InputError(path, "a regeneration recipe needs 'stages:', a list of {name, run, config}")
