@@ -48,7 +48,7 @@ Tokenizer: the ``smollm2`` preset (a local dir). The real student is Qwen2.5-3B,
 is not available offline. SmolLM2's byte-level BPE has few Chinese tokens (~2.5 tokens per
 character on this text; Qwen2.5's vocabulary holds the common hanzi as single tokens, so about one
 per character or fewer, not measured here), so its chat template sees more tokens than the real one
-would (~2,950 prompt + ~840 completion tokens per row), and ``--max-tokens`` defaults to 8192 here
+would (~2,950 prompt + ~840 completion tokens per row), and ``--max-length`` defaults to 8192 here
 (4096 in build-sft) so that no row is dropped as too long; rows/s is pessimistic for the
 tokenizer part.
 
@@ -239,7 +239,7 @@ def child(args: argparse.Namespace) -> None:
         test_documents=tmp / "test_documents.jsonl",
         cards_dir=tmp / "cards",
         tokenizer=args.tokenizer,
-        max_tokens=args.max_tokens,
+        max_length=args.max_length,
     )
     t0 = time.perf_counter()
     stats = build_sft(cfg, progress=False)
@@ -294,8 +294,8 @@ def run_child(args: argparse.Namespace, n_records: int, tmp: Path) -> dict:
         str(tmp),
         "--tokenizer",
         args.tokenizer,
-        "--max-tokens",
-        str(args.max_tokens),
+        "--max-length",
+        str(args.max_length),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     t0 = time.perf_counter()
@@ -319,7 +319,7 @@ def build_dataset(out: Path, n: int, args) -> int:
         write_inputs(tmp, n, args.seed)
         cfg = BuildSftConfig(task="rewrite", distilled=tmp / "rewrite.jsonl", out=out, documents=tmp / "documents.jsonl",
                              test_documents=tmp / "test_documents.jsonl", cards_dir=tmp / "cards",
-                             tokenizer=args.tokenizer, max_tokens=args.max_tokens)  # fmt: skip
+                             tokenizer=args.tokenizer, max_length=args.max_length)  # fmt: skip
         stats = build_sft(cfg, progress=False)
     print(f"sft_build: {n} records -> {out} ({json.dumps(stats.get('rows', {}))} rows)")
     return 0
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer", default="smollm2", help="student tokenizer, preset or dir (default smollm2)"
     )
     ap.add_argument(
-        "--max-tokens", type=int, default=8192, help="build-sft --max-tokens (default 8192, see above)"
+        "--max-length", type=int, default=8192, help="build-sft --max-length (default 8192, see above)"
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs")
     ap.add_argument(
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(sizes) < 2:
         ap.error("--sizes needs at least two sizes")
     print(
-        f"build-sft rewrite on synthetic zh records; tokenizer={args.tokenizer} max_tokens={args.max_tokens} "
+        f"build-sft rewrite on synthetic zh records; tokenizer={args.tokenizer} max_length={args.max_length} "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} (one fresh process per size)",
         flush=True,
     )
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "sft_build",
         "tokenizer": args.tokenizer,
-        "max_tokens": args.max_tokens,
+        "max_length": args.max_length,
         "seed": args.seed,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "platform": platform.platform(),

@@ -27,7 +27,7 @@ missing, at any depth:
  "filters": {"failed_or_empty": int, "refusal_or_off_format": int, "too_long": int,
              "exact_duplicate": int, "near_duplicate": int, "lost_content": int,
              "contaminated": int},            # rows removed by each filter
- "token_lengths": {"tokenizer": str, "max_tokens": int,
+ "token_lengths": {"tokenizer": str, "max_length": int,
                    "prompt": {"min", "mean", "p50", "p95", "max"},
                    "completion": {"min", "mean", "p50", "p95", "max"},
                    "histogram": "token_lengths.png"},   # relative to the dataset dir
@@ -73,7 +73,7 @@ _SIZE_BUCKETS = [
 FILTERS = {
     "failed_or_empty": "the teacher call failed, or the answer was empty",
     "refusal_or_off_format": "the answer was a refusal or did not follow the requested format",
-    "too_long": "over the token limit (`max_tokens`)",
+    "too_long": "over the token limit (`max_length`)",
     "exact_duplicate": "exact duplicate of another row",
     "near_duplicate": "near-duplicate of another row",
     "lost_content": "the completion lost content of the original chunk",
@@ -165,11 +165,11 @@ def length_stats(values: Sequence[int]) -> dict:
 
 
 def token_lengths_entry(
-    tokenizer: str, max_tokens: int, prompts: Sequence[int], completions: Sequence[int]
+    tokenizer: str, max_length: int, prompts: Sequence[int], completions: Sequence[int]
 ) -> dict:
     return {
         "tokenizer": tokenizer,
-        "max_tokens": max_tokens,
+        "max_length": max_length,
         "prompt": length_stats(prompts),
         "completion": length_stats(completions),
         "histogram": "token_lengths.png",
@@ -382,7 +382,7 @@ def _token_lengths(stats: dict) -> str:
             "## Token length statistics",
             "",
             f"Tokenizer: {'`' + lengths['tokenizer'] + '`' if lengths.get('tokenizer') else NOT_MEASURED}. "
-            f"Token limit (`max_tokens`): {_num(lengths.get('max_tokens'))}.",
+            f"Token limit (`max_length`): {_num(lengths.get('max_length', lengths.get('max_tokens')))}.",  # or a report's old key
             "",
             markdown.table([""] + keys, [row("prompt"), row("completion")]),
             "",
@@ -487,10 +487,10 @@ def plot_token_lengths(
     prompt_lengths: Sequence[int],
     completion_lengths: Sequence[int],
     tokenizer: str,
-    max_tokens: int | None = None,
+    max_length: int | None = None,
 ) -> Path:
     """Write ``path`` (PNG): histograms of prompt and completion token counts, side by side, with a
-    dashed line at ``max_tokens`` when given. Written to a temp file, then renamed into place."""
+    dashed line at ``max_length`` when given. Written to a temp file, then renamed into place."""
     from metachunk.artifacts import new_figure
 
     path = Path(path)
@@ -504,8 +504,8 @@ def plot_token_lengths(
             ax.hist(lengths, bins=min(50, max(5, len(set(lengths)))), color=color, alpha=0.85)
         else:
             ax.text(0.5, 0.5, "no rows", ha="center", va="center", transform=ax.transAxes)
-        if max_tokens is not None:
-            ax.axvline(max_tokens, color="tab:red", ls="--", lw=1, label=f"max_tokens = {max_tokens}")
+        if max_length is not None:
+            ax.axvline(max_length, color="tab:red", ls="--", lw=1, label=f"max_length = {max_length}")
             ax.legend(loc="upper right", fontsize=7)
         ax.set_xlabel(f"{name} tokens ({tokenizer})")
         ax.set_ylabel("rows")

@@ -18,7 +18,7 @@ Filters run in this order; a row is counted by the first one that drops it:
 2. ``contaminated``: the document is a test document or a near-duplicate of one (MinHash).
 3. ``exact_duplicate`` / ``near_duplicate``: the same text and target again, or a text that is
    a near-duplicate of one already kept (the chunk; MoC: the sample), within one dataset.
-4. ``too_long``: prompt + completion over ``max_tokens`` in the student's chat template.
+4. ``too_long``: prompt + completion over ``max_length`` in the student's chat template.
 
 Records stream through: only the documents, the near-duplicate index and the token lengths are
 held in memory, never the model outputs. Rows go to parquet shards as they pass.
@@ -75,9 +75,13 @@ class BuildSftConfig:
         Path("data_cards"), "where the card is written as NAME.md (also copied to OUT/README.md)"
     )
     tokenizer: str = option(
-        "smollm2", "the student's tokenizer (preset or local dir), for --max-tokens and the stats"
+        "smollm2", "the student's tokenizer (preset or local dir), for --max-length and the stats"
     )
-    max_tokens: int = option(4096, "drop rows whose prompt + completion exceed this many student tokens")
+    max_length: int = option(
+        4096,
+        "drop rows whose prompt + completion exceed this many student tokens (TRL's SFTConfig name;"
+        " TRL would cut such a row, dropping it here keeps every completion whole)",
+    )
     min_overlap: float = option(
         0.8, "rewrite: share of the chunk's words / character bigrams the rewrite must keep"
     )
@@ -97,6 +101,9 @@ class BuildSftConfig:
     )
     bad_rows: BadRows = config.block(BadRows, "what a bad distilled record or document row does", prefix="")
 
+    # Refused, naming TRL's name for the same limit (the student's SFTConfig.max_length).
+    RENAMED = {"max_tokens": "max_length"}
+
     def __post_init__(self):
         config.check_choices(self)
         for name in ("task", "distilled", "out"):
@@ -109,7 +116,7 @@ class BuildSftConfig:
         if not 0 < self.near_dup_threshold <= 1:
             raise ValueError(f"'near_dup_threshold' must be in (0, 1], got {self.near_dup_threshold}")
         config.check_number(self, "min_overlap", low=0.0, high=1.0)  # NaN passed every filter test, silently
-        for name in ("max_tokens", "max_context_chars"):
+        for name in ("max_length", "max_context_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"field {name!r} must be >= 1, got {getattr(self, name)}")
         if self.name is None:
@@ -353,7 +360,7 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                     )
                     full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)
                     n_prompt, n_full = len(_ids(prompt_ids)), len(_ids(full_ids))
-                    if n_full > cfg.max_tokens:
+                    if n_full > cfg.max_length:
                         target.dropped["too_long"] += 1
                         continue
                     target.prompt_lengths.append(n_prompt)
@@ -438,7 +445,7 @@ def _finish(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs, seconds:
         target.prompt_lengths,
         target.completion_lengths,
         cfg.tokenizer,
-        cfg.max_tokens,
+        cfg.max_length,
     )
     stats = _card_stats(cfg, maker, target, inputs)
     write_json(target.staging / "build_report.json", stats)
@@ -479,7 +486,7 @@ def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs) -> d
         "prompts": prompt_entries(maker.students(langs), inputs.teacher_prompts),
         "filters": filters,
         "token_lengths": token_lengths_entry(
-            cfg.tokenizer, cfg.max_tokens, target.prompt_lengths, target.completion_lengths
+            cfg.tokenizer, cfg.max_length, target.prompt_lengths, target.completion_lengths
         ),
         "leakage": {
             "method": LEAKAGE_METHOD,

@@ -98,7 +98,7 @@ def full_stats() -> dict:
         },
         "token_lengths": {
             "tokenizer": "HuggingFaceTB/SmolLM2-135M-Instruct",
-            "max_tokens": 96,
+            "max_length": 96,
             "prompt": {"min": 40, "mean": 61.6, "p50": 61, "p95": 79.0, "max": 80},
             "completion": {"min": 9, "mean": 17.6, "p50": 14, "p95": 30.4, "max": 33},
             "histogram": "token_lengths.png",
@@ -187,6 +187,7 @@ def test_card_round_trip_loads_with_datasets(dataset_dir, tmp_path):
         "- Seed: 1234",
         "| prompt tokens | 40 | 61.6 | 61 | 79.0 | 80 |",
         "| completion tokens | 9 | 17.6 | 14 | 30.4 | 33 |",
+        "Token limit (`max_length`): 96.",
         "| reflection | SmolLM2-135M-Instruct |",
         "![Prompt and completion token lengths](token_lengths.png)",
         "- Only one novel (Emma) is represented.",
@@ -233,7 +234,7 @@ def test_missing_stats_say_not_measured():
         "- Input records: not measured",
         "Teacher models: not measured.",
         "Prompt templates: not measured.",
-        "| `too_long` | over the token limit (`max_tokens`) | not measured |",
+        "| `too_long` | over the token limit (`max_length`) | not measured |",
         "| prompt tokens | not measured | not measured | not measured | not measured | not measured |",
         "Histogram: not measured.",
         "- Contaminated rows: not measured",
@@ -244,6 +245,14 @@ def test_missing_stats_say_not_measured():
     assert "Demo-scale" not in text
     with pytest.raises(ValueError, match="'rows'"):
         render_dataset_card({"name": "x", "task": "rewrite"})
+
+
+def test_a_report_with_the_old_limit_key_still_shows_the_limit():
+    """build_report.json files written under build-sft's old field name, ``max_tokens``."""
+    lengths = {**full_stats()["token_lengths"]}
+    lengths["max_tokens"] = lengths.pop("max_length")
+    text = render_dataset_card({**full_stats(), "token_lengths": lengths})
+    assert "Token limit (`max_length`): 96." in text
 
 
 def test_counts_that_do_not_add_up_are_reported_not_fixed(tmp_path):

@@ -408,7 +408,7 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     )
     (tmp_path / "test.jsonl").write_text(json.dumps({"id": "t", "text": docs["held"]}) + "\n")
     common = dict(distilled=tmp_path / "moc.jsonl", documents=tmp_path / "docs.jsonl", test_documents=tmp_path / "test.jsonl",
-                  cards_dir=tmp_path / "cards", tokenizer=str(tiny_model_dir), max_tokens=1500)  # fmt: skip
+                  cards_dir=tmp_path / "cards", tokenizer=str(tiny_model_dir), max_length=1500)  # fmt: skip
     expert = build_sft(BuildSftConfig(task="moc-expert", out=tmp_path / "ex", **common), progress=False)
     filters = Counter()
     for stats in expert["datasets"].values():

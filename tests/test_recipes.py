@@ -239,6 +239,24 @@ def test_the_old_train_field_names_say_the_new_ones(old, tmp_path, capsys):
         assert f"field '{old}' is now '{new}'" in capsys.readouterr().err
 
 
+def test_build_sft_says_trls_name_for_its_token_limit(tmp_path, capsys, monkeypatch):
+    from metachunk.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "old.yaml"
+    text = (ROOT / "recipes" / "data" / "build_sft_rewrite.yaml").read_text()
+    recipe.write_text(text.replace("max_length:", "max_tokens:"))
+    for argv, said in (
+        (["--config", str(recipe)], "field 'max_tokens' is now 'max_length'"),
+        (
+            ["rewrite", "--distilled", "d.jsonl", "--out", "o", "--max-tokens", "9"],
+            "--max-tokens is now --max-length",
+        ),
+    ):
+        assert main(["data", "build-sft", *argv]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_there_are_train_recipes():
     assert {p.stem for p in TRAIN_RECIPES} >= {
         "cpu_smoke", "rewriter_qwen2.5-3b", "summarizer_qwen2.5-3b", "moc_router_qwen2.5-1.5b", "moc_expert_qwen2.5-1.5b"

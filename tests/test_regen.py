@@ -64,7 +64,7 @@ def write_recipe(root: Path, pool: Path, tiny: Path, base_url: str, *, validatio
             {"name": "sft", "run": "data build-sft rewrite",
              "config": {"distilled": str(root / "distill" / "rewrite.jsonl"), "out": str(root / "sft"),
                         "documents": str(root / "sample" / "documents.jsonl"), "tokenizer": str(tiny),
-                        "cards_dir": str(root / "cards"), "max_tokens": 100_000,
+                        "cards_dir": str(root / "cards"), "max_length": 100_000,
                         "validation_fraction": validation}},
         ],
     }  # fmt: skip

@@ -93,7 +93,7 @@ def test_validation_split_is_by_document_and_seeded():
 def test_every_filter_catches_its_planted_record(planted, tiny_model_dir):
     cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
                          documents=planted / "docs.jsonl", test_documents=planted / "test_docs.jsonl",
-                         cards_dir=planted / "cards", tokenizer=str(tiny_model_dir), max_tokens=2048,
+                         cards_dir=planted / "cards", tokenizer=str(tiny_model_dir), max_length=2048,
                          validation_fraction=0.25)  # fmt: skip
     stats = build_sft(cfg, progress=False)
     assert stats["filters"] == dict.fromkeys(FILTERS, 1)
@@ -122,7 +122,7 @@ def test_a_rebuild_of_the_same_records_writes_the_same_bytes(planted, tiny_model
     def build():
         cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
                              documents=planted / "docs.jsonl", cards_dir=planted / "cards",
-                             tokenizer=str(tiny_model_dir), max_tokens=2048)  # fmt: skip
+                             tokenizer=str(tiny_model_dir), max_length=2048)  # fmt: skip
         stats = build_sft(cfg, progress=False)
         assert stats["timing"]["seconds"] > 0  # the caller still gets the time
         return {p.relative_to(planted / "ds").as_posix(): p.read_bytes() for p in (planted / "ds").rglob("*")
@@ -139,7 +139,7 @@ def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):
 
     cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
                          documents=planted / "docs.jsonl", cards_dir=planted / "cards",
-                         tokenizer=str(tiny_model_dir), max_tokens=100_000)  # fmt: skip
+                         tokenizer=str(tiny_model_dir), max_length=100_000)  # fmt: skip
     build_sft(cfg, progress=False)
     row = load_dataset(str(planted / "ds"), split="train")[0]
     assert [m["role"] for m in row["prompt"]] == ["system", "user"]
@@ -183,7 +183,7 @@ def test_bad_records_are_skipped_on_request(planted, tiny_model_dir, capsys):
         (planted / name).mkdir()
         (planted / name / "rewrite.jsonl").write_text("".join(lines))
     args = ["--documents", planted / "docs.jsonl", "--cards-dir", planted / "cards", "--tokenizer", tiny_model_dir,
-            "--max-tokens", 2048, "--name", "same"]  # fmt: skip
+            "--max-length", 2048, "--name", "same"]  # fmt: skip
 
     def build(name, *extra):
         capsys.readouterr()
@@ -264,7 +264,7 @@ def test_documents_in_another_order_build_the_same_dataset(planted, tiny_model_d
     def build(documents):
         cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
                              documents=documents, cards_dir=planted / "cards", tokenizer=str(tiny_model_dir),
-                             max_tokens=2048)  # fmt: skip
+                             max_length=2048)  # fmt: skip
         build_sft(cfg, progress=False)
         return {p.relative_to(planted / "ds").as_posix(): p.read_bytes() for p in (planted / "ds").rglob("*")
                 if p.is_file() and p.parent.name == "data"}  # fmt: skip

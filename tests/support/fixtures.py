@@ -93,7 +93,7 @@ def sft_dataset(tmp_path_factory, tiny_model_dir) -> Path:
     out = planted / "ds"
     build_sft(
         BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=out, documents=planted / "docs.jsonl",
-                       cards_dir=planted / "cards", tokenizer=str(tiny_model_dir), max_tokens=100_000,
+                       cards_dir=planted / "cards", tokenizer=str(tiny_model_dir), max_length=100_000,
                        validation_fraction=0.25),
         progress=False,
     )  # fmt: skip
