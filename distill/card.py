@@ -114,15 +114,6 @@ PROMPT_INPUTS = {
 }
 
 
-def card_path(path: str | Path) -> str:
-    """A path as cards and build reports show it: relative to the working directory when it lies
-    under it, so a published card does not carry the builder's home directory."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
 LEAKAGE_METHOD = (
     "document id match, then MinHash LSH over character 5-gram shingles verified by exact Jaccard"
 )

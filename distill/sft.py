@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from metachunk.distill.card import LEAKAGE_METHOD, build_entry, card_path, prompt_entries, token_lengths_entry
+from metachunk.distill.card import LEAKAGE_METHOD, build_entry, prompt_entries, token_lengths_entry
 from metachunk.distill.sft_rows import ROW_MAKERS, Row
 
 from metachunk import config
 from metachunk.artifacts import InputError, read_json, replace_dir, write_json
 from metachunk.command import Reads, Result
 from metachunk.config import option
+from metachunk.markdown import shown_argument, shown_path
 from metachunk.sources import (
     BadRows,
     DocumentsFileError,
@@ -463,7 +464,7 @@ def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs) -> d
     total = sum(rows.values())
     filters = {name: target.dropped.get(name, 0) for name in maker.filters}
     documents_path = inputs.documents_path
-    command = f"metachunk data build-sft {cfg.task} --distilled {card_path(cfg.distilled)} --out {card_path(cfg.out)}"
+    command = f"metachunk data build-sft {cfg.task} --distilled {shown_path(cfg.distilled)} --out {shown_path(cfg.out)}"
     return {
         "name": target.name,
         "task": cfg.task,
@@ -477,16 +478,19 @@ def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs) -> d
         **maker.card_labels(target.key, target.labels),
         "source": {
             "corpus": Path(str(documents_path)).name,
-            "path": card_path(documents_path),
+            "path": shown_path(documents_path),
             "provenance": f"distilled records {Path(cfg.distilled).name} "
             f"({inputs.meta.get('command', maker.distill_command)}), "
-            f"documents {card_path(documents_path)}{maker.provenance_note}",
+            f"documents {shown_path(documents_path)}{maker.provenance_note}",
         },
-        "teachers": [{"stage": s, "model": ", ".join(sorted(m))} for s, m in sorted(inputs.teachers.items())],
+        "teachers": [
+            {"stage": s, "model": ", ".join(sorted(map(shown_argument, m)))}
+            for s, m in sorted(inputs.teachers.items())
+        ],  # a local server's model is its folder
         "prompts": prompt_entries(maker.students(langs), inputs.teacher_prompts),
         "filters": filters,
         "token_lengths": token_lengths_entry(
-            cfg.tokenizer, cfg.max_length, target.prompt_lengths, target.completion_lengths
+            shown_argument(cfg.tokenizer), cfg.max_length, target.prompt_lengths, target.completion_lengths
         ),
         "leakage": {
             "method": LEAKAGE_METHOD,

@@ -1,4 +1,4 @@
-"""Markdown for the cards and reports: tables and fenced blocks.
+"""Markdown for the cards and reports: tables, fenced blocks, and local paths as a card shows them.
 
 One table writer serves the dataset card, the model card and the eval reports; the cell rule is the
 caller's, because their outputs differ (and are compared byte for byte): the cards put every cell on one
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 
 def cell(value) -> str:
@@ -34,3 +35,28 @@ def fenced(text: str, lang: str = "text") -> str:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def shown_path(path) -> str:
+    """A local path as a card shows it. A card is a public document once pushed, and an absolute path
+    names a user's home, cache and folder layout while saying nothing to its readers: one under the
+    working directory is shown relative to it, any other only by its last part (``…/name``). A
+    relative path is shown as given (what the user typed)."""
+    p = Path(str(path))
+    if not p.is_absolute():
+        return str(p)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return f"…/{p.name}"
+
+
+def shown_argument(value):
+    """A command's word or a hyperparameter, an absolute path in it (``/home/…/recipe.yaml``,
+    ``--deepspeed=/…/zero3.json``) shown by `shown_path`; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    flag, eq, rest = value.partition("=")
+    if eq and flag.startswith("-") and rest.startswith("/"):
+        return f"{flag}={shown_path(rest)}"
+    return shown_path(value) if value.startswith("/") else value

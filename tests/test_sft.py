@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from metachunk.distill.sample import SampleConfig, choose_chunks, sample
@@ -131,6 +132,28 @@ def test_a_rebuild_of_the_same_records_writes_the_same_bytes(planted, tiny_model
     first = build()
     time.sleep(0.05)
     assert build() == first and "build_report.json" in first
+
+
+def test_a_published_set_names_no_local_folder(planted, tiny_model_dir, tmp_path, monkeypatch):
+    """The card and build_report.json are pushed: an absolute path (the documents, the distilled records,
+    a tokenizer folder) shows only its last part, one under the working directory only relative to it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
+                         documents=planted / "docs.jsonl", cards_dir=planted / "cards",
+                         tokenizer=str(tiny_model_dir), max_length=2048)  # fmt: skip
+    build_sft(cfg, progress=False)
+    for name in ("README.md", "build_report.json"):
+        text = (planted / "ds" / name).read_text(encoding="utf-8")
+        assert (
+            str(planted) not in text and str(tiny_model_dir) not in text and str(Path.home()) not in text
+        ), name
+        assert "…/rewrite.jsonl" in text and f"…/{tiny_model_dir.name}" in text, name
+
+    monkeypatch.chdir(planted)  # under the working directory: relative, as a user would type it
+    build_sft(cfg, progress=False)
+    assert "--distilled rewrite.jsonl --out ds" in (planted / "ds" / "README.md").read_text(encoding="utf-8")
 
 
 def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):

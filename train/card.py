@@ -86,27 +86,8 @@ def _flatten(obj, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), obj)]
 
 
-def shown_path(path) -> str:
-    """A local path as a card shows it: as given when relative (what the user typed), else only its
-    last part. A card is a public document once pushed: an absolute path names a user's home, cache
-    and folder layout, and says nothing to its readers."""
-    p = Path(str(path))
-    return str(p) if not p.is_absolute() else f"…/{p.name}"
-
-
-def _shown_argument(value):
-    """A command's word or a hyperparameter, an absolute path in it (``/home/…/recipe.yaml``,
-    ``--deepspeed=/…/zero3.json``) shown by `shown_path`; anything else as it is."""
-    if not isinstance(value, str):
-        return value
-    flag, eq, rest = value.partition("=")
-    if eq and flag.startswith("-") and rest.startswith("/"):
-        return f"{flag}={shown_path(rest)}"
-    return shown_path(value) if value.startswith("/") else value
-
-
 def _local(path) -> str:
-    return _code(None if path is None else shown_path(path))
+    return _code(None if path is None else markdown.shown_path(path))
 
 
 def _where(export_facts: dict) -> str:
@@ -262,14 +243,14 @@ def _recipe_section(run: Run) -> str:
     text = "## Training recipe\n\n"
     text += (
         "Arguments of `python -m metachunk.train` (= `metachunk train`; TRL SFTTrainer, loss on the completion tokens "
-        "only):\n\n" + markdown.fenced(shlex.join(map(_shown_argument, command)), "bash")
+        "only):\n\n" + markdown.fenced(shlex.join(map(markdown.shown_argument, command)), "bash")
         if command
         else f"Command: {NOT_RECORDED}."
     )
     if hyper is None:
         return text + f"\n\nHyperparameters: {NOT_RECORDED}."
     rows = [
-        [k, "none" if v is None else repr(v) if isinstance(v, float) else _value(_shown_argument(v))]
+        [k, "none" if v is None else repr(v) if isinstance(v, float) else _value(markdown.shown_argument(v))]
         for k, v in hyper.items()
     ]
     model_args = facts.get("model_args") or {}

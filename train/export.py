@@ -71,13 +71,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_card, shown_path
+from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_card
 from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
 from metachunk.artifacts import InputError, json_error, ordinary_mode, replace_dir
 from metachunk.command import Reads, Result
 from metachunk.config import option
+from metachunk.markdown import shown_path
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Pickle files the Trainer writes next to the weights; never read, never exported.
