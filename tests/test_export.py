@@ -388,6 +388,17 @@ def test_a_failed_push_is_retried_without_exporting_again(
     assert [t[1] for t in fake_hub.tags] == ["v1"]
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # nothing exported again
 
+    # upload_folder ignores only .git and .cache/huggingface: a file left in the folder would be published
+    (out / ".env").write_text("HF_TOKEN=hf_private\n")
+    (out / "notes").mkdir()
+    (out / "notes" / "todo.md").write_text("private\n")
+    commits = len(fake_hub.commits)
+    assert main(["export", "--out", str(out), "--push", REPO]) == 2
+    assert "holds 2 files no export writes (.env, notes/todo.md)" in capsys.readouterr().err
+    assert len(fake_hub.commits) == commits
+    (out / ".env").unlink()
+    shutil.rmtree(out / "notes")
+
     _export(tiny_model_dir, tmp_path / "local")  # a card for no repo: its usage lines name a local path
     assert main(["export", "--out", str(tmp_path / "local"), "--push", REPO]) == 2
     assert "its model card was written for another repo, or none" in capsys.readouterr().err

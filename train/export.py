@@ -43,7 +43,9 @@ The flow, top to bottom (`export`):
 5. **Push** (``--push ORG/NAME``): `metachunk.hub.push_folder` (shared with ``metachunk
    data push``) uploads exactly the exported files to a model repo, and deletes the files of an
    earlier export it no longer has (`MODEL_FILE_PATTERNS`); the token comes from ``HF_TOKEN`` only and
-   is never printed.
+   is never printed. Without ``--checkpoint`` the folder already at ``--out`` is pushed, and refused if
+   it holds a file no export writes (`EXPORT_FILE_PATTERNS`): `upload_folder` would send a ``.env`` or a
+   notebook left there along with the model.
 
 The card (``metachunk.train.card.render_model_card``) says only what the run recorded: `read_run` reads
 ``metachunk_run.json`` (``metachunk.train.sft.run_facts``: base model, dataset build report, hyperparameters,
@@ -62,6 +64,7 @@ copy DeepSpeed rounds from the fp32 masters; the shards hold the fp32 masters th
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import re
@@ -515,6 +518,11 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
         _check_push(cfg)
         model_config = _read_json(cfg.out / "config.json")
         files = sorted(p for p in cfg.out.rglob("*") if p.is_file())
+        strangers = [p.relative_to(cfg.out).as_posix() for p in files if not is_export_file(cfg.out, p)]
+        if strangers:
+            raise InputError(cfg.out, f"holds {len(strangers)} files no export writes ({', '.join(strangers[:5])}"
+                             f"{', ...' if len(strangers) > 5 else ''}): move them out, or export again "
+                             "with --checkpoint, before publishing it")  # fmt: skip
         result = ExportResult(cfg.out, "exported", len(files), sum(p.stat().st_size for p in files),
                               _safetensors_parameters(cfg.out),
                               str(model_config.get("dtype") or model_config.get("torch_dtype") or "unknown"))  # fmt: skip
@@ -618,6 +626,19 @@ def _push(cfg: ExportConfig, result: ExportResult, files: list[Path], say) -> Ex
 MODEL_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
                        "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
                        "added_tokens.json", "vocab.*", "merges.txt", "chat_template.jinja", "chat_template.json"]  # fmt: skip
+# What an export writes: the model's files, its card, its loss curve and its eval results.
+EXPORT_FILE_PATTERNS = [*MODEL_FILE_PATTERNS, "README.md", "loss.png", "eval_results.json"]
+
+
+def is_export_file(folder: Path, path: Path) -> bool:
+    """Whether ``path`` (in ``folder``) is a file an export writes: at the top, by its patterns."""
+    relative = path.relative_to(folder)
+    return (
+        len(relative.parts) == 1
+        and not relative.name.startswith(".")
+        and any(fnmatch.fnmatchcase(relative.name, pattern) for pattern in EXPORT_FILE_PATTERNS)
+    )
+
 
 # ---- `metachunk export` --------------------------------------------------------------------------
 
