@@ -85,6 +85,7 @@ from metachunk.artifacts import (
 )
 from metachunk.command import Registry, Result
 from metachunk.config import option
+from metachunk.markdown import shown_argument, shown_path
 from metachunk.named_data import MissingDataset, name_of
 from metachunk.redaction import redact
 from metachunk.sources import EXIT_SKIPPED, rows_left_out, skipped_exit, total_rejects
@@ -603,13 +604,13 @@ class Runner:
         what = {
             # The text as written, less any key or URL password in it (redaction.redact).
             "recipe": {
-                "path": str(self.recipe.path),
+                "path": shown_path(self.recipe.path),
                 "sha256": self.recipe.sha256,
                 "text": redact(self.recipe.text),
             },
             "metachunk": self.version,
             "prompts": dict(sorted(self.prompts.items())),
-            "stages": [{k: v for k, v in e.items() if k not in ("status", "seconds")} for e in report],
+            "stages": [_published(e) for e in report],
         }
         made = {"recipe": self.recipe.sha256,
                 "stages": [[e["name"], e["run"], e["fingerprint"], sorted(v for v in e["outputs"].values() if v)]
@@ -672,3 +673,17 @@ def run(cfg: RunConfig, registry: Registry) -> Result:
         return Result(result.get("exit", 0))
     left_out = total_rejects([stage.get("rejects") for stage in result["stages"]])
     return Result(skipped_exit(left_out), rejects=left_out)
+
+
+def _published(entry: dict) -> dict:
+    """A stage's report entry as the manifest records it: data push uploads the manifest, so a path
+    (an input, an output, a local model's folder) is shown as a card shows it (`markdown.shown_path`),
+    never with the user's home; this invocation's status and seconds are the manifest's ``run``."""
+    shown = {k: v for k, v in entry.items() if k not in ("status", "seconds")}
+    for key in ("inputs", "outputs"):
+        shown[key] = {shown_argument(path): digest for path, digest in entry[key].items()}
+    shown["models"] = {
+        shown_argument(name): {**facts, "name": shown_argument(facts["name"])}
+        for name, facts in entry["models"].items()
+    }
+    return shown

@@ -105,6 +105,17 @@ def test_stages_are_skipped_while_unchanged_and_a_change_reruns_only_downstream(
         assert manifest["stages"][1]["teachers"] == {"reflection": "loopback", "refinement": "loopback",
                                                      "completion": "loopback"}  # fmt: skip
         assert manifest["recipe"]["text"] == recipe.read_text() and manifest["metachunk"]["version"]
+        # data push uploads the manifest: its paths name no local folder (the recipe's text is the user's own)
+        recorded = json.dumps(
+            {k: v for k, v in manifest.items() if k != "recipe"} | {"path": manifest["recipe"]["path"]}
+        )
+        assert str(tmp_path) not in recorded and str(tiny_model_dir) not in recorded
+        assert (
+            manifest["recipe"]["path"] == "…/regen.yaml" and "…/pool.jsonl" in manifest["stages"][0]["inputs"]
+        )
+        assert (
+            manifest["stages"][0]["models"][f"…/{tiny_model_dir.name}"]["name"] == f"…/{tiny_model_dir.name}"
+        )
         first = sft_bytes(tmp_path)
         rows = json.loads((tmp_path / "sft" / "build_report.json").read_text())["rows"]
         assert rows == {"train": 6, "validation": 0}, rows  # every distilled row made it
