@@ -12,7 +12,7 @@ metachunk eval qa --chunks CHUNKS.jsonl --qa QA --embedder PRESET_OR_DIR --top-k
    documents and each chunk is judged relevant or not (`metachunk.eval.retrieval` states the rules).
 3. **Retrieval**: the ``top_k`` (or, with ``--rerank``, ``rerank_depth``) nearest chunks per
    question; Hits@k, MRR@k, MAP@k need no generator.
-4. **Re-ranking** (Appendix E): ``ppl`` or ``cross-encoder`` reorders the dense top ``rerank_depth``
+4. **Re-ranking** (Appendix E): ``ppl`` or ``cross-encoder`` reorders the retrieved top ``rerank_depth``
    (10); metrics are reported before (``hits@8``) and after (``reranked_hits@8``).
 5. **Generation** (optional): the final ``top_k`` passages and the question in the versioned prompt
    ``eval/prompts/rag_answer.{lang}.txt``, answered by an endpoint (cached in ``answers.sqlite``)
@@ -115,9 +115,9 @@ class QAConfig:
         "(with --rerank, up to rerank_depth), MRR and MAP at top_k (and at rerank_depth with --rerank)",
     )
     rerank: str = option(
-        "none", "re-rank the dense top rerank_depth", choices=["none", "ppl", "cross-encoder"]
+        "none", "re-rank the top rerank_depth hits of any retriever", choices=["none", "ppl", "cross-encoder"]
     )
-    rerank_depth: int = option(10, "how many dense results are re-ranked (Appendix E: 10)")
+    rerank_depth: int = option(10, "how many of the top hits are re-ranked (Appendix E: 10)")
     reranker: str | None = option(
         None,
         "ppl: causal LM preset or dir (default smollm2 for en, gemma3-270m for zh); cross-encoder: a "
@@ -268,7 +268,7 @@ def run(cfg: QAConfig) -> Result:
 def inputs(cfg: QAConfig) -> Reads:
     from metachunk.prompts import prompt_files
 
-    generates = bool(cfg.generator or cfg.generator_model or cfg.generator_teacher)
+    generates = cfg.generating
     models = [cfg.embedder if cfg.retriever != "bm25" else None, cfg.generator_model]
     if cfg.rerank != "none":
         models.append(cfg.reranker)
@@ -297,34 +297,123 @@ def outputs(cfg: QAConfig) -> list:
 
 
 def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
-    """The whole command; returns the metrics.json object. ``facts``, given, is filled with how the
-    run went: the line it appends to ``OUT/runs.jsonl``."""
-    from metachunk.eval.index import (
-        ChunkIndex,
-        Lexical,
-        check_lexical_lengths,
-        chunks_sha256,
-        collection_name,
-        embed,
-        index_key,
-        read_chunks,
-    )
-    from metachunk.eval.retrieval import (
-        NormalizedDoc,
-        aggregate,
-        cutoffs,
-        find_evidence,
-        load_questions,
-        relevant_chunks,
-    )
+    """The whole command, in its five steps (the module's docstring); returns the metrics.json object.
+    ``facts``, given, is filled with how the run went: the line it appends to ``OUT/runs.jsonl``."""
+    from metachunk.eval.retrieval import aggregate, cutoffs
 
     timings: dict[str, float] = {}
     facts = {} if facts is None else facts  # how this run went: its runs.jsonl line, not metrics.json
     started = time.perf_counter()
-    out = Path(cfg.out)
+    asked = _read_inputs(cfg)
+    t = time.perf_counter()
+    judged = _judge(cfg, asked)
+    timings["relevance"] = time.perf_counter() - t
+    retrieved = _retrieve(cfg, asked, judged.questions, facts, timings)
+    reranked_order: list[list[int]] | None = None
+    rerank_info: dict = {}
+    if cfg.rerank != "none":
+        t = time.perf_counter()
+        reranked_order, rerank_info = rerank(cfg, asked.lang, judged.questions, retrieved.found, asked.chunks)
+        timings["rerank"] = time.perf_counter() - t
+    ranked = _write_rows(cfg, asked, judged.questions, retrieved.found, reranked_order, rerank_info)
 
-    # ---- inputs, before any model loads
-    rejects = cfg.bad_rows.rejects(out)
+    # ---- metrics: sizes, then retrieval before and after re-ranking, overall and per question
+    chunks, embedder = asked.chunks, retrieved.embedder
+    lengths = [len(c.text) for c in chunks]
+    tokens = _token_counts(embedder, [c.text for c in chunks])
+    limit_tokens = retrieved.index["embedder_max_seq_length"]
+    indexed_tokens = (
+        _token_counts(embedder, [c.indexed_text for c in chunks]) if cfg.index_text != "chunk" else tokens
+    )
+    metrics: dict[str, float] = {
+        "n_questions": len(judged.questions),
+        "n_answerable": judged.answerable,  # evidence in the chunked documents
+        "n_with_relevant_chunk": sum(
+            1 for _, _, rel in judged.questions if rel
+        ),  # under --relevance whole, fewer
+        "n_chunks": len(chunks),
+        "n_documents": len(asked.docs),
+        "avg_chunk_chars": round(sum(lengths) / len(lengths), 2),
+        "avg_chunk_tokens": round(sum(tokens) / len(tokens), 2),
+        "avg_indexed_chars": round(sum(len(c.indexed_text) for c in chunks) / len(chunks), 2),
+        "chunks_truncated": sum(1 for n in indexed_tokens if limit_tokens and n + 2 > limit_tokens),
+    }
+    depth = retrieved.depth
+    hit_ks = sorted({k for k in cfg.cutoffs if k <= depth}) if cfg.cutoffs else cutoffs(depth, cfg.top_k)
+    score_ks = hit_ks if cfg.cutoffs else sorted({cfg.top_k, depth})
+    metrics.update(aggregate(ranked.flags_retrieved, ranked.n_relevant, hit_ks, score_ks))
+    # the same metrics per question: what eval compare's bootstrap intervals resample
+    # (a CRUD question carries its QA entry as its cluster: one entry's questions share an article)
+    items = [{"id": q.qid, **({"cluster": q.source["qa_id"]} if "qa_id" in q.source else {}),
+              **aggregate([flags], [n_rel], hit_ks, score_ks)}
+             for (q, _, _), flags, n_rel in zip(judged.questions, ranked.flags_retrieved, ranked.n_relevant)]  # fmt: skip
+    if reranked_order is not None:
+        metrics.update(aggregate(ranked.flags_reranked, ranked.n_relevant, cutoffs(cfg.rerank_depth, cfg.top_k),
+                                 sorted({min(cfg.top_k, cfg.rerank_depth), cfg.rerank_depth}), prefix="reranked_"))  # fmt: skip
+
+    details: dict = {
+        "qa_format": asked.fmt,
+        "lang": asked.lang,
+        "questions_in_file": judged.in_file,
+        "questions_skipped": asked.skipped,
+        **({"rejects": asked.rejected} if asked.rejected is not None else {}),
+        "answerable_in_file": judged.answerable_in_file,
+        "evidence_found_by": _count_how(ranked.evidence_rows),
+        "relevance": (
+            (
+                "a chunk is relevant when it holds an evidence span whole"
+                if cfg.relevance == "whole"
+                else f"a chunk is relevant when it holds >= {cfg.min_share:.0%} of an evidence span, or the largest "
+                "share of it"
+            )
+            + "; GutenQA evidence: chunk_must_contain (verbatim, normalised, or fuzzy); CRUD evidence: "
+            "key strings of the answer inside the matched article(s) (see eval/retrieval.py)"
+        ),
+        "index": retrieved.index,
+        "retrieval_depth": depth,
+        "rerank": {k: v for k, v in rerank_info.items() if k not in ("scores", *RUN_FACTS)} or None,
+    }
+
+    # ---- generation
+    if cfg.generating:
+        t = time.perf_counter()
+        gen_metrics, gen_details, per_question = generate_and_score(
+            cfg, asked.lang, judged.questions, ranked.final_ids, chunks
+        )
+        metrics.update(gen_metrics)
+        for item, scores in zip(items, per_question):  # the answer scores beside the retrieval ones
+            item.update(scores)
+        details["generation"] = {k: v for k, v in gen_details.items() if k not in RUN_FACTS}
+        facts["generation"] = {k: v for k, v in gen_details.items() if k in RUN_FACTS}
+        timings["generation_and_scoring"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - started
+    facts["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
+    if rerank_info:
+        facts["rerank"] = {k: v for k, v in rerank_info.items() if k in RUN_FACTS}
+    from metachunk.eval.report import write_run
+
+    return write_run(Path(cfg.out), "qa", cfg, metrics, details, items=items, run=facts)
+
+
+@dataclass
+class _Asked:
+    """What a run reads, checked before any model loads."""
+
+    chunks: list  # eval.index's chunk rows, a chunk's id its place in the list
+    docs: dict[str, str]  # the chunked documents' texts, rebuilt from their chunks
+    lacking: int  # chunks without the field --index-text names
+    fmt: str  # "gutenqa" | "crud"
+    questions: list
+    skipped: int  # CRUD entries of another status
+    rejected: dict | None  # bad rows left out (--on-bad-row skip)
+    lang: str
+
+
+def _read_inputs(cfg: QAConfig) -> _Asked:
+    from metachunk.eval.index import read_chunks
+    from metachunk.eval.retrieval import load_questions
+
+    rejects = cfg.bad_rows.rejects(Path(cfg.out))
     chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text, rejects, cfg.bad_rows.max_row_bytes)
     if cfg.index_text != "chunk" and lacking == len(chunks):
         field_name = "rewritten" if cfg.index_text == "rewritten" else "summary"
@@ -345,9 +434,22 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
         from metachunk.eval.generate import load_rag_prompt
 
         load_rag_prompt(lang)  # a broken prompt file fails before anything loads
+    return _Asked(chunks, docs, lacking, fmt, questions, skipped, rejected, lang)
 
-    # ---- evidence and relevance
-    t = time.perf_counter()
+
+@dataclass
+class _Judged:
+    questions: list[tuple]  # those asked: (question, its evidence, the ids of the chunks relevant to it)
+    in_file: int
+    answerable_in_file: int  # with evidence in the chunked documents
+    answerable: int  # of those asked
+
+
+def _judge(cfg: QAConfig, asked: _Asked) -> _Judged:
+    """Where each question's evidence is, which chunks are relevant to it, and which questions are asked."""
+    from metachunk.eval.retrieval import NormalizedDoc, find_evidence, relevant_chunks
+
+    docs = asked.docs
     normalized: dict[str, NormalizedDoc] = {}
 
     def docs_for(q) -> dict[str, NormalizedDoc]:
@@ -358,11 +460,13 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
         return {d: normalized[d] for d in wanted}
 
     chunks_by_doc: dict[str, list[tuple[int, int, int]]] = {}
-    for c in chunks:
+    for c in asked.chunks:
         chunks_by_doc.setdefault(c.doc_id, []).append((c.id, c.start, c.end))
     judged = []
-    for q in questions:
-        evidence = find_evidence(q, docs_for(q), fuzzy=fmt == "gutenqa", fuzzy_threshold=cfg.fuzzy_threshold)
+    for q in asked.questions:
+        evidence = find_evidence(
+            q, docs_for(q), fuzzy=asked.fmt == "gutenqa", fuzzy_threshold=cfg.fuzzy_threshold
+        )
         judged.append((q, evidence, relevant_chunks(evidence, chunks_by_doc, cfg.min_share, cfg.relevance)))
 
     def answerable(evidence) -> bool:  # by where the evidence is, never by how a chunker cut it
@@ -378,14 +482,36 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
         judged = judged[: cfg.limit]
     if not judged:
         raise InputError(cfg.qa, "no question has evidence in the chunked documents (--questions answerable)")
-    timings["relevance"] = time.perf_counter() - t
+    return _Judged(judged, n_all, n_answerable, sum(1 for _, ev, _ in judged if answerable(ev)))
 
-    # ---- index
+
+@dataclass
+class _Retrieved:
+    found: list[list[tuple[int, float]]]  # per question: (chunk id, score), best first, `depth` of them
+    depth: int
+    embedder: object | None  # the sentence embedder (dense and hybrid retrieval), else None
+    index: dict  # metrics.json's details.index
+
+
+def _retrieve(cfg: QAConfig, asked: _Asked, judged: list[tuple], facts: dict, timings: dict) -> _Retrieved:
+    """The index (built once per index key, then reused) and each question's nearest chunks."""
+    from metachunk.eval.index import (
+        ChunkIndex,
+        Lexical,
+        check_lexical_lengths,
+        chunks_sha256,
+        collection_name,
+        embed,
+        index_key,
+    )
+
     from metachunk.models import PRESETS, fingerprint, load_sentence_embedder, resolve
+    from metachunk.progress import bar as progress_bar
 
+    chunks = asked.chunks
     t = time.perf_counter()
     dense = cfg.retriever in ("dense", "hybrid")
-    lexical = None if cfg.retriever == "dense" else Lexical.for_lang(lang, cfg.jieba_mode)
+    lexical = None if cfg.retriever == "dense" else Lexical.for_lang(asked.lang, cfg.jieba_mode)
     if lexical is not None:
         check_lexical_lengths(chunks, Path(cfg.chunks))  # a chunk too long to index is refused, never cut
     # The embedder by what identifies its outputs (its config files, weight names and sizes); a preset, whose
@@ -395,14 +521,16 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
     if dense and cfg.embedder not in PRESETS:
         embedder_id["path"] = str(resolve(cfg.embedder).resolve())
     embedder = load_sentence_embedder(cfg.embedder, device=cfg.device) if dense else None
+    question_texts = [q.question for q, _, _ in judged]
     unread = None
     if dense:
-        texts = [q.question for q, _, _ in judged] + [c.indexed_text for c in chunks]
+        texts = question_texts + [c.indexed_text for c in chunks]
         unread = unread_share(cfg.embedder, embedder.tokenizer, texts, "--embedder", "its dense retrieval")
     timings["embedder_load"] = time.perf_counter() - t
     embedder_key = embedder_id and ":".join(v for k, v in embedder_id.items() if k != "name")
     key = index_key(chunks_sha256(cfg.chunks), embedder_key, cfg.index_text, cfg.retriever, lexical)
     name = collection_name(key)
+    depth = max(cfg.top_k, cfg.rerank_depth if cfg.rerank != "none" else 0)
     index = ChunkIndex(cfg.index_dir)
     try:
         t = time.perf_counter()
@@ -424,55 +552,79 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
             index.build(name, chunks, vectors, info, lexical=lexical)
         timings["index"] = time.perf_counter() - t
 
-        # ---- retrieval
         t = time.perf_counter()
-        depth = max(cfg.top_k, cfg.rerank_depth if cfg.rerank != "none" else 0)
-        questions = [q.question for q, _, _ in judged]
         query_vectors = None
         if dense:
             query_vectors = embed(
                 embedder,
-                questions,
+                question_texts,
                 cfg.embed_batch_size,
                 cfg.progress,
                 "embed questions",
                 cfg.query_prefix,
             )
-        from metachunk.progress import bar as progress_bar
-
         with progress_bar(total=len(judged), unit="q", desc="retrieve", enabled=cfg.progress) as bar:
             if cfg.retriever == "dense":
                 found = index.search(name, query_vectors, depth, on_batch=bar.update)
             elif cfg.retriever == "bm25":
-                found = index.search_text(name, questions, depth, on_batch=bar.update)
+                found = index.search_text(name, question_texts, depth, on_batch=bar.update)
             else:
-                found = index.search_hybrid(name, query_vectors, questions, depth, max(cfg.fusion_limit, depth),
+                found = index.search_hybrid(name, query_vectors, question_texts, depth, max(cfg.fusion_limit, depth),
                                             cfg.rrf_k, on_batch=bar.update)  # fmt: skip
         timings["retrieval"] = time.perf_counter() - t
     finally:
         index.close()
+    details = {
+        "db": str(Path(cfg.index_dir) / "index.db"),
+        "collection": name,
+        "key": key,
+        "retriever": cfg.retriever,
+        **({"lexical": lexical.key()} if lexical else {}),
+        **({"rrf_k": cfg.rrf_k, "fusion_limit": cfg.fusion_limit} if cfg.retriever == "hybrid" else {}),
+        "embedder": embedder_id,
+        "embedder_unknown_tokens": unread,
+        "index_text": cfg.index_text,
+        "chunks_lacking_field": asked.lacking,
+        "embedder_max_seq_length": int(getattr(embedder, "max_seq_length", 0) or 0),
+    }
+    return _Retrieved(found, depth, embedder, details)
 
-    # ---- re-ranking
-    reranked_order: list[list[int]] | None = None
-    rerank_info: dict = {}
-    if cfg.rerank != "none":
-        t = time.perf_counter()
-        reranked_order, rerank_info = rerank(cfg, lang, judged, found, chunks)
-        timings["rerank"] = time.perf_counter() - t
 
-    # ---- rows and metrics
+@dataclass
+class _Ranked:
+    """Per question: its hits' relevance flags as retrieved and as re-ranked (top rerank_depth), how many
+    chunks are relevant to it, the top_k chunk ids its answer is generated from; and evidence.jsonl's rows."""
+
+    flags_retrieved: list[list[bool]]
+    flags_reranked: list[list[bool]]
+    n_relevant: list[int]
+    final_ids: list[list[int]]
+    evidence_rows: list[dict]
+
+
+def _write_rows(
+    cfg: QAConfig,
+    asked: _Asked,
+    judged: list[tuple],
+    found: list,
+    reranked_order: list[list[int]] | None,
+    rerank_info: dict,
+) -> _Ranked:
+    """``OUT/retrieval.jsonl`` (each question's hits, re-ranked too) and ``OUT/evidence.jsonl``."""
+    chunks = asked.chunks
+
     def hit_row(rank: int, cid: int, score: float, rel: set[int]) -> dict:
         c = chunks[cid]
         return {"rank": rank, "doc_id": c.doc_id, "chunk_index": c.chunk_index, "start": c.start, "end": c.end,
                 "text": c.text, "indexed_text": c.indexed_text, "score": round(score, 6), "relevant": cid in rel}  # fmt: skip
 
-    rows, evidence_rows, final_ids = [], [], []
-    flags_dense, flags_reranked, n_relevant = [], [], []
+    rows = []
+    ranked = _Ranked([], [], [], [], [])
     for i, ((q, evidence, rel), hits) in enumerate(zip(judged, found)):
-        row = {"qid": q.qid, "question": q.question, "answer": q.answer, "lang": lang, "relevant_any": bool(rel),
+        row = {"qid": q.qid, "question": q.question, "answer": q.answer, "lang": asked.lang, "relevant_any": bool(rel),
                "hits": [hit_row(r, cid, s, rel) for r, (cid, s) in enumerate(hits, start=1)], "reranked": None}  # fmt: skip
-        flags_dense.append([cid in rel for cid, _ in hits])
-        n_relevant.append(len(rel))
+        ranked.flags_retrieved.append([cid in rel for cid, _ in hits])
+        ranked.n_relevant.append(len(rel))
         final = [cid for cid, _ in hits]
         if reranked_order is not None:
             top = hits[: cfg.rerank_depth]
@@ -481,101 +633,21 @@ def evaluate(cfg: QAConfig, facts: dict | None = None) -> dict:
                 hit_row(r, top[j][0], scores[j], rel) for r, j in enumerate(reranked_order[i], start=1)
             ]
             final = [top[j][0] for j in reranked_order[i]] + [cid for cid, _ in hits[cfg.rerank_depth :]]
-            flags_reranked.append([cid in rel for cid in final[: cfg.rerank_depth]])
-        final_ids.append(final[: cfg.top_k])
+            ranked.flags_reranked.append([cid in rel for cid in final[: cfg.rerank_depth]])
+        ranked.final_ids.append(final[: cfg.top_k])
         rows.append(row)
-        evidence_rows.append({
+        ranked.evidence_rows.append({
             "qid": q.qid, "evidence": [dataclasses.asdict(e) for e in evidence],
             "relevant": sorted([chunks[c].doc_id, chunks[c].chunk_index] for c in rel), **q.source,
         })  # fmt: skip
 
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     with AtomicWriter(out / "retrieval.jsonl") as f:
         f.writelines(jsonl_line(r) for r in rows)
     with AtomicWriter(out / "evidence.jsonl") as f:
-        f.writelines(jsonl_line(r) for r in evidence_rows)
-
-    lengths = [len(c.text) for c in chunks]
-    tokens = _token_counts(embedder, [c.text for c in chunks])
-    limit_tokens = int(getattr(embedder, "max_seq_length", 0) or 0)
-    indexed_tokens = (
-        _token_counts(embedder, [c.indexed_text for c in chunks]) if cfg.index_text != "chunk" else tokens
-    )
-    metrics: dict[str, float] = {
-        "n_questions": len(judged),
-        "n_answerable": sum(1 for _, ev, _ in judged if answerable(ev)),  # evidence in the chunked documents
-        "n_with_relevant_chunk": sum(1 for _, _, rel in judged if rel),  # under --relevance whole, fewer
-        "n_chunks": len(chunks),
-        "n_documents": len(docs),
-        "avg_chunk_chars": round(sum(lengths) / len(lengths), 2),
-        "avg_chunk_tokens": round(sum(tokens) / len(tokens), 2),
-        "avg_indexed_chars": round(sum(len(c.indexed_text) for c in chunks) / len(chunks), 2),
-        "chunks_truncated": sum(1 for n in indexed_tokens if limit_tokens and n + 2 > limit_tokens),
-    }
-    hit_ks = sorted({k for k in cfg.cutoffs if k <= depth}) if cfg.cutoffs else cutoffs(depth, cfg.top_k)
-    score_ks = hit_ks if cfg.cutoffs else sorted({cfg.top_k, depth})
-    metrics.update(aggregate(flags_dense, n_relevant, hit_ks, score_ks))
-    # the same metrics per question: what eval compare's bootstrap intervals resample
-    # (a CRUD question carries its QA entry as its cluster: one entry's questions share an article)
-    items = [{"id": q.qid, **({"cluster": q.source["qa_id"]} if "qa_id" in q.source else {}),
-              **aggregate([flags], [n_rel], hit_ks, score_ks)}
-             for (q, _, _), flags, n_rel in zip(judged, flags_dense, n_relevant)]  # fmt: skip
-    if reranked_order is not None:
-        metrics.update(aggregate(flags_reranked, n_relevant, cutoffs(cfg.rerank_depth, cfg.top_k),
-                                 sorted({min(cfg.top_k, cfg.rerank_depth), cfg.rerank_depth}), prefix="reranked_"))  # fmt: skip
-
-    details: dict = {
-        "qa_format": fmt,
-        "lang": lang,
-        "questions_in_file": n_all,
-        "questions_skipped": skipped,
-        **({"rejects": rejected} if rejected is not None else {}),
-        "answerable_in_file": n_answerable,
-        "evidence_found_by": _count_how(evidence_rows),
-        "relevance": (
-            (
-                "a chunk is relevant when it holds an evidence span whole"
-                if cfg.relevance == "whole"
-                else f"a chunk is relevant when it holds >= {cfg.min_share:.0%} of an evidence span, or the largest "
-                "share of it"
-            )
-            + "; GutenQA evidence: chunk_must_contain (verbatim, normalised, or fuzzy); CRUD evidence: "
-            "key strings of the answer inside the matched article(s) (see eval/retrieval.py)"
-        ),
-        "index": {
-            "db": str(Path(cfg.index_dir) / "index.db"),
-            "collection": name,
-            "key": key,
-            "retriever": cfg.retriever,
-            **({"lexical": lexical.key()} if lexical else {}),
-            **({"rrf_k": cfg.rrf_k, "fusion_limit": cfg.fusion_limit} if cfg.retriever == "hybrid" else {}),
-            "embedder": embedder_id,
-            "embedder_unknown_tokens": unread,
-            "index_text": cfg.index_text,
-            "chunks_lacking_field": lacking,
-            "embedder_max_seq_length": limit_tokens,
-        },
-        "retrieval_depth": depth,
-        "rerank": {k: v for k, v in rerank_info.items() if k not in ("scores", *RUN_FACTS)} or None,
-    }
-
-    # ---- generation
-    if cfg.generating:
-        t = time.perf_counter()
-        gen_metrics, gen_details, per_question = generate_and_score(cfg, lang, judged, final_ids, chunks)
-        metrics.update(gen_metrics)
-        for item, scores in zip(items, per_question):  # the answer scores beside the retrieval ones
-            item.update(scores)
-        details["generation"] = {k: v for k, v in gen_details.items() if k not in RUN_FACTS}
-        facts["generation"] = {k: v for k, v in gen_details.items() if k in RUN_FACTS}
-        timings["generation_and_scoring"] = time.perf_counter() - t
-    timings["total"] = time.perf_counter() - started
-    facts["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
-    if rerank_info:
-        facts["rerank"] = {k: v for k, v in rerank_info.items() if k in RUN_FACTS}
-    from metachunk.eval.report import write_run
-
-    return write_run(out, "qa", cfg, metrics, details, items=items, run=facts)
+        f.writelines(jsonl_line(r) for r in ranked.evidence_rows)
+    return ranked
 
 
 def _count_how(evidence_rows: list[dict]) -> dict[str, int]:
@@ -601,7 +673,7 @@ def _token_counts(embedder, texts: list[str]) -> list[int]:
 
 
 def rerank(cfg: QAConfig, lang: str, judged, found, chunks) -> tuple[list[list[int]], dict]:
-    """Per question, the order of its dense top ``rerank_depth`` after re-ranking, and details."""
+    """Per question, the order of its retrieved top ``rerank_depth`` after re-ranking, and details."""
     from metachunk.eval.rerank import cross_encoder_scores, load_cross_encoder, order, ppl_scores
 
     queries = [
@@ -708,7 +780,7 @@ def generate_and_score(cfg: QAConfig, lang: str, judged, final_ids, chunks) -> t
     }
     scores, per_question = qa_scores(
         [a.text for a in answers],
-        [q.answer for q, _, _ in judged],
+        references,
         lang,
         bertscore_model=_none(cfg.bertscore_model),
         embedder=_none(cfg.score_embedder),
