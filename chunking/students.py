@@ -167,7 +167,7 @@ def student_dir(name_or_dir: str) -> Path:
     return path
 
 
-def greedy(generation_config, sample: bool = False):
+def decoding_config(generation_config, sample: bool = False):
     """A copy of the model's ``generation_config``; greedy (``do_sample=False``, sampling knobs
     cleared) unless ``sample``."""
     config = copy.deepcopy(generation_config)
@@ -213,7 +213,7 @@ class Student:
                 "(`metachunk export` keeps the template)"
             )
         prepare_tokenizer(tok)
-        self.generation = greedy(self.model.generation_config, sample)
+        self.generation = decoding_config(self.model.generation_config, sample)
         if self.generation.pad_token_id is None:
             self.generation.pad_token_id = tok.pad_token_id
         self.stop_ids = stop_token_ids(self.generation, tok)

@@ -440,9 +440,17 @@ def write_json(path: str | Path, obj, default=None) -> None:
 def read_json(path: str | Path) -> dict:
     """The JSON object in file ``path`` (a manifest, a report, a model's config); one that is missing,
     not UTF-8, not JSON or not an object raises `InputError` naming the file (and the line)."""
+    data = read_json_value(path)
+    if not isinstance(data, dict):
+        raise InputError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_json_value(path: str | Path):
+    """Any JSON value in file ``path`` (a trainer's log is a list), with `read_json`'s errors."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(path, "no such file") from None
     except IsADirectoryError:
@@ -451,9 +459,6 @@ def read_json(path: str | Path) -> dict:
         raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise InputError(path, json_error(e), e.lineno) from None
-    if not isinstance(data, dict):
-        raise InputError(path, f"expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def json_error(e: json.JSONDecodeError) -> str:

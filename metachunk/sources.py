@@ -439,7 +439,7 @@ class DocumentSource:
     def _document(self, file: SourceFile, record: dict, number: int) -> Document:
         tf, idf = self.text_field, self.id_field
         if tf not in record:
-            raise InputError(file.path, f"missing field {tf!r}" + _fields_hint(record, tf), number)
+            raise InputError(file.path, f"missing field {tf!r}" + _fields_hint(record), number)
         text = record[tf]
         if not isinstance(text, str):
             raise InputError(file.path, f"field {tf!r} must be a string, got {type(text).__name__}", number)
@@ -638,6 +638,11 @@ class DocumentTexts:
         self._failed: DocumentsFileError | None = None
         self.all: dict[str, str] | None = None  # set once an id was asked out of order
 
+    @property
+    def held(self) -> int:
+        """How many texts the window holds now (at most ``window``)."""
+        return len(self._recent)
+
     def get(self, doc_id: str) -> str | None:
         """The document's text, or None when the file has no such id."""
         if self._failed is not None:
@@ -690,6 +695,6 @@ def _hash_file(digest, file: SourceFile) -> None:
                 digest.update(block)
 
 
-def _fields_hint(record: dict, wanted: str) -> str:
+def _fields_hint(record: dict) -> str:
     names = [str(k) for k in record][:8]
     return f" (the record has: {', '.join(names)}; choose one with --text-field)" if names else ""

@@ -454,7 +454,7 @@ class AnswerStore:
                 "SELECT batch_id, host, pid, MAX(created, COALESCE(taken, 0)) FROM batches WHERE id = ?",
                 (batch,),
             ).fetchone()
-            taken = row is not None and row[0] is None and not self._submitting(*row[1:])
+            taken = row is not None and row[0] is None and not self.being_submitted(*row[1:])
             if taken:
                 self._db.execute("UPDATE batches SET host = ?, pid = ?, taken = ? WHERE id = ?",
                                  (self.host, os.getpid(), time.time(), batch))  # fmt: skip
@@ -476,10 +476,10 @@ class AnswerStore:
             out.append({"id": bid, "endpoint": endpoint, "input_file_id": file_id, "batch_id": batch_id,
                         "status": status, "requests": n, "keys": keys,
                         "created": created,
-                        "being_submitted": batch_id is None and self._submitting(host, pid, since)})  # fmt: skip
+                        "being_submitted": batch_id is None and self.being_submitted(host, pid, since)})  # fmt: skip
         return out
 
-    def _submitting(self, host: str | None, pid: int | None, since: float) -> bool:
+    def being_submitted(self, host: str | None, pid: int | None, since: float) -> bool:
         """Whether another live process may still be uploading or creating this batch. This process's
         own are not: it waits for batches only once its submitting returned."""
         if host is None or (host == self.host and pid == os.getpid()):

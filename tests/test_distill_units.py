@@ -275,7 +275,7 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
         db.execute("INSERT INTO claims (key, owner, host, pid, expires, reserved) VALUES ('l', 'old', ?, ?, ?, 0.0)",
                    (socket.gethostname(), int(dead.stdout), time.time() + 60))  # fmt: skip
     assert second.claim("l").outcome == "busy"
-    assert not second._submitting(socket.gethostname(), int(dead.stdout), time.time())
+    assert not second.being_submitted(socket.gethostname(), int(dead.stdout), time.time())
     # which is why a claim names its owner's PID namespace beside the host (`artifacts.process_space`)
     assert first.host == f"{socket.gethostname()}+{os.stat('/proc/self/ns/pid').st_ino}"
     first.close()

@@ -248,7 +248,7 @@ def test_documents_are_read_as_the_records_ask_holding_a_window(tmp_path):
     docs = DocumentTexts(path, rejects=rejects, window=4)
     for i in (0, 0, 1, 3, 3, 7, 20, 21):  # the records of distill: in order, a document asked many times
         assert docs.get(f"d{i}") == f"text {i}"
-        assert len(docs._recent) <= 4 and docs.all is None
+        assert docs.held <= 4 and docs.all is None
     assert docs.get("d10") == "text 10"  # passed and out of the window: the rest is loaded once
     assert docs.all is not None and docs.get("d2") == "text 2" and docs.get("nope") is None
     docs.finish()

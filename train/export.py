@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import json
 import math
 import re
 import shutil
@@ -78,14 +77,14 @@ from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_ca
 from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
-from metachunk.artifacts import InputError, json_error, ordinary_mode, replace_dir
+from metachunk.artifacts import InputError, ordinary_mode, read_json, read_json_value, replace_dir
 from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.markdown import shown_path
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Pickle files the Trainer writes next to the weights; never read, never exported.
-TRAINER_STATE = re.compile(
+TRAINER_PICKLES = re.compile(
     r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|training_args\.bin)$"
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -208,7 +207,7 @@ def _pickles(folder: Path) -> list[Path]:
     return sorted(
         p
         for p in folder.iterdir()
-        if p.is_file() and p.name.endswith(PICKLE_SUFFIXES) and not TRAINER_STATE.match(p.name)
+        if p.is_file() and p.name.endswith(PICKLE_SUFFIXES) and not TRAINER_PICKLES.match(p.name)
     )
 
 
@@ -328,36 +327,26 @@ def _check_push(cfg: ExportConfig) -> None:
 # ------------------------------------------------------------------------------------ what the run was
 
 
-def _read_json(path: Path):
-    """Any JSON value (``train_log.json`` is a list; `artifacts.read_json` takes objects only)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise InputError(path, f"invalid UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, json_error(e), e.lineno) from None
-
-
 def read_run(folder: Path) -> Run:
     """The run's facts and log; a ``checkpoint-N`` takes the static facts from its run folder and its
     losses and step from its own ``trainer_state.json``."""
     run = Run()
     step = CHECKPOINT_DIR.match(folder.name)
     if (folder / RUN_FACTS).is_file():
-        run.facts = _read_json(folder / RUN_FACTS)
+        run.facts = read_json(folder / RUN_FACTS)
     elif step and (folder.parent / RUN_FACTS).is_file():
-        run.facts = _read_json(folder.parent / RUN_FACTS)
+        run.facts = read_json(folder.parent / RUN_FACTS)
     if (folder / "train_log.json").is_file():
-        run.log = _read_json(folder / "train_log.json")
+        run.log = read_json_value(folder / "train_log.json")
         run.global_step = run.facts.get("global_steps") or last_logged(run.log, "step")
     elif (folder / "trainer_state.json").is_file():
-        state = _read_json(folder / "trainer_state.json")
+        state = read_json(folder / "trainer_state.json")
         run.log, run.global_step = state.get("log_history") or [], state.get("global_step")
         run.checkpoint_step = run.global_step if step else None
     else:
         run.global_step = run.facts.get("global_steps")
     if (folder / "eval_results.json").is_file():
-        run.eval_results = _read_json(folder / "eval_results.json")
+        run.eval_results = read_json(folder / "eval_results.json")
     if (folder / "loss.png").is_file():
         run.loss_png = folder / "loss.png"
     return run
@@ -375,7 +364,7 @@ def _torch_dtype(name: str):
 def _lora_base(cfg: ExportConfig, facts: dict) -> Path:
     from metachunk.models import PRESETS, ModelNotFoundError, resolve
 
-    adapter = _read_json(cfg.checkpoint / "adapter_config.json")
+    adapter = read_json(cfg.checkpoint / "adapter_config.json")
     named = [cfg.base_model] if cfg.base_model else []
     named += [adapter.get("base_model_name_or_path"), facts.get("base_model_dir"), facts.get("base_model")]
     for name in filter(None, named):
@@ -516,7 +505,7 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             raise InputError(cfg.out, f"its model card was written for another repo, or none: export it again "
                              f"with --checkpoint and --push {cfg.push}")  # fmt: skip
         _check_push(cfg)
-        model_config = _read_json(cfg.out / "config.json")
+        model_config = read_json(cfg.out / "config.json")
         files = sorted(p for p in cfg.out.rglob("*") if p.is_file())
         strangers = [p.relative_to(cfg.out).as_posix() for p in files if not is_export_file(cfg.out, p)]
         if strangers:

@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     check_value_types(recipe, argv, (ModelDataArguments, SFTConfig))
     check_renamed(recipe, argv)
     check_deepspeed_file(recipe, argv)  # SFTConfig reads the JSON as it is built
-    argv = argv + checkpointing_said(recipe, argv, SFTConfig)
+    argv = argv + default_checkpointing_argv(recipe, argv, SFTConfig)
 
     class RecipeParser(TrlParser):
         def error(self, message: str):
@@ -254,11 +254,11 @@ def check_renamed(recipe: dict, argv: list[str]) -> None:
             raise ValueError(f"field {old!r} is now {new!r}, TRL's name (`trl sft` reads the same recipes)")
 
 
-def checkpointing_said(recipe: dict, argv: list[str], sft_config) -> list[str]:
+def default_checkpointing_argv(recipe: dict, argv: list[str], sft_config) -> list[str]:
     """``--activation_checkpointing`` at TRL's default, when neither the recipe nor a flag sets it (nor its
     old name). TRL's SFTConfig gives its default (True) under transformers' deprecated name
-    ``gradient_checkpointing``, so every run that left it unset printed transformers' FutureWarning;
-    said under the new name, the same value, and no warning."""
+    ``gradient_checkpointing``, which prints transformers' FutureWarning; said under the new name, it is
+    the same value without the warning."""
     names = ("activation_checkpointing", "gradient_checkpointing")
     if any(n in recipe for n in names) or any(a.split("=")[0] in {f"--{n}" for n in names} for a in argv):
         return []
@@ -845,7 +845,7 @@ def run(cfg: TrainConfig) -> Result:
             file=sys.stderr,
         )
     if resume and trainer.is_world_process_zero():
-        state = json.loads((Path(resume) / "trainer_state.json").read_text(encoding="utf-8"))
+        state = json.loads((Path(resume) / TRAINER_STATE).read_text(encoding="utf-8"))
         print(f"train: resuming from {resume} at step {state['global_step']}", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, sft_args.output_dir)

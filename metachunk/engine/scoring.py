@@ -408,10 +408,7 @@ def token_nll(
         if on_batch:
             on_batch(len(sequences[i]) - 1)
     windows = [
-        w
-        for i, s in enumerate(sequences)
-        if i not in set(long_ones)
-        for w in plan_windows(len(s), max_context, i)
+        w for i, s in enumerate(sequences) if i not in long_ones for w in plan_windows(len(s), max_context, i)
     ]
     windows.sort(key=lambda w: w.end - w.start, reverse=True)
     if pack is None:
