@@ -311,6 +311,12 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     contaminated: dict[str, bool] = {}
     inputs = Inputs(meta, documents_path, test_ids)
 
+    def contamination(doc_id: str, line_no: int) -> str | None:
+        if doc_id not in contaminated:
+            text = document(doc_id, line_no)
+            contaminated[doc_id] = doc_id in test_ids or bool(test_index.query(text))
+        return "contaminated" if contaminated[doc_id] else None
+
     tokenizer = AutoTokenizer.from_pretrained(str(resolve(cfg.tokenizer)))
     schema = maker.features().arrow_schema
     out = Path(cfg.out)
@@ -338,50 +344,17 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                 bar.update(1)
                 _add_usage(inputs, entries, rec.lang)
 
-                for row in rows:
+                for row in rows:  # the first filter that drops a row counts it; a kept row is written
                     target = targets[row.target]
                     target.inputs += 1
-                    reason = row.reason
-                    if reason is None:
-                        if row.doc_id not in contaminated:
-                            text = document(row.doc_id, line_no)
-                            contaminated[row.doc_id] = row.doc_id in test_ids or bool(test_index.query(text))
-                        if contaminated[row.doc_id]:
-                            reason = "contaminated"
-                    if reason is None:
-                        reason = _duplicate(target, row)
+                    reason = (
+                        row.reason
+                        or contamination(row.doc_id, line_no)
+                        or _duplicate(target, row)
+                        or _write_row(cfg, target, row, tokenizer, f"{distilled.name}:{line_no}")
+                    )
                     if reason is not None:
                         target.dropped[reason] += 1
-                        continue
-                    columns = row.columns()
-                    prompt = columns["prompt"]
-                    completion = [{"role": "assistant", "content": row.answer}]
-                    prompt_ids = tokenizer.apply_chat_template(
-                        prompt, add_generation_prompt=True, tokenize=True
-                    )
-                    full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)
-                    n_prompt, n_full = len(_ids(prompt_ids)), len(_ids(full_ids))
-                    if n_full > cfg.max_length:
-                        target.dropped["too_long"] += 1
-                        continue
-                    target.prompt_lengths.append(n_prompt)
-                    target.completion_lengths.append(n_full - n_prompt)
-                    split = (
-                        "validation"
-                        if in_validation(row.doc_id, cfg.seed, cfg.validation_fraction)
-                        else "train"
-                    )
-                    target.docs_by_split[split].add(row.doc_id)
-                    target.langs[row.lang] += 1
-                    target.labels[row.label] += 1
-                    target.writers[split].add(
-                        {
-                            **columns,
-                            "completion": completion,
-                            "doc_id": row.doc_id,
-                            "source_record": f"{distilled.name}:{line_no}",
-                        }
-                    )
         docs.finish()  # every document row checked, asked for or not
         inputs.rejects = finish_rejects(rejects, "data build-sft")
         all_stats = {}
@@ -401,6 +374,29 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
         "datasets": {str(k): s for k, s in all_stats.items()},
         "outputs": [(str(t.out), t.name) for t in targets.values()],
     }
+
+
+def _write_row(cfg: BuildSftConfig, target: Target, row: Row, tokenizer, source_record: str) -> str | None:
+    """Write ``row`` into its split, counted in the student's chat template; ``"too_long"`` (and
+    nothing written) when prompt + completion exceed ``max_length``."""
+    columns = row.columns()
+    prompt = columns["prompt"]
+    completion = [{"role": "assistant", "content": row.answer}]
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    full_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True)
+    n_prompt, n_full = len(_ids(prompt_ids)), len(_ids(full_ids))
+    if n_full > cfg.max_length:
+        return "too_long"
+    target.prompt_lengths.append(n_prompt)
+    target.completion_lengths.append(n_full - n_prompt)
+    split = "validation" if in_validation(row.doc_id, cfg.seed, cfg.validation_fraction) else "train"
+    target.docs_by_split[split].add(row.doc_id)
+    target.langs[row.lang] += 1
+    target.labels[row.label] += 1
+    target.writers[split].add(
+        {**columns, "completion": completion, "doc_id": row.doc_id, "source_record": source_record}
+    )
+    return None
 
 
 def _add_usage(inputs: Inputs, entries, lang: str) -> None:
