@@ -157,7 +157,13 @@ def push_folder(
     repo keeps its visibility. A tag names one publication: one that marks another commit than
     the branch's head, or the head with other files than this folder's, is refused before anything
     is uploaded, and rerunning the push that made it succeeds without a request that writes
-    (https://huggingface.co/docs/huggingface_hub/package_reference/hf_api)."""
+    (https://huggingface.co/docs/huggingface_hub/package_reference/hf_api). A push to the same branch
+    by someone else while this one uploads makes the Hub refuse this one's commit (``parent_commit``).
+
+    One push can be several commits: with ``hf_xet`` installed (huggingface_hub's default), a folder of
+    more than a few hundred files is committed in parts (huggingface_hub's ``_upload_pipeline``), and
+    the branch passes through states that hold part of the new files; the tag marks the last part.
+    Rerunning a push cut short resumes it: files the Hub holds already are not sent again."""
     from huggingface_hub import HfApi
 
     check_repo_id(repo_id)
@@ -170,6 +176,8 @@ def push_folder(
         url = api.create_repo(repo_id, repo_type=repo_type, private=True if private else None, exist_ok=True)
         if branch != "main":
             api.create_branch(repo_id, branch=branch, repo_type=repo_type, exist_ok=True)
+        refs = api.list_repo_refs(repo_id, repo_type=repo_type)
+        head = next((b.target_commit for b in refs.branches if b.name == branch), None)
         tagged = tag_target(api, repo_id, repo_type, tag, branch) if tag else None
         if tagged is not None:  # the tag marks the head: this push may only be the one that made it
             if not holds_folder(api, repo_id, repo_type, tagged, folder, allow_patterns, delete_patterns):
@@ -187,6 +195,10 @@ def push_folder(
             delete_patterns=list(delete_patterns) if delete_patterns is not None else None,
             commit_message=commit_message or f"Upload {folder.name} with metachunk",
             revision=revision,
+            # Another push to the branch since `head` was read makes the Hub refuse this one (it
+            # would mix the two). With hf_xet, upload_folder commits a folder of more than a few
+            # hundred files in parts: the first carries the deletions and this check.
+            parent_commit=head,
         )
         if tag:
             api.create_tag(repo_id, tag=tag, repo_type=repo_type, revision=commit.oid,

@@ -221,7 +221,16 @@ class FakeHub:
             self.tags.append((repo, tag, name))
             return httpx2.Response(200, json={})
         if request.method == "POST" and api and api.group(3) == "commit":
-            self.commits.append([json.loads(line) for line in body.splitlines()])
+            lines = [json.loads(line) for line in body.splitlines()]
+            parent = next((x["value"].get("parentCommit") for x in lines if x["key"] == "header"), None)
+            at = (api.group(1)[:-1], api.group(2), path.rsplit("/", 1)[1])
+            if parent is not None and parent != self.heads.get(
+                at
+            ):  # the Hub's check of create_commit's parent_commit
+                return httpx2.Response(
+                    412, json={"error": "A commit has happened since. Please refresh and try again."}
+                )
+            self.commits.append(lines)
             kind, repo = api.group(1), api.group(2)
             self.repos.append((kind[:-1], repo))
             revision = path.rsplit("/", 1)[1]

@@ -309,7 +309,9 @@ def _push_and_check(hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys):
     }
     assert sent == expected
     (commit,) = hub.commits
-    assert commit[0] == {"key": "header", "value": {"summary": "Upload demo set", "description": ""}}
+    head = next(oid for oid, files in hub.snapshots.items() if set(files) == {".gitattributes"})
+    assert commit[0] == {"key": "header", "value": {"summary": "Upload demo set", "description": "",
+                                                    "parentCommit": head}}  # the repo's first commit  # fmt: skip
     create = next(json.loads(body) for m, url, _, body in hub.requests if url.endswith("/api/repos/create"))
     # no visibility asked for: the namespace's default decides (create_repo(private=None))
     assert create == {"name": "metachunk-rewrite-demo", "organization": "someone", "type": "dataset"}
@@ -447,6 +449,30 @@ def test_a_hub_refusal_is_one_line(fake_hub, dataset_dir, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and TOKEN not in err, err
     assert f"metachunk: error: {REPO}: the Hub answered 403: You don't have the rights" in err
+
+
+def test_a_push_that_another_overtook_is_refused(fake_hub, dataset_dir, tmp_path, monkeypatch, capsys):
+    """Someone else's commit lands on the branch while this push uploads: the Hub refuses this one
+    (upload_folder's parent_commit) instead of committing a mix of the two."""
+    from metachunk.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    write_dataset_card(dataset_dir, full_stats(), cards_dir=tmp_path / "data_cards")
+    answer = fake_hub.handler
+
+    def overtaken(request):
+        if request.url.path.endswith("/commit/main"):  # the other push's commit lands first
+            fake_hub.heads[("dataset", REPO, "main")] = "f" * 40
+        return answer(request)
+
+    monkeypatch.setattr(fake_hub, "handler", overtaken)
+    assert main(["data", "push", str(dataset_dir), "--repo-id", REPO]) == 1
+    err = capsys.readouterr().err
+    assert f"{REPO}: the Hub answered 412: A commit has happened since" in err and err.count("\n") == 1, err
+    assert fake_hub.commits == []
+    monkeypatch.setattr(fake_hub, "handler", answer)  # pushed again: on top of the other's commit
+    assert main(["data", "push", str(dataset_dir), "--repo-id", REPO]) == 0
+    assert len(fake_hub.commits) == 1
 
 
 def test_push_without_token_or_files_sends_nothing(fake_hub, dataset_dir, tmp_path, monkeypatch):
