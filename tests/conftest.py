@@ -15,6 +15,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 pytest_plugins = ["support.fixtures"]
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A `metachunk.stopping.Stopped` escaping a test fails that test. It is a KeyboardInterrupt (as
+    Ctrl-C's is, so asyncio lets it through), which pytest takes for the user's Ctrl-C and stops
+    the whole session on."""
+    from metachunk.stopping import Stopped
+
+    try:
+        return (yield)
+    except Stopped as e:
+        raise AssertionError(f"{item.nodeid}: metachunk's Stopped({e}) escaped the test") from e
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2ForCausalLM + Qwen2-style BPE tokenizer saved as a normal HF folder.
