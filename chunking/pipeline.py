@@ -148,7 +148,8 @@ class ChunkConfig:
     )
     overwrite: bool = option(
         False,
-        "-o DIR: start again when DIR holds another run's shards (changed config, model or input)",
+        "-o DIR: start again when DIR holds another run's shards (changed config, model or input); a complete"
+        " DIR is kept until the new run is complete",
         runtime=True,
     )
     method: str = option("ppl", "chunking method", choices=METHODS)

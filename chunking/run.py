@@ -29,13 +29,21 @@ from metachunk.chunking.shards import (
     manifest_head,
     model_fingerprints,
     reads,
+    replacement_dir,
     run_local,
     run_ray,
     source_of,
 )
 
 from metachunk import config
-from metachunk.artifacts import SCHEMA_VERSION, InputError, OutputPair, append_run_log, jsonl_line
+from metachunk.artifacts import (
+    SCHEMA_VERSION,
+    InputError,
+    OutputPair,
+    append_run_log,
+    jsonl_line,
+    replace_dir,
+)
 from metachunk.command import Reads, Result
 from metachunk.sources import DocumentSource, finish_rejects, skipped_exit
 
@@ -214,9 +222,21 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
             check_device(cfg.device)
         pick_attention(cfg.attn_implementation, str(cfg.device or "cpu"))
         check_causal_lm(cfg.model)
-    output = ShardedOutput(cfg.output, plan, cfg.output_format)
     head = manifest_head(cfg, source, index, plan)
-    done = output.open(head, cfg.overwrite, restart_if_changed)
+    # A complete folder stays whole until its replacement is (ranks cannot agree on a swap: world 1 only).
+    staging = (
+        replacement_dir(cfg.output, head["fingerprint"], cfg.overwrite, restart_if_changed)
+        if world == 1
+        else None
+    )
+    if staging is not None:
+        print(f"{cfg.output}: holds a complete run; this one is written in {staging} and replaces it once "
+              "complete", file=sys.stderr)  # fmt: skip
+        output = ShardedOutput(staging, plan, cfg.output_format)
+        done = output.open(head, overwrite=False, restart_if_changed=True)  # a stopped replacement resumes
+    else:
+        output = ShardedOutput(cfg.output, plan, cfg.output_format)
+        done = output.open(head, cfg.overwrite, restart_if_changed)
     mine = [i for i in range(plan.shards) if i % world == rank]
     pending = [i for i in mine if i not in done]
     output.remove_stale_temps(pending)
@@ -267,6 +287,8 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         **({"workers_report": reports} if any(reports) else {}),
     }
     manifest = output.finish(run, {"length_fit": length_fit, "rejects": rejected})
+    if staging is not None and manifest["complete"]:
+        replace_dir(staging, cfg.output)
     state = (
         "complete"
         if manifest["complete"]

@@ -29,6 +29,11 @@ its hash, and chunks the rest. So a kill -9 costs at most the shards in flight: 
 input is refused (``--overwrite`` starts again). The manifest says what the folder holds, never how
 an attempt ran (that goes to ``runs.jsonl``), so a rerun or a resume leaves it byte-identical.
 
+**Replacing a complete folder.** A run that replaces a complete one (``--overwrite``, or ``data
+sample``'s changed config) is written beside it, in ``.NAME.replacing`` (`replacement_dir`), and
+swapped in by `metachunk.artifacts.replace_dir` once complete: until then the folder keeps the
+good run, and a rerun of the replacing command resumes the replacement.
+
 **Engines**, all running `chunk_shard` on shards and `ShardedOutput.commit` on the
 results, so they write the same bytes:
 
@@ -428,6 +433,27 @@ class ShardedOutput:
             self.write_manifest(manifest)
             append_run_log(self.root, run)
             return manifest
+
+
+def replacement_dir(
+    root: str | Path, fingerprint: str, overwrite: bool, restart_if_changed: bool
+) -> Path | None:
+    """Where a run writes that replaces the complete run in ``root``: ``.NAME.replacing`` beside it,
+    swapped in once complete, so that a stop part-way leaves the good folder as it was. None when the
+    run writes in ``root`` itself: nothing complete is there, the same run is (a resume), or the run
+    may not replace it (`ShardedOutput.open` then refuses)."""
+    root = Path(root)
+    try:
+        previous = read_json(root / MANIFEST)
+    except InputError:  # none, or unreadable: nothing complete to keep
+        return None
+    if previous.get("complete") is not True:
+        return None
+    changed = previous.get("fingerprint") != fingerprint
+    if overwrite or (restart_if_changed and changed):
+        whole = Path(os.path.abspath(root))  # `-o .` has no name of its own
+        return whole.parent / f".{whole.name}.replacing"
+    return None
 
 
 def with_journal(manifest: dict, journal: Path) -> dict:

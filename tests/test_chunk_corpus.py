@@ -400,6 +400,41 @@ def test_a_changed_config_or_input_is_refused_unless_overwrite(tmp_path, capsys,
         assert "Traceback" not in err
 
 
+def test_a_replacement_stopped_part_way_leaves_the_complete_folder_whole(tmp_path, capsys, emma, monkeypatch):
+    """--overwrite of a complete folder writes beside it and swaps once complete: a stop part-way (here a
+    SIGTERM after the first shard) leaves the good run as it was, and the same command resumes the rest."""
+    from metachunk.chunking.shards import ShardedOutput
+
+    from metachunk.stopping import Stopped
+
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    out = tmp_path / "out"
+    base = [src, "-o", out, "--method", "sentence", "--shards", 3]
+    assert chunk(capsys, *base, "--target-len", 80)[0] == 0
+    good = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    commit = ShardedOutput.commit
+
+    def stopped_after_one(self, i, data, stats):
+        commit(self, i, data, stats)
+        raise Stopped(signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(ShardedOutput, "commit", stopped_after_one)
+        rc, err = chunk(capsys, *base, "--target-len", 120, "--overwrite")
+    assert rc == 143 and "replaces it once complete" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == good  # the good run, whole
+    staging = tmp_path / ".out.replacing"
+    assert len(shards_done(staging)) == 1
+
+    rc, err = chunk(capsys, *base, "--target-len", 120, "--overwrite")
+    assert rc == 0 and "resuming: 1 of 3 shards done" in err, err
+    assert not staging.exists() and not list(tmp_path.glob(".out.*"))
+    fresh = tmp_path / "fresh"
+    assert chunk(capsys, src, "-o", fresh, "--method", "sentence", "--shards", 3, "--target-len", 120)[0] == 0
+    assert shard_bytes(out) == shard_bytes(fresh)
+    assert (out / "manifest.json").read_bytes() == (fresh / "manifest.json").read_bytes()
+
+
 def test_a_folder_takes_plots_and_names_them_by_input_position(tmp_path, capsys, emma, tiny_model_dir):
     """--plot works with a folder as with a file: one PNG per document, named by its input position,
     whichever shard holds it; the plots folder is the file run's."""
