@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from array import array
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -51,9 +52,10 @@ def fixed_chunks(doc: str, target_len: int, unit: str = "char") -> list[Chunk]:
         raise ValueError(f"unknown length unit {unit!r} for fixed_chunks; use char|word")
     if not doc:
         return []
-    graphemes = [m.end() for m in _GRAPHEME.finditer(doc)]  # the end of every grapheme cluster
+    # The end of every grapheme cluster, as machine ints: a list would hold ~40 bytes per character.
+    graphemes = array("q", (m.end() for m in _GRAPHEME.finditer(doc)))
     if unit == "char":
-        ends = graphemes[target_len - 1 :: target_len]
+        ends = list(graphemes[target_len - 1 :: target_len])
     else:
         # Each match is one word plus the whitespace after it; a chunk ends after every L-th match,
         # moved on to the end of the grapheme cluster it falls in (if it falls inside one).

@@ -65,10 +65,12 @@ def _run_length(doc: str, chunks: Sequence[Chunk], unit: str, tokenizer) -> Call
 
     # Words are maximal runs of non-whitespace (what str.split and str.strip see). A slice [a, b)
     # holds the words that intersect it, possibly cut at a or b.
+    # Two lists of ints, not a list of span tuples besides them (~20 bytes a character).
     lo, hi = chunks[0].start, chunks[-1].end
-    runs = [m.span() for m in _WORD.finditer(doc, lo, hi)]
-    starts = [s for s, _ in runs]
-    ends = [e for _, e in runs]
+    starts, ends = [], []
+    for m in _WORD.finditer(doc, lo, hi):
+        starts.append(m.start())
+        ends.append(m.end())
 
     def length(i: int, j: int) -> int:
         a, b = chunks[i].start, chunks[j].end

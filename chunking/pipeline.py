@@ -624,7 +624,11 @@ class Chunker:
         corpus run calls it in a thread of its own, ahead of the model (`metachunk.chunking.overlap`)."""
         cfg = self.cfg
         langs = [detect_lang(t) if cfg.lang == "auto" else cfg.lang for t in texts]
-        sentences = [split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) for t in texts]
+        # fixed cuts ignore sentences: splitting them (most of its time) only for what shows them
+        split = cfg.method != "fixed" or cfg.emit_sentences or cfg.plot
+        sentences = [
+            split_sentences(t, cfg.lang, max_chars=cfg.max_sentence_chars) if split else [] for t in texts
+        ]
         docs = [ChunkedDocument(i, t, lang, [], s) for i, t, lang, s in zip(ids, texts, langs, sentences)]
         tokenized = (
             tokenize_documents(self.thread_tokenizer(), texts, sentences) if cfg.method == "ppl" else None
