@@ -21,6 +21,7 @@ A bad line (not UTF-8 or JSON, no text or group string, a lone surrogate) stops 
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,7 +129,11 @@ def documents(cfg: PassagesConfig, rejects: Rejects | None = None) -> Iterator[d
     if cfg.group_prefix:
         groups = (g for g in groups if g[0].startswith(cfg.group_prefix))
     if cfg.groups:
-        groups = iter(list(groups)[parse_slice(cfg.groups)])
+        part = parse_slice(cfg.groups)
+        if (part.start or 0) >= 0 and (part.stop or 0) >= 0:  # read no further than the slice's end
+            groups = itertools.islice(groups, part.start, part.stop)
+        else:  # counted from the end: every group is read first
+            groups = iter(list(groups)[part])
     seen: dict[str, int] = {}  # id -> the line it came from: only the ids are held
     for name, paragraphs, line, raw in groups:
         if name in seen:

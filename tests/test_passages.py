@@ -43,6 +43,24 @@ def test_whole_chapters_by_position(tmp_path, capsys, chapters):
     assert [r["text"] for r in got] == ["\n\n".join(chapters[n]) for n in names]
 
 
+def test_groups_from_the_end_and_a_slice_that_stops_reading(tmp_path, capsys, chapters, monkeypatch):
+    """A slice counted from the start stops reading at its end (the rest of a corpus is never
+    loaded); one counted from the end reads every group first. Both pick the same chapters."""
+    import metachunk.distill.passages as passages_module
+
+    n = len(chapters)
+    read = []
+    groups = passages_module.read_groups
+    monkeypatch.setattr(passages_module, "read_groups", lambda *a: (read.append(g) or g for g in groups(*a)))
+    for span in (f"{n - 3}:{n - 1}", "-3:-1"):
+        read.clear()
+        rc, err = passages(capsys, "--input", EMMA, "--out", tmp_path / "o.jsonl", "--group-field", "chapter",
+                           f"--groups={span}")  # fmt: skip
+        assert rc == 0, err
+        assert [r["id"] for r in rows(tmp_path / "o.jsonl")] == list(chapters)[-3:-1], span
+        assert len(read) == (n - 1 if span[0] != "-" else n), span  # from the start: none past the slice
+
+
 def test_passages_of_a_minimum_size_within_chapters(tmp_path, capsys, chapters):
     rc, err = passages(capsys, "--input", EMMA, "--out", tmp_path / "o.jsonl", "--group-field", "chapter",
                        "--group-prefix", "VOLUME II.", "--min-chars", "900", "--skip", "1", "--limit", "3")  # fmt: skip
