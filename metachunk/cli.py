@@ -259,7 +259,10 @@ def invoke(argv: list[str]) -> Result:
         except Stopped as e:
             if not outermost:  # a stage of `metachunk run`: the run itself stops
                 raise
-            print(f"metachunk: stopped by {e}; no output file was replaced", file=sys.stderr)
+            print(
+                f"metachunk: stopped by {e}; no complete output was replaced by a partial one",
+                file=sys.stderr,
+            )
             return Result(e.exit_status)
 
 
@@ -304,7 +307,7 @@ def _invoke(argv: list[str]) -> Result:
 
         if isinstance(e, Stopped):  # SIGTERM or SIGHUP: `invoke` says which, with its status
             raise
-        print("metachunk: interrupted; no output file was replaced", file=sys.stderr)
+        print("metachunk: interrupted; no complete output was replaced by a partial one", file=sys.stderr)
         return Result(130)
 
 

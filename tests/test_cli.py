@@ -380,7 +380,7 @@ def test_failure_while_writing_keeps_old_output(tmp_path, capsys, tiny, monkeypa
     calls.clear()
     error = KeyboardInterrupt()
     rc, err = run(capsys, src, *args)
-    assert rc == 130 and "no output file was replaced" in err
+    assert rc == 130 and "no complete output was replaced by a partial one" in err
     assert _snapshot(out.parent) == before
 
 
