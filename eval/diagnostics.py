@@ -357,9 +357,41 @@ def intervals(items: list[dict], pairs: list[tuple[str, str]], confidence: float
 # ------------------------------------------------------------------------------------ the run
 
 
-def evaluate(cfg: DiagnosticsConfig) -> dict:
+def _avgsim(cfg: DiagnosticsConfig, rows: dict[str, list[dict]], metrics: dict, put) -> dict:
+    """AVGSim and pair similarity of each retrieval run's top k (one embedder, every distinct text
+    embedded once) into ``metrics`` and each question's item (``put``); returns the per-question details."""
     from metachunk.eval.index import embed
 
+    from metachunk import models
+
+    embedder = models.load_sentence_embedder(cfg.embedder, device=cfg.device)
+    texts = list(dict.fromkeys(h["text"] for rs in rows.values() for r in rs for h in r["hits"][: cfg.k]))
+    questions = list(dict.fromkeys(r["question"] for rs in rows.values() for r in rs))
+    chunk_vecs = dict(zip(texts, embed(embedder, texts, cfg.embed_batch_size, cfg.progress, "embed chunks")))
+    query_vecs = dict(zip(questions, embed(embedder, questions, cfg.embed_batch_size, cfg.progress,
+                                           "embed questions", prefix=cfg.query_prefix)))  # fmt: skip
+    per_label: dict = {}
+    for label, rs in rows.items():
+        sims = similarity_scores(rs, cfg.k, chunk_vecs, [query_vecs[r["question"]] for r in rs])
+        stored = [mean_of_known([h["score"] for h in r["hits"][: cfg.k]]) for r in rs]
+        metrics[f"avgsim@{cfg.k}_{label}"] = mean_of_known([s for s, _ in sims])
+        metrics[f"pairsim@{cfg.k}_{label}"] = mean_of_known([p for _, p in sims])
+        metrics[f"retriever_avgsim@{cfg.k}_{label}"] = mean_of_known(stored)
+        metrics[f"questions_{label}"] = len(rs)
+        for r, (s, p), st in zip(rs, sims, stored):
+            put(f"q:{r['qid']}", f"avgsim@{cfg.k}_{label}", s)
+            put(f"q:{r['qid']}", f"pairsim@{cfg.k}_{label}", p)
+            put(f"q:{r['qid']}", f"retriever_avgsim@{cfg.k}_{label}", st)
+        per_label[label] = [
+            {"qid": r["qid"], "avgsim": s, "pairsim": p, "retriever_avgsim": st, "hits": len(r["hits"][: cfg.k])}
+            for r, (s, p), st in zip(rs, sims, stored)
+        ]  # fmt: skip
+    return per_label
+
+
+def evaluate(cfg: DiagnosticsConfig) -> dict:
+    """AVGSim of retrieval runs, then PPL of rewrites and CP of the retrieved chunks under each model;
+    returns the metrics, details, per-item values and how the run went."""
     from metachunk import models
 
     retrieval = parse_retrieval(cfg.retrieval) if cfg.retrieval else {}
@@ -387,33 +419,8 @@ def evaluate(cfg: DiagnosticsConfig) -> dict:
     }
     t0 = time.perf_counter()
 
-    # AVGSim: one embedder, every distinct text once
-    if rows:
-        embedder = models.load_sentence_embedder(cfg.embedder, device=cfg.device)
-        texts = list(dict.fromkeys(h["text"] for rs in rows.values() for r in rs for h in r["hits"][: cfg.k]))
-        questions = list(dict.fromkeys(r["question"] for rs in rows.values() for r in rs))
-        chunk_vecs = dict(
-            zip(texts, embed(embedder, texts, cfg.embed_batch_size, cfg.progress, "embed chunks"))
-        )
-        query_vecs = dict(zip(questions, embed(embedder, questions, cfg.embed_batch_size, cfg.progress,
-                                               "embed questions", prefix=cfg.query_prefix)))  # fmt: skip
-        details["avgsim"] = {}
-        for label, rs in rows.items():
-            sims = similarity_scores(rs, cfg.k, chunk_vecs, [query_vecs[r["question"]] for r in rs])
-            stored = [mean_of_known([h["score"] for h in r["hits"][: cfg.k]]) for r in rs]
-            metrics[f"avgsim@{cfg.k}_{label}"] = mean_of_known([s for s, _ in sims])
-            metrics[f"pairsim@{cfg.k}_{label}"] = mean_of_known([p for _, p in sims])
-            metrics[f"retriever_avgsim@{cfg.k}_{label}"] = mean_of_known(stored)
-            metrics[f"questions_{label}"] = len(rs)
-            for r, (s, p), st in zip(rs, sims, stored):
-                put(f"q:{r['qid']}", f"avgsim@{cfg.k}_{label}", s)
-                put(f"q:{r['qid']}", f"pairsim@{cfg.k}_{label}", p)
-                put(f"q:{r['qid']}", f"retriever_avgsim@{cfg.k}_{label}", st)
-            details["avgsim"][label] = [
-                {"qid": r["qid"], "avgsim": s, "pairsim": p, "retriever_avgsim": st, "hits": len(r["hits"][: cfg.k])}
-                for r, (s, p), st in zip(rs, sims, stored)
-            ]  # fmt: skip
-        del embedder
+    if rows:  # AVGSim: one embedder, every distinct text once
+        details["avgsim"] = _avgsim(cfg, rows, metrics, put)
 
     # PPL and CP: one causal LM at a time
     details["ppl"], details["cp"] = {}, {}
