@@ -16,6 +16,7 @@ missing, at any depth:
  "task": "rewrite" | "summary" | "moc-router" | "moc-expert",
  "pretty_name": str,                          # default: name
  "license": str,                              # default: "apache-2.0"
+ "license_name": str, "license_link": str,    # with license "other": its id, and a URL or LICENSE
  "language": ["zh", "en"],
  "demo": bool,                                # True: teacher was the local SmolLM2-135M demo model
  "rows": {"train": int, "validation": int},   # one entry per split that has a parquet file
@@ -211,6 +212,9 @@ def _yaml_header(stats: dict, features) -> str:
     rows = stats["rows"]
     card_data = DatasetCardData(
         license=stats.get("license") or "apache-2.0",
+        # https://github.com/huggingface/hub-docs/blob/main/datasetcard.md: a license not on the Hub's list
+        license_name=stats.get("license_name"),
+        license_link=stats.get("license_link"),
         language=stats.get("language") or None,  # unknown: left out rather than guessed
         task_categories=["text-generation"],
         size_categories=[size_category(sum(rows.values()))],

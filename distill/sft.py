@@ -96,6 +96,12 @@ class BuildSftConfig:
         None, "cut the rebuilt context to this; default: the distill run's"
     )
     license: str = option("other", "dataset license for the card (the source corpus's terms apply)")
+    license_name: str | None = option(
+        None, "license other: the license's id for the card (https://huggingface.co/docs/hub/datasets-cards)"
+    )
+    license_link: str | None = option(
+        None, "license other: a URL to its text, or LICENSE for a file of that name in the dataset repo"
+    )
     demo: bool = option(False, "card says: demo-scale set from a small local teacher, not training-grade")
     granularity: list[int] | None = option(
         None, "moc-expert: labels (0-3) to build, one dataset OUT-k with card NAME-k each; default all four"
@@ -120,6 +126,11 @@ class BuildSftConfig:
         for name in ("max_length", "max_context_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"field {name!r} must be >= 1, got {getattr(self, name)}")
+        if (self.license_name or self.license_link) and self.license != "other":
+            # the Hub's card spec: license_name and license_link name a license not on its list
+            raise ValueError(
+                f"'license_name' and 'license_link' go with license 'other', not {self.license!r}"
+            )
         if self.name is None:
             self.name = f"metachunk-{self.task}-{Path(self.out).name}"
         if Path(self.name).name != self.name or self.name in (".", ".."):  # the card is CARDS_DIR/NAME.md
@@ -466,6 +477,7 @@ def _card_stats(cfg: BuildSftConfig, maker, target: Target, inputs: Inputs) -> d
         "task": cfg.task,
         "pretty_name": target.name,
         "license": cfg.license,
+        **{k: v for k, v in (("license_name", cfg.license_name), ("license_link", cfg.license_link)) if v},
         "language": langs,
         "demo": cfg.demo,
         "rows": rows,

@@ -221,6 +221,23 @@ def test_size_category_uses_hub_buckets(n, label):
     assert size_category(n) == label
 
 
+def test_a_license_off_the_hubs_list_is_named_and_linked(tmp_path):
+    """The Hub's dataset card spec: with license other, license_name and license_link say which."""
+    from huggingface_hub import DatasetCard
+    from metachunk.distill.sft import BuildSftConfig
+
+    stats = {**full_stats(), "license": "other", "license_name": "crud-rag", "license_link": "LICENSE"}
+    card = DatasetCard(render_dataset_card(stats))
+    assert (card.data.license, card.data.license_name, card.data.license_link) == (
+        "other",
+        "crud-rag",
+        "LICENSE",
+    )
+    assert "license_name" not in render_dataset_card(full_stats())
+    with pytest.raises(ValueError, match="go with license 'other'"):
+        BuildSftConfig(task="rewrite", distilled="d", out="o", license="mit", license_name="x")
+
+
 def test_missing_stats_say_not_measured():
     text = render_dataset_card({"name": "bare", "task": "summary", "rows": {"train": 1200, "validation": 0}})
     meta = _front_matter(text)
