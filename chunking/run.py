@@ -30,6 +30,7 @@ from metachunk.chunking.shards import (
     model_fingerprints,
     reads,
     replacement_dir,
+    replacing_dir,
     run_local,
     run_ray,
     source_of,
@@ -37,15 +38,17 @@ from metachunk.chunking.shards import (
 
 from metachunk import config
 from metachunk.artifacts import (
+    RUN_LOG,
     SCHEMA_VERSION,
     InputError,
     OutputPair,
     append_run_log,
     jsonl_line,
     replace_dir,
+    write_bytes,
 )
 from metachunk.command import Reads, Result
-from metachunk.sources import DocumentSource, finish_rejects, skipped_exit
+from metachunk.sources import DocumentSource, finish_rejects, rejects_path, skipped_exit
 
 CONFIG = ChunkConfig
 
@@ -210,7 +213,6 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     rejects = cfg.bad_rows.rejects(cfg.output)
     source = source_of(cfg, rejects)
     index = source.scan(progress=progress)  # every file:line check, before any model loads
-    rejected = finish_rejects(rejects, "chunk")
     scan_s = time.perf_counter() - started
     plan = ShardPlan(index.documents, cfg.shards or max(1, -(-index.documents // DOCS_PER_SHARD)))
     if cfg.method in ("ppl", "msp"):  # convert a preset once here, not in every worker at once
@@ -232,11 +234,19 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     if staging is not None:
         print(f"{cfg.output}: holds a complete run; this one is written in {staging} and replaces it once "
               "complete", file=sys.stderr)  # fmt: skip
+        if rejects is not None:  # the complete folder keeps its own until the swap
+            rejects.path = rejects_path(staging)
         output = ShardedOutput(staging, plan, cfg.output_format)
         done = output.open(head, overwrite=False, restart_if_changed=True)  # a stopped replacement resumes
     else:
+        if replacing_dir(cfg.output).is_dir():
+            print(f"{cfg.output}: {replacing_dir(cfg.output)} holds an unfinished replacement of this folder: "
+                  "rerun the command that started it, or delete it", file=sys.stderr)  # fmt: skip
         output = ShardedOutput(cfg.output, plan, cfg.output_format)
         done = output.open(head, cfg.overwrite, restart_if_changed)
+    rejected = finish_rejects(rejects, "chunk")
+    if staging is not None and rejected and rejected.get("file"):
+        rejected["file"] = str(rejects_path(cfg.output))  # where it is once swapped in
     mine = [i for i in range(plan.shards) if i % world == rank]
     pending = [i for i in mine if i not in done]
     output.remove_stale_temps(pending)
@@ -288,7 +298,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     }
     manifest = output.finish(run, {"length_fit": length_fit, "rejects": rejected})
     if staging is not None and manifest["complete"]:
-        replace_dir(staging, cfg.output)
+        swap_in(staging, cfg.output, rejects is not None)
     state = (
         "complete"
         if manifest["complete"]
@@ -305,6 +315,21 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     for report in reports:
         print_method_lines([], report.get("students", {}))
     return {**manifest, "run": run}  # the caller's summary: this attempt's method counts too
+
+
+def swap_in(staging: Path, output: str | Path, with_rejects: bool) -> None:
+    """Put a complete replacement at ``output``: the folder's earlier run log goes first in the new
+    one (it is the folder's history), and the replacement's rejects file beside it."""
+    earlier = Path(output) / RUN_LOG
+    if earlier.is_file():
+        log = staging / RUN_LOG
+        write_bytes(log, earlier.read_bytes() + (log.read_bytes() if log.is_file() else b""))
+    replace_dir(staging, output)
+    if with_rejects:
+        if rejects_path(staging).is_file():
+            os.replace(rejects_path(staging), rejects_path(output))
+        else:  # this run left no row out
+            rejects_path(output).unlink(missing_ok=True)
 
 
 def run_sharded(cfg, progress: bool = True, restart_if_changed: bool = False) -> dict:

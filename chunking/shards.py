@@ -435,25 +435,32 @@ class ShardedOutput:
             return manifest
 
 
+def replacing_dir(root: str | Path) -> Path:
+    """``.NAME.replacing`` beside the folder ``root``: where a run that replaces it writes."""
+    whole = Path(os.path.abspath(root))  # `-o .` has no name of its own
+    return whole.parent / f".{whole.name}.replacing"
+
+
 def replacement_dir(
     root: str | Path, fingerprint: str, overwrite: bool, restart_if_changed: bool
 ) -> Path | None:
-    """Where a run writes that replaces the complete run in ``root``: ``.NAME.replacing`` beside it,
-    swapped in once complete, so that a stop part-way leaves the good folder as it was. None when the
-    run writes in ``root`` itself: nothing complete is there, the same run is (a resume), or the run
-    may not replace it (`ShardedOutput.open` then refuses)."""
-    root = Path(root)
-    try:
-        previous = read_json(root / MANIFEST)
-    except InputError:  # none, or unreadable: nothing complete to keep
+    """Where a run writes that replaces the complete run in ``root``: `replacing_dir`, swapped in once
+    complete, so that a stop part-way leaves the good folder as it was. None when the run writes in
+    ``root`` itself: nothing complete is there, the same run is (a resume), the run may not replace it
+    (`ShardedOutput.open` then refuses), or ``root`` holds the working directory (``-o .``), which
+    cannot be renamed away."""
+    staging = replacing_dir(root)
+    if Path.cwd().resolve().is_relative_to(Path(os.path.abspath(root)).resolve()):
         return None
+    try:
+        previous = read_json(Path(root) / MANIFEST)
+    except InputError:  # none, or unreadable: nothing complete to keep
+        # a swap stopped between its two renames left no folder and a complete replacement: finish it
+        return staging if not Path(root).exists() and (staging / MANIFEST).is_file() else None
     if previous.get("complete") is not True:
         return None
     changed = previous.get("fingerprint") != fingerprint
-    if overwrite or (restart_if_changed and changed):
-        whole = Path(os.path.abspath(root))  # `-o .` has no name of its own
-        return whole.parent / f".{whole.name}.replacing"
-    return None
+    return staging if overwrite or (restart_if_changed and changed) else None
 
 
 def with_journal(manifest: dict, journal: Path) -> dict:

@@ -426,13 +426,59 @@ def test_a_replacement_stopped_part_way_leaves_the_complete_folder_whole(tmp_pat
     staging = tmp_path / ".out.replacing"
     assert len(shards_done(staging)) == 1
 
+    assert "unfinished replacement" in chunk(capsys, *base, "--target-len", 80)[1]  # the old command: told
+
     rc, err = chunk(capsys, *base, "--target-len", 120, "--overwrite")
     assert rc == 0 and "resuming: 1 of 3 shards done" in err, err
     assert not staging.exists() and not list(tmp_path.glob(".out.*"))
+    assert (
+        len(read_run_log(out)) == 3
+    )  # the folder's history goes on: the first run, then the replacement's two
     fresh = tmp_path / "fresh"
     assert chunk(capsys, src, "-o", fresh, "--method", "sentence", "--shards", 3, "--target-len", 120)[0] == 0
     assert shard_bytes(out) == shard_bytes(fresh)
     assert (out / "manifest.json").read_bytes() == (fresh / "manifest.json").read_bytes()
+
+    # a swap stopped between its two renames: no folder, a complete replacement beside it; the rerun swaps
+    out.rename(staging)
+    assert chunk(capsys, *base, "--target-len", 120)[0] == 0
+    assert shard_bytes(out) == shard_bytes(fresh) and not staging.exists()
+
+    monkeypatch.chdir(
+        out
+    )  # `-o .`: the folder the process is in cannot be renamed away, so it is cleared in place
+    rc, err = chunk(
+        capsys, src, "-o", ".", "--method", "sentence", "--shards", 3, "--target-len", 80, "--overwrite"
+    )
+    assert rc == 0 and "replaces it once complete" not in err, err
+    assert shard_bytes(out) != shard_bytes(fresh) and not staging.exists()
+
+
+def test_a_replacement_keeps_the_complete_folders_rejects_until_the_swap(tmp_path, capsys, emma, monkeypatch):
+    from metachunk.chunking.shards import ShardedOutput
+
+    from metachunk.stopping import Stopped
+
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    src.write_text(src.read_text() + "{not json\n")  # a bad row, left out and recorded beside the folder
+    out, rejects = tmp_path / "out", tmp_path / "out.rejects.jsonl"
+    base = [src, "-o", out, "--method", "sentence", "--shards", 3, "--on-bad-row", "skip"]
+    assert chunk(capsys, *base, "--target-len", 80)[0] == 6  # EXIT_SKIPPED: rows were left out
+    recorded = rejects.read_bytes()
+    write_jsonl(src, emma)  # the replacement's input has no bad row
+    commit = ShardedOutput.commit
+
+    def stopped_after_one(self, i, data, stats):
+        commit(self, i, data, stats)
+        raise Stopped(signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(ShardedOutput, "commit", stopped_after_one)
+        assert chunk(capsys, *base, "--target-len", 120, "--overwrite")[0] == 143
+    assert rejects.read_bytes() == recorded  # beside the complete folder, still its own
+    assert chunk(capsys, *base, "--target-len", 120, "--overwrite")[0] == 0
+    assert not rejects.exists()  # swapped in: the new run left nothing out
+    assert json.loads((out / "manifest.json").read_text())["rejects"] == {"rows": 0}
 
 
 def test_a_folder_takes_plots_and_names_them_by_input_position(tmp_path, capsys, emma, tiny_model_dir):
