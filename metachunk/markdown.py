@@ -37,26 +37,32 @@ def fenced(text: str, lang: str = "text") -> str:
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
-def shown_path(path) -> str:
+def shown_path(path, relative_to_cwd: bool = True) -> str:
     """A local path as a card shows it. A card is a public document once pushed, and an absolute path
-    names a user's home, cache and folder layout while saying nothing to its readers: one under the
-    working directory is shown relative to it, any other only by its last part (``…/name``). A
-    relative path is shown as given (what the user typed)."""
+    names a user's home, cache and folder layout while saying nothing to its readers: it is shown by
+    its last part only (``…/name``), or, with ``relative_to_cwd`` (a path typed for this command),
+    relative to the working directory when it lies under it, unless that directory holds the home
+    folder (``/``, ``/home``), which would show the home in full. A relative path is shown as given."""
     p = Path(str(path))
     if not p.is_absolute():
         return str(p)
-    try:
-        return str(p.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return f"…/{p.name}"
+    if relative_to_cwd:
+        cwd = Path.cwd().resolve()
+        try:
+            home_under_cwd = Path.home().resolve().is_relative_to(cwd)
+        except RuntimeError:  # no home folder to find
+            home_under_cwd = False
+        if not home_under_cwd and p.resolve().is_relative_to(cwd):
+            return str(p.resolve().relative_to(cwd))
+    return f"…/{p.name}"
 
 
-def shown_argument(value):
+def shown_argument(value, relative_to_cwd: bool = True):
     """A command's word or a hyperparameter, an absolute path in it (``/home/…/recipe.yaml``,
     ``--deepspeed=/…/zero3.json``) shown by `shown_path`; anything else as it is."""
     if not isinstance(value, str):
         return value
     flag, eq, rest = value.partition("=")
     if eq and flag.startswith("-") and rest.startswith("/"):
-        return f"{flag}={shown_path(rest)}"
-    return shown_path(value) if value.startswith("/") else value
+        return f"{flag}={shown_path(rest, relative_to_cwd)}"
+    return shown_path(value, relative_to_cwd) if value.startswith("/") else value

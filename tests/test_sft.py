@@ -156,6 +156,26 @@ def test_a_published_set_names_no_local_folder(planted, tiny_model_dir, tmp_path
     assert "--distilled rewrite.jsonl --out ds" in (planted / "ds" / "README.md").read_text(encoding="utf-8")
 
 
+def test_a_card_shows_no_home_from_a_working_directory_above_it(tmp_path, monkeypatch):
+    """Run from `/` (a container, cron) every path lies under the working directory: a path under the
+    home folder is then shown by its last part, not relative to `/`."""
+    from metachunk.markdown import shown_argument, shown_path
+
+    home = tmp_path / "home" / "alice"
+    (home / "project").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    cache = home / ".cache" / "Qwen2.5-3B"
+    for cwd in ("/", tmp_path / "home", home):
+        monkeypatch.chdir(cwd)
+        assert (
+            shown_path(cache) == "…/Qwen2.5-3B"
+            and shown_argument(f"--model={cache}") == "--model=…/Qwen2.5-3B"
+        )
+    monkeypatch.chdir(home / "project")
+    assert shown_path(home / "project" / "runs" / "ds") == "runs/ds"  # under a project folder: as typed there
+    assert shown_path(home / "project" / "runs" / "ds", relative_to_cwd=False) == "…/ds"  # recorded elsewhere
+
+
 def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):
     from datasets import load_dataset
     from transformers import AutoTokenizer

@@ -86,8 +86,14 @@ def _flatten(obj, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix.rstrip("."), obj)]
 
 
+def _recorded(value):
+    """A word or value the run recorded, its absolute paths as ``…/name``: they were typed in the training
+    run's working directory, not in this one."""
+    return markdown.shown_argument(value, relative_to_cwd=False)
+
+
 def _local(path) -> str:
-    return _code(None if path is None else markdown.shown_path(path))
+    return _code(None if path is None else markdown.shown_path(path, relative_to_cwd=False))
 
 
 def _where(export_facts: dict) -> str:
@@ -243,14 +249,14 @@ def _recipe_section(run: Run) -> str:
     text = "## Training recipe\n\n"
     text += (
         "Arguments of `python -m metachunk.train` (= `metachunk train`; TRL SFTTrainer, loss on the completion tokens "
-        "only):\n\n" + markdown.fenced(shlex.join(map(markdown.shown_argument, command)), "bash")
+        "only):\n\n" + markdown.fenced(shlex.join(_recorded(word) for word in command), "bash")
         if command
         else f"Command: {NOT_RECORDED}."
     )
     if hyper is None:
         return text + f"\n\nHyperparameters: {NOT_RECORDED}."
     rows = [
-        [k, "none" if v is None else repr(v) if isinstance(v, float) else _value(markdown.shown_argument(v))]
+        [k, "none" if v is None else repr(v) if isinstance(v, float) else _value(_recorded(v))]
         for k, v in hyper.items()
     ]
     model_args = facts.get("model_args") or {}

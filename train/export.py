@@ -471,7 +471,7 @@ def write_generation_config(folders: list[Path], tokenizer, into: Path) -> str:
         if (folder / "generation_config.json").is_file():
             GenerationConfig.from_pretrained(folder)  # it must parse
             shutil.copyfile(folder / "generation_config.json", into / "generation_config.json")
-            return f"copied from {shown_path(folder)}"
+            return f"copied from {shown_path(folder, relative_to_cwd=False)}"
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
