@@ -66,3 +66,18 @@ def shown_argument(value, relative_to_cwd: bool = True):
     if eq and flag.startswith("-") and rest.startswith("/"):
         return f"{flag}={shown_path(rest, relative_to_cwd)}"
     return shown_path(value, relative_to_cwd) if value.startswith("/") else value
+
+
+def shown_keys(by_path: dict) -> dict:
+    """``by_path`` keyed by its paths as `shown_argument` shows them; two that would show alike
+    (``…/documents.jsonl`` of two folders) keep as many of their last parts as tell them apart, so no
+    entry is lost."""
+    shown: dict = {}
+    for path, value in by_path.items():
+        key, parts = shown_argument(path), Path(path).parts
+        for n in range(2, len(parts) + 1):
+            if key not in shown:
+                break
+            key = "…/" + "/".join(parts[-n:])
+        shown[key] = value
+    return shown

@@ -85,7 +85,7 @@ from metachunk.artifacts import (
 )
 from metachunk.command import Registry, Result
 from metachunk.config import option
-from metachunk.markdown import shown_argument, shown_path
+from metachunk.markdown import shown_argument, shown_keys, shown_path
 from metachunk.named_data import MissingDataset, name_of
 from metachunk.redaction import redact
 from metachunk.sources import EXIT_SKIPPED, rows_left_out, skipped_exit, total_rejects
@@ -677,13 +677,17 @@ def run(cfg: RunConfig, registry: Registry) -> Result:
 
 def _published(entry: dict) -> dict:
     """A stage's report entry as the manifest records it: data push uploads the manifest, so a path
-    (an input, an output, a local model's folder) is shown as a card shows it (`markdown.shown_path`),
-    never with the user's home; this invocation's status and seconds are the manifest's ``run``."""
+    (an input, an output, a local model's or a served teacher's folder, the rejects file) is shown as a
+    card shows it (`markdown.shown_path`), never with the user's home; this invocation's status and
+    seconds are the manifest's ``run``."""
     shown = {k: v for k, v in entry.items() if k not in ("status", "seconds")}
     for key in ("inputs", "outputs"):
-        shown[key] = {shown_argument(path): digest for path, digest in entry[key].items()}
+        shown[key] = shown_keys(entry[key])
     shown["models"] = {
-        shown_argument(name): {**facts, "name": shown_argument(facts["name"])}
-        for name, facts in entry["models"].items()
+        name: {**facts, "name": shown_argument(facts["name"])}
+        for name, facts in shown_keys(entry["models"]).items()
     }
+    shown["teachers"] = {stage: shown_argument(model) for stage, model in entry["teachers"].items()}
+    if entry.get("rejects", {}).get("file"):
+        shown["rejects"] = {**entry["rejects"], "file": shown_argument(entry["rejects"]["file"])}
     return shown

@@ -159,7 +159,7 @@ def test_a_published_set_names_no_local_folder(planted, tiny_model_dir, tmp_path
 def test_a_card_shows_no_home_from_a_working_directory_above_it(tmp_path, monkeypatch):
     """Run from `/` (a container, cron) every path lies under the working directory: a path under the
     home folder is then shown by its last part, not relative to `/`."""
-    from metachunk.markdown import shown_argument, shown_path
+    from metachunk.markdown import shown_argument, shown_keys, shown_path
 
     home = tmp_path / "home" / "alice"
     (home / "project").mkdir(parents=True)
@@ -174,6 +174,8 @@ def test_a_card_shows_no_home_from_a_working_directory_above_it(tmp_path, monkey
     monkeypatch.chdir(home / "project")
     assert shown_path(home / "project" / "runs" / "ds") == "runs/ds"  # under a project folder: as typed there
     assert shown_path(home / "project" / "runs" / "ds", relative_to_cwd=False) == "…/ds"  # recorded elsewhere
+    both = {"/d/train/documents.jsonl": 1, "/d/test/documents.jsonl": 2, "runs/x.jsonl": 3}
+    assert shown_keys(both) == {"…/documents.jsonl": 1, "…/test/documents.jsonl": 2, "runs/x.jsonl": 3}
 
 
 def test_rows_render_with_the_qwen_chat_template(planted, tiny_model_dir):
