@@ -16,7 +16,9 @@ output is written atomically.
 
 A bad line (not UTF-8 or JSON, no text or group string, a lone surrogate) stops the run with its
 ``file:line``, or with ``--on-bad-row skip`` is left out and written to ``OUT.rejects.jsonl``
-(`metachunk.sources.BadRows`).
+(`metachunk.sources.BadRows`). The read stops where the output is complete: after ``--limit``
+documents, or after the last group of a ``--groups`` slice counted from the start, so lines past
+that point are not checked.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def push_folder(
     the branch's head, or the head with other files than this folder's, is refused before anything
     is uploaded, and rerunning the push that made it succeeds without a request that writes
     (https://huggingface.co/docs/huggingface_hub/package_reference/hf_api). A push to the same branch
-    by someone else while this one uploads makes the Hub refuse this one's commit (``parent_commit``).
+    by someone else before this one's first commit makes the Hub refuse it (``parent_commit``).
 
     One push can be several commits: with ``hf_xet`` installed (huggingface_hub's default), a folder of
     more than a few hundred files is committed in parts (huggingface_hub's ``_upload_pipeline``), and
@@ -197,7 +197,7 @@ def push_folder(
             revision=revision,
             # Another push to the branch since `head` was read makes the Hub refuse this one (it
             # would mix the two). With hf_xet, upload_folder commits a folder of more than a few
-            # hundred files in parts: the first carries the deletions and this check.
+            # hundred files in parts: only the first carries the deletions and this check.
             parent_commit=head,
         )
         if tag:

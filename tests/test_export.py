@@ -392,12 +392,24 @@ def test_a_failed_push_is_retried_without_exporting_again(
     (out / ".env").write_text("HF_TOKEN=hf_private\n")
     (out / "notes").mkdir()
     (out / "notes" / "todo.md").write_text("private\n")
+    (out / "training_args.bin").write_bytes(b"a pickle")  # export writes none: it may hold paths, a token
     commits = len(fake_hub.commits)
     assert main(["export", "--out", str(out), "--push", REPO]) == 2
-    assert "holds 2 files no export writes (.env, notes/todo.md)" in capsys.readouterr().err
+    assert (
+        "holds 3 files no export writes (.env, notes/todo.md, training_args.bin)" in capsys.readouterr().err
+    )
     assert len(fake_hub.commits) == commits
     (out / ".env").unlink()
+    (out / "training_args.bin").unlink()
     shutil.rmtree(out / "notes")
+    (out / ".git").mkdir()  # what upload_folder never sends is no reason to refuse
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / "additional_chat_templates").mkdir()  # a tokenizer's named templates (transformers writes them so)
+    (out / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    assert main(["export", "--out", str(out), "--push", REPO]) == 0
+    assert "additional_chat_templates/tool_use.jinja" in fake_hub.committed_files()
+    shutil.rmtree(out / ".git")
+    shutil.rmtree(out / "additional_chat_templates")
 
     _export(tiny_model_dir, tmp_path / "local")  # a card for no repo: its usage lines name a local path
     assert main(["export", "--out", str(tmp_path / "local"), "--push", REPO]) == 2

@@ -506,7 +506,7 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
                              f"with --checkpoint and --push {cfg.push}")  # fmt: skip
         _check_push(cfg)
         model_config = read_json(cfg.out / "config.json")
-        files = sorted(p for p in cfg.out.rglob("*") if p.is_file())
+        files = sorted(p for p in cfg.out.rglob("*") if p.is_file() and not never_uploaded(cfg.out, p))
         strangers = [p.relative_to(cfg.out).as_posix() for p in files if not is_export_file(cfg.out, p)]
         if strangers:
             raise InputError(cfg.out, f"holds {len(strangers)} files no export writes ({', '.join(strangers[:5])}"
@@ -615,18 +615,29 @@ def _push(cfg: ExportConfig, result: ExportResult, files: list[Path], say) -> Ex
 MODEL_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
                        "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
                        "added_tokens.json", "vocab.*", "merges.txt", "chat_template.jinja", "chat_template.json"]  # fmt: skip
-# What an export writes: the model's files, its card, its loss curve and its eval results.
-EXPORT_FILE_PATTERNS = [*MODEL_FILE_PATTERNS, "README.md", "loss.png", "eval_results.json"]
+# What an export writes: safetensors weights (never a pickle: a training_args.bin holds paths and
+# maybe a token), the config and tokenizer files, its card, its loss curve and its eval results.
+EXPORT_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+                        "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                        "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
+                        "README.md", "loss.png", "eval_results.json"]  # fmt: skip
+# What upload_folder never sends (huggingface_hub's DEFAULT_IGNORE_PATTERNS): no reason to refuse it.
+NEVER_UPLOADED = (".git", ".cache/huggingface")
 
 
 def is_export_file(folder: Path, path: Path) -> bool:
-    """Whether ``path`` (in ``folder``) is a file an export writes: at the top, by its patterns."""
-    relative = path.relative_to(folder)
-    return (
-        len(relative.parts) == 1
-        and not relative.name.startswith(".")
-        and any(fnmatch.fnmatchcase(relative.name, pattern) for pattern in EXPORT_FILE_PATTERNS)
+    """Whether ``path`` (in ``folder``) is a file an export writes, by `EXPORT_FILE_PATTERNS` (a pattern
+    without a folder matches a file at the top only)."""
+    relative = path.relative_to(folder).as_posix()
+    return any(
+        fnmatch.fnmatchcase(relative, pattern) and relative.count("/") == pattern.count("/")
+        for pattern in EXPORT_FILE_PATTERNS
     )
+
+
+def never_uploaded(folder: Path, path: Path) -> bool:
+    relative = path.relative_to(folder).as_posix()
+    return any(relative == skip or relative.startswith(skip + "/") for skip in NEVER_UPLOADED)
 
 
 # ---- `metachunk export` --------------------------------------------------------------------------
