@@ -4,6 +4,7 @@ actors (``chunking/shards.py``, ``metachunk/sources.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -400,26 +401,33 @@ def test_a_changed_config_or_input_is_refused_unless_overwrite(tmp_path, capsys,
         assert "Traceback" not in err
 
 
-def test_a_replacement_stopped_part_way_leaves_the_complete_folder_whole(tmp_path, capsys, emma, monkeypatch):
-    """--overwrite of a complete folder writes beside it and swaps once complete: a stop part-way (here a
-    SIGTERM after the first shard) leaves the good run as it was, and the same command resumes the rest."""
+@contextlib.contextmanager
+def stopped_after_one_shard(monkeypatch):
+    """Within it, a run enters one shard and is then stopped, as SIGTERM stops it."""
     from metachunk.chunking.shards import ShardedOutput
 
     from metachunk.stopping import Stopped
 
+    commit = ShardedOutput.commit
+
+    def stopped(self, i, data, stats):
+        commit(self, i, data, stats)
+        raise Stopped(signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(ShardedOutput, "commit", stopped)
+        yield
+
+
+def test_a_replacement_stopped_part_way_leaves_the_complete_folder_whole(tmp_path, capsys, emma, monkeypatch):
+    """--overwrite of a complete folder writes beside it and swaps once complete: a stop part-way (here a
+    SIGTERM after the first shard) leaves the good run as it was, and the same command resumes the rest."""
     src = write_jsonl(tmp_path / "emma.jsonl", emma)
     out = tmp_path / "out"
     base = [src, "-o", out, "--method", "sentence", "--shards", 3]
     assert chunk(capsys, *base, "--target-len", 80)[0] == 0
     good = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    commit = ShardedOutput.commit
-
-    def stopped_after_one(self, i, data, stats):
-        commit(self, i, data, stats)
-        raise Stopped(signal.SIGTERM)
-
-    with monkeypatch.context() as m:
-        m.setattr(ShardedOutput, "commit", stopped_after_one)
+    with stopped_after_one_shard(monkeypatch):
         rc, err = chunk(capsys, *base, "--target-len", 120, "--overwrite")
     assert rc == 143 and "replaces it once complete" in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == good  # the good run, whole
@@ -455,10 +463,6 @@ def test_a_replacement_stopped_part_way_leaves_the_complete_folder_whole(tmp_pat
 
 
 def test_a_replacement_keeps_the_complete_folders_rejects_until_the_swap(tmp_path, capsys, emma, monkeypatch):
-    from metachunk.chunking.shards import ShardedOutput
-
-    from metachunk.stopping import Stopped
-
     src = write_jsonl(tmp_path / "emma.jsonl", emma)
     src.write_text(src.read_text() + "{not json\n")  # a bad row, left out and recorded beside the folder
     out, rejects = tmp_path / "out", tmp_path / "out.rejects.jsonl"
@@ -466,14 +470,7 @@ def test_a_replacement_keeps_the_complete_folders_rejects_until_the_swap(tmp_pat
     assert chunk(capsys, *base, "--target-len", 80)[0] == 6  # EXIT_SKIPPED: rows were left out
     recorded = rejects.read_bytes()
     write_jsonl(src, emma)  # the replacement's input has no bad row
-    commit = ShardedOutput.commit
-
-    def stopped_after_one(self, i, data, stats):
-        commit(self, i, data, stats)
-        raise Stopped(signal.SIGTERM)
-
-    with monkeypatch.context() as m:
-        m.setattr(ShardedOutput, "commit", stopped_after_one)
+    with stopped_after_one_shard(monkeypatch):
         assert chunk(capsys, *base, "--target-len", 120, "--overwrite")[0] == 143
     assert rejects.read_bytes() == recorded  # beside the complete folder, still its own
     assert chunk(capsys, *base, "--target-len", 120, "--overwrite")[0] == 0
