@@ -322,8 +322,10 @@ def swap_in(staging: Path, output: str | Path, with_rejects: bool) -> None:
     one (it is the folder's history), and the replacement's rejects file beside it."""
     earlier = Path(output) / RUN_LOG
     if earlier.is_file():
+        history = earlier.read_bytes()
+        history = history[: history.rfind(b"\n") + 1]  # a line a kill cut short would join the next
         log = staging / RUN_LOG
-        write_bytes(log, earlier.read_bytes() + (log.read_bytes() if log.is_file() else b""))
+        write_bytes(log, history + (log.read_bytes() if log.is_file() else b""))
     replace_dir(staging, output)
     if with_rejects:
         if rejects_path(staging).is_file():
