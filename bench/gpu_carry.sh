@@ -41,7 +41,7 @@ cp -rL "$(dirname "$news")" "$CARRY/data/crud-news"
 # Built once and kept (seeded, so a rebuild gives the same rows): delete $CARRY/sft to rebuild it.
 if [[ ! -f $CARRY/sft/build_report.json ]]; then
   "$PY" -P bench/random_model.py --shape tiny --out bench_out/gpu_carry_tokenizer --device cpu > /dev/null
-  "$PY" -P bench/sft_build.py --sizes 2000 --tokenizer bench_out/gpu_carry_tokenizer --max-tokens 4096 \
+  "$PY" -P bench/sft_build.py --sizes 2000 --tokenizer bench_out/gpu_carry_tokenizer --max-length 4096 \
     --dataset-out "$CARRY/sft" > bench_out/gpu_carry_sft.log
 fi
 

@@ -97,7 +97,7 @@ fi
 [[ -f $SMALL_MODEL/config.json ]] || ! wanted resume ||
   step "random_$SMALL" "$PY" -P "$ROOT/bench/random_model.py" --shape "$SMALL" --out "$SMALL_MODEL"
 [[ -n "${GPU_TRAIN_DATASET:-}" || -f $DATASET/build_report.json ]] || step sft_dataset "$PY" -P "$ROOT/bench/sft_build.py" \
-  --sizes "$DATA_RECORDS" --tokenizer "$BIG_MODEL" --max-tokens "$MAX_LEN" --dataset-out "$DATASET"
+  --sizes "$DATA_RECORDS" --tokenizer "$BIG_MODEL" --max-length "$MAX_LEN" --dataset-out "$DATASET"
 
 # What every run shares: the data, a short run, no evaluation or checkpoints unless asked, the device's settings.
 COMMON=(--dataset_name "$DATASET" --max_steps "$TRAIN_STEPS" --gradient_accumulation_steps "$ACCUM"

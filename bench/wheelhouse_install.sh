@@ -114,7 +114,7 @@ fi
 
 echo "== the 3B recipe's ZeRO-2 launch from the clone's root, with that install (CPU, tiny model), on a set built here"
 "$PY" -P bench/random_model.py --shape tiny --out "$NODE/tokenizer" --device cpu > /dev/null
-"$PY" -P bench/sft_build.py --sizes 24 --tokenizer "$NODE/tokenizer" --max-tokens 4096 --dataset-out "$NODE/sft" > "$NODE/sft.log"
+"$PY" -P bench/sft_build.py --sizes 24 --tokenizer "$NODE/tokenizer" --max-length 4096 --dataset-out "$NODE/sft" > "$NODE/sft.log"
 PYTHON="$NODE/venv/bin/python" GPU_CHECK_DIR="$NODE/check" GPU_TRAIN_DATASET="$NODE/sft" GPU_TRAIN_STEPS=zero2 \
   OMP_NUM_THREADS=1 bash bench/gpu_train_check.sh --dry-run
 
