@@ -239,8 +239,8 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         output = ShardedOutput(staging, plan, cfg.output_format)
         done = output.open(head, overwrite=False, restart_if_changed=True)  # a stopped replacement resumes
     else:
-        if replacing_dir(cfg.output).is_dir():
-            print(f"{cfg.output}: {replacing_dir(cfg.output)} holds an unfinished replacement of this folder: "
+        if (unfinished := replacing_dir(cfg.output)).is_dir():
+            print(f"{cfg.output}: {unfinished} holds an unfinished replacement of this folder: "
                   "rerun the command that started it, or delete it", file=sys.stderr)  # fmt: skip
         output = ShardedOutput(cfg.output, plan, cfg.output_format)
         done = output.open(head, cfg.overwrite, restart_if_changed)
