@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from metachunk.chunking.align import locate
 
+from metachunk.structured import json_in_text
+
 # The paper's eight placeholders for the omitted middle of a chunk (§3.2.3, Table 2); [MASK] is
 # the one its experiments use.
 PLACEHOLDERS = ("[MASK]", "<omitted>", "<ellipsis>", "[ELLIPSIS]", ".*?", "<...>", "<.*>", "<pad>")
@@ -60,13 +62,7 @@ def parse_expert_answer(answer: str) -> list[str] | None:
     Tolerates text around the list (a code fence, a preamble): the outermost ``[ ... ]`` is parsed.
     A list with a non-string element, or an empty list, is invalid.
     """
-    first, last = answer.find("["), answer.rfind("]")
-    if first < 0 or last <= first:
-        return None
-    try:
-        value = json.loads(answer[first : last + 1])
-    except json.JSONDecodeError:
-        return None
+    value = json_in_text(answer, openers="[")
     if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
         return None
     return value

@@ -81,7 +81,6 @@ attempt's, in ``OUT/runs.jsonl``.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import re
 from collections import Counter
@@ -103,6 +102,7 @@ from metachunk.distill.prompts import load_prompt
 
 from metachunk.artifacts import SCHEMA_VERSION
 from metachunk.sources import Rejects, read_documents
+from metachunk.structured import json_in_text
 from metachunk.teacher import estimate_tokens, is_transport_failure
 
 TASK = "moc"
@@ -121,10 +121,7 @@ _ECHO = re.compile(r"^\s*(the segmented text chunks are|分割后的文本块为
 def answer_chunks(answer: str) -> list[str]:
     """The chunks of a teacher answer: the ``"chunks"`` strings of its JSON object (or a bare JSON
     list of strings), else the pieces between separator lines (`split_answer`)."""
-    try:
-        data = json.loads(answer.strip().removeprefix("```json").removeprefix("```").removesuffix("```"))
-    except ValueError:
-        data = None
+    data = json_in_text(answer)
     if isinstance(data, dict):
         data = data.get("chunks")
     if isinstance(data, list) and all(isinstance(piece, str) for piece in data):

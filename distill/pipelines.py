@@ -21,8 +21,6 @@ work per chunk, and the summary, status and dry-run rows of the records.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ from metachunk.distill.prompts import load_prompt, load_schema
 
 from metachunk.artifacts import SCHEMA_VERSION, InputError
 from metachunk.sources import Rejects, read_documents, read_records, refuse_or_skip
-from metachunk.structured import OUTCOMES, read_answer
+from metachunk.structured import OUTCOMES, json_in_text, read_answer
 from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
 
 NOTHING_MISSING = {"none", "无", "无。", "none."}
@@ -89,9 +87,6 @@ class StageFailed(Exception):
         self.stage, self.reason = stage, reason
 
 
-_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
-
-
 def parse_items(text: str) -> list[Item] | None:
     """Refinement's ``{"items": [{missing, supplement, score}, ...]}``; None when it is not one.
 
@@ -100,8 +95,7 @@ def parse_items(text: str) -> list[Item] | None:
     became an object). Elements missing a field or with a score that is not a number are dropped;
     an array with elements but none usable is off-format.
     """
-    text = _FENCE.sub("", text.strip())
-    data = _outer_json(text)
+    data = json_in_text(text)
     if isinstance(data, dict):
         data = data.get("items")
     if not isinstance(data, list):
@@ -120,24 +114,6 @@ def parse_items(text: str) -> list[Item] | None:
     if data and not items:
         return None
     return items
-
-
-def _outer_json(text: str):
-    """The JSON value ``text`` holds: all of it, else from its first bracket to the last matching
-    one (``{…}`` or ``[…]``, whichever opens first); None when there is none."""
-    starts = [i for i in (text.find("{"), text.find("[")) if i >= 0]
-    candidates = [text]
-    if starts:
-        first = min(starts)
-        last = text.rfind("}" if text[first] == "{" else "]")
-        if last > first:
-            candidates.append(text[first : last + 1])
-    for candidate in candidates:
-        try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
-    return None
 
 
 def format_items(items: list[Item], lang: str) -> str:

@@ -19,6 +19,7 @@ in the text) keeps its outcome, and the stage treats it as it treats any refused
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -38,6 +39,34 @@ def is_valid(data, schema: Schema) -> bool:
 
         validator = _validators[schema.sha256] = validator_for(schema.data)(schema.data)
     return validator.is_valid(data)
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
+
+
+def json_in_text(text: str, openers: str = "{[") -> dict | list | None:
+    """The JSON object or list a model's answer holds, or None: all of the text (a code fence
+    around it dropped), else from its first opening bracket in ``openers`` to the last matching
+    closing one. Only a value that one of ``openers`` opens counts (``"["``: a list).
+
+    The lenient readers of every stage start here (a model wraps JSON in a fence or prose)."""
+    kinds = tuple({"{": dict, "[": list}[opener] for opener in openers)
+    text = _FENCE.sub("", text.strip())
+    starts = [i for i in (text.find(opener) for opener in openers) if i >= 0]
+    candidates = [text]
+    if starts:
+        first = min(starts)
+        last = text.rfind("}" if text[first] == "{" else "]")
+        if last > first:
+            candidates.append(text[first : last + 1])
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(value, kinds):
+            return value
+    return None
 
 
 def read_answer(

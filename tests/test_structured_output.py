@@ -23,7 +23,7 @@ from support.loopback_server import serve_in_subprocess
 from test_distill_reliability import REWRITE, chunk_text, make_job, one_chunk_per_doc, table
 
 from metachunk.prompts import Schema
-from metachunk.structured import read_answer
+from metachunk.structured import json_in_text, read_answer
 from metachunk.teacher import Teacher, TeacherConfig, response_format, with_json_instruction
 
 REFINEMENT = load_schema("refinement")
@@ -121,6 +121,20 @@ OUTCOMES = {
     "json_object_schema": {"valid": 1, "repaired": 1, "unparseable": 6},
     "json_schema": {"valid": 1, "repaired": 1, "unparseable": 6},
 }
+
+
+def test_the_json_in_an_answer_is_found_inside_a_fence_or_prose():
+    # Every stage's lenient reader (MoC's expert list, the refinement items, the MoC chunk list)
+    # starts from this one reader.
+    assert json_in_text('{"chunks": ["a"]}') == {"chunks": ["a"]}
+    assert json_in_text('```json\n["a", "b"]\n```') == ["a", "b"]
+    assert json_in_text('Here they are: {"items": []} Hope this helps.') == {"items": []}
+    assert json_in_text('Sure: [{"id": 1}] done') == [{"id": 1}]
+    # openers="[" reads the outermost list even when an object opens first
+    assert json_in_text('{"elements": ["x"]}', openers="[") == ["x"]
+    assert json_in_text("no JSON here") is None
+    assert json_in_text("42") is None
+    assert json_in_text('{"cut": ') is None
 
 
 @pytest.mark.parametrize("mode", list(OUTCOMES))
