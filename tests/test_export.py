@@ -84,6 +84,7 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
     assert set(files) == {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
                           "tokenizer_config.json", "chat_template.jinja", "README.md", "loss.png"}  # fmt: skip
     _no_pickles(out)  # the run dir's training_args.bin stays behind, unread
+    assert "the card's license is 'other' with no name" in err  # the tiny base has no card
 
     # the weights are the trained ones, and the folder is an ordinary HF model
     trained = AutoModelForCausalLM.from_pretrained(run, use_safetensors=True)
@@ -495,3 +496,20 @@ def test_the_models_license_is_its_base_models_not_its_datasets(tmp_path):
     (smol / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
     assert base_license(smol) == {"license": "apache-2.0"}
     assert base_license(tmp_path / "gone") == base_license(None) == {"license": "other"}
+
+
+def test_the_cards_license_is_the_flags_else_the_bases_else_the_presets(tmp_path):
+    """``--license`` wins; a base folder without a card (a converted preset) falls back to what the
+    preset's own Hub card declares; anything else is ``other``, which export says has no name."""
+    from metachunk.train.card import Run, card_license
+
+    no_flags = {"license": None, "license_name": None, "license_link": None}
+    assert card_license(Run(facts={"base_model": "smollm2", "base_model_dir": str(tmp_path)}), no_flags) == {
+        "license": "apache-2.0"
+    }
+    assert card_license(Run(facts={"base_model": "gemma3-270m"}), no_flags) == {"license": "gemma"}
+    assert card_license(Run(facts={"base_model": str(tmp_path)}), no_flags) == {"license": "other"}
+    named = {"license": "other", "license_name": "acme-1.0", "license_link": "LICENSE"}
+    assert card_license(Run(facts={"base_model": "smollm2"}), named) == named
+    with pytest.raises(ValueError, match="go with license 'other'"):
+        ExportConfig(checkpoint=tmp_path, out=tmp_path / "o", license="mit", license_name="acme")

@@ -21,6 +21,8 @@ NOT_RECORDED = "not recorded"
 TAGS = ["metachunk", "text-chunking", "rag"]
 # The Hub ids of the presets' upstream models (metachunk.models.PRESETS ships them as GGUF files).
 PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
+# What the presets' own Hub cards declare; their converted folders carry no card to read it from.
+PRESET_LICENSES = {"smollm2": {"license": "apache-2.0"}, "gemma3-270m": {"license": "gemma"}}
 # What a distilled model is for, by the dataset's task (metachunk.distill.sft: rewrite | summary).
 PURPOSE = {
     "rewrite": (
@@ -129,6 +131,21 @@ def base_license(base_model_dir) -> dict:
     )
 
 
+def card_license(run: Run, export_facts: dict) -> dict:
+    """The model card's ``license`` (and ``license_name`` / ``license_link``): what ``export`` was
+    told (``--license``), else what the base model's card declares, else the preset's, else
+    ``other`` with no name (the Hub's model card spec then asks for one:
+    https://huggingface.co/docs/hub/model-cards#specifying-a-license)."""
+    if export_facts.get("license"):
+        return {
+            k: export_facts[k] for k in ("license", "license_name", "license_link") if export_facts.get(k)
+        }
+    found = base_license(run.facts.get("base_model_dir"))
+    if found == {"license": "other"}:
+        return dict(PRESET_LICENSES.get(run.facts.get("base_model"), found))
+    return found
+
+
 def _front_matter(run: Run, export_facts: dict) -> str:
     from huggingface_hub import ModelCardData
 
@@ -140,7 +157,7 @@ def _front_matter(run: Run, export_facts: dict) -> str:
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=TAGS + ([task] if task else []),
-        **base_license(run.facts.get("base_model_dir")),
+        **card_license(run, export_facts),
         language=report.get("language") or None,  # unknown: left out rather than guessed
     ).to_yaml()
 
@@ -384,7 +401,8 @@ def render_model_card(run: Run, export_facts: dict) -> str:
     """README.md: YAML front matter, then what it is, base model, data, recipe, results, use, limits.
 
     ``export_facts`` (``metachunk.train.export``): ``title``, ``repo_id`` (where it is pushed, or None),
-    ``base_model_id`` and ``dataset_id`` (Hub ids or None),
+    ``base_model_id`` and ``dataset_id`` (Hub ids or None), ``license``, ``license_name`` and
+    ``license_link`` (None: the base model's),
     ``checkpoint``, ``kind``, ``parameters``, ``dtype``, ``generation_config``, ``loss_png``."""
     title = export_facts["title"]
     sections = [

@@ -73,7 +73,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.train.card import NOT_RECORDED, Run, last_logged, render_model_card
+from metachunk.train.card import NOT_RECORDED, Run, card_license, last_logged, render_model_card
 from metachunk.train.sft import RUN_FACTS
 
 from metachunk import config
@@ -150,6 +150,17 @@ class ExportConfig:
         None,
         "Hub id of the training dataset (`metachunk data push`), linked from the card; default: not linked",
     )
+    license: str | None = option(
+        None,
+        "the card's license, a Hub license id (https://huggingface.co/docs/hub/repositories-licenses); "
+        "default: the base model's card's, known for presets, else other",
+    )
+    license_name: str | None = option(
+        None, "license other: the license's id for the card (the Hub's model card spec asks for one)"
+    )
+    license_link: str | None = option(
+        None, "license other: a URL to its text, or LICENSE for a file in the repo"
+    )
 
     def __post_init__(self):
         config.check_choices(self)
@@ -169,6 +180,10 @@ class ExportConfig:
             raise ValueError(
                 f"field 'max_shard_size' must be a size like '5GB' or '500MiB', got {self.max_shard_size!r}"
             ) from None
+        if (self.license_name or self.license_link) and self.license != "other":
+            raise ValueError(
+                f"'license_name' and 'license_link' go with license 'other' (--license other), not {self.license!r}"
+            )
         for name in ("push", "base_model_id", "dataset_id"):
             value = getattr(self, name)
             if value is not None and value.count("/") != 1:
@@ -554,7 +569,13 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
             "repo_id": cfg.push,
             "base_model_id": cfg.base_model_id,
             "dataset_id": cfg.dataset_id,
+            "license": cfg.license,
+            "license_name": cfg.license_name,
+            "license_link": cfg.license_link,
         }
+        if card_license(run, export_facts) == {"license": "other"}:
+            say("the card's license is 'other' with no name: the base model's folder declares none; "
+                "name it with --license (or --license other --license-name ID --license-link URL)")  # fmt: skip
         card = render_model_card(run, export_facts)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -575,7 +596,8 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
 
 # The settings that shape an export (its weights, its card), refused where --push only publishes one.
 EXPORT_ONLY = {"merge_lora": False, "base_model": None, "trust_zero_shards": False, "dtype": "auto",
-               "max_shard_size": "5GB", "overwrite": False, "base_model_id": None, "dataset_id": None}  # fmt: skip
+               "max_shard_size": "5GB", "overwrite": False, "base_model_id": None, "dataset_id": None,
+               "license": None, "license_name": None, "license_link": None}  # fmt: skip
 
 
 def _safetensors_parameters(folder: Path) -> int:
