@@ -6,7 +6,11 @@ Chunks come from ``metachunk chunk`` output (one JSONL row per document: ``{id, 
 * ``chunk``: the chunk's text;
 * ``rewritten``: the student's rewrite (``chunk --rewrite``), or the chunk's text where a chunk
   has none;
-* ``summary+chunk``: the summary (``chunk --summarize``), a blank line, then the chunk's text.
+* ``summary+chunk``: the summary (``chunk --summarize``), a blank line, then the chunk's text;
+* ``summary+rewritten``: the summary, a blank line, then the rewrite (the chunk's text where it has
+  none): Meta-Chunking's full semantic completion (Table 2's "Meta-Chunking" row; ``rewritten`` and
+  ``summary+chunk`` are its "w/o Summary" and "w/o Rewriting" rows). The paper summarises the
+  rewritten chunk; the summary student reads the original chunk, as it was trained to.
 
 The index lives in ``INDEX_DIR/index.db`` (a Milvus Lite database). One collection per index key,
 the sha256 of (the chunks file's bytes, the embedder's fingerprint (and, for a local folder, its
@@ -46,7 +50,10 @@ from metachunk.chunking.shards import chunk_rows
 from metachunk.artifacts import AtomicWriter, InputError, check_unicode, json_sha256
 from metachunk.sources import MAX_ROW_BYTES, Rejects, refuse_or_skip
 
-INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk")
+INDEX_TEXTS = ("chunk", "rewritten", "summary+chunk", "summary+rewritten")
+# The chunk fields each indexed text is made from (``chunk --rewrite`` / ``--summarize`` add them).
+INDEX_FIELDS = {"chunk": (), "rewritten": ("rewritten",), "summary+chunk": ("summary",),
+                "summary+rewritten": ("summary", "rewritten")}  # fmt: skip
 RETRIEVERS = ("dense", "bm25", "hybrid")
 # Milvus's largest VARCHAR (bytes): a lexical index keeps each chunk's indexed text in one.
 LEXICAL_MAX_BYTES = 65_535
@@ -75,11 +82,12 @@ def indexed_text(chunk: dict, mode: str) -> tuple[str, bool]:
         return (
             (rewritten, False) if isinstance(rewritten, str) and rewritten.strip() else (chunk["text"], True)
         )
-    if mode == "summary+chunk":
+    if mode in ("summary+chunk", "summary+rewritten"):
+        body, lacking = indexed_text(chunk, "chunk" if mode == "summary+chunk" else "rewritten")
         summary = chunk.get("summary")
         if isinstance(summary, str) and summary.strip():
-            return f"{summary.strip()}\n\n{chunk['text']}", False
-        return chunk["text"], True
+            return f"{summary.strip()}\n\n{body}", lacking
+        return body, True
     raise ValueError(f"unknown index_text {mode!r}; have {', '.join(INDEX_TEXTS)}")
 
 

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.eval.index import INDEX_TEXTS, RETRIEVERS
+from metachunk.eval.index import INDEX_FIELDS, INDEX_TEXTS, RETRIEVERS
 
 from metachunk import config
 from metachunk.artifacts import AtomicWriter, InputError, jsonl_line
@@ -416,11 +416,12 @@ def _read_inputs(cfg: QAConfig) -> _Asked:
     rejects = cfg.bad_rows.rejects(Path(cfg.out))
     chunks, docs, lacking = read_chunks(cfg.chunks, cfg.index_text, rejects, cfg.bad_rows.max_row_bytes)
     if cfg.index_text != "chunk" and lacking == len(chunks):
-        field_name = "rewritten" if cfg.index_text == "rewritten" else "summary"
+        fields = INDEX_FIELDS[cfg.index_text]
+        flags = " ".join("--rewrite MODEL" if f == "rewritten" else "--summarize MODEL" for f in fields)
         raise InputError(
             cfg.chunks,
-            f"--index-text {cfg.index_text}: no chunk has a {field_name!r} field "
-            f"(make one with `metachunk chunk --{'rewrite' if field_name == 'rewritten' else 'summarize'} MODEL`)",
+            f"--index-text {cfg.index_text}: no chunk has a {' and a '.join(map(repr, fields))} field "
+            f"(make {'one' if len(fields) == 1 else 'them'} with `metachunk chunk {flags}`)",
         )
     statuses = ("matched",) if cfg.crud_status == "matched" else ("matched", "ambiguous")
     fmt, questions, skipped = load_questions(

@@ -392,6 +392,10 @@ def test_read_chunks_index_text_modes(tmp_path):
     )
     chunks, _, lacking = read_chunks(path, "rewritten")
     assert chunks[0].indexed_text == "Apple, rewritten." and lacking == 3
+    # both students' fields: a chunk lacking either counts as lacking; the rewrite replaces the text
+    chunks, _, lacking = read_chunks(path, "summary+rewritten")
+    assert chunks[0].indexed_text == "Sum.\n\nApple, rewritten." and lacking == 3
+    assert chunks[1].indexed_text == chunks[1].text
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "chunks": [{"text": "ab", "start": 0, "end": 5}]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: chunks\[0\]"):
@@ -502,6 +506,9 @@ def test_index_is_reused_until_the_chunks_change(planted, planted_embedder, tmp_
     assert hit["indexed_text"] == "banana banana\n\napple banana. " and hit["text"] == "apple banana. "
     with pytest.raises(ValueError, match="no chunk has a 'rewritten' field"):
         run("five", chunks, "rewritten")
+    with pytest.raises(ValueError, match=r"no chunk has a 'summary' and a 'rewritten' field \(make them with "
+                       r"`metachunk chunk --summarize MODEL --rewrite MODEL`\)"):  # fmt: skip
+        run("six", chunks, "summary+rewritten")
     index = ChunkIndex(shared)
     try:
         assert len(index.client.list_collections()) == 3

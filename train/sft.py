@@ -10,7 +10,8 @@ same file ``trl sft`` reads: the model and dataset fields carry TRL's names (``m
 ``dataset_name``, ``dataset_test_split``; ``tests/test_recipes.py`` parses every recipe with
 ``trl sft``'s own parser).
 
-The loss is Eq. 3 of Meta-Chunking: cross-entropy on the completion tokens only. The rows are
+The loss is Eq. 3 of Meta-Chunking up to a per-batch scale: cross-entropy on the completion tokens
+only, averaged over the batch's completion tokens (TRL's) where Eq. 3 divides by its rows. The rows are
 conversational prompt–completion pairs (``metachunk data build-sft``), so TRL renders them with
 the tokenizer's chat template and masks every prompt token out of the labels
 (``completion_only_loss``).
