@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="model dtype (auto: bfloat16 on a GPU or a CPU with native bf16, AMX or AVX-512 BF16; else float32)",
     )
-    ap.add_argument("--prompt", default="table6", choices=("table6", "table7"), help="MSP prompt variant")
+    ap.add_argument(
+        "--prompt", default="table6", choices=("table6", "table7", "released"), help="MSP prompt variant"
+    )
     ap.add_argument("--pairs", type=int, default=64, help="number of sentence pairs (default 64)")
     ap.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated batch sizes for margins()")
     ap.add_argument(

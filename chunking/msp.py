@@ -33,7 +33,11 @@ from metachunk.chunking.types import Sentence
 if TYPE_CHECKING:
     import torch
 
-PROMPT_VARIANTS = ("table6", "table7")
+# Tables 6 and 7 name "sentence1+sentence2" in the options and give the two sentences after the
+# instruction, which every pair then shares; "released" is Table 6 as the authors' code sends it
+# (meta_chunking/LongBench/prob_subtract_chunk.py in IAAR-Shanghai/Meta-Chunking): the sentences
+# written into the options, so only its first line is shared.
+PROMPT_VARIANTS = ("table6", "table7", "released")
 _SENTINEL = "\x00MSP_PAIR\x00"
 # Bound on sentence1 in accumulated mode: a chunk that keeps growing is cut to its last characters,
 # so a prompt never grows with the document.
@@ -96,8 +100,8 @@ class MspPrompt:
 
 
 def load_msp_prompt(variant: str = "table6", lang: str = "en") -> MspPrompt:
-    """The Table 6 or Table 7 prompt: plain completion text (no chat parts), cut before the pair
-    lines; its sha256 (of the text) is its version."""
+    """The Table 6, Table 7 or released prompt (`PROMPT_VARIANTS`): plain completion text (no chat
+    parts), cut before the first line that names a sentence; its sha256 (of the text) is its version."""
     if variant not in PROMPT_VARIANTS:
         raise ValueError(f"unknown MSP prompt {variant!r}; choose one of {', '.join(PROMPT_VARIANTS)}")
     if lang not in ("zh", "en"):

@@ -178,7 +178,8 @@ class ChunkConfig:
     )
     msp_prompt: str = option(
         "table6",
-        "msp: prompt of the paper's Table 6 or the finer-grained Table 7",
+        "msp: prompt of the paper's Table 6, the finer-grained Table 7, or Table 6 as the authors' code "
+        "sends it (released: the sentences written into the options)",
         choices=list(PROMPT_VARIANTS),
     )
     target_len: int | None = option(

@@ -155,6 +155,7 @@ def test_plot_one_png_per_document(tmp_path, capsys, tiny):
                 "table7",
             ],
         ),
+        ("msp", ["--msp-prompt", "released"]),
         ("fixed", ["--target-len", "50"]),
         ("fixed", ["--target-len", "7", "--len-unit", "word"]),
         ("sentence", ["--target-len", "50", "--len-unit", "char"]),
@@ -190,7 +191,7 @@ def test_every_method_tiles(tmp_path, capsys, tiny, method, extra):
             assert r["sentences"][0]["score"] is None
     manifest = json.loads((tmp_path / "o.meta.json").read_text(encoding="utf-8"))
     if method == "msp":
-        variant = "table7" if "table7" in extra else "table6"
+        variant = next((v for v in ("table7", "released") if v in extra), "table6")
         assert set(manifest["prompt_sha256"]) == {f"msp_{variant}.en", f"msp_{variant}.zh"}
 
 

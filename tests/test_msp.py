@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from metachunk.chunking import msp
-from metachunk.chunking.msp import MarginScorer, Threshold, load_msp_prompt, msp_decisions
+from metachunk.chunking.msp import PROMPT_VARIANTS, MarginScorer, Threshold, load_msp_prompt, msp_decisions
 from metachunk.chunking.sentences import split_sentences
 from metachunk.chunking.types import Sentence
 from support.data import data_file
@@ -197,7 +197,7 @@ def test_threshold_object():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["table6", "table7"])
+@pytest.mark.parametrize("variant", ["table6", "table7", "released"])
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_load_prompt(variant, lang):
     prompt = load_msp_prompt(variant, lang)
@@ -211,14 +211,14 @@ def test_load_prompt(variant, lang):
     assert prompt.pair_template.index("{sentence1}") < prompt.pair_template.index("{sentence2}")
     filled = prompt.pair_template.format(sentence1="<<S1>>", sentence2="<<S2>>")
     assert filled.index("<<S1>>") < filled.index("<<S2>>") and "{" not in filled
-    assert "1" in prompt.instruction and "2" in prompt.instruction  # the two answers are described
+    assert "1" in text and "2" in text  # the two answers are described
     assert prompt.sha256 == hashlib.sha256(raw).hexdigest()
     assert load_msp_prompt(variant, lang) == prompt  # stable
 
 
 def test_load_prompt_variants_differ_and_errors():
-    shas = {load_msp_prompt(v, lang).sha256 for v in ("table6", "table7") for lang in ("en", "zh")}
-    assert len(shas) == 4
+    shas = {load_msp_prompt(v, lang).sha256 for v in PROMPT_VARIANTS for lang in ("en", "zh")}
+    assert len(shas) == 6
     assert load_msp_prompt() == load_msp_prompt("table6", "en")
     with pytest.raises(ValueError, match="table8"):
         load_msp_prompt("table8", "en")
@@ -241,7 +241,22 @@ def tiny_lm(tiny_model_dir: Path):
 @pytest.fixture(scope="module")
 def scorers(tiny_lm):
     model, tok = tiny_lm
-    return {lang: MarginScorer(model, tok, load_msp_prompt("table6", lang)) for lang in ("en", "zh")}
+    scorers = {lang: MarginScorer(model, tok, load_msp_prompt("table6", lang)) for lang in ("en", "zh")}
+    # the sentences inside the options: the shared prefix is one line, each sentence is sent twice
+    scorers["released"] = MarginScorer(model, tok, load_msp_prompt("released", "en"))
+    return scorers
+
+
+def test_the_released_prompt_writes_the_sentences_into_the_options():
+    en, zh = load_msp_prompt("released", "en"), load_msp_prompt("released", "zh")
+    assert "{" not in en.instruction and en.instruction.count("\n") == 1
+    assert en.pair_template.format(sentence1="A.", sentence2="B.") == (
+        '1. Split "A. B." into "A." and "B." two parts;\n2. Keep "A. B." unsplit in its original form;\n'
+        "Please answer 1 or 2."
+    )
+    assert zh.pair_template.format(sentence1="甲。", sentence2="乙。").startswith(
+        "1. 将“甲。乙。”分割成“甲。”与“乙。”两部分；"
+    )
 
 
 def test_a_base_models_prompt_is_read_after_its_bos(tiny_lm, monkeypatch):
@@ -328,7 +343,7 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("lang", ["en", "zh", "released"])
 def test_prefix_cache_matches_single_pass(scorers, lang, monkeypatch):
     scorer = scorers[lang]
     single = np.array([scorer.margin_single(a, b) for a, b in PAIRS])
