@@ -64,7 +64,7 @@ from pathlib import Path
 from metachunk.chunking.sentences import CJK_RE
 from metachunk.chunking.types import Sentence
 
-from metachunk import config
+from metachunk import config, stopping
 from metachunk.artifacts import InputError
 from metachunk.config import option
 from metachunk.prompts import Prompt, Schema, load_prompt_file, load_schema_file
@@ -377,10 +377,11 @@ class LumberChunker:
             raise RuntimeError("LumberChunker is closed")
         started = time.perf_counter()
         try:
-            done = self._runner.run(
+            done = stopping.run(
                 self.pool.map(
                     list(zip(texts, langs, sentences)), self._chunk_one, progress=False, close=False
-                )
+                ),
+                self._runner,
             )
         except BudgetExceeded:
             raise InputError(

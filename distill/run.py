@@ -17,7 +17,6 @@ unanswered request of each item is counted, with the calls after it estimated.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from metachunk.distill.moc import MocTask
 from metachunk.distill.pipelines import ChunkTask, StageRunner
 from metachunk.distill.prompts import load_prompt, load_schema
 
-from metachunk import config
+from metachunk import config, stopping
 from metachunk.artifacts import SCHEMA_VERSION, OutputPair, append_run_log, jsonl_line
 from metachunk.command import Reads, Result
 from metachunk.redaction import redact
@@ -127,7 +126,7 @@ def run_task(cfg: DistillConfig, offline: bool = False) -> RunResult:
         if offline or all(t.mode == "online" for t in cfg.teachers.values()):
             pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost, offline=offline)
             spool = None if offline else Path(cfg.out)  # a replay makes no output folder
-            result = asyncio.run(drive(cfg, task, items, pool, cfg.progress and not offline, spool))
+            result = stopping.run(drive(cfg, task, items, pool, cfg.progress and not offline, spool))
         else:
             result = run_batch_rounds(cfg, task, items, store)
     finally:
@@ -163,7 +162,7 @@ def run_batch_rounds(cfg: DistillConfig, task: Task, items: list, store: AnswerS
         pool = TeacherPool(cfg.teachers, cfg.prices, store, cfg.max_cost)
         if not cfg.export_batch:
             batch.wait(store, pool.stages, counts, progress=cfg.progress)
-        result = asyncio.run(drive(cfg, task, items, pool, cfg.progress, Path(cfg.out)))
+        result = stopping.run(drive(cfg, task, items, pool, cfg.progress, Path(cfg.out)))
         counts.rounds += 1
         counts.online_sent += result.sent
         counts.online_paid += result.paid

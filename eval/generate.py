@@ -20,12 +20,12 @@ OpenAI API has no ``top_k``; it is sent to an endpoint only when ``--endpoint-to
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from metachunk import stopping
 from metachunk.engine.generation import chat_prompt_ids, generate_batched, prepare_tokenizer, stop_token_ids
 from metachunk.prompts import Prompt, load_prompt_file
 from metachunk.redaction import url_credentials
@@ -103,7 +103,7 @@ class EndpointGenerator:
 
         store = AnswerStore(self.store_path)
         try:
-            return asyncio.run(self._run(store, prompts, prompt_sha, progress))
+            return stopping.run(self._run(store, prompts, prompt_sha, progress))
         finally:
             store.close()
 

@@ -111,13 +111,17 @@ def provider_errors(cfg: TeacherConfig):
                                          f"API: {e}; the batches in the store are picked up by a rerun")) from None  # fmt: skip
 
 
-def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: float):
+def create_once(
+    client, cfg: TeacherConfig, file_id: str, batch: str, since: float, made_before: bool = False
+):
     """``batches.create`` for one uploaded file, run once at the provider whatever fails on the way.
     openai's client sends no idempotency key and retries a create whose answer was lost (a 502, a
     connection reset): the provider would run, and bill, a second batch of the same requests. So each
     try here is sent once, and after a failed one the provider's list says whether it was made. A try
     that timed out may be made after the list was read: once a later try is made, any other batch of
-    the file is looked for again, and all but the first are cancelled (while they validate, unbilled)."""
+    the file is looked for again, and all but the first are cancelled (while they validate, unbilled).
+    ``made_before``: a killed run may have made one that the provider's list did not show yet, so the
+    list is read again after this create too."""
     import openai
 
     once = client.with_options(max_retries=0)
@@ -138,7 +142,7 @@ def create_once(client, cfg: TeacherConfig, file_id: str, batch: str, since: flo
         attempt += 1
         if found := batches_of_file(client, file_id, since):
             return first_made(found)
-    if attempt == 0:
+    if attempt == 0 and not made_before:
         return made
     every = {b.id: b for b in [made, *batches_of_file(client, file_id, since)]}
     first = first_made(list(every.values()))
@@ -260,8 +264,13 @@ def wait(
                     found = (
                         first_made(existing)
                         if existing
-                        else create_once(client, cfg, row["input_file_id"], row["id"], row["created"])
+                        else create_once(
+                            client, cfg, row["input_file_id"], row["id"], row["created"], made_before=True
+                        )
                     )
+                    for extra in existing:  # the killed run's creates made more than one: the first runs
+                        if extra.id != found.id:
+                            client.batches.cancel(extra.id)
                     store.update_batch(row["id"], batch_id=found.id, status="submitted")
                     row["batch_id"] = found.id
                 batch = client.batches.retrieve(row["batch_id"])

@@ -19,6 +19,8 @@ keep running. So:
   it has seen that still runs. It keeps a process it has seen even after the process leaves our
   tree: when we die, the raylet dies with us and its children are handed to init, possibly while the
   watchdog is reading ``/proc``.
+* `run`: an event loop's SIGTERM cancels its main task where it waits, as Ctrl-C does, so a
+  teacher's answer that has arrived is stored before the command stops.
 * `keep_signal_handlers`: a library that installs its own SIGTERM handler (``ray.init``
   exits with status 15) is put back in its place.
 """
@@ -57,6 +59,50 @@ class Stopped(KeyboardInterrupt):
 
 def _raise(signum, frame) -> None:
     raise Stopped(signum)
+
+
+def run(coro, runner=None):
+    """``asyncio.run(coro)`` (or ``runner.run``, an `asyncio.Runner` kept across calls), except that
+    under `stop_on_signals` SIGTERM and SIGHUP cancel the main task, as asyncio's runner does on
+    Ctrl-C, instead of raising `Stopped` in whatever bytecode the main thread is at: the cancellation
+    lands at an ``await``, never between a paid answer's arrival and its row in the answer store.
+    `Stopped` is raised once the task has unwound; a second signal raises it at once."""
+    import asyncio
+
+    go = runner.run if runner is not None else asyncio.run
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not _raise
+    ):
+        return go(coro)
+    got: list[int] = []
+    task = None
+
+    def cancel(signum, frame):
+        if task is None or task.done() or got:  # not started yet, finished, or a second signal
+            raise Stopped(signum)
+        got.append(signum)
+        task.cancel()
+        task.get_loop().call_soon_threadsafe(lambda: None)  # wakes a loop waiting in select()
+
+    async def main():
+        nonlocal task
+        task = asyncio.current_task()
+        return await coro
+
+    previous = {s: signal.signal(s, cancel) for s in CAUGHT}
+    try:
+        result = go(main())
+    except BaseException:  # the cancellation, or what it ended in: the command was stopped
+        if got:
+            raise Stopped(got[0]) from None
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if got:  # the task caught its cancellation and finished anyway
+        raise Stopped(got[0])
+    return result
 
 
 _depth = 0  # nested commands (`metachunk run`'s stages): only the outermost reports the stop

@@ -10,9 +10,11 @@ The request path, in order:
 2. The key is claimed in the store, and in the same transaction the request's worst-case cost is
    reserved against ``--max-cost`` (the spend and reservations of every process on the store). A
    key another live process is sending is waited for, not sent; a request whose reservation does
-   not fit is not sent (it stays pending) and the run goes on with what fits. The worst case is the prompt at the endpoint's calibrated tokens per
-   byte (1 token per byte, an upper bound for byte-level BPE, until the endpoint has billed an
-   answer), or the teacher's ``tokenizer`` count, plus ``max_tokens``.
+   not fit is not sent (it stays pending) and the run goes on with what fits. The worst case is the prompt at
+   1 token per UTF-8 byte (byte-level BPE never spends more), or the teacher's ``tokenizer`` count,
+   plus ``max_tokens`` (`Teacher.bound_tokens`). The endpoint's calibrated tokens per byte (the
+   largest it billed for prompts like this one) only size what the tokens-per-minute bucket takes:
+   a ratio learnt on prose is no bound for a table of digits, which a tokenizer splits digit by digit.
 3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
 4. ``openai.AsyncOpenAI`` sends it, over openai's aiohttp transport (httpx2's own connection
    pool costs more CPU per request at 64 connections: bench/distill_throughput.py). The client's
@@ -22,7 +24,8 @@ The request path, in order:
 5. The raw response body is stored as received (API keys redacted), then read, and the claim is
    released in the same transaction. We ask the client for the raw HTTP response: no pydantic
    model is built per answer, and the bytes we parse are the bytes we keep. An answer without
-   ``usage`` is counted at the same upper-bound estimate and marked ``usage_estimated``.
+   ``usage`` is counted at the same upper bound (its text at 1 token per byte, at most
+   ``max_tokens``) and marked ``usage_estimated``.
 
 A send that got no answer may still have been billed (a read timeout, which openai's client
 retries; a stream cut mid-answer; a 200 whose body does not parse): each is counted at the
@@ -32,12 +35,12 @@ without bound. Each try is counted alone: one whose connection never opened coun
 does an error status that says the request was not served (a gateway's 502 or 504 may hide an
 upstream that answered, and counts).
 
-The overshoot bound: a run stops before a reservation passes the cap, and reservations are upper
-bounds once the endpoint is calibrated, so the spend passes the cap by at most what the requests
-holding a claim when the cap is reached cost above their reservations. Claims are taken before an
-endpoint's concurrency slot, so they number up to the run's workers (docs/reliability.md), and a
-request may cost up to ``(max_retries + 1)**2`` worst cases: we retry a broken stream or a 200 that
-does not parse, and the client retries each of those tries on a timeout (times the endpoints, with
+The overshoot bound: a run stops before a reservation passes the cap, and a reservation is an upper
+bound on one send, so the spend passes the cap by at most what the requests holding a claim when
+the cap is reached cost above their reservations. Claims are taken before an endpoint's
+concurrency slot, so they number up to the run's workers (docs/reliability.md), and a request may
+cost up to ``(max_retries + 1)**2`` worst cases: we retry a broken stream or a 200 that does not
+parse, and the client retries each of those tries on a timeout (times the endpoints, with
 ``base_urls``: a request that fails to connect moves to the next).
 
 **Structured outputs.** A stage whose answer must be JSON passes its answer schema
@@ -1065,9 +1068,12 @@ class Teacher:
         rows = [self._calibration_row(q) for q in range(non_ascii_quarter(contents), 5)]
         return max(self.store.tokens_per_byte(*rows) or 0.0, 0.0) or 1.0
 
-    def count_tokens(self, text: str, messages: list[dict] | None = None) -> int:
-        """Tokens of ``messages`` (a prompt) or ``text`` (an answer): the teacher's tokenizer when
-        the recipe names one, else the calibrated bytes estimate, an upper bound in practice."""
+    def bound_tokens(self, text: str, messages: list[dict] | None = None) -> int:
+        """An upper bound on the tokens billed for ``messages`` (a prompt) or ``text`` (an answer):
+        the teacher's tokenizer count when the recipe names one, else 1 token per UTF-8 byte, which
+        byte-level BPE never exceeds; a prompt adds `TEMPLATE_TOKENS` per message and one for the
+        answer's header. What a claim reserves against the cap, and what an answer without usage is
+        counted at."""
         if self.cfg.tokenizer:
             if self._tokenizer is None:
                 from metachunk.models import load_tokenizer
@@ -1078,9 +1084,18 @@ class Teacher:
             body = sum(len(self._tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
             return body + TEMPLATE_TOKENS * (len(messages) + 1)
         if messages is None:
-            return math.ceil(len(text.encode("utf-8")) * self._tokens_per_byte([text]))
-        template = TEMPLATE_TOKENS * (len(messages) + 1)
+            return len(text.encode("utf-8"))
+        return prompt_bytes(messages) + TEMPLATE_TOKENS * (len(messages) + 1)
+
+    def expected_tokens(self, messages: list[dict]) -> int:
+        """The prompt's tokens as the endpoint has billed prompts like it (`_tokens_per_byte`), or
+        `bound_tokens` where the recipe names a tokenizer: what the tokens-per-minute bucket takes.
+        It can fall short of the bill (a ratio learnt on prose, then a table of digits), which only
+        the rate limit feels: the money is reserved at `bound_tokens`."""
+        if self.cfg.tokenizer:
+            return self.bound_tokens("", messages)
         contents = [m["content"] for m in messages]
+        template = TEMPLATE_TOKENS * (len(messages) + 1)
         return math.ceil(prompt_bytes(messages) * self._tokens_per_byte(contents)) + template
 
     async def complete(
@@ -1144,19 +1159,17 @@ class Teacher:
                     return Answer.from_stored(stored, params, cached=False)
                 return Answer(key, self.cfg.model, "failed", reason="batch_expired", params=params)
             if not (state in ("failed", "expired") and self.cfg.retry_mode == "online"):
-                prompt_estimate = self.count_tokens("", messages)
-                reserve = self.price.cost(prompt_estimate, max_tokens) * self.price.batch_discount
+                prompt_bound = self.bound_tokens("", messages)
+                reserve = self.price.cost(prompt_bound, max_tokens) * self.price.batch_discount
                 self.spool[key] = (payload, reserve)
                 return Answer(
-                    key, self.cfg.model, "pending", params=params, estimate=(prompt_estimate, max_tokens)
+                    key, self.cfg.model, "pending", params=params, estimate=(prompt_bound, max_tokens)
                 )
         self.store.start_heartbeat()
         waited = refused = False
+        prompt_bound = self.bound_tokens("", messages)
+        worst_case = self.price.cost(prompt_bound, max_tokens)
         while True:  # claim the key, with its reservation, or wait for whoever is sending it
-            # Estimated anew on each try: an answer that settled meanwhile may have calibrated the
-            # endpoint, and a stale 1-token-per-byte reservation would be refused for nothing.
-            prompt_estimate = self.count_tokens("", messages)
-            worst_case = self.price.cost(prompt_estimate, max_tokens)
             claim = self.store.claim(key, worst_case, self.budget.limit)
             if claim.outcome == "claimed":
                 break
@@ -1181,7 +1194,7 @@ class Teacher:
         row = None
         try:
             self.endpoint.check_reachable()  # a stopped endpoint sends nothing more (the sends in flight finish)
-            row = await self._send(payload, key, messages, prompt_estimate, max_tokens)
+            row = await self._send(payload, key, messages, prompt_bound, max_tokens)
             self._keep(row, messages)
         except BaseException:  # stopped, cancelled (Ctrl-C, SIGTERM), or the endpoint is gone
             if row is not None:  # a stop (SIGTERM raises anywhere) between the answer and its row: keep it
@@ -1193,7 +1206,7 @@ class Teacher:
             sends = self.endpoint.sends_maybe_billed(key)
             earlier = self.maybe_billed.pop(key, 0.0)  # what _send had counted before it was cut short
             if sends or earlier:
-                cost = earlier + sends * self.price.cost(prompt_estimate, max_tokens)
+                cost = earlier + sends * self.price.cost(prompt_bound, max_tokens)
                 self.store.put(StoredAnswer(key, self.cfg.model, "error", "cancelled", "stopped while in flight",
                                             0, 0, cost))  # fmt: skip
             else:
@@ -1213,20 +1226,21 @@ class Teacher:
         self.store.put(row, calibration)
 
     async def _send(
-        self, payload: dict, key: str, messages: list[dict], prompt_estimate: int, max_tokens: int
+        self, payload: dict, key: str, messages: list[dict], prompt_bound: int, max_tokens: int
     ) -> StoredAnswer:
         """One request to a stored row, secrets redacted. Transport retries happen inside the openai
         client; a 200 whose body is not a chat completion is retried here with the same backoff."""
         import openai
 
         model = self.cfg.model
-        estimated_tokens = prompt_estimate + max_tokens
+        # What the tokens-per-minute bucket takes: the expected tokens, not the money's bound.
+        estimated_tokens = self.expected_tokens(messages) + max_tokens
         # A send that got no answer may still be billed: the server may have generated it (a read timeout, a
         # stream cut mid-answer, a 200 whose body did not parse). Each is counted at the reservation's worst
         # case, in the row's cost, so that the budget sees it and a rerun that sends it again cannot spend
         # without bound. A try whose connection never opened is not, nor one answered by an error status
         # that says it was not served.
-        worst_case = self.price.cost(prompt_estimate, max_tokens)
+        worst_case = self.price.cost(prompt_bound, max_tokens)
         billed = (
             self.maybe_billed
         )  # by key: an exception out of here (a 401 after a timeout, Ctrl-C) keeps it
@@ -1275,9 +1289,9 @@ class Teacher:
             billed[key] += worst_case * self.endpoint.sends_maybe_billed(key, answered=well_formed)
             if well_formed:
                 estimated = prompt_tokens is None
-                if estimated:  # counted, never free: the same upper estimate the reservation used
-                    prompt_tokens = prompt_estimate
-                    completion_tokens = min(max_tokens, self.count_tokens(text))
+                if estimated:  # counted, never free: the same upper bound the reservation used
+                    prompt_tokens = prompt_bound
+                    completion_tokens = min(max_tokens, self.bound_tokens(text))
                 if via.tokens:  # replace the estimate by the real usage
                     via.tokens.give_back(estimated_tokens, prompt_tokens + completion_tokens)
                 cost = self.price.cost(prompt_tokens, completion_tokens) + billed.pop(key)

@@ -190,6 +190,48 @@ def test_a_run_killed_between_upload_and_create_is_created_once_by_the_next(tmp_
     store.close()
 
 
+@pytest.mark.parametrize("creates", [1, 2])
+def test_a_killed_runs_batches_the_list_hid_or_made_twice_leave_one_running(tmp_path, creates):
+    """Run A made a batch of its upload and died before recording it. ``creates=1``: the provider's
+    list does not show it yet, so the next run finds nothing and creates another; ``creates=2``: A's
+    create was answered with an error and it tried again, so two exist. Either way the run that takes
+    the upload over leaves exactly one of the file's batches running (the others are cancelled while
+    they validate, unbilled), and collects it."""
+    from metachunk import batch
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherConfig, TeacherPool
+
+    path = tmp_path / "answers.sqlite"
+    with serve_in_subprocess(replies=REPLIES) as server:
+        cfg = TeacherConfig("loopback", base_url=server.base_url, mode="batch", batch_poll_seconds=0.02)
+        payload = {"model": "loopback", "messages": [{"role": "user", "content": "Who is Emma? [[batch:late_create]]"}],
+                   "max_tokens": 8}  # fmt: skip
+        create = (
+            "c.batches.create(input_file_id=f.id, endpoint='/v1/chat/completions', completion_window='24h')"
+        )
+        run_a = (
+            "import sys, openai\nfrom metachunk import batch\nfrom metachunk.store import AnswerStore\n"
+            f"s = AnswerStore(sys.argv[1])\nb, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
+            f"line = batch.batch_line('k', {payload!r}, {cfg.batch_endpoint!r})\n"
+            f"c = openai.OpenAI(base_url={server.base_url!r}, api_key='x', max_retries=0)\n"
+            "f = c.files.create(file=('a.jsonl', line.encode()), purpose='batch')\n"
+            "s.update_batch(b, input_file_id=f.id, status='uploaded')\n"
+            f"try:\n    {create}\nexcept openai.APIStatusError:\n    pass\n"  # made, answered 502, not listed yet
+            + (f"{create}\n" if creates == 2 else "")
+        )  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", run_a, str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        store = AnswerStore(path)
+        counts = batch.BatchCounts()
+        batch.wait(store, {"s": TeacherPool({"s": cfg}, {}, store)["s"]}, counts, progress=False)
+        stats = server.stats()
+    assert sorted(stats["batches"].values()) == ["cancelled", "completed"]
+    assert store.has_answer("k") and counts.answered == 1
+    store.close()
+
+
 def test_two_runs_recovering_a_killed_runs_upload_create_one_batch(tmp_path):
     """Run A was killed between its upload and batches.create. Runs B and C, on its store, both see it
     gone and find no batch at the provider: only the one that takes it over creates it (the window in

@@ -277,6 +277,43 @@ def test_a_stop_between_an_answer_and_its_row_keeps_the_answer(tmp_path):
     store.close()
 
 
+def test_a_real_sigterm_after_the_answer_arrived_keeps_it(tmp_path, monkeypatch):
+    """A real SIGTERM delivered while the answer is being read (before any row exists) raised `Stopped`
+    right there, and the paid answer was stored as a cancelled send: the rerun paid again. Under
+    `stopping.run` the signal cancels the run's task at its next ``await``, after the answer's row."""
+    import metachunk.teacher as teacher
+    from metachunk.stopping import Stopped, run, stop_on_signals
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import Price, TeacherPool
+
+    real, fired = teacher.read_usage, []
+
+    def read_usage_then_sigterm(raw):
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode boundary
+        return real(raw)
+
+    monkeypatch.setattr(teacher, "read_usage", read_usage_then_sigterm)
+    messages = [{"role": "user", "content": "hi there"}]
+    with serve_in_subprocess(latency=0.0) as server:
+        for attempt in (1, 2):
+            store = AnswerStore(tmp_path / "a.sqlite")
+            config = TeacherConfig("loopback", base_url=server.base_url, max_retries=0)
+            pool = TeacherPool({"s": config}, {"loopback": Price(1.0, 1.0)}, store)
+            with stop_on_signals():
+                if attempt == 1:
+                    with pytest.raises(Stopped):
+                        run(pool["s"].complete(messages, "sha"))
+                else:
+                    assert run(pool["s"].complete(messages, "sha")).cached
+            with sqlite3.connect(store.path) as db:
+                assert db.execute("SELECT status FROM answers").fetchall() == [("ok",)]
+            assert store.claims_held() == 0
+            store.close()
+        assert server.stats()["requests"] == 1  # paid once
+
+
 def test_a_streams_timeout_counts_from_the_try_that_answered():
     """``timeout`` bounds a stream from when its request left. It was counted from the first try,
     so a 429's pause longer than the timeout cut the answered stream at its first byte: a send

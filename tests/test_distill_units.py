@@ -527,9 +527,12 @@ def test_related_context_is_the_most_similar_other_chunks_in_document_order(tmp_
     )
 
 
-def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teachers_tokenizer(
+def test_reservations_are_a_token_per_byte_and_calibration_sizes_only_the_rate_limit(
     tmp_path, tiny_model_dir
 ):
+    """A reservation is an upper bound on the bill: 1 token per UTF-8 byte (byte-level BPE spends no
+    more), or the teacher's tokenizer. A ratio the endpoint billed for prose (calibration) fell 3-4x
+    short of a table of digits, so it sizes only the tokens-per-minute bucket's share."""
     from transformers import AutoTokenizer
 
     from metachunk.teacher import TEMPLATE_TOKENS, Budget, Teacher
@@ -539,27 +542,29 @@ def test_reservations_count_a_token_per_byte_until_calibrated_or_with_the_teache
     overhead = TEMPLATE_TOKENS * 3
     plain = Teacher(TeacherConfig(model="m"), None, store, Price(), Budget(None, store))
     size = len("Be brief.Emma 爱 Knightley".encode())
-    assert plain.count_tokens("", messages) == size + overhead  # uncalibrated: 1 token per byte
+    assert plain.bound_tokens("", messages) == plain.expected_tokens(messages) == size + overhead
     key = plain.calibrated_as([m["content"] for m in messages])
     store.put(StoredAnswer("k", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(key, 0.25))
     store.put(StoredAnswer("k2", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(key, 0.2))  # lower: kept max
     assert store.tokens_per_byte(key) == 0.25
-    assert plain.count_tokens("", messages) == -(-size // 4) + overhead
-    # Chinese is calibrated apart: a ratio learnt on (mostly) English prompts is no upper bound for it
+    assert plain.expected_tokens(messages) == -(-size // 4) + overhead
+    assert plain.bound_tokens("", messages) == size + overhead  # calibrated or not: the bound
+    assert plain.bound_tokens("12345 67890") == 11  # an answer without usage: its bytes
+    # Chinese is calibrated apart: a ratio learnt on (mostly) English prompts is not its rate
     chinese = [{"role": "user", "content": "爱玛" * 10}]
     assert plain.calibrated_as(["爱玛"]) != key
-    assert plain.count_tokens("", chinese) == len(("爱玛" * 10).encode()) + TEMPLATE_TOKENS * 2
+    assert plain.expected_tokens(chinese) == len(("爱玛" * 10).encode()) + TEMPLATE_TOKENS * 2
     store.put(
         StoredAnswer("k3", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(plain.calibrated_as(["爱玛"]), 0.5)
     )
-    assert plain.count_tokens("", chinese) == len(("爱玛" * 10).encode()) // 2 + TEMPLATE_TOKENS * 2
-    # a ratio learnt on prompts with more non-ASCII bytes bounds these too
-    assert plain.count_tokens("", messages) == -(-size // 2) + overhead
+    assert plain.expected_tokens(chinese) == len(("爱玛" * 10).encode()) // 2 + TEMPLATE_TOKENS * 2
+    # a ratio learnt on prompts with more non-ASCII bytes sizes these too
+    assert plain.expected_tokens(messages) == -(-size // 2) + overhead
     counted = Teacher(TeacherConfig(model="m", tokenizer=str(tiny_model_dir)), None, store, Price(),
                       Budget(None, store))  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     body = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
-    assert counted.count_tokens("", messages) == body + overhead
+    assert counted.bound_tokens("", messages) == counted.expected_tokens(messages) == body + overhead
     store.close()
 
 
