@@ -45,13 +45,15 @@ class StudentOptions:
 
     rewrite: str | None = option(
         None,
-        "rewriter (local HF dir, e.g. from `metachunk export`, or a preset): add 'rewritten', the chunk "
+        "rewriter (local HF dir, e.g. from `metachunk export`, a Hub id ORG/NAME[@REV], or a preset): add "
+        "'rewritten', the chunk "
         "rewritten to stand on its own, to every chunk",
         flat="rewrite",
     )
     summarize: str | None = option(
         None,
-        "summarizer (local HF dir or preset): add 'summary', one sentence on the chunk from the "
+        "summarizer (local HF dir, a Hub id ORG/NAME[@REV], or a preset): add 'summary', one sentence on the "
+        "chunk from the "
         "document's perspective, to every chunk",
         flat="summarize",
     )
@@ -228,7 +230,11 @@ class ChunkConfig:
     max_sentence_chars: int = option(
         1500, "a sentence longer than this is split at whitespace (or hard) so nothing is dropped"
     )
-    embedder: str = option("minilm", "semantic: sentence-transformers preset or local dir")
+    embedder: str = option(
+        "minilm",
+        "sentence-transformers preset or local dir: semantic's sentence embeddings, and the students' "
+        "--student-context related",
+    )
     device: str | None = option(None, "torch device; default cuda when available, else cpu", runtime=True)
     dtype: str = option(
         "auto",

@@ -29,6 +29,7 @@ from metachunk.chunking.shards import (
     manifest_head,
     model_fingerprints,
     reads,
+    recorded_config,
     replacement_dir,
     replacing_dir,
     run_local,
@@ -153,7 +154,7 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             **worker.chunker.prompt_sha256,
             **(worker.students.prompt_sha256 if worker.students else {}),
         }
-        manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": config.computed(cfg),
+        manifest = {"schema_version": SCHEMA_VERSION, "command": "chunk", "config": recorded_config(cfg),
                     "threshold": cfg.effective_threshold, "prompt_sha256": dict(sorted(prompts.items())),
                     "models": models, "summary": summary}  # fmt: skip
         if length_fit:
@@ -267,7 +268,10 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
             if not pending:
                 seconds, reports = {}, []
             elif cfg.engine == "ray" and worker is None:
-                seconds, reports = run_ray(cfg, index, plan, output, pending, bar)
+                # the actors run the dtype the manifest records, whatever their own nodes would pick
+                seconds, reports = run_ray(
+                    replace(cfg, dtype=head["config"]["dtype"]), index, plan, output, pending, bar
+                )
             else:
                 seconds, reports = run_local(
                     cfg, source, index, plan, output, pending, bar, worker, segmented

@@ -329,6 +329,13 @@ class ShardedOutput:
                 if not overwrite:
                     changed = [k for k, v in head["fingerprint_of"].items()
                                if previous.get("fingerprint_of", {}).get(k) != v]  # fmt: skip
+                    if "config" in changed:  # which fields: a dtype that auto picked differently here, say
+                        before, now = previous.get("config", {}), head["config"]
+                        fields = [f"{k} {before.get(k)!r} -> {now.get(k)!r}"
+                                  for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)]  # fmt: skip
+                        changed[changed.index("config")] = (
+                            f"config: {', '.join(fields)}" if fields else "config"
+                        )
                     raise InputError(
                         self.manifest_path,
                         f"this folder was written by another run (changed: {', '.join(changed) or 'format'}); "
@@ -536,12 +543,26 @@ def model_fingerprints(cfg) -> dict:
     return {name: fingerprint(name) for name in reads(cfg).models if is_model(name)}
 
 
+def recorded_config(cfg) -> dict:
+    """The config a chunk run's meta and manifest record, and its resume compares: `config.computed`,
+    with ``dtype: auto`` replaced by what auto picks for the run's language models on this machine
+    (`models.pick_dtype`: bfloat16 or float32 cut different chunks), so two machines that would
+    chunk differently never record one config, and a folder is not resumed in another dtype."""
+    computed = config.computed(cfg)
+    loads_lm = cfg.method in ("ppl", "msp", "moc") or cfg.students.rewrite or cfg.students.summarize
+    if cfg.dtype == "auto" and loads_lm:
+        from metachunk.models import default_device, pick_dtype
+
+        computed["dtype"] = pick_dtype("auto", str(cfg.device or default_device()))[0]
+    return computed
+
+
 def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan) -> dict:
     """The deterministic part of the manifest, with the fingerprint that resume compares."""
     from metachunk import __version__
     from metachunk.prompts import file_hashes
 
-    computed = {k: v for k, v in config.computed(cfg).items() if k not in PLACE_FIELDS}
+    computed = {k: v for k, v in recorded_config(cfg).items() if k not in PLACE_FIELDS}
     models = model_fingerprints(cfg)
     prompts = file_hashes(reads(cfg).prompts)
     fingerprint_of = {

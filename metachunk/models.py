@@ -154,7 +154,8 @@ def resolve(name_or_dir: str) -> Path:
         try:
             return hub.snapshot(str(name_or_dir), "model")
         except hub.HubNotFound as e:
-            raise ModelNotFoundError(str(e)) from None
+            # ORG/NAME is also how a relative folder is written (models/Qwen2-7B): say both were tried
+            raise ModelNotFoundError(f"no folder {path} here, and as a Hub id: {e}") from None
     raise ModelNotFoundError(
         f"unknown model {name_or_dir!r}: not a preset ({', '.join(PRESETS)}), a local model directory "
         "or a Hub id (ORG/NAME[@REVISION])"

@@ -86,6 +86,7 @@ from metachunk.artifacts import (
 from metachunk.command import Registry, Result
 from metachunk.config import option
 from metachunk.markdown import shown_argument, shown_keys, shown_path
+from metachunk.models import ModelNotFoundError
 from metachunk.named_data import MissingDataset, name_of
 from metachunk.redaction import redact
 from metachunk.sources import EXIT_SKIPPED, rows_left_out, skipped_exit, total_rejects
@@ -443,6 +444,13 @@ class Runner:
                     f"  {stage.name:<20} {stage.run:<26} needs `metachunk data fetch {e.dataset}`", file=out
                 )
                 continue
+            except ModelNotFoundError as e:  # a model folder the recipe names but this machine lacks
+                upstream_runs.append(stage.name)
+                rows.append(
+                    {"stage": stage.name, "run": stage.run, "status": "needs a model", "estimate": None}
+                )
+                print(f"  {stage.name:<20} {stage.run:<26} needs a model: {e}", file=out)
+                continue
             if self.cached(stage, fp) and not upstream_runs:
                 status = "cached"
             elif stage.name in self.rerun:
@@ -654,7 +662,8 @@ class RunConfig:
     )
     rerun: list[str] | None = option(
         None,
-        "run these stages even if cached (after a code change that alters their output); the stages "
+        "run these stages even if cached (after a dependency upgrade that alters their output: the fingerprint "
+        "covers metachunk's own code, not its dependencies'); the stages "
         "after them rerun only if its bytes change",
     )
 

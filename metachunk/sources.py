@@ -140,7 +140,8 @@ class BadRows:
         "error",
         "a bad input row (invalid UTF-8 or JSON, a missing or wrong field, a lone surrogate, a duplicate "
         "id, over --max-row-bytes): error stops with its file:line before any model loads; skip leaves it "
-        "out, writes it with file:line and the reason to OUTPUT.rejects.jsonl beside the output, counts "
+        "out, writes it with file:line and the reason to the rejects file beside the output (OUTPUT.rejects.jsonl; "
+        "distill: OUT/TASK.rejects.jsonl), counts "
         "it in the summary and the manifest, and exits 6",
         choices=list(BAD_ROW_POLICIES),
     )

@@ -123,6 +123,11 @@ def test_offline_an_id_outside_the_cache_is_a_clear_error(monkeypatch, tmp_path)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(models.ModelNotFoundError, match="not in the local Hub cache"):
         models.resolve("someone/nowhere")
+    # a relative folder that is not there reads like a Hub id: the error says both were looked for
+    with pytest.raises(
+        models.ModelNotFoundError, match=r"^no folder models/Qwen2-7B here, and as a Hub id: model "
+    ):
+        models.resolve("models/Qwen2-7B")
 
 
 def test_online_an_unreachable_hub_is_said_so_not_blamed_on_offline_mode(monkeypatch):

@@ -1,5 +1,7 @@
 """Model presets: listing, resolution of names and local dirs, and clear errors."""
 
+import json
+
 import pytest
 
 from metachunk import models
@@ -65,7 +67,7 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it_natively():
     assert pick_dtype("float32", "cpu", AMX) == ("float32", "asked for")  # the exact path stays exact
 
 
-def test_the_chunk_run_log_records_the_dtype_and_why(tmp_path, tiny_model_dir, monkeypatch):
+def test_the_chunk_run_log_records_the_dtype_and_why(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from metachunk import models
 
     src = tmp_path / "d.jsonl"
@@ -77,6 +79,17 @@ def test_the_chunk_run_log_records_the_dtype_and_why(tmp_path, tiny_model_dir, m
         assert main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--lang", "en"]) == 0
         dtype = read_run_log(out)[-1]["workers_report"][0]["dtype"]
         assert dtype["dtype"] == picked and dtype["why"].startswith("auto:")
+        # the meta records what auto picked: machines that chunk differently never write the same meta
+        assert json.loads(out.with_suffix(".meta.json").read_text())["config"]["dtype"] == picked
+    # a folder started where auto means bfloat16 is not resumed where it means float32
+    for cpuinfo in (AMX, OLD):
+        monkeypatch.setattr(models, "native_bf16_flag", lambda text=None, c=cpuinfo: models.NATIVE_BF16_FLAGS[0]
+                            if "amx_bf16" in c else None)  # fmt: skip
+        code = main(["chunk", str(src), "-o", str(tmp_path / "folder"), "--model", str(tiny_model_dir)])
+    assert code == 2
+    assert (
+        "written by another run (changed: config: dtype 'bfloat16' -> 'float32')" in capsys.readouterr().err
+    )
     out = tmp_path / "exact.jsonl"
     assert (
         main(["chunk", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--dtype", "float32"]) == 0

@@ -399,6 +399,33 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     assert code == 2 and "regen.yaml" in err and "no stage named 'nope'" in err and "Traceback" not in err
 
 
+def test_the_plan_names_a_model_folder_this_machine_lacks(tmp_path, capsys, monkeypatch):
+    """A recipe names its models by relative folder (``models/Qwen2-7B``), which reads like a Hub id:
+    the plan says which stage needs which model, and goes on to the stages after it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": SENTENCES[0]}) + "\n")
+    recipe = {"name": "plan", "state": "state", "stages": [
+        {"name": "ppl", "run": "chunk", "config": {"input": "docs.jsonl", "output": "ppl.jsonl", "method": "ppl",
+                                                   "model": "models/Qwen2-7B", "lang": "en"}},
+        {"name": "fixed", "run": "chunk", "config": {"input": "docs.jsonl", "output": "fixed.jsonl",
+                                                     "method": "fixed", "target_len": 80, "lang": "en"}},
+    ]}  # fmt: skip
+    Path("regen.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, out, err = run(capsys, "regen.yaml", "--plan")
+    assert code == 0, err
+    assert (
+        "ppl                  chunk                      needs a model: no folder models/Qwen2-7B here, and as a Hub id"
+        in out
+    )
+    assert "fixed                chunk                      runs" in out
+
+
 def test_a_cached_stage_sweeps_what_a_killed_run_left_beside_its_outputs(tmp_path, capsys):
     """A forced rerun killed mid-write leaves its temp file, and the next run finds the stage cached, so
     no write of that output would have removed it. A live writer's temp stays."""
