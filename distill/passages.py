@@ -38,6 +38,7 @@ from metachunk.sources import (
     Rejects,
     finish_rejects,
     read_records,
+    record_id,
     refuse_or_skip,
 )
 
@@ -103,13 +104,14 @@ def read_groups(
                 raise BadRow(path, f"field '{cfg.group_field}': a non-empty string is required", number)
             if group:
                 check_unicode(path, number, cfg.group_field, group)
-            if isinstance(row.get(cfg.id_field), str):
-                check_unicode(path, number, cfg.id_field, row[cfg.id_field])
+            row_id = record_id(path, number, row, cfg.id_field)
+            if row_id is not None:
+                check_unicode(path, number, cfg.id_field, row_id)
         except InputError as e:
             refuse_or_skip(rejects, e, raw)
             continue
         if cfg.group_field is None:
-            yield str(row.get(cfg.id_field, number)), [row[cfg.text_field]], number, raw
+            yield row_id if row_id is not None else str(number), [row[cfg.text_field]], number, raw
             continue
         if group != name and paragraphs:
             yield name, paragraphs, *first

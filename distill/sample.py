@@ -82,6 +82,8 @@ class SampleConfig:
         for name in ("target_len", "batch_size", "workers", "threads_per_worker"):  # as `chunk` checks them
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"'{name}' must be >= 1, got {getattr(self, name)}")
+        if self.threshold != self.threshold:  # nan: as `chunk` refuses it, before the pool is read
+            raise ValueError("'threshold' must be a number, got nan")
         if any(edge < 1 for edge in self.edges) or len(set(self.edges)) != len(self.edges):
             raise ValueError(f"'bucket_edges' must be distinct lengths >= 1, got {self.bucket_edges}")
 

@@ -335,6 +335,8 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
     targets: dict[int | None, Target] = {}
     for key in maker.targets():
         where = out if key is None else out.with_name(f"{out.name}-{key}")
+        if where.exists() and not where.is_dir():  # refused before the build, not at its swap
+            raise InputError(where, "a file, where the dataset folder is to be written")
         staging = Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=out.parent))
         (staging / "data").mkdir()
         writers = {s: ShardWriter(staging / "data", s, schema, cfg.shard_rows) for s in SPLITS}

@@ -184,6 +184,19 @@ def _features(index: str, columns: dict):
     )
 
 
+def _check(record: dict, name: str, kind: type, what: str, within=None) -> None:
+    """``record[name]`` is a ``kind`` (a bool is no int) and, with ``within``, a value it accepts."""
+    if name not in record:
+        raise ValueError(f"field {name!r} is missing")
+    value = record[name]
+    if (
+        isinstance(value, bool) is not (kind is bool)
+        or not isinstance(value, kind)
+        or (within and not within(value))
+    ):
+        raise TypeError(f"field {name!r} must be {what}, got {value!r:.80}")
+
+
 # The fields of a rewrite / summary record that the rows use (read, and checked, by TextRows.read).
 TextRecord = namedtuple("TextRecord", "doc_id chunk output lang status stages record")
 
@@ -210,13 +223,33 @@ class TextRows(RowMaker):
         self.max_context = self.cli_context or meta.get("config", {}).get("max_context_chars") or 8000
 
     def read(self, record: dict) -> TextRecord:
-        doc_id, chunk, output = record["doc_id"], record["text"], record.get("output") or ""
-        lang, status, stages = record["lang"], record["status"], record["stages"]
-        for name in ("start", "end"):  # parquet's int64 columns: checked here, where the line is known
-            value = record.get(name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-                raise TypeError(f"field {name!r} must be a character offset (an int >= 0), got {value!r}")
-        return TextRecord(doc_id, chunk, output, lang, status, stages, record)
+        # Every field a row is made of, checked here, where the line is known: a wrong type surfaced as
+        # an AttributeError deep in the filters, or as pyarrow refusing a shard after the build.
+        for name in ("doc_id", "text", "lang", "status"):
+            _check(record, name, str, "a string")
+        _check(record, "stages", dict, "an object (stage: entry)")
+        if record.get("output") is not None:
+            _check(record, "output", str, "a string")
+        for name in ("start", "end"):  # parquet's int64 columns
+            _check(record, name, int, "a character offset (an int >= 0)", lambda v: 0 <= v < 2**63)
+        if record["end"] < record["start"]:
+            raise ValueError(f"field 'end' ({record['end']}) is before field 'start' ({record['start']})")
+        if "chunk_index" in record:
+            _check(record, "chunk_index", int, "an int (-1: not recorded)", lambda v: -1 <= v < 2**63)
+        spans = record.get("context_spans")
+        if spans is not None and not (
+            isinstance(spans, list)
+            and all(
+                isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x)
+                for x in spans
+            )
+        ):
+            raise TypeError(
+                f"field 'context_spans' must be a list of [start, end] offsets, got {spans!r:.80}"
+            )
+        output = record.get("output") or ""
+        return TextRecord(record["doc_id"], record["text"], output, record["lang"], record["status"],
+                          record["stages"], record)  # fmt: skip
 
     def wrong_task(self, record: dict) -> bool:
         return record.get("task", self.task) != self.task  # records written before 'task' existed pass

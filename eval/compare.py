@@ -236,7 +236,13 @@ def compare(cfg: CompareConfig) -> dict:
         if not cfg.force:
             raise
         spread, forced = None, True
-    names = cfg.metrics or list(dict.fromkeys(k for doc in docs for k in doc["metrics"]))
+    reported = list(dict.fromkeys(k for doc in docs for k in doc["metrics"]))
+    unknown = [name for name in cfg.metrics or () if name not in reported]
+    if unknown:  # a typo showed a row of dashes
+        raise InputError(
+            "--metrics", f"no run reports {', '.join(map(repr, unknown))}; they report {', '.join(reported)}"
+        )
+    names = cfg.metrics or reported
     table = {name: {label: doc["metrics"].get(name) for label, doc in zip(labels, docs)} for name in names}
     stats = intervals(labels, docs, cfg) if cfg.confidence else None
     if stats and cfg.metrics:

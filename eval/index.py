@@ -130,9 +130,13 @@ def _document_chunks(where: Path, number: int, row: dict, mode: str, docs: dict)
     records, lacking = [], 0
     for i, c in enumerate(rows):
         try:
-            text, start, end = c["text"], int(c["start"]), int(c["end"])
+            text, start, end = c["text"], c["start"], c["end"]
             if not isinstance(text, str):
                 raise TypeError("'text' is not a string")
+            if not all(
+                type(x) is int for x in (start, end)
+            ):  # "0" or 0.5 is no offset: distill refuses them too
+                raise TypeError(f"'start' and 'end' must be ints, got {start!r} and {end!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(where, f"chunks[{i}] needs text, start and end ({e})", number) from None
         check_unicode(where, number, f"chunks[{i}].text", text)

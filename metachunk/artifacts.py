@@ -19,7 +19,6 @@ in place of a good one:
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import hashlib
 import json
@@ -142,7 +141,7 @@ def ordinary_mode(path: str | Path | int, folder: bool = False, like: Path | Non
 def _not_a_folder(path: Path) -> None:
     """A folder where a file is to be written: said of ``path``, not of the temp file beside it."""
     if path.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "a folder, where a file is to be written", str(path))
+        raise InputError(path, "a folder, where a file is to be written")
 
 
 def process_space() -> str:
@@ -359,6 +358,10 @@ def replace_dir(staging: str | Path, final: str | Path) -> None:
     to keep it). Leftover ``.NAME.old-*`` folders are removed by the next successful call.
     """
     staging, final = Path(staging), Path(final)
+    if final.exists() and not final.is_dir():  # a user's file is never renamed aside and lost
+        raise InputError(
+            final, "a file, where a folder is to be written: give another path, or move the file"
+        )
     ordinary_mode(staging, folder=True)  # a mkdtemp folder is 0700
     trash = final.parent / f".{final.name}.old-{os.getpid()}"
     if trash.exists():  # left by a crashed run that had our pid

@@ -276,6 +276,11 @@ def _invoke(argv: list[str]) -> Result:
     except (InputError, ModelNotFoundError, DeviceNotFoundError) as e:
         print(redact(f"metachunk: error: {e}"), file=sys.stderr)
         return Result(2)
+    except (FileExistsError, NotADirectoryError) as e:  # an output path of the wrong kind: the user's to fix
+        # mkdir(exist_ok=True) over a file, or a file standing where a folder of the path should be
+        print(redact(f"metachunk: error: {e.filename}: a file, where a folder is to be written ({e.strerror})"),
+              file=sys.stderr)  # fmt: skip
+        return Result(2)
     except OSError as e:  # a full disk, no permission: one line in the system's words, with the path
         where = f"{e.filename}: " if e.filename else ""
         print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)

@@ -246,11 +246,37 @@ def read_text_file(path: Path, what: str = "config file") -> str:
     return text
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is an error: PyYAML keeps
+    the last, so a recipe's second ``input:`` silently won. Keys a merge (``<<: *anchor``) brings in
+    may be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = lines.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # an unhashable key: the base class says so
+                    break
+                if first != key_node.start_mark.line:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key!r} is written twice (first at line {first + 1})",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep)
+
+
 def yaml_mapping(text: str, path: Path, what: str = "config file") -> dict:
     """The YAML mapping ``text`` (empty: ``{}``), read from ``path``, its keys checked (`check_keys`);
     invalid YAML (with its line) or anything but a mapping is an `InputError` naming the file."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet

@@ -9,6 +9,7 @@ Wherever a preset name is accepted, a local HF model directory and a Hub id (``O
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -17,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from metachunk.artifacts import cache_dir, replace_dir
+from metachunk.artifacts import InputError, cache_dir, replace_dir
 from metachunk.command import Result
 from metachunk.config import option
 
@@ -388,13 +389,14 @@ def load_causal_lm_model(
     # On CPU, metachunk.engine.attention: SDPA, or attention in blocks of queries where SDPA's CPU kernel
     # is slow (wide heads, sliding windows); on a GPU flash-attention where installed.
     implementation = pick_attention(attn_implementation, device)
-    model, loading = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=getattr(torch, picked),
-        use_safetensors=use_safetensors,
-        attn_implementation=implementation,
-        output_loading_info=True,
-    )
+    with named_load_errors(name_or_dir):
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=getattr(torch, picked),
+            use_safetensors=use_safetensors,
+            attn_implementation=implementation,
+            output_loading_info=True,
+        )
     if loading["missing_keys"]:  # an encoder (an embedder's folder) gets a head at random: scores of noise
         missing = sorted(loading["missing_keys"])
         raise ModelNotFoundError(
@@ -405,6 +407,25 @@ def load_causal_lm_model(
     model.metachunk_dtype = {"dtype": picked, "why": why}
     warm_up(model)
     return model
+
+
+@contextlib.contextmanager
+def named_load_errors(where):
+    """A model folder whose files do not load (weights cut short, a config.json that is not JSON, has
+    a field of the wrong type or shapes the weights do not have, a broken tokenizer.json) is bad input,
+    named: `ModelNotFoundError` saying what failed, not a library's traceback. Running out of memory
+    is not bad input, and stays as it is."""
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (InputError, ModelNotFoundError, torch.OutOfMemoryError):
+        raise
+    except (OSError, ValueError, RuntimeError, SafetensorError, StrictDataclassError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelNotFoundError(f"{where}: does not load ({type(e).__name__}: {first})") from None
 
 
 def warm_up(model, tokens: int = 16) -> None:

@@ -65,6 +65,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -122,6 +123,9 @@ class Recipe:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
+STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
     """The recipe at ``path``, checked: every problem names the file and the stage's field (with
     ``registry``, also that each ``run:`` names a command a stage can run: one that declares what
@@ -152,6 +156,10 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
         name, run, cfg = s.get("name"), s.get("run"), s.get("config", {})
         if not isinstance(name, str) or not name or name in seen:
             raise InputError(path, f"{where}.name: a unique stage name is required (got {name!r})")
+        if not STAGE_NAME.fullmatch(name):  # it names files in the state folder: ../ would escape it
+            raise InputError(
+                path, f"{where}.name: letters, digits, '_', '-' and '.', not first, got {name!r}"
+            )
         stages_run = [] if registry is None else [c.name for c in registry.commands if c.is_stage]
         if not isinstance(run, str) or not run.split() or (registry and not any(
                 run.split()[: len(name.split())] == name.split() for name in stages_run)):  # fmt: skip
@@ -175,6 +183,8 @@ def load_recipe(path: str | Path, registry: Registry | None = None) -> Recipe:
     if not isinstance(raw.get("state") or "", str):
         raise InputError(path, f"state: a folder path, got {raw['state']!r}")
     state = Path(raw.get("state") or Path("runs") / "regen" / path.stem)
+    if state.exists() and not state.is_dir():
+        raise InputError(path, f"state: {state} is a file, where the run's state folder is to be")
     return Recipe(path, text, str(raw.get("name") or path.stem), state, stages, local_teacher_spec(path, raw))
 
 

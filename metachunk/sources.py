@@ -444,11 +444,9 @@ class DocumentSource:
         text = record[tf]
         if not isinstance(text, str):
             raise InputError(file.path, f"field {tf!r} must be a string, got {type(text).__name__}", number)
-        raw_id = record.get(idf)
-        if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int, float))):
-            raise InputError(file.path, f"field {idf!r} must be a string or a number, got "
-                             f"{type(raw_id).__name__} ({json.dumps(raw_id, default=str)[:40]})", number)  # fmt: skip
-        doc_id = self._default_id(file, number) if raw_id is None else str(raw_id)
+        doc_id = record_id(file.path, number, record, idf)
+        if doc_id is None:
+            doc_id = self._default_id(file, number)
         check_unicode(file.path, number, idf, doc_id)
         check_unicode(file.path, number, tf, text)
         return Document(doc_id, text)
@@ -694,6 +692,16 @@ def _hash_file(digest, file: SourceFile) -> None:
         with open(p, "rb") as f:
             for block in iter(lambda f=f: f.read(1 << 20), b""):
                 digest.update(block)
+
+
+def record_id(path, line: int, record: dict, field: str) -> str | None:
+    """The id ``record[field]`` holds, as text (a number as Python writes it), or None when it has
+    none; a bool, an object or a list is refused naming the field (``str()`` made ``"True"`` of it)."""
+    raw = record.get(field)
+    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, (str, int, float))):
+        raise InputError(path, f"field {field!r} must be a string or a number, got "
+                         f"{type(raw).__name__} ({json.dumps(raw, default=str)[:40]})", line)  # fmt: skip
+    return None if raw is None else str(raw)
 
 
 def _fields_hint(record: dict) -> str:

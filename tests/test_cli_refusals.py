@@ -65,6 +65,7 @@ def test_a_damaged_input_file_is_named(tmp_path, capsys, name, content, expected
         (["--target-len", "0"], "'target_len' must be >= 1, got 0"),
         (["--batch-size", "0"], "'batch_size' must be >= 1, got 0"),
         (["--bucket-edges", "-1"], "'bucket_edges' must be distinct lengths >= 1"),
+        (["--threshold", "nan"], "'threshold' must be a number, got nan"),  # was a traceback after the read
     ],
 )
 def test_data_sample_checks_its_chunking_settings_before_writing(tmp_path, capsys, flags, expected):

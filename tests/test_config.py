@@ -122,3 +122,17 @@ def test_a_boolean_where_any_value_goes_stays_a_boolean(tmp_path):
     )
     fields = load_yaml(DistillConfig, recipe)
     assert fields["teachers"]["reflection"].extra_body == {"enable_thinking": False, "top_k": 5}
+
+
+def test_a_key_written_twice_is_refused_and_a_merged_key_may_be_overridden(tmp_path):
+    """PyYAML keeps the last of two equal keys: a recipe's second ``input:`` silently won."""
+    from metachunk.config import yaml_mapping
+
+    with pytest.raises(
+        InputError, match=r"r\.yaml:3: invalid YAML: key 'input' is written twice \(first at line 1\)"
+    ):
+        yaml_mapping("input: a.jsonl\nmethod: fixed\ninput: b.jsonl\n", tmp_path / "r.yaml")
+    with pytest.raises(InputError, match="key 'k' is written twice"):
+        yaml_mapping("outer:\n  k: 1\n  k: 2\n", tmp_path / "r.yaml")
+    merged = "base: &b {input: a.jsonl, method: fixed}\nrun: {<<: *b, input: b.jsonl}\n"
+    assert yaml_mapping(merged, tmp_path / "r.yaml")["run"] == {"input": "b.jsonl", "method": "fixed"}

@@ -260,3 +260,9 @@ print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["svg", "False"]
+
+
+def test_a_metric_no_run_reports_is_named(tmp_path):
+    dirs = _runs(tmp_path, [500.0, 520.0])
+    with pytest.raises(InputError, match=r"--metrics: no run reports 'hits@5'; they report hits@8, mrr@8"):
+        compare(CompareConfig(runs=dirs, out=tmp_path / "c.md", metrics=["hits@8", "hits@5"], plots=False))

@@ -400,6 +400,12 @@ def test_read_chunks_index_text_modes(tmp_path):
     bad.write_text('{"id": "x", "chunks": [{"text": "ab", "start": 0, "end": 5}]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: chunks\[0\]"):
         read_chunks(bad)
+    bad.write_text('{"id": "x", "chunks": [{"text": "ab", "start": "0", "end": 2}]}\n')  # a string offset
+    with pytest.raises(
+        ValueError,
+        match=r"bad.jsonl:1: chunks\[0\] needs text, start and end \('start' and 'end' must be ints",
+    ):
+        read_chunks(bad)
 
 
 @pytest.mark.parametrize(

@@ -311,10 +311,10 @@ def test_permission_denied_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch)
     assert snapshot(out.parent) == before
 
 
-def test_output_under_a_file_is_an_os_error(tmp_path, capsys):
+def test_output_under_a_file_is_bad_input_named(tmp_path, capsys):
     src, _, _ = _old_pair(tmp_path)
     rc, err = chunk_cli(capsys, src, "-o", src / "o.jsonl", "--method", "fixed", "--target-len", "9")
-    assert_one_line_error(rc, err, 1, str(src))
+    assert_one_line_error(rc, err, 2, f"{src}: a file, where a folder is to be written")
 
 
 def test_output_equal_to_the_input_is_refused(tmp_path, capsys):
@@ -678,13 +678,33 @@ def test_outputs_get_the_modes_the_umask_gives_not_a_temp_files(tmp_path, mask):
 
 def test_a_folder_where_a_file_is_written_is_named_not_its_temp_file(tmp_path):
     (tmp_path / "out").mkdir()
-    with pytest.raises(IsADirectoryError) as e:
+    with pytest.raises(artifacts.InputError) as e:
         with artifacts.AtomicWriter(tmp_path / "out") as f:
             f.write("x")
-    assert e.value.filename == str(tmp_path / "out")
-    with pytest.raises(IsADirectoryError, match="a folder, where a file is to be written"):
+    assert e.value.path == tmp_path / "out"
+    with pytest.raises(artifacts.InputError, match="a folder, where a file is to be written"):
         artifacts.write_bytes(tmp_path / "out", b"x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not list((tmp_path / "out").iterdir())
+
+
+def test_a_file_where_a_folder_is_written_is_kept_and_named(tmp_path, monkeypatch, capsys):
+    """`data build-sft --out precious.jsonl` renamed the user's file aside, put the dataset folder in
+    its place and exited 0 (replace_dir took any path for a folder). A file where a folder's path
+    goes (``-o precious.jsonl/x.jsonl``) was an OS error, exit 1."""
+    precious = tmp_path / "precious.jsonl"
+    precious.write_text("mine\n")
+    staging = Path(tempfile.mkdtemp(dir=tmp_path))
+    with pytest.raises(InputError, match="a file, where a folder is to be written"):
+        artifacts.replace_dir(staging, precious)
+    assert precious.read_text() == "mine\n" and staging.is_dir()
+    monkeypatch.chdir(tmp_path)
+    Path("docs.jsonl").write_text('{"id": "a", "text": "Emma was clever. She was rich."}\n')
+    code = main(
+        ["chunk", "docs.jsonl", "-o", "precious.jsonl/x.jsonl", "--method", "fixed", "--target-len", "10"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "precious.jsonl: a file, where a folder is to be written" in err, err
+    assert precious.read_text() == "mine\n"
 
 
 def test_recipes_cp_into_a_folder_named_with_a_trailing_slash(tmp_path, monkeypatch, capsys):

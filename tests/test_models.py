@@ -127,3 +127,27 @@ def test_an_attention_transformers_does_not_know_is_refused_before_loading():
         models.pick_attention("bogus", "cpu")
     assert models.pick_attention("sdpa", "cpu") == "sdpa"
     assert models.pick_attention("kernels-community/flash-attn", "cuda") == "kernels-community/flash-attn"
+
+
+@pytest.mark.parametrize("damage", ["weights", "shape"])
+def test_a_model_folder_that_does_not_load_is_named_not_a_traceback(tmp_path, tiny_model_dir, capsys, damage):
+    """Weights cut short, or a config.json whose shapes the weights do not have: `chunk` (and every
+    verb that loads a model through `models.load_causal_lm_model`) printed transformers' traceback, exit 1."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    if damage == "weights":
+        weights = broken / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        config = json.loads((broken / "config.json").read_text())
+        (broken / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"id": "a", "text": "Emma was clever. She was rich."}\n')
+    code = main(
+        ["chunk", str(src), "-o", str(tmp_path / "o.jsonl"), "--model", str(broken), "--method", "ppl"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and f"{broken}: does not load (" in err and "Traceback" not in err, err
+    assert not (tmp_path / "o.jsonl").exists()

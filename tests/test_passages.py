@@ -119,3 +119,17 @@ def test_each_id_is_written_once(tmp_path, capsys):
     )
     assert rc == 2 and f"{src}:3: field 'chapter': group id 'I' again (first at line 1)" in err
     assert rows(out) == [{"id": "a", "text": "1"}, {"id": "b", "text": "2"}]  # the last good output stays
+
+
+def test_an_id_is_a_string_or_a_number_and_a_missing_one_is_its_line(tmp_path, capsys):
+    """``str()`` of the id field wrote ``"True"`` and ``"{'a': 1}"`` as ids, and two null ids were
+    the same id ``"None"``; `metachunk chunk` refuses the first and numbers the second by line."""
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    src.write_text('{"id": null, "text": "A."}\n{"text": "B."}\n{"id": 7, "text": "C."}\n')
+    rc, err = passages(capsys, "--input", src, "--out", out)
+    assert rc == 0, err
+    assert [r["id"] for r in rows(out)] == ["1", "2", "7"]
+    for bad in ("true", '{"a": 1}', "[1]"):
+        src.write_text(f'{{"id": {bad}, "text": "A."}}\n')
+        rc, err = passages(capsys, "--input", src, "--out", out)
+        assert rc == 2 and f"{src}:1: field 'id' must be a string or a number" in err, err

@@ -212,6 +212,12 @@ STAGE = "stages:\n  - name: a\n    run: data sample\n    config: {}\n"
             "output_dir: o, use_cpu: true, bf16: false, per_device_train_batch_size: 0}}\n",
             "stage 't', config: field 'per_device_train_batch_size' must be >= 1, got 0",
         ),
+        (  # a stage's name names its files in the state folder: this one wrote over ../../notes.yaml
+            "stages:\n  - {name: ../../notes, run: chunk, config: {input: a.jsonl, output: b.jsonl}}\n",
+            "stages[0].name: letters, digits, '_', '-' and '.', not first, got '../../notes'",
+        ),
+        ("state: bad.yaml\nstages:\n  - {name: a, run: chunk, config: {}}\n",
+         "state: bad.yaml is a file, where the run's state folder is to be"),
     ],
 )
 def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys, monkeypatch, text, field):

@@ -214,6 +214,37 @@ def test_bad_record_names_file_and_line(planted, tiny_model_dir):
     assert not (planted / "ds2").exists()  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"text": [1]}, "field 'text' must be a string, got [1]"),
+        ({"output": ["a"]}, "field 'output' must be a string"),
+        ({"stages": None}, "field 'stages' must be an object"),
+        ({"chunk_index": "x"}, "field 'chunk_index' must be an int"),
+        ({"context_spans": "oops"}, "field 'context_spans' must be a list of [start, end] offsets"),
+        ({"context_spans": [[5]]}, "field 'context_spans' must be a list of [start, end] offsets"),
+        ({"start": 500, "end": 50}, "field 'end' (50) is before field 'start' (500)"),
+        ({"status": None}, "field 'status' must be a string"),
+    ],
+)
+def test_a_record_field_of_the_wrong_type_is_named(planted, tiny_model_dir, change, said):
+    """A list for ``text`` said "AttributeError: 'list' object has no attribute 'lower'", a string
+    ``chunk_index`` a pyarrow traceback after the build, and ``end`` before ``start`` went in."""
+    from metachunk.artifacts import InputError
+
+    record = json.loads((planted / "rewrite.jsonl").read_text().splitlines()[0])
+    (planted / "bad.jsonl").write_text(json.dumps({**record, **change}) + "\n")
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "bad.jsonl", out=planted / "ds3",
+                         documents=planted / "docs.jsonl", cards_dir=planted / "cards", tokenizer=str(tiny_model_dir))  # fmt: skip
+    with pytest.raises(InputError) as e:
+        build_sft(cfg, progress=False)
+    assert "bad.jsonl:1: " in str(e.value) and said in str(e.value), str(e.value)
+    missing = {k: v for k, v in record.items() if k != "status"}
+    (planted / "bad.jsonl").write_text(json.dumps(missing) + "\n")
+    with pytest.raises(InputError, match="field 'status' is missing"):
+        build_sft(cfg, progress=False)
+
+
 def test_bad_records_are_skipped_on_request(planted, tiny_model_dir, capsys):
     """``--on-bad-row skip`` (tests/test_bad_rows.py has the other commands): the bad records go to
     OUT.rejects.jsonl, the dataset is the one the good records alone make, the exit status is 6."""

@@ -81,6 +81,7 @@ from metachunk.artifacts import InputError, ordinary_mode, read_json, read_json_
 from metachunk.command import Reads, Result
 from metachunk.config import option
 from metachunk.markdown import shown_path
+from metachunk.models import named_load_errors
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 # Pickle files the Trainer writes next to the weights; never read, never exported.
@@ -423,22 +424,6 @@ def _load_zero(folder: Path):
     return model
 
 
-@contextlib.contextmanager
-def _unreadable_checkpoint(checkpoint: Path):
-    """A checkpoint whose files do not load (weights cut short, a config.json that is not JSON or has a
-    field of the wrong type, a broken tokenizer.json) is bad input, named: not a library's traceback."""
-    from huggingface_hub.errors import StrictDataclassError
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except InputError:
-        raise
-    except (OSError, ValueError, SafetensorError, StrictDataclassError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise InputError(checkpoint, f"does not load ({type(e).__name__}: {first})") from None
-
-
 def load_model(cfg: ExportConfig, weights: Weights, run: Run):
     """The model to export, and the folders (in order) its tokenizer / generation config may come from."""
     from transformers import AutoModelForCausalLM
@@ -536,7 +521,7 @@ def export(cfg: ExportConfig, progress=None) -> ExportResult:
     from transformers import AutoTokenizer
 
     say(f"loading {weights.kind} weights from {cfg.checkpoint}")
-    with _unreadable_checkpoint(cfg.checkpoint):
+    with named_load_errors(cfg.checkpoint):
         model, folders = load_model(cfg, weights, run)
         tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(folders))
     parameters = sum(p.numel() for p in model.parameters())
