@@ -216,8 +216,10 @@ STAGE = "stages:\n  - name: a\n    run: data sample\n    config: {}\n"
             "stages:\n  - {name: ../../notes, run: chunk, config: {input: a.jsonl, output: b.jsonl}}\n",
             "stages[0].name: letters, digits, '_', '-' and '.', not first, got '../../notes'",
         ),
-        ("state: bad.yaml\nstages:\n  - {name: a, run: chunk, config: {}}\n",
-         "state: bad.yaml is a file, where the run's state folder is to be"),
+        (
+            "state: bad.yaml\nstages:\n  - {name: a, run: chunk, config: {}}\n",
+            "state: bad.yaml is a file, where the run's state folder is to be",
+        ),
     ],
 )
 def test_a_bad_recipe_names_its_file_and_field(tmp_path, capsys, monkeypatch, text, field):
