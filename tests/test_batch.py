@@ -155,12 +155,36 @@ def test_a_create_the_list_showed_late_is_kept_and_the_second_cancelled(tmp_path
     assert all(r["status"] == "ok" for r in records(tmp_path))
 
 
+def _upload_then_die_then_wait(path, cfg, base_url: str, payload: dict, then: str = ""):
+    """Run A, in a process of its own, claims a batch of one request ``k``, uploads its file, records
+    the upload, runs the lines ``then`` (``c`` its client, ``f`` the file) and ends without recording
+    a batch. Then this process's `batch.wait` takes the upload over: ``(store, counts)``."""
+    from metachunk import batch
+    from metachunk.store import AnswerStore
+    from metachunk.teacher import TeacherPool
+
+    run_a = (
+        "import sys, openai\nfrom metachunk import batch\nfrom metachunk.store import AnswerStore\n"
+        f"s = AnswerStore(sys.argv[1])\nb, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
+        f"line = batch.batch_line('k', {payload!r}, {cfg.batch_endpoint!r})\n"
+        f"c = openai.OpenAI(base_url={base_url!r}, api_key='x', max_retries=0)\n"
+        "f = c.files.create(file=('a.jsonl', line.encode()), purpose='batch')\n"
+        "s.update_batch(b, input_file_id=f.id, status='uploaded')\n" + then
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", run_a, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    store = AnswerStore(path)
+    counts = batch.BatchCounts()
+    batch.wait(store, {"s": TeacherPool({"s": cfg}, {}, store)["s"]}, counts, progress=False)
+    return store, counts
+
+
 def test_a_run_killed_between_upload_and_create_is_created_once_by_the_next(tmp_path):
     """Run A uploaded its file, then died before batches.create: the next run's wait takes the batch
     over, finds no batch made from the file at the provider, creates one, and collects it."""
-    from metachunk import batch
-    from metachunk.store import AnswerStore
-    from metachunk.teacher import TeacherConfig, TeacherPool
+    from metachunk.teacher import TeacherConfig
 
     path = tmp_path / "answers.sqlite"
     with serve_in_subprocess(replies=REPLIES) as server:
@@ -170,20 +194,7 @@ def test_a_run_killed_between_upload_and_create_is_created_once_by_the_next(tmp_
             "messages": [{"role": "user", "content": "Who is Emma?"}],
             "max_tokens": 8,
         }
-        run_a = (
-            "import sys, openai\nfrom metachunk import batch\nfrom metachunk.store import AnswerStore\n"
-            f"s = AnswerStore(sys.argv[1])\nb, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
-            f"line = batch.batch_line('k', {payload!r}, {cfg.batch_endpoint!r})\n"
-            f"f = openai.OpenAI(base_url={server.base_url!r}, api_key='x').files.create(file=('a.jsonl', line.encode()), purpose='batch')\n"
-            "s.update_batch(b, input_file_id=f.id, status='uploaded')"
-        )  # fmt: skip
-        done = subprocess.run(
-            [sys.executable, "-c", run_a, str(path)], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
-        store = AnswerStore(path)
-        counts = batch.BatchCounts()
-        batch.wait(store, {"s": TeacherPool({"s": cfg}, {}, store)["s"]}, counts, progress=False)
+        store, counts = _upload_then_die_then_wait(path, cfg, server.base_url, payload)
         stats = server.stats()
     assert len(stats["batches"]) == 1 and stats["batch_requests"] == 1
     assert store.live_batches() == [] and store.has_answer("k") and counts.answered == 1
@@ -197,9 +208,7 @@ def test_a_killed_runs_batches_the_list_hid_or_made_twice_leave_one_running(tmp_
     create was answered with an error and it tried again, so two exist. Either way the run that takes
     the upload over leaves exactly one of the file's batches running (the others are cancelled while
     they validate, unbilled), and collects it."""
-    from metachunk import batch
-    from metachunk.store import AnswerStore
-    from metachunk.teacher import TeacherConfig, TeacherPool
+    from metachunk.teacher import TeacherConfig
 
     path = tmp_path / "answers.sqlite"
     with serve_in_subprocess(replies=REPLIES) as server:
@@ -207,25 +216,12 @@ def test_a_killed_runs_batches_the_list_hid_or_made_twice_leave_one_running(tmp_
         payload = {"model": "loopback", "messages": [{"role": "user", "content": "Who is Emma? [[batch:late_create]]"}],
                    "max_tokens": 8}  # fmt: skip
         create = (
-            "c.batches.create(input_file_id=f.id, endpoint='/v1/chat/completions', completion_window='24h')"
+            "c.batches.create(input_file_id=f.id, endpoint='/v1/chat/completions', completion_window='24h')\n"
         )
-        run_a = (
-            "import sys, openai\nfrom metachunk import batch\nfrom metachunk.store import AnswerStore\n"
-            f"s = AnswerStore(sys.argv[1])\nb, _, _ = s.claim_batch({batch.endpoint_name(cfg)!r}, [('k', 0.1)], None, 3600)\n"
-            f"line = batch.batch_line('k', {payload!r}, {cfg.batch_endpoint!r})\n"
-            f"c = openai.OpenAI(base_url={server.base_url!r}, api_key='x', max_retries=0)\n"
-            "f = c.files.create(file=('a.jsonl', line.encode()), purpose='batch')\n"
-            "s.update_batch(b, input_file_id=f.id, status='uploaded')\n"
-            f"try:\n    {create}\nexcept openai.APIStatusError:\n    pass\n"  # made, answered 502, not listed yet
-            + (f"{create}\n" if creates == 2 else "")
-        )  # fmt: skip
-        done = subprocess.run(
-            [sys.executable, "-c", run_a, str(path)], capture_output=True, text=True, timeout=60
+        then = f"try:\n    {create}except openai.APIStatusError:\n    pass\n"  # made, answered 502, not listed yet
+        store, counts = _upload_then_die_then_wait(
+            path, cfg, server.base_url, payload, then + create * (creates - 1)
         )
-        assert done.returncode == 0, done.stderr
-        store = AnswerStore(path)
-        counts = batch.BatchCounts()
-        batch.wait(store, {"s": TeacherPool({"s": cfg}, {}, store)["s"]}, counts, progress=False)
         stats = server.stats()
     assert sorted(stats["batches"].values()) == ["cancelled", "completed"]
     assert store.has_answer("k") and counts.answered == 1
