@@ -476,7 +476,8 @@ def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
         )
     print(f"{'total':<16} {'':<28} {total['calls']:>7} {sum(cached.values()):>7} {total['prompt_tokens']:>11,} "
           f"{total['completion_tokens']:>14,} {total['cost']:>11.4f}", file=file)  # fmt: skip
-    print("(prompt tokens are estimated high; completions at max_tokens: an upper bound)", file=file)
+    print("(prompts at 1 token per byte, or the teacher's tokenizer, and completions at max_tokens: the upper "
+          "bound a live run reserves)", file=file)  # fmt: skip
     print_request_bodies(cfg, result, file)
     return total
 

@@ -141,15 +141,11 @@ def create_once(
         time.sleep(retry_delay(attempt))
         attempt += 1
         if found := batches_of_file(client, file_id, since):
-            return first_made(found)
+            return keep_first(client, found)
     if attempt == 0 and not made_before:
         return made
     every = {b.id: b for b in [made, *batches_of_file(client, file_id, since)]}
-    first = first_made(list(every.values()))
-    for extra in every.values():
-        if extra.id != first.id:
-            client.batches.cancel(extra.id)
-    return first
+    return keep_first(client, list(every.values()))
 
 
 def batches_of_file(client, file_id: str, since: float) -> list:
@@ -167,9 +163,24 @@ def batches_of_file(client, file_id: str, since: float) -> list:
     return found
 
 
+ENDED_WITHOUT_ANSWERS = ("failed", "expired", "cancelled", "cancelling")
+
+
 def first_made(batches: list):
-    """The batch made first: the one kept when a file was made into more than one."""
-    return min(batches, key=lambda b: (b.created_at, b.id))
+    """The batch made first, of those running or completed if any is (one cancelled before, say by a
+    run that kept another, is not taken back)."""
+    alive = [b for b in batches if b.status not in ENDED_WITHOUT_ANSWERS] or batches
+    return min(alive, key=lambda b: (b.created_at, b.id))
+
+
+def keep_first(client, batches: list):
+    """The batch kept of a file made into more than one (`first_made`); the others still running are
+    cancelled, while they validate unbilled (one already in progress is billed for what it did)."""
+    first = first_made(batches)
+    for extra in batches:
+        if extra.id != first.id and extra.status not in (*TERMINAL, "cancelling"):
+            client.batches.cancel(extra.id)
+    return first
 
 
 def endpoint_name(cfg: TeacherConfig) -> str:
@@ -261,16 +272,14 @@ def wait(
                     continue
                 if recovering:
                     existing = batches_of_file(client, row["input_file_id"], since=row["created"])
+                    # the killed run's creates may have made one the list does not show yet, or more than one
                     found = (
-                        first_made(existing)
+                        keep_first(client, existing)
                         if existing
                         else create_once(
                             client, cfg, row["input_file_id"], row["id"], row["created"], made_before=True
                         )
                     )
-                    for extra in existing:  # the killed run's creates made more than one: the first runs
-                        if extra.id != found.id:
-                            client.batches.cancel(extra.id)
                     store.update_batch(row["id"], batch_id=found.id, status="submitted")
                     row["batch_id"] = found.id
                 batch = client.batches.retrieve(row["batch_id"])

@@ -66,7 +66,8 @@ def run(coro, runner=None):
     under `stop_on_signals` SIGTERM and SIGHUP cancel the main task, as asyncio's runner does on
     Ctrl-C, instead of raising `Stopped` in whatever bytecode the main thread is at: the cancellation
     lands at an ``await``, never between a paid answer's arrival and its row in the answer store.
-    `Stopped` is raised once the task has unwound; a second signal raises it at once."""
+    `Stopped` is raised once the task has unwound. A second signal raises `Stopped` in the loop,
+    whose shutdown then cancels the tasks left and waits for them (a third raises it there)."""
     import asyncio
 
     go = runner.run if runner is not None else asyncio.run
@@ -90,7 +91,7 @@ def run(coro, runner=None):
         task = asyncio.current_task()
         return await coro
 
-    previous = {s: signal.signal(s, cancel) for s in CAUGHT}
+    previous = {s: signal.signal(s, cancel) for s in CAUGHT if signal.getsignal(s) is _raise}
     try:
         result = go(main())
     except BaseException:  # the cancellation, or what it ended in: the command was stopped
@@ -116,7 +117,9 @@ def stop_on_signals():
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
-    previous = {s: signal.signal(s, _raise) for s in CAUGHT} if _depth == 0 else {}
+    # a signal set to be ignored stays ignored: `nohup metachunk ...` is not stopped by its SIGHUP
+    caught = [s for s in CAUGHT if signal.getsignal(s) is not signal.SIG_IGN] if _depth == 0 else []
+    previous = {s: signal.signal(s, _raise) for s in caught}
     _depth += 1
     try:
         yield _depth == 1

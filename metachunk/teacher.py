@@ -12,7 +12,7 @@ The request path, in order:
    key another live process is sending is waited for, not sent; a request whose reservation does
    not fit is not sent (it stays pending) and the run goes on with what fits. The worst case is the prompt at
    1 token per UTF-8 byte (byte-level BPE never spends more), or the teacher's ``tokenizer`` count,
-   plus ``max_tokens`` (`Teacher.bound_tokens`). The endpoint's calibrated tokens per byte (the
+   plus ``max_tokens`` (`Teacher.prompt_bound`). The endpoint's calibrated tokens per byte (the
    largest it billed for prompts like this one) only size what the tokens-per-minute bucket takes:
    a ratio learnt on prose is no bound for a table of digits, which a tokenizer splits digit by digit.
 3. The endpoint's token buckets (requests and tokens per minute) and semaphore admit it.
@@ -449,6 +449,12 @@ def non_ascii_quarter(contents: list[str]) -> int:
     size = sum(len(c.encode("utf-8")) for c in contents)
     non_ascii = size - sum(len(c.encode("ascii", "ignore")) for c in contents)
     return round(4 * non_ascii / max(1, size))
+
+
+def template_tokens(messages: list[dict]) -> int:
+    """What a chat template adds to a prompt's contents, counted high: `TEMPLATE_TOKENS` per message
+    and for the answer's header."""
+    return TEMPLATE_TOKENS * (len(messages) + 1)
 
 
 def prompt_bytes(messages: list[dict]) -> int:
@@ -1016,7 +1022,12 @@ class Teacher:
         self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
         # One calibration for the model across its endpoints: replicas bill the same tokens.
         self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}" if endpoint else ""
+        # Loaded here, so that a tokenizer that cannot be found stops the run before anything is sent.
         self._tokenizer = None
+        if cfg.tokenizer:
+            from metachunk.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(cfg.tokenizer)
         # Dry run: the first body this teacher would send (`distill --dry-run` prints it).
         self.first_request: dict | None = None
         # mode: batch: requests this round could not answer from the store, (key, body, reservation),
@@ -1068,35 +1079,37 @@ class Teacher:
         rows = [self._calibration_row(q) for q in range(non_ascii_quarter(contents), 5)]
         return max(self.store.tokens_per_byte(*rows) or 0.0, 0.0) or 1.0
 
-    def bound_tokens(self, text: str, messages: list[dict] | None = None) -> int:
-        """An upper bound on the tokens billed for ``messages`` (a prompt) or ``text`` (an answer):
-        the teacher's tokenizer count when the recipe names one, else 1 token per UTF-8 byte, which
-        byte-level BPE never exceeds; a prompt adds `TEMPLATE_TOKENS` per message and one for the
-        answer's header. What a claim reserves against the cap, and what an answer without usage is
-        counted at."""
-        if self.cfg.tokenizer:
-            if self._tokenizer is None:
-                from metachunk.models import load_tokenizer
+    def prompt_bound(self, messages: list[dict]) -> int:
+        """An upper bound on the prompt tokens billed for ``messages``: what a claim reserves against
+        the cap. The teacher's tokenizer (``tokenizer:``) counts the prompt as its chat template
+        renders it (default system prompts and date headers included); else 1 token per UTF-8 byte
+        of the contents, which byte-level BPE never exceeds. Either way plus `template_tokens`."""
+        if self._tokenizer is None:
+            return prompt_bytes(messages) + template_tokens(messages)
+        if self._tokenizer.chat_template:
+            rendered = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return len(self._tokenizer.encode(rendered, add_special_tokens=False)) + template_tokens(messages)
+        body = sum(len(self._tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+        return body + template_tokens(messages)
 
-                self._tokenizer = load_tokenizer(self.cfg.tokenizer)
-            if messages is None:
-                return len(self._tokenizer.encode(text, add_special_tokens=False))
-            body = sum(len(self._tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
-            return body + TEMPLATE_TOKENS * (len(messages) + 1)
-        if messages is None:
-            return len(text.encode("utf-8"))
-        return prompt_bytes(messages) + TEMPLATE_TOKENS * (len(messages) + 1)
+    def answer_bound(self, text: str) -> int:
+        """An upper bound on the completion tokens of an answer ``text`` the endpoint did not count
+        (no ``usage``): the tokenizer's count, else its UTF-8 bytes, plus one for the end token."""
+        if self._tokenizer is None:
+            return len(text.encode("utf-8")) + 1
+        return len(self._tokenizer.encode(text, add_special_tokens=False)) + 1
 
-    def expected_tokens(self, messages: list[dict]) -> int:
+    def expected_prompt_tokens(self, messages: list[dict]) -> int:
         """The prompt's tokens as the endpoint has billed prompts like it (`_tokens_per_byte`), or
-        `bound_tokens` where the recipe names a tokenizer: what the tokens-per-minute bucket takes.
+        `prompt_bound` where the recipe names a tokenizer: what the tokens-per-minute bucket takes.
         It can fall short of the bill (a ratio learnt on prose, then a table of digits), which only
-        the rate limit feels: the money is reserved at `bound_tokens`."""
-        if self.cfg.tokenizer:
-            return self.bound_tokens("", messages)
+        the rate limit feels: the money is reserved at `prompt_bound`."""
+        if self._tokenizer is not None:
+            return self.prompt_bound(messages)
         contents = [m["content"] for m in messages]
-        template = TEMPLATE_TOKENS * (len(messages) + 1)
-        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte(contents)) + template
+        return math.ceil(prompt_bytes(messages) * self._tokens_per_byte(contents)) + template_tokens(messages)
 
     async def complete(
         self, messages: list[dict], prompt_sha: str, attempt: int = 0, schema: Schema | None = None
@@ -1139,8 +1152,8 @@ class Teacher:
         if self.store.has_answer(key):
             self.cached += 1
             return Answer.from_stored(self.store.get(key), params, cached=True)
-        if self.offline:
-            prompt_estimate = sum(estimate_tokens(m["content"]) + 4 for m in messages)
+        if self.offline:  # the dry run's table: the same bound a live run reserves
+            prompt_estimate = self.prompt_bound(messages)
             stored = self.store.get(key)  # only a transport error, if anything: the next run retries it
             if stored is not None:
                 return Answer.from_stored(stored, params, cached=False)
@@ -1159,7 +1172,7 @@ class Teacher:
                     return Answer.from_stored(stored, params, cached=False)
                 return Answer(key, self.cfg.model, "failed", reason="batch_expired", params=params)
             if not (state in ("failed", "expired") and self.cfg.retry_mode == "online"):
-                prompt_bound = self.bound_tokens("", messages)
+                prompt_bound = self.prompt_bound(messages)
                 reserve = self.price.cost(prompt_bound, max_tokens) * self.price.batch_discount
                 self.spool[key] = (payload, reserve)
                 return Answer(
@@ -1167,7 +1180,7 @@ class Teacher:
                 )
         self.store.start_heartbeat()
         waited = refused = False
-        prompt_bound = self.bound_tokens("", messages)
+        prompt_bound = self.prompt_bound(messages)
         worst_case = self.price.cost(prompt_bound, max_tokens)
         while True:  # claim the key, with its reservation, or wait for whoever is sending it
             claim = self.store.claim(key, worst_case, self.budget.limit)
@@ -1197,7 +1210,9 @@ class Teacher:
             row = await self._send(payload, key, messages, prompt_bound, max_tokens)
             self._keep(row, messages)
         except BaseException:  # stopped, cancelled (Ctrl-C, SIGTERM), or the endpoint is gone
-            if row is not None:  # a stop (SIGTERM raises anywhere) between the answer and its row: keep it
+            if (
+                row is not None
+            ):  # a second signal (`stopping.run`), or a failed put: keep the answer if it can
                 if self.store.holds(key):
                     self._keep(row, messages)
                 raise
@@ -1234,7 +1249,7 @@ class Teacher:
 
         model = self.cfg.model
         # What the tokens-per-minute bucket takes: the expected tokens, not the money's bound.
-        estimated_tokens = self.expected_tokens(messages) + max_tokens
+        estimated_tokens = self.expected_prompt_tokens(messages) + max_tokens
         # A send that got no answer may still be billed: the server may have generated it (a read timeout, a
         # stream cut mid-answer, a 200 whose body did not parse). Each is counted at the reservation's worst
         # case, in the row's cost, so that the budget sees it and a rerun that sends it again cannot spend
@@ -1291,7 +1306,7 @@ class Teacher:
                 estimated = prompt_tokens is None
                 if estimated:  # counted, never free: the same upper bound the reservation used
                     prompt_tokens = prompt_bound
-                    completion_tokens = min(max_tokens, self.bound_tokens(text))
+                    completion_tokens = min(max_tokens, self.answer_bound(text))
                 if via.tokens:  # replace the estimate by the real usage
                     via.tokens.give_back(estimated_tokens, prompt_tokens + completion_tokens)
                 cost = self.price.cost(prompt_tokens, completion_tokens) + billed.pop(key)

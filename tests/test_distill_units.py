@@ -542,29 +542,35 @@ def test_reservations_are_a_token_per_byte_and_calibration_sizes_only_the_rate_l
     overhead = TEMPLATE_TOKENS * 3
     plain = Teacher(TeacherConfig(model="m"), None, store, Price(), Budget(None, store))
     size = len("Be brief.Emma 爱 Knightley".encode())
-    assert plain.bound_tokens("", messages) == plain.expected_tokens(messages) == size + overhead
+    assert plain.prompt_bound(messages) == plain.expected_prompt_tokens(messages) == size + overhead
     key = plain.calibrated_as([m["content"] for m in messages])
     store.put(StoredAnswer("k", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(key, 0.25))
     store.put(StoredAnswer("k2", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(key, 0.2))  # lower: kept max
     assert store.tokens_per_byte(key) == 0.25
-    assert plain.expected_tokens(messages) == -(-size // 4) + overhead
-    assert plain.bound_tokens("", messages) == size + overhead  # calibrated or not: the bound
-    assert plain.bound_tokens("12345 67890") == 11  # an answer without usage: its bytes
+    assert plain.expected_prompt_tokens(messages) == -(-size // 4) + overhead
+    assert plain.prompt_bound(messages) == size + overhead  # calibrated or not: the bound
+    assert plain.answer_bound("12345 67890") == 12  # an answer without usage: its bytes and an end token
     # Chinese is calibrated apart: a ratio learnt on (mostly) English prompts is not its rate
     chinese = [{"role": "user", "content": "爱玛" * 10}]
     assert plain.calibrated_as(["爱玛"]) != key
-    assert plain.expected_tokens(chinese) == len(("爱玛" * 10).encode()) + TEMPLATE_TOKENS * 2
+    assert plain.expected_prompt_tokens(chinese) == len(("爱玛" * 10).encode()) + TEMPLATE_TOKENS * 2
     store.put(
         StoredAnswer("k3", "m", "ok", "", "{}", 1, 1, 0.0), calibration=(plain.calibrated_as(["爱玛"]), 0.5)
     )
-    assert plain.expected_tokens(chinese) == len(("爱玛" * 10).encode()) // 2 + TEMPLATE_TOKENS * 2
+    assert plain.expected_prompt_tokens(chinese) == len(("爱玛" * 10).encode()) // 2 + TEMPLATE_TOKENS * 2
     # a ratio learnt on prompts with more non-ASCII bytes sizes these too
-    assert plain.expected_tokens(messages) == -(-size // 2) + overhead
+    assert plain.expected_prompt_tokens(messages) == -(-size // 2) + overhead
     counted = Teacher(TeacherConfig(model="m", tokenizer=str(tiny_model_dir)), None, store, Price(),
                       Budget(None, store))  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    body = sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
-    assert counted.bound_tokens("", messages) == counted.expected_tokens(messages) == body + overhead
+    # the prompt as the teacher's chat template renders it: its markers, and what it adds unasked
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    templated = len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert counted.prompt_bound(messages) == counted.expected_prompt_tokens(messages) == templated + overhead
+    user_only = [messages[1]]
+    body = len(tokenizer.encode(user_only[0]["content"], add_special_tokens=False))
+    # Qwen's template adds its default system prompt to a user-only prompt (~40 tokens): 8 per message missed it
+    assert counted.prompt_bound(user_only) > body + TEMPLATE_TOKENS * 2 + 30
     store.close()
 
 

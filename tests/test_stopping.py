@@ -445,3 +445,17 @@ def test_sigterm_stops_an_event_loop_inside_its_callbacks():
     run = subprocess.run([sys.executable, "-c", IN_A_CALLBACK], capture_output=True, text=True, timeout=60)
     assert run.returncode == 128 + signal.SIGTERM, run.stderr
     assert "Exception in callback" not in run.stderr
+
+
+def test_a_signal_set_to_be_ignored_stays_ignored():
+    """`nohup metachunk ...` sets SIGHUP to be ignored; stop_on_signals replaced it, so the closed
+    terminal's SIGHUP stopped the run that nohup was meant to keep."""
+    from metachunk.stopping import stop_on_signals
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGHUP, before)

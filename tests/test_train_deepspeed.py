@@ -172,7 +172,8 @@ def test_zero2_trains_a_bf16_model_with_fp32_gradient_accumulation(sft_dataset, 
     recipes' bf16 runs over 32 micro-batches need: a bf16 model under it trains (CPU, 2 micro-batches a step)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
-    assert json.loads((DS / "zero2.json").read_text())["data_types"] == {"grad_accum_dtype": "fp32"}
+    for shipped in ("zero2.json", "zero3.json", "zero3_offload.json"):  # the offload one lacked it
+        assert json.loads((DS / shipped).read_text())["data_types"] == {"grad_accum_dtype": "fp32"}, shipped
     out = tmp_path / "bf16"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()),
            "--module", "metachunk.train", "--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir),

@@ -409,6 +409,41 @@ def test_resume_from_latest_skips_a_checkpoint_whose_save_was_cut_short(tmp_path
         resume_point(args)
 
 
+def test_a_zero_checkpoint_resumes_only_on_as_many_processes_as_saved_it(tmp_path, monkeypatch):
+    """DeepSpeed refuses a ZeRO checkpoint saved by 2 ranks in a run of 1, after the model has loaded:
+    a job preempted on 2 GPUs and requeued on 1 is refused before the load."""
+    from types import SimpleNamespace
+
+    from metachunk.train.sft import resume_point
+
+    folder = tmp_path / "checkpoint-4"
+    (folder / "global_step4").mkdir(parents=True)
+    (folder / "latest").write_text("global_step4")
+    (folder / "trainer_state.json").write_text('{"global_step": 4}')
+    for rank in (0, 1):
+        (folder / "global_step4" / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    args = SimpleNamespace(resume_from_checkpoint="latest", output_dir=str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"was saved by 2 processes, and this run has 1: .*--num_gpus 2"):
+        resume_point(args)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume_point(args) == str(folder)
+
+
+def test_a_deprecated_alias_beside_its_new_name_is_refused(tmp_path, tiny_model_dir, capsys, no_model_load):
+    """Every shipped recipe sets ``activation_checkpointing``; transformers reads its old name
+    ``gradient_checkpointing`` only when the new one is unset, so ``--gradient_checkpointing false``
+    was ignored without a word."""
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    argv = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir), "--gradient_checkpointing", "false"]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 2
+    _one_line_error(
+        err, "field 'gradient_checkpointing' is transformers' old name for 'activation_checkpointing'"
+    )
+
+
 def test_the_runs_identity_leaves_out_how_it_is_watched(tmp_path):
     """The regeneration fingerprint: the recipe and the flags as given, less --config FILE and the runtime
     fields (report_to, logging_dir), in the recipe or as flags, with their values."""

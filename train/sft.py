@@ -247,12 +247,27 @@ def check_value_types(recipe: dict, argv: list[str], classes) -> None:
 RENAMED = {"model": "model_name_or_path", "dataset": "dataset_name"}  # the old names: TRL's now
 
 
+# transformers 5's new names for TRL's (deprecated aliases): the old one is read only when the new one is unset
+ALIASED = {"gradient_checkpointing": "activation_checkpointing",
+           "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}  # fmt: skip
+
+
 def check_renamed(recipe: dict, argv: list[str]) -> None:
     """An old field name, in the recipe or as a flag, is an error that names the new one (argparse alone
-    would call ``--model`` ambiguous, and TrlParser a recipe's ``model:`` unknown)."""
+    would call ``--model`` ambiguous, and TrlParser a recipe's ``model:`` unknown). A deprecated alias
+    given beside its new name is one too: transformers would ignore it without a word (every shipped
+    recipe sets ``activation_checkpointing``, so ``--gradient_checkpointing false`` did nothing)."""
+
+    def given(name: str) -> bool:
+        return name in recipe or any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv)
+
     for old, new in RENAMED.items():
-        if old in recipe or any(a == f"--{old}" or a.startswith(f"--{old}=") for a in argv):
+        if given(old):
             raise ValueError(f"field {old!r} is now {new!r}, TRL's name (`trl sft` reads the same recipes)")
+    for old, new in ALIASED.items():
+        if given(old) and given(new):
+            raise ValueError(f"field {old!r} is transformers' old name for {new!r}, which is also set: it would be "
+                             f"ignored; set {new!r} (--{new})")  # fmt: skip
 
 
 def default_checkpointing_argv(recipe: dict, argv: list[str], sft_config) -> list[str]:
@@ -468,10 +483,29 @@ def resume_point(sft_args) -> str | None:
             raise ValueError(
                 f"field 'resume_from_checkpoint': no whole checkpoint-* in {sft_args.output_dir}"
             )
-        return last
-    if not Path(wanted).is_dir():
+    elif not Path(wanted).is_dir():
         raise ValueError(f"field 'resume_from_checkpoint': {wanted} is not a checkpoint dir")
-    return str(wanted)
+    else:
+        last = str(wanted)
+    check_zero_world_size(Path(last))
+    return last
+
+
+def check_zero_world_size(checkpoint: Path) -> None:
+    """A DeepSpeed ZeRO checkpoint holds one optimizer shard per data-parallel rank, and DeepSpeed
+    refuses to load it into another number of ranks (``ZeRORuntimeException``), after the model has
+    loaded: a job saved on 2 GPUs and requeued on 1 is refused here, before the load."""
+    latest = checkpoint / "latest"
+    if not latest.is_file():
+        return  # not DeepSpeed's: the Trainer's own optimizer.pt loads on any world size
+    shards = len(list((checkpoint / latest.read_text(encoding="utf-8").strip()).glob("*_optim_states.pt")))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if shards and shards != world:
+        raise ValueError(
+            f"field 'resume_from_checkpoint': {checkpoint} was saved by {shards} processes, and this run has "
+            f"{world}: DeepSpeed loads a ZeRO checkpoint into as many as saved it (launch with --num_gpus "
+            f"{shards}, or convert it with DeepSpeed's ds_to_universal.py and load it universally)"
+        )
 
 
 TRAINER_STATE = "trainer_state.json"  # transformers.trainer's TRAINER_STATE_NAME (not in trainer_utils)
