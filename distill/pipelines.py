@@ -91,8 +91,8 @@ def parse_items(text: str) -> list[Item] | None:
     """Refinement's ``{"items": [{missing, supplement, score}, ...]}``; None when it is not one.
 
     The stage's lenient reader (its schema, ``refinement.schema.json``, is checked first): tolerates
-    a code fence and prose around the JSON, and a bare array (the prompt's shape before the answer
-    became an object). Elements missing a field or with a score that is not a number are dropped;
+    a code fence and prose around the JSON, and a bare array of items (a model that skipped the
+    object around it). Elements missing a field or with a score that is not a number are dropped;
     an array with elements but none usable is off-format.
     """
     data = json_in_text(text)

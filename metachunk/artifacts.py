@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from metachunk import stopping
+
 SCHEMA_VERSION = 1
 # Exit status of a stage that had nothing to do: its input holds no rows (a training set that
 # filtering left empty). `metachunk run` records such a stage as empty, and skips what needs its output.
@@ -263,23 +265,26 @@ class OutputPair:
 
     def __enter__(self) -> OutputPair:
         self._temps: list[str] = []
-        self.file, tmp = _temp_file(self.path)
-        self._temps.append(tmp)
+        with stopping.deferred():  # a stop between the two would leave the temp file unknown to __exit__
+            self.file, tmp = _temp_file(self.path)
+            self._temps.append(tmp)
         return self
 
     def commit(self, manifest: dict) -> None:
         _close_durably(self.file, self.path)
-        meta, meta_tmp = _temp_file(self.manifest_path)
-        self._temps.append(meta_tmp)
+        with stopping.deferred():
+            meta, meta_tmp = _temp_file(self.manifest_path)
+            self._temps.append(meta_tmp)
         with meta:
             json.dump(manifest, meta, ensure_ascii=False, indent=2)
             meta.write("\n")
             _close_durably(meta, self.manifest_path)
         output_tmp = self._temps[0]
-        if self.manifest_path.exists():
-            os.unlink(self.manifest_path)
-        os.replace(output_tmp, self.path)
-        os.replace(meta_tmp, self.manifest_path)
+        with stopping.deferred():  # the output and its manifest are replaced together, or neither
+            if self.manifest_path.exists():
+                os.unlink(self.manifest_path)
+            os.replace(output_tmp, self.path)
+            os.replace(meta_tmp, self.manifest_path)
 
     def __exit__(self, exc_type, exc, tb):
         self.file.close()

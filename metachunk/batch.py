@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metachunk.redaction import redact
+from metachunk.redaction import redact, safe_url
 from metachunk.store import AnswerStore, StoredAnswer
 from metachunk.teacher import (
     EndpointUnreachable,
@@ -42,10 +42,10 @@ from metachunk.teacher import (
     Teacher,
     TeacherConfig,
     api_key,
+    endpoint_name,
     provider_message,
     read_usage,
     retry_delay,
-    safe_url,
 )
 
 HOLD_SLACK_SECONDS = 3600.0  # claims outlive the completion window by this much
@@ -181,10 +181,6 @@ def keep_first(client, batches: list):
         if extra.id != first.id and extra.status not in (*TERMINAL, "cancelling"):
             client.batches.cancel(extra.id)
     return first
-
-
-def endpoint_name(cfg: TeacherConfig) -> str:
-    return f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}"
 
 
 def spooled(teachers: dict[str, Teacher]) -> dict[str, tuple[Teacher, dict[str, tuple[dict, float]]]]:

@@ -19,6 +19,8 @@ keep running. So:
   it has seen that still runs. It keeps a process it has seen even after the process leaves our
   tree: when we die, the raylet dies with us and its children are handed to init, possibly while the
   watchdog is reading ``/proc``.
+* `deferred`: a few steps that must finish together (an output and its manifest renamed into
+  place) let a signal wait until they have.
 * `run`: an event loop's SIGTERM cancels its main task where it waits, as Ctrl-C does, so a
   teacher's answer that has arrived is stored before the command stops.
 * `keep_signal_handlers`: a library that installs its own SIGTERM handler (``ray.init``
@@ -43,10 +45,9 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 class Stopped(KeyboardInterrupt):
     """A command was stopped by ``signum``: a KeyboardInterrupt, as Ctrl-C raises, so that what
-    lets Ctrl-C through lets it through too. asyncio's event loop re-raises only KeyboardInterrupt
-    and SystemExit from a callback and logs anything else (``asyncio.events.Handle._run``): a
-    plain BaseException raised there was swallowed and the command kept running. The exit status
-    tells them apart (`exit_status`; `metachunk.cli.invoke`)."""
+    lets Ctrl-C through lets it through too: asyncio's event loop re-raises only KeyboardInterrupt
+    and SystemExit from a callback and logs anything else (``asyncio.events.Handle._run``). The exit
+    status tells them apart (`exit_status`; `metachunk.cli.invoke`)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -57,8 +58,35 @@ class Stopped(KeyboardInterrupt):
         return 128 + self.signum
 
 
+_deferred: list[int] | None = None  # inside `deferred`: the signals that came, raised at its end
+
+
 def _raise(signum, frame) -> None:
+    if _deferred is not None:
+        _deferred.append(signum)
+        return
     raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def deferred():
+    """SIGTERM and SIGHUP wait until the block ends (then raise `Stopped`): for steps that must
+    finish together, such as an output's rename and its manifest's, or a temp file's creation and
+    its registration for removal. Only `stop_on_signals`' handler waits; a block that raises lets
+    its own exception through."""
+    global _deferred
+    if _deferred is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferred = []
+    try:
+        yield
+    except BaseException:
+        _deferred = None
+        raise
+    got, _deferred = _deferred, None
+    if got:
+        raise Stopped(got[0])
 
 
 def run(coro, runner=None):

@@ -98,6 +98,7 @@ _ADDED_COLUMNS = (
     ("batches", "pid", "INTEGER"),
     ("claims", "started", "INTEGER"),  # when the owner's process started (a reused pid is another process)
     ("batches", "taken", "REAL"),  # when a run took over a killed run's upload (`take_batch`)
+    ("claims", "sent", "INTEGER NOT NULL DEFAULT 0"),  # the owner's tries that left (`note_sent`)
 )
 
 LEASE_SECONDS = 30.0  # a claim not renewed for this long belongs to a dead process
@@ -282,11 +283,14 @@ class AnswerStore:
                 self._db.execute("COMMIT")
                 return Claim("answered")
             held = self._db.execute(
-                "SELECT owner, host, pid, expires, started FROM claims WHERE key = ?", (key,)
+                "SELECT owner, host, pid, expires, started, reserved, sent FROM claims WHERE key = ?", (key,)
             ).fetchone()
-            if held is not None and self._alive(*held[1:]):
+            if held is not None and self._alive(*held[1:5]):
                 self._db.execute("COMMIT")
                 return Claim("busy", held[0])
+            if held is not None:  # its sender died holding it: what it sent may have been billed
+                self._charge_dead_claim(key, held[0], held[5], held[6])
+                self._refresh()  # the charge counts against the limit below
             if limit is not None and self.total_cost + self._reserved(excluding=key) + reserve > limit:
                 self._db.execute("COMMIT")
                 return Claim("over_budget")
@@ -370,15 +374,53 @@ class AnswerStore:
         claims of dead owners, whose reservations would otherwise hold the budget until their leases
         end. A Batch API job's claims are not counted: they settle when the batch does, up to a day."""
         dead, online = [], 0
-        for key, owner, *held in self._db.execute(
-            "SELECT key, owner, host, pid, expires, started FROM claims"
+        for key, owner, reserved, sent, *held in self._db.execute(
+            "SELECT key, owner, reserved, sent, host, pid, expires, started FROM claims"
         ).fetchall():
             if not self._alive(*held):
-                dead.append((key, owner))
+                dead.append((key, owner, reserved, sent))
             elif not owner.startswith("batch:"):
                 online += 1
-        self._db.executemany("DELETE FROM claims WHERE key = ? AND owner = ?", dead)
+        for key, owner, reserved, sent in dead:
+            with self._transaction():  # only the process whose DELETE removed the claim charges it
+                if self._db.execute("DELETE FROM claims WHERE key = ? AND owner = ?", (key, owner)).rowcount:
+                    self._charge_dead_claim(key, owner, reserved, sent)
+        self._refresh()
         return online
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """A write transaction, or the caller's when one is open (`claim_batch` clears dead claims in its own)."""
+        if self._db.in_transaction:
+            yield
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def note_sent(self, key: str) -> None:
+        """One more try of ``key`` left this process (its endpoint says so as it leaves): if the process
+        dies holding the claim, the run that takes it over pays for the tries (`_charge_dead_claim`)."""
+        self._db.execute("UPDATE claims SET sent = sent + 1 WHERE key = ? AND owner = ?", (key, self.owner))
+
+    def _charge_dead_claim(self, key: str, owner: str, reserved: float, sent: int) -> None:
+        """The tries a dead sender (SIGKILL, a lost machine) made while it held ``key``'s claim may have
+        been billed: each is an error row's cost at the reservation, one send's worst case, so the budget
+        counts them (a stop that can be caught counts its sends itself, `Teacher._once`). The key stays
+        a transport failure, which the next run sends again. Called inside the caller's transaction; a
+        Batch API job's claims settle with their batch instead."""
+        if owner.startswith("batch:") or not sent or not reserved:
+            return
+        detail = f"its sender ({owner}) died after {sent} tries left, unanswered"
+        self._db.execute(
+            "INSERT INTO answers (key, model, status, reason, raw, prompt_tokens, completion_tokens, cost, created)"
+            " VALUES (?, '', 'error', 'killed_in_flight', ?, 0, 0, ?, ?)",
+            (key, detail, reserved * sent, time.time()),
+        )
 
     def holds(self, key: str) -> bool:
         """Whether this process holds the claim on ``key`` (it has not stored an answer for it)."""

@@ -51,8 +51,8 @@ SGLang decode under too), ``json_object_schema`` (llama.cpp's server: ``{"type":
 "schema"}``), ``json_object`` (any JSON object) or ``none`` (nothing is sent: the stage reads and
 repairs the answer, `metachunk.structured`). The ``response_format`` is part of the payload,
 so of the cache key; the schema's sha256 joins the key too when the request sends the schema. A
-request with no ``response_format`` (a stage answering text, or ``none``) is keyed exactly as
-before structured outputs existed, so the answers a store holds for it are found again.
+request with no ``response_format`` (a stage answering text, or ``none``) has no schema in its
+key: its key is the same whatever ``structured_output`` the recipe names.
 
 ``finish_reason == "length"`` is not success: the request is repeated with twice the
 ``max_tokens`` up to ``max_tokens_limit`` (each size is its own cached request), else it ends as
@@ -451,6 +451,12 @@ def non_ascii_quarter(contents: list[str]) -> int:
     return round(4 * non_ascii / max(1, size))
 
 
+def endpoint_name(cfg: TeacherConfig) -> str:
+    """``MODEL @ HOST``: how the answer store names a teacher's endpoint (its calibration, its
+    batches). Replicas (``base_urls``) bill alike, so the first names them all."""
+    return f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}"
+
+
 def template_tokens(messages: list[dict]) -> int:
     """What a chat template adds to a prompt's contents, counted high: `TEMPLATE_TOKENS` per message
     and for the answer's header."""
@@ -484,6 +490,7 @@ TRANSPORT_FAILURES = (
     "stream_cut",
     "stream_error",
     "cancelled",
+    "killed_in_flight",  # a dead sender's claim, charged by the store (`AnswerStore.claim`)
 )
 
 
@@ -665,9 +672,8 @@ def api_key(cfg: TeacherConfig) -> str:
     if not cfg.api_key_env:
         return "EMPTY"  # local servers (transformers serve, vLLM without --api-key) ignore it
     raw = os.environ.get(cfg.api_key_env, "")
-    key = (
-        raw.strip()
-    )  # a key pasted with its newline (`export K=$(cat key.txt)` keeps none, an .env file may)
+    # a key pasted with its newline (`export K=$(cat key.txt)` keeps none, an .env file may)
+    key = raw.strip()
     if raw and raw != key:
         register_secret(raw)
     if not key:
@@ -724,6 +730,9 @@ class Endpoint:
         self.unopened: dict[str, int] = {}
         # When each key's last try left: a stream's deadline counts from it.
         self.left_at: dict[str, float] = {}
+        # Told of each try as it leaves (`AnswerStore.note_sent`): a SIGKILLed run's sends are then paid
+        # by the run that takes its claims over.
+        self.on_sent: Callable[[str], None] | None = None
 
     def take_counts(self, key: str) -> tuple[int, int]:
         """``(requests sent, of which never served)`` for ``key`` since the last call."""
@@ -738,6 +747,8 @@ class Endpoint:
         if key is not None:  # counted as it leaves: a stop during the pause sent nothing
             self.requests_sent[key] = self.requests_sent.get(key, 0) + 1
             self.left_at[key] = asyncio.get_running_loop().time()
+            if self.on_sent is not None:
+                self.on_sent(key)
 
     def _note_unopened(self, request) -> None:
         key = request.headers.get("X-Request-Key")
@@ -1013,15 +1024,13 @@ class Teacher:
             self.wire_model = str(resolve(cfg.model))
         self.offline = endpoint is None  # dry run / status: answer from the store or say "pending"
         self.cached = 0  # answers served from the store
-        self.maybe_billed: dict[
-            str, float
-        ] = {}  # by request key: the sends in flight that may be billed, in $
-        self.waited = (
-            0  # answers another sender (a process, or a request of this one) was paying for when wanted
-        )
+        # By request key: the sends in flight that may be billed, in $.
+        self.maybe_billed: dict[str, float] = {}
+        # Answers another sender (a process, or a request of this one) was paying for when wanted.
+        self.waited = 0
         self.tokens_used = 0  # prompt + completion tokens of answers paid for in this run
         # One calibration for the model across its endpoints: replicas bill the same tokens.
-        self.calibration_key = f"{cfg.model} @ {safe_url(cfg.endpoint_urls()[0])}" if endpoint else ""
+        self.calibration_key = endpoint_name(cfg) if endpoint else ""
         # Loaded here, so that a tokenizer that cannot be found stops the run before anything is sent.
         self._tokenizer = None
         if cfg.tokenizer:
@@ -1045,8 +1054,8 @@ class Teacher:
         max_tokens: int,
         schema: Schema | None = None,
     ) -> tuple[dict, str]:
-        """The request's body and its cache key. Without a ``response_format`` both are what they
-        were before structured outputs, so the answers stored for them are found again."""
+        """The request's body and its cache key. Without a ``response_format`` neither says anything
+        of a schema."""
         fmt = response_format(self.cfg.structured_output, schema)
         if fmt is not None and self.cfg.structured_output == "json_object":
             messages = with_json_instruction(messages, schema)
@@ -1256,52 +1265,48 @@ class Teacher:
         # without bound. A try whose connection never opened is not, nor one answered by an error status
         # that says it was not served.
         worst_case = self.price.cost(prompt_bound, max_tokens)
-        billed = (
-            self.maybe_billed
-        )  # by key: an exception out of here (a 401 after a timeout, Ctrl-C) keeps it
+        # By key, on the teacher: an exception out of here (a 401 after a timeout, Ctrl-C) leaves it for _once.
+        billed = self.maybe_billed
         billed[key] = 0.0
+
+        def count_sends(answered: bool = False) -> None:  # this try's sends that may have been billed
+            billed[key] += worst_case * self.endpoint.sends_maybe_billed(key, answered=answered)
+
+        def error_row(reason: str, detail: str) -> StoredAnswer:  # no answer; what the sends may cost
+            return StoredAnswer(key, model, "error", reason, detail, 0, 0, billed.pop(key))
+
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 raw, via = await self.endpoint.post(payload, key, estimated_tokens)
             except openai.APIConnectionError as e:  # APITimeoutError included
                 reason = _transport_reason(e)
                 self.endpoint.note_connection(reason == "connection")
-                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
-                return StoredAnswer(key, model, "error", reason, redact(str(e)), 0, 0, billed.pop(key))
+                count_sends()
+                return error_row(reason, redact(str(e)))
             except openai.APIStatusError as e:
                 self.endpoint.note_connection(False)
-                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
+                count_sends()
+                detail = _short(redact(e.message))
                 if e.status_code in (401, 403, 404):
                     raise FatalTeacherError(
-                        redact(
-                            f"teacher {model!r} at {self.endpoint.url}: HTTP {e.status_code}: {_short(redact(e.message))}"
-                        )
+                        redact(f"teacher {model!r} at {self.endpoint.url}: HTTP {e.status_code}: {detail}")
                     ) from None
                 self.endpoint.note_refusal(e if e.status_code in (400, 422) else None)
-                return StoredAnswer(
-                    key,
-                    model,
-                    "error",
-                    f"http_{e.status_code}",
-                    _short(redact(e.message)),
-                    0,
-                    0,
-                    billed.pop(key),
-                )
+                return error_row(f"http_{e.status_code}", detail)
             except StreamBroken as e:  # after the headers: retried here, like a malformed body
                 self.endpoint.note_connection(False)
                 self.endpoint.note_refusal(None)
-                billed[key] += worst_case * self.endpoint.sends_maybe_billed(key)
+                count_sends()
                 raw = f"{e.reason}: {e.detail}"
                 if attempt < self.cfg.max_retries:
                     await asyncio.sleep(retry_delay(attempt))
                     continue
-                return StoredAnswer(key, model, "error", e.reason, _short(redact(raw)), 0, 0, billed.pop(key))
+                return error_row(e.reason, _short(redact(raw)))
             self.endpoint.note_connection(False)
             self.endpoint.note_refusal(None)
             raw = redact(raw, headers=False)
             prompt_tokens, completion_tokens, text, well_formed = read_usage(raw)
-            billed[key] += worst_case * self.endpoint.sends_maybe_billed(key, answered=well_formed)
+            count_sends(answered=well_formed)
             if well_formed:
                 estimated = prompt_tokens is None
                 if estimated:  # counted, never free: the same upper bound the reservation used
@@ -1310,22 +1315,11 @@ class Teacher:
                 if via.tokens:  # replace the estimate by the real usage
                     via.tokens.give_back(estimated_tokens, prompt_tokens + completion_tokens)
                 cost = self.price.cost(prompt_tokens, completion_tokens) + billed.pop(key)
-                return StoredAnswer(
-                    key,
-                    model,
-                    "ok",
-                    "",
-                    raw,
-                    prompt_tokens,
-                    completion_tokens,
-                    cost,
-                    usage_estimated=estimated,
-                )
+                return StoredAnswer(key, model, "ok", "", raw, prompt_tokens, completion_tokens, cost,
+                                    usage_estimated=estimated)  # fmt: skip
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(retry_delay(attempt))
-        return StoredAnswer(
-            key, model, "error", "malformed_response", _short(redact(raw)), 0, 0, billed.pop(key)
-        )
+        return error_row("malformed_response", _short(redact(raw)))
 
 
 def _transport_reason(error: openai.APIConnectionError) -> str:
@@ -1385,9 +1379,8 @@ class MapResult:
     """What `TeacherPool.map` returns."""
 
     results: list  # fn(item) for each item, in input order; None for an item that never finished
-    stopped: str = (
-        ""  # why the run stopped early: "budget", "unreachable", "refused", or "" when it went through
-    )
+    # Why the run stopped early: "budget", "unreachable", "refused", or "" when it went through.
+    stopped: str = ""
     message: str = ""  # stopped by the endpoint: the one line saying why (unreachable, or refusing)
     seconds: float = 0.0
     error: EndpointStop | None = None  # that stop, for callers with nothing to go on without it
@@ -1415,6 +1408,8 @@ class TeacherPool:
                 where = (tuple(cfg.endpoint_urls()), cfg.model)
                 if where not in self.endpoints:
                     self.endpoints[where] = EndpointGroup(cfg)
+                    for one in self.endpoints[where].endpoints:
+                        one.on_sent = store.note_sent
                 endpoint = self.endpoints[where]
             if max_cost is not None and cfg.model not in prices:  # $0 a request: the cap would never bind
                 raise InputError(

@@ -282,6 +282,30 @@ def test_a_claim_is_shared_across_processes_and_taken_over_from_a_dead_owner(tmp
     second.close()
 
 
+def test_the_tries_a_killed_sender_made_are_paid_by_whoever_takes_its_claims(tmp_path):
+    """A SIGKILLed run's sends in flight may have been billed, yet nothing counted them: the next run
+    took the dead claims over (or cleared them) and their reservations went with them. Each try that
+    left (`note_sent`) is now an error row at the reservation, one send's worst case; a claim whose
+    request never left costs nothing."""
+    path = tmp_path / "a.sqlite"
+    killed = (
+        "import os, sys\nfrom metachunk.store import AnswerStore\ns = AnswerStore(sys.argv[1])\n"
+        "for key, tries in (('sent', 2), ('queued', 0), ('swept', 1)):\n"
+        "    s.claim(key, reserve=0.25)\n    for _ in range(tries):\n        s.note_sent(key)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    subprocess.run([sys.executable, "-c", killed, str(path)], timeout=60)
+    store = AnswerStore(path)
+    assert store.claim("sent", reserve=0.25).outcome == "claimed"  # taken over: its 2 tries are paid
+    assert store.claim("queued", reserve=0.25).outcome == "claimed"  # never left: nothing to pay
+    assert store.claims_in_flight() == 2  # this store's two; the dead 'swept' claim is cleared and paid
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        rows = sorted(db.execute("SELECT key, reason, cost FROM answers").fetchall())
+    assert rows == [("sent", "killed_in_flight", 0.5), ("swept", "killed_in_flight", 0.25)]
+    assert store.total_cost == 0.75 and not store.has_answer("sent")  # a transport failure: sent again
+    store.close()
+
+
 def test_a_live_owner_in_this_process_space_keeps_its_claim_past_its_lease(tmp_path):
     """A process stopped (Ctrl-Z), or waiting on the store's lock, longer than the 30 s lease cannot
     renew it, yet sends once it goes on: another run that took its claim paid for the request too.

@@ -750,3 +750,32 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path):
     with artifacts.AtomicWriter(tmp_path / "out.jsonl") as f:
         f.write("{}\n")
     assert plot.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name[0] != ".") == ["out.jsonl"]
+
+
+def test_a_stop_between_an_output_and_its_manifest_waits_for_both(tmp_path, monkeypatch):
+    """A SIGTERM that landed between the output's rename and its manifest's left the new records
+    beside no manifest (the old one was already removed). The renames now finish together first."""
+    import signal
+
+    from metachunk.stopping import Stopped, stop_on_signals
+
+    out = tmp_path / "o.jsonl"
+    with artifacts.OutputPair(out) as pair:
+        pair.file.write("old\n")
+        pair.commit({"run": 1})
+    real_replace, renamed = os.replace, []
+
+    def replace_then_sigterm(src, dst):
+        real_replace(src, dst)
+        renamed.append(Path(dst).name)
+        if len(renamed) == 1:  # the output is in place, its manifest not yet
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "replace", replace_then_sigterm)
+    with pytest.raises(Stopped), stop_on_signals():
+        with artifacts.OutputPair(out) as pair:
+            pair.file.write("new\n")
+            pair.commit({"run": 2})
+    assert renamed == ["o.jsonl", "o.meta.json"]
+    assert out.read_text() == "new\n" and json.loads(out.with_suffix(".meta.json").read_text()) == {"run": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl", "o.meta.json"]  # no temp file left
