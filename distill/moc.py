@@ -121,7 +121,8 @@ _ECHO = re.compile(r"^\s*(the segmented text chunks are|分割后的文本块为
 def answer_chunks(answer: str) -> list[str]:
     """The chunks of a teacher answer: the ``"chunks"`` strings of its JSON object (or a bare JSON
     list of strings), else the pieces between separator lines (`split_answer`)."""
-    data = json_in_text(answer)
+    # the whole answer only: a chunk of the separator format may itself hold a JSON list
+    data = json_in_text(answer, whole=True)
     if isinstance(data, dict):
         data = data.get("chunks")
     if isinstance(data, list) and all(isinstance(piece, str) for piece in data):

@@ -265,9 +265,13 @@ class OutputPair:
 
     def __enter__(self) -> OutputPair:
         self._temps: list[str] = []
-        with stopping.deferred():  # a stop between the two would leave the temp file unknown to __exit__
-            self.file, tmp = _temp_file(self.path)
-            self._temps.append(tmp)
+        try:
+            with stopping.deferred():  # a stop between the two would leave the temp file unknown
+                self.file, tmp = _temp_file(self.path)
+                self._temps.append(tmp)
+        except BaseException:  # a stop at the block's end: __exit__ is not called for __enter__
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def commit(self, manifest: dict) -> None:
@@ -287,7 +291,8 @@ class OutputPair:
             os.replace(meta_tmp, self.manifest_path)
 
     def __exit__(self, exc_type, exc, tb):
-        self.file.close()
+        if hasattr(self, "file"):
+            self.file.close()
         for tmp in self._temps:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -249,34 +249,43 @@ def read_text_file(path: Path, what: str = "config file") -> str:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key written twice in one mapping is an error: PyYAML keeps
     the last, so a recipe's second ``input:`` silently won. Keys a merge (``<<: *anchor``) brings in
-    may be overridden, as YAML means them to be."""
+    may be overridden, as YAML means them to be. Each mapping is checked as written, once, before
+    PyYAML flattens merges into it (an anchored mapping can be flattened before it is built)."""
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node):
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
             lines: dict = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=True)
                 try:
-                    first = lines.setdefault(key, key_node.start_mark.line)
-                except TypeError:  # an unhashable key: the base class says so
+                    if key in lines:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is written twice (first at line {lines[key] + 1})",
+                            key_node.start_mark,
+                        )  # fmt: skip
+                    lines[key] = key_node.start_mark.line
+                except TypeError:  # an unhashable key: the constructor says so
                     break
-                if first != key_node.start_mark.line:
-                    raise yaml.constructor.ConstructorError(
-                        None,
-                        None,
-                        f"key {key!r} is written twice (first at line {first + 1})",
-                        key_node.start_mark,
-                    )
-        return super().construct_mapping(node, deep)
+        super().flatten_mapping(node)
+
+
+def load_yaml_text(text: str):
+    """``text``'s YAML value, a key written twice in one mapping refused (`yaml.YAMLError`)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
 
 
 def yaml_mapping(text: str, path: Path, what: str = "config file") -> dict:
     """The YAML mapping ``text`` (empty: ``{}``), read from ``path``, its keys checked (`check_keys`);
     invalid YAML (with its line) or anything but a mapping is an `InputError` naming the file."""
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        data = load_yaml_text(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, no snippet

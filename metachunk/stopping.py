@@ -73,7 +73,7 @@ def deferred():
     """SIGTERM and SIGHUP wait until the block ends (then raise `Stopped`): for steps that must
     finish together, such as an output's rename and its manifest's, or a temp file's creation and
     its registration for removal. Only `stop_on_signals`' handler waits; a block that raises lets
-    its own exception through."""
+    its own exception through, or `Stopped` when a signal came meanwhile."""
     global _deferred
     if _deferred is not None or threading.current_thread() is not threading.main_thread():
         yield
@@ -81,8 +81,10 @@ def deferred():
     _deferred = []
     try:
         yield
-    except BaseException:
-        _deferred = None
+    except BaseException as e:  # the stop that came meanwhile is not lost to the block's error
+        got, _deferred = _deferred, None
+        if got and not isinstance(e, KeyboardInterrupt):
+            raise Stopped(got[0]) from e
         raise
     got, _deferred = _deferred, None
     if got:
@@ -99,9 +101,8 @@ def run(coro, runner=None):
     import asyncio
 
     go = runner.run if runner is not None else asyncio.run
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not _raise
+    if threading.current_thread() is not threading.main_thread() or not any(
+        signal.getsignal(s) is _raise for s in CAUGHT
     ):
         return go(coro)
     got: list[int] = []

@@ -44,17 +44,18 @@ def is_valid(data, schema: Schema) -> bool:
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 
 
-def json_in_text(text: str, openers: str = "{[") -> dict | list | None:
+def json_in_text(text: str, openers: str = "{[", whole: bool = False) -> dict | list | None:
     """The JSON object or list a model's answer holds, or None: all of the text (a code fence
     around it dropped), else from its first opening bracket in ``openers`` to the last matching
-    closing one. Only a value that one of ``openers`` opens counts (``"["``: a list).
+    closing one (not with ``whole``: for an answer whose other format may hold brackets). Only a
+    value that one of ``openers`` opens counts (``"["``: a list).
 
     The lenient readers of every stage start here (a model wraps JSON in a fence or prose)."""
     kinds = tuple({"{": dict, "[": list}[opener] for opener in openers)
     text = _FENCE.sub("", text.strip())
     starts = [i for i in (text.find(opener) for opener in openers) if i >= 0]
     candidates = [text]
-    if starts:
+    if starts and not whole:
         first = min(starts)
         last = text.rfind("}" if text[first] == "{" else "]")
         if last > first:

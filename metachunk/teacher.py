@@ -1096,9 +1096,12 @@ class Teacher:
         if self._tokenizer is None:
             return prompt_bytes(messages) + template_tokens(messages)
         if self._tokenizer.chat_template:
-            rendered = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            try:
+                rendered = self._tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
+            except Exception:  # noqa: BLE001 - a template that refuses a system role: the byte bound holds
+                return prompt_bytes(messages) + template_tokens(messages)
             return len(self._tokenizer.encode(rendered, add_special_tokens=False)) + template_tokens(messages)
         body = sum(len(self._tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
         return body + template_tokens(messages)
@@ -1219,9 +1222,8 @@ class Teacher:
             row = await self._send(payload, key, messages, prompt_bound, max_tokens)
             self._keep(row, messages)
         except BaseException:  # stopped, cancelled (Ctrl-C, SIGTERM), or the endpoint is gone
-            if (
-                row is not None
-            ):  # a second signal (`stopping.run`), or a failed put: keep the answer if it can
+            # A second signal (`stopping.run`), or a failed put: keep the answer if it can.
+            if row is not None:
                 if self.store.holds(key):
                     self._keep(row, messages)
                 raise

@@ -134,5 +134,10 @@ def test_a_key_written_twice_is_refused_and_a_merged_key_may_be_overridden(tmp_p
         yaml_mapping("input: a.jsonl\nmethod: fixed\ninput: b.jsonl\n", tmp_path / "r.yaml")
     with pytest.raises(InputError, match="key 'k' is written twice"):
         yaml_mapping("outer:\n  k: 1\n  k: 2\n", tmp_path / "r.yaml")
+    with pytest.raises(InputError, match="key 'input' is written twice"):  # on one line too
+        yaml_mapping("run: {input: a.jsonl, input: b.jsonl}\n", tmp_path / "r.yaml")
     merged = "base: &b {input: a.jsonl, method: fixed}\nrun: {<<: *b, input: b.jsonl}\n"
     assert yaml_mapping(merged, tmp_path / "r.yaml")["run"] == {"input": "b.jsonl", "method": "fixed"}
+    # a merge of a mapping that itself merges: PyYAML flattens it before building it, which is no repeat
+    chained = "a: &a {x: 1, y: 0}\nb: &b {<<: *a, y: 2}\nc: {<<: *b}\n"
+    assert yaml_mapping(chained, tmp_path / "r.yaml")["b"] == {"x": 1, "y": 2}

@@ -26,6 +26,7 @@ from metachunk.distill.moc import (
     SEPARATOR,
     DocPlan,
     TokenCounter,
+    answer_chunks,
     clean_window,
     expert_target,
     finish_record,
@@ -108,6 +109,14 @@ def test_split_answer_tolerates_dashes_literal_separators_and_echo():
     answer = "The segmented text chunks are:\nOne. Two.\n—\nThree — four.\n - \nFive.\\n—\\nSix.\n---\n"
     assert split_answer(answer) == ["One. Two.", "Three — four.", "Five.", "Six."]
     assert split_answer("甲。乙。\n—\n丙——丁。") == ["甲。乙。", "丙——丁。"]  # an inline dash is text
+
+
+def test_a_json_list_inside_a_chunk_is_text_not_the_answer():
+    """Only a whole JSON answer is read as JSON: a chunk of the separator format holding a list of
+    strings was taken for the chunk list."""
+    answer = 'Set tags = ["red", "blue"] in the config.\n—\nThen restart the service.'
+    assert answer_chunks(answer) == ['Set tags = ["red", "blue"] in the config.', "Then restart the service."]
+    assert answer_chunks('```json\n{"chunks": ["A.", "B."]}\n```') == ["A.", "B."]
 
 
 def test_windows_stay_in_budget_and_end_at_sentence_ends(counter):

@@ -1100,3 +1100,35 @@ def test_a_send_stopped_in_flight_is_counted_as_maybe_billed(tmp_path):
     rows = job.query("SELECT reason, cost FROM answers")
     assert len(rows) == sent == 2 and all(reason == "cancelled" and cost > 0 for reason, cost in rows), rows
     assert not job.query("SELECT COUNT(*) FROM claims")[0][0]  # no reservation outlives the run
+
+
+def test_a_sigkilled_runs_send_in_flight_is_paid_by_the_run_after_it(tmp_path):
+    """A SIGKILL cannot be caught: the send in flight was billed by the server, yet no row counted it,
+    and the next run took the dead claim over with its reservation. The endpoint notes each try on
+    its claim as it leaves, and whoever takes the claim over pays it."""
+    from metachunk.store import AnswerStore
+
+    path = tmp_path / "a.sqlite"
+    with serve_in_subprocess(latency=30.0) as server:
+        sender = (
+            "import asyncio, sys\nfrom metachunk.store import AnswerStore\n"
+            "from metachunk.teacher import Price, TeacherConfig, TeacherPool\n"
+            f"cfg = TeacherConfig('loopback', base_url={server.base_url!r}, max_retries=0, timeout=60.0)\n"
+            "pool = TeacherPool({'s': cfg}, {'loopback': Price(1.0, 1.0)}, AnswerStore(sys.argv[1]))\n"
+            "asyncio.run(pool['s'].complete([{'role': 'user', 'content': 'hi'}], 'sha'))\n"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", sender, str(path)])
+        try:
+            deadline = time.monotonic() + 60
+            while server.stats()["requests"] == 0 and time.monotonic() < deadline:  # the send has left
+                time.sleep(0.1)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert server.stats()["requests"] == 1
+    store = AnswerStore(path)
+    assert store.claims_in_flight() == 0  # the dead claim is cleared, and its send paid
+    with sqlite3.connect(path) as db:
+        ((reason, cost),) = db.execute("SELECT reason, cost FROM answers").fetchall()
+    assert reason == "killed_in_flight" and cost > 0 and store.total_cost == cost
+    store.close()

@@ -779,3 +779,24 @@ def test_a_stop_between_an_output_and_its_manifest_waits_for_both(tmp_path, monk
     assert renamed == ["o.jsonl", "o.meta.json"]
     assert out.read_text() == "new\n" and json.loads(out.with_suffix(".meta.json").read_text()) == {"run": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl", "o.meta.json"]  # no temp file left
+
+
+def test_a_stop_as_an_output_file_is_opened_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A SIGTERM right after the temp file was made, before it was registered for removal: the block
+    ends with `Stopped` inside ``__enter__``, whose ``__exit__`` never runs; the temp file stayed."""
+    import signal
+
+    from metachunk.stopping import Stopped, stop_on_signals
+
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp_then_sigterm(*args, **kwargs):
+        made = real_mkstemp(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return made
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_sigterm)
+    with pytest.raises(Stopped), stop_on_signals():
+        with artifacts.OutputPair(tmp_path / "o.jsonl"):
+            pass
+    assert list(tmp_path.iterdir()) == []

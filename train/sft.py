@@ -178,6 +178,8 @@ def read_recipe(argv: list[str]) -> dict:
     """The ``--config`` YAML (``{}`` without one), read the way TrlParser reads it, as a one-line error."""
     import yaml
 
+    from metachunk.config import load_yaml_text
+
     if "--config" not in argv:
         return {}
     i = argv.index("--config")
@@ -185,7 +187,7 @@ def read_recipe(argv: list[str]) -> dict:
         raise ValueError("--config needs a recipe file (recipes/train/*.yaml)")
     path = Path(argv[i + 1])
     try:
-        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+        recipe = load_yaml_text(path.read_text(encoding="utf-8"))  # a key written twice: refused
     except FileNotFoundError:
         raise ValueError(f"--config {path}: no such file") from None
     except UnicodeDecodeError as e:
@@ -258,8 +260,9 @@ def check_renamed(recipe: dict, argv: list[str]) -> None:
     given beside its new name is one too: transformers would ignore it without a word (every shipped
     recipe sets ``activation_checkpointing``, so ``--gradient_checkpointing false`` did nothing)."""
 
-    def given(name: str) -> bool:
-        return name in recipe or any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv)
+    def given(name: str) -> bool:  # argparse takes --a_b and --a-b alike
+        flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+        return name in recipe or any(a.split("=", 1)[0] in flags for a in argv)
 
     for old, new in RENAMED.items():
         if given(old):
