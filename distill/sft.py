@@ -249,11 +249,11 @@ def _record_rows(maker, record: dict, distilled: Path, line_no: int, document) -
     """``(record, rows, entries)`` of one distilled record, every part of it made (the kept rows'
     columns too) before any of it is kept; or the ``file:line`` error that makes it a bad row."""
     try:
-        rec = maker.read(record)
-        if maker.wrong_task(record):
+        if maker.wrong_task(record):  # before its fields: another task's record has other ones
             raise InputError(
                 distilled, f"field 'task' is {record.get('task')!r}, not {maker.record_task!r}", line_no
             )
+        rec = maker.read(record)
         if not isinstance(rec.lang, str):
             raise TypeError(f"'lang' must be a string, got {rec.lang!r}")
         rows = list(maker.rows(rec, partial(document, line_no=line_no)))
