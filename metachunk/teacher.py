@@ -1113,13 +1113,14 @@ class Teacher:
             return len(text.encode("utf-8")) + 1
         return len(self._tokenizer.encode(text, add_special_tokens=False)) + 1
 
-    def expected_prompt_tokens(self, messages: list[dict]) -> int:
+    def expected_prompt_tokens(self, messages: list[dict], bound: int | None = None) -> int:
         """The prompt's tokens as the endpoint has billed prompts like it (`_tokens_per_byte`), or
-        `prompt_bound` where the recipe names a tokenizer: what the tokens-per-minute bucket takes.
-        It can fall short of the bill (a ratio learnt on prose, then a table of digits), which only
-        the rate limit feels: the money is reserved at `prompt_bound`."""
+        `prompt_bound` where the recipe names a tokenizer (``bound``: already counted, so the chat
+        template is not rendered again): what the tokens-per-minute bucket takes. It can fall short
+        of the bill (a ratio learnt on prose, then a table of digits), which only the rate limit
+        feels: the money is reserved at `prompt_bound`."""
         if self._tokenizer is not None:
-            return self.prompt_bound(messages)
+            return self.prompt_bound(messages) if bound is None else bound
         contents = [m["content"] for m in messages]
         return math.ceil(prompt_bytes(messages) * self._tokens_per_byte(contents)) + template_tokens(messages)
 
@@ -1260,7 +1261,7 @@ class Teacher:
 
         model = self.cfg.model
         # What the tokens-per-minute bucket takes: the expected tokens, not the money's bound.
-        estimated_tokens = self.expected_prompt_tokens(messages) + max_tokens
+        estimated_tokens = self.expected_prompt_tokens(messages, prompt_bound) + max_tokens
         # A send that got no answer may still be billed: the server may have generated it (a read timeout, a
         # stream cut mid-answer, a 200 whose body did not parse). Each is counted at the reservation's worst
         # case, in the row's cost, so that the budget sees it and a rerun that sends it again cannot spend
