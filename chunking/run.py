@@ -37,7 +37,7 @@ from metachunk.chunking.shards import (
     source_of,
 )
 
-from metachunk import config
+from metachunk import config, stopping
 from metachunk.artifacts import (
     RUN_LOG,
     SCHEMA_VERSION,
@@ -161,17 +161,18 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             manifest["length_fit"] = length_fit
         if rejected is not None:  # --on-bad-row skip: how many rows were left out, and where they went
             manifest["rejects"] = rejected
-        pair.commit(manifest)
-    run = {
-        **config.runtime(cfg),
-        "engine": "local",
-        "workers": 1,
-        "seconds": round(seconds, 2),
-        "model_load_seconds": round(load_s, 2),
-        # the method's block (dtype, scoring; moc, lumber: windows, requests ...) and the students'
-        **({"workers_report": [report]} if report else {}),
-    }
-    append_run_log(cfg.output, run)
+        run = {
+            **config.runtime(cfg),
+            "engine": "local",
+            "workers": 1,
+            "seconds": round(seconds, 2),
+            "model_load_seconds": round(load_s, 2),
+            # the method's block (dtype, scoring; moc, lumber: windows, requests ...) and the students'
+            **({"workers_report": [report]} if report else {}),
+        }
+        with stopping.deferred():  # the output and its run-log line land together (a paid lumber run's)
+            pair.commit(manifest)
+            append_run_log(cfg.output, run)
     print(f"{cfg.output}: {summary['documents']} documents, {summary['chunks']} chunks, mean "
           f"{summary['mean_chunk_chars']} chars/chunk, {seconds:.1f}s", file=sys.stderr)  # fmt: skip
     print_method_lines(worker.chunker.summary_lines(), report.get("students", {}))

@@ -311,13 +311,16 @@ def write_records(cfg: DistillConfig, result: RunResult) -> dict:
     }
     # The answer schemas of the JSON stages (one per stage, for every language).
     schemas = {stage: schema.sha256 for stage in task.stages if (schema := load_schema(stage)) is not None}
+    manifest = {"schema_version": SCHEMA_VERSION, "command": f"distill {task.name}", "config": config.to_dict(cfg),
+                **task.manifest(), "prompt_sha256": prompts, "schema_sha256": schemas, "summary": made}  # fmt: skip
     with OutputPair(records_path(cfg)) as pair:
         for record in result.records:
             pair.file.write(jsonl_line(record))
-        pair.commit({"schema_version": SCHEMA_VERSION, "command": f"distill {task.name}", "config": config.to_dict(cfg),
-                     **task.manifest(), "prompt_sha256": prompts, "schema_sha256": schemas,
-                     "summary": made})  # fmt: skip
-    append_run_log(cfg.out, {"command": f"distill {task.name}", **config.runtime(cfg), **attempt})
+        # A stop waits for the run-log line too: a paid attempt's records had been left with no line
+        # saying what it paid.
+        with stopping.deferred():
+            pair.commit(manifest)
+            append_run_log(cfg.out, {"command": f"distill {task.name}", **config.runtime(cfg), **attempt})
     return {**made, **attempt}
 
 

@@ -197,6 +197,16 @@ def _check(record: dict, name: str, kind: type, what: str, within=None) -> None:
         raise TypeError(f"field {name!r} must be {what}, got {value!r:.80}")
 
 
+def _check_span(document: str, doc_id: str, start: int, end: int, field: str) -> None:
+    """``start:end`` of a record lies in the document it names. A documents file other than the
+    one distilled from would otherwise cut prompts from the wrong text, silently."""
+    if not 0 <= start <= end <= len(document):
+        raise ValueError(
+            f"{field} {start}:{end} is outside document {doc_id!r} (0:{len(document)}); "
+            "are the documents the ones the record was distilled from?"
+        )
+
+
 # The fields of a rewrite / summary record that the rows use (read, and checked, by TextRows.read).
 TextRecord = namedtuple("TextRecord", "doc_id chunk output lang status stages record")
 
@@ -274,12 +284,21 @@ class TextRows(RowMaker):
     def _columns(self, rec: TextRecord, document: Callable[[str], str]) -> dict:
         record, stages = rec.record, rec.stages
         student = load_student_prompt(self.task, rec.lang)
+        text = document(rec.doc_id)
+        _check_span(text, rec.doc_id, record["start"], record["end"], "fields 'start':'end'")
+        if text[record["start"] : record["end"]] != rec.chunk:
+            raise ValueError(
+                f"field 'text' differs from document {rec.doc_id!r} at {record['start']}:{record['end']}; "
+                "are the documents the ones the record was distilled from?"
+            )
+        for span in record.get("context_spans") or ():
+            _check_span(text, rec.doc_id, *span, "field 'context_spans'")
         return {
             # The one prompt builder: the chunker's --rewrite/--summarize sends exactly this.
             "prompt": student_messages(
                 self.task,
                 rec.lang,
-                document(rec.doc_id),
+                text,
                 rec.chunk,
                 record.get("context_spans"),
                 self.max_context,
@@ -400,6 +419,9 @@ class MocRows(RowMaker):
             target = None if self.labels is None else label
             if target is not None and target not in self.labels:
                 continue
+            for name in ("start", "end"):
+                _check(sample, name, int, "a character offset (an int >= 0)")
+            _check_span(text, rec.doc_id, sample["start"], sample["end"], f"samples[{index}] 'start':'end'")
             body = text[sample["start"] : sample["end"]]
             if self.role == "expert":
                 answer = json.dumps(sample["elements"], ensure_ascii=False)

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from metachunk import config as configs
-from metachunk import markdown
+from metachunk import markdown, stopping
 from metachunk.artifacts import AtomicWriter, InputError, append_run_log, read_json
 from metachunk.sources import read_records
 
@@ -48,14 +48,15 @@ def write_run(out: Path, command: str, cfg, metrics: dict[str, float], details: 
         "metrics": metrics,
         "details": details or {},
     }
-    with AtomicWriter(out / "metrics.json") as f:
-        f.write(json.dumps(doc, ensure_ascii=False, indent=1, default=str) + "\n")
     lines = [f"# {title or f'metachunk eval {command}: {out.name}'}", "", markdown_table(
         ["metric", "value"], [[name, format_value(value)] for name, value in metrics.items()])]  # fmt: skip
-    with AtomicWriter(out / "report.md") as f:
-        f.write("\n".join(lines) + "\n")
     runtime = configs.runtime(cfg) if dataclass else {}
-    append_run_log(out, {"command": f"eval {command}", **runtime, **(run or {})})
+    with stopping.deferred():  # the metrics, their report and the run-log line land together
+        with AtomicWriter(out / "metrics.json") as f:
+            f.write(json.dumps(doc, ensure_ascii=False, indent=1, default=str) + "\n")
+        with AtomicWriter(out / "report.md") as f:
+            f.write("\n".join(lines) + "\n")
+        append_run_log(out, {"command": f"eval {command}", **runtime, **(run or {})})
     return doc
 
 

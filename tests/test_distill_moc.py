@@ -464,6 +464,28 @@ def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ro.")]  # no staging or trash left
 
 
+def test_a_sample_past_its_document_is_named(tmp_path, tiny_model_dir):
+    """A documents file shorter than the one distilled from had cut each sample's body silently."""
+    from metachunk.distill.sft import BuildSftConfig, build_sft
+
+    from metachunk.artifacts import InputError
+
+    text = " ".join(sentence(j) for j in range(8))
+    chunks = [{"start": m.start(), "end": m.end(), "distance": 0} for m in re.finditer(r"[^ .][^.]*\.", text)]
+    rec = {"schema_version": 1, "task": "moc", "doc_id": "d", "lang": "en", "status": "ok", "reason": "",
+           "windows": [], "chunks": chunks, "samples": [], "placeholder": "[MASK]"}  # fmt: skip
+    cfg = SimpleNamespace(sample_chars=10_000, head_chars=10, tail_chars=10, placeholder="[MASK]")
+    (tmp_path / "moc.jsonl").write_text(json.dumps(finish_record(rec, text, cfg)) + "\n")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "d", "text": text[: len(text) // 2]}) + "\n")
+    with pytest.raises(
+        InputError, match=r"moc\.jsonl:1: .*samples\[0\] 'start':'end' 0:\d+ is outside document 'd'"
+    ):
+        build_sft(BuildSftConfig(task="moc-router", distilled=tmp_path / "moc.jsonl", out=tmp_path / "ro",
+                                 documents=tmp_path / "docs.jsonl", cards_dir=tmp_path / "cards",
+                                 tokenizer=str(tiny_model_dir)), progress=False)  # fmt: skip
+    assert not (tmp_path / "ro").exists()
+
+
 def test_router_and_expert_train_on_distilled_rows_then_chunk(distilled, tiny_model_dir, tmp_path):
     """The whole MoC path on distilled rows: build-sft → train (router, expert) → chunk --method moc
     with the trained checkpoints. The tiny model's rules are junk; the chunks must still tile."""

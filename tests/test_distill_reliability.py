@@ -673,6 +673,32 @@ def test_summary_pipeline_against_the_loopback_server(tmp_path):
         assert record["output"] == fuse["text"] == "answer " + fuse["request_key"][:12]
 
 
+def test_a_stop_as_the_records_land_still_logs_what_the_attempt_paid(tmp_path, monkeypatch):
+    """A SIGTERM between the records' rename and the run-log line left a paid attempt unlogged."""
+    import signal
+
+    from metachunk import artifacts
+    from metachunk.stopping import Stopped, stop_on_signals
+
+    docs = {"doc0": [chunk_text(0)]}
+    with serve_in_subprocess(latency=0.0) as server:
+        job = make_job(tmp_path, server.base_url, docs, task="summary")
+        cfg = job.config()
+        result = run(cfg)
+    real_commit = artifacts.OutputPair.commit
+
+    def commit_then_sigterm(pair, manifest):
+        real_commit(pair, manifest)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(artifacts.OutputPair, "commit", commit_then_sigterm)
+    with pytest.raises(Stopped), stop_on_signals():
+        write_records(cfg, result)
+    (line,) = (Path(cfg.out) / "runs.jsonl").read_text().splitlines()
+    assert json.loads(line)["requests_sent"] == result.sent == 3
+    assert [r["status"] for r in job.records()] == ["ok"]
+
+
 # --------------------------------------------------------------------------------------------
 # 8. The budget holds whatever the server bills; a rerun under the same cap sends nothing
 # --------------------------------------------------------------------------------------------

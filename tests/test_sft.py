@@ -225,6 +225,9 @@ def test_bad_record_names_file_and_line(planted, tiny_model_dir):
         ({"context_spans": [[5]]}, "field 'context_spans' must be a list of [start, end] offsets"),
         ({"start": 500, "end": 50}, "field 'end' (50) is before field 'start' (500)"),
         ({"status": None}, "field 'status' must be a string"),
+        # offsets that do not fit the documents given: prompts cut from the wrong text
+        ({"end": 10**9}, "fields 'start':'end' "),
+        ({"context_spans": [[0, 10**9]]}, "field 'context_spans' 0:1000000000 is outside document"),
     ],
 )
 def test_a_record_field_of_the_wrong_type_is_named(planted, tiny_model_dir, change, said):
@@ -243,6 +246,25 @@ def test_a_record_field_of_the_wrong_type_is_named(planted, tiny_model_dir, chan
     (planted / "bad.jsonl").write_text(json.dumps(missing) + "\n")
     with pytest.raises(InputError, match="field 'status' is missing"):
         build_sft(cfg, progress=False)
+
+
+def test_a_record_from_other_documents_is_named(planted, tiny_model_dir):
+    """A chunk's text is its document's ``[start:end]`` (chonkie's and semchunk's property), so a
+    documents file edited since the distill run is named, not trained on."""
+    from metachunk.artifacts import InputError
+
+    docs = [json.loads(line) for line in (planted / "docs.jsonl").read_text().splitlines()]
+    record = json.loads((planted / "rewrite.jsonl").read_text().splitlines()[0])
+    for doc in docs:
+        if doc["id"] == record["doc_id"]:
+            doc["text"] = "An edited first line. " + doc["text"]
+    (planted / "edited.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (planted / "one.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "one.jsonl", out=planted / "ds4",
+                         documents=planted / "edited.jsonl", cards_dir=planted / "cards", tokenizer=str(tiny_model_dir))  # fmt: skip
+    with pytest.raises(InputError, match=r"one\.jsonl:1: .*field 'text' differs from document"):
+        build_sft(cfg, progress=False)
+    assert not (planted / "ds4").exists()
 
 
 def test_bad_records_are_skipped_on_request(planted, tiny_model_dir, capsys):

@@ -151,6 +151,23 @@ def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):
     assert sft_args.bf16 is False
 
 
+def test_16_bit_weights_without_deepspeed_are_told_they_have_no_master_copy(tmp_path, tiny_model_dir):
+    from metachunk.train.sft import master_weights_note, parse_args
+
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    base = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir), "--dtype", "bfloat16", "--bf16", "true"]  # fmt: skip
+    model_args, sft_args = parse_args(base)
+    assert "no float32 master copy" in master_weights_note("bfloat16", model_args, sft_args)
+    assert master_weights_note("float32", model_args, sft_args) is None
+    model_args, sft_args = parse_args(base + ["--use_peft", "true"])  # the adapter is trained in float32
+    assert master_weights_note("bfloat16", model_args, sft_args) is None
+    model_args, sft_args = parse_args(
+        base + ["--deepspeed", "recipes/deepspeed/zero2.json"]
+    )  # DeepSpeed keeps one
+    assert master_weights_note("bfloat16", model_args, sft_args) is None
+
+
 @pytest.mark.parametrize(
     "flags, text",
     [

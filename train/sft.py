@@ -475,6 +475,21 @@ def dense_attention_note(impl: str, sft_args) -> str | None:
     )
 
 
+def master_weights_note(dtype: str, model_args: ModelDataArguments, sft_args) -> str | None:
+    """What a full fine-tune of 16-bit weights without DeepSpeed is told: the optimizer steps the 16-bit
+    weights themselves. DeepSpeed's bf16 engine keeps an fp32 master copy; the Trainer keeps none, so an
+    update smaller than a weight's last bit (bfloat16 keeps 8 bits: lr 1e-5 moves few) is rounded away."""
+    from metachunk.train.distributed import deepspeed_config_of
+
+    if dtype not in ("bfloat16", "float16") or model_args.use_peft or deepspeed_config_of(sft_args):
+        return None
+    return (
+        f"{dtype} weights trained without DeepSpeed: the optimizer updates them in {dtype}, with no float32 master "
+        "copy, and small updates round away; train under deepspeed (its bf16 engine keeps one), or set dtype: "
+        "float32 with bf16: true"
+    )
+
+
 def resume_point(sft_args) -> str | None:
     """``--resume_from_checkpoint latest`` (the newest whole checkpoint in ``output_dir``) or a path."""
     wanted = sft_args.resume_from_checkpoint
@@ -829,8 +844,9 @@ def run(cfg: TrainConfig) -> Result:
     except ValueError as e:
         print(f"train: invalid config: {e}", file=sys.stderr)
         return Result(2)
-    if note := dense_attention_note(impl, sft_args):
-        print(f"train: {note}", file=sys.stderr)
+    for note in (dense_attention_note(impl, sft_args), master_weights_note(loaded, model_args, sft_args)):
+        if note:
+            print(f"train: {note}", file=sys.stderr)
     peft_config = None
     if model_args.use_peft:
         from peft import LoraConfig
