@@ -105,7 +105,7 @@ def provider_errors(cfg: TeacherConfig):
         yield
     except openai.APIStatusError as e:
         raise FatalTeacherError(redact(f"teacher {cfg.model!r} at {safe_url(cfg.endpoint_urls()[0])}: Batch API: "
-                                       f"HTTP {e.status_code}: {provider_message(e)[:500]}")) from None  # fmt: skip
+                                       f"HTTP {e.status_code}: {redact(provider_message(e))[:500]}")) from None  # fmt: skip
     except openai.APIConnectionError as e:
         raise EndpointUnreachable(redact(f"teacher {cfg.model!r} at {safe_url(cfg.endpoint_urls()[0])}: Batch "
                                          f"API: {e}; the batches in the store are picked up by a rerun")) from None  # fmt: skip

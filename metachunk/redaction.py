@@ -16,22 +16,27 @@ import re
 MASK = "[REDACTED]"
 
 _secrets: set[str] = set()
-# `Authorization: Bearer sk-...`, `"api-key": "..."`, `x-api-key=...`: the header's value, quoted or not.
+# `Authorization: Bearer sk-...`, `"api-key": "..."`, `x-api-key=...`: the header's value, quoted or not,
+# also inside a JSON string that quotes JSON (`{\"authorization\": \"Bearer ...\"}`). Azure API Management's
+# `Ocp-Apim-Subscription-Key`, OpenStack's `X-Auth-Token`, Google's `x-goog-api-key` and `apikey` gateways too.
 _HEADER = re.compile(
     r"""(?ix)
-    (["']?(?:authorization|x-api-key|api-key|api_key)["']?\s*[:=]\s*["']?)  # the header name and separator
+    (\\?["']?(?:(?:proxy-)?authorization|x-api-key|api-key|api_key|apikey|x-goog-api-key|x-auth-token
+       |ocp-apim-subscription-key)\\?["']?\s*[:=]\s*\\?["']?)              # the header name and separator
     (?:(bearer|basic|token)\s+)?                                            # an auth scheme, kept
-    ([^\s"',;}]+)                                                           # the value
+    ([^\s"',;}\\]+)                                                         # the value
     """
 )
 # The userinfo of a URL (``https://user:password@host``, ``https://TOKEN@host``): all of it, up to the
 # host's "@" (a password may hold an "@" of its own).
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#\"'<>,;(){}|]*@")
-# A credential in a URL's query string (``?api_key=``, ``&token=``, a signed URL's ``sig=``).
-CREDENTIAL_PARAMS = ("key", "api_key", "api-key", "apikey", "token", "access_token", "auth", "password",
-                     "secret", "sig", "signature", "code")  # fmt: skip
+# A credential in a URL's query string or its ``;`` parameters: a name that is, or ends in, one of these
+# words (``?key=``, ``?api_key=``, ``&subscription-key=``, ``X-Amz-Security-Token=``, a signed URL's ``sig=``
+# or ``X-Amz-Signature=``, ``client_secret=``); ``monkey=`` is no ``key=``: the word follows a separator.
+CREDENTIAL_WORDS = ("key", "apikey", "token", "auth", "password", "passwd", "secret", "sig", "signature",
+                    "credential", "code")  # fmt: skip
 _QUERY_CREDENTIAL = re.compile(
-    r"(?i)([?&](?:" + "|".join(map(re.escape, CREDENTIAL_PARAMS)) + r")=)[^&\s\"'#]+"
+    r"(?i)([?&;](?:[\w.-]*[-_.])?(?:" + "|".join(CREDENTIAL_WORDS) + r")=)[^&;\s\"'#]+"
 )
 
 
@@ -39,9 +44,11 @@ def register_secret(value: str | None) -> None:
     """Remember ``value`` (an API key, a token) so that `redact` removes it everywhere, also as a
     JSON string holds it escaped: a raw body is redacted before it is parsed, and a server may
     write ``/`` as ``\\/`` (PHP's and some Java encoders' default) or escape non-ASCII, which the
-    parsed text then reads back as the key itself. Short values are refused as secrets: masking
-    every "x" or "EMPTY" would garble real text."""
-    if value and len(value) >= 8:
+    parsed text then reads back as the key itself (other escapes are undone before: the teacher
+    re-serialises a body it stores). A value shorter than 8 characters is a secret only if it holds
+    more than letters (vLLM's ``--api-key secret1``): masking every "x" or "EMPTY", the placeholders
+    local servers take, would garble real text."""
+    if value and (len(value) >= 8 or (len(value) >= 4 and not value.isalpha())):
         import json
 
         escaped = json.dumps(value)[1:-1]
@@ -59,11 +66,12 @@ def redact(text: str, headers: bool = True) -> str:
     for secret in sorted(_secrets, key=len, reverse=True):  # a key that contains another goes first
         if secret in text:
             text = text.replace(secret, MASK)
-    if not headers:
-        return text
-    for path in sorted(_private_paths, key=len, reverse=True):  # a gateway's 404 quotes the request's path
+    # a gateway's 404 quotes the request's path; an answer is masked only where the path holds a token
+    for path in sorted(_private_paths if headers else _private_tokens, key=len, reverse=True):
         if path in text:
             text = text.replace(path, MASK)
+    if not headers:
+        return text
     text = _HEADER.sub(lambda m: m.group(1) + (m.group(2) + " " if m.group(2) else "") + MASK, text)
     text = _QUERY_CREDENTIAL.sub(lambda m: m.group(1) + MASK, text)
     return _URL_USERINFO.sub(lambda m: m.group(1) + MASK + "@", text)
@@ -82,20 +90,26 @@ def url_credentials(url: str) -> str | None:
 
 _private_urls: dict[str, str] = {}  # a URL kept out of the recipe -> how it is shown
 _private_paths: set[str] = set()  # their paths, and the key-like segments of those, masked in error texts
+_private_tokens: set[str] = set()  # the key-like segments, and the paths that hold one, masked in answers too
 
 
 def register_private_url(url: str) -> None:
     """A URL read from the environment (``base_url_env``), which may carry a token after its host (a
     gateway's account or route key): `safe_url` shows it as its scheme and host only, and `redact` masks
     its path, and each segment that looks like a key, in error texts (a server's 404 quotes the path it
-    was sent). Not in answers (``headers=False``): ``/openai/v1`` is in answers about APIs."""
+    was sent). In answers (``headers=False``) only the segments that look like a key, and a path that
+    holds one: ``/openai/v1`` is in answers about APIs, a route key in none but a gateway's echo."""
     host_end = len("/".join(url.split("/")[:3]))
     path = url[host_end:].rstrip("/")
     if path:
         _private_urls[url] = url[:host_end] + "/" + MASK
+        tokens = {p for p in path.split("/") if _looks_like_a_token(p)}
         if len(path) >= 8:  # not "/v1": it is in every URL of every API
             _private_paths.add(path)
-        _private_paths.update(p for p in path.split("/") if _looks_like_a_token(p))
+            if tokens:
+                _private_tokens.add(path)
+        _private_paths.update(tokens)
+        _private_tokens.update(tokens)
 
 
 def _looks_like_a_token(segment: str) -> bool:

@@ -584,6 +584,17 @@ class Answer:
         return record
 
 
+def plain_json(raw: str) -> str:
+    """A 200 body re-serialised with no escape JSON does not need (``\\u002d`` for "-", ``\\/``, escaped
+    non-ASCII), as the Batch API's output lines are: a key a server echoed escaped its own way (.NET's and
+    Go's encoders escape ``+``, ``&``, ``<``) is then the text `redact` masks, not a string that parses
+    back into the key. A body that is not JSON is kept as received."""
+    try:
+        return json.dumps(json.loads(raw), ensure_ascii=False)
+    except ValueError:
+        return raw
+
+
 def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:
     """``(prompt, completion, answer text, well-formed)`` from a 200 body; the token counts are
     None when the server sent no usage, a usage without the completion's count (neither
@@ -1307,7 +1318,7 @@ class Teacher:
                 return error_row(e.reason, _short(redact(raw)))
             self.endpoint.note_connection(False)
             self.endpoint.note_refusal(None)
-            raw = redact(raw, headers=False)
+            raw = redact(plain_json(raw), headers=False)
             prompt_tokens, completion_tokens, text, well_formed = read_usage(raw)
             count_sends(answered=well_formed)
             if well_formed:

@@ -539,3 +539,28 @@ def test_a_provider_that_refuses_stops_the_run_in_one_line_without_the_private_p
     store = tmp_path / "run" / "answers.sqlite"
     if store.exists():
         assert b"ROUTESECRET42" not in store.read_bytes()
+
+
+def test_a_long_refusal_is_redacted_before_it_is_cut():
+    """A refusal quoting the key past 484 characters was cut first, then redacted: the key's first
+    characters, no longer the whole registered key, reached the terminal."""
+    import httpx2
+    import openai
+
+    from metachunk.batch import provider_errors
+    from metachunk.redaction import register_secret
+    from metachunk.teacher import FatalTeacherError, TeacherConfig
+
+    key = "sk-test-LONGREFUSAL-1234567890abcdef"
+    register_secret(key)
+    message = "x" * 455 + " Incorrect API key provided: " + key
+    request = httpx2.Request("POST", "http://127.0.0.1:9/v1/files")
+    refusal = openai.APIStatusError(
+        message, response=httpx2.Response(400, request=request), body={"message": message}
+    )
+    with (
+        pytest.raises(FatalTeacherError) as e,
+        provider_errors(TeacherConfig("m", base_url="http://127.0.0.1:9/v1")),
+    ):
+        raise refusal
+    assert "HTTP 400" in str(e.value) and key[:12] not in str(e.value)

@@ -42,7 +42,9 @@ from metachunk.teacher import Endpoint, TeacherConfig
 
 REPO = Path(__file__).resolve().parents[1]
 REWRITE, SUMMARY = STAGES["rewrite"], STAGES["summary"]
-SECRET = "sk-test-SECRET-1234567890"
+SECRET = (
+    "sk-test+SECRET-1234567890"  # a "+": the echo escapes it as \u002B (tests/support/loopback_server.py)
+)
 
 # The refinement prompt (and only it) contains '"score"': its answers must parse as items.
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'

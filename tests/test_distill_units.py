@@ -677,10 +677,9 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
     assert url == "https://gateway.example.com/v1/acct-7f3a9c2e51/openai"
     assert safe_url(url) == f"https://gateway.example.com/{MASK}"
     assert safe_url(f"{url}/chat/completions") == f"https://gateway.example.com/{MASK}/chat/completions"
-    # a path is no secret to mask in every answer (headers=False)...
-    answer = "an answer about /v1/acct-7f3a9c2e51/openai"
-    assert redact(answer, headers=False) == answer
-    # ...but an error text that quotes it (OpenAI's 404: "Invalid URL (POST /v1/...)") is masked, the
+    # in an answer (headers=False) its route key is masked, as a gateway may name the route it served...
+    assert redact("served by /v1/acct-7f3a9c2e51/openai", headers=False) == f"served by {MASK}"
+    # ...and an error text that quotes it (OpenAI's 404: "Invalid URL (POST /v1/...)") is masked, the
     # whole path or a long segment of it
     assert redact("Invalid URL (POST /v1/acct-7f3a9c2e51/openai/files)") == f"Invalid URL (POST {MASK}/files)"
     assert redact("no route acct-7f3a9c2e51") == f"no route {MASK}"
@@ -691,6 +690,63 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
         redact("runs/production/records.jsonl: no such file") == "runs/production/records.jsonl: no such file"
     )
     assert redact("POST /openai/deployments/production/chat") == f"POST {MASK}/chat"
+    # a path of words is no secret to mask in every answer: APIs are written about
+    answer = "an answer about /openai/deployments/production"
+    assert redact(answer, headers=False) == answer
+
+
+def test_a_key_a_server_escaped_its_own_way_is_masked_once_the_body_is_plain_json():
+    """.NET's default encoder writes "+" as \\u002B, Go's "&" as \\u0026: no literal form of the key
+    matched, and the parsed answer read back as the key (into the records, then SFT rows)."""
+    from metachunk.redaction import MASK, redact, register_secret
+    from metachunk.teacher import plain_json
+
+    key = "sk-test+SECRET&1234567890"
+    register_secret(key)
+    escaped = key.replace("+", "\\u002B").replace("&", "\\u0026").replace("-", "\\u002d")
+    raw = '{"choices": [{"message": {"content": "seen key ' + escaped + ' \\u00e9"}}]}'
+    assert key not in raw and json.loads(raw)["choices"][0]["message"]["content"].startswith(
+        f"seen key {key}"
+    )
+    plain = redact(plain_json(raw), headers=False)
+    assert json.loads(plain)["choices"][0]["message"]["content"] == f"seen key {MASK} \u00e9"
+    assert plain_json("not json {") == "not json {"  # kept as received: a malformed body is retried
+
+
+def test_a_short_key_is_masked_unless_it_is_a_placeholder_word():
+    """vLLM's ``--api-key`` takes any string (``secret1``): keys under 8 characters were never masked.
+    A placeholder of letters alone ("EMPTY", "none") stays unmasked, so prose keeps its words."""
+    from metachunk.redaction import MASK, redact, register_secret
+
+    register_secret("Xk7q2Zp")
+    register_secret("dummy")
+    assert redact("(you sent Bearer Xk7q2Zp)", headers=False) == f"(you sent Bearer {MASK})"
+    assert redact("a dummy run", headers=False) == "a dummy run"
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("GET https://h/v1?subscription-key=SUBKEY123", "GET https://h/v1?subscription-key=[REDACTED]"),
+        ("https://b.s3/x?X-Amz-Security-Token=TOK123&X-Amz-Signature=ab12",
+         "https://b.s3/x?X-Amz-Security-Token=[REDACTED]&X-Amz-Signature=[REDACTED]"),
+        ("https://h/t?client_secret=CS123;auth_token=AT123", "https://h/t?client_secret=[REDACTED];auth_token=[REDACTED]"),
+        ("https://h/t?monkey=banana&api-version=2024-10-21", "https://h/t?monkey=banana&api-version=2024-10-21"),
+        ("Ocp-Apim-Subscription-Key: 0123abcd", "Ocp-Apim-Subscription-Key: [REDACTED]"),
+        ("X-Auth-Token: tok-42", "X-Auth-Token: [REDACTED]"),
+        ('{"detail": "{\\"authorization\\": \\"Bearer sk-abc\\"}"}',
+         '{"detail": "{\\"authorization\\": \\"Bearer [REDACTED]\\"}"}'),
+    ],
+)  # fmt: skip
+def test_more_credential_names_are_masked_in_error_texts(text, shown):
+    """An Azure API Management key, a presigned S3 URL's token and signature, an OAuth client secret,
+    and an auth header quoted inside a JSON string, all passed the mask, and a recipe holding one was
+    accepted (its text reaches the regen manifest and the dataset card)."""
+    from metachunk.redaction import redact, url_credentials
+
+    assert redact(text) == shown
+    if text.startswith(("GET https", "https")) and "monkey" not in text:
+        assert url_credentials(text.removeprefix("GET ")) is not None
 
 
 @pytest.mark.parametrize(

@@ -223,6 +223,17 @@ def _check_response_format(fmt) -> None:
         raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
+def _html_safe_json(text: str) -> str:
+    """``text`` as a JSON string the way .NET's default encoder writes it, HTML-sensitive characters
+    (``+ < > & ' `` and the backtick) as ``\\u002B``-style escapes, non-ASCII too:
+    https://learn.microsoft.com/en-us/dotnet/standard/serialization/system-text-json/character-encoding
+    (an echoed key then reaches the client in a form no literal match finds)."""
+    escaped = json.dumps(text)  # ensure_ascii: non-ASCII escaped already
+    for c in "+<>&'`":
+        escaped = escaped.replace(c, f"\\u{ord(c):04X}")
+    return escaped
+
+
 def _parse_random_faults(random_faults: Mapping[str, float] | None) -> list[tuple[float, str]]:
     """Cumulative (upper bound, kind) table for one uniform draw."""
     table = []
@@ -736,7 +747,7 @@ class LoopbackServer:
             next(self._ids),
             time.time(),
             json.dumps(model),
-            json.dumps(content),
+            _html_safe_json(content) if auth else json.dumps(content),
             extra,
             finish_reason,
             usage_text,
