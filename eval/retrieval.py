@@ -216,11 +216,22 @@ def load_crud(path: Path, statuses: Sequence[str], skipped: dict | None = None,
     (its answers skip questions): it is left out and counted in ``skipped``."""
     out = []
     skipped = {} if skipped is None else skipped
+    first_line: dict[str, int] = {}  # each qa_id's line: a second entry would be asked and counted twice
 
     def entry(number: int, row: dict) -> tuple:
         fields = {name: _field(path, number, row, name, kind) for name, kind in
                   (("qa_id", str), ("status", str), ("doc_ids", list), ("key_info", list),
                    ("questions", list), ("answers", list))}  # fmt: skip
+        for name in ("doc_ids", "key_info", "questions", "answers"):  # str() made null the evidence "None"
+            bad = next((i for i, v in enumerate(fields[name]) if not isinstance(v, str)), None)
+            if bad is not None:
+                raise InputError(path, f"field {name!r}: item {bad} must be a string, got {fields[name][bad]!r:.40}",
+                                 number)  # fmt: skip
+        seen = first_line.setdefault(fields["qa_id"], number)
+        if seen != number:
+            raise InputError(
+                path, f"field 'qa_id': {fields['qa_id']!r} is a duplicate of line {seen}", number
+            )
         return number, fields
 
     for number, fields in _rows(path, rejects, entry, max_row_bytes):

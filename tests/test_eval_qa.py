@@ -337,6 +337,27 @@ def test_crud_relevance_needs_the_matched_article(tmp_path):
     assert rel(questions[2]) == {2}  # ambiguous: any of its articles
 
 
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"qa_id": "e1"}, "field 'qa_id': 'e1' is a duplicate of line 1"),
+        ({"key_info": [None, "x"]}, "field 'key_info': item 0 must be a string, got None"),
+        ({"questions": [1]}, "field 'questions': item 0 must be a string, got 1"),
+    ],
+)
+def test_a_crud_entry_asked_twice_or_with_a_non_string_item_is_named(tmp_path, change, said):
+    """A repeated qa_id was asked and counted twice (eval compare then collapsed it by id: its own
+    table and its paired difference disagreed); a null key became the evidence string "None"."""
+    from metachunk.artifacts import InputError
+
+    row = {"qa_id": "e1", "status": "matched", "doc_ids": ["news1"], "key_info": ["西安市"],
+           "questions": ["哪个城市？"], "answers": ["西安市"]}  # fmt: skip
+    path = write_questions(tmp_path / "qa_matches.jsonl", [row, {**row, "qa_id": "e2", **change}])
+    with pytest.raises(InputError, match=re.escape(said)) as e:
+        load_questions(path, "crud")
+    assert "qa_matches.jsonl:2" in str(e.value)
+
+
 # ------------------------------------------------------------------------------- index
 
 
@@ -534,6 +555,9 @@ def test_bad_inputs_are_input_errors(planted, tmp_path):
         )
     with pytest.raises(ValueError, match="needs --reranker"):
         qa.QAConfig(chunks=chunks, qa=questions, out=tmp_path, rerank="cross-encoder")
+    with pytest.raises(ValueError, match="'cutoffs': 10 is deeper than the 5 chunks retrieved"):
+        qa.QAConfig(chunks=chunks, qa=questions, out=tmp_path, top_k=5, cutoffs=[8, 10])  # they were dropped
+    qa.QAConfig(chunks=chunks, qa=questions, out=tmp_path, top_k=5, cutoffs=[8], rerank="ppl", reranker="x")
     with pytest.raises(ValueError, match="--max-cost needs a price for the endpoint's model 'm'"):
         qa.QAConfig(chunks=chunks, qa=questions, out=tmp_path, generator="http://h:1/v1:m", max_cost=1.0)
 
@@ -624,6 +648,9 @@ def test_cross_encoder_rerank_follows_its_scores(planted, planted_embedder, tmp_
     m = doc["metrics"]
     assert {"hits@5", "mrr@5", "map@3", "reranked_hits@3", "reranked_mrr@5", "reranked_map@5"} <= set(m)
     assert doc["details"]["rerank"]["method"] == "cross-encoder"
+    items = read_jsonl(out / "items.jsonl")  # what eval compare's intervals resample: the re-ranked ones too
+    assert all({"hits@5", "reranked_hits@3", "reranked_mrr@5"} <= set(item) for item in items)
+    assert sum(item["reranked_hits@3"] for item in items) / len(items) == pytest.approx(m["reranked_hits@3"])
 
 
 def test_cross_encoder_scores_come_back_in_the_pairs_order_from_every_slice():
