@@ -68,10 +68,20 @@ def _check_dataset_dir(dataset_dir: Path) -> list[str]:
         )
     if not list(dataset_dir.glob("data/*.parquet")):
         raise InputError(dataset_dir, "no data/*.parquet files: nothing to publish")
-    files = {p.relative_to(dataset_dir).as_posix() for p in dataset_dir.rglob("*") if p.is_file()}
-    from huggingface_hub.utils import filter_repo_objects
+    from metachunk.hub import folder_files
 
-    return sorted(filter_repo_objects(files, allow_patterns=ALLOW_PATTERNS))
+    return folder_files(dataset_dir, ALLOW_PATTERNS)
+
+
+def unnamed_license(card: str) -> bool:
+    """Whether a card's front matter says ``license: other`` without the ``license_name`` the Hub's
+    card spec asks for with it (https://huggingface.co/docs/hub/datasets-cards): readers then see a
+    license nobody named."""
+    import yaml
+
+    head = card.split("---", 2)[1] if card.startswith("---") and card.count("---") >= 2 else ""
+    meta = yaml.safe_load(head) or {}
+    return isinstance(meta, dict) and meta.get("license") == "other" and not meta.get("license_name")
 
 
 def push_dataset(
@@ -96,6 +106,10 @@ def push_dataset(
     dataset_dir = Path(dataset_dir)
     check_repo_id(repo_id)
     _check_dataset_dir(dataset_dir)
+    if unnamed_license((dataset_dir / "README.md").read_text(encoding="utf-8")):
+        print(f"data push: {dataset_dir}/README.md says license: other with no license_name; rebuild it with "
+              "--license ID, or --license other --license-name ID --license-link URL (the source corpus's "
+              "terms apply)", file=sys.stderr)  # fmt: skip
     if regen_manifest is None:
         return push_folder(dataset_dir, repo_id, repo_type="dataset", allow_patterns=ALLOW_PATTERNS,
                            delete_patterns=DELETE_PATTERNS, private=private, token=token,
@@ -170,7 +184,8 @@ def provenance_section(manifest: dict) -> str:
         "",
         f"{len(manifest.get('prompts', {}))} prompt and schema files, hashed in the manifest. To rerun: save the "
         "recipe below as `recipe.yaml` and `metachunk run recipe.yaml` (stages whose inputs are unchanged are "
-        "skipped; teacher answers already stored are not paid again).",
+        "skipped; teacher answers already stored are not paid again). Absolute paths in it are shown by their "
+        "last part: point them at your copies.",
         "",
         "<details><summary>recipe</summary>",
         "",

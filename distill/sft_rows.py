@@ -57,6 +57,7 @@ from metachunk.distill.moc import TASK as MOC_TASK
 from metachunk.distill.prompts import load_prompt
 
 from metachunk.artifacts import InputError
+from metachunk.markdown import shown_argument
 
 # The shared builder's filters (metachunk.distill.sft), run after the task's own.
 SHARED_FILTERS = ("contaminated", "exact_duplicate", "near_duplicate", "too_long")
@@ -307,7 +308,11 @@ class TextRows(RowMaker):
             "start": record["start"],
             "end": record["end"],
             "lang": rec.lang,
-            "teachers": json.dumps({s: e.get("teacher") for s, e in stages.items()}, ensure_ascii=False),
+            # a local teacher's model is its folder: shown as the card shows it, the dataset viewer shows every column
+            "teachers": json.dumps(
+                {s: shown_argument(e.get("teacher"), relative_to_cwd=False) for s, e in stages.items()},
+                ensure_ascii=False,
+            ),  # fmt: skip
             "prompt_sha256": student.sha256,
             "teacher_prompt_sha256": json.dumps({s: e.get("prompt_sha256") for s, e in stages.items()}),
         }
@@ -412,7 +417,7 @@ class MocRows(RowMaker):
         placeholder = rec.record.get("placeholder") or "[MASK]"
         check_placeholder(placeholder)
         answered = next((w["answer"] for w in rec.windows if w.get("answer")), {})
-        teacher = json.dumps({MOC_STAGE: answered.get("teacher")})
+        teacher = json.dumps({MOC_STAGE: shown_argument(answered.get("teacher"), relative_to_cwd=False)})
         teacher_prompt = json.dumps({MOC_STAGE: answered.get("prompt_sha256")})
         lang = rec.lang
         for index, (sample, label) in enumerate(zip(rec.samples, labels)):

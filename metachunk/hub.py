@@ -160,11 +160,17 @@ def push_folder(
     (https://huggingface.co/docs/huggingface_hub/package_reference/hf_api). A push to the same branch
     by someone else before this one's first commit makes the Hub refuse it (``parent_commit``).
 
-    One push can be several commits: with ``hf_xet`` installed (huggingface_hub's default), a folder of
-    more than a few hundred files is committed in parts (huggingface_hub's ``_upload_pipeline``), and
-    the branch passes through states that hold part of the new files; the tag marks the last part.
-    Rerunning a push cut short resumes it: files the Hub holds already are not sent again."""
-    from huggingface_hub import HfApi
+    One push is one commit (``create_commit``, whose files are all uploaded before the commit is made:
+    https://huggingface.co/docs/huggingface_hub/guides/upload#upload-from-the-cli): a failure leaves the
+    branch as it was, never with a new card over part of the new shards. ``upload_folder`` with
+    ``hf_xet`` commits a folder of more than a few hundred files in parts. Rerunning a push cut short
+    sends again only what the Hub's storage lacks (preupload answers which files it holds).
+
+    A pattern matches whole path segments, as a glob does: ``*.bin`` is a top-level file, not
+    ``gptq-4bit/model.bin`` (``upload_folder``'s ``*`` also crossed ``/`` and deleted a variant someone
+    had added in a subfolder). ``private`` on a repo that exists and is public is refused: the Hub
+    keeps an existing repo's visibility (``create_repo``: "ignored if the repo already exists")."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     check_repo_id(repo_id)
     token = hub_token(token)
@@ -174,6 +180,11 @@ def push_folder(
     branch = revision or "main"
     with hub_requests(repo_id):
         url = api.create_repo(repo_id, repo_type=repo_type, private=True if private else None, exist_ok=True)
+        if private and not api.repo_info(repo_id, repo_type=repo_type).private:
+            raise ValueError(
+                f"{repo_id} exists and is public: --private does not change an existing repo's visibility; make "
+                "it private on the Hub first, or push without --private"
+            )
         if branch != "main":
             api.create_branch(repo_id, branch=branch, repo_type=repo_type, exist_ok=True)
         refs = api.list_repo_refs(repo_id, repo_type=repo_type)
@@ -187,17 +198,20 @@ def push_folder(
                 )
             return str(url)  # the same push again: the tag already marks exactly this
         logger.info("uploading %s to %s", folder, url)
-        commit = api.upload_folder(
-            repo_id=repo_id,
-            repo_type=repo_type,
-            folder_path=folder,
-            allow_patterns=list(allow_patterns) if allow_patterns is not None else None,
-            delete_patterns=list(delete_patterns) if delete_patterns is not None else None,
+        local = folder_files(folder, allow_patterns)
+        remote = api.list_repo_files(repo_id, repo_type=repo_type, revision=branch) if delete_patterns else []
+        stale = [
+            n for n in remote if n not in set(local) and n != ".gitattributes" and matches(n, delete_patterns)
+        ]
+        operations = [CommitOperationDelete(path_in_repo=n) for n in stale]
+        operations += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in local]
+        commit = api.create_commit(
+            repo_id,
+            operations,
             commit_message=commit_message or f"Upload {folder.name} with metachunk",
+            repo_type=repo_type,
             revision=revision,
-            # Another push to the branch since `head` was read makes the Hub refuse this one (it
-            # would mix the two). With hf_xet, upload_folder commits a folder of more than a few
-            # hundred files in parts: only the first carries the deletions and this check.
+            # another push to the branch since `head` was read makes the Hub refuse this one: it would mix the two
             parent_commit=head,
         )
         if tag:
@@ -213,18 +227,13 @@ def holds_folder(api, repo_id: str, repo_type: str, revision: str, folder: Path,
     ones included, the git blob sha1 of another; a tree entry's ``lfs.oid`` and ``oid``,
     https://huggingface.co/docs/huggingface.js/hub/interfaces/ListFileEntry), and none of the kinds it
     replaces that the folder lacks."""
-    import fnmatch
     import hashlib
 
     from huggingface_hub.hf_api import RepoFile
-    from huggingface_hub.utils import filter_repo_objects
 
     remote = {f.path: f for f in api.list_repo_tree(repo_id, repo_type=repo_type, revision=revision, recursive=True)
               if isinstance(f, RepoFile)}  # fmt: skip
-    local = list(filter_repo_objects(
-        [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file()],
-        allow_patterns=list(allow_patterns) if allow_patterns is not None else None,
-    ))  # fmt: skip
+    local = folder_files(folder, allow_patterns)
     for name in local:
         there = remote.get(name)
         if there is None:
@@ -236,10 +245,25 @@ def holds_folder(api, repo_id: str, repo_type: str, revision: str, folder: Path,
             same = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest() == there.blob_id
         if not same:
             return False
-    stale = [
-        n for n in remote if n not in local and any(fnmatch.fnmatch(n, p) for p in delete_patterns or [])
-    ]
+    stale = [n for n in remote if n not in local and n != ".gitattributes" and matches(n, delete_patterns)]
     return not stale
+
+
+def matches(name: str, patterns: Sequence[str] | None) -> bool:
+    """Whether the repo path ``name`` matches one of the glob ``patterns``, each ``*`` within one
+    path segment (``*.bin`` is no ``gptq-4bit/model.bin``; ``data/*.parquet`` is ``data/x.parquet``)."""
+    import fnmatch
+
+    return any(name.count("/") == p.count("/") and fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+def folder_files(folder: Path, allow_patterns: Sequence[str] | None) -> list[str]:
+    """The files of ``folder`` a push sends, as repo paths in sorted order: all, or those matching
+    ``allow_patterns`` (`matches`); never what ``.git/`` and ``.cache/huggingface/`` hold, as
+    ``upload_folder`` never sends them (its ``DEFAULT_IGNORE_PATTERNS``)."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    names = [n for n in names if not n.startswith((".git/", ".cache/huggingface/"))]
+    return names if allow_patterns is None else [n for n in names if matches(n, allow_patterns)]
 
 
 def tag_target(api, repo_id: str, repo_type: str, tag: str, branch: str) -> str | None:

@@ -68,6 +68,17 @@ def shown_argument(value, relative_to_cwd: bool = True):
     return shown_path(value, relative_to_cwd) if value.startswith("/") else value
 
 
+# An absolute path inside a text: "/" not inside a word, a URL ("http://h:8000/v1") or a relative path,
+# then at least one folder.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:-])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+def shown_paths_in(text: str) -> str:
+    """``text`` (a recipe published with a dataset) with every absolute path in it shown by its last
+    part, as `shown_path` shows one without a working directory: ``…/records.jsonl``."""
+    return _ABSOLUTE_PATH.sub(lambda m: shown_path(m.group(0), relative_to_cwd=False), text)
+
+
 def shown_keys(by_path: dict) -> dict:
     """``by_path`` keyed by its paths as `shown_argument` shows them; two that would show alike
     (``…/documents.jsonl`` of two folders) keep as many of their last parts as tell them apart, so no

@@ -86,7 +86,7 @@ from metachunk.artifacts import (
 )
 from metachunk.command import Registry, Result
 from metachunk.config import option
-from metachunk.markdown import shown_argument, shown_keys, shown_path
+from metachunk.markdown import shown_argument, shown_keys, shown_path, shown_paths_in
 from metachunk.models import ModelNotFoundError
 from metachunk.named_data import MissingDataset, name_of
 from metachunk.redaction import redact
@@ -620,11 +620,12 @@ class Runner:
 
     def write_manifest(self, report: list[dict], seconds: float) -> dict:
         what = {
-            # The text as written, less any key or URL password in it (redaction.redact).
+            # The text as written, less any key or URL password in it (redaction.redact), and with each
+            # absolute path by its last part (the manifest and the card it goes into are published).
             "recipe": {
                 "path": shown_path(self.recipe.path),
                 "sha256": self.recipe.sha256,
-                "text": redact(self.recipe.text),
+                "text": shown_paths_in(redact(self.recipe.text)),
             },
             "metachunk": self.version,
             "prompts": dict(sorted(self.prompts.items())),

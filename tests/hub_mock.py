@@ -74,6 +74,8 @@ class FakeHub:
         self.heads = {}  # (repo type, repo id, branch or tag) -> commit oid
         self.snapshots = {}  # commit oid -> {path: bytes} as of that commit
         self.tag_names = set()  # (repo type, repo id, tag)
+        self.private = {}  # (repo type, repo id) -> its visibility, set when it is created (as the Hub keeps it)
+        self.commits_fail = False  # True: every commit is answered 500, after its files were uploaded
 
     def handler(self, request):
         import httpx2
@@ -95,6 +97,8 @@ class FakeHub:
             payload = json.loads(body)
             prefix = {"dataset": "datasets/", "space": "spaces/"}.get(payload.get("type"), "")
             main = (payload.get("type") or "model", f"{payload['organization']}/{payload['name']}", "main")
+            private = bool(payload.get("private")) or payload.get("visibility") == "private"
+            self.private.setdefault(main[:2], private)  # an existing repo keeps its own
             if main not in self.revisions:  # the Hub's first commit of a new repo: its .gitattributes alone
                 oid = hashlib.sha1(f"{main}@initial".encode()).hexdigest()
                 self.revisions[main] = {".gitattributes": GITATTRIBUTES}
@@ -179,7 +183,7 @@ class FakeHub:
                 code = "RevisionNotFound" if known else "RepoNotFound"
                 return httpx2.Response(404, headers={"X-Error-Code": code}, json={"error": code})
             if info:
-                return httpx2.Response(200, json={"id": repo, "sha": oid,
+                return httpx2.Response(200, json={"id": repo, "sha": oid, "private": self.private.get((kind, repo), False),
                                                   "siblings": [{"rfilename": f} for f in sorted(files)]})  # fmt: skip
             return httpx2.Response(200, json=[self._tree_entry(f, c) for f, c in sorted(files.items())])
         resolve = _RESOLVE.match(path)
@@ -220,6 +224,8 @@ class FakeHub:
             self.tag_names.add((kind[:-1], repo, tag))
             self.tags.append((repo, tag, name))
             return httpx2.Response(200, json={})
+        if request.method == "POST" and api and api.group(3) == "commit" and self.commits_fail:
+            return httpx2.Response(500, json={"error": "Internal Error"})
         if request.method == "POST" and api and api.group(3) == "commit":
             lines = [json.loads(line) for line in body.splitlines()]
             parent = next((x["value"].get("parentCommit") for x in lines if x["key"] == "header"), None)

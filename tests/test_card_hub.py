@@ -373,8 +373,8 @@ def test_push_sends_card_data_and_plot_through_lfs(
 
 
 def test_push_through_the_default_pipeline(fake_hub, dataset_dir, tmp_path, monkeypatch, caplog, capsys):
-    """With hf_xet installed upload_folder takes its streamed pipeline; files the server calls regular
-    travel inside the commit, so no Xet storage is contacted."""
+    """With hf_xet installed (huggingface_hub's default); files the server calls regular travel inside
+    the commit, so no Xet storage is contacted."""
     import importlib.util
 
     if importlib.util.find_spec("hf_xet") is None:
@@ -419,6 +419,64 @@ def test_a_second_push_replaces_what_the_first_sent(fake_hub, dataset_dir, tmp_p
     assert (
         len(load_dataset(str(remote), split="train")) == 3
     )  # the card's data_files glob reads the new shard only
+
+
+def test_a_push_of_many_files_is_one_commit_and_a_failed_one_changes_nothing(fake_hub, tmp_path, monkeypatch):
+    """upload_folder with hf_xet committed 300 files in two parts; when the second failed, main held the
+    new card over 249 of the 300 shards, which load_dataset refuses. create_commit is one commit."""
+    from metachunk.hub import push_folder
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    folder = tmp_path / "many"
+    (folder / "data").mkdir(parents=True)
+    for i in range(300):
+        (folder / "data" / f"train-{i:05d}-of-00300.txt").write_text(f"shard {i}\n")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# many\n")
+    push_folder(folder, REPO, repo_type="dataset", delete_patterns=["data/*.txt"])
+    assert len(fake_hub.commits) == 1 and len(_main_files(fake_hub)) == 302
+    before = dict(fake_hub.revisions[("dataset", REPO, "main")])
+    for i in range(300):
+        (folder / "data" / f"train-{i:05d}-of-00300.txt").rename(
+            folder / "data" / f"train-{i:05d}-of-00301.txt"
+        )
+    (folder / "data" / "train-00300-of-00301.txt").write_text("one more\n")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# many, 301\n")
+    fake_hub.commits_fail = True
+    with pytest.raises(Exception, match="500"):
+        push_folder(folder, REPO, repo_type="dataset", delete_patterns=["data/*.txt"])
+    assert fake_hub.revisions[("dataset", REPO, "main")] == before  # the last publication, whole
+
+
+def test_what_a_push_replaces_is_top_level_and_private_is_not_a_wish(fake_hub, tmp_path, monkeypatch):
+    """``*.bin`` deleted a quantized variant kept in a subfolder (fnmatch's ``*`` crosses ``/``), and
+    ``--private`` on an existing public repo pushed to it publicly (the Hub keeps its visibility)."""
+    from metachunk.train.export import MODEL_FILE_PATTERNS
+
+    from metachunk.hub import matches, push_folder
+
+    assert matches("model.bin", MODEL_FILE_PATTERNS) and not matches(
+        "gptq-4bit/model.bin", MODEL_FILE_PATTERNS
+    )
+    assert matches("data/x.parquet", ["data/*.parquet"]) and not matches(
+        "data/a/x.parquet", ["data/*.parquet"]
+    )
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# m\n")
+    push_folder(folder, "someone/m", repo_type="model", delete_patterns=MODEL_FILE_PATTERNS)
+    files = fake_hub.revisions[("model", "someone/m", "main")]
+    files.update({"gptq-4bit/model.bin": b"kept", "pytorch_model.bin": b"stale", "loss.png": b"stale"})
+    push_folder(folder, "someone/m", repo_type="model", delete_patterns=MODEL_FILE_PATTERNS)
+    assert set(fake_hub.revisions[("model", "someone/m", "main")]) == {
+        ".gitattributes", "README.md", "config.json", "gptq-4bit/model.bin"}  # fmt: skip
+    commits = len(fake_hub.commits)
+    with pytest.raises(ValueError, match="exists and is public: --private does not change"):
+        push_folder(folder, "someone/m", repo_type="model", private=True)
+    assert len(fake_hub.commits) == commits  # refused before anything was sent
+    push_folder(folder, "someone/p", repo_type="model", private=True)  # a new repo is made private
+    push_folder(folder, "someone/p", repo_type="model", private=True)  # and stays so
 
 
 def test_a_tag_names_one_publication(fake_hub, dataset_dir, tmp_path, monkeypatch, capsys):
@@ -542,3 +600,18 @@ def test_push_config_from_flags(tmp_path):
     assert (cfg.dataset_dir, cfg.repo_id, cfg.private, cfg.commit_message) == (tmp_path, REPO, True, None)
     with pytest.raises(InputError, match="namespace/name"):
         config.from_namespace(PushConfig, parser.parse_args([str(tmp_path), "--repo-id", "x"]))
+
+
+def test_a_card_whose_license_is_other_and_unnamed_is_said_at_push(fake_hub, dataset_dir, tmp_path, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    """build-sft's default is license other (the corpus's terms apply); the Hub's card spec wants a
+    license_name with it, and no step said so before the set went public."""
+    from metachunk.distill.hub import unnamed_license
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    write_dataset_card(dataset_dir, {**full_stats(), "license": "other"}, cards_dir=tmp_path / "data_cards")
+    push_dataset(dataset_dir, REPO)
+    assert "license: other with no license_name" in capsys.readouterr().err
+    named = {**full_stats(), "license": "other", "license_name": "crud-rag", "license_link": "LICENSE"}
+    write_dataset_card(dataset_dir, named, cards_dir=tmp_path / "data_cards")
+    assert not unnamed_license((dataset_dir / "README.md").read_text(encoding="utf-8"))

@@ -22,6 +22,7 @@ from support.loopback_server import serve_in_subprocess
 
 from metachunk.artifacts import read_run_log
 from metachunk.cli import main
+from metachunk.markdown import shown_paths_in
 
 ITEMS = '[{"missing": "who she is", "supplement": "Emma Woodhouse, the heroine", "score": 9}]'
 SENTENCES = EMMA_SENTENCES
@@ -104,11 +105,14 @@ def test_stages_are_skipped_while_unchanged_and_a_change_reruns_only_downstream(
         assert manifest["run"]["stages"]["rewrite"]["status"] == "ran"
         assert manifest["stages"][1]["teachers"] == {"reflection": "loopback", "refinement": "loopback",
                                                      "completion": "loopback"}  # fmt: skip
-        assert manifest["recipe"]["text"] == recipe.read_text() and manifest["metachunk"]["version"]
-        # data push uploads the manifest: its paths name no local folder (the recipe's text is the user's own)
-        recorded = json.dumps(
-            {k: v for k, v in manifest.items() if k != "recipe"} | {"path": manifest["recipe"]["path"]}
+        # data push uploads the manifest: its paths name no local folder, the recipe's text included (each
+        # absolute path in it by its last part)
+        assert (
+            manifest["recipe"]["text"] == shown_paths_in(recipe.read_text())
+            and manifest["metachunk"]["version"]
         )
+        assert str(tmp_path) in recipe.read_text()  # so the check below is not vacuous
+        recorded = json.dumps(manifest)
         assert str(tmp_path) not in recorded and str(tiny_model_dir) not in recorded
         assert (
             manifest["recipe"]["path"] == "…/regen.yaml" and "…/pool.jsonl" in manifest["stages"][0]["inputs"]

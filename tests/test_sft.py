@@ -140,6 +140,12 @@ def test_a_published_set_names_no_local_folder(planted, tiny_model_dir, tmp_path
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
+    teacher = str(tmp_path / "models" / "acme-qwen-7b")  # a local server's model is its folder
+    records = [json.loads(line) for line in (planted / "rewrite.jsonl").read_text().splitlines()]
+    for record in records:
+        for entry in record["stages"].values():
+            entry["teacher"] = teacher
+    (planted / "rewrite.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = BuildSftConfig(task="rewrite", distilled=planted / "rewrite.jsonl", out=planted / "ds",
                          documents=planted / "docs.jsonl", cards_dir=planted / "cards",
                          tokenizer=str(tiny_model_dir), max_length=2048)  # fmt: skip
@@ -150,6 +156,11 @@ def test_a_published_set_names_no_local_folder(planted, tiny_model_dir, tmp_path
             str(planted) not in text and str(tiny_model_dir) not in text and str(Path.home()) not in text
         ), name
         assert "…/rewrite.jsonl" in text and f"…/{tiny_model_dir.name}" in text, name
+    import pyarrow.parquet as pq  # the rows too: the dataset viewer shows every column
+
+    shards = sorted((planted / "ds" / "data").glob("*.parquet"))
+    teachers = {t for shard in shards for t in pq.read_table(shard).column("teachers").to_pylist()}
+    assert teachers and all(str(tmp_path) not in t and "…/acme-qwen-7b" in t for t in teachers), teachers
 
     monkeypatch.chdir(planted)  # under the working directory: relative, as a user would type it
     build_sft(cfg, progress=False)

@@ -44,7 +44,7 @@ The flow, top to bottom (`export`):
    data push``) uploads exactly the exported files to a model repo, and deletes the files of an
    earlier export it no longer has (`MODEL_FILE_PATTERNS`); the token comes from ``HF_TOKEN`` only and
    is never printed. Without ``--checkpoint`` the folder already at ``--out`` is pushed, and refused if
-   it holds a file no export writes (`EXPORT_FILE_PATTERNS`): `upload_folder` would send a ``.env`` or a
+   it holds a file no export writes (`EXPORT_FILE_PATTERNS`): the push would send a ``.env`` or a
    notebook left there along with the model.
 
 The card (``metachunk.train.card.render_model_card``) says only what the run recorded: `read_run` reads
@@ -64,7 +64,6 @@ copy DeepSpeed rounds from the fp32 masters; the shards hold the fp32 masters th
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 import re
 import shutil
@@ -616,30 +615,31 @@ def _push(cfg: ExportConfig, result: ExportResult, files: list[Path], say) -> Ex
     return result
 
 
-# What `from_pretrained` reads from a model repo, and so what a push replaces: an earlier export's
-# weights, index or chat template left beside the new ones would be loaded instead of them (transformers
-# reads model.safetensors before an index, chat_template.jinja before tokenizer_config.json's template).
+# What `from_pretrained` reads from a model repo, and what an export writes beside it, so what a push
+# replaces: an earlier export's weights, index or chat templates left beside the new ones would be loaded
+# instead of them (transformers reads model.safetensors before an index, chat_template.jinja before
+# tokenizer_config.json's template, and every additional_chat_templates/*.jinja). Top-level files only
+# (`metachunk.hub.matches`): a quantized variant someone keeps in a subfolder stays.
 MODEL_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
                        "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                       "added_tokens.json", "vocab.*", "merges.txt", "chat_template.jinja", "chat_template.json"]  # fmt: skip
+                       "added_tokens.json", "vocab.*", "merges.txt", "chat_template.jinja", "chat_template.json",
+                       "additional_chat_templates/*.jinja", "loss.png", "eval_results.json"]  # fmt: skip
 # What an export writes: safetensors weights (never a pickle: a training_args.bin holds paths and
 # maybe a token), the config and tokenizer files, its card, its loss curve and its eval results.
 EXPORT_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                         "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                         "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
                         "README.md", "loss.png", "eval_results.json"]  # fmt: skip
-# What upload_folder never sends (huggingface_hub's DEFAULT_IGNORE_PATTERNS): no reason to refuse it.
+# What a push never sends (`metachunk.hub.folder_files`, as upload_folder): no reason to refuse it.
 NEVER_UPLOADED = (".git", ".cache/huggingface")
 
 
 def is_export_file(folder: Path, path: Path) -> bool:
     """Whether ``path`` (in ``folder``) is a file an export writes, by `EXPORT_FILE_PATTERNS` (a pattern
     without a folder matches a file at the top only)."""
-    relative = path.relative_to(folder).as_posix()
-    return any(
-        fnmatch.fnmatchcase(relative, pattern) and relative.count("/") == pattern.count("/")
-        for pattern in EXPORT_FILE_PATTERNS
-    )
+    from metachunk.hub import matches
+
+    return matches(path.relative_to(folder).as_posix(), EXPORT_FILE_PATTERNS)
 
 
 def never_uploaded(folder: Path, path: Path) -> bool:
