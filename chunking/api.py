@@ -1,10 +1,11 @@
 """metachunk from Python: every chunker and both students in a few lines.
 
-Each class is a thin front over the objects ``metachunk chunk`` runs ([`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] and
-[`Chunker`][metachunk.chunking.pipeline.Chunker], `ChunkStudents`),
-so a chunker here and the CLI with the same settings cut the same text the same way. Models load
-once, when the object is made: a preset name (``metachunk models list``), a local folder or a Hub
-id (``ORG/NAME[@REV]``).
+Each class is a thin front over the objects ``metachunk chunk`` runs
+([`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] and
+[`Chunker`][metachunk.chunking.pipeline.Chunker], and for the students what ``--rewrite`` and
+``--summarize`` load), so a chunker here and the CLI with the same settings cut the same text the
+same way. Models load once, when the object is made: a preset name (``metachunk models list``), a
+local folder or a Hub id (``ORG/NAME[@REV]``).
 
 A chunker takes a text and returns its chunks; every chunk is a slice of the text, and the chunks
 tile it:
@@ -80,7 +81,8 @@ def as_arguments(names: Mapping[str, str] | None = None):
 
 class TextChunker:
     """What every chunker does: ``chunker(text) -> list[Chunk]`` and ``chunker.chunk_batch(texts)``.
-    ``target_len`` is a target, not a ceiling: every chunker but `FixedChunker` cuts between
+    ``target_len`` is a target, not a ceiling: every chunker but
+    [`FixedChunker`][metachunk.chunking.api.FixedChunker] cuts between
     sentences, so one sentence longer than it is a chunk of its own.
 
     ``settings`` are [`ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig]'s fields (the ``metachunk
@@ -261,7 +263,7 @@ class LumberChunker(TextChunker):
     """LumberChunker (Duarte et al. 2024): a teacher LLM reads numbered paragraphs and names where
     the content shifts. ``teacher``: a teacher block (a mapping of
     [`TeacherConfig`][metachunk.teacher.TeacherConfig] fields), a ``TeacherConfig``, or a
-    `Teacher` (its config, and its answer store unless ``cache`` is given);
+    [`Teacher`][metachunk.teacher.Teacher] (its config, and its answer store unless ``cache`` is given);
     ``options``: [`LumberOptions`][metachunk.chunking.lumber.LumberOptions] fields (``tokens``, ``cache``,
     ``max_cost``). Every answer is kept in the answer store (default: one under metachunk's cache
     folder), so a text chunked again costs nothing.
@@ -345,6 +347,8 @@ class TrainedStudent:
         return [fields[self.field] for fields in self._students.apply([doc])[0]]
 
     def close(self) -> None:
+        """Closes what the student's run holds open (its progress bar); the model is freed with the
+        object."""
         self._students.close()
 
 

@@ -96,6 +96,15 @@ MAX_SHARDS = 99_999
 
 @dataclass
 class ChunkConfig:
+    """The settings every chunker takes: the options of ``metachunk chunk``, one field per flag
+    (``--target-len`` is ``target_len``) and per recipe key, checked when the config is made. The
+    ``settings`` of [`TextChunker`][metachunk.chunking.api.TextChunker] are its fields; ``students``, ``moc`` and
+    ``lumber`` are the blocks [`StudentOptions`][metachunk.chunking.pipeline.StudentOptions],
+    [`MocOptions`][metachunk.chunking.moc.MocOptions] and
+    [`LumberOptions`][metachunk.chunking.lumber.LumberOptions]. The fields about files, shards and
+    workers (``input``, ``output``, ``shards``, ``engine``, ...) matter to a corpus run of the CLI
+    only."""
+
     input: Path = option(
         None,
         "the corpus: .jsonl (lines with 'text' and optional 'id'), .jsonl.gz, .parquet, a .txt file (one "
@@ -426,6 +435,12 @@ def fit_target_len(chunker: Chunker, docs: Sequence[ChunkedDocument], goal: floa
 
 @dataclass
 class ChunkedDocument:
+    """One document as a [`Chunker`][metachunk.chunking.pipeline.Chunker] leaves it: its ``id``,
+    ``text`` and ``lang``, its ``chunks``, and what the method decided on the way: ``sentences``
+    (with their scores, where the method has one), ``boundaries`` (the sentences that end a
+    meta-chunk), ``thresholds`` (msp: the threshold at each decision) and ``spans`` (moc: the
+    experts' chunks, before merging)."""
+
     id: str
     text: str
     lang: str
@@ -436,6 +451,8 @@ class ChunkedDocument:
     spans: list[Chunk] = field(default_factory=list)  # moc: the experts' chunks, before merging
 
     def to_json(self, method: str, emit_sentences: bool) -> dict:
+        """The document's line of ``metachunk chunk``'s output: its id, the method and its chunks, and
+        with ``emit_sentences`` each sentence's span and score."""
         record = {"id": self.id, "method": method, "chunks": [c.to_json() for c in self.chunks]}
         if emit_sentences:
             record["sentences"] = [{"start": s.start, "end": s.end, "score": s.score} for s in self.sentences]
@@ -444,7 +461,11 @@ class ChunkedDocument:
 
 @dataclass
 class PreparedDocuments:
-    """Documents read, split into sentences and, for ppl, tokenized: what `Chunker.decide` takes."""
+    """Documents read, split into sentences and, for ppl, tokenized: what
+    [`Chunker.prepare`][metachunk.chunking.pipeline.Chunker.prepare] returns and
+    [`Chunker.decide`][metachunk.chunking.pipeline.Chunker.decide] takes. ``docs``: the documents,
+    with their language and (but for fixed) their sentences, and no chunks yet; ``tokenized`` (ppl):
+    each document's token ids and its sentences' token spans."""
 
     docs: list[ChunkedDocument]
     tokenized: list[tuple[list[int], list[tuple[int, int]]]] | None = None

@@ -6,7 +6,8 @@ A command is a module (``metachunk.distill.sample``, ``metachunk.eval.qa``, ...)
 * ``run(cfg) -> Result``: the work, returning its exit status and what it made;
 * ``inputs(cfg) -> Reads``: the files, folders, models and prompt or schema files it reads;
 * ``outputs(cfg) -> list[str]``: the paths it writes, which a later run checks are still as it left them
-  (and which the CLI refuses when they would replace what ``inputs`` names: `refuse_writing_over_inputs`).
+  (and which the CLI refuses when they would replace what ``inputs`` names:
+  [`refuse_writing_over_inputs`][metachunk.command.refuse_writing_over_inputs]).
 
 Optionally ``estimate(cfg) -> Result`` (a teacher stage's dry run: ``Result.estimate``),
 ``teachers(cfg) -> dict[str, str]`` (the model name of each teacher block it sends requests with),

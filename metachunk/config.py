@@ -213,7 +213,7 @@ def check_keys(data, path: Path, where: str = "") -> None:
     """No mapping key in a recipe is a bool or null: YAML reads ``on``, ``off``, ``yes``, ``no`` and ``null``
     unquoted as those (https://yaml.org/type/bool.html), which no field or stage is named. A number may be
     a key (``logit_bias: {50256: -100}`` in ``extra_body``); as a field's name it is refused where fields
-    are read (`fields_from_mapping`)."""
+    are read ([`fields_from_mapping`][metachunk.config.fields_from_mapping])."""
     if isinstance(data, dict):
         for key, value in data.items():
             if key is None or isinstance(key, bool):
@@ -226,7 +226,8 @@ def check_keys(data, path: Path, where: str = "") -> None:
 
 
 def read_yaml_mapping(path: Path, what: str = "config file") -> dict:
-    """The YAML mapping in ``path`` (`read_text_file`, `yaml_mapping`)."""
+    """The YAML mapping in ``path`` ([`read_text_file`][metachunk.config.read_text_file],
+    [`yaml_mapping`][metachunk.config.yaml_mapping])."""
     return yaml_mapping(read_text_file(path, what), path, what)
 
 
@@ -282,8 +283,9 @@ def load_yaml_text(text: str):
 
 
 def yaml_mapping(text: str, path: Path, what: str = "config file") -> dict:
-    """The YAML mapping ``text`` (empty: ``{}``), read from ``path``, its keys checked (`check_keys`);
-    invalid YAML (with its line) or anything but a mapping is an `InputError` naming the file."""
+    """The YAML mapping ``text`` (empty: ``{}``), read from ``path``, its keys checked
+    ([`check_keys`][metachunk.config.check_keys]); invalid YAML (with its line) or anything but a
+    mapping is an `InputError` naming the file."""
     try:
         data = load_yaml_text(text)
     except yaml.YAMLError as e:

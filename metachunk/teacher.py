@@ -356,6 +356,8 @@ class TeacherConfig:
             raise ValueError("'max_tokens_limit' must be >= 'max_tokens'")
 
     def endpoint_url(self) -> str:
+        """The endpoint's URL, without a trailing ``/``: the one in the environment variable that
+        ``base_url_env`` names when that is set, else ``base_url``."""
         if self.base_url_env:
             return self._url_from_environment(self.base_url_env)
         return self.base_url.rstrip("/")
@@ -1014,7 +1016,13 @@ WAIT_POLL_SECONDS = 0.2  # how often a request another sender (process or corout
 
 
 class Teacher:
-    """A stage's view of a teacher: its config, prices and params over a shared endpoint."""
+    """A stage's view of a teacher: its config, prices and params over a shared endpoint.
+
+    `TeacherPool` builds one per stage (``pool[stage]``), the stages sharing endpoints and the cost
+    budget. ``cfg`` is its [`TeacherConfig`][metachunk.teacher.TeacherConfig]; ``store`` the answer
+    store every request is looked up in before it is sent, and kept in once answered; ``endpoint``
+    None is offline (a dry run, a status): answers come from the store only.
+    """
 
     def __init__(
         self,

@@ -37,7 +37,11 @@ class MetachunkChonkieChunker(BaseChunker):
                 for c, n in zip(chunks, counts)]  # fmt: skip
 
     def chunk(self, text: str) -> list[ChonkieChunk]:
+        """The chunks of ``text`` as chonkie `Chunk`s: the metachunk chunker's text and offsets, and
+        ``token_count`` by this chunker's tokenizer."""
         return self._convert(self.chunker(text))
 
     def chunk_batch(self, texts: Sequence[str], show_progress: bool = True) -> list[list[ChonkieChunk]]:
+        """The chunks of each text, in order, the texts chunked together (the metachunk chunker's
+        ``chunk_batch``). ``show_progress``, chonkie's argument, shows nothing here."""
         return [self._convert(chunks) for chunks in self.chunker.chunk_batch(list(texts))]

@@ -49,11 +49,16 @@ class MetachunkTextSplitter(TextSplitter):
         return out
 
     def split_text(self, text: str) -> list[str]:
+        """The chunks of ``text`` as strings, each trimmed with ``strip_whitespace``; a chunk that is
+        only whitespace is left out then."""
         return [piece for piece, _ in self._pieces(text)]
 
     def create_documents(
         self, texts: list[str], metadatas: list[dict[Any, Any]] | None = None
     ) -> list[Document]:
+        """One LangChain `Document` per chunk of each text, its metadata a copy of the text's
+        (``metadatas``, in the same order) with ``start_index``, the chunk's offset in its text
+        (``add_start_index``)."""
         metadatas = metadatas or [{}] * len(texts)
         documents = []
         for text, metadata in zip(texts, metadatas):

@@ -36,6 +36,8 @@ class MetachunkNodeParser(NodeParser):
 
     @classmethod
     def from_chunker(cls, chunker, **kwargs: Any) -> MetachunkNodeParser:
+        """A parser over ``chunker``, any metachunk chunker; ``kwargs`` are LlamaIndex's `NodeParser`
+        settings (``include_metadata``, ``include_prev_next_rel``, ...)."""
         return cls(chunker=chunker, **kwargs)
 
     @classmethod
