@@ -66,7 +66,7 @@ from pathlib import Path
 
 from metachunk.chunking.overlap import overlapped
 
-from metachunk import config
+from metachunk import config, stopping
 from metachunk.artifacts import (
     SCHEMA_VERSION,
     InputError,
@@ -437,8 +437,9 @@ class ShardedOutput:
                     "mean_chunk_chars": round(chars / n_chunks, 1) if n_chunks else 0.0,
                 }
                 manifest["complete"] = True
-            self.write_manifest(manifest)
-            append_run_log(self.root, run)
+            with stopping.deferred():  # the manifest and its run-log line land together
+                self.write_manifest(manifest)
+                append_run_log(self.root, run)
             return manifest
 
 

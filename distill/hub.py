@@ -185,7 +185,7 @@ def provenance_section(manifest: dict) -> str:
         f"{len(manifest.get('prompts', {}))} prompt and schema files, hashed in the manifest. To rerun: save the "
         "recipe below as `recipe.yaml` and `metachunk run recipe.yaml` (stages whose inputs are unchanged are "
         "skipped; teacher answers already stored are not paid again). Absolute paths in it are shown by their "
-        "last part: point them at your copies.",
+        "last part (the recipe's sha256 is of the file as written): point them at your copies.",
         "",
         "<details><summary>recipe</summary>",
         "",

@@ -211,9 +211,10 @@ class Lexical:
 @functools.cache
 def punctuation_words() -> list[str]:
     """Every Unicode punctuation mark (categories P*), and the runs of ASCII marks jieba keeps as one
-    word ("...", "--"): the stop words of a jieba BM25 index."""
+    word ("...", "----", "__", up to 8 of a mark, and "?!"): the stop words of a jieba BM25 index."""
     marks = [chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)).startswith("P")]
-    return marks + ["..", "...", "--", "---", "!!", "??", "?!", "!?"]
+    runs = [mark * n for mark in ".-_=*~#!?" for n in range(2, 9)]
+    return marks + runs + ["?!", "!?"]
 
 
 def rrf_fuse(routes: Sequence[Sequence[int]], k: int, limit: int) -> list[tuple[int, float]]:

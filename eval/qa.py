@@ -276,7 +276,10 @@ def inputs(cfg: QAConfig) -> Reads:
     from metachunk.prompts import prompt_files
 
     generates = cfg.generating
-    models = [cfg.embedder if cfg.retriever != "bm25" else None, cfg.generator_model]
+    # the language as far as the config says it (CRUD is Chinese, GutenQA English): an auto retriever's pick
+    lang = cfg.lang if cfg.lang != "auto" else {"crud": "zh", "gutenqa": "en"}.get(cfg.qa_format)
+    retriever = resolved_retriever(cfg.retriever, lang) if lang else cfg.retriever
+    models = [cfg.embedder if retriever != "bm25" else None, cfg.generator_model]
     if cfg.rerank != "none":
         models.append(cfg.reranker)
     if generates:

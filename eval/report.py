@@ -37,9 +37,6 @@ def write_run(out: Path, command: str, cfg, metrics: dict[str, float], details: 
     out = Path(out)
     dataclass = cfg is not None and not isinstance(cfg, dict)  # a command's config, or its settings as given
     config = configs.computed(cfg) if dataclass else dict(cfg or {})
-    if items is not None:
-        with AtomicWriter(out / "items.jsonl") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in items)
     doc = {
         "schema_version": SCHEMA_VERSION,
         "command": command,
@@ -51,7 +48,10 @@ def write_run(out: Path, command: str, cfg, metrics: dict[str, float], details: 
     lines = [f"# {title or f'metachunk eval {command}: {out.name}'}", "", markdown_table(
         ["metric", "value"], [[name, format_value(value)] for name, value in metrics.items()])]  # fmt: skip
     runtime = configs.runtime(cfg) if dataclass else {}
-    with stopping.deferred():  # the metrics, their report and the run-log line land together
+    with stopping.deferred():  # the items, their metrics, the report and the run-log line land together
+        if items is not None:
+            with AtomicWriter(out / "items.jsonl") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in items)
         with AtomicWriter(out / "metrics.json") as f:
             f.write(json.dumps(doc, ensure_ascii=False, indent=1, default=str) + "\n")
         with AtomicWriter(out / "report.md") as f:

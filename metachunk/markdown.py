@@ -68,15 +68,33 @@ def shown_argument(value, relative_to_cwd: bool = True):
     return shown_path(value, relative_to_cwd) if value.startswith("/") else value
 
 
-# An absolute path inside a text: "/" not inside a word, a URL ("http://h:8000/v1") or a relative path,
-# then at least one folder.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:-])/(?:[\w.@+-]+/)+[\w.@+-]*")
-
-
 def shown_paths_in(text: str) -> str:
-    """``text`` (a recipe published with a dataset) with every absolute path in it shown by its last
-    part, as `shown_path` shows one without a working directory: ``…/records.jsonl``."""
-    return _ABSOLUTE_PATH.sub(lambda m: shown_path(m.group(0), relative_to_cwd=False), text)
+    """``text``, a YAML recipe published with a dataset, with each value that is an absolute path (or
+    a ``--flag=/path``) shown as `shown_argument` shows it without a working directory:
+    ``…/records.jsonl``. Only the recipe's own string values are replaced, where they appear in the
+    text; comments (an API's ``/v2/chat/completions``) and anything that does not parse are kept."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    found: set[str] = set()
+
+    def visit(node) -> None:
+        if isinstance(node, dict):
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+        elif isinstance(node, str) and shown_argument(node, relative_to_cwd=False) != node:
+            found.add(node)
+
+    visit(recipe)
+    for value in sorted(found, key=len, reverse=True):  # a path that holds another goes first
+        text = text.replace(value, shown_argument(value, relative_to_cwd=False))
+    return text
 
 
 def shown_keys(by_path: dict) -> dict:

@@ -590,11 +590,19 @@ def plain_json(raw: str) -> str:
     """A 200 body re-serialised with no escape JSON does not need (``\\u002d`` for "-", ``\\/``, escaped
     non-ASCII), as the Batch API's output lines are: a key a server echoed escaped its own way (.NET's and
     Go's encoders escape ``+``, ``&``, ``<``) is then the text `redact` masks, not a string that parses
-    back into the key. A body that is not JSON is kept as received."""
+    back into the key. A body that is not JSON is kept as received; one holding a lone surrogate
+    escape (``\\ud83d``, as JavaScript encoders cut an emoji) keeps its non-ASCII escaped, which
+    UTF-8, the store's encoding, could not hold otherwise (the escaped forms of a key are masked too)."""
     try:
-        return json.dumps(json.loads(raw), ensure_ascii=False)
+        parsed = json.loads(raw)
     except ValueError:
         return raw
+    plain = json.dumps(parsed, ensure_ascii=False)
+    try:
+        plain.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(parsed)
+    return plain
 
 
 def read_usage(raw: str) -> tuple[int | None, int | None, str, bool]:

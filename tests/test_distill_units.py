@@ -677,9 +677,10 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
     assert url == "https://gateway.example.com/v1/acct-7f3a9c2e51/openai"
     assert safe_url(url) == f"https://gateway.example.com/{MASK}"
     assert safe_url(f"{url}/chat/completions") == f"https://gateway.example.com/{MASK}/chat/completions"
-    # in an answer (headers=False) its route key is masked, as a gateway may name the route it served...
-    assert redact("served by /v1/acct-7f3a9c2e51/openai", headers=False) == f"served by {MASK}"
-    # ...and an error text that quotes it (OpenAI's 404: "Invalid URL (POST /v1/...)") is masked, the
+    # a path is no secret to mask in every answer (headers=False): an Azure deployment is named after its model
+    answer = "an answer about /v1/acct-7f3a9c2e51/openai and gpt-4o-2024-08-06"
+    assert redact(answer, headers=False) == answer
+    # ...but an error text that quotes it (OpenAI's 404: "Invalid URL (POST /v1/...)") is masked, the
     # whole path or a long segment of it
     assert redact("Invalid URL (POST /v1/acct-7f3a9c2e51/openai/files)") == f"Invalid URL (POST {MASK}/files)"
     assert redact("no route acct-7f3a9c2e51") == f"no route {MASK}"
@@ -690,9 +691,6 @@ def test_what_follows_the_host_of_a_url_from_the_environment_is_masked(monkeypat
         redact("runs/production/records.jsonl: no such file") == "runs/production/records.jsonl: no such file"
     )
     assert redact("POST /openai/deployments/production/chat") == f"POST {MASK}/chat"
-    # a path of words is no secret to mask in every answer: APIs are written about
-    answer = "an answer about /openai/deployments/production"
-    assert redact(answer, headers=False) == answer
 
 
 def test_a_key_a_server_escaped_its_own_way_is_masked_once_the_body_is_plain_json():
@@ -711,17 +709,27 @@ def test_a_key_a_server_escaped_its_own_way_is_masked_once_the_body_is_plain_jso
     plain = redact(plain_json(raw), headers=False)
     assert json.loads(plain)["choices"][0]["message"]["content"] == f"seen key {MASK} \u00e9"
     assert plain_json("not json {") == "not json {"  # kept as received: a malformed body is retried
+    cut = '{"content": "half an emoji \\ud83d, and \\u00e9"}'  # a lone surrogate: UTF-8 cannot hold it
+    assert plain_json(cut).encode("utf-8") and json.loads(plain_json(cut)) == json.loads(cut)
 
 
-def test_a_short_key_is_masked_unless_it_is_a_placeholder_word():
+def test_a_short_key_is_masked_in_error_texts_but_never_garbles_an_answer():
     """vLLM's ``--api-key`` takes any string (``secret1``): keys under 8 characters were never masked.
-    A placeholder of letters alone ("EMPTY", "none") stays unmasked, so prose keeps its words."""
+    In an answer's body a key like "1234" would garble numbers ("created": 17[REDACTED]5678, the
+    usage counts: every answer malformed and paid again), so it is masked in error texts only; a
+    placeholder of letters alone ("EMPTY", "none") is masked nowhere."""
     from metachunk.redaction import MASK, redact, register_secret
 
     register_secret("Xk7q2Zp")
+    register_secret("1234")
     register_secret("dummy")
-    assert redact("(you sent Bearer Xk7q2Zp)", headers=False) == f"(you sent Bearer {MASK})"
-    assert redact("a dummy run", headers=False) == "a dummy run"
+    assert (
+        redact("HTTP 401: Incorrect API key provided: Xk7q2Zp")
+        == f"HTTP 401: Incorrect API key provided: {MASK}"
+    )
+    body = '{"created": 1712345678, "usage": {"prompt_tokens": 1234}, "content": "Xk7q2Zp"}'
+    assert redact(body, headers=False) == body
+    assert redact("a dummy run") == "a dummy run"
 
 
 @pytest.mark.parametrize(
@@ -736,6 +744,9 @@ def test_a_short_key_is_masked_unless_it_is_a_placeholder_word():
         ("X-Auth-Token: tok-42", "X-Auth-Token: [REDACTED]"),
         ('{"detail": "{\\"authorization\\": \\"Bearer sk-abc\\"}"}',
          '{"detail": "{\\"authorization\\": \\"Bearer [REDACTED]\\"}"}'),
+        # a value's escaped "/" is part of it; a name ending in "code" is no credential, "code" is
+        ('{"authorization": "Basic dXNlcjpwYXNz\\/d29yZA=="}', '{"authorization": "Basic [REDACTED]"}'),
+        ("https://h/f?country_code=FR&code=AzFn123", "https://h/f?country_code=FR&code=[REDACTED]"),
     ],
 )  # fmt: skip
 def test_more_credential_names_are_masked_in_error_texts(text, shown):
@@ -745,7 +756,7 @@ def test_more_credential_names_are_masked_in_error_texts(text, shown):
     from metachunk.redaction import redact, url_credentials
 
     assert redact(text) == shown
-    if text.startswith(("GET https", "https")) and "monkey" not in text:
+    if text.startswith(("GET https", "https")) and "monkey" not in text:  # what a config refuses
         assert url_credentials(text.removeprefix("GET ")) is not None
 
 

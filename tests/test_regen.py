@@ -111,6 +111,10 @@ def test_stages_are_skipped_while_unchanged_and_a_change_reruns_only_downstream(
             manifest["recipe"]["text"] == shown_paths_in(recipe.read_text())
             and manifest["metachunk"]["version"]
         )
+        assert (
+            f"…/{pool.name}" in manifest["recipe"]["text"]
+            and f"…/{tiny_model_dir.name}" in manifest["recipe"]["text"]
+        )
         assert str(tmp_path) in recipe.read_text()  # so the check below is not vacuous
         recorded = json.dumps(manifest)
         assert str(tmp_path) not in recorded and str(tiny_model_dir) not in recorded

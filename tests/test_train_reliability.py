@@ -151,7 +151,9 @@ def test_unset_bf16_follows_the_weights_dtype(tmp_path, tiny_model_dir):
     assert sft_args.bf16 is False
 
 
-def test_16_bit_weights_without_deepspeed_are_told_they_have_no_master_copy(tmp_path, tiny_model_dir):
+def test_16_bit_weights_without_deepspeed_are_told_they_have_no_master_copy(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     from metachunk.train.sft import master_weights_note, parse_args
 
     (tmp_path / "ds" / "data").mkdir(parents=True)
@@ -165,6 +167,9 @@ def test_16_bit_weights_without_deepspeed_are_told_they_have_no_master_copy(tmp_
     model_args, sft_args = parse_args(
         base + ["--deepspeed", "recipes/deepspeed/zero2.json"]
     )  # DeepSpeed keeps one
+    assert master_weights_note("bfloat16", model_args, sft_args) is None
+    model_args, sft_args = parse_args(base)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # accelerate launch, DeepSpeed's settings inline
     assert master_weights_note("bfloat16", model_args, sft_args) is None
 
 

@@ -481,7 +481,11 @@ def master_weights_note(dtype: str, model_args: ModelDataArguments, sft_args) ->
     update smaller than a weight's last bit (bfloat16 keeps 8 bits: lr 1e-5 moves few) is rounded away."""
     from metachunk.train.distributed import deepspeed_config_of
 
-    if dtype not in ("bfloat16", "float16") or model_args.use_peft or deepspeed_config_of(sft_args):
+    # an accelerate config may hold DeepSpeed's settings inline, with no file for deepspeed_config_of to name
+    under_deepspeed = (
+        deepspeed_config_of(sft_args) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    )
+    if dtype not in ("bfloat16", "float16") or model_args.use_peft or under_deepspeed:
         return None
     return (
         f"{dtype} weights trained without DeepSpeed: the optimizer updates them in {dtype}, with no float32 master "
