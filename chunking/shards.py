@@ -356,13 +356,15 @@ class ShardedOutput:
                     path = self.root / entry["file"]
                     if path.is_file() and file_sha256(path) == entry["sha256"]:
                         done[key] = entry
+            self.fingerprint = head["fingerprint"]
+            if previous is not None and previous.get("complete") and len(done) == self.plan.shards:
+                return {int(k) for k in done}  # whole already: a reader alongside never sees it incomplete
             manifest = {**head, "shards": {**head["shards"], "done": done}, "complete": False}
             # what the done shards were chunked with (a manifest written before runs.jsonl kept it in "run")
             fit = (previous or {}).get("length_fit") or (previous or {}).get("run", {}).get("length_fit")
             if fit:
                 manifest["length_fit"] = fit
             self.write_manifest(manifest)
-            self.fingerprint = head["fingerprint"]
             return {int(k) for k in done}
 
     def current_manifest(self) -> dict:

@@ -362,3 +362,29 @@ def test_parquet_rows_are_skipped_too_and_a_clean_rerun_removes_old_rejects(tmp_
     )
     assert rc == 0, err
     assert not (tmp_path / "out.rejects.jsonl").exists()
+
+
+def test_a_line_over_the_limit_is_read_through_not_held(tmp_path):
+    """A 300 MB line peaked at 832 MB before it was refused: the whole line was read first. Now no
+    more than the limit is held; the line is measured, refused by its size, and the next one read."""
+    import gzip
+    import io
+
+    from metachunk.artifacts import InputError
+    from metachunk.sources import DocumentSource, Rejects, bounded_lines, read_records
+
+    long = b'{"id": "big", "text": "' + b"x" * 3_000_000 + b'"}\n'
+    data = b'{"id": "a", "text": "first"}\n' + long + b'{"id": "b", "text": "last"}'
+    got = list(bounded_lines(io.BytesIO(data), 1000))
+    assert [size for _, size in got] == [29, len(long), 27] and len(got[1][0]) == 1001
+    assert got[2][0] == b'{"id": "b", "text": "last"}'
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(InputError, match=rf"c\.jsonl:2: a row of {len(long):,} bytes, over 1,000"):
+        list(read_records(path, max_row_bytes=1000))
+    for name, payload in (("d.jsonl", data), ("d.jsonl.gz", gzip.compress(data))):
+        (tmp_path / name).write_bytes(payload)
+        source = DocumentSource(
+            tmp_path / name, rejects=Rejects(tmp_path / f"{name}.rejects"), max_row_bytes=1000
+        )
+        assert [d.id for d in source] == ["a", "b"], name

@@ -600,3 +600,27 @@ def test_a_run_whose_folder_another_config_took_over_enters_no_shard(tmp_path):
         first.commit(0, b"{}\n", stats)
     second.commit(1, b"{}\n", stats)
     assert list(json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"]["done"]) == ["00001"]
+
+
+def test_a_rerun_of_a_complete_folder_never_marks_it_incomplete(tmp_path, emma, monkeypatch):
+    """A rerun wrote "complete": false while it checked the done shards: a reader alongside it (or a
+    stop before its end) saw a whole, unchanged output refused as "not complete"."""
+    from metachunk.chunking.shards import ShardedOutput
+
+    from metachunk.cli import main
+
+    src = write_jsonl(tmp_path / "emma.jsonl", emma)
+    argv = ["chunk", str(src), "-o", str(tmp_path / "out"), "--method", "fixed", "--target-len", "300",
+            "--shards", "4"]  # fmt: skip
+    assert main(argv) == 0
+    before = (tmp_path / "out" / "manifest.json").read_bytes()
+    written = []
+    real = ShardedOutput.write_manifest
+
+    def recording(self, manifest):
+        written.append(manifest["complete"])
+        real(self, manifest)
+
+    monkeypatch.setattr(ShardedOutput, "write_manifest", recording)
+    assert main(argv) == 0
+    assert False not in written and (tmp_path / "out" / "manifest.json").read_bytes() == before

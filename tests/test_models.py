@@ -151,3 +151,23 @@ def test_a_model_folder_that_does_not_load_is_named_not_a_traceback(tmp_path, ti
     err = capsys.readouterr().err
     assert code == 2 and f"{broken}: does not load (" in err and "Traceback" not in err, err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_model_retrained_into_the_same_folder_has_another_fingerprint(tiny_model_dir, tmp_path):
+    """Its weight files keep their names and sizes: fingerprinted by those alone, a resumed chunk run
+    took the retrained model for the one it started with and mixed the two models' chunks."""
+    import shutil
+
+    from metachunk.models import fingerprint
+
+    copy = tmp_path / "retrained"
+    shutil.copytree(tiny_model_dir, copy)
+    assert fingerprint(str(copy))["sha256"] == fingerprint(str(tiny_model_dir))["sha256"]
+    (weights,) = copy.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(
+        b ^ 0xFF for b in data[middle : middle + 64]
+    )  # same size, other values
+    weights.write_bytes(bytes(data))
+    assert fingerprint(str(copy))["sha256"] != fingerprint(str(tiny_model_dir))["sha256"]
