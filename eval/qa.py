@@ -536,7 +536,7 @@ def _retrieve(cfg: QAConfig, asked: _Asked, judged: list[tuple], facts: dict, ti
         check_lexical_lengths(chunks, Path(cfg.chunks))  # a chunk too long to index is refused, never cut
         if lexical.analyzer == "standard":
             unsplit_share([c.indexed_text for c in chunks], asked.lang)
-    # The embedder by what identifies its outputs (its config files, weight names and sizes); a preset, whose
+    # The embedder by what identifies its outputs (its config files, weight files sampled); a preset, whose
     # files its name fixes, not by where it lies (another venv or cache reuses the index), a local folder by
     # its place too (two fine-tunes of one model have the same configs and sizes).
     embedder_id = {"name": cfg.embedder, "sha256": fingerprint(cfg.embedder)["sha256"]} if dense else None
