@@ -161,7 +161,7 @@ def push_folder(
     by someone else before this one's first commit makes the Hub refuse it (``parent_commit``).
 
     One push is one commit (``create_commit``, whose files are all uploaded before the commit is made:
-    https://huggingface.co/docs/huggingface_hub/guides/upload#upload-from-the-cli): a failure leaves the
+    https://huggingface.co/docs/huggingface_hub/package_reference/hf_api): a failure leaves the
     branch as it was, never with a new card over part of the new shards. ``upload_folder`` with
     ``hf_xet`` commits a folder of more than a few hundred files in parts. Rerunning a push cut short
     sends again only what the Hub's storage lacks (preupload answers which files it holds).
@@ -200,9 +200,8 @@ def push_folder(
         logger.info("uploading %s to %s", folder, url)
         local = folder_files(folder, allow_patterns)
         remote = api.list_repo_files(repo_id, repo_type=repo_type, revision=branch) if delete_patterns else []
-        stale = [
-            n for n in remote if n not in set(local) and n != ".gitattributes" and matches(n, delete_patterns)
-        ]
+        sent = set(local)
+        stale = [n for n in remote if n not in sent and n != ".gitattributes" and matches(n, delete_patterns)]
         operations = [CommitOperationDelete(path_in_repo=n) for n in stale]
         operations += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in local]
         commit = api.create_commit(
@@ -245,7 +244,8 @@ def holds_folder(api, repo_id: str, repo_type: str, revision: str, folder: Path,
             same = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest() == there.blob_id
         if not same:
             return False
-    stale = [n for n in remote if n not in local and n != ".gitattributes" and matches(n, delete_patterns)]
+    sent = set(local)
+    stale = [n for n in remote if n not in sent and n != ".gitattributes" and matches(n, delete_patterns)]
     return not stale
 
 
