@@ -49,7 +49,7 @@ def smoke_recipe(tmp_path: Path, tiny: str, generate: bool) -> Path:
         if stage["run"] == "eval qa":
             cfg.update(questions="answerable", progress=False)
         if stage["name"].startswith("gen_"):
-            cfg.update(top_k=2, max_new_tokens=12)
+            cfg.update(top_k=2, max_new_tokens=12, cutoffs=[1, 2])  # none deeper than the retrieval
         if stage["run"] == "eval chunk-quality":
             cfg.update(model=tiny, limit=2, max_pairs=2, progress=False)
         if stage["run"] == "eval compare":
