@@ -77,11 +77,10 @@ def unnamed_license(card: str) -> bool:
     """Whether a card's front matter says ``license: other`` without the ``license_name`` the Hub's
     card spec asks for with it (https://huggingface.co/docs/hub/datasets-cards): readers then see a
     license nobody named."""
-    import yaml
+    from huggingface_hub import DatasetCard
 
-    head = card.split("---", 2)[1] if card.startswith("---") and card.count("---") >= 2 else ""
-    meta = yaml.safe_load(head) or {}
-    return isinstance(meta, dict) and meta.get("license") == "other" and not meta.get("license_name")
+    meta = DatasetCard(card).data.to_dict()  # the front matter, as the Hub reads it
+    return meta.get("license") == "other" and not meta.get("license_name")
 
 
 def push_dataset(

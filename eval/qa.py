@@ -276,8 +276,7 @@ def inputs(cfg: QAConfig) -> Reads:
     from metachunk.prompts import prompt_files
 
     generates = cfg.generating
-    # the language as far as the config says it (CRUD is Chinese, GutenQA English): an auto retriever's pick
-    lang = cfg.lang if cfg.lang != "auto" else {"crud": "zh", "gutenqa": "en"}.get(cfg.qa_format)
+    lang = question_lang(cfg.lang, cfg.qa_format)  # as far as the config says it: an auto retriever's pick
     retriever = resolved_retriever(cfg.retriever, lang) if lang else cfg.retriever
     models = [cfg.embedder if retriever != "bm25" else None, cfg.generator_model]
     if cfg.rerank != "none":
@@ -448,7 +447,7 @@ def _read_inputs(cfg: QAConfig) -> _Asked:
     rejected = finish_rejects(rejects, "eval qa")
     if not questions:
         raise InputError(cfg.qa, "no questions to ask (CRUD: no matched entries?)")
-    lang = cfg.lang if cfg.lang != "auto" else ("en" if fmt == "gutenqa" else "zh")
+    lang = question_lang(cfg.lang, fmt)
     if cfg.generating:
         from metachunk.eval.generate import load_rag_prompt
 
@@ -679,6 +678,11 @@ def _count_how(evidence_rows: list[dict]) -> dict[str, int]:
         best = next(h for h in ("verbatim", "normalized", "fuzzy", "missing") if h in hows)
         counts[best] = counts.get(best, 0) + 1
     return counts
+
+
+def question_lang(lang: str, qa_format: str) -> str | None:
+    """``--lang``, or with auto the QA format's: CRUD is Chinese, GutenQA English (None: not known yet)."""
+    return lang if lang != "auto" else {"crud": "zh", "gutenqa": "en"}.get(qa_format)
 
 
 def resolved_retriever(retriever: str, lang: str) -> str:
