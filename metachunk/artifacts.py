@@ -19,6 +19,7 @@ in place of a good one:
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -98,12 +99,13 @@ class AtomicWriter:
         try:
             if exc_type is None:
                 _close_durably(self.file, self.path)
-            self.file.close()
+            _discard(self.file)
             if exc_type is None:
                 os.replace(self._tmp, self.path)
         finally:
             if os.path.exists(self._tmp):
                 os.unlink(self._tmp)
+        _name_the_file(exc, self.path)
         return False
 
 
@@ -228,6 +230,23 @@ def _temp_file(path: Path):
     return os.fdopen(fd, "w", encoding="utf-8"), tmp
 
 
+def _discard(file) -> None:
+    """Close a temp file whose content is being thrown away. Closing flushes the buffer, which on a
+    full disk fails again: that must not stop the temp file's removal or hide the first error."""
+    with contextlib.suppress(OSError):
+        file.close()
+
+
+def _name_the_file(exc: BaseException | None, path: Path) -> None:
+    """A write that fails for want of space raises an OSError that names no file (write(2) has
+    none to give): name the output it was for, so the CLI's one line says which."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno in _NO_SPACE:
+        exc.filename = str(path)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def _close_durably(file, path: Path) -> None:
     """Flush, fsync and close: a full disk shows up here, before anything is renamed. The error
     names ``path`` (fsync's own error names no file)."""
@@ -292,10 +311,11 @@ class OutputPair:
 
     def __exit__(self, exc_type, exc, tb):
         if hasattr(self, "file"):
-            self.file.close()
+            _discard(self.file)
         for tmp in self._temps:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        _name_the_file(exc, self.path)
         return False
 
 
@@ -350,9 +370,11 @@ class OutputSet:
     def __exit__(self, exc_type, exc, tb):
         for file, tmp in self._files.values():
             if file is not None:  # an adopted file is its writer's to keep
-                file.close()
+                _discard(file)
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+        if self._files:  # the set's folder: which of its files was being written is not known here
+            _name_the_file(exc, next(iter(self._files)).parent)
         return False
 
 
@@ -407,9 +429,13 @@ def staged_bytes(path: str | Path, data: bytes):
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     ordinary_mode(fd, like=path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            _close_durably(f, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                _close_durably(f, path)
+        except OSError as e:
+            _name_the_file(e, path)
+            raise
         yield lambda: os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -198,6 +198,17 @@ def skipped_exit(rejected: dict | None) -> int:
     return EXIT_SKIPPED if rows_left_out(rejected) else 0
 
 
+# RFC 8259 section 8.1: a parser "MAY ignore the presence of a byte order mark rather than treating it
+# as an error". Windows tools write one at the start of a UTF-8 file, and it is no part of the text:
+# kept, it would start the first document's first chunk.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def without_bom(raw: bytes, number: int) -> bytes:
+    """Line ``number`` (from 1) of a file without the byte order mark that may open the file."""
+    return raw[len(UTF8_BOM) :] if number == 1 and raw.startswith(UTF8_BOM) else raw
+
+
 def bounded_lines(f, limit: int) -> Iterator[tuple[bytes, int]]:
     """Each line of the binary file ``f`` as ``(bytes, its length)``; a line longer than ``limit``
     is read through in blocks and given as its first ``limit + 1`` bytes, so that no more is held at
@@ -226,7 +237,7 @@ def read_records(path: str | Path, rejects: Rejects | None = None, max_row_bytes
                 if size > max_row_bytes:
                     raise BadRow(path, f"a row of {size:,} bytes, over {max_row_bytes:,}", number)
                 try:
-                    line = raw.decode("utf-8")
+                    line = without_bom(raw, number).decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise BadRow(path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
                 if not line.strip():
@@ -407,7 +418,7 @@ class DocumentSource:
             yield from self._datasets_records(file, before)
         else:  # txt: one document
             try:
-                yield 0, 0, Document(file.path.stem, file.path.read_bytes().decode("utf-8"))
+                yield 0, 0, Document(file.path.stem, without_bom(file.path.read_bytes(), 1).decode("utf-8"))
             except UnicodeDecodeError as e:
                 raise InputError(file.path, f"invalid UTF-8 at byte {e.start}") from None
 
@@ -444,7 +455,7 @@ class DocumentSource:
 
     def _parse_line(self, file: SourceFile, raw: bytes, number: int) -> Document | None:
         try:
-            line = raw.decode("utf-8")
+            line = without_bom(raw, number).decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(file.path, f"invalid UTF-8 at byte {e.start} of the line", number) from None
         if not line.strip():

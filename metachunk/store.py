@@ -32,6 +32,7 @@ Calibration: per endpoint, the largest ratio of billed prompt tokens to prompt b
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import sqlite3
@@ -152,6 +153,15 @@ def _not_a_store(path: Path, db: sqlite3.Connection):
         ) from None
 
 
+def no_space_error(error: BaseException, path: str | Path) -> OSError | None:
+    """SQLite's "database or disk is full" (SQLITE_FULL, which names no file) as the OSError a full
+    disk gives a plain write, naming the store, so that the CLI says it in one line; None for any
+    other error."""
+    if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:  # set by SQLite, not by hand
+        return OSError(errno.ENOSPC, f"{error} (SQLite)", str(path))
+    return None
+
+
 class AnswerStore:
     """One SQLite file, used from one event loop in each of any number of processes.
 
@@ -190,6 +200,16 @@ class AnswerStore:
         self._seen = 0  # the highest answer row id whose cost is in total_cost
         self.total_cost = 0.0  # every answer row in the file, whichever process wrote it
         self._refresh()
+
+    def _rollback(self, error: BaseException) -> None:
+        """Undo the open write transaction after ``error``. SQLite may have rolled it back itself (it
+        may on SQLITE_FULL, SQLITE_IOERR, SQLITE_BUSY and SQLITE_NOMEM:
+        https://www.sqlite.org/lang_transaction.html), and a ROLLBACK then would raise and hide
+        ``error``. A full disk (SQLite names no file) becomes an OSError naming the store."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        if (full := no_space_error(error, self.path)) is not None:
+            raise full from error
 
     # -- following the file
 
@@ -255,8 +275,8 @@ class AnswerStore:
                     (*calibration, time.time()),
                 )
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            self._rollback(e)
             raise
         self._refresh()
 
@@ -308,8 +328,8 @@ class AnswerStore:
                 ),
             )
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            self._rollback(e)
             raise
         return Claim("claimed", self.owner)
 
@@ -397,8 +417,8 @@ class AnswerStore:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            self._rollback(e)
             raise
         self._db.execute("COMMIT")
 
@@ -476,8 +496,8 @@ class AnswerStore:
                     (batch, endpoint, len(claimed), time.time(), self.host, os.getpid()),
                 )
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            self._rollback(e)
             raise
         return batch, claimed, refused
 
@@ -501,8 +521,8 @@ class AnswerStore:
                 self._db.execute("UPDATE batches SET host = ?, pid = ?, taken = ? WHERE id = ?",
                                  (self.host, os.getpid(), time.time(), batch))  # fmt: skip
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            self._rollback(e)
             raise
         return taken
 
@@ -568,8 +588,8 @@ class AnswerStore:
                 "UPDATE batches SET status = 'done', counts = ? WHERE id = ?", (json.dumps(counts), batch)
             )
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            self._rollback(e)
             raise
         self._refresh()
         return True

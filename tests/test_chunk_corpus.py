@@ -624,3 +624,30 @@ def test_a_rerun_of_a_complete_folder_never_marks_it_incomplete(tmp_path, emma, 
     monkeypatch.setattr(ShardedOutput, "write_manifest", recording)
     assert main(argv) == 0
     assert False not in written and (tmp_path / "out" / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz", "a.txt", "a.lines"])
+def test_a_byte_order_mark_opening_a_file_is_not_text(tmp_path, name):
+    """Windows tools open UTF-8 files with a BOM; RFC 8259 section 8.1 lets a JSON parser ignore it.
+    It is not part of the first document (it would start its first chunk), and the documents after it
+    still resume from their byte offsets."""
+    rows = [{"id": "a", "text": "Hello there."}, {"id": "b", "text": "\ufeffSecond, kept as written."}]
+    if name == "a.txt":
+        body = "Hello there.\nSecond line.\n"
+    elif name == "a.lines":
+        body = "Hello there.\nSecond line.\n"
+    else:
+        body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    data = b"\xef\xbb\xbf" + body.encode("utf-8")
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    source = DocumentSource(path, input_format="lines" if name == "a.lines" else "auto")
+    texts = [d.text for d in source.documents()]
+    if name == "a.txt":
+        assert texts == [body]
+    elif name == "a.lines":
+        assert texts == ["Hello there.", "Second line."]
+    else:
+        assert texts == [r["text"] for r in rows]  # a BOM inside a later text is text
+        index = source.scan(every=1)
+        assert [d.text for d in source.documents(1, 2, index)] == [rows[1]["text"]]

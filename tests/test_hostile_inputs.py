@@ -297,6 +297,53 @@ def test_enospc_writing_the_manifest_keeps_the_old_pair(tmp_path, capsys, monkey
     assert json.loads(out.with_suffix(".meta.json").read_text())["summary"]["documents"] == 2
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("output", ["chunks.jsonl", "chunks/"])
+def test_a_full_disk_while_writing_names_the_output_and_leaves_no_temp_file(
+    tmp_path, capsys, monkeypatch, output
+):
+    """write(2) on a full disk names no file: the error line names the output it was for, and the
+    temp file whose buffer could not be flushed is removed all the same. Every temp file is written
+    through /dev/full, which answers each write with ENOSPC (full(4))."""
+    src = write_jsonl(tmp_path / "in" / "d.jsonl", [{"id": str(i), "text": EN} for i in range(200)])
+    out = tmp_path / "out"
+    out.mkdir()
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, *args, **kwargs):
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, fd)
+        os.close(full)
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    rc, err = chunk_cli(capsys, src, "-o", f"{out}/{output}", "--method", "fixed", "--target-len", "9")
+    assert_one_line_error(rc, err, 1, f"{out / output.rstrip('/')}", "No space left on device")
+    assert [p.name for p in out.rglob("*.tmp")] == []
+
+
+def test_sqlite_full_is_said_as_no_space_naming_the_store(tmp_path):
+    """SQLite's SQLITE_FULL names no file; `no_space_error` makes it the OSError the CLI prints in one
+    line. A real SQLITE_FULL: the database may not grow past max_page_count
+    (https://www.sqlite.org/pragma.html#pragma_max_page_count)."""
+    import sqlite3
+
+    from metachunk.store import no_space_error
+
+    path = tmp_path / "answers.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE t (x TEXT)")
+    db.execute("PRAGMA max_page_count = 2")
+    with pytest.raises(sqlite3.OperationalError) as raised:
+        db.execute("INSERT INTO t VALUES (?)", ("x" * 100_000,))
+    db.close()
+    error = no_space_error(raised.value, path)
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC and error.filename == str(path)
+    assert "database or disk is full" in str(error)
+    assert no_space_error(sqlite3.OperationalError("no such table: t"), path) is None
+    assert no_space_error(OSError(errno.ENOSPC, "full"), path) is None
+
+
 def test_permission_denied_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
     import tempfile
 
