@@ -42,7 +42,7 @@ results, so they write the same bytes:
 * under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE`` > 1): rank r takes shards i with
   ``i % world_size == r``; the last rank to finish writes the summary;
 * ``ray``: a Ray Data ``map_batches`` stage over the pending shard numbers with an actor pool
-  (``concurrency`` = --workers, ``num_cpus`` = --threads-per-worker, ``num_gpus`` 1 on GPU); the
+  (``ActorPoolStrategy(size=--workers)``, ``num_cpus`` = --threads-per-worker, ``num_gpus`` 1 on GPU); the
   driver writes what the actors return. The actors read the input themselves, so on a cluster it
   must be on storage every node sees.
 
@@ -58,6 +58,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -780,12 +781,49 @@ def run_ray(cfg, index, plan, output: ShardedOutput, pending: list[int], bar) ->
     with reap_on_death() if local else contextlib.nullcontext():
         if started:
             with keep_signal_handlers():  # ray.init's own SIGTERM handler would exit 15, not stop the run
-                ray.init(address=cfg.ray_address, log_to_driver=False)
+                # WARNING: no INFO lines from the driver ("Started a local Ray instance") beside our bar
+                ray.init(address=cfg.ray_address, log_to_driver=False, logging_level=logging.WARNING)
         try:
-            return _ray_shards(ray, cfg, index, plan, output, pending, bar)
+            with ray_data_quiet():
+                return _ray_shards(ray, cfg, index, plan, output, pending, bar)
         finally:
             if local:  # the local cluster this run started goes with it
                 ray.shutdown()
+
+
+class _WarningsOnly(logging.Filter):
+    """Ray Data's console lines at WARNING and above, less the one that says its progress bars are off."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING and not record.getMessage().startswith(
+            "Progress bars disabled"
+        )
+
+
+@contextlib.contextmanager
+def ray_data_quiet():
+    """Our progress bar stands for the run, so Ray Data's own goes (a second bar on a terminal; off
+    one, 10 INFO lines every few seconds: https://github.com/ray-project/ray/issues/42191), and its
+    console says only warnings. Put back after the run: a caller's own Ray Data is theirs. A logging
+    config of the user's own (``RAY_DATA_LOGGING_CONFIG``) is left as it is."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    bars = context.enable_progress_bars
+    context.enable_progress_bars = False
+    handlers = []
+    if not os.environ.get("RAY_DATA_LOGGING_CONFIG"):
+        # the console's (a StreamHandler); its session log file (a plain Handler) keeps every line
+        handlers = [h for h in logging.getLogger("ray.data").handlers if isinstance(h, logging.StreamHandler)]
+    only = _WarningsOnly()
+    for handler in handlers:
+        handler.addFilter(only)
+    try:
+        yield
+    finally:
+        context.enable_progress_bars = bars
+        for handler in handlers:
+            handler.removeFilter(only)
 
 
 def _ray_shards(ray, cfg, index, plan, output: ShardedOutput, pending: list[int], bar) -> tuple[dict, list]:
@@ -795,7 +833,9 @@ def _ray_shards(ray, cfg, index, plan, output: ShardedOutput, pending: list[int]
         _RayShardChunker,
         fn_constructor_kwargs={"cfg": cfg, "index_json": index.to_json(), "plan": plan},
         batch_size=1,
-        concurrency=min(cfg.workers, len(pending)),
+        compute=ray.data.ActorPoolStrategy(
+            size=min(cfg.workers, len(pending))
+        ),  # `concurrency` is deprecated
         num_cpus=cfg.threads_per_worker or 1,
         num_gpus=1 if gpu else 0,
     )

@@ -533,6 +533,35 @@ def test_ray_actors_write_the_same_bytes_as_the_local_engine(tmp_path, capsys, e
         ray.shutdown()
 
 
+def test_ray_data_says_only_warnings_during_a_run_and_is_put_back_after(monkeypatch):
+    """Our bar stands for the run: Ray Data's bar is off and its console drops INFO (ten lines every
+    few seconds off a terminal) while a run is on; a caller's own settings come back after it."""
+    pytest.importorskip("ray")
+    import logging
+
+    import ray.data
+    from metachunk.chunking.shards import ray_data_quiet
+
+    monkeypatch.delenv("RAY_DATA_LOGGING_CONFIG", raising=False)
+    logger = logging.getLogger("ray.data")
+    console = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+    assert console
+    context = ray.data.DataContext.get_current()
+    before = context.enable_progress_bars
+
+    def shown(level: int, message: str) -> list[bool]:
+        record = logger.makeRecord("ray.data", level, __file__, 1, message, None, None)
+        return [bool(h.filter(record)) for h in console]
+
+    with ray_data_quiet():
+        assert context.enable_progress_bars is False
+        assert shown(logging.INFO, "Starting execution of Dataset") == [False] * len(console)
+        assert shown(logging.WARNING, "Progress bars disabled. To enable, ...") == [False] * len(console)
+        assert shown(logging.WARNING, "an actor ran out of memory") == [True] * len(console)
+    assert context.enable_progress_bars == before
+    assert shown(logging.INFO, "Starting execution of Dataset") == [True] * len(console)
+
+
 def test_read_chunk_records_refuses_an_unfinished_folder(tmp_path, capsys, emma):
     from metachunk.chunking.shards import read_chunk_records
 
