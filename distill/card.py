@@ -21,7 +21,7 @@ missing, at any depth:
  "demo": bool,                                # True: teacher was the local SmolLM2-135M demo model
  "rows": {"train": int, "validation": int},   # one entry per split that has a parquet file
  "documents": {"train": int, "validation": int},
- "input_records": int,                        # distilled records read by the builder
+ "input_records": int,                        # candidate rows (a record's, or a MoC sample's)
  "source": {"corpus": str, "path": str, "provenance": str},
  "teachers": [{"stage": str, "model": str}],
  "prompts": [{"name": str, "sha256": str, "text": str, "role": "student" | "teacher"}],
@@ -98,7 +98,8 @@ TASKS = {
     ),
     "moc-router": (
         "MoC granularity router",
-        "read a text of about 1024 characters and answer one label token, 0-3, the granularity "
+        "read a text (a sample of whole teacher chunks, about `moc_sample_chars` characters: 1,024 in the "
+        "paper) and answer one label token, 0-3, the granularity "
         "its chunks should have (mean chunk length in (0,120], (120,150], (150,180] or over 180 characters)",
     ),
     "moc-expert": (
@@ -106,6 +107,17 @@ TASKS = {
         "chunk a text by writing a JSON list of `head[placeholder]tail` rules, one per chunk, "
         "from which the chunks are recovered as exact spans",
     ),
+}
+# The metadata columns of each task's rows, before the ones every task has (`features` and
+# `moc_features` in sft_rows.py).
+_MOC_METADATA = (
+    "`doc_id`, `sample_index`, `start`, `end` (where the sample lies in its document), `label`, "
+    "`mean_chunk_chars` and `chunks` (the sample's chunks), `placeholder`"
+)
+METADATA = {
+    None: "`doc_id`, `chunk_index`, `start`, `end` (where the chunk lies in its document)",
+    "moc-router": _MOC_METADATA,
+    "moc-expert": _MOC_METADATA,
 }
 # Where each task comes from, and what its user message holds.
 SOURCES = {"moc-router": "MoC §3.2.2", "moc-expert": "MoC §3.2.3"}
@@ -257,9 +269,8 @@ def _summary(stats: dict) -> str:
         "",
         "Rows are TRL conversational prompt–completion pairs: `prompt` is a list of messages (system, "
         f"then user: {PROMPT_INPUTS.get(task, 'the student prompt filled with the document context and the chunk')}), `completion` "
-        "is one assistant message, the teacher's target. Metadata columns: `doc_id`, `chunk_index`, "
-        "`start`, `end` (where the chunk lies in its document), `teachers` (JSON), `prompt_sha256` "
-        "(the student prompt template, see below) and `source_record`.",
+        f"is one assistant message, the teacher's target. Metadata columns: {METADATA.get(task, METADATA[None])}, "
+        "`teachers` (JSON), `prompt_sha256` (the student prompt template, see below) and `source_record`.",
         "",
         markdown.table(
             ["split", "rows", "documents"],
@@ -296,7 +307,7 @@ def _source(stats: dict) -> str:
             f"- Corpus: {_num(source.get('corpus'))}",
             f"- Path: {'`' + source['path'] + '`' if source.get('path') else NOT_MEASURED}",
             f"- Provenance: {_num(source.get('provenance'))}",
-            f"- Distilled records read by the builder: {_num(stats.get('input_records'))}",
+            f"- Candidate rows from the distilled records: {_num(stats.get('input_records'))}",
         ]
     )
 
@@ -351,13 +362,13 @@ def _filters(stats: dict) -> str:
         "",
         table,
         "",
-        f"- Input records: {_num(inputs)}",
+        f"- Candidate rows: {_num(inputs)}",
         f"- Rows kept: {kept}",
     ]
     removed = [filters.get(k) for k in names]
     if inputs is not None and None not in removed and inputs - sum(removed) != kept:
         out.append(
-            f"- Note: input records − rows removed = {inputs - sum(removed)}, which differs from the "
+            f"- Note: candidate rows − rows removed = {inputs - sum(removed)}, which differs from the "
             f"{kept} rows kept; the counts above are reported as measured."
         )
     return "\n".join(out)

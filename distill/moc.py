@@ -115,6 +115,8 @@ SEPARATOR = "\n—\n"  # what the paper's Table 6 prompt puts between chunks (re
 _SEPARATOR_LINE = re.compile(r"[ \t]*[—–―-]{1,6}[ \t]*")
 # The separator written out literally (`\n—\n` with backslashes), as some models echo it.
 _LITERAL_SEPARATOR = re.compile(r"\\n[ \t]*([—–―-]{1,6})[ \t]*\\n")
+# A code fence around the whole answer, with or without a language tag (```text, ```markdown).
+_CODE_FENCE = re.compile(r"\A```[\w+-]*[ \t]*\n?|\n?```\Z")
 _ECHO = re.compile(r"^\s*(the segmented text chunks are|分割后的文本块为)\s*[:：]?\s*", re.IGNORECASE)
 
 
@@ -136,7 +138,7 @@ def split_answer(answer: str) -> list[str]:
     Tolerates the separator written literally (``\\n—\\n``), other dashes on their own line, a
     code fence and an echo of the prompt's last line."""
     text = _LITERAL_SEPARATOR.sub(lambda m: "\n" + m.group(1) + "\n", answer)
-    text = _ECHO.sub("", text.strip().removeprefix("```").removesuffix("```"))
+    text = _ECHO.sub("", _CODE_FENCE.sub("", text.strip()))
     pieces, current = [], []
     for line in text.splitlines(keepends=True):
         if _SEPARATOR_LINE.fullmatch(line.rstrip("\r\n")):

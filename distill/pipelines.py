@@ -372,6 +372,11 @@ def _chunks_record(cfg: DistillConfig, docs: dict[str, str], record: dict, numbe
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(chunks):
             valid = f"0-{len(chunks) - 1}" if chunks else "the record has no chunks"
             raise InputError(path, f"'selected': {i!r} is not a chunk index ({valid})", number)
+    if len(set(selected)) < len(
+        selected
+    ):  # one chunk twice: two records of it, its teacher cost counted twice
+        twice = sorted({i for i in selected if selected.count(i) > 1})
+        raise InputError(path, f"'selected' names chunk {twice[0]} more than once", number)
     return doc_id, text, chunks, selected
 
 

@@ -266,6 +266,9 @@ def _record_rows(maker, record: dict, distilled: Path, line_no: int, document) -
         for stage, entry in entries:  # what _add_usage reads of it
             if not isinstance(entry, dict):
                 raise TypeError(f"stage {stage!r}: its entry is not an object")
+            for key in ("teacher", "prompt_sha256"):  # a set's members and a mapping's keys
+                if entry.get(key) and not isinstance(entry[key], str):
+                    raise TypeError(f"stage {stage!r}: {key} is not a string")
             spent = entry.get("spent") or {**entry.get("usage", {}), "cost": entry.get("cost", 0.0)}
             for key in ("prompt_tokens", "completion_tokens", "cost"):
                 if not isinstance(spent.get(key, 0), (int, float)):
@@ -366,7 +369,9 @@ def build_sft(cfg: BuildSftConfig, progress: bool = True) -> dict:
                         or _duplicate(target, row)
                         or _write_row(cfg, target, row, tokenizer, f"{distilled.name}:{line_no}")
                     )
-                    if reason is not None:
+                    if reason is None:  # only a kept row makes a later one a duplicate
+                        _remember(target, row)
+                    else:
                         target.dropped[reason] += 1
         docs.finish()  # every document row checked, asked for or not
         inputs.rejects = finish_rejects(rejects, "data build-sft")
@@ -426,16 +431,24 @@ def _add_usage(inputs: Inputs, entries, lang: str) -> None:
 
 
 def _duplicate(target: Target, row: Row) -> str | None:
-    """exact_duplicate / near_duplicate of a row already kept in this dataset, else None (and the row
-    is remembered)."""
-    exact = hashlib.sha256(json.dumps([row.text, row.answer], ensure_ascii=False).encode()).hexdigest()
-    if exact in target.seen:
+    """exact_duplicate / near_duplicate of a row already kept in this dataset, else None."""
+    if _row_hash(row) in target.seen:
         return "exact_duplicate"
     if target.near.query(row.text):
         return "near_duplicate"
+    return None
+
+
+def _remember(target: Target, row: Row) -> None:
+    """A kept row, against which later rows are duplicates. Remembered only once written: a row
+    dropped as too long had made the same chunk of a shorter document a "duplicate" of nothing kept."""
+    exact = _row_hash(row)
     target.seen.add(exact)
     target.near.add(exact, row.text)
-    return None
+
+
+def _row_hash(row: Row) -> str:
+    return hashlib.sha256(json.dumps([row.text, row.answer], ensure_ascii=False).encode()).hexdigest()
 
 
 def _ids(encoded) -> list[int]:

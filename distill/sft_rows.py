@@ -377,6 +377,10 @@ class MocRows(RowMaker):
         self.role = cfg.task.removeprefix("moc-")
         self.labels = self._check_granularity(cfg) if self.role == "expert" else None
         self.no_samples = 0  # records that gave no sample, whatever their label (for the card)
+        self.max_ratio = None  # the distill run's moc_max_ratio (its meta), for the card
+
+    def start(self, meta: dict) -> None:
+        self.max_ratio = meta.get("config", {}).get("moc_max_ratio")
 
     @staticmethod
     def _check_granularity(cfg) -> list[int]:
@@ -471,9 +475,18 @@ class MocRows(RowMaker):
             if self.role == "router"
             else f"granularity label {target} only"
         )
+        models = (
+            ", ".join(sorted({shown_argument(m) for names in teachers.values() for m in names}))
+            or "not recorded"
+        )
+        edits = (
+            f"{self.max_ratio:.0%}"
+            if isinstance(self.max_ratio, (int, float))
+            else "the run's moc_max_ratio of"
+        )
         notes = [
-            "Chunk boundaries are the teacher's (a GPT-4o-class model), kept only where every chunk was "
-            "found in the source within 10% edits; they are not human-checked.",
+            f"Chunk boundaries are the teacher's ({models}), kept only where every chunk was found in the "
+            f"source within {edits} edits; they are not human-checked.",
             f"Rows: {label_text}; {self.no_samples} of {n_records} distilled documents gave "
             "no sample (not finished, or no chunk accepted).",
         ]

@@ -7,8 +7,9 @@ here, and every answer gets one of three outcomes, counted per stage in the run'
   (``jsonschema``) accepts it. Decoding under the schema should give only these, but the answer is
   validated anyway: grammars do not enforce every keyword (llama.cpp's ignored an integer ``minimum``).
 * ``repaired``: it is not, yet the fallback got a value from it: the maintained ``json-repair``
-  library when the endpoint was asked for nothing (``structured_output: none``), then the stage's
-  own lenient reader (a code fence, prose around the JSON, elements missing a field dropped).
+  library when the endpoint was asked for nothing (``structured_output: none``) and what it made
+  has the schema's shape (`shaped_like`), then the stage's own lenient reader (a code fence,
+  prose around the JSON, elements missing a field dropped).
 * ``unparseable``: neither got anything; the stage asks again (``parse_retries``).
 
 The stage's reader (``parse``) takes text and returns its value or None, so that the same reader
@@ -70,6 +71,19 @@ def json_in_text(text: str, openers: str = "{[", whole: bool = False) -> dict | 
     return None
 
 
+def shaped_like(data, schema: Schema) -> bool:
+    """Whether a repaired value has the schema's top-level shape: its type, and an object's required
+    keys. json-repair makes JSON of whatever brackets it finds, and an answer in a stage's other
+    format (MoC's chunks between dash lines) holds brackets as text: "see [2]" repairs to ``[2]``,
+    which must not stand for the answer. The fields inside are the stage's reader's to judge."""
+    kind = schema.data.get("type")
+    if kind == "object":
+        return isinstance(data, dict) and all(key in data for key in schema.data.get("required", ()))
+    if kind == "array":
+        return isinstance(data, list) and bool(data)
+    return isinstance(data, (dict, list)) and bool(data)
+
+
 def read_answer(
     text: str, schema: Schema, parse: Callable[[str], T | None], repair: bool
 ) -> tuple[T | None, str]:
@@ -87,7 +101,7 @@ def read_answer(
         import json_repair
 
         repaired = json_repair.loads(text)  # "" when it finds no JSON at all
-        if isinstance(repaired, (dict, list)) and repaired:
+        if shaped_like(repaired, schema):
             value = parse(json.dumps(repaired, ensure_ascii=False))
     if value is None:
         value = parse(text)

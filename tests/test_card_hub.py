@@ -173,7 +173,7 @@ def test_card_round_trip_loads_with_datasets(dataset_dir, tmp_path):
     # every number from stats is on the card, as given
     for name, removed in stats["filters"].items():
         assert re.search(rf"^\| `{name}` \| [^\n]* \| {removed} \|$", text, re.M), name
-    assert "- Input records: 131" in text and "- Rows kept: 7" in text
+    assert "- Candidate rows: 131" in text and "- Rows kept: 7" in text
     for line in (
         "- Method: MinHash LSH over 5-gram shingles",
         "- Threshold: 0.8",
@@ -248,7 +248,7 @@ def test_missing_stats_say_not_measured():
     assert meta["configs"][0]["data_files"] == [{"split": "train", "path": "data/train-*.parquet"}]
     for line in (
         "- Corpus: not measured",
-        "- Input records: not measured",
+        "- Candidate rows: not measured",
         "Teacher models: not measured.",
         "Prompt templates: not measured.",
         "| `too_long` | over the token limit (`max_length`) | not measured |",
@@ -276,8 +276,8 @@ def test_counts_that_do_not_add_up_are_reported_not_fixed(tmp_path):
     stats = full_stats()
     stats["input_records"] = 140  # 140 - 124 removed = 16, but 7 rows were kept
     text = render_dataset_card(stats)
-    assert "- Input records: 140" in text and "- Rows kept: 7" in text
-    assert "input records − rows removed = 16, which differs from the 7 rows kept" in text
+    assert "- Candidate rows: 140" in text and "- Rows kept: 7" in text
+    assert "candidate rows − rows removed = 16, which differs from the 7 rows kept" in text
     png = plot_token_lengths(tmp_path / "plots" / "empty.png", [], [], "smollm2", None)
     assert png.read_bytes().startswith(PNG_MAGIC)
     assert [p.name for p in png.parent.iterdir()] == ["empty.png"]

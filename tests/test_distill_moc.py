@@ -119,6 +119,39 @@ def test_a_json_list_inside_a_chunk_is_text_not_the_answer():
     assert answer_chunks('```json\n{"chunks": ["A.", "B."]}\n```') == ["A.", "B."]
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "Results are in Table [2] below.\n—\nThe committee met on Monday.",
+        "The list {a, b} was read first.\n—\nThe committee met on Monday.",
+        "结果见[2]。\n—\nThe committee met on Monday.",
+    ],
+)
+def test_brackets_in_a_separator_answer_are_not_repaired_into_its_only_chunk(answer):
+    """With ``structured_output: none`` an answer goes through json-repair before the stage's reader,
+    and json-repair makes ``[2]`` of "see [2]": that fragment had become the window's only chunk (42 of
+    the 1,200 CRUD articles hold a bracket). A repair counts only with the schema's shape."""
+    from metachunk.distill.prompts import load_schema
+
+    from metachunk.structured import read_answer
+
+    schema = load_schema("moc_chunk")
+    chunks, outcome = read_answer(answer, schema, answer_chunks, repair=True)
+    assert chunks == answer.split("\n—\n") and outcome == "repaired"
+    assert read_answer('{"chunks": ["A.", "B."', schema, answer_chunks, repair=True) == (
+        ["A.", "B."],
+        "repaired",
+    )
+
+
+def test_a_fence_with_a_language_tag_is_not_part_of_the_first_chunk():
+    assert split_answer("```text\nThe committee met.\n—\nThen it left.\n```") == [
+        "The committee met.",
+        "Then it left.",
+    ]
+    assert split_answer("```\nA.\n—\nB.\n```") == ["A.", "B."]
+
+
 def test_windows_stay_in_budget_and_end_at_sentence_ends(counter):
     text, _ = planted()
     plan = DocPlan.build("d", text, "en", counter)
@@ -384,6 +417,13 @@ def test_build_sft_moc_router_and_expert(distilled, tiny_model_dir, tmp_path):
         ]
     card = (tmp_path / "router" / "README.md").read_text(encoding="utf-8")
     assert "MoC granularity router" in card and "moc_router.en" in card and "moc_chunk.en" in card
+    # What the card says of the run is the run's: its teacher and edit bound, a sample's columns.
+    assert (
+        "Chunk boundaries are the teacher's (loopback), kept only where every chunk was found in the source within 10% edits"
+        in card
+    )
+    assert "`sample_index`" in card and "`chunk_index`" not in card
+    assert f"Candidate rows from the distilled records: {len(record['samples']) + 1}" in card  # + the junk's
 
 
 def test_build_sft_moc_filters(tmp_path, tiny_model_dir, monkeypatch):

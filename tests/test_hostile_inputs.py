@@ -573,6 +573,7 @@ CHUNKS = [
         ({"id": "d", "chunks": CHUNKS, "selected": [-1]}, "'selected': -1 is not a chunk index (0-1)"),
         ({"id": "d", "chunks": CHUNKS, "selected": "0"}, "'selected' must be a list of chunk indices"),
         ({"id": "d", "chunks": CHUNKS, "selected": [True]}, "'selected': True is not a chunk index"),
+        ({"id": "d", "chunks": CHUNKS, "selected": [1, 0, 1]}, "'selected' names chunk 1 more than once"),
         ({"id": "d", "chunks": [{"text": "First", "end": 5}]}, "chunks[0]: missing field 'start'"),
         ({"id": "d", "chunks": [{"text": "First", "start": "0", "end": 5}]}, "chunks[0]: 'start' must be"),
         (

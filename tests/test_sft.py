@@ -259,6 +259,43 @@ def test_a_record_field_of_the_wrong_type_is_named(planted, tiny_model_dir, chan
         build_sft(cfg, progress=False)
 
 
+@pytest.mark.parametrize("key, value", [("teacher", ["gpt-4o"]), ("prompt_sha256", {"a": 1})])
+def test_a_stage_entry_of_the_wrong_type_is_named(planted, tiny_model_dir, key, value):
+    """A list for a stage's ``teacher`` had raised "TypeError: unhashable type: 'list'" with a traceback."""
+    from metachunk.artifacts import InputError
+
+    record = json.loads((planted / "rewrite.jsonl").read_text().splitlines()[0])
+    record["stages"]["reflection"][key] = value
+    (planted / "bad.jsonl").write_text(json.dumps(record) + "\n")
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "bad.jsonl", out=planted / "ds5",
+                         documents=planted / "docs.jsonl", cards_dir=planted / "cards", tokenizer=str(tiny_model_dir))  # fmt: skip
+    with pytest.raises(InputError, match=rf"bad\.jsonl:1: .*stage 'reflection': {key} is not a string"):
+        build_sft(cfg, progress=False)
+
+
+def test_a_row_dropped_as_too_long_makes_no_later_row_a_duplicate(planted, tiny_model_dir):
+    """The same chunk and answer from a long document (too long) and then a short one: the short one's row
+    is kept. It had been dropped as a duplicate of the long one's, which nothing kept."""
+    record = json.loads((planted / "rewrite.jsonl").read_text().splitlines()[0])
+    chunk = record["text"]
+    docs = {"long": chunk + " " + " ".join(sentence(500 + i) for i in range(200)), "short": chunk}
+    records = []
+    for doc_id, text in docs.items():
+        records.append(
+            {**record, "doc_id": doc_id, "start": 0, "end": len(chunk), "context_spans": [[0, len(text)]]}
+        )
+    (planted / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (planted / "two-docs.jsonl").write_text(
+        "".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items())
+    )
+    cfg = BuildSftConfig(task="rewrite", distilled=planted / "two.jsonl", out=planted / "ds6",
+                         documents=planted / "two-docs.jsonl", cards_dir=planted / "cards",
+                         tokenizer=str(tiny_model_dir), max_length=1024, validation_fraction=0.0)  # fmt: skip
+    stats = build_sft(cfg, progress=False)
+    assert stats["filters"]["too_long"] == 1 and stats["filters"]["exact_duplicate"] == 0, stats["filters"]
+    assert sum(stats["rows"].values()) == 1
+
+
 def test_a_record_from_other_documents_is_named(planted, tiny_model_dir):
     """A chunk's text is its document's ``[start:end]`` (chonkie's and semchunk's property), so a
     documents file edited since the distill run is named, not trained on."""
