@@ -103,7 +103,7 @@ from metachunk.distill.prompts import load_prompt
 from metachunk.artifacts import SCHEMA_VERSION
 from metachunk.sources import Rejects, read_documents
 from metachunk.structured import json_in_text
-from metachunk.teacher import estimate_tokens, is_transport_failure
+from metachunk.teacher import estimate_tokens, is_transport_failure, prompt_bytes, template_tokens
 
 TASK = "moc"
 STAGE = "moc_chunk"  # the teacher stage and its prompt file, distill/prompts/moc_chunk.{lang}.txt
@@ -595,12 +595,19 @@ class MocTask:
 
     def pending_calls(self, record: dict, doc: MocDocument) -> list[tuple[str, int, int, int]]:
         """The document's text after its last window's start, in windows of ``window_tokens`` (a
-        quarter re-sent as chunk buffer), each answered at worst with ``max_tokens``."""
-        instructions = estimate_tokens(load_prompt(STAGE, record["lang"]).user) + 8
+        quarter re-sent as chunk buffer), each answered at worst with ``max_tokens``. The number of
+        windows is estimated (`estimate_tokens`); their prompts are counted at the bound a live run
+        reserves, 1 token per UTF-8 byte of the text and the prompt file (`prompt_bytes`)."""
+        template = load_prompt(STAGE, record["lang"])
+        messages = [
+            {"role": "system", "content": template.system},
+            {"role": "user", "content": template.user},
+        ]
+        instructions = prompt_bytes(messages) + template_tokens(messages)
         pos = record["windows"][-1]["start"] if record["windows"] else 0
-        remaining = estimate_tokens(doc.text[pos:])
-        n = max(1, math.ceil(remaining / (0.75 * self.cfg.moc.window_tokens)))
-        prompt = math.ceil(remaining / 0.75) + n * instructions
+        rest = doc.text[pos:]
+        n = max(1, math.ceil(estimate_tokens(rest) / (0.75 * self.cfg.moc.window_tokens)))
+        prompt = math.ceil(len(rest.encode("utf-8")) / 0.75) + n * instructions
         return [(STAGE, n, prompt, n * self.cfg.teachers[STAGE].max_tokens)]
 
 

@@ -32,7 +32,7 @@ from metachunk.distill.prompts import load_prompt, load_schema
 from metachunk.artifacts import SCHEMA_VERSION, InputError
 from metachunk.sources import Rejects, read_documents, read_records, refuse_or_skip
 from metachunk.structured import OUTCOMES, json_in_text, read_answer
-from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, estimate_tokens
+from metachunk.teacher import Answer, BudgetExceeded, Teacher, TeacherConfig, prompt_bytes, template_tokens
 
 NOTHING_MISSING = {"none", "无", "无。", "none."}
 
@@ -277,10 +277,12 @@ def estimate_pending(
     record: dict, job: ChunkJob, teachers: dict[str, TeacherConfig]
 ) -> list[tuple[str, int, int]]:
     """``(stage, prompt_tokens, completion_tokens)`` for every call a pending record still needs:
-    the pending stage's own estimate, then each later stage with the earlier answers counted at
-    their ``max_tokens`` (an upper bound)."""
+    the pending stage's own bound (what its claim reserved), then each later stage at the same
+    bound, 1 token per UTF-8 byte of its prompt file, context and chunk (`prompt_bytes`), with the
+    earlier answers at their ``max_tokens``. It had counted bytes / 3 and 400 tokens for the
+    instructions: a completion prompt measured 2,026 bytes against 641 estimated tokens."""
     stages = STAGES[record["task"]]
-    body = estimate_tokens(job.context) + estimate_tokens(job.text) + 400  # + the instructions
+    body = len(job.context.encode("utf-8")) + len(job.text.encode("utf-8"))
     calls = []
     for stage in stages:
         entry = record["stages"].get(stage, {})
@@ -289,7 +291,13 @@ def estimate_pending(
         if "estimate" in entry:
             prompt = entry["estimate"]["prompt_tokens"]
         else:
-            prompt = body + sum(teachers[s].max_tokens for s in stages[: stages.index(stage)])
+            template = load_prompt(stage, job.lang)
+            messages = [
+                {"role": "system", "content": template.system},
+                {"role": "user", "content": template.user},
+            ]
+            earlier = sum(teachers[s].max_tokens for s in stages[: stages.index(stage)])
+            prompt = prompt_bytes(messages) + template_tokens(messages) + body + earlier
         calls.append((stage, prompt, teachers[stage].max_tokens))
     return calls
 

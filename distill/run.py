@@ -479,8 +479,9 @@ def print_estimate(cfg: DistillConfig, result: RunResult, file=None) -> dict:
         )
     print(f"{'total':<16} {'':<28} {total['calls']:>7} {sum(cached.values()):>7} {total['prompt_tokens']:>11,} "
           f"{total['completion_tokens']:>14,} {total['cost']:>11.4f}", file=file)  # fmt: skip
-    print("(prompts at 1 token per byte, or the teacher's tokenizer, and completions at max_tokens: the upper "
-          "bound a live run reserves)", file=file)  # fmt: skip
+    print("(prompts at 1 token per byte, or the teacher's tokenizer, and completions at max_tokens, the bound "
+          "a live run reserves; a later stage's prompt counts the earlier answers at their max_tokens)",
+          file=file)  # fmt: skip
     print_request_bodies(cfg, result, file)
     return total
 

@@ -382,6 +382,32 @@ def test_price_and_token_estimate():
     assert estimate_tokens("中文文本" * 10) >= 40
 
 
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_a_dry_run_counts_each_later_stage_at_the_bound_a_live_run_reserves(lang):
+    """A later stage's dry-run prompt is at least its real prompt at 1 token per byte, the earlier
+    answers at their ``max_tokens`` (bytes / 3 plus 400 had put a completion prompt at 641 tokens
+    against 2,026 bytes sent), so that a --max-cost picked from the dry run does not stop the run."""
+    from metachunk.distill.pipelines import ChunkJob, estimate_pending, new_record
+
+    from metachunk.teacher import prompt_bytes, template_tokens
+
+    document = ("艾玛聪明富有，住在海伯里。" if lang == "zh" else "Emma was clever and rich. ") * 40
+    job = ChunkJob("d", 0, 0, 60, lang, document, ((0, len(document)),))
+    teachers = {stage: TeacherConfig("m", max_tokens=100) for stage in STAGES["rewrite"]}
+    estimated = {
+        stage: prompt for stage, prompt, _ in estimate_pending(new_record("rewrite", job), job, teachers)
+    }
+    answer = "x" * 100  # an answer of max_tokens tokens, at one byte a token
+    values = {"context": job.context, "chunk": job.text}
+    sent = {
+        "reflection": load_prompt("reflection", lang).messages(**values),
+        "refinement": load_prompt("refinement", lang).messages(reflection=answer, **values),
+        "completion": load_prompt("completion", lang).messages(items=answer + answer, **values),
+    }
+    for stage, messages in sent.items():
+        assert estimated[stage] >= prompt_bytes(messages) + template_tokens(messages), stage
+
+
 # ----------------------------------------------------------------------------------------- config
 
 
