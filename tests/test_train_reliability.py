@@ -399,9 +399,13 @@ def test_unset_activation_checkpointing_is_trls_default_under_its_own_name(tmp_p
         warnings.simplefilter("error", FutureWarning)
         _, sft_args = parse_args(base)
         assert sft_args.activation_checkpointing is True and sft_args.gradient_checkpointing is True
-        for given in (["--activation_checkpointing", "false"], ["--activation_checkpointing=false"]):
+        # every spelling argparse takes: the default appended after it had overridden a dashed one
+        for given in (["--activation_checkpointing", "false"], ["--activation_checkpointing=false"],
+                      ["--activation-checkpointing", "false"]):  # fmt: skip
             _, sft_args = parse_args(base + given)
-            assert sft_args.activation_checkpointing is False and sft_args.gradient_checkpointing is False
+            assert sft_args.activation_checkpointing is False and sft_args.gradient_checkpointing is False, (
+                given
+            )
     # the old name, given: transformers says so
     with pytest.warns(FutureWarning, match="gradient_checkpointing"):
         _, sft_args = parse_args(base + ["--gradient_checkpointing", "false"])
@@ -459,12 +463,109 @@ def test_a_deprecated_alias_beside_its_new_name_is_refused(tmp_path, tiny_model_
     (tmp_path / "ds" / "data").mkdir(parents=True)
     argv = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
             "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
-    for flag in ("--gradient_checkpointing", "--gradient-checkpointing"):  # argparse takes both
-        status, err = _cli([*argv, flag, "false"], capsys)
+    for flags in (["--gradient_checkpointing", "false"], ["--gradient-checkpointing", "false"],
+                  ["--no_gradient_checkpointing"], ["--no-gradient-checkpointing"]):  # fmt: skip
+        status, err = _cli([*argv, *flags], capsys)
         assert status == 2
         _one_line_error(
             err, "field 'gradient_checkpointing' is transformers' old name for 'activation_checkpointing'"
         )
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--use_peft", "true", "--lora_dropout", "2"], "field 'lora_dropout' must be in [0, 1), got 2.0"),
+        (["--max_train_rows", "0"], "field 'max_train_rows' must be >= 1"),
+        (["--max_train_rows", "-3"], "field 'max_train_rows' must be >= 1"),
+        (
+            ["--chat_template_path", "/nonexistent/t.jinja"],
+            "field 'chat_template_path': no file /nonexistent/t.jinja",
+        ),
+        (["--output_dir", "FILE"], "is a file; checkpoints are written in a folder"),
+    ],
+)
+def test_bad_training_values_are_refused_before_the_model_loads(
+    tmp_path, tiny_model_dir, capsys, no_model_load, flags, said
+):
+    """Each had failed after the model loaded, with a traceback (torch's Dropout, a Hub id check on a
+    template path, mkdir over a file), or done something else than asked (0 rows meant every row)."""
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    (tmp_path / "FILE").write_text("")
+    argv = ["--config", str(RECIPE), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
+    status, err = _cli([*argv, *[str(tmp_path / f) if f == "FILE" else f for f in flags]], capsys)
+    assert status == 2
+    _one_line_error(err, said)
+
+
+def test_a_recipes_lora_target_modules_line_names_modules_as_the_flag_does(tmp_path, tiny_model_dir):
+    """PEFT reads a string as one regular expression over the whole module name: a recipe's
+    ``lora_target_modules: q_proj`` matched nothing, where ``--lora_target_modules q_proj`` trains."""
+    from metachunk.train.sft import check, parse_args
+
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    recipe = yaml.safe_load(RECIPE.read_text())
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "use_peft": True, "lora_target_modules": "q_proj"}))
+    base = ["--config", str(path), "--dataset_name", str(tmp_path / "ds"), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
+    model_args, sft_args = parse_args(base, check_inputs=False)
+    check(model_args, sft_args)
+    assert model_args.lora_target_modules == ["q_proj"]
+    model_args, sft_args = parse_args([*base, "--lora_target_modules", "q_proj"], check_inputs=False)
+    assert model_args.lora_target_modules == ["q_proj"]
+
+
+def test_resume_from_a_named_folder_that_is_no_whole_checkpoint_is_refused(tmp_path):
+    """A dataset folder, or a checkpoint whose save was cut short, named explicitly: refused before the
+    model loads (it had failed on trainer_state.json after it)."""
+    from types import SimpleNamespace
+
+    from metachunk.train.sft import resume_point
+
+    cut = tmp_path / "checkpoint-6"
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b"")
+    for folder in (cut, tmp_path):
+        args = SimpleNamespace(resume_from_checkpoint=str(folder), output_dir=str(tmp_path))
+        with pytest.raises(ValueError, match="holds no whole trainer_state.json"):
+            resume_point(args)
+    (cut / "trainer_state.json").write_text('{"global_step": 6}')
+    assert resume_point(SimpleNamespace(resume_from_checkpoint=str(cut), output_dir=str(tmp_path))) == str(
+        cut
+    )
+
+
+def test_a_full_save_over_a_lora_run_leaves_no_adapter_files(tmp_path):
+    """A LoRA run's adapter_config.json left beside a full run's weights made transformers load the
+    folder as an adapter and fail; the final save removes what the new save does not write."""
+    from types import SimpleNamespace
+
+    from metachunk.train.sft import save_final_model
+
+    def trainer(files: dict[str, str]):
+        def save_model(folder):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                (Path(folder) / name).write_text(text)
+
+        return SimpleNamespace(args=SimpleNamespace(push_to_hub=False), is_world_process_zero=lambda: True,
+                               save_model=save_model)  # fmt: skip
+
+    out = tmp_path / "out"
+    save_final_model(trainer({"adapter_config.json": "{}", "adapter_model.safetensors": "a"}), out)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    save_final_model(
+        trainer({"config.json": "{}", "model.safetensors": "w", "generation_config.json": "{}"}), out
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    save_final_model(trainer({"adapter_config.json": "{}", "adapter_model.safetensors": "b"}), out)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def test_the_runs_identity_leaves_out_how_it_is_watched(tmp_path):

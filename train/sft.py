@@ -254,15 +254,23 @@ ALIASED = {"gradient_checkpointing": "activation_checkpointing",
            "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}  # fmt: skip
 
 
+def field_given(name: str, recipe: dict, argv: list[str]) -> bool:
+    """Whether the recipe or a flag sets field ``name``. A flag is any spelling HfArgumentParser
+    takes: ``--a_b`` and ``--a-b``, and for a boolean that defaults to True ``--no_a_b`` and
+    ``--no-a-b`` (``--no_gradient_checkpointing``, which ``--help`` lists)."""
+    spellings = {name, f"no_{name}"}
+    flags = {f"--{n}" for n in spellings} | {f"--{n.replace('_', '-')}" for n in spellings}
+    return name in recipe or any(a.split("=", 1)[0] in flags for a in argv)
+
+
 def check_renamed(recipe: dict, argv: list[str]) -> None:
     """An old field name, in the recipe or as a flag, is an error that names the new one (argparse alone
     would call ``--model`` ambiguous, and TrlParser a recipe's ``model:`` unknown). A deprecated alias
     given beside its new name is one too: transformers would ignore it without a word (every shipped
     recipe sets ``activation_checkpointing``, so ``--gradient_checkpointing false`` did nothing)."""
 
-    def given(name: str) -> bool:  # argparse takes --a_b and --a-b alike
-        flags = {f"--{name}", f"--{name.replace('_', '-')}"}
-        return name in recipe or any(a.split("=", 1)[0] in flags for a in argv)
+    def given(name: str) -> bool:
+        return field_given(name, recipe, argv)
 
     for old, new in RENAMED.items():
         if given(old):
@@ -278,8 +286,7 @@ def default_checkpointing_argv(recipe: dict, argv: list[str], sft_config) -> lis
     old name). TRL's SFTConfig gives its default (True) under transformers' deprecated name
     ``gradient_checkpointing``, which prints transformers' FutureWarning; said under the new name, it is
     the same value without the warning."""
-    names = ("activation_checkpointing", "gradient_checkpointing")
-    if any(n in recipe for n in names) or any(a.split("=")[0] in {f"--{n}" for n in names} for a in argv):
+    if any(field_given(n, recipe, argv) for n in ("activation_checkpointing", "gradient_checkpointing")):
         return []
     trl_default = sft_config.__dataclass_fields__["gradient_checkpointing"].default
     return ["--activation_checkpointing", str(trl_default)]
@@ -376,6 +383,25 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
             )
     if model_args.use_peft and not 0 < model_args.lora_r:
         raise ValueError(f"field 'lora_r' must be >= 1, got {model_args.lora_r}")
+    if (
+        model_args.use_peft and not 0 <= model_args.lora_dropout < 1
+    ):  # torch's Dropout refuses it after the load
+        raise ValueError(f"field 'lora_dropout' must be in [0, 1), got {model_args.lora_dropout}")
+    if isinstance(model_args.lora_target_modules, str):  # a recipe's `lora_target_modules: q_proj`
+        # PEFT reads a string as one regular expression over the whole module name, a list as names: the
+        # flag (--lora_target_modules q_proj) gives a list, and the recipe line means the same
+        model_args.lora_target_modules = [model_args.lora_target_modules]
+    if model_args.max_train_rows is not None and model_args.max_train_rows < 1:
+        raise ValueError(
+            f"field 'max_train_rows' must be >= 1 (or unset: every row), got {model_args.max_train_rows}"
+        )
+    if Path(sft_args.output_dir).exists() and not Path(sft_args.output_dir).is_dir():
+        raise ValueError(
+            f"field 'output_dir': {sft_args.output_dir} is a file; checkpoints are written in a folder"
+        )
+    template = sft_args.chat_template_path
+    if template and str(template).endswith((".jinja", ".j2")) and not Path(template).is_file():
+        raise ValueError(f"field 'chat_template_path': no file {template}")
     from metachunk.train.distributed import (
         check_deepspeed,  # --deepspeed JSON, or accelerate's DeepSpeed config
     )
@@ -507,6 +533,13 @@ def resume_point(sft_args) -> str | None:
             )
     elif not Path(wanted).is_dir():
         raise ValueError(f"field 'resume_from_checkpoint': {wanted} is not a checkpoint dir")
+    elif not whole_checkpoint(
+        Path(wanted)
+    ):  # a dataset folder, a save cut short: refused before the model loads
+        raise ValueError(
+            f"field 'resume_from_checkpoint': {wanted} holds no whole {TRAINER_STATE}: not a checkpoint, "
+            "or its save was cut short (`latest` takes the newest whole one)"
+        )
     else:
         last = str(wanted)
     check_zero_world_size(Path(last))
@@ -571,7 +604,7 @@ def load_rows(model_args: ModelDataArguments, sft_args):
     from metachunk.models import resolve
 
     model_dir = str(resolve(model_args.model_name_or_path))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=sft_args.trust_remote_code)
     rendering = chat_template_tokenizer(tokenizer, sft_args, model_dir)
     data = load_dataset(model_args.dataset_name)
     keep = ["prompt", "completion"]  # the metadata columns stay in the dataset, not in the batches
@@ -630,7 +663,7 @@ def chat_template_tokenizer(tokenizer, sft_args, model_dir: str):
         else:  # TRL's clone_chat_template: the template and the added tokens of another tokenizer
             from transformers import AutoTokenizer
 
-            source = AutoTokenizer.from_pretrained(path)
+            source = AutoTokenizer.from_pretrained(path, trust_remote_code=sft_args.trust_remote_code)
             tokenizer.chat_template = source.get_chat_template()
             tokenizer.add_tokens(
                 [t for t in source.added_tokens_decoder.values() if t.content not in tokenizer.vocab]
@@ -700,6 +733,10 @@ RUN_FACTS = "metachunk_run.json"  # what `metachunk export` writes the model car
 FINAL_STAGING = ".final-model.partial"  # inside output_dir: the same file system, so each move is a rename
 
 
+# The files a final save writes for one kind of model and not for another (a PEFT adapter, a full model).
+SAVED_ONLY_BY_SOME = ("adapter_config.json", "config.json", "generation_config.json")
+
+
 def save_final_model(trainer, output_dir: str | Path) -> None:
     """``trainer.save_model`` into ``output_dir``, beside its checkpoints, without ever leaving a half-written
     model there: a rerun into the same folder (``metachunk run`` after a change) killed mid-save left a cut
@@ -723,6 +760,11 @@ def save_final_model(trainer, output_dir: str | Path) -> None:
     new = {p.name for p in staging.iterdir()}
     for name in (RUN_FACTS, "train_log.json", *(p.name for p in out.glob("*.index.json"))):
         (out / name).unlink(missing_ok=True)
+    # What one kind of save writes and another does not: a LoRA run's adapter files left beside a full
+    # run's weights made transformers load the folder as an adapter, and fail.
+    for name in (*SAVED_ONLY_BY_SOME, *(p.name for p in out.glob("adapter_model*.safetensors"))):
+        if name not in new:
+            (out / name).unlink(missing_ok=True)
     for old in out.glob("*.safetensors"):  # an older save's weights the new one does not have (its shards),
         if old.name not in new:  # gone before the new index comes: a single old file would load first
             old.unlink()
@@ -837,7 +879,11 @@ def run(cfg: TrainConfig) -> Result:
     dtype = "auto" if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     prepare_distributed(sft_args)  # DeepSpeed on CPU: gloo group first, so ZeRO-3 partitions at load
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, use_safetensors=True, attn_implementation=model_args.attn_implementation
+        model_dir,
+        dtype=dtype,
+        use_safetensors=True,
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=sft_args.trust_remote_code,  # SFTConfig's field, as `trl sft` passes it
     )
     impl = attention_of(model)  # what transformers picked when none was asked for
     loaded = str(model.dtype).removeprefix("torch.")
@@ -885,11 +931,13 @@ def run(cfg: TrainConfig) -> Result:
         if packed
         else len(trainer.train_dataset)
     )
-    steps = (
+    steps = (  # as the Trainer counts them: a fraction of an epoch is a whole step more
         sft_args.max_steps
         if sft_args.max_steps > 0
-        else math.ceil((len(trainer.train_dataset) if packed else len(train_set)) / batch)
-        * sft_args.num_train_epochs
+        else math.ceil(
+            math.ceil((len(trainer.train_dataset) if packed else len(train_set)) / batch)
+            * sft_args.num_train_epochs
+        )
     )
     if trainer.is_world_process_zero():
         fit = (
