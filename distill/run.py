@@ -17,6 +17,7 @@ unanswered request of each item is counted, with the calls after it estimated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -341,7 +342,16 @@ def run(cfg: DistillConfig) -> Result:
     summary = write_records(cfg, result)
     print(result.task.summary_line(summary), file=sys.stderr)
     counts = {k: summary[k] for k in SUMMARY_KEYS if k in summary}
-    return Result.with_rejects(counts, result.rejects, exit_status(cfg, result))
+    done = Result.with_rejects(counts, result.rejects, exit_status(cfg, result))
+    return dataclasses.replace(done, retry=unfinished(result))
+
+
+def unfinished(result: RunResult) -> bool:
+    """Whether a rerun would send something: a record pending (a stop, the budget) or failed in transport."""
+    return bool(result.stopped) or any(
+        r["status"] == "pending" or (r["status"] == "failed" and is_transport_failure(r["reason"]))
+        for r in result.records
+    )
 
 
 def estimate(cfg: DistillConfig) -> Result:

@@ -89,6 +89,9 @@ class Result:
     summary: dict = field(default_factory=dict)
     estimate: dict | None = None
     rejects: dict | None = None
+    # A rerun can finish what this run could not (teacher requests that failed in transport, or were
+    # never sent): `metachunk run` records the stage, and runs it again the next time.
+    retry: bool = False
 
     @classmethod
     def with_rejects(cls, summary: dict, rejects: dict | None, exit: int = 0) -> Result:

@@ -178,24 +178,31 @@ def is_model(name: str) -> bool:
 
 # A weight file is fingerprinted by its size and this many blocks read at even steps through it.
 WEIGHT_SAMPLES, SAMPLE_BYTES = 64, 1 << 16
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+WHOLE_FILE_BYTES = 16 << 20  # a larger file of another kind is sampled as weights are
+# What a model folder holds that changes no output: its card and git's bookkeeping (a card rewritten
+# by a push would otherwise rerun every stage that reads the model). Hidden folders (.cache/) too.
+NOT_THE_MODEL = ("README.md", ".gitattributes")
 
 
 def fingerprint(name_or_dir: str) -> dict:
-    """What identifies a model's outputs, cheaply: the sha256 of its config files, and of each weight
-    file's name, size and 64 blocks of 64 KiB spread through it (4 MiB read a file, where hashing
-    gigabytes on every run would cost more than the check is worth). Names and sizes alone missed a
-    model retrained into the same folder, whose weights keep their shapes: a resumed chunk run mixed
-    the two models' chunks. A preset is named too."""
+    """What identifies a model's outputs, cheaply: the sha256 of every file of its folder but its card,
+    whole, and of each weight file's name, size and 64 blocks of 64 KiB spread through it (4 MiB read a
+    file, where hashing gigabytes on every run would cost more than the check is worth). Names and
+    sizes alone missed a model retrained into the same folder, whose weights keep their shapes: a
+    resumed chunk run mixed the two models' chunks. A preset is named too."""
     path = resolve(name_or_dir)
     digest = hashlib.sha256()
     for p in sorted(path.rglob("*")):
-        if not p.is_file():
-            continue
         rel = p.relative_to(path).as_posix()
-        if p.suffix == ".json" or p.name in ("tokenizer.model", "merges.txt", "vocab.txt"):
+        if not p.is_file() or p.name in NOT_THE_MODEL or any(part.startswith(".") for part in rel.split("/")):
+            continue
+        size = p.stat().st_size
+        if p.suffix not in WEIGHT_SUFFIXES and size <= WHOLE_FILE_BYTES:
+            # every other file whole: configs, tokenizer files, chat_template.jinja (transformers 5 saves the
+            # template there, and build-sft renders its rows with it), custom code
             digest.update(rel.encode() + b"\0" + p.read_bytes())
-        elif p.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
-            size = p.stat().st_size
+        else:
             digest.update(f"{rel}\0{size}".encode())
             with p.open("rb") as f:
                 for i in range(WEIGHT_SAMPLES):

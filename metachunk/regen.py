@@ -233,7 +233,11 @@ class Digests:
 
     def path(self, path: str | Path) -> str | None:
         """A file's sha256, or a folder's (its files by relative path, less hidden files, locks,
-        answer stores and run logs); None if absent."""
+        answer stores and run logs), or an ``hf://datasets/...`` dataset's commit; None if absent."""
+        if str(path).startswith("hf:/"):  # a Hub dataset (a Path has folded hf:// to hf:/): its commit
+            from metachunk.sources import hub_dataset
+
+            return f"hf commit {hub_dataset(path).name}"  # the snapshot's folder is named by its commit
         path = Path(path)
         if path.is_file():
             return self.file(path)
@@ -357,7 +361,7 @@ class Runner:
         if stage.name in self.rerun:
             return False
         done = self.state["stages"].get(stage.name)
-        if not done or done.get("fingerprint") != fp.sha256:
+        if not done or done.get("fingerprint") != fp.sha256 or done.get("retry"):
             return False
         return all(self.digests.path(p) == d for p, d in done.get("outputs", {}).items())
 
@@ -426,7 +430,8 @@ class Runner:
                 except InputError as e:
                     raise self._named_in_recipe(e, path, stage) from None
                 for read in self.registry.inputs(command, cfg).paths:
-                    local = "://" not in str(read)  # an hf:// dataset is the Hub's to find
+                    # an hf:// dataset is the Hub's to find (a Path field has made "hf://" "hf:/")
+                    local = "://" not in str(read) and not str(read).startswith("hf:/")
                     if local and not os.path.exists(read) and not _under_any(read, written):
                         raise InputError(self.recipe.path, f"stage {stage.name!r} reads {read}, which is not there "
                                          "and no earlier stage writes it (a recipe that makes it runs first?)")  # fmt: skip
@@ -440,7 +445,8 @@ class Runner:
         """Which stages would run, and what the teacher stages would cost; runs nothing."""
         out = out or sys.stdout
         rows, total = [], {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
-        upstream_runs = []
+        upstream_writes: set[str] = set()  # the outputs of the stages that will run, as real paths
+        unknown_upstream = False
         print(f"plan: {self.recipe.name} ({self.recipe.path}), state {self.state_dir}", file=out)
         self.check_stages(plan=True)
         for stage in self.recipe.stages:
@@ -448,20 +454,23 @@ class Runner:
             try:
                 fp = self.fingerprint(stage, suffix=".plan.yaml")
             except MissingDataset as e:  # the plan says what to fetch; the run itself stops there
-                upstream_runs.append(stage.name)
+                unknown_upstream = True
                 rows.append({"stage": stage.name, "run": stage.run, "status": "needs data", "estimate": None})
                 print(
                     f"  {stage.name:<20} {stage.run:<26} needs `metachunk data fetch {e.dataset}`", file=out
                 )
                 continue
             except ModelNotFoundError as e:  # a model folder the recipe names but this machine lacks
-                upstream_runs.append(stage.name)
+                unknown_upstream = True
                 rows.append(
                     {"stage": stage.name, "run": stage.run, "status": "needs a model", "estimate": None}
                 )
                 print(f"  {stage.name:<20} {stage.run:<26} needs a model: {e}", file=out)
                 continue
-            if self.cached(stage, fp) and not upstream_runs:
+            # as `run` decides: cached unless it reads what a stage before it will write again (a stage
+            # the plan could not fingerprint may write anything)
+            rewritten = unknown_upstream or any(_under_any(r, upstream_writes) for r in fp.reads)
+            if self.cached(stage, fp) and not rewritten:
                 status = "cached"
             elif stage.name in self.rerun:
                 status = "runs (--rerun)"
@@ -470,7 +479,7 @@ class Runner:
             else:
                 status = "runs"
             if status != "cached":
-                upstream_runs.append(stage.name)
+                upstream_writes.update(map(os.path.realpath, fp.outputs))
             estimate = None
             if status == "runs":
                 estimate = self.estimate(stage)
@@ -485,7 +494,17 @@ class Runner:
         print(f"total for the stages that can be estimated now: {total['calls']} requests, "
               f"{total['prompt_tokens']:,} prompt tokens, at most {total['completion_tokens']:,} completion tokens, "
               f"at most ${total['cost']:.4f}; nothing was run or sent", file=out)  # fmt: skip
-        self._save_state()
+        from filelock import Timeout
+
+        try:  # the digests it computed, for the next run; not while a run holds the state (it would erase its stages)
+            with self._lock():
+                self.state = {
+                    **(_read_json(self.state_path) or {"stages": {}}),
+                    "digests": self.digests.known,
+                }
+                self._save_state()
+        except Timeout:
+            pass
         return rows
 
     def estimate(self, stage: Stage) -> dict | None:
@@ -526,21 +545,50 @@ class Runner:
             yaml.safe_dump(stage.config, f, sort_keys=False, allow_unicode=True)
         return path
 
+    def _lock(self):
+        """The state folder's lock, held for a whole run: two runs of one recipe had both run every stage,
+        and a `--plan` beside a run saved the state it had read, erasing a stage the run had finished."""
+        from filelock import FileLock
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        return FileLock(self.state_dir / "run.lock", timeout=0)
+
     def run(self) -> dict:
+        from filelock import Timeout
+
         started = time.perf_counter()
         report = []
         empty: set[str] = set()  # what the empty stages of this run did not write
-        self.check_stages()
         with contextlib.ExitStack() as self._exit:
+            try:
+                self._exit.enter_context(self._lock())
+            except Timeout:
+                raise InputError(self.state_dir, "another `metachunk run` of this recipe is running on this "
+                                 "state folder; wait for it, or give this one another state folder") from None  # fmt: skip
+            self.state = _read_json(self.state_path) or {
+                "stages": {},
+                "digests": {},
+            }  # as the last run left it
+            self.digests = Digests(self.state.get("digests"))
+            self.check_stages()
             for stage in self.recipe.stages:
                 t0 = time.perf_counter()
                 if stage.local_teacher:  # before the fingerprint: the backend decides the schema setting
                     self.local_teacher(start=False)
                 fitted = self.fitted(stage)
                 fp = self.fingerprint(fitted)
+                # Before the cache: a stage whose input this run left empty has nothing to do, whatever an
+                # earlier run of it made (that output is not this run's, and later stages must not read it).
+                unwritten = [p for p in dict.fromkeys(fp.reads) if os.path.realpath(p) in empty]
+                if unwritten and stage.on_empty_inputs == "skip":
+                    print(f"== run: {stage.name} ({stage.run}): skipped, nothing to do: {', '.join(unwritten)} "
+                          "was left empty upstream", file=sys.stderr, flush=True)  # fmt: skip
+                    empty.update(map(os.path.realpath, fp.outputs))
+                    report.append(self._entry(stage, fp, "empty", 0.0))
+                    continue
                 if self.cached(fitted, fp):
                     done = self.state["stages"][stage.name]
-                    empty.update(map(os.path.normpath, done.get("empty", [])))
+                    empty.update(map(os.path.realpath, done.get("empty", [])))
                     status = "empty" if done.get("empty") else "cached"
                     for out in fp.outputs:  # a later run that was killed writing them left its temps
                         remove_dead_temps_of(out)
@@ -549,14 +597,7 @@ class Runner:
                     )
                     report.append(self._entry(stage, fp, status, 0.0))
                     continue
-                unwritten = [p for p in dict.fromkeys(fp.reads) if os.path.normpath(p) in empty]
-                if unwritten and stage.on_empty_inputs == "skip":
-                    print(f"== run: {stage.name} ({stage.run}): skipped, nothing to do: {', '.join(unwritten)} "
-                          "was left empty upstream", file=sys.stderr, flush=True)  # fmt: skip
-                    empty.update(map(os.path.normpath, fp.outputs))
-                    report.append(self._entry(stage, fp, "empty", 0.0))
-                    continue
-                missing = [p for p in fp.missing if os.path.normpath(p) not in empty]
+                missing = [p for p in fp.missing if os.path.realpath(p) not in empty]
                 if missing:
                     raise InputError(self.recipe.path, f"stage {stage.name!r}: missing input(s) {', '.join(missing)} "
                                      "(no earlier stage wrote them)")  # fmt: skip
@@ -600,9 +641,14 @@ class Runner:
                     "summary": result.summary,
                     **({"empty": fp.outputs} if nothing else {}),
                     **({"rejects": result.rejects} if rows_left_out(result.rejects) else {}),
+                    **({"retry": True} if result.retry else {}),
                 }
+                if result.retry:
+                    print(f"metachunk: stage {stage.name!r} left requests a rerun can finish (failed in transport, "
+                          "or not sent); it is recorded, and the next `metachunk run` runs it again, its "
+                          "answers so far from the store", file=sys.stderr)  # fmt: skip
                 if nothing:
-                    empty.update(map(os.path.normpath, fp.outputs))
+                    empty.update(map(os.path.realpath, fp.outputs))
                 self._save_state()
                 report.append(self._entry(stage, fp, "empty" if nothing else "ran", time.perf_counter() - t0))
                 self.write_manifest(report, time.perf_counter() - started)

@@ -172,3 +172,35 @@ def test_the_python_api_takes_hub_ids(hub, tiny_model_dir):
     same = metachunk.Rewriter.from_pretrained(str(tiny_model_dir), max_new_tokens=4)
     assert rewriter(TEXT, chunks) == same(TEXT, chunks)
     assert any("/resolve/" in url for _, url, _, _ in hub.requests)  # downloaded through the Hub
+
+
+def test_a_regeneration_stage_reads_a_hub_dataset_by_its_commit(hub, tmp_path, capsys):
+    """`metachunk run` had taken ``hf://datasets/...`` (folded to ``hf:/`` by its Path field) for a local
+    file nobody writes, and refused the stage: it is fingerprinted by the commit it resolves to."""
+    import yaml
+
+    from metachunk.hub import push_folder
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train-00000-of-00001.jsonl").write_text(json.dumps({"id": "a", "text": TEXT}) + "\n")
+    push_folder(corpus, "someone/corpus", repo_type="dataset", token=TOKEN)
+    recipe = {"name": "hub", "state": str(tmp_path / "state"), "stages": [
+        {"name": "c", "run": "chunk", "config": {"input": "hf://datasets/someone/corpus", "output": str(tmp_path / "c.jsonl"),
+                                                 "method": "sentence", "target_len": 80, "len_unit": "char"}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+
+    def run(*extra) -> str:
+        capsys.readouterr()
+        assert main(["run", str(path), *extra]) == 0, capsys.readouterr().err
+        return capsys.readouterr().err
+
+    assert "== run: c: metachunk chunk" in run()
+    assert "c (chunk): cached, skipped" in run()
+    (corpus / "train-00000-of-00001.jsonl").write_text(
+        json.dumps({"id": "a", "text": TEXT + " More."}) + "\n"
+    )
+    push_folder(corpus, "someone/corpus", repo_type="dataset", token=TOKEN)  # a new commit on main
+    assert "== run: c: metachunk chunk" in run()

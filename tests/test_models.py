@@ -171,3 +171,24 @@ def test_a_model_retrained_into_the_same_folder_has_another_fingerprint(tiny_mod
     )  # same size, other values
     weights.write_bytes(bytes(data))
     assert fingerprint(str(copy))["sha256"] != fingerprint(str(tiny_model_dir))["sha256"]
+
+
+def test_a_chat_template_file_is_part_of_the_fingerprint_and_a_card_is_not(tiny_model_dir, tmp_path):
+    """transformers 5 saves a chat template in chat_template.jinja, and build-sft renders its rows with it:
+    edited, it left `metachunk run` taking the old rows for current. A rewritten card changes no output."""
+    import shutil
+
+    from metachunk.models import fingerprint
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    before = fingerprint(str(copy))["sha256"]
+    (copy / "README.md").write_text("# a card pushed since\n")
+    (copy / ".cache" / "huggingface").mkdir(parents=True)
+    (copy / ".cache" / "huggingface" / "x.lock").write_text("")
+    assert fingerprint(str(copy))["sha256"] == before
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with_template = fingerprint(str(copy))["sha256"]
+    assert with_template != before
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert fingerprint(str(copy))["sha256"] != with_template

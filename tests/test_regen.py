@@ -638,3 +638,118 @@ def test_a_stage_is_fingerprinted_by_the_code_its_command_runs(tmp_path):
     assert "metachunk.distill.run" not in chunk and "metachunk.chunking.sentences" in distill
     assert "metachunk.train.sft" in train and not any(m.startswith("metachunk.train") for m in chunk)
     assert "metachunk.chunking.shards" in chunk and "metachunk.chunking.students" in chunk
+
+
+def test_a_stage_whose_input_is_left_empty_is_skipped_whatever_an_earlier_run_made(
+    sft_dataset, tiny_model_dir, tmp_path, capsys
+):
+    """Trained and exported once; then the training set loses its rows: `train` is empty this time, and
+    the export of its checkpoint has nothing to do. It had been reported cached, and the old export stood
+    for this run's."""
+    import shutil
+
+    dataset = Path(shutil.copytree(sft_dataset, tmp_path / "set"))
+    recipe_file = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
+    train_cfg = {**yaml.safe_load(recipe_file.read_text()), "model_name_or_path": str(tiny_model_dir),
+                 "dataset_name": str(dataset), "output_dir": str(tmp_path / "ckpt"), "eval_strategy": "no",
+                 "report_to": "none", "max_steps": 1, "save_steps": 1}  # fmt: skip
+    recipe = {"name": "emptied", "state": str(tmp_path / "state"), "stages": [
+        {"name": "train", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
+        {"name": "export", "run": "export", "config": {"checkpoint": str(tmp_path / "ckpt"), "out": str(tmp_path / "export")}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 0 and (tmp_path / "export" / "config.json").is_file(), err
+    report = dataset / "build_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "rows": {"train": 0, "validation": 0}}))
+    code, _, err = run(capsys, path)
+    assert code == 0, err
+    assert "nothing to train" in err and "export (export): skipped, nothing to do" in err, err
+    manifest = json.loads((tmp_path / "state" / "regen_manifest.json").read_text())
+    assert [s["status"] for s in manifest["run"]["stages"].values()] == ["empty", "empty"]
+
+
+def test_a_teacher_stage_that_left_requests_unanswered_runs_again_on_the_next_run(tmp_path, capsys, pool,
+                                                                                   tiny_model_dir):  # fmt: skip
+    """A distill stage allowed to exit 4 (its failures recorded) had been recorded as done: the requests that
+    failed in transport were never asked again, though the stage's own message says a rerun retries them."""
+    with serve_in_subprocess(replies=REPLIES, random_faults={"500": 0.6}, seed=3) as server:
+        path = write_recipe(tmp_path, pool, tiny_model_dir, server.base_url)
+        recipe = yaml.safe_load(path.read_text())
+        recipe["stages"] = recipe["stages"][:2]
+        recipe["stages"][1]["allow_exit"] = [0, 4]
+        for teacher in recipe["stages"][1]["config"]["teachers"].values():
+            teacher["max_retries"] = 0
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        code, _, err = run(capsys, path)
+        assert code == 0, err
+        state = json.loads((tmp_path / "state" / "state.json").read_text())
+        assert state["stages"]["rewrite"]["retry"] is True, state["stages"]["rewrite"]
+        assert "runs it again" in err
+        code, out, _ = run(capsys, path, "--plan")
+        assert re.search(r"rewrite\s+distill rewrite\s+runs", out), out
+        code, _, err = run(capsys, path)
+        assert (
+            code == 0
+            and "sample (data sample): cached" in err
+            and "== run: rewrite: metachunk distill" in err
+        )
+
+
+def test_the_plan_runs_what_reads_a_rerun_stage_and_keeps_the_rest_cached(tmp_path, capsys):
+    """Once one stage ran, the plan had said every later one runs, and priced its teacher calls: a stage
+    that reads none of the outputs to be rewritten stays cached, as the run then has it."""
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
+    )
+    docs = tmp_path / "docs.jsonl"
+    recipe = {"name": "plan", "state": str(tmp_path / "state"), "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
+        {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
+                                                     "method": "fixed", "target_len": 80, "lang": "en"}},
+        {"name": "apart", "run": "chunk", "config": {"input": str(rows), "output": str(tmp_path / "apart.jsonl"),
+                                                     "method": "sentence", "target_len": 80, "lang": "en"}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 0, err
+    code, out, _ = run(capsys, path, "--plan", "--rerun", "docs")
+    assert code == 0
+    assert re.search(r"docs\s+data passages\s+runs \(--rerun\)", out) and re.search(
+        r"fixed\s+chunk\s+runs", out
+    ), out
+    assert re.search(r"apart\s+chunk\s+cached", out), out
+
+
+def test_a_second_run_on_one_state_folder_is_refused_and_a_plan_beside_it_saves_nothing(tmp_path, capsys):
+    """Two runs of one recipe had both run every stage, and a `--plan` beside a run saved the state it
+    had read at its start, erasing a stage the run had finished since."""
+    from filelock import FileLock
+
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
+    )
+    recipe = {"name": "locked", "state": str(tmp_path / "state"), "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(tmp_path / "docs.jsonl")}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 0, err
+    state = (tmp_path / "state" / "state.json").read_bytes()
+    with FileLock(tmp_path / "state" / "run.lock", timeout=0):  # another run holds it
+        code, _, err = run(capsys, path, "--rerun", "docs")
+        assert (
+            code == 2
+            and "another `metachunk run` of this recipe is running" in err
+            and "Traceback" not in err
+        )
+        code, out, _ = run(capsys, path, "--plan")
+        assert code == 0 and "cached" in out
+        assert (tmp_path / "state" / "state.json").read_bytes() == state
+    code, _, err = run(capsys, path, "--rerun", "docs")
+    assert code == 0, err
