@@ -388,8 +388,11 @@ class Runner:
 
         if self._teacher is None:
             spec = dict(self.recipe.local_teacher or {"model": "smollm2"})
-            self._teacher = LocalTeacher(spec.get("model", "smollm2"), backend=spec.get("backend", "auto"),
-                                         threads=spec.get("threads"), log=self.state_dir / "teacher.log")  # fmt: skip
+            try:
+                self._teacher = LocalTeacher(spec.get("model", "smollm2"), backend=spec.get("backend", "auto"),
+                                             threads=spec.get("threads"), log=self.state_dir / "teacher.log")  # fmt: skip
+            except RuntimeError as e:  # a model its backend cannot serve: the recipe's field
+                raise InputError(self.recipe.path, f"field 'local_teacher': {e}") from None
             self._teacher_started = False
         if start and not self._teacher_started:
             started = time.perf_counter()

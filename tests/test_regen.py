@@ -753,3 +753,23 @@ def test_a_second_run_on_one_state_folder_is_refused_and_a_plan_beside_it_saves_
         assert (tmp_path / "state" / "state.json").read_bytes() == state
     code, _, err = run(capsys, path, "--rerun", "docs")
     assert code == 0, err
+
+
+def test_a_local_teacher_its_backend_cannot_serve_is_the_recipes_field(tmp_path, capsys):
+    text = SENTENCES[0]
+    docs, chunks = tmp_path / "docs.jsonl", tmp_path / "chunks.jsonl"
+    docs.write_text(json.dumps({"id": "d", "text": text}) + "\n")
+    chunks.write_text(
+        json.dumps({"id": "d", "chunks": [{"text": text, "start": 0, "end": len(text)}]}) + "\n"
+    )
+    teacher = {"model": "m"}
+    recipe = {"name": "teacher", "state": str(tmp_path / "state"),
+              "local_teacher": {"model": "nonexistent-model", "backend": "llama.cpp"},
+              "stages": [{"name": "summary", "run": "distill summary", "local_teacher": True,
+                          "config": {"chunks": str(chunks), "documents": str(docs), "out": str(tmp_path / "d"),
+                                     "teachers": {s: teacher for s in ("summary_global", "summary_local", "summary_fuse")}}}]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 2 and f"{path}: field 'local_teacher': the llama.cpp backend serves" in err, err
+    assert "Traceback" not in err
