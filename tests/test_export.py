@@ -124,7 +124,8 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
         f"| final training loss | {facts['final_train_loss']:.4f} |",
         f"| final validation loss | {facts['final_eval_loss']:.4f} |",
         "| optimizer steps | 2 |",
-        f"| training rows | {facts['rows']} |",
+        f"| rows in the training set | {facts['rows']} |",
+        "| epochs trained | ",
         f"| training tokens | {facts['tokens']:,} |",
         f"| completion tokens (carrying the loss) | {facts['completion_tokens']:,} |",
         f"- Base model: `…/{tiny_model_dir.name}`",  # an absolute path shows only its last part
@@ -138,7 +139,8 @@ def test_export_of_a_trained_run_reloads_generates_and_has_a_true_card(
         "![Training and validation loss](loss.png)",
         "--rewrite path/to/rewriter",
         "Evaluation beyond the validation loss: not recorded.",
-        "- Trained on 11 rows for 2 optimizer steps.",
+        "- Trained on a set of 11 rows (",  # (E epochs of them): 2 steps of a batch see part of it
+        " for 2 optimizer steps.",
     ):
         assert line in card, line
     # the recipe: the run's arguments, an absolute path by its last part (shlex quotes the "…")

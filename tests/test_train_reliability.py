@@ -254,7 +254,8 @@ def test_rows_longer_than_max_length_are_dropped_not_cut(sft_dataset, tiny_model
     export(ExportConfig(checkpoint=out, out=tmp_path / "exported"), progress=lambda msg: None)
     card = (tmp_path / "exported" / "README.md").read_text()
     assert (
-        f"- Rows used in training: {len(train) - over} ({over} more dropped: longer than max_length);" in card
+        f"- Training rows (that fit max_length): {len(train) - over} ({over} more dropped: longer than max_length);"
+        in card
     )
     assert "| precision | float32 weights, no mixed precision |" in card
 

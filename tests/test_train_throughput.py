@@ -153,7 +153,8 @@ def test_cpu_smoke_run_logs_throughput_and_records_it(sft_dataset, tiny_model_di
 
     out = tmp_path / "run"
     argv = ["--config", str(RECIPE), "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(sft_dataset),
-            "--output_dir", str(out), "--max_steps", "3", "--max_length", "4096"]  # fmt: skip
+            "--output_dir", str(out), "--max_steps", "3", "--max_length", "4096", "--save_strategy", "steps",
+            "--save_steps", "2"]  # fmt: skip
     assert main(argv) == 0
     captured = capsys.readouterr()
     printed = captured.out + captured.err
@@ -205,6 +206,12 @@ def test_cpu_smoke_run_logs_throughput_and_records_it(sft_dataset, tiny_model_di
     assert f"| training throughput (tokens/s, all devices) | {summary['tokens_per_second']:,.1f} |" in text
     assert f"| model TFLOP/s per device | {summary['tflops_per_device']:.4g} |" in text
     assert "| MFU | n/a: no dense bf16 peak known for cpu" in text
+    # an export of checkpoint-2 is not vouched for by the speed of steps 2-3
+    early = export(
+        ExportConfig(checkpoint=out / "checkpoint-2", out=tmp_path / "early"), progress=lambda m: None
+    ).out
+    text = (early / "README.md").read_text()
+    assert "training throughput" not in text and "| optimizer steps | 2 |" in text
 
 
 def test_flops_under_lora_count_the_frozen_weights_forward_and_input_gradient_only():

@@ -62,6 +62,7 @@ def results(run: Run) -> dict:
         "final_train_loss": last_logged(run.log, "loss") if run.log else facts.get("final_train_loss"),
         "final_eval_loss": last_logged(run.log, "eval_loss") if run.log else facts.get("final_eval_loss"),
         "global_steps": run.global_step,
+        "epochs": last_logged(run.log, "epoch"),  # how far through the rows the steps went (0.27: not all)
         "train_runtime_s": last_logged(run.log, "train_runtime") or facts.get("train_runtime_s"),
     }
 
@@ -243,7 +244,7 @@ def _data_section(run: Run, dataset_id: str | None) -> str:
         f"- Dataset license: {report.get('license') or NOT_RECORDED} (the model's own, in the front matter, "
         "is its base model's)",
         f"- Teacher models: {', '.join(teachers) if teachers else NOT_RECORDED}",
-        f"- Rows used in training: {_value(run.facts.get('rows'))}"
+        f"- Training rows (that fit max_length): {_value(run.facts.get('rows'))}"
         + (f" ({over:,} more dropped: longer than max_length)" if over else "")
         + f"; {_value(run.facts.get('tokens'))} tokens, of which {_value(run.facts.get('completion_tokens'))} "
         "completion tokens carry the loss",
@@ -303,11 +304,13 @@ def _results_section(run: Run, export_facts: dict) -> str:
         ["final training loss", _value(r["final_train_loss"])],
         ["final validation loss", _value(r["final_eval_loss"])],
         ["optimizer steps", _value(r["global_steps"])],
-        ["training rows", _value(run.facts.get("rows"))],
+        ["epochs trained", _value(r["epochs"])],
+        ["rows in the training set", _value(run.facts.get("rows"))],
         ["training tokens", _value(run.facts.get("tokens"))],
         ["completion tokens (carrying the loss)", _value(run.facts.get("completion_tokens"))],
         ["training time (s)", _value(r["train_runtime_s"])],
-        *_throughput_rows(run.facts.get("throughput")),
+        # the run's speed, measured over its own steps: not said of an export of an earlier checkpoint
+        *(_throughput_rows(run.facts.get("throughput")) if run.checkpoint_step is None else []),
     ]
     text = "## Results\n\nLosses are mean cross-entropy per completion token.\n\n" + markdown.table(
         ["", "value"], rows
@@ -375,8 +378,9 @@ def _limitations(run: Run) -> str:
     facts, r = run.facts, results(run)
     report = facts.get("dataset_report") or {}
     rows, steps = facts.get("rows"), r["global_steps"]
+    seen = f" ({r['epochs']:.2f} epochs of them)" if isinstance(r["epochs"], (int, float)) else ""
     items = [
-        f"Trained on {_value(rows)} rows for {_value(steps)} optimizer steps"
+        f"Trained on a set of {_value(rows)} rows{seen} for {_value(steps)} optimizer steps"
         + (
             f" (this export is the checkpoint at step {run.checkpoint_step})."
             if run.checkpoint_step is not None
