@@ -401,6 +401,8 @@ def test_unset_activation_checkpointing_is_trls_default_under_its_own_name(tmp_p
         _, sft_args = parse_args(base)
         assert sft_args.activation_checkpointing is True and sft_args.gradient_checkpointing is True
         # every spelling argparse takes: the default appended after it had overridden a dashed one
+        _, by_equals = parse_args([f"--config={recipe}", *base[2:]])  # one word, as argparse takes it
+        assert by_equals.learning_rate == sft_args.learning_rate and by_equals.use_cpu
         for given in (["--activation_checkpointing", "false"], ["--activation_checkpointing=false"],
                       ["--activation-checkpointing", "false"]):  # fmt: skip
             _, sft_args = parse_args(base + given)

@@ -374,3 +374,6 @@ def test_make_wheelhouse_passes_its_variables():
     real = recipe()
     assert "--dest dist/wheelhouse --python-version 3.12 --platform manylinux_2_28_x86_64" in real
     assert "--dry-run" not in real and "--node-freeze" not in real
+    for no in ("DRY_RUN=0", "DRY_RUN=no", "DRY_RUN=false"):  # "no" had meant a dry run
+        assert "--dry-run" not in recipe(no), no
+    assert "--dry-run" in recipe("DRY_RUN=yes")

@@ -98,7 +98,10 @@ def parse_args(argv: list[str] | None = None, check_inputs: bool = True):
     from metachunk.train.distributed import check_deepspeed_file
     from trl import SFTConfig, TrlParser
 
-    argv = shipped_config(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # TrlParser finds the recipe as the word after "--config" only: --config=FILE had been left unread
+    argv = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
+    argv = shipped_config(argv)
     recipe = read_recipe(argv)  # TrlParser reads it too, but a missing file or bad YAML is a traceback there
     check_value_types(recipe, argv, (ModelDataArguments, SFTConfig))
     check_renamed(recipe, argv)
