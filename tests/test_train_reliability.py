@@ -626,3 +626,19 @@ def test_help_names_the_command_and_the_recipe(capsys):
     assert out.startswith("usage: metachunk train --config RECIPE.yaml")
     assert "deepspeed --module metachunk.train --config RECIPE.yaml" in out
     assert "a Hub id ORG/NAME" in out
+
+
+def test_a_shard_cut_short_is_named_before_the_model_loads(
+    sft_dataset, tiny_model_dir, tmp_path, capsys, no_model_load
+):
+    """datasets' DatasetGenerationError named no file."""
+    import shutil
+
+    dataset = Path(shutil.copytree(sft_dataset, tmp_path / "ds"))
+    shard = sorted((dataset / "data").glob("train-*.parquet"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    argv = ["--config", str(RECIPE), "--dataset_name", str(dataset), "--output_dir", str(tmp_path / "o"),
+            "--model_name_or_path", str(tiny_model_dir)]  # fmt: skip
+    status, err = _cli(argv, capsys)
+    assert status == 2, err
+    _one_line_error(err, f"field 'dataset_name': {shard} does not read as parquet")

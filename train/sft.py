@@ -597,11 +597,29 @@ def last_whole_checkpoint(output_dir: Path) -> str | None:
     return None
 
 
+def load_dataset_named(folder: str):
+    """``datasets.load_dataset(folder)``, each parquet shard's footer read first: a shard cut short (by a
+    copy, say) is a ValueError naming it. datasets' own DatasetGenerationError names no file, and its
+    cache may serve the rows of an earlier, whole copy of the folder without reading the shards."""
+    import pyarrow.parquet as pq
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    for shard in sorted(Path(folder).glob("data/*.parquet")):
+        try:
+            pq.read_metadata(shard)
+        except Exception as bad:  # noqa: BLE001 - pyarrow's errors for a broken file are of several kinds
+            raise ValueError(f"field 'dataset_name': {shard} does not read as parquet ({bad})") from None
+    try:
+        return load_dataset(folder)
+    except DatasetGenerationError as e:
+        raise ValueError(f"field 'dataset_name': {folder} does not load ({e.__cause__ or e})") from None
+
+
 def load_rows(model_args: ModelDataArguments, sft_args):
     """``(model_dir, tokenizer, train_set, eval_set, over)``, everything checked before the model loads: the model
     exists, its tokenizer has a chat template, and the rows fit ``max_length`` (``over``: how many did not, per
     split; they are dropped)."""
-    from datasets import load_dataset
     from transformers import AutoTokenizer
 
     from metachunk.models import resolve
@@ -609,7 +627,7 @@ def load_rows(model_args: ModelDataArguments, sft_args):
     model_dir = str(resolve(model_args.model_name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=sft_args.trust_remote_code)
     rendering = chat_template_tokenizer(tokenizer, sft_args, model_dir)
-    data = load_dataset(model_args.dataset_name)
+    data = load_dataset_named(model_args.dataset_name)
     keep = ["prompt", "completion"]  # the metadata columns stay in the dataset, not in the batches
     train_set = data["train"].select_columns(keep)
     if model_args.max_train_rows:
