@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import bisect
 import re
+import threading
 
 import pysbd
+import regex
 from metachunk.chunking.types import Sentence
 
 LANGS = ("zh", "en", "auto")
@@ -84,7 +86,30 @@ _ASCII_TERMINATOR_RE = re.compile(r"[.!?]")
 # pysbd is fed at most about this many characters at a time: its time per character grows with the
 # text it is given, so a long paragraph in one call takes seconds.
 _PYSBD_BLOCK = 1000
-_SEGMENTER = pysbd.Segmenter(language="en", clean=False)
+# One pysbd Segmenter per thread: segment() keeps the text it was given on the instance and reads it back,
+# so a segmenter shared by threads (one chunker under a thread pool, chonkie's achunk) lost boundaries.
+_SEGMENTERS = threading.local()
+
+
+_GRAPHEME = regex.compile(r"\X")  # an extended grapheme cluster (Unicode UAX #29), as regex matches it
+
+
+def _grapheme_cut(text: str, first: int, limit: int) -> int:
+    """The last grapheme boundary after ``first`` and at or before ``limit``, counted from ``first``
+    (a boundary); the end of the first grapheme when that one alone runs past ``limit``."""
+    cut = None
+    for m in _GRAPHEME.finditer(text, first):
+        if m.end() > limit:
+            return m.end() if cut is None else cut
+        cut = m.end()
+    return len(text) if cut is None else cut
+
+
+def _segmenter() -> pysbd.Segmenter:
+    segmenter = getattr(_SEGMENTERS, "segmenter", None)
+    if segmenter is None:
+        segmenter = _SEGMENTERS.segmenter = pysbd.Segmenter(language="en", clean=False)
+    return segmenter
 
 
 def detect_lang(text: str) -> str:
@@ -241,7 +266,7 @@ def _segment_spans(para: str, pos: int, end: int) -> list[tuple[int, int]]:
     Segments that are not found are skipped; the spans found are strictly increasing.
     """
     try:
-        segments = _SEGMENTER.segment(para[pos:end])
+        segments = _segmenter().segment(para[pos:end])
     except Exception:  # pysbd bug on odd input: fall back to the simple ASCII rule
         return _fallback_spans(para, pos, end)
     spans: list[tuple[int, int]] = []
@@ -274,7 +299,8 @@ def _fallback_spans(para: str, pos: int, end: int) -> list[tuple[int, int]]:
 def _cap(text: str, start: int, end: int, max_chars: int) -> list[Sentence]:
     """Cut the sentence ``text[start:end]`` into pieces of at most ``max_chars`` characters.
 
-    Cuts go at the last word start within the limit, else hard at the limit. Whitespace is never
+    Cuts go at the last word start within the limit, else at the last grapheme boundary within it (a
+    grapheme longer than the limit is kept whole). Whitespace is never
     split off on its own (see `split_sentences`), so the limit counts from the first
     non-whitespace character and a piece may end with extra whitespace.
     """
@@ -295,7 +321,8 @@ def _cap(text: str, start: int, end: int, max_chars: int) -> list[Sentence]:
         elif text[limit].isspace():
             # The limit falls in a whitespace run: keep the run as trailing whitespace.
             cut = word_starts[bisect.bisect_right(word_starts, limit)]
-        else:
-            cut = limit
+        else:  # no space to cut at: the last grapheme boundary at or before the limit (never inside an
+            # emoji sequence or before a combining mark), or the first one after it for a longer grapheme
+            cut = _grapheme_cut(text, first, limit)
         pieces.append(Sentence(start, cut))
         start = first = cut

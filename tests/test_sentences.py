@@ -309,3 +309,31 @@ def test_200k_mixed_document_tiles(news_docs: list[str], emma_doc: tuple[str, li
     doc = (zh[:100_000] + "\n\n" + en * (100_000 // len(en) + 1))[:200_000]
     sentences = split_sentences(doc)
     assert_contract(doc, sentences)
+
+
+def test_threads_splitting_at_once_get_the_boundaries_one_thread_gets():
+    """pysbd's Segmenter keeps the text it was given on the instance and reads it back: one segmenter
+    shared by threads (a chunker under a thread pool, chonkie's achunk) lost boundaries in 21 of 40
+    documents. Each thread has its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from metachunk.chunking.sentences import split_sentences
+
+    docs = [" ".join(f"Document {d} says thing {k} plainly. Mr. Knightley agreed with it!" for k in range(15))
+            for d in range(40)]  # fmt: skip
+    alone = [split_sentences(doc, "en") for doc in docs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda doc: split_sentences(doc, "en"), docs))
+    assert together == alone
+
+
+@pytest.mark.parametrize("text", ["👨\u200d👩\u200d👧\u200d👦" * 800, "x" + "e\u0301" * 2000, "🇫🇷" * 1000])
+def test_a_long_run_without_spaces_is_cut_between_graphemes(text):
+    import regex
+    from metachunk.chunking.sentences import split_sentences
+
+    pieces = split_sentences(text, "en", max_chars=1500)
+    assert len(pieces) > 1 and "".join(text[p.start : p.end] for p in pieces) == text
+    boundaries = {m.end() for m in regex.finditer(r"\X", text)}
+    assert all(p.end in boundaries for p in pieces), [p.end for p in pieces]
+    assert all(p.end - p.start <= 1500 for p in pieces)
