@@ -95,9 +95,20 @@ class TextChunker:
     def __init__(self, **settings):
         if settings.get("device") is not None and not isinstance(settings["device"], str):
             settings["device"] = str(settings["device"])  # a torch.device
+        corpus_wide = [k for k in CORPUS_SETTINGS if settings.get(k) is not None]
+        if corpus_wide:  # fitted over a whole corpus by `metachunk chunk`; here it would do nothing
+            raise ValueError(
+                f"{corpus_wide[0]} fits target_len to a whole corpus, which `metachunk chunk` reads; a chunker "
+                "takes target_len (the fitted one is in that run's manifest)"
+            )
         with as_arguments():
             self.config = ChunkConfig(method=self.method, **settings)
         self._chunker = Chunker(self.config, progress=False)
+
+    def __reduce__(self):
+        """Pickled (multiprocessing, Ray, LlamaIndex's workers) and deep-copied as its config: the copy
+        loads its own model, where the original's threads and loader cannot be pickled."""
+        return _rebuilt, (type(self), self.config)
 
     def __call__(self, text: str) -> list[Chunk]:
         """The chunks of ``text``, in order, each ``text[chunk.start:chunk.end]``."""
@@ -131,12 +142,35 @@ class TextChunker:
         self.close()
 
     def __repr__(self) -> str:
-        """``target_len`` and the settings that differ from the defaults."""
-        default = {f.name: f.default for f in dataclasses.fields(ChunkConfig)}
+        """``target_len`` and the settings that differ from the defaults (a block's, such as MoC's router
+        and experts or LumberChunker's teacher, against its default block)."""
+
+        def default(f: dataclasses.Field):
+            return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
         changed = [f"{f.name}={getattr(self.config, f.name)!r}" for f in dataclasses.fields(self.config)
-                   if f.name not in ("method", "target_len") and f.default is not dataclasses.MISSING
-                   and getattr(self.config, f.name) != default[f.name]]  # fmt: skip
+                   if f.name not in ("method", "target_len") and getattr(self.config, f.name) != default(f)]  # fmt: skip
         return f"{type(self).__name__}({', '.join([f'target_len={self.config.target_len!r}', *changed])})"
+
+
+# ChunkConfig's fields a corpus run fits over all its documents (`chunking/pipeline.fit_target_len`).
+CORPUS_SETTINGS = ("mean_chunk_chars", "mean_chunk_chars_of")
+
+
+def _rebuilt(cls: type[TextChunker], config: ChunkConfig) -> TextChunker:
+    """A chunker of class ``cls`` with ``config`` (`TextChunker.__reduce__`)."""
+    chunker = cls.__new__(cls)
+    chunker.config = config
+    chunker._chunker = Chunker(config, progress=False)
+    return chunker
+
+
+def split_options(options: Mapping, block: type) -> tuple[dict, dict]:
+    """``(block's fields, ChunkConfig's)`` of a chunker's keyword arguments: MoC's and LumberChunker's own
+    settings (``max_new_tokens``, ``tokens``) beside the ones every chunker takes (``len_unit``,
+    ``batch_size``)."""
+    own = {f.name for f in dataclasses.fields(block)}
+    return {k: v for k, v in options.items() if k in own}, {k: v for k, v in options.items() if k not in own}
 
 
 class PPLChunker(TextChunker):
@@ -239,7 +273,8 @@ class SemanticChunker(TextChunker):
 class MoCChunker(TextChunker):
     """Mixture of Chunkers: the router picks a granularity per window, its expert writes the chunks
     (``experts``: four models, labels 0-3; the same one may repeat). ``options``:
-    [`MocOptions`][metachunk.chunking.moc.MocOptions] fields (``anchored=True``, ``max_new_tokens``, ...).
+    [`MocOptions`][metachunk.chunking.moc.MocOptions] fields (``anchored=True``, ``max_new_tokens``, ...),
+    and the settings every chunker takes (``len_unit``, ``batch_size``).
 
     ```pycon
     >>> chunker = MoCChunker(router=model, experts=[model] * 4, target_len=40, lang="en")  # trained students
@@ -255,8 +290,9 @@ class MoCChunker(TextChunker):
     def __init__(self, router: str, experts: Sequence[str] | str, *, lang: str = "auto", target_len: int | None = None,
                  dtype: str = "auto", device: str | None = None, **options):  # fmt: skip
         experts = experts if isinstance(experts, str) else ",".join(experts)
+        options, settings = split_options(options, MocOptions)
         super().__init__(moc=MocOptions(router=router, experts=experts, **options), lang=lang,
-                         target_len=target_len, dtype=dtype, device=device)  # fmt: skip
+                         target_len=target_len, dtype=dtype, device=device, **settings)  # fmt: skip
 
 
 class LumberChunker(TextChunker):
@@ -294,8 +330,9 @@ class LumberChunker(TextChunker):
             from metachunk.artifacts import cache_dir
 
             options["cache"] = cache_dir() / "lumber" / "answers.sqlite"
+        options, settings = split_options(options, LumberOptions)
         super().__init__(lumber=LumberOptions(teachers={"lumber": dict(block)}, prices=dict(prices or {}) or None,
-                                              **options), lang=lang)  # fmt: skip
+                                              **options), lang=lang, **settings)  # fmt: skip
 
 
 class TrainedStudent:

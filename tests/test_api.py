@@ -226,3 +226,42 @@ def test_a_chunkers_repr_shows_what_was_set():
         "SentenceChunker(target_len=40, lang='en', len_unit='char')"
     )
     assert repr(metachunk.FixedChunker(1)) == "FixedChunker(target_len=1)"
+
+
+def test_a_chunker_pickles_and_copies_as_its_config(tiny_model_dir):
+    """multiprocessing, Ray and LlamaIndex's workers pickle a chunker; no chunker could be pickled or
+    deep-copied (its thread state and model loader). The copy loads its own model and cuts alike."""
+    import copy
+    import pickle
+
+    for chunker in (
+        metachunk.FixedChunker(24, len_unit="char"),
+        metachunk.PPLChunker(str(tiny_model_dir), target_len=60, len_unit="char", lang="en"),
+    ):
+        text = "Emma was clever. She was rich. Her home was Hartfield. She had few troubles."
+        for twin in (pickle.loads(pickle.dumps(chunker)), copy.deepcopy(chunker)):
+            assert type(twin) is type(chunker) and twin.config == chunker.config
+            assert twin(text) == chunker(text)
+
+
+def test_a_corpus_wide_setting_is_refused_by_a_chunker():
+    """mean_chunk_chars is fitted over a corpus by `metachunk chunk`: a chunker had taken it and done
+    nothing with it (the mean came out at 43 for 100 asked), or failed inside (target_len None)."""
+    for make in (lambda: metachunk.SentenceChunker(None, mean_chunk_chars=100),
+                 lambda: metachunk.FixedChunker(10, mean_chunk_chars_of="run.jsonl")):  # fmt: skip
+        with pytest.raises(ValueError, match="fits target_len to a whole corpus"):
+            make()
+
+
+def test_moc_and_lumber_take_the_settings_every_chunker_takes(tiny_model_dir):
+    """Every keyword had gone to MoC's or LumberChunker's own options: len_unit, batch_size or target_len
+    raised TypeError. The repr shows the block that makes the chunker what it is."""
+    model = str(tiny_model_dir)
+    moc = metachunk.MoCChunker(model, [model] * 4, len_unit="char", batch_size=2, max_new_tokens=8)
+    assert moc.config.len_unit == "char" and moc.config.batch_size == 2 and moc.config.moc.max_new_tokens == 8
+    assert f"router={model!r}" in repr(moc)
+    lumber = metachunk.LumberChunker({"model": "gpt-x", "base_url": "http://127.0.0.1:9/v1"}, target_len=100,
+                                     tokens=300, cache="answers.sqlite")  # fmt: skip
+    assert lumber.config.target_len == 100 and lumber.config.lumber.tokens == 300
+    assert "gpt-x" in repr(lumber)
+    lumber.close()

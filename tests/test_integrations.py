@@ -98,3 +98,36 @@ def test_a_chonkie_chunker_in_chonkies_interface(sentences):
         [(c.text, c.start, c.end) for c in sentences(t)] for t in (EN, ZH, REPEATED)
     ]
     assert "".join(c.text for c in batch[2]) == REPEATED
+
+
+def test_a_llama_index_parser_says_its_chunker_in_its_cache_key_and_survives_pickling(sentences):
+    """An IngestionPipeline's cache keys each step by its to_dict(): without the chunker in it, any two
+    parsers read alike, and a cached run gave one parser's nodes for another's. Its workers pickle the
+    parser, which had dropped the chunker (num_workers=2 raised AttributeError)."""
+    import pickle
+
+    from metachunk.integrations.llama_index_parser import MetachunkNodeParser
+
+    a = MetachunkNodeParser.from_chunker(sentences)
+    b = MetachunkNodeParser.from_chunker(metachunk.FixedChunker(500))
+    assert a.to_dict() != b.to_dict() and "SentenceChunker" in str(a.to_dict())
+    twin = pickle.loads(pickle.dumps(a))
+    assert [n.text for n in twin.get_nodes_from_documents([_doc(EN)])] == [
+        n.text for n in a.get_nodes_from_documents([_doc(EN)])
+    ]
+    with pytest.raises(ValueError, match="needs a chunker"):
+        MetachunkNodeParser()
+
+
+def _doc(text: str):
+    from llama_index.core import Document
+
+    return Document(text=text)
+
+
+def test_langchain_metadatas_must_match_the_texts(sentences):
+    from metachunk.integrations.langchain_splitter import MetachunkTextSplitter
+
+    splitter = MetachunkTextSplitter(sentences, chunk_overlap=0)  # LangChain's own argument, ignored
+    with pytest.raises(ValueError, match="metadatas: 1 for 2 texts"):
+        splitter.create_documents([EN, ZH], [{"k": 0}])

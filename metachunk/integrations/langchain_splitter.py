@@ -31,6 +31,7 @@ class MetachunkTextSplitter(TextSplitter):
         self, chunker, *, add_start_index: bool = True, strip_whitespace: bool = True, **kwargs: Any
     ):
         # chunk_size/overlap are the chunker's business; LangChain's base only checks them.
+        kwargs.pop("chunk_overlap", None)
         super().__init__(chunk_size=max(kwargs.pop("chunk_size", 1), 1), chunk_overlap=0,
                          add_start_index=add_start_index, strip_whitespace=strip_whitespace, **kwargs)  # fmt: skip
         self.chunker = chunker
@@ -60,6 +61,8 @@ class MetachunkTextSplitter(TextSplitter):
         (``metadatas``, in the same order) with ``start_index``, the chunk's offset in its text
         (``add_start_index``)."""
         metadatas = metadatas or [{}] * len(texts)
+        if len(metadatas) != len(texts):  # zip would drop the texts past the last metadata
+            raise ValueError(f"metadatas: {len(metadatas)} for {len(texts)} texts; give one per text")
         documents = []
         for text, metadata in zip(texts, metadatas):
             for piece, start in self._pieces(text):

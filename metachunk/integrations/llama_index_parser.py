@@ -32,7 +32,17 @@ class MetachunkNodeParser(NodeParser):
     chunker: Any = Field(
         default=None, exclude=True, description="a metachunk chunker: chunker(text) -> chunks"
     )
+    # What the chunker is, in the parser's serialised form: an IngestionPipeline's cache keys each step by
+    # its to_dict(), and without it any two chunkers read alike (a cached run handed one parser's nodes
+    # to another). A metachunk chunker's repr names its method, model and changed settings.
+    chunker_spec: str = Field(default="", description="the chunker, as its repr says it")
     _spans: dict = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: Any) -> None:
+        super().model_post_init(context)
+        if self.chunker is None:
+            raise ValueError("MetachunkNodeParser needs a chunker: MetachunkNodeParser.from_chunker(chunker)")
+        self.chunker_spec = repr(self.chunker)
 
     @classmethod
     def from_chunker(cls, chunker, **kwargs: Any) -> MetachunkNodeParser:
