@@ -285,9 +285,12 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
             finally:
                 output.settle()
             raise
+    # the workers that ran: no more than the pending shards, and one where a length fit chunked in-process
+    started = 0 if not pending else 1 if worker is not None else min(cfg.workers, len(pending))
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
-        "workers": cfg.workers,
+        "workers": started,
+        "workers_asked": cfg.workers,
         "threads_per_worker": cfg.threads_per_worker,
         "streams": cfg.streams,
         "device": cfg.device,

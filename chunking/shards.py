@@ -558,7 +558,18 @@ def recorded_config(cfg) -> dict:
         from metachunk.models import default_device, pick_dtype
 
         computed["dtype"] = pick_dtype("auto", str(cfg.device or default_device()))[0]
-    return computed
+    # What the run does not read is not its config: a fixed-size folder had been refused a resume when
+    # only --model (or --msp-prompt) differed. The model counts where the run reads it (`reads`: PPL and
+    # MSP, or the tokenizer of --len-unit token).
+    students = cfg.students.rewrite or cfg.students.summarize
+    unused = {k for k, unread in (("model", cfg.model not in reads(cfg).models),
+                                  ("msp_mode", cfg.method != "msp"), ("msp_prompt", cfg.method != "msp"),
+                                  ("embedder", cfg.method != "semantic"
+                                   and not (students and cfg.students.context == "related"))) if unread}  # fmt: skip
+    for method in ("moc", "lumber"):
+        if cfg.method != method:
+            unused |= config.block_keys(type(cfg), method)
+    return {k: v for k, v in computed.items() if k not in unused}
 
 
 def manifest_head(cfg, source: DocumentSource, index: SourceIndex, plan: ShardPlan) -> dict:

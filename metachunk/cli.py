@@ -13,6 +13,7 @@ table to the regeneration runner (`registry`), which runs each stage through it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from metachunk import config
@@ -281,6 +282,8 @@ def _invoke(argv: list[str]) -> Result:
         print(redact(f"metachunk: error: {e.filename}: a file, where a folder is to be written ({e.strerror})"),
               file=sys.stderr)  # fmt: skip
         return Result(2)
+    except BrokenPipeError:  # `metachunk ... | head`: the reader has gone, and wants no more and no message
+        return Result(reader_gone())
     except OSError as e:  # a full disk, no permission: one line in the system's words, with the path
         where = f"{e.filename}: " if e.filename else ""
         print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)
@@ -321,8 +324,22 @@ def registry() -> Registry:
     return Registry(COMMANDS, parse, invoke, config.computed)
 
 
+def reader_gone() -> int:
+    """The exit status when stdout's reader has gone (``| head``), stdout pointed at devnull so that the
+    interpreter's own flush at exit does not fail again, as Python advises
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + 13  # as a process killed by SIGPIPE: the status a shell gives `yes | head`
+
+
 def main(argv: list[str] | None = None) -> int:
-    return invoke(sys.argv[1:] if argv is None else list(argv)).exit
+    status = invoke(sys.argv[1:] if argv is None else list(argv)).exit
+    try:
+        sys.stdout.flush()  # what is still buffered goes now, where a closed pipe can be told apart
+    except BrokenPipeError:
+        return reader_gone()
+    return status
 
 
 if __name__ == "__main__":

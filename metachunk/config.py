@@ -484,6 +484,12 @@ def runtime(cfg) -> dict:
     return {k: v for k, v in to_dict(cfg).items() if k not in decides}
 
 
+def block_keys(cls, block_name: str) -> set[str]:
+    """The top-level keys (and flags, without ``--``) of block ``block_name``'s fields: ``moc_top_p``,
+    and ``router`` where the block names one without its prefix."""
+    return {name for name, (owner, _, _) in _flat_fields(cls).items() if owner == block_name}
+
+
 def computed(cfg) -> dict:
     """The settings that decide what a run makes: [`to_dict`][metachunk.config.to_dict] less every field marked
     ``runtime=True``, in nested blocks (teacher blocks) too. Fingerprints hash this. A file of a

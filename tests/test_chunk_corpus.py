@@ -599,7 +599,8 @@ def test_data_sample_chunks_through_the_shards_and_a_rerun_resumes(tmp_path, cap
     first = sample(cfg)
     chunks = (tmp_path / "s" / "chunks.jsonl").read_bytes()
     manifest = json.loads((tmp_path / "s" / "ppl" / "manifest.json").read_text())
-    assert manifest["complete"] and read_run_log(tmp_path / "s" / "ppl")[-1]["workers"] == 2
+    ran = read_run_log(tmp_path / "s" / "ppl")[-1]
+    assert manifest["complete"] and ran["workers_asked"] == 2 and ran["workers"] == 1  # one shard: one worker
     assert first["documents"] == 12 == manifest["summary"]["documents"]
     capsys.readouterr()
     assert sample(cfg)["selected_chunks"] == first["selected_chunks"]
@@ -680,3 +681,19 @@ def test_a_byte_order_mark_opening_a_file_is_not_text(tmp_path, name):
         assert texts == [r["text"] for r in rows]  # a BOM inside a later text is text
         index = source.scan(every=1)
         assert [d.text for d in source.documents(1, 2, index)] == [rows[1]["text"]]
+
+
+def test_a_setting_the_method_does_not_read_does_not_refuse_a_resume(tmp_path, capsys, emma, tiny_model_dir):
+    """A fixed-size folder had been refused a rerun ("changed: config: model") when only --model or
+    --msp-prompt differed, settings fixed-size chunking never reads; one it reads still refuses. The run
+    log says how many workers ran (one shard: one), beside how many were asked for."""
+    src = write_jsonl(tmp_path / "emma.jsonl", emma[:10])
+    out = tmp_path / "fixed"
+    args = [src, "-o", out, "--method", "fixed", "--target-len", 80, "--len-unit", "char", "--shards", 1]
+    rc, err = chunk(capsys, *args, "--workers", 4)
+    assert rc == 0, err
+    assert read_run_log(out)[-1]["workers"] == 1 and read_run_log(out)[-1]["workers_asked"] == 4
+    rc, err = chunk(capsys, *args, "--model", tiny_model_dir, "--msp-prompt", "table7", "--moc-top-p", 0.5)
+    assert rc == 0 and "resuming: 1 of 1 shards done" in err, err
+    rc, err = chunk(capsys, *args[:-4], "--target-len", 81, "--len-unit", "char", "--shards", 1)
+    assert rc == 2 and "changed: config: target_len" in err, err

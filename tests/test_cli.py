@@ -690,3 +690,16 @@ def test_a_mistyped_flag_is_answered_by_its_commands_parser_with_the_nearest_fla
     err = capsys.readouterr().err
     assert e.value.code == 2 and "metachunk chunk: error: unrecognized arguments: --target-length 80" in err
     assert "did you mean --target-len?" in err and "usage: metachunk chunk" in err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`metachunk ... | head -1`: "metachunk: error: Broken pipe" and exit 1 had followed; a pipe's reader
+    that has gone wants no message. The status is a SIGPIPE's, as a shell gives `yes | head`."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "metachunk", "models", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdout.close()  # the reader goes before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
