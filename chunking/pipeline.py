@@ -215,7 +215,7 @@ class ChunkConfig:
         None,
         "ppl: forward batches run side by side, in threads that share the model and split the torch "
         "threads evenly; default on CPU the most streams, up to 8, that split the torch threads evenly "
-        "(2 threads: 2 of 1; 12: 6 of 2; faster than one batch on all threads), 1 on GPU. Which batch runs in which stream is fixed by the plan, so a rerun gives the same output",
+        "(2 torch threads: 2 streams of 1 thread; 12: 6 streams of 2; faster than one batch on all threads), 1 on GPU. Which batch runs in which stream is fixed by the plan, so a rerun gives the same output",
         runtime=True,
     )
     attn_implementation: str = option(

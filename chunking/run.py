@@ -166,7 +166,8 @@ def chunk_file(cfg, goal: float | None, progress: bool = True) -> dict:
             "engine": "local",
             "workers": 1,
             "seconds": round(seconds, 2),
-            "model_load_seconds": round(load_s, 2),
+            # a method without a model spends them on its set-up (imports, a tokenizer), not a load
+            ("model_load_seconds" if models else "setup_seconds"): round(load_s, 2),
             # the method's block (dtype, scoring; moc, lumber: windows, requests ...) and the students'
             **({"workers_report": [report]} if report else {}),
         }

@@ -117,15 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> list[str]:
     for old, new in getattr(cls, "RENAMED", {}).items():
         parser.add_argument(_flag(old), action=_Renamed, new=_flag(new), dest=f"renamed_{old}",
                             default=argparse.SUPPRESS)  # fmt: skip
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=argparse.SUPPRESS,
-        help="YAML recipe with field values: a file, or the name of a shipped one (`metachunk recipes list`)",
-    )
+    flags = []
+    if dataclasses.fields(cls):  # a command with nothing to set (`models list`) takes no recipe
+        parser.add_argument(
+            "--config",
+            type=Path,
+            default=argparse.SUPPRESS,
+            help="YAML recipe with field values: a file, or the name of a shipped one (`metachunk recipes list`)",
+        )
+        flags.append("--config")
     kinds = _field_types(cls)
     flat = _flat_fields(cls)
-    flags = ["--config"]
     for f in dataclasses.fields(cls):
         if "prefix" in f.metadata:  # a flat block: its fields' flags, in place
             for name, (block_name, inner, kind) in flat.items():

@@ -459,7 +459,9 @@ def warm_up(model, tokens: int = 16) -> None:
 
 def load_sentence_embedder(name_or_dir: str = "minilm", device: str | None = None):
     from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # as `load_causal_lm_model`: no per-load weights bar beside our own
     device = check_device(device or default_device())
     return SentenceTransformer(str(resolve(name_or_dir)), device=device)
 

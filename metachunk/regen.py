@@ -724,7 +724,7 @@ class RunConfig:
         None,
         "run these stages even if cached (after a dependency upgrade that alters their output: the fingerprint "
         "covers metachunk's own code, not its dependencies'); the stages "
-        "after them rerun only if its bytes change",
+        "after them rerun only if their outputs' bytes change",
     )
 
 

@@ -253,7 +253,7 @@ def test_a_corpus_wide_setting_is_refused_by_a_chunker():
             make()
 
 
-def test_moc_and_lumber_take_the_settings_every_chunker_takes(tiny_model_dir):
+def test_moc_and_lumber_take_the_settings_every_chunker_takes(tiny_model_dir, tmp_path):
     """Every keyword had gone to MoC's or LumberChunker's own options: len_unit, batch_size or target_len
     raised TypeError. The repr shows the block that makes the chunker what it is."""
     model = str(tiny_model_dir)
@@ -261,7 +261,7 @@ def test_moc_and_lumber_take_the_settings_every_chunker_takes(tiny_model_dir):
     assert moc.config.len_unit == "char" and moc.config.batch_size == 2 and moc.config.moc.max_new_tokens == 8
     assert f"router={model!r}" in repr(moc)
     lumber = metachunk.LumberChunker({"model": "gpt-x", "base_url": "http://127.0.0.1:9/v1"}, target_len=100,
-                                     tokens=300, cache="answers.sqlite")  # fmt: skip
+                                     tokens=300, cache=str(tmp_path / "answers.sqlite"))  # fmt: skip
     assert lumber.config.target_len == 100 and lumber.config.lumber.tokens == 300
     assert "gpt-x" in repr(lumber)
     lumber.close()

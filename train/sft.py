@@ -60,8 +60,9 @@ class ModelDataArguments:
     attn_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "attention kernel: sdpa (the default), eager, flex_attention (GPU: no backward on CPU), "
-            "flash_attention_2 (GPU, flash-attn installed); packing / padding_free need one of these"
+            "help": "attention kernel: sdpa, eager, flex_attention (GPU: no backward on CPU), flash_attention_2 "
+            "(GPU, flash-attn installed); unset, transformers picks (sdpa where the model has it); packing / "
+            "padding_free need one of these"
         },
     )
     max_train_rows: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
