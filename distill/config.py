@@ -53,7 +53,12 @@ class MocDistillOptions:
 
 @dataclass
 class DistillConfig:
-    task: str = option(None, "which pipeline this recipe drives", choices=["rewrite", "summary", "moc"])
+    task: str = option(
+        None,
+        "which pipeline this recipe drives (set by `distill rewrite|summary|moc`; `distill status` needs it, "
+        "or a recipe that says it)",
+        choices=["rewrite", "summary", "moc"],
+    )
     chunks: Path = option(
         None, "chunks JSONL from `metachunk chunk` or `metachunk data sample` (not used by moc)"
     )

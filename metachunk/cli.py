@@ -232,6 +232,14 @@ def parse(argv: list[str]):
         )
         args._parser.error(said)
     command: Command = args._command
+    for (
+        key,
+        value,
+    ) in command.preset.items():  # before the config's own checks, which would judge the other task
+        given = getattr(args, key, None)
+        if given is not None and given != value:
+            raise InputError("command line", f"--{key} {given} contradicts '{command.name}': run "
+                             f"`metachunk {command.words[0]} {given}`")  # fmt: skip
     cfg = config.from_namespace(getattr(command.load(), command.config), args, defaults=command.preset)
     for key, value in command.preset.items():
         if getattr(cfg, key) != value:

@@ -321,3 +321,21 @@ def test_a_dry_run_and_a_status_make_no_answer_store(tmp_path, capsys):
     assert main(["distill", "status", "--config", str(job.recipe)]) == 0
     assert (sorted(p.name for p in job.out.rglob("*")) if job.out.exists() else None) == before
     assert not job.store_path.exists() and not Path(f"{job.store_path}.lock").exists()
+
+
+def test_a_task_flag_that_contradicts_the_verb_is_named_first(tmp_path, capsys):
+    """`distill rewrite --task moc` had been judged as a MoC run ("lacks a block for stage(s) moc_chunk")."""
+    from metachunk.cli import main
+
+    docs = tmp_path / "d.jsonl"
+    docs.write_text('{"id": "a", "text": "Hello."}\n')
+    capsys.readouterr()
+    assert (
+        main(["distill", "rewrite", "--task", "moc", "--documents", str(docs), "--out", str(tmp_path / "o")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert (
+        "--task moc contradicts 'distill rewrite': run `metachunk distill moc`" in err
+        and "Traceback" not in err
+    )
