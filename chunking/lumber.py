@@ -119,8 +119,9 @@ class LumberOptions:
     def check(self) -> None:
         """The options a ``--method lumber`` run can use, or a ValueError naming the flag: the one
         check, called by [`metachunk.chunking.pipeline.ChunkConfig`][metachunk.chunking.pipeline.ChunkConfig] for ``--method lumber`` and
-        by `LumberChunker`. (The teacher block itself is checked when it is read,
-        `resolve_teacher`.)"""
+        by `LumberChunker`, the teacher block too (`resolve_teacher`): before anything runs, so that
+        `metachunk run` refuses a bad block (a base_url with a password in it) before it writes the
+        stage's config into its state folder, and before the stages ahead of it run."""
         if self.tokens < 1:
             raise ValueError(f"--lumber-tokens must be >= 1, got {self.tokens}")
         if not (self.teachers or self.teacher_config):
@@ -129,6 +130,7 @@ class LumberOptions:
             )
         if self.retries < 0:
             raise ValueError(f"--lumber-retries must be >= 0, got {self.retries}")
+        resolve_teacher(self)
 
 
 def load_lumber_prompt(lang: str) -> Prompt:

@@ -774,3 +774,28 @@ def test_a_local_teacher_its_backend_cannot_serve_is_the_recipes_field(tmp_path,
     # "serves a preset or a .gguf file", or where llama-cpp-python is not installed, "needs ..."
     assert code == 2 and f"{path}: field 'local_teacher': the llama.cpp backend" in err, err
     assert "Traceback" not in err
+
+
+def test_a_bad_lumber_teacher_block_is_refused_before_any_stage_runs_or_is_written(tmp_path, capsys):
+    """LumberChunker's teacher block had been read only when its stage ran: the stages ahead of it ran
+    first, and a base_url with a password in it (which the teacher config refuses) was by then written
+    into the state folder's copy of the stage's config."""
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(json.dumps({"id": "0", "text": SENTENCES[0]}) + "\n")
+    teacher = {"model": "m", "base_url": "http://user:hunter2pass@127.0.0.1:9/v1"}
+    recipe = {"name": "lumber", "state": str(tmp_path / "state"), "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(tmp_path / "docs.jsonl")}},
+        {"name": "cut", "run": "chunk", "config": {"input": str(tmp_path / "docs.jsonl"), "output": str(tmp_path / "c.jsonl"),
+                                                   "method": "lumber", "lang": "en", "teachers": {"lumber": teacher}}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 2 and "Traceback" not in err and "hunter2pass" not in err, err
+    assert not (tmp_path / "docs.jsonl").exists()  # the stage ahead did not run
+    written = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file() and p != path and "hunter2pass" in p.read_text(errors="replace")
+    ]
+    assert written == []
