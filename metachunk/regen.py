@@ -286,10 +286,13 @@ class Fingerprint:
         return [p for p, d in self.inputs.items() if d is None]
 
 
-def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Digests) -> Fingerprint:
+def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Digests,
+                written: frozenset[str] = frozenset()) -> Fingerprint:  # fmt: skip
     """The stage's fingerprint, from what its command says it reads and writes (the contract,
     [`metachunk.command`][metachunk.command]): its config less runtime settings, the content hash of every path it
-    reads, the fingerprint of every model, the hash of every prompt and schema file, and its code."""
+    reads, the fingerprint of every model, the hash of every prompt and schema file, and its code.
+    A model under ``written`` (the real paths the recipe's stages write) that is not there yet is a
+    folder to come, not a Hub id (``runs/ckpt`` reads like ``ORG/NAME``)."""
     from metachunk import code_digest, models
     from metachunk.prompts import file_hashes
 
@@ -300,7 +303,9 @@ def fingerprint(stage: Stage, registry: Registry, config_path: Path, digests: Di
     for path in reads.paths:
         inputs[path] = digests.path(path)
     for name in reads.models:
-        if models.is_model(name):
+        if _under_any(name, written) and not os.path.exists(name):
+            inputs[name] = None  # an earlier stage's output, not written yet (or left empty)
+        elif models.is_model(name):
             model_prints[name] = models.fingerprint(name)
         else:
             inputs[name] = digests.path(name)
@@ -350,6 +355,7 @@ class Runner:
         self.digests = Digests(self.state.get("digests"))
         self.prompts: dict[str, str] = {}  # every prompt and schema file a stage of this run reads
         self.version = metachunk_version()
+        self.written: frozenset[str] = frozenset()  # what the stages write, as real paths (`check_stages`)
         self._teacher = None
         self._teacher_started = False
 
@@ -443,6 +449,7 @@ class Runner:
                     if written.setdefault(os.path.realpath(out), stage.name) != stage.name:
                         raise InputError(self.recipe.path, f"stages {written[os.path.realpath(out)]!r} and "
                                          f"{stage.name!r} both write {out}: give each its own output")  # fmt: skip
+                self.written = frozenset(written)
 
     def plan(self, out=None) -> list[dict]:
         """Which stages would run, and what the teacher stages would cost; runs nothing."""
@@ -525,7 +532,7 @@ class Runner:
         A bad value in it is the recipe's, and named there: the copy is the runner's."""
         path = self._write_stage_config(stage, suffix)
         try:
-            fp = fingerprint(stage, self.registry, path, self.digests)
+            fp = fingerprint(stage, self.registry, path, self.digests, self.written)
         except InputError as e:
             raise self._named_in_recipe(e, path, stage) from None
         self.prompts.update(fp.prompts)

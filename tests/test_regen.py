@@ -799,3 +799,27 @@ def test_a_bad_lumber_teacher_block_is_refused_before_any_stage_runs_or_is_writt
         if p.is_file() and p != path and "hunter2pass" in p.read_text(errors="replace")
     ]
     assert written == []
+
+
+def test_a_relative_folder_a_stage_writes_is_not_taken_for_a_hub_id(sft_dataset, tiny_model_dir, tmp_path, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    """``runs/ckpt`` reads like a Hub id (ORG/NAME): a training left empty never wrote it, and the export
+    reading it had stopped the run ("no folder runs/ckpt here, and as a Hub id ...")."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    empty_set = Path(shutil.copytree(sft_dataset, tmp_path / "empty_set"))
+    report = empty_set / "build_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "rows": {"train": 0, "validation": 0}}))
+    recipe_file = Path(__file__).resolve().parents[1] / "recipes" / "train" / "cpu_smoke.yaml"
+    train_cfg = {**yaml.safe_load(recipe_file.read_text()), "model_name_or_path": str(tiny_model_dir),
+                 "dataset_name": "empty_set", "output_dir": "runs/ckpt", "eval_strategy": "no", "report_to": "none"}  # fmt: skip
+    recipe = {"name": "relative", "state": "state", "stages": [
+        {"name": "train", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
+        {"name": "export", "run": "export", "config": {"checkpoint": "runs/ckpt", "out": "runs/export"}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 0, err
+    assert "export (export): skipped, nothing to do: runs/ckpt was left empty upstream" in err, err
