@@ -266,3 +266,13 @@ def test_a_metric_no_run_reports_is_named(tmp_path):
     dirs = _runs(tmp_path, [500.0, 520.0])
     with pytest.raises(InputError, match=r"--metrics: no run reports 'hits@5'; they report hits@8, mrr@8"):
         compare(CompareConfig(runs=dirs, out=tmp_path / "c.md", metrics=["hits@8", "hits@5"], plots=False))
+
+
+def test_the_summary_a_regeneration_manifest_publishes_holds_no_path(tmp_path, capsys):
+    from metachunk.eval.compare import run
+
+    dirs = _runs(tmp_path, [500.0, 520.0])
+    summary = run(
+        CompareConfig(runs=dirs, out=tmp_path / "cmp" / "report.md", labels=["fixed", "ppl"])
+    ).summary
+    assert summary["runs"] == 2 and summary["metrics"] > 0 and str(tmp_path) not in json.dumps(summary)
