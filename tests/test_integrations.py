@@ -131,3 +131,17 @@ def test_langchain_metadatas_must_match_the_texts(sentences):
     splitter = MetachunkTextSplitter(sentences, chunk_overlap=0)  # LangChain's own argument, ignored
     with pytest.raises(ValueError, match="metadatas: 1 for 2 texts"):
         splitter.create_documents([EN, ZH], [{"k": 0}])
+
+
+@pytest.mark.parametrize(
+    "module, framework, extra",
+    [("langchain_splitter", "langchain_text_splitters", "langchain"), ("llama_index_parser", "llama_index.core.node_parser", "llamaindex"),
+     ("chonkie_chunker", "chonkie", "chonkie")],
+)  # fmt: skip
+def test_an_adapter_without_its_framework_names_the_extra(monkeypatch, module, framework, extra):
+    import sys
+
+    monkeypatch.setitem(sys.modules, framework, None)  # as if not installed: importing it fails
+    monkeypatch.delitem(sys.modules, f"metachunk.integrations.{module}", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'metachunk\[{extra}\]'"):
+        importlib.import_module(f"metachunk.integrations.{module}")

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chonkie import BaseChunker
-from chonkie.types import Chunk as ChonkieChunk
+try:
+    from chonkie import BaseChunker
+    from chonkie.types import Chunk as ChonkieChunk
+except ModuleNotFoundError as e:  # the adapter's framework is an extra
+    raise ModuleNotFoundError(f"{e}: this adapter needs pip install 'metachunk[chonkie]'", name=e.name) from e
 
 
 class MetachunkChonkieChunker(BaseChunker):

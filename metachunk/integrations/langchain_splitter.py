@@ -18,8 +18,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from langchain_core.documents import Document
-from langchain_text_splitters import TextSplitter
+try:
+    from langchain_core.documents import Document
+    from langchain_text_splitters import TextSplitter
+except ModuleNotFoundError as e:  # the adapter's framework is an extra
+    raise ModuleNotFoundError(
+        f"{e}: this adapter needs pip install 'metachunk[langchain]'", name=e.name
+    ) from e
 
 
 class MetachunkTextSplitter(TextSplitter):

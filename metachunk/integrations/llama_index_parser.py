@@ -19,10 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
-from llama_index.core.node_parser import NodeParser
-from llama_index.core.node_parser.node_utils import build_nodes_from_splits
-from llama_index.core.schema import BaseNode, Document, MetadataMode, TextNode
+try:
+    from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
+    from llama_index.core.node_parser import NodeParser
+    from llama_index.core.node_parser.node_utils import build_nodes_from_splits
+    from llama_index.core.schema import BaseNode, Document, MetadataMode, TextNode
+except ModuleNotFoundError as e:  # the adapter's framework is an extra
+    raise ModuleNotFoundError(
+        f"{e}: this adapter needs pip install 'metachunk[llamaindex]'", name=e.name
+    ) from e
 
 
 class MetachunkNodeParser(NodeParser):
