@@ -91,10 +91,12 @@ def student_messages(
 ) -> list[dict]:
     """The student's prompt for one chunk of ``text``: [system, user] messages.
 
-    ``spans`` is where the context comes from (a distill record's ``context_spans``); none means
-    the whole document, as for records written before context spans existed.
+    ``spans`` is where the context comes from (a distill record's ``context_spans``); None means
+    the whole document, as for records written before context spans existed. An empty list is no
+    context: a one-chunk document's in ``related`` mode, as its teacher saw it (it had been given the
+    whole document in the SFT rows and at inference).
     """
-    context = context_from_spans(text, spans or [(0, len(text))], max_context_chars)
+    context = context_from_spans(text, [(0, len(text))] if spans is None else spans, max_context_chars)
     return load_student_prompt(task, lang).messages(context=context, chunk=chunk)
 
 

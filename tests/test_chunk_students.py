@@ -270,3 +270,21 @@ def test_a_student_batches_by_the_device_unless_told(student):
     assert Student("rewrite", str(student), device="cpu").batch_size == 8  # every CPU figure's plan
     assert Student("rewrite", str(student), device="cpu", batch_size=3).batch_size == 3
     assert GPU_STUDENT_ROWS == 64  # on a GPU (bench/rewrite_speed.py measures it against plain generate)
+
+
+def test_a_one_chunk_document_in_related_mode_gets_no_context_as_its_teacher_did():
+    """In related mode a chunk's context is its document's other chunks: a document of one chunk has none,
+    and its teacher was asked with an empty context. The SFT row and the chunker had given the student
+    the whole document instead (an empty span list read as "whole document", the legacy meaning)."""
+    from metachunk.chunking.students import chunk_context_spans, student_messages
+
+    text = "Emma was clever and rich."
+    import numpy as np
+
+    unit = lambda texts: np.ones((len(texts), 2)) / np.sqrt(2)  # noqa: E731
+    spans = chunk_context_spans(text, [(0, len(text))], ContextSpec(mode="related"), embed=unit)
+    assert spans == [()]
+    empty = student_messages("rewrite", "en", text, text, spans[0], 8000)
+    whole = student_messages("rewrite", "en", text, text, None, 8000)  # a record from before context spans
+    assert empty[1]["content"] != whole[1]["content"] and whole[1]["content"].count(text) == 2
+    assert empty[1]["content"].count(text) == 1
