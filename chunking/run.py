@@ -287,10 +287,10 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
                 output.settle()
             raise
     # the workers that ran: no more than the pending shards, and one where a length fit chunked in-process
-    started = 0 if not pending else 1 if worker is not None else min(cfg.workers, len(pending))
+    workers_ran = 0 if not pending else 1 if worker is not None else min(cfg.workers, len(pending))
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
-        "workers": started,
+        "workers": workers_ran,
         "workers_asked": cfg.workers,
         "threads_per_worker": cfg.threads_per_worker,
         "streams": cfg.streams,

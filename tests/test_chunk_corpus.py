@@ -693,6 +693,7 @@ def test_a_setting_the_method_does_not_read_does_not_refuse_a_resume(tmp_path, c
     rc, err = chunk(capsys, *args, "--workers", 4)
     assert rc == 0, err
     assert read_run_log(out)[-1]["workers"] == 1 and read_run_log(out)[-1]["workers_asked"] == 4
+    assert 0 < read_run_log(out)[-1]["seconds"] < 600  # its own timer (a worker count had stood in for it)
     rc, err = chunk(capsys, *args, "--model", tiny_model_dir, "--msp-prompt", "table7", "--moc-top-p", 0.5)
     assert rc == 0 and "resuming: 1 of 1 shards done" in err, err
     rc, err = chunk(capsys, *args[:-4], "--target-len", 81, "--len-unit", "char", "--shards", 1)
