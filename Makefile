@@ -68,7 +68,8 @@ docs: $(STAMP)
 # keeps. NODE_FREEZE (the node's `pip list --format=freeze`) leaves out what it has at a good version;
 # UNVERSIONED=keep trusts a package it names without a version (a bare package list) instead of
 # fetching it. What the node keeps at a version other than the closure's, or an unknown one, gets a
-# spare of up to SPARE_MAX_MB (0: none), which pip takes only where the node's does not do. DRY_RUN=1 (yes, true)
+# spare of up to SPARE_MAX_MB (0: none), which pip takes only where the node's does not do. DRY_RUN=1 (any
+# value but 0, no, false)
 # lists what would be fetched and why, and fetches nothing.
 WHEELHOUSE     ?= dist/wheelhouse
 PYTHON_VERSION ?= 3.12
@@ -82,7 +83,7 @@ DRY_RUN        ?=
 wheelhouse: $(STAMP)
 	$(PY) tools/wheelhouse.py --dest $(WHEELHOUSE) --python-version $(PYTHON_VERSION) --platform $(PLATFORM) \
 	  --extras $(EXTRAS) $(if $(NODE_FREEZE),--node-freeze $(NODE_FREEZE)) \
-	  --unversioned $(UNVERSIONED) --spare-max-mb $(SPARE_MAX_MB) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
+	  --unversioned $(UNVERSIONED) --spare-max-mb $(SPARE_MAX_MB) $(if $(filter-out 0 no false No False NO FALSE,$(DRY_RUN)),--dry-run)
 
 bench: $(STAMP)
 	$(PY) bench/ppl_speed.py --methods loop,engine,engine-bf16,loop-bf16,plain

@@ -237,7 +237,8 @@ class ChunkConfig:
         None, "write one PNG per document (score profile with boundaries) into this dir"
     )
     max_sentence_chars: int = option(
-        1500, "a sentence longer than this is split at whitespace (or hard) so nothing is dropped"
+        1500,
+        "a sentence longer than this is split at whitespace (or, with none, between graphemes) so nothing is dropped",
     )
     embedder: str = option(
         "minilm",

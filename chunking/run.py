@@ -261,6 +261,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
         print(f"{cfg.output}: resuming{who}: {len(done)} of {plan.shards} shards done, "
               f"{len(pending)} to chunk ({todo_docs} documents)", file=sys.stderr)  # fmt: skip
     worker = segmented = length_fit = None
+    workers_asked = cfg.workers
     if goal is not None and pending:
         cfg = replace(cfg, workers=1)
         worker = ShardWorker(cfg, index.documents, total_chars=index.chars, progress=progress)
@@ -291,7 +292,7 @@ def chunk_folder(cfg, goal: float | None, progress: bool = True, restart_if_chan
     run = {
         "engine": cfg.engine if world == 1 else f"torchrun ({world} ranks)",
         "workers": workers_ran,
-        "workers_asked": cfg.workers,
+        "workers_asked": workers_asked,
         "threads_per_worker": cfg.threads_per_worker,
         "streams": cfg.streams,
         "device": cfg.device,

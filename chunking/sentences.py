@@ -132,7 +132,8 @@ def split_sentences(text: str, lang: str = "auto", max_chars: int = 1500) -> lis
     No sentence is longer than ``max_chars`` characters, with one exception forced by the ban on
     whitespace-only sentences: a whitespace run is never cut, so a sentence may run past the
     limit with its trailing whitespace (and the first one with the document's leading
-    whitespace). In other words ``len(sentence_text.strip()) <= max_chars`` always holds.
+    whitespace), and a grapheme cluster is never cut, so one longer than the limit is a sentence of
+    its own. Otherwise ``len(sentence_text.strip()) <= max_chars`` holds.
     """
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {', '.join(LANGS)}; got {lang!r}")
@@ -324,5 +325,8 @@ def _cap(text: str, start: int, end: int, max_chars: int) -> list[Sentence]:
         else:  # no space to cut at: the last grapheme boundary at or before the limit (never inside an
             # emoji sequence or before a combining mark), or the first one after it for a longer grapheme
             cut = _grapheme_cut(text, first, limit)
+            if cut >= last_non_ws:  # one grapheme runs to the end: no piece may be empty or blank
+                pieces.append(Sentence(start, end))
+                return pieces
         pieces.append(Sentence(start, cut))
         start = first = cut

@@ -112,7 +112,7 @@ TASKS = {
 # `moc_features` in sft_rows.py).
 _MOC_METADATA = (
     "`doc_id`, `sample_index`, `start`, `end` (where the sample lies in its document), `label`, "
-    "`mean_chunk_chars` and `chunks` (the sample's chunks), `placeholder`"
+    "`mean_chunk_chars` and `chunks` (the mean length and number of the sample's chunks), `placeholder`"
 )
 METADATA = {
     None: "`doc_id`, `chunk_index`, `start`, `end` (where the chunk lies in its document)",

@@ -290,8 +290,13 @@ def _invoke(argv: list[str]) -> Result:
         print(redact(f"metachunk: error: {e.filename}: a file, where a folder is to be written ({e.strerror})"),
               file=sys.stderr)  # fmt: skip
         return Result(2)
-    except BrokenPipeError:  # `metachunk ... | head`: the reader has gone, and wants no more and no message
-        return Result(reader_gone())
+    except (
+        BrokenPipeError
+    ) as e:  # `metachunk ... | head`: the reader has gone, and wants no more and no message
+        if stdout_reader_gone():
+            return Result(SIGPIPE_STATUS)
+        print(redact(f"metachunk: error: {e.strerror or e}"), file=sys.stderr)  # another pipe's: said
+        return Result(1)
     except OSError as e:  # a full disk, no permission: one line in the system's words, with the path
         where = f"{e.filename}: " if e.filename else ""
         print(redact(f"metachunk: error: {where}{e.strerror or e}"), file=sys.stderr)
@@ -332,13 +337,21 @@ def registry() -> Registry:
     return Registry(COMMANDS, parse, invoke, config.computed)
 
 
-def reader_gone() -> int:
-    """The exit status when stdout's reader has gone (``| head``), stdout pointed at devnull so that the
-    interpreter's own flush at exit does not fail again, as Python advises
-    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    return 128 + 13  # as a process killed by SIGPIPE: the status a shell gives `yes | head`
+SIGPIPE_STATUS = 128 + 13  # as a process killed by SIGPIPE: the status a shell gives `yes | head`
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (``| head``): poll(2) reports POLLERR on the
+    write end then. A broken pipe of another kind (a socket, a child's) is an error to say."""
+    import io
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):  # no fd (a StringIO), no poll
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sys.stdout.flush()  # what is still buffered goes now, where a closed pipe can be told apart
     except BrokenPipeError:
-        return reader_gone()
+        status = SIGPIPE_STATUS
+    if status == SIGPIPE_STATUS and stdout_reader_gone():
+        # stdout pointed at devnull, so that the interpreter's own flush at exit does not fail again, as
+        # Python advises (https://docs.python.org/3/library/signal.html#note-on-sigpipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
 
 

@@ -110,6 +110,35 @@ def snapshot(text: str, repo_type: str = "model", token: str | None = None) -> P
         raise HubNotFound(f"{name}: the Hub answered {status}") from None
 
 
+def commit_of(text: str, repo_type: str = "dataset", token: str | None = None) -> str:
+    """The commit the Hub repo ``text`` names (`parse_hub_id`) resolves to, without downloading its
+    files: the Hub's repo info, or offline (or unreachable) the local cache's snapshot. A plan that
+    fingerprints an ``hf://`` corpus must not download it."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    parsed = parse_hub_id(text, repo_type)
+    if parsed is None:
+        raise HubNotFound(f"{text!r} is not a Hub id (ORG/NAME[@REVISION])")
+    kind, repo_id, revision = parsed
+    name = f"{kind} {repo_id}{'@' + revision if revision else ''}"
+    reached = None
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return HfApi(token=token or env_token()).repo_info(repo_id, repo_type=kind, revision=revision).sha
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else "?"
+            raise HubNotFound(f"{name}: the Hub answered {status}") from None
+        except Exception as e:  # noqa: BLE001 - unreachable (the client's own connection errors): the cache
+            reached = e
+    try:
+        folder = snapshot_download(repo_id, repo_type=kind, revision=revision, local_files_only=True)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        why = "HF_HUB_OFFLINE=1 is set" if reached is None else f"the Hub could not be reached ({reached})"
+        raise HubNotFound(f"{name} is not in the local Hub cache, and {why}") from None
+    return Path(folder).name
+
+
 class HubRequestError(OSError):
     """The Hub refused a request, or could not be reached: one line naming the repo and what the
     Hub said (the CLI prints it and exits 1)."""

@@ -234,10 +234,14 @@ class Digests:
     def path(self, path: str | Path) -> str | None:
         """A file's sha256, or a folder's (its files by relative path, less hidden files, locks,
         answer stores and run logs), or an ``hf://datasets/...`` dataset's commit; None if absent."""
-        if str(path).startswith("hf:/"):  # a Hub dataset (a Path has folded hf:// to hf:/): its commit
-            from metachunk.sources import hub_dataset
+        if str(path).startswith("hf:/"):  # a Hub dataset (a Path has folded hf:// to hf:/): its commit,
+            from metachunk import hub  # asked of the Hub without downloading the files (a plan reads nothing)
 
-            return f"hf commit {hub_dataset(path).name}"  # the snapshot's folder is named by its commit
+            ref = "hf://" + str(path).split(":/", 1)[1].lstrip("/")
+            try:
+                return f"hf commit {hub.commit_of(ref, 'dataset')}"
+            except hub.HubNotFound as e:
+                raise InputError(str(path), str(e)) from None
         path = Path(path)
         if path.is_file():
             return self.file(path)
@@ -328,6 +332,13 @@ def _under_any(path: str, folders) -> bool:
     or lies inside one; compared by real path, so a relative, an absolute and a symlinked spelling agree."""
     path = os.path.realpath(path)
     return any(path == f or path.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
+
+
+def _meets(path: str, outputs) -> bool:
+    """Whether a stage reading ``path`` reads what ``outputs`` (real paths) write: ``path`` is one of them
+    or inside one, or one of them is written inside the folder ``path``."""
+    real = os.path.realpath(path).rstrip(os.sep) + os.sep
+    return _under_any(path, outputs) or any(out.startswith(real) for out in outputs)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -441,7 +452,7 @@ class Runner:
                 for read in self.registry.inputs(command, cfg).paths:
                     # an hf:// dataset is the Hub's to find (a Path field has made "hf://" "hf:/")
                     local = "://" not in str(read) and not str(read).startswith("hf:/")
-                    if local and not os.path.exists(read) and not _under_any(read, written):
+                    if local and not os.path.exists(read) and not _meets(read, written):
                         raise InputError(self.recipe.path, f"stage {stage.name!r} reads {read}, which is not there "
                                          "and no earlier stage writes it (a recipe that makes it runs first?)")  # fmt: skip
                 # two stages writing one output: the later would replace the earlier's, every run
@@ -479,7 +490,7 @@ class Runner:
                 continue
             # as `run` decides: cached unless it reads what a stage before it will write again (a stage
             # the plan could not fingerprint may write anything)
-            rewritten = unknown_upstream or any(_under_any(r, upstream_writes) for r in fp.reads)
+            rewritten = unknown_upstream or any(_meets(r, upstream_writes) for r in fp.reads)
             if self.cached(stage, fp) and not rewritten:
                 status = "cached"
             elif stage.name in self.rerun:

@@ -71,17 +71,40 @@ def json_in_text(text: str, openers: str = "{[", whole: bool = False) -> dict | 
     return None
 
 
-def shaped_like(data, schema: Schema) -> bool:
+def shaped_like(data, schema: Schema, text: str) -> bool:
     """Whether a repaired value has the schema's top-level shape: its type, and an object's required
-    keys. json-repair makes JSON of whatever brackets it finds, and an answer in a stage's other
-    format (MoC's chunks between dash lines) holds brackets as text: "see [2]" repairs to ``[2]``,
-    which must not stand for the answer. The fields inside are the stage's reader's to judge."""
+    keys; or, for an object that wraps one array (``{"chunks": [...]}``, ``{"items": [...]}``), that
+    array given bare, the prompts' older shape, when the answer (``text``) is that list. json-repair
+    makes JSON of whatever brackets it finds, and an answer in a stage's other format (MoC's chunks
+    between dash lines) holds brackets as text: "see [2]" repairs to ``[2]``, "in [Table 3]" to
+    ``["Table 3"]``, neither of which may stand for the answer. The fields inside are the stage's
+    reader's to judge."""
     kind = schema.data.get("type")
     if kind == "object":
-        return isinstance(data, dict) and all(key in data for key in schema.data.get("required", ()))
+        if isinstance(data, dict):
+            return all(key in data for key in schema.data.get("required", ()))
+        items = _wrapped_items(schema)
+        return (
+            isinstance(data, list)
+            and bool(data)
+            and items is not None
+            and _FENCE.sub("", text.strip()).startswith("[")
+            and all(isinstance(x, items) for x in data)
+        )
     if kind == "array":
         return isinstance(data, list) and bool(data)
     return isinstance(data, (dict, list)) and bool(data)
+
+
+def _wrapped_items(schema: Schema) -> type | None:
+    """The Python type of the items of the one array an object schema requires, or None."""
+    required = schema.data.get("required") or []
+    if len(required) != 1:
+        return None
+    prop = (schema.data.get("properties") or {}).get(required[0]) or {}
+    if prop.get("type") != "array":
+        return None
+    return {"string": str, "object": dict}.get((prop.get("items") or {}).get("type"))
 
 
 def read_answer(
@@ -101,7 +124,7 @@ def read_answer(
         import json_repair
 
         repaired = json_repair.loads(text)  # "" when it finds no JSON at all
-        if shaped_like(repaired, schema):
+        if shaped_like(repaired, schema, text):
             value = parse(json.dumps(repaired, ensure_ascii=False))
     if value is None:
         value = parse(text)

@@ -703,3 +703,23 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     proc.stdout.close()  # the reader goes before the first line
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_only_a_stdout_whose_reader_has_gone_counts_as_one(monkeypatch, tmp_path):
+    """A broken pipe of another kind (a socket's, a child's) is an error to say, not a quiet exit."""
+    import io
+    import os
+
+    from metachunk.cli import stdout_reader_gone
+
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # no file descriptor
+    assert stdout_reader_gone() is False
+    with open(tmp_path / "out.txt", "w") as f:
+        monkeypatch.setattr("sys.stdout", f)
+        assert stdout_reader_gone() is False
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as f:
+        monkeypatch.setattr("sys.stdout", f)
+        assert stdout_reader_gone() is False  # its reader is still there
+        os.close(read)
+        assert stdout_reader_gone() is True

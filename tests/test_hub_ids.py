@@ -197,6 +197,10 @@ def test_a_regeneration_stage_reads_a_hub_dataset_by_its_commit(hub, tmp_path, c
         assert main(["run", str(path), *extra]) == 0, capsys.readouterr().err
         return capsys.readouterr().err
 
+    capsys.readouterr()
+    before = len(hub.requests)
+    assert main(["run", str(path), "--plan"]) == 0  # the plan asks for the commit, and downloads no file
+    assert not [url for _, url, *_ in hub.requests[before:] if "/resolve/" in url]
     assert "== run: c: metachunk chunk" in run()
     assert "c (chunk): cached, skipped" in run()
     (corpus / "train-00000-of-00001.jsonl").write_text(

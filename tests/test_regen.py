@@ -823,3 +823,21 @@ def test_a_relative_folder_a_stage_writes_is_not_taken_for_a_hub_id(sft_dataset,
     code, _, err = run(capsys, path)
     assert code == 0, err
     assert "export (export): skipped, nothing to do: runs/ckpt was left empty upstream" in err, err
+
+
+def test_the_plan_runs_a_stage_that_reads_the_folder_a_rerun_stage_writes_into(tmp_path, capsys):
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
+    )
+    recipe = {"name": "folder", "state": str(tmp_path / "state"), "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(tmp_path / "data" / "docs.jsonl")}},
+        {"name": "cut", "run": "chunk", "config": {"input": str(tmp_path / "data"), "output": str(tmp_path / "cut"),
+                                                   "method": "fixed", "target_len": 80, "lang": "en"}},
+    ]}  # fmt: skip
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    code, _, err = run(capsys, path)
+    assert code == 0, err
+    code, out, _ = run(capsys, path, "--plan", "--rerun", "docs")
+    assert re.search(r"cut\s+chunk\s+runs", out), out

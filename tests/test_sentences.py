@@ -337,3 +337,14 @@ def test_a_long_run_without_spaces_is_cut_between_graphemes(text):
     boundaries = {m.end() for m in regex.finditer(r"\X", text)}
     assert all(p.end in boundaries for p in pieces), [p.end for p in pieces]
     assert all(p.end - p.start <= 1500 for p in pieces)
+
+
+@pytest.mark.parametrize(
+    "text", ["👨\u200d👩\u200d👧\u200d👦" * 3, "a" + "\u0301" * 10 + "   ", "x" * 3 + "e\u0301" * 4 + " "]
+)
+def test_a_grapheme_longer_than_the_limit_is_kept_whole_and_no_piece_is_blank(text):
+    from metachunk.chunking.sentences import split_sentences
+
+    pieces = split_sentences(text, "en", max_chars=5)
+    assert "".join(text[p.start : p.end] for p in pieces) == text
+    assert all(text[p.start : p.end].strip() for p in pieces), [(p.start, p.end) for p in pieces]

@@ -103,6 +103,9 @@ def test_an_answer_is_valid_repaired_or_unparseable():
         assert read(ANSWERS["@prose"], repair) == ("unparseable", None)
     assert read(ANSWERS["@cut"], repair=True) == ("repaired", [ITEM])  # json-repair closes it
     assert read(ANSWERS["@cut"], repair=False) == ("unparseable", None)  # asked for JSON: no repair
+    # the prompt's old shape, a bare list, with a raw newline in a string: still repaired
+    broken = json.dumps([ITEM]).replace("the heroine", "the heroine\nof Highbury", 1)
+    assert read(broken, repair=True)[0] == "repaired"
     assert read('{"items": []}', repair=False) == ("valid", [])
 
 

@@ -518,6 +518,14 @@ def test_a_recipes_lora_target_modules_line_names_modules_as_the_flag_does(tmp_p
     assert model_args.lora_target_modules == ["q_proj"]
     model_args, sft_args = parse_args([*base, "--lora_target_modules", "q_proj"], check_inputs=False)
     assert model_args.lora_target_modules == ["q_proj"]
+    # PEFT's shorthand and a pattern stay strings, in a recipe or as a flag (a one-item list would name no module)
+    from metachunk.train.sft import lora_targets
+
+    assert lora_targets("all-linear") == lora_targets(["all-linear"]) == "all-linear"
+    assert lora_targets([r".*\.(q|v)_proj"]) == r".*\.(q|v)_proj" and lora_targets(["q_proj", "v_proj"]) == [
+        "q_proj",
+        "v_proj",
+    ]
 
 
 def test_resume_from_a_named_folder_that_is_no_whole_checkpoint_is_refused(tmp_path):

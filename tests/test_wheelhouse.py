@@ -376,4 +376,5 @@ def test_make_wheelhouse_passes_its_variables():
     assert "--dry-run" not in real and "--node-freeze" not in real
     for no in ("DRY_RUN=0", "DRY_RUN=no", "DRY_RUN=false"):  # "no" had meant a dry run
         assert "--dry-run" not in recipe(no), no
-    assert "--dry-run" in recipe("DRY_RUN=yes")
+    for yes in ("DRY_RUN=yes", "DRY_RUN=TRUE", "DRY_RUN=on"):  # anything else is a dry run: it fails closed
+        assert "--dry-run" in recipe(yes), yes

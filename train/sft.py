@@ -357,6 +357,17 @@ def check_values(sft_args) -> None:
         )
 
 
+def lora_targets(value: str | list[str] | None) -> str | list[str] | None:
+    """PEFT's ``target_modules`` for a recipe value or flags. PEFT reads a string as one regular
+    expression over the whole module name (``all-linear``: its shorthand), a list as module names: a
+    recipe's ``lora_target_modules: q_proj`` means the module, as the flag does (``[q_proj]``), while
+    ``all-linear`` or a pattern stays a string in either form (TRL unwraps a one-item list the same way)."""
+    items = [value] if isinstance(value, str) else value
+    if items and len(items) == 1 and (items[0] == "all-linear" or set(items[0]) & set(".*+?[]()|^$\\")):
+        return items[0]
+    return items
+
+
 def check(model_args: ModelDataArguments, sft_args) -> None:
     """Fail before any model loads."""
     if model_args.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -391,10 +402,7 @@ def check(model_args: ModelDataArguments, sft_args) -> None:
         model_args.use_peft and not 0 <= model_args.lora_dropout < 1
     ):  # torch's Dropout refuses it after the load
         raise ValueError(f"field 'lora_dropout' must be in [0, 1), got {model_args.lora_dropout}")
-    if isinstance(model_args.lora_target_modules, str):  # a recipe's `lora_target_modules: q_proj`
-        # PEFT reads a string as one regular expression over the whole module name, a list as names: the
-        # flag (--lora_target_modules q_proj) gives a list, and the recipe line means the same
-        model_args.lora_target_modules = [model_args.lora_target_modules]
+    model_args.lora_target_modules = lora_targets(model_args.lora_target_modules)
     if model_args.max_train_rows is not None and model_args.max_train_rows < 1:
         raise ValueError(
             f"field 'max_train_rows' must be >= 1 (or unset: every row), got {model_args.max_train_rows}"
