@@ -125,6 +125,7 @@ def test_a_json_list_inside_a_chunk_is_text_not_the_answer():
         "Results are in Table [2] below.\n—\nThe committee met on Monday.",
         "The list {a, b} was read first.\n—\nThe committee met on Monday.",
         "结果见[2]。\n—\nThe committee met on Monday.",
+        "Results are in [Table 3] below.\n—\nThe committee met on Monday.",
     ],
 )
 def test_brackets_in_a_separator_answer_are_not_repaired_into_its_only_chunk(answer):
@@ -142,6 +143,8 @@ def test_brackets_in_a_separator_answer_are_not_repaired_into_its_only_chunk(ans
         ["A.", "B."],
         "repaired",
     )
+    # a bare list answer, slightly broken (a trailing comma), is still the chunk list, as before
+    assert read_answer('["A.", "B.",]', schema, answer_chunks, repair=True) == (["A.", "B."], "repaired")
 
 
 def test_a_fence_with_a_language_tag_is_not_part_of_the_first_chunk():
