@@ -133,10 +133,13 @@ class ShardPlan:
 # ---- the unit of work ---------------------------------------------------------------------------
 
 
-def _parquet_schema(emit_sentences: bool):
+def _parquet_schema(emit_sentences: bool, student_fields: tuple[str, ...] = ()):
+    """The shard's columns; ``student_fields`` (``rewritten``, ``summary``: what ``--rewrite`` and
+    ``--summarize`` add to each chunk) join the chunk struct. Left out, pyarrow dropped them unsaid."""
     import pyarrow as pa
 
-    chunk = pa.struct([("text", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
+    chunk = pa.struct([("text", pa.string()), ("start", pa.int64()), ("end", pa.int64()),
+                       *((name, pa.string()) for name in student_fields)])  # fmt: skip
     fields = [("schema_version", pa.int64()), ("id", pa.string()), ("method", pa.string()),
               ("chunks", pa.list_(chunk))]  # fmt: skip
     if emit_sentences:
@@ -249,7 +252,13 @@ def shard_bytes(worker: ShardWorker, cfg, source, index, plan, i, on_documents=N
         import pyarrow.parquet as pq
 
         buf = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(records, schema=_parquet_schema(cfg.emit_sentences)), buf)
+        from metachunk.chunking.students import FIELDS
+
+        students = tuple(FIELDS[task] for task, flag in (("rewrite", "rewrite"), ("summary", "summarize"))
+                         if getattr(cfg.students, flag))  # fmt: skip
+        pq.write_table(
+            pa.Table.from_pylist(records, schema=_parquet_schema(cfg.emit_sentences, students)), buf
+        )
         return buf.getvalue(), stats
     return "".join(jsonl_line(r) for r in records).encode("utf-8"), stats
 

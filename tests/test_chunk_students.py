@@ -130,6 +130,18 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
         assert all("rewritten" not in c for c in again["chunks"])
     assert set(read_run_log(alone)[-1]["workers_report"][0]["students"]) == {"summary"}
 
+    # A parquet folder keeps the students' fields too (pyarrow had dropped what its schema did not name).
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "pq"
+    rc, err = chunk(capsys, docs_file, "-o", folder, *BASELINE, "--rewrite", student, "--summarize", student,
+                    "--output-format", "parquet")  # fmt: skip
+    assert rc == 0, err
+    rows = [r for shard in sorted(folder.glob("train-*.parquet")) for r in pq.read_table(shard).to_pylist()]
+    assert [[(c["text"], c["rewritten"], c["summary"]) for c in r["chunks"]] for r in rows] == [
+        [(c["text"], c["rewritten"], c["summary"]) for c in r["chunks"]] for r in records
+    ]
+
 
 def test_a_blank_chunk_is_kept_and_not_sent_to_the_students(tmp_path, capsys, student):
     blank = " \n\t \n"
