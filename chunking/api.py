@@ -377,6 +377,7 @@ class TrainedStudent:
         """One output per chunk of ``text`` (its chunks, from any chunker), each written with the
         chunk's context in ``text``; a blank chunk gets ``""``."""
         text = check_text(text)
+        chunks = list(chunks)  # a generator read once, by the check below, had left no chunk to write
         for c in chunks:
             if text[c.start : c.end] != c.text:
                 raise ValueError(f"chunk [{c.start}, {c.end}) is not text[{c.start}:{c.end}]")

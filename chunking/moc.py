@@ -206,13 +206,21 @@ def stand_in_models(router: str, experts: Sequence[str], stand_in: str | None) -
     granularity (the lower on a tie), the router, or every expert when none was trained,
     ``stand_in``. ``stand_ins`` maps each replaced role to its stand-in. Without ``stand_in`` nothing
     is replaced (a missing model is then the usual error)."""
-    from metachunk.models import PRESETS
+    from metachunk.models import PRESETS, ModelNotFoundError, resolve
 
     if stand_in is None:
         return router, tuple(experts), {}
 
-    def present(name: str) -> bool:
-        return name in PRESETS or any(Path(name).glob("*.safetensors"))
+    def present(name: str) -> bool:  # found as loading finds it: `~/m/e0`, a Hub id, a preset
+        if name in PRESETS:
+            return True
+        local = Path(name).expanduser()
+        if local.exists():  # a folder a training left without weights is one to stand in for
+            return any(local.glob("*.safetensors"))
+        try:  # a Hub id
+            return any(resolve(name).glob("*.safetensors"))
+        except ModelNotFoundError:
+            return False
 
     trained = [k for k, e in enumerate(experts) if present(e)]
     out, stand_ins = list(experts), {}
@@ -489,6 +497,13 @@ class MocChunker:
         for name in ("top_k", "min_p", "typical_p"):
             if hasattr(config, name):
                 setattr(config, name, None)
+        # Neutral penalties: an export keeps its base model's generation_config (a Qwen2.5-Instruct one has
+        # repetition_penalty 1.1), which would penalise the placeholder and ", " that every rule repeats, and
+        # the manifest records temperature and top_p only.
+        for name, neutral in (("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0),
+                              ("encoder_repetition_penalty", 1.0), ("encoder_no_repeat_ngram_size", 0)):  # fmt: skip
+            if getattr(config, name, None) is not None:
+                setattr(config, name, neutral)
         config.max_new_tokens = self.opts.max_new_tokens
         config.num_beams = 1
         if config.pad_token_id is None:

@@ -217,6 +217,7 @@ def test_the_students_write_what_chunk_rewrite_and_summarize_write(tmp_path, tin
                      "--lang", "en", "--rewrite", student, "--summarize", student,
                      "--rewrite-max-new-tokens", 12, "--summary-max-new-tokens", 12)[0]  # fmt: skip
     assert [c["rewritten"] for c in cli] == rewritten and [c["summary"] for c in cli] == summaries
+    assert rewriter(EN, (c for c in chunks)) == rewritten  # a generator of chunks, read once
     with pytest.raises(ValueError, match="is not text"):
         rewriter(EN, [metachunk.Chunk("nope", 0, 4)])
 

@@ -136,6 +136,43 @@ def test_stand_ins_fill_the_roles_without_a_trained_model(tmp_path):
     assert stand_in_models("r", experts, None) == ("r", tuple(experts), {})
 
 
+def test_a_trained_model_named_from_home_is_no_stand_ins_business(tmp_path, monkeypatch, tiny_model_dir):
+    """``--experts ~/m/e0,~/m/e1``: bash leaves the ``~`` after a comma as it is, and loading expands it,
+    but the check for trained models had not, and put the stand-in in every role."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_model_dir, tmp_path / "m" / "e0")
+    router, out, stand_ins = stand_in_models("~/m/e0", ["~/m/e0"] * 4, "smollm2")
+    assert router == "~/m/e0" and out == ("~/m/e0",) * 4 and stand_ins == {}
+
+
+def test_experts_decode_without_the_base_models_penalties(tiny_model_dir, tmp_path, monkeypatch):
+    """An export keeps its base model's generation_config; a repetition penalty there would penalise the
+    placeholder and ", " every rule repeats, and the manifest records temperature and top_p only."""
+    import shutil
+
+    from metachunk.chunking import moc
+    from metachunk.chunking.api import MoCChunker
+
+    model = tmp_path / "expert"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 1.3,
+                                                              "no_repeat_ngram_size": 3}))  # fmt: skip
+    seen = []
+    real = moc.generate_batched
+
+    def spy(model_, tokenizer, ids, generation_config, *args, **kwargs):
+        seen.append(generation_config)
+        return real(model_, tokenizer, ids, generation_config, *args, **kwargs)
+
+    monkeypatch.setattr(moc, "generate_batched", spy)
+    chunker = MoCChunker(str(model), [str(model)] * 4, lang="en", max_new_tokens=8, retries=0)
+    chunker("Emma was clever. She was rich. Her home was Hartfield. She had few troubles.")
+    assert seen and all(c.repetition_penalty == 1.0 and c.no_repeat_ngram_size == 0 for c in seen)
+
+
 # ------------------------------------------------------------------------------------- router
 
 
