@@ -51,7 +51,7 @@ from metachunk.chunking.moc import (
     load_moc_prompt,
     router_messages,
 )
-from metachunk.chunking.students import load_student_prompt, student_messages
+from metachunk.chunking.students import load_student_prompt, student_messages, window_span
 from metachunk.distill.moc import STAGE as MOC_STAGE
 from metachunk.distill.moc import TASK as MOC_TASK
 from metachunk.distill.prompts import load_prompt
@@ -226,12 +226,29 @@ class TextRows(RowMaker):
         self.min_overlap = cfg.min_overlap
         self.cli_context = cfg.max_context_chars
         self.max_context = None
+        self.context_mode = "document"
 
     def features(self):
         return features()
 
     def start(self, meta: dict) -> None:
         self.max_context = self.cli_context or meta.get("config", {}).get("max_context_chars") or 8000
+        self.context_mode = meta.get("config", {}).get("context") or "document"
+
+    def context_spans(self, record: dict, text: str):
+        """The record's context spans, as the chunker finds them at ``max_context`` characters: in
+        document mode a window narrower than the distill run's is centred on the chunk again
+        (`window_span`), as ``chunk --student-context-chars`` centres it, where cutting the distill
+        run's window from its left edge gave prompts inference never sends, some without the chunk."""
+        spans = record.get("context_spans")
+        if (
+            self.context_mode == "document"
+            and spans
+            and len(spans) == 1
+            and spans[0][1] - spans[0][0] > self.max_context
+        ):
+            return [window_span(len(text), record["start"], record["end"], self.max_context)]
+        return spans
 
     def read(self, record: dict) -> TextRecord:
         # Every field a row is made of, checked here, where the line is known: a wrong type surfaced as
@@ -301,7 +318,7 @@ class TextRows(RowMaker):
                 rec.lang,
                 text,
                 rec.chunk,
-                record.get("context_spans"),
+                self.context_spans(record, text),
                 self.max_context,
             ),
             "chunk_index": record.get("chunk_index", -1),

@@ -300,3 +300,27 @@ def test_a_one_chunk_document_in_related_mode_gets_no_context_as_its_teacher_did
     whole = student_messages("rewrite", "en", text, text, None, 8000)  # a record from before context spans
     assert empty[1]["content"] != whole[1]["content"] and whole[1]["content"].count(text) == 2
     assert empty[1]["content"].count(text) == 1
+
+
+def test_a_narrower_build_sft_context_is_centred_on_the_chunk_as_the_chunker_centres_it(tmp_path):
+    """build-sft --max-context-chars under the distill run's: the rows had cut the distill window from its
+    left edge, prompts inference never sends (with the chunk outside the context, here); the window is
+    centred on the chunk again, as `chunk --student-context-chars` centres it."""
+    from metachunk.chunking.students import chunk_prompts, window_span
+    from metachunk.distill.sft import BuildSftConfig
+    from metachunk.distill.sft_rows import ROW_MAKERS
+
+    text = " ".join(f"Sentence number {k} is here." for k in range(1000))  # about 27K characters
+    start = text.index("Sentence number 900 ")
+    end = start + len("Sentence number 900 is here.")
+    record = {"start": start, "end": end, "context_spans": [list(window_span(len(text), start, end, 8000))]}
+    maker = ROW_MAKERS["rewrite"](BuildSftConfig(task="rewrite", distilled=tmp_path / "r.jsonl", out=tmp_path / "o",
+                                                 max_context_chars=4000))  # fmt: skip
+    maker.start({"config": {"max_context_chars": 8000, "context": "document"}})
+    spans = maker.context_spans(record, text)
+    assert spans == [window_span(len(text), start, end, 4000)]
+    from metachunk.chunking.students import student_messages
+
+    row = student_messages("rewrite", "en", text, text[start:end], spans, 4000)
+    (student_prompt,) = chunk_prompts("rewrite", "en", text, [(start, end)], ContextSpec(max_chars=4000))
+    assert row == student_prompt and text[start:end] in row[1]["content"].split("Text chunk:")[0]
