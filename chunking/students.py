@@ -220,7 +220,7 @@ class Student:
             self.generation.pad_token_id = tok.pad_token_id
         self.stop_ids = stop_token_ids(self.generation, tok)
         self.fixed_max_new_tokens = max_new_tokens or (SUMMARY_MAX_NEW_TOKENS if task == "summary" else None)
-        self.new_tokens = self.prompts_done = 0
+        self.new_tokens = self.prompts_done = self.cut_at_budget = 0
         self.seconds = 0.0
 
     def max_new_tokens(self, chunk: str) -> int:
@@ -251,8 +251,11 @@ class Student:
                                stop_ids=self.stop_ids, budgets=budgets, on_batch=on_batch)  # fmt: skip
         self.new_tokens += sum(g.new_tokens for g in out)
         self.prompts_done += len(out)
+        self.cut_at_budget += sum(1 for g in out if not g.stopped and g.text)  # ended by max_new_tokens
         self.seconds += time.perf_counter() - started
-        return [g.text for g in out]
+        # an answer cut inside a character decodes to U+FFFD at its end: not text the student wrote (an
+        # answer of nothing else is kept as it is: the run log counts it among those cut at the budget)
+        return [g.text if g.stopped else g.text.rstrip("\ufffd").rstrip() or g.text for g in out]
 
     def generation_settings(self) -> dict:
         settings = {k: v for k, v in self.generation.to_diff_dict().items() if k != "transformers_version"}
@@ -405,6 +408,7 @@ class ChunkStudents:
                 "dtype": str(s.model.dtype).removeprefix("torch."),
                 "chunks": s.prompts_done,
                 "new_tokens": s.new_tokens,
+                "cut_at_budget": s.cut_at_budget,  # answers max_new_tokens ended, not the model
                 "seconds": round(s.seconds, 2),
                 "load_seconds": round(s.load_seconds, 2),
             }

@@ -98,6 +98,8 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
             assert c["text"] == text[c["start"] : c["end"]]
             assert isinstance(c["rewritten"], str) and c["rewritten"]
             assert isinstance(c["summary"], str) and c["summary"]
+            for written in (c["rewritten"], c["summary"]):  # a character cut in half at the end is not kept
+                assert not written.endswith("\ufffd") or set(written) == {"\ufffd"}
     assert len(records[0]["chunks"]) > 2 and records[2]["chunks"] == []
 
     meta = json.loads(out.with_suffix(".meta.json").read_text(encoding="utf-8"))
@@ -115,7 +117,9 @@ def test_rewrite_and_summarize_add_fields_and_keep_offsets(tmp_path, capsys, stu
         # The model's generation_config is respected (suppress_tokens) but decoding is greedy.
         assert gen["do_sample"] is False and gen["forced_greedy"] is True and gen["num_beams"] == 1
         assert "temperature" not in gen and "top_k" not in gen and gen["suppress_tokens"]
-        assert 0 < run["new_tokens"]
+        assert (
+            0 < run["new_tokens"] and 0 <= run["cut_at_budget"] <= run["chunks"]
+        )  # said, where a budget ended one
     assert students["summary"]["generation"]["max_new_tokens"] == 256
     assert students["summary"]["new_tokens"] <= 256 * n_chunks
     assert "1.5" in students["rewrite"]["generation"]["max_new_tokens"]
