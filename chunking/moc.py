@@ -532,6 +532,14 @@ class MocChunker:
             by_label.setdefault(w.label, []).append(w)
         for label, group in sorted(by_label.items()):
             lm = self.lm(self.expert_paths[label])
+            placeholder = self.opts.placeholder
+            if placeholder in lm.tokenizer.all_special_tokens:  # decoding skips special tokens: every rule
+                from metachunk.artifacts import InputError  # would come back without it, none recoverable
+
+                raise InputError(
+                    self.expert_paths[label], f"--moc-placeholder {placeholder} is a special token of expert "
+                    f"{label}'s tokenizer, which decoding drops; pick another placeholder"
+                )  # fmt: skip
             pending = group
             for attempt in range(self.opts.retries + 1):
                 if not pending:

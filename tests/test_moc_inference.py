@@ -587,3 +587,23 @@ def test_label_tokens_are_single_tokens(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = label_token_ids(tok)
     assert [tok.decode([i]) for i in ids] == list(ROUTER_LABELS)
+
+
+def test_a_placeholder_that_is_a_special_token_of_the_expert_is_refused(tiny_model_dir, tmp_path):
+    """Gemma's tokenizer has <pad> as a special token, and decoding skips special tokens: every rule came
+    back without its placeholder, so no answer was ever recoverable."""
+    import shutil
+
+    from metachunk.chunking.api import MoCChunker
+    from transformers import AutoTokenizer
+
+    from metachunk.artifacts import InputError
+
+    model = tmp_path / "expert"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<pad>"]})
+    tokenizer.save_pretrained(model)
+    chunker = MoCChunker(str(model), [str(model)] * 4, lang="en", placeholder="<pad>", max_new_tokens=8)
+    with pytest.raises(InputError, match="--moc-placeholder <pad> is a special token of expert"):
+        chunker("Emma was clever. She was rich. Her home was Hartfield. She had few troubles.")
