@@ -82,6 +82,20 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def paragraphs(tmp_path: Path, n: int = 3) -> Path:
+    """``paragraphs.jsonl``: the first ``n`` Emma sentences, one row each (``data passages``' input)."""
+    rows = tmp_path / "paragraphs.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:n]))
+    )
+    return rows
+
+
+def recipe_file(tmp_path: Path, recipe: dict) -> Path:
+    path = recipe_file(tmp_path, recipe)
+    return path
+
+
 def sft_bytes(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((root / "sft" / "data").glob("*.parquet"))}
 
@@ -300,8 +314,7 @@ def test_an_empty_stage_skips_what_needs_its_output_unless_that_stage_copes(sft_
                     "moc": {"router": tiny, "experts": ",".join([tiny, str(tmp_path / "expert-1"), tiny, tiny]),
                             "stand_in": tiny, "max_new_tokens": 8, "retries": 0, "window_chars": 300}}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, out, err = run(capsys, path)
     assert code == 0, err
     assert "nothing to train" in err and "export_expert_1 (export): skipped, nothing to do" in err
@@ -386,18 +399,14 @@ def test_a_stage_is_fingerprinted_by_the_prompt_files_its_command_reads(tmp_path
 def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     """`--rerun STAGE`: after a code change the fingerprint cannot see. The stage after it reads
     its output, which reran to the same bytes, so that one stays cached."""
-    rows = tmp_path / "paragraphs.jsonl"
-    rows.write_text(
-        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
-    )
+    rows = paragraphs(tmp_path)
     docs = tmp_path / "docs.jsonl"
     recipe = {"name": "rerun", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
         {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
                                                      "method": "fixed", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, _, err = run(capsys, path, "--rerun", "docs")
@@ -455,8 +464,7 @@ def test_a_cached_stage_sweeps_what_a_killed_run_left_beside_its_outputs(tmp_pat
         {"name": "folder", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "sharded"),
                                                       "method": "fixed", "target_len": 40, "lang": "en"}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     assert run(capsys, path)[0] == 0
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -507,8 +515,7 @@ def test_every_stage_is_checked_before_the_first_runs(tmp_path, capsys, monkeypa
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": "docs.jsonl"}},
         {"name": "chunk", "run": "chunk", "config": {**chunk, **last}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     for plan in ([], ["--plan"]):
         code, _, err = run(capsys, path, *plan)
         assert code == 2 and f"regen.yaml: {said}" in err and "Traceback" not in err, err
@@ -528,8 +535,7 @@ def test_a_file_an_earlier_stage_writes_is_found_however_it_is_spelled(tmp_path,
         {"name": "a", "run": "chunk", "config": {**chunk, "input": str(tmp_path / "docs.jsonl"), "output": "a.jsonl"}},
         {"name": "b", "run": "chunk", "config": {**chunk, "input": "link/docs.jsonl", "output": "b.jsonl"}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0 and (tmp_path / "b.jsonl").exists(), err
 
@@ -557,8 +563,7 @@ def test_two_stages_writing_one_output_are_refused(tmp_path, capsys):
         {"name": "a", "run": "chunk", "config": {**chunk, "target_len": 40}},
         {"name": "b", "run": "chunk", "config": {**chunk, "target_len": 80}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 2 and "stages 'a' and 'b' both write" in err and "Traceback" not in err, err
 
@@ -575,8 +580,7 @@ def test_the_local_teacher_answers_eval_qa_generator_blocks_too(tmp_path):
               "stages": [{"name": "qa", "run": "eval qa", "local_teacher": True,
                           "config": {"chunks": "c.jsonl", "qa": "q.jsonl", "out": "o",
                                      "generator_teacher": {"model": "anything", "base_url": "http://x/v1"}}}]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     loaded = load_recipe(path)
     from metachunk.cli import registry
 
@@ -657,8 +661,7 @@ def test_a_stage_whose_input_is_left_empty_is_skipped_whatever_an_earlier_run_ma
         {"name": "train", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
         {"name": "export", "run": "export", "config": {"checkpoint": str(tmp_path / "ckpt"), "out": str(tmp_path / "export")}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0 and (tmp_path / "export" / "config.json").is_file(), err
     report = dataset / "build_report.json"
@@ -700,10 +703,7 @@ def test_a_teacher_stage_that_left_requests_unanswered_runs_again_on_the_next_ru
 def test_the_plan_runs_what_reads_a_rerun_stage_and_keeps_the_rest_cached(tmp_path, capsys):
     """Once one stage ran, the plan had said every later one runs, and priced its teacher calls: a stage
     that reads none of the outputs to be rewritten stays cached, as the run then has it."""
-    rows = tmp_path / "paragraphs.jsonl"
-    rows.write_text(
-        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
-    )
+    rows = paragraphs(tmp_path)
     docs = tmp_path / "docs.jsonl"
     recipe = {"name": "plan", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
@@ -712,8 +712,7 @@ def test_the_plan_runs_what_reads_a_rerun_stage_and_keeps_the_rest_cached(tmp_pa
         {"name": "apart", "run": "chunk", "config": {"input": str(rows), "output": str(tmp_path / "apart.jsonl"),
                                                      "method": "sentence", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, out, _ = run(capsys, path, "--plan", "--rerun", "docs")
@@ -729,15 +728,11 @@ def test_a_second_run_on_one_state_folder_is_refused_and_a_plan_beside_it_saves_
     had read at its start, erasing a stage the run had finished since."""
     from filelock import FileLock
 
-    rows = tmp_path / "paragraphs.jsonl"
-    rows.write_text(
-        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
-    )
+    rows = paragraphs(tmp_path)
     recipe = {"name": "locked", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(tmp_path / "docs.jsonl")}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     state = (tmp_path / "state" / "state.json").read_bytes()
@@ -768,8 +763,7 @@ def test_a_local_teacher_its_backend_cannot_serve_is_the_recipes_field(tmp_path,
               "stages": [{"name": "summary", "run": "distill summary", "local_teacher": True,
                           "config": {"chunks": str(chunks), "documents": str(docs), "out": str(tmp_path / "d"),
                                      "teachers": {s: teacher for s in ("summary_global", "summary_local", "summary_fuse")}}}]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     # "serves a preset or a .gguf file", or where llama-cpp-python is not installed, "needs ..."
     assert code == 2 and f"{path}: field 'local_teacher': the llama.cpp backend" in err, err
@@ -788,8 +782,7 @@ def test_a_bad_lumber_teacher_block_is_refused_before_any_stage_runs_or_is_writt
         {"name": "cut", "run": "chunk", "config": {"input": str(tmp_path / "docs.jsonl"), "output": str(tmp_path / "c.jsonl"),
                                                    "method": "lumber", "lang": "en", "teachers": {"lumber": teacher}}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 2 and "Traceback" not in err and "hunter2pass" not in err, err
     assert not (tmp_path / "docs.jsonl").exists()  # the stage ahead did not run
@@ -818,25 +811,20 @@ def test_a_relative_folder_a_stage_writes_is_not_taken_for_a_hub_id(sft_dataset,
         {"name": "train", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
         {"name": "export", "run": "export", "config": {"checkpoint": "runs/ckpt", "out": "runs/export"}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     assert "export (export): skipped, nothing to do: runs/ckpt was left empty upstream" in err, err
 
 
 def test_the_plan_runs_a_stage_that_reads_the_folder_a_rerun_stage_writes_into(tmp_path, capsys):
-    rows = tmp_path / "paragraphs.jsonl"
-    rows.write_text(
-        "".join(json.dumps({"id": str(k), "text": t}) + "\n" for k, t in enumerate(SENTENCES[:3]))
-    )
+    rows = paragraphs(tmp_path)
     recipe = {"name": "folder", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(tmp_path / "data" / "docs.jsonl")}},
         {"name": "cut", "run": "chunk", "config": {"input": str(tmp_path / "data"), "output": str(tmp_path / "cut"),
                                                    "method": "fixed", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
-    path = tmp_path / "regen.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    path = recipe_file(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, out, _ = run(capsys, path, "--plan", "--rerun", "docs")
