@@ -91,8 +91,10 @@ def paragraphs(tmp_path: Path, n: int = 3) -> Path:
     return rows
 
 
-def recipe_file(tmp_path: Path, recipe: dict) -> Path:
-    path = recipe_file(tmp_path, recipe)
+def write_regen(tmp_path: Path, recipe: dict) -> Path:
+    """``regen.yaml`` in ``tmp_path``, holding ``recipe``."""
+    path = tmp_path / "regen.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
@@ -314,7 +316,7 @@ def test_an_empty_stage_skips_what_needs_its_output_unless_that_stage_copes(sft_
                     "moc": {"router": tiny, "experts": ",".join([tiny, str(tmp_path / "expert-1"), tiny, tiny]),
                             "stand_in": tiny, "max_new_tokens": 8, "retries": 0, "window_chars": 300}}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, out, err = run(capsys, path)
     assert code == 0, err
     assert "nothing to train" in err and "export_expert_1 (export): skipped, nothing to do" in err
@@ -406,7 +408,7 @@ def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
         {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
                                                      "method": "fixed", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, _, err = run(capsys, path, "--rerun", "docs")
@@ -464,7 +466,7 @@ def test_a_cached_stage_sweeps_what_a_killed_run_left_beside_its_outputs(tmp_pat
         {"name": "folder", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "sharded"),
                                                       "method": "fixed", "target_len": 40, "lang": "en"}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     assert run(capsys, path)[0] == 0
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -515,7 +517,7 @@ def test_every_stage_is_checked_before_the_first_runs(tmp_path, capsys, monkeypa
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": "docs.jsonl"}},
         {"name": "chunk", "run": "chunk", "config": {**chunk, **last}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     for plan in ([], ["--plan"]):
         code, _, err = run(capsys, path, *plan)
         assert code == 2 and f"regen.yaml: {said}" in err and "Traceback" not in err, err
@@ -535,7 +537,7 @@ def test_a_file_an_earlier_stage_writes_is_found_however_it_is_spelled(tmp_path,
         {"name": "a", "run": "chunk", "config": {**chunk, "input": str(tmp_path / "docs.jsonl"), "output": "a.jsonl"}},
         {"name": "b", "run": "chunk", "config": {**chunk, "input": "link/docs.jsonl", "output": "b.jsonl"}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0 and (tmp_path / "b.jsonl").exists(), err
 
@@ -563,7 +565,7 @@ def test_two_stages_writing_one_output_are_refused(tmp_path, capsys):
         {"name": "a", "run": "chunk", "config": {**chunk, "target_len": 40}},
         {"name": "b", "run": "chunk", "config": {**chunk, "target_len": 80}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 2 and "stages 'a' and 'b' both write" in err and "Traceback" not in err, err
 
@@ -580,7 +582,7 @@ def test_the_local_teacher_answers_eval_qa_generator_blocks_too(tmp_path):
               "stages": [{"name": "qa", "run": "eval qa", "local_teacher": True,
                           "config": {"chunks": "c.jsonl", "qa": "q.jsonl", "out": "o",
                                      "generator_teacher": {"model": "anything", "base_url": "http://x/v1"}}}]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     loaded = load_recipe(path)
     from metachunk.cli import registry
 
@@ -661,7 +663,7 @@ def test_a_stage_whose_input_is_left_empty_is_skipped_whatever_an_earlier_run_ma
         {"name": "train", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
         {"name": "export", "run": "export", "config": {"checkpoint": str(tmp_path / "ckpt"), "out": str(tmp_path / "export")}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0 and (tmp_path / "export" / "config.json").is_file(), err
     report = dataset / "build_report.json"
@@ -712,7 +714,7 @@ def test_the_plan_runs_what_reads_a_rerun_stage_and_keeps_the_rest_cached(tmp_pa
         {"name": "apart", "run": "chunk", "config": {"input": str(rows), "output": str(tmp_path / "apart.jsonl"),
                                                      "method": "sentence", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, out, _ = run(capsys, path, "--plan", "--rerun", "docs")
@@ -732,7 +734,7 @@ def test_a_second_run_on_one_state_folder_is_refused_and_a_plan_beside_it_saves_
     recipe = {"name": "locked", "state": str(tmp_path / "state"), "stages": [
         {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(tmp_path / "docs.jsonl")}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     state = (tmp_path / "state" / "state.json").read_bytes()
@@ -763,7 +765,7 @@ def test_a_local_teacher_its_backend_cannot_serve_is_the_recipes_field(tmp_path,
               "stages": [{"name": "summary", "run": "distill summary", "local_teacher": True,
                           "config": {"chunks": str(chunks), "documents": str(docs), "out": str(tmp_path / "d"),
                                      "teachers": {s: teacher for s in ("summary_global", "summary_local", "summary_fuse")}}}]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     # "serves a preset or a .gguf file", or where llama-cpp-python is not installed, "needs ..."
     assert code == 2 and f"{path}: field 'local_teacher': the llama.cpp backend" in err, err
@@ -782,7 +784,7 @@ def test_a_bad_lumber_teacher_block_is_refused_before_any_stage_runs_or_is_writt
         {"name": "cut", "run": "chunk", "config": {"input": str(tmp_path / "docs.jsonl"), "output": str(tmp_path / "c.jsonl"),
                                                    "method": "lumber", "lang": "en", "teachers": {"lumber": teacher}}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 2 and "Traceback" not in err and "hunter2pass" not in err, err
     assert not (tmp_path / "docs.jsonl").exists()  # the stage ahead did not run
@@ -811,7 +813,7 @@ def test_a_relative_folder_a_stage_writes_is_not_taken_for_a_hub_id(sft_dataset,
         {"name": "train", "run": "train", "allow_exit": [0, 5], "config": train_cfg},
         {"name": "export", "run": "export", "config": {"checkpoint": "runs/ckpt", "out": "runs/export"}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     assert "export (export): skipped, nothing to do: runs/ckpt was left empty upstream" in err, err
@@ -824,7 +826,7 @@ def test_the_plan_runs_a_stage_that_reads_the_folder_a_rerun_stage_writes_into(t
         {"name": "cut", "run": "chunk", "config": {"input": str(tmp_path / "data"), "output": str(tmp_path / "cut"),
                                                    "method": "fixed", "target_len": 80, "lang": "en"}},
     ]}  # fmt: skip
-    path = recipe_file(tmp_path, recipe)
+    path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, out, _ = run(capsys, path, "--plan", "--rerun", "docs")
