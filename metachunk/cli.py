@@ -290,9 +290,7 @@ def _invoke(argv: list[str]) -> Result:
         print(redact(f"metachunk: error: {e.filename}: a file, where a folder is to be written ({e.strerror})"),
               file=sys.stderr)  # fmt: skip
         return Result(2)
-    except (
-        BrokenPipeError
-    ) as e:  # `metachunk ... | head`: the reader has gone, and wants no more and no message
+    except BrokenPipeError as e:  # `metachunk ... | head`: the reader has gone, and wants no more
         if stdout_reader_gone():
             return Result(SIGPIPE_STATUS)
         print(redact(f"metachunk: error: {e.strerror or e}"), file=sys.stderr)  # another pipe's: said
