@@ -91,6 +91,8 @@ class TextChunker:
     """
 
     method: ClassVar[str]
+    # A config field's name -> the argument that sets it here, where the two differ (`as_arguments`)
+    argument_names: ClassVar[dict[str, str]] = {}
 
     def __init__(self, **settings):
         if settings.get("device") is not None and not isinstance(settings["device"], str):
@@ -101,7 +103,7 @@ class TextChunker:
                 f"{corpus_wide[0]} fits target_len to a whole corpus, which `metachunk chunk` reads; a chunker "
                 "takes target_len (the fitted one is in that run's manifest)"
             )
-        with as_arguments():
+        with as_arguments(self.argument_names):
             self.config = ChunkConfig(method=self.method, **settings)
         self._chunker = Chunker(self.config, progress=False)
 
@@ -286,6 +288,8 @@ class MoCChunker(TextChunker):
     """
 
     method = "moc"
+    # MoC's own options are arguments without the CLI's prefix: `placeholder`, not `moc_placeholder`
+    argument_names = {f"moc_{f.name}": f.name for f in dataclasses.fields(MocOptions)}
 
     def __init__(self, router: str, experts: Sequence[str] | str, *, lang: str = "auto", target_len: int | None = None,
                  dtype: str = "auto", device: str | None = None, **options):  # fmt: skip

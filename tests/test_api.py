@@ -125,6 +125,17 @@ def test_blank_texts_are_lossless_and_a_lone_surrogate_is_a_value_error():
             ValueError,
             "threshold is a percentile for method semantic",
         ),
+        # MoC's options by their argument names, not the CLI's prefixed ones (moc_placeholder)
+        (
+            lambda: metachunk.MoCChunker("r", ["e"] * 4, placeholder="<gap>"),
+            ValueError,
+            "field 'placeholder' must be one of",
+        ),
+        (
+            lambda: metachunk.MoCChunker("r", ["e"] * 4, window_chars=10),
+            ValueError,
+            "window_chars must be >= 64",
+        ),
     ],
 )
 def test_bad_settings_are_refused_when_the_chunker_is_made_naming_the_argument(make, error, message):
