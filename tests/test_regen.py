@@ -98,6 +98,16 @@ def write_regen(tmp_path: Path, recipe: dict) -> Path:
     return path
 
 
+def docs_then_fixed(tmp_path: Path) -> dict:
+    """A two-stage recipe: ``docs`` (data passages of the Emma paragraphs), then ``fixed`` chunking of them."""
+    rows, docs = paragraphs(tmp_path), tmp_path / "docs.jsonl"
+    return {"name": "two", "state": str(tmp_path / "state"), "stages": [
+        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
+        {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
+                                                     "method": "fixed", "target_len": 80, "lang": "en"}},
+    ]}  # fmt: skip
+
+
 def sft_bytes(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((root / "sft" / "data").glob("*.parquet"))}
 
@@ -401,14 +411,7 @@ def test_a_stage_is_fingerprinted_by_the_prompt_files_its_command_reads(tmp_path
 def test_rerun_runs_the_named_stages_even_when_cached(tmp_path, capsys):
     """`--rerun STAGE`: after a code change the fingerprint cannot see. The stage after it reads
     its output, which reran to the same bytes, so that one stays cached."""
-    rows = paragraphs(tmp_path)
-    docs = tmp_path / "docs.jsonl"
-    recipe = {"name": "rerun", "state": str(tmp_path / "state"), "stages": [
-        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
-        {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
-                                                     "method": "fixed", "target_len": 80, "lang": "en"}},
-    ]}  # fmt: skip
-    path = write_regen(tmp_path, recipe)
+    path = write_regen(tmp_path, docs_then_fixed(tmp_path))
     code, _, err = run(capsys, path)
     assert code == 0, err
     code, _, err = run(capsys, path, "--rerun", "docs")
@@ -705,15 +708,10 @@ def test_a_teacher_stage_that_left_requests_unanswered_runs_again_on_the_next_ru
 def test_the_plan_runs_what_reads_a_rerun_stage_and_keeps_the_rest_cached(tmp_path, capsys):
     """Once one stage ran, the plan had said every later one runs, and priced its teacher calls: a stage
     that reads none of the outputs to be rewritten stays cached, as the run then has it."""
-    rows = paragraphs(tmp_path)
-    docs = tmp_path / "docs.jsonl"
-    recipe = {"name": "plan", "state": str(tmp_path / "state"), "stages": [
-        {"name": "docs", "run": "data passages", "config": {"input": str(rows), "out": str(docs)}},
-        {"name": "fixed", "run": "chunk", "config": {"input": str(docs), "output": str(tmp_path / "fixed"),
-                                                     "method": "fixed", "target_len": 80, "lang": "en"}},
-        {"name": "apart", "run": "chunk", "config": {"input": str(rows), "output": str(tmp_path / "apart.jsonl"),
-                                                     "method": "sentence", "target_len": 80, "lang": "en"}},
-    ]}  # fmt: skip
+    recipe = docs_then_fixed(tmp_path)
+    recipe["stages"].append({"name": "apart", "run": "chunk", "config": {
+        "input": str(tmp_path / "paragraphs.jsonl"), "output": str(tmp_path / "apart.jsonl"), "method": "sentence",
+        "target_len": 80, "lang": "en"}})  # fmt: skip
     path = write_regen(tmp_path, recipe)
     code, _, err = run(capsys, path)
     assert code == 0, err
